@@ -1,0 +1,83 @@
+from django.shortcuts import get_object_or_404
+from drf_spectacular.utils import OpenApiParameter, extend_schema
+from rest_framework import generics, status
+from rest_framework.request import Request
+from rest_framework.response import Response
+from rest_framework.views import APIView
+
+from execution.selectors import exec_job_wait, exec_jobs_for, tool_calls_for
+from execution.serializers import (
+    ExecCreateSerializer,
+    ExecJobSerializer,
+    ExecListQuerySerializer,
+    ToolCallListQuerySerializer,
+    ToolCallSerializer,
+)
+from execution.services import exec_job_cancel, exec_job_create
+
+
+class ExecListCreateApi(generics.ListAPIView):
+    serializer_class = ExecJobSerializer
+
+    def get_queryset(self):  # type: ignore[no-untyped-def]
+        query = ExecListQuerySerializer(data=self.request.query_params)
+        query.is_valid(raise_exception=True)
+        jobs = exec_jobs_for(user=self.request.user)
+        if "status" in query.validated_data:
+            jobs = jobs.filter(status=query.validated_data["status"])
+        return jobs
+
+    @extend_schema(parameters=[ExecListQuerySerializer], responses=ExecJobSerializer(many=True))
+    def get(self, request: Request) -> Response:
+        return super().get(request)
+
+    @extend_schema(request=ExecCreateSerializer, responses={201: ExecJobSerializer})
+    def post(self, request: Request) -> Response:
+        body = ExecCreateSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        data = body.validated_data
+        job = exec_job_create(
+            user=request.user,
+            code=data["code"],
+            toolsets=data.get("toolsets"),
+            timeout=data.get("timeout"),
+            title=data["title"],
+        )
+        exec_job_wait(job=job, seconds=data["wait"])
+        job = exec_jobs_for(user=request.user).get(pk=job.pk)
+        return Response(
+            ExecJobSerializer(job).data,
+            status=status.HTTP_201_CREATED,
+            headers={"Location": f"/api/v1/exec/{job.pk}"},
+        )
+
+
+class ExecDetailApi(APIView):
+    @extend_schema(responses=ExecJobSerializer)
+    def get(self, request: Request, job_id: str) -> Response:
+        job = get_object_or_404(exec_jobs_for(user=request.user), pk=job_id)
+        return Response(ExecJobSerializer(job).data)
+
+
+class ExecCancelApi(APIView):
+    @extend_schema(request=None, responses=ExecJobSerializer)
+    def post(self, request: Request, job_id: str) -> Response:
+        job = get_object_or_404(exec_jobs_for(user=request.user), pk=job_id)
+        exec_job_cancel(job=job)
+        return Response(ExecJobSerializer(exec_jobs_for(user=request.user).get(pk=job.pk)).data)
+
+
+class ToolCallListApi(generics.ListAPIView):
+    serializer_class = ToolCallSerializer
+
+    def get_queryset(self):  # type: ignore[no-untyped-def]
+        query = ToolCallListQuerySerializer(data=self.request.query_params)
+        query.is_valid(raise_exception=True)
+        calls = tool_calls_for(user=self.request.user)
+        if "exec" in query.validated_data:
+            calls = calls.filter(exec_job_id=query.validated_data["exec"])
+        return calls
+
+    @extend_schema(parameters=[OpenApiParameter("exec", str, description="An exec job's id.")])
+    def get(self, request: Request) -> Response:
+        return super().get(request)

@@ -1,0 +1,6 @@
+from django.apps import AppConfig
+
+
+class ExecutionConfig(AppConfig):
+    name = "execution"
+    verbose_name = "Execution"

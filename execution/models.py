@@ -1,0 +1,107 @@
+import uuid
+
+from django.conf import settings
+from django.db import models
+
+
+def new_exec_call_id() -> str:
+    return f"exec_{uuid.uuid4().hex}"
+
+
+class ExecJob(models.Model):
+    class Status(models.TextChoices):
+        QUEUED = "queued"
+        RUNNING = "running"
+        COMPLETED = "completed"
+        FAILED = "failed"
+        TIMEOUT = "timeout"
+        CANCELLED = "cancelled"
+
+    FINISHED = (Status.COMPLETED, Status.FAILED, Status.TIMEOUT, Status.CANCELLED)
+
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    call_id = models.CharField(max_length=64, unique=True, default=new_exec_call_id, editable=False)
+    user = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="exec_jobs")
+    status = models.CharField(max_length=16, choices=Status.choices, default=Status.QUEUED, db_index=True)
+    title = models.CharField(max_length=500, blank=True)
+    code = models.TextField()
+    toolsets = models.JSONField(default=list)
+    sdk_hash = models.CharField(max_length=64, blank=True)
+    timeout_seconds = models.FloatField()
+    # The limits this job runs under, fixed when it is created.
+    limits = models.JSONField(default=dict)
+    stdout = models.TextField(blank=True)
+    stderr = models.TextField(blank=True)
+    stdout_truncated = models.BooleanField(default=False)
+    stderr_truncated = models.BooleanField(default=False)
+    return_value = models.JSONField(null=True, blank=True)
+    error = models.JSONField(null=True, blank=True)
+    # Timings of each phase, in milliseconds: queue wait, sandbox start, run, and so on.
+    timings = models.JSONField(default=dict, blank=True)
+    worker = models.CharField(max_length=200, blank=True)
+    heartbeat_at = models.DateTimeField(null=True, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True, db_index=True)
+    started_at = models.DateTimeField(null=True, blank=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-created_at"]
+        indexes = [models.Index(fields=["user", "-created_at"]), models.Index(fields=["status", "heartbeat_at"])]
+
+    def __str__(self) -> str:
+        return self.call_id
+
+    @property
+    def success(self) -> bool | None:
+        if self.status not in self.FINISHED:
+            return None
+        return self.status == self.Status.COMPLETED
+
+    @property
+    def execution_time_seconds(self) -> float | None:
+        if self.started_at is None or self.finished_at is None:
+            return None
+        return round((self.finished_at - self.started_at).total_seconds(), 4)
+
+
+class ToolCall(models.Model):
+    class Type(models.TextChoices):
+        PTC = "ptc"
+        STANDALONE = "standalone"
+
+    class Status(models.TextChoices):
+        EXECUTING = "executing"
+        COMPLETED = "completed"
+        FAILED = "failed"
+
+    call_id = models.CharField(max_length=80, unique=True)
+    type = models.CharField(max_length=16, choices=Type.choices)
+    exec_job = models.ForeignKey(ExecJob, null=True, blank=True, on_delete=models.CASCADE, related_name="tool_calls")
+    ptc_call_id = models.CharField(max_length=64, blank=True, db_index=True)
+    user = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="tool_calls")
+    toolset_key = models.CharField(max_length=64)
+    tool_name = models.CharField(max_length=128)
+    # Null when the call named a toolset or tool that does not exist; kept if the tool is removed.
+    tool = models.ForeignKey("tools.Tool", null=True, blank=True, on_delete=models.SET_NULL, related_name="calls")
+    input = models.JSONField(default=dict)
+    output = models.JSONField(null=True, blank=True)
+    error = models.JSONField(null=True, blank=True)
+    status = models.CharField(max_length=16, choices=Status.choices, default=Status.EXECUTING, db_index=True)
+    credits = models.PositiveIntegerField(default=0)
+    # Set by the tools task that took the call; a redelivered task finds it set and does not run again.
+    claimed_at = models.DateTimeField(null=True, blank=True)
+    started_at = models.DateTimeField()
+    finished_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["started_at", "id"]
+        indexes = [models.Index(fields=["exec_job", "started_at"]), models.Index(fields=["user", "-started_at"])]
+
+    def __str__(self) -> str:
+        return self.call_id
+
+    @property
+    def duration_ms(self) -> float | None:
+        if self.finished_at is None:
+            return None
+        return round((self.finished_at - self.started_at).total_seconds() * 1000, 2)

@@ -1,0 +1,121 @@
+"""The sandbox's main program. Runs under the sandbox's own interpreter, standard library only.
+
+    python3 -I -S -B guest.py BRIDGE_FD SDK_DIR
+
+It sets its own resource limits before any user code runs (it has no capabilities, so the code
+can never raise them again), takes the job from the first bridge frame, runs it, and sends one
+``done`` frame with the value of the last expression or the error.
+"""
+
+import ast
+import builtins
+import errno
+import json
+import os
+import resource
+import signal
+import sys
+import traceback
+from typing import Any
+
+CODE_NAME = "<exec_code>"
+
+
+def _set_limits(limits: dict[str, int]) -> None:
+    pairs = {
+        resource.RLIMIT_AS: limits["memory_bytes"],
+        resource.RLIMIT_NPROC: limits["max_processes"],
+        resource.RLIMIT_FSIZE: limits["max_file_bytes"],
+        resource.RLIMIT_NOFILE: limits["max_open_files"],
+        resource.RLIMIT_CORE: 0,
+    }
+    for which, value in pairs.items():
+        resource.setrlimit(which, (value, value))
+    cpu = limits["cpu_seconds"]
+    # Soft limit first: SIGXCPU ends the process, and the worker reports it as a CPU limit.
+    resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
+    # An over-size write raises EFBIG instead of killing the process with SIGXFSZ.
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+
+
+def _jsonable(value: Any) -> Any:
+    try:
+        json.dumps(value, allow_nan=False)
+        return value
+    except (TypeError, ValueError, RecursionError):
+        return repr(value)
+
+
+def _error(exc: BaseException, limits: dict[str, int]) -> dict[str, Any]:
+    from ptc_tools import ToolError
+
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if f.filename == CODE_NAME]
+    trace = "Traceback (most recent call last):\n" + "".join(traceback.format_list(frames))
+    trace += "".join(traceback.format_exception_only(type(exc), exc))
+    kind, message = type(exc).__name__, str(exc)
+    if isinstance(exc, MemoryError):
+        kind, message = "ResourceLimit", f"memory limit of {limits['memory_bytes'] // (1 << 20)} MiB reached"
+    elif isinstance(exc, OSError) and exc.errno == errno.EFBIG:
+        kind, message = "ResourceLimit", f"file size limit of {limits['max_file_bytes']} bytes reached"
+    elif isinstance(exc, BlockingIOError) and exc.errno == errno.EAGAIN and "fork" in trace:
+        kind, message = "ResourceLimit", f"process limit of {limits['max_processes']} reached"
+    error: dict[str, Any] = {"type": kind, "message": message, "traceback": trace}
+    if isinstance(exc, ToolError):
+        error.update(tool=exc.tool, call_id=exc.call_id, code=exc.code)
+    return error
+
+
+def _compile(source: str) -> tuple[Any, bool]:
+    """Compile ``source``, binding its last expression to ``__ptc_result__``.
+
+    Return the code object and whether the last statement was an expression.
+    """
+    tree = ast.parse(source, CODE_NAME, "exec")
+    has_value = bool(tree.body) and isinstance(tree.body[-1], ast.Expr)
+    if has_value:
+        last = tree.body[-1]
+        assign = ast.Assign(targets=[ast.Name("__ptc_result__", ast.Store())], value=last.value)
+        tree.body[-1] = ast.copy_location(assign, last)
+        ast.fix_missing_locations(tree)
+    return compile(tree, CODE_NAME, "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT, dont_inherit=True), has_value
+
+
+def main() -> None:
+    bridge_fd, sdk_dir = int(sys.argv[1]), sys.argv[2]
+    sys.path.insert(0, sdk_dir)
+    from ptc_tools import _runtime
+
+    job = _runtime.connect(bridge_fd)
+    limits = job["limits"]
+    _set_limits(limits)
+    namespace: dict[str, Any] = {"__name__": "__main__", "__builtins__": builtins}
+    result: dict[str, Any] = {"op": "done", "return_value": None, "error": None}
+    try:
+        code, has_value = _compile(job["code"])
+        value = eval(code, namespace)
+        if value is not None:  # top-level await: the module compiled to a coroutine
+            import asyncio
+
+            asyncio.run(value)
+        if has_value:
+            result["return_value"] = _jsonable(namespace.get("__ptc_result__"))
+    except SystemExit as exc:
+        if exc.code not in (None, 0):
+            result["error"] = {"type": "SystemExit", "message": f"exit status {exc.code}", "traceback": ""}
+    except BaseException as exc:  # everything the code raises is the job's error, reported whole
+        result["error"] = _error(exc, limits)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # a closed or broken stream must not hide the result
+            pass
+    try:
+        _runtime.send(result)
+    except Exception:  # noqa: BLE001 - the worker reports a missing result as SandboxCrashed
+        os._exit(70)
+    # Daemon threads or stray user threads must not keep the sandbox alive after the result.
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

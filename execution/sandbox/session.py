@@ -1,0 +1,296 @@
+"""One job's life in its sandbox: the worker side of the bridge.
+
+A single thread multiplexes the sandbox's bridge socket, its stdout and stderr pipes, and the
+job's channel (tool results pushed by tools workers, and cancel), with ``selectors``. Nothing on
+this path polls: every wake-up is a frame, a chunk of output, a pushed message or a deadline.
+"""
+
+import logging
+import selectors
+import signal
+import socket
+import subprocess
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from execution.sandbox import process
+from execution.sandbox.limits import Limits
+from execution.sandbox.output import CappedOutput
+from tools.sdk_runtime.protocol import FrameDecoder, FrameError, encode
+
+logger = logging.getLogger("ptc.sandbox")
+# A call whose result has not been pushed by then is looked up in the database, the source of truth.
+CALL_GRACE_SECONDS = 30.0
+
+
+@dataclass
+class Outcome:
+    status: str  # completed | failed | timeout | cancelled
+    return_value: Any = None
+    error: dict[str, Any] | None = None
+    stdout: str = ""
+    stderr: str = ""
+    stdout_truncated: bool = False
+    stderr_truncated: bool = False
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Dispatched:
+    call_id: str
+    timeout: float
+
+
+@dataclass(frozen=True)
+class Refused:
+    call_id: str
+    error: dict[str, str]
+
+
+class CallRouter(Protocol):
+    """What the session needs from the rest of the system to run a tool call."""
+
+    def submit(self, *, toolset: str, tool: str, arguments: Any) -> Dispatched | Refused: ...
+
+    def overdue(self, *, call_id: str) -> dict[str, Any]:
+        """Return the reply for a call whose result never arrived (from its record, or a failure)."""
+        ...
+
+
+class Subscription(Protocol):
+    def fileno(self) -> int: ...
+
+    def drain(self) -> list[dict[str, Any]]: ...
+
+
+@dataclass
+class _InFlight:
+    request_id: int
+    deadline: float
+
+
+class Session:
+    def __init__(
+        self,
+        *,
+        code: str,
+        limits: Limits,
+        sdk_dir: Path,
+        router: CallRouter,
+        channel: Subscription,
+        heartbeat: Callable[[], None],
+        heartbeat_every: float,
+        max_frame: int,
+    ) -> None:
+        self.code = code
+        self.limits = limits
+        self.sdk_dir = sdk_dir
+        self.router = router
+        self.channel = channel
+        self.heartbeat = heartbeat
+        self.heartbeat_every = heartbeat_every
+        self.decoder = FrameDecoder(max_frame)
+        self.stdout = CappedOutput(limits.max_output_bytes)
+        self.stderr = CappedOutput(limits.max_output_bytes)
+        self.outbox = bytearray()
+        self.in_flight: dict[str, _InFlight] = {}
+        self.waiting: deque[dict[str, Any]] = deque()
+        self.calls = 0
+        self.result: dict[str, Any] | None = None
+        self.ended: Outcome | None = None  # set when the worker ends the job (timeout, cancel, limit)
+
+    # -- the loop --------------------------------------------------------------------------------
+    def run(self) -> Outcome:
+        started = time.monotonic()
+        ours, theirs = socket.socketpair()
+        try:
+            proc = process.spawn(limits=self.limits, sdk_dir=self.sdk_dir, bridge_fd=theirs.fileno())
+        finally:
+            theirs.close()
+        spawned = time.monotonic()
+        try:
+            self._loop(proc, ours, deadline=spawned + self.limits.timeout)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            returncode = proc.wait()
+            ours.close()
+            for pipe in (proc.stdout, proc.stderr):
+                if pipe:
+                    pipe.close()
+        outcome = self.ended or self._outcome(returncode)
+        outcome.stdout, outcome.stdout_truncated = self.stdout.text(), self.stdout.truncated
+        outcome.stderr, outcome.stderr_truncated = self.stderr.text(), self.stderr.truncated
+        finished = time.monotonic()
+        outcome.timings = {
+            "spawn_ms": round((spawned - started) * 1000, 2),
+            "run_ms": round((finished - spawned) * 1000, 2),
+            "tool_calls": self.calls,
+        }
+        return outcome
+
+    def _loop(self, proc: subprocess.Popen[bytes], sock: socket.socket, *, deadline: float) -> None:
+        sock.setblocking(False)
+        self.outbox += encode({"op": "start", "code": self.code, "limits": self.limits.guest()})
+        sel = selectors.DefaultSelector()
+        assert proc.stdout is not None and proc.stderr is not None
+        sel.register(sock, selectors.EVENT_READ | selectors.EVENT_WRITE, "bridge")
+        sel.register(proc.stdout, selectors.EVENT_READ, "stdout")
+        sel.register(proc.stderr, selectors.EVENT_READ, "stderr")
+        sel.register(self.channel.fileno(), selectors.EVENT_READ, "channel")
+        open_streams = {"bridge", "stdout", "stderr"}
+        next_beat = time.monotonic() + self.heartbeat_every
+        try:
+            while open_streams and self.ended is None:
+                now = time.monotonic()
+                wake = min([deadline, next_beat] + [c.deadline for c in self.in_flight.values()])
+                for key, mask in sel.select(max(0.0, wake - now)):
+                    if key.data == "bridge":
+                        if mask & selectors.EVENT_WRITE and self.outbox:
+                            self._flush(sock)
+                        if mask & selectors.EVENT_READ and not self._read_bridge(sock):
+                            open_streams.discard("bridge")
+                            sel.unregister(sock)
+                            continue
+                    elif key.data in ("stdout", "stderr"):
+                        data = key.fileobj.read1(1 << 16)  # type: ignore[union-attr]
+                        if data:
+                            (self.stdout if key.data == "stdout" else self.stderr).feed(data)
+                        else:
+                            open_streams.discard(key.data)
+                            sel.unregister(key.fileobj)
+                    elif key.data == "channel":
+                        for message in self.channel.drain():
+                            self._on_channel(message)
+                    if self.ended is not None:
+                        break
+                if "bridge" in open_streams:
+                    events = selectors.EVENT_READ | (selectors.EVENT_WRITE if self.outbox else 0)
+                    sel.modify(sock, events, "bridge")
+                now = time.monotonic()
+                if now >= deadline and self.ended is None:
+                    self._end("timeout", "Timeout", f"the code ran past its {self.limits.timeout:g} s timeout")
+                if now >= next_beat:
+                    self.heartbeat()
+                    next_beat = now + self.heartbeat_every
+                for call_id, call in list(self.in_flight.items()):
+                    if now >= call.deadline and call_id in self.in_flight:
+                        self._reply(call_id, self.router.overdue(call_id=call_id))
+        finally:
+            sel.close()
+            if self.ended is not None:
+                # Killing bwrap tears down the sandbox's PID namespace: every descendant goes too.
+                proc.send_signal(signal.SIGKILL)
+
+    # -- the bridge ------------------------------------------------------------------------------
+    def _flush(self, sock: socket.socket) -> None:
+        try:
+            sent = sock.send(self.outbox)
+        except BlockingIOError:
+            return
+        except OSError:
+            self.outbox.clear()  # the sandbox is gone; its exit is reported when the pipes close
+            return
+        del self.outbox[:sent]
+
+    def _read_bridge(self, sock: socket.socket) -> bool:
+        """Read and handle frames. Return False when the sandbox closed its end."""
+        try:
+            data = sock.recv(1 << 16)
+        except BlockingIOError:
+            return True
+        except OSError:
+            return False
+        if not data:
+            return False
+        try:
+            messages = self.decoder.feed(data)
+        except FrameError as exc:
+            self._end("failed", "BridgeError", f"the sandbox sent a malformed bridge frame: {exc}")
+            return False
+        for message in messages:
+            self._on_frame(message)
+            if self.ended is not None:
+                return False
+        return True
+
+    def _on_frame(self, message: dict[str, Any]) -> None:
+        op = message.get("op")
+        if op == "call" and isinstance(message.get("id"), int):
+            self.calls += 1
+            if self.calls > self.limits.max_tool_calls:
+                self._end("failed", "ResourceLimit", f"tool-call limit of {self.limits.max_tool_calls} per job reached")
+            elif len(self.in_flight) >= self.limits.max_parallel_tool_calls:
+                self.waiting.append(message)  # waits for a free slot; it does not fail
+            else:
+                self._dispatch(message)
+        elif op == "done" and self.result is None:
+            self.result = message
+        else:
+            self._end("failed", "BridgeError", f"the sandbox sent an unknown bridge frame (op={op!r})")
+
+    def _dispatch(self, message: dict[str, Any]) -> None:
+        toolset, tool = message.get("toolset"), message.get("tool")
+        if not isinstance(toolset, str) or not isinstance(tool, str):
+            self._end("failed", "BridgeError", "the sandbox sent a call frame without toolset and tool names")
+            return
+        submitted = self.router.submit(toolset=toolset, tool=tool, arguments=message.get("args"))
+        request_id = message["id"]
+        if isinstance(submitted, Refused):
+            self._send({"id": request_id, "ok": False, "call_id": submitted.call_id, "error": submitted.error})
+            return
+        deadline = time.monotonic() + submitted.timeout + CALL_GRACE_SECONDS
+        self.in_flight[submitted.call_id] = _InFlight(request_id, deadline)
+
+    def _reply(self, call_id: str, reply: dict[str, Any]) -> None:
+        call = self.in_flight.pop(call_id, None)
+        if call is None:
+            return  # a late or repeated hand-off for a call already answered
+        self._send({"id": call.request_id, "call_id": call_id, **reply})
+        while self.waiting and len(self.in_flight) < self.limits.max_parallel_tool_calls and self.ended is None:
+            self._dispatch(self.waiting.popleft())
+
+    def _send(self, message: dict[str, Any]) -> None:
+        self.outbox += encode(message)
+
+    def _on_channel(self, message: dict[str, Any]) -> None:
+        kind = message.get("kind")
+        if kind == "result":
+            self._reply(str(message.get("call_id")), {k: message.get(k) for k in ("ok", "result", "error")})
+        elif kind == "cancel":
+            self._end("cancelled", "Cancelled", "the job was cancelled")
+
+    def _end(self, status: str, kind: str, message: str) -> None:
+        if self.ended is None:
+            self.ended = Outcome(status=status, error={"type": kind, "message": message, "traceback": ""})
+
+    # -- the result ------------------------------------------------------------------------------
+    def _outcome(self, returncode: int) -> Outcome:
+        if self.result is not None:
+            error = self.result.get("error")
+            return Outcome(
+                status="failed" if error else "completed",
+                return_value=self.result.get("return_value"),
+                error=error,
+            )
+        if returncode < 0 or returncode > 128:
+            signum = -returncode if returncode < 0 else returncode - 128
+            if signum == signal.SIGXCPU:
+                kind, text = "ResourceLimit", f"CPU time limit of {self.limits.cpu_seconds} s reached"
+            else:
+                kind, text = "SandboxCrashed", f"the sandbox was killed by signal {_signal_name(signum)}"
+        else:
+            kind = "SandboxCrashed"
+            text = f"the code exited with status {returncode} before finishing (os._exit, or a crash)"
+        return Outcome(status="failed", error={"type": kind, "message": text, "traceback": ""})
+
+
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return str(signum)

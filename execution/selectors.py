@@ -1,0 +1,40 @@
+from django.contrib.auth.models import AbstractBaseUser
+from django.db.models import Prefetch, QuerySet
+
+from execution.models import ExecJob, ToolCall
+
+
+def exec_jobs_for(*, user: AbstractBaseUser) -> QuerySet[ExecJob]:
+    """Return the jobs ``user`` may see: their own, or all of them for staff."""
+    jobs = ExecJob.objects.all()
+    if not user.is_staff:
+        jobs = jobs.filter(user=user)
+    return jobs.prefetch_related(Prefetch("tool_calls", queryset=ToolCall.objects.order_by("started_at", "id")))
+
+
+def tool_calls_for(*, user: AbstractBaseUser) -> QuerySet[ToolCall]:
+    """Return the tool calls ``user`` may see, in start order."""
+    calls = ToolCall.objects.all()
+    if not user.is_staff:
+        calls = calls.filter(user=user)
+    return calls.order_by("started_at", "id")
+
+
+def exec_job_wait(*, job: ExecJob, seconds: float) -> None:
+    """Block until ``job`` has finished or ``seconds`` pass. Woken by the job's end, never polled."""
+    import time
+
+    from execution import channels
+
+    if seconds <= 0:
+        return
+    deadline = time.monotonic() + seconds
+    with channels.subscribe(channels.job_channel(job.call_id)) as channel:
+        # Subscribed first, then checked: an end published in between is not missed.
+        while not ExecJob.objects.filter(pk=job.pk, status__in=ExecJob.FINISHED).exists():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return
+            messages = channel.wait(remaining)
+            if any(m.get("kind") == "end" for m in messages):
+                return

@@ -1,0 +1,362 @@
+"""Writes for exec jobs and tool calls: create, run, cancel, finish, reap; submit and run a call."""
+
+import json
+import logging
+import os
+import socket
+import time
+import uuid
+from datetime import timedelta
+from typing import Any
+
+import jsonschema
+from django.conf import settings
+from django.contrib.auth.models import AbstractBaseUser
+from django.db import transaction
+from django.utils import timezone
+
+from execution import channels
+from execution.models import ExecJob, ToolCall
+from execution.sandbox.limits import Limits
+from execution.sandbox.session import Dispatched, Outcome, Refused, Session
+from ptcproject.errors import ApplicationError
+from tools.errors import ToolFailure
+from tools.kinds import tool_run
+from tools.models import Tool, Toolset
+from tools.sdk import sdk_prepare
+from tools.selectors import direct_only_tools, tool_is_ptc, toolsets_resolve, toolsets_visible
+
+logger = logging.getLogger("ptc.execution")
+Status = ExecJob.Status
+
+
+def job_limits(*, timeout: float) -> Limits:
+    """Return the limits a new job runs under."""
+    return Limits(
+        timeout=timeout,
+        memory_mb=settings.PTC_MEMORY_LIMIT_MB,
+        max_output_bytes=settings.PTC_MAX_OUTPUT_BYTES,
+        max_tool_calls=settings.PTC_MAX_TOOL_CALLS,
+        max_parallel_tool_calls=settings.PTC_MAX_PARALLEL_TOOL_CALLS,
+        max_processes=settings.PTC_MAX_PROCESSES,
+        max_file_mb=settings.PTC_MAX_FILE_MB,
+        max_open_files=settings.PTC_MAX_OPEN_FILES,
+    )
+
+
+# -- Jobs ----------------------------------------------------------------------------------------
+def exec_job_create(
+    *, user: AbstractBaseUser, code: str, toolsets: list[str] | None, timeout: float | None, title: str = ""
+) -> ExecJob:
+    """Check the request, record the job as ``queued``, and enqueue it once that is committed."""
+    from execution.tasks import run_exec
+
+    size = len(code.encode())
+    if size > settings.PTC_MAX_CODE_BYTES:
+        raise ApplicationError(
+            "code_too_large",
+            f"The code is {size} bytes; the limit is {settings.PTC_MAX_CODE_BYTES}. Send less code.",
+            status=413,
+            details={"size": size, "limit": settings.PTC_MAX_CODE_BYTES},
+        )
+    if timeout is None:
+        timeout = settings.PTC_DEFAULT_TIMEOUT
+    if timeout > settings.PTC_MAX_TIMEOUT:
+        raise ApplicationError(
+            "validation_error",
+            f"timeout {timeout:g} s is above the maximum of {settings.PTC_MAX_TIMEOUT} s.",
+            details={"timeout": [f"Ensure this value is less than or equal to {settings.PTC_MAX_TIMEOUT}."]},
+        )
+    if toolsets is None:
+        keys = [ts.key for ts in toolsets_visible(user=user)]
+    else:
+        found, missing = toolsets_resolve(user=user, keys=toolsets)
+        if missing:
+            raise ApplicationError(
+                "unknown_toolset",
+                f"Unknown toolset(s): {', '.join(missing)}. GET /api/v1/toolsets lists the ones you can use.",
+                details={"toolsets": missing},
+            )
+        keys = [ts.key for ts in found]
+    with transaction.atomic():
+        job = ExecJob.objects.create(
+            user=user,
+            code=code,
+            toolsets=keys,
+            title=title,
+            timeout_seconds=timeout,
+            limits=job_limits(timeout=timeout).as_dict(),
+        )
+        transaction.on_commit(lambda: run_exec.delay(str(job.id)))
+    logger.info("job queued", extra={"job_id": str(job.id)})
+    return job
+
+
+def exec_job_run(*, job_id: str, worker: str) -> None:
+    """Run a queued job in a sandbox to its end. A redelivered job that was running fails as WorkerLost."""
+    now = timezone.now()
+    claimed = ExecJob.objects.filter(pk=job_id, status=Status.QUEUED).update(
+        status=Status.RUNNING, started_at=now, heartbeat_at=now, worker=worker
+    )
+    if not claimed:
+        # Running already means the worker that took it died and the broker redelivered it: the
+        # code may have had effects, so it is not run twice.
+        _exec_job_fail_if(job_id=job_id, status=Status.RUNNING, kind="WorkerLost",
+                          message="the worker running this job stopped; it was not run again")
+        return
+    job = ExecJob.objects.select_related("user").get(pk=job_id)
+    toolsets, _ = toolsets_resolve(user=job.user, keys=job.toolsets)
+    try:
+        sdk_hash, sdk_dir = sdk_prepare(toolsets=toolsets)
+    except Exception as exc:  # the job must end, never stay running
+        logger.exception("sdk generation failed", extra={"job_id": job_id})
+        exec_job_finish(job=job, outcome=Outcome(status="failed", error={
+            "type": "SandboxCrashed", "message": f"the SDK could not be generated: {exc}", "traceback": ""}))
+        return
+    ExecJob.objects.filter(pk=job.pk).update(sdk_hash=sdk_hash)
+    limits = Limits.from_dict(job.limits)
+    router = JobCallRouter(job=job, toolsets=toolsets)
+    with channels.subscribe(channels.job_channel(job.call_id)) as channel:
+        # A cancel that landed between the claim and the subscription would otherwise be missed.
+        if ExecJob.objects.filter(pk=job.pk, status=Status.CANCELLED).exists():
+            exec_job_finish(job=job, outcome=Outcome(status="cancelled"))
+            return
+        session = Session(
+            code=job.code,
+            limits=limits,
+            sdk_dir=sdk_dir,
+            router=router,
+            channel=channel,
+            heartbeat=lambda: ExecJob.objects.filter(pk=job.pk).update(heartbeat_at=timezone.now()),
+            heartbeat_every=settings.PTC_JOB_HEARTBEAT_SECONDS,
+            max_frame=settings.PTC_MAX_FRAME_BYTES,
+        )
+        try:
+            outcome = session.run()
+        except Exception as exc:  # the worker survives anything a sandbox does; the job records it
+            logger.exception("sandbox failed", extra={"job_id": job_id})
+            outcome = Outcome(status="failed", error={"type": "SandboxCrashed", "message": str(exc), "traceback": ""})
+    outcome.timings["queue_ms"] = round((job.started_at - job.created_at).total_seconds() * 1000, 2)
+    exec_job_finish(job=job, outcome=outcome)
+
+
+def exec_job_finish(*, job: ExecJob, outcome: Outcome) -> None:
+    """Record the outcome of a running job and announce its end. A cancelled job stays cancelled."""
+    now = timezone.now()
+    output = {
+        "stdout": outcome.stdout,
+        "stderr": outcome.stderr,
+        "stdout_truncated": outcome.stdout_truncated,
+        "stderr_truncated": outcome.stderr_truncated,
+        "timings": outcome.timings,
+    }
+    updated = ExecJob.objects.filter(pk=job.pk, status=Status.RUNNING).update(
+        status=outcome.status,
+        return_value=outcome.return_value,
+        error=outcome.error,
+        finished_at=now,
+        **output,
+    )
+    if not updated:
+        # Cancelled while it ran: keep that status, but keep what the code printed too.
+        ExecJob.objects.filter(pk=job.pk, status=Status.CANCELLED).update(**output)
+    status = ExecJob.objects.filter(pk=job.pk).values_list("status", flat=True).first()
+    channels.publish(channels.job_channel(job.call_id), {"kind": "end", "status": status})
+    logger.info("job finished", extra={"job_id": str(job.pk), "status": status, **outcome.timings})
+
+
+def _exec_job_fail_if(*, job_id: str, status: str, kind: str, message: str) -> bool:
+    job = ExecJob.objects.filter(pk=job_id).first()
+    if job is None:
+        return False
+    updated = ExecJob.objects.filter(pk=job_id, status=status).update(
+        status=Status.FAILED,
+        finished_at=timezone.now(),
+        error={"type": kind, "message": message, "traceback": ""},
+    )
+    if updated:
+        channels.publish(channels.job_channel(job.call_id), {"kind": "end", "status": Status.FAILED})
+    return bool(updated)
+
+
+def exec_job_cancel(*, job: ExecJob) -> ExecJob:
+    """Cancel a queued or running job: its sandbox is killed and its unstarted tool calls never run.
+
+    Raise ApplicationError ``job_finished`` (409) if it has already ended.
+    """
+    updated = ExecJob.objects.filter(pk=job.pk, status__in=[Status.QUEUED, Status.RUNNING]).update(
+        status=Status.CANCELLED,
+        finished_at=timezone.now(),
+        error={"type": "Cancelled", "message": "the job was cancelled", "traceback": ""},
+    )
+    job.refresh_from_db()
+    if not updated:
+        raise ApplicationError(
+            "job_finished", f"The job has already finished with status '{job.status}'.", status=409
+        )
+    channels.publish(channels.job_channel(job.call_id), {"kind": "cancel"})
+    return job
+
+
+def exec_jobs_reap() -> int:
+    """Fail running jobs whose worker stopped sending heartbeats. Return how many were failed."""
+    stale = timezone.now() - timedelta(seconds=settings.PTC_JOB_LEASE_SECONDS)
+    reaped = 0
+    for job_id in ExecJob.objects.filter(status=Status.RUNNING, heartbeat_at__lt=stale).values_list("pk", flat=True):
+        reaped += _exec_job_fail_if(
+            job_id=str(job_id), status=Status.RUNNING, kind="WorkerLost",
+            message="the worker running this job stopped sending heartbeats; the job was ended",
+        )
+    return reaped
+
+
+def worker_name() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+# -- Tool calls ----------------------------------------------------------------------------------
+class JobCallRouter:
+    """Checks and dispatches one job's tool calls: grant, existence, PTC, schema; then record, enqueue."""
+
+    def __init__(self, *, job: ExecJob, toolsets: list[Toolset]) -> None:
+        self.job = job
+        self.toolsets = {ts.key: ts for ts in toolsets if ts.key in job.toolsets}
+        self.direct_only = direct_only_tools()
+        self.validators: dict[Any, Any] = {}
+
+    def submit(self, *, toolset: str, tool: str, arguments: Any) -> Dispatched | Refused:
+        from tools.tasks import execute_tool
+
+        call_id = f"ptc_{uuid.uuid4().hex}"
+        try:
+            found = self._authorise(toolset, tool, arguments)
+        except ToolFailure as failure:
+            self._record(call_id, toolset, tool, arguments, None, error=failure.as_dict())
+            return Refused(call_id=call_id, error=failure.as_dict())
+        self._record(call_id, toolset, tool, arguments, found)
+        execute_tool.delay(call_id)
+        return Dispatched(call_id=call_id, timeout=found.timeout or settings.PTC_DEFAULT_TOOL_TIMEOUT)
+
+    def _authorise(self, toolset_key: str, tool_name: str, arguments: Any) -> Tool:
+        toolset = self.toolsets.get(toolset_key)
+        if toolset is None:
+            if toolsets_resolve(user=self.job.user, keys=[toolset_key])[0]:
+                raise ToolFailure("toolset_not_granted", f"toolset '{toolset_key}' was not granted to this job")
+            raise ToolFailure("unknown_toolset", f"there is no toolset '{toolset_key}'")
+        tool = next((t for t in toolset.tools.all() if t.name == tool_name), None)
+        if tool is None:
+            raise ToolFailure("unknown_tool", f"toolset '{toolset_key}' has no tool '{tool_name}'")
+        if not tool_is_ptc(tool=tool, kind=toolset.kind, direct_only=self.direct_only):
+            raise ToolFailure("tool_not_ptc", f"'{toolset_key}.{tool_name}' is a direct tool and cannot be called from code")
+        if not isinstance(arguments, dict):
+            raise ToolFailure("invalid_arguments", "arguments must be a JSON object of keyword arguments")
+        validator = self.validators.get(tool.pk)
+        if validator is None:
+            cls = jsonschema.validators.validator_for(tool.input_schema)
+            validator = self.validators[tool.pk] = cls(tool.input_schema, format_checker=cls.FORMAT_CHECKER)
+        error = jsonschema.exceptions.best_match(validator.iter_errors(arguments))
+        if error is not None:
+            where = "/".join(str(p) for p in error.absolute_path) or "arguments"
+            raise ToolFailure("invalid_arguments", f"{toolset_key}.{tool_name}: {where}: {error.message}")
+        return tool
+
+    def _record(self, call_id: str, toolset: str, tool: str, arguments: Any, found: Tool | None,
+                error: dict[str, str] | None = None) -> None:
+        now = timezone.now()
+        ToolCall.objects.create(
+            call_id=call_id,
+            type=ToolCall.Type.PTC,
+            exec_job=self.job,
+            ptc_call_id=self.job.call_id,
+            user=self.job.user,
+            toolset_key=toolset[:64],
+            tool_name=tool[:128],
+            tool=found,
+            input=arguments if isinstance(arguments, dict) else {"value": arguments},
+            status=ToolCall.Status.FAILED if error else ToolCall.Status.EXECUTING,
+            error=error,
+            started_at=now,
+            finished_at=now if error else None,
+        )
+
+    def overdue(self, *, call_id: str) -> dict[str, Any]:
+        # The hand-off was lost or the call is stuck: the record decides. A late tools worker
+        # finds the call failed and its result is dropped.
+        _tool_call_finish(call_id=call_id, error={"code": "tool_timeout", "message": CALL_TIMEOUT_MESSAGE})
+        return _reply(ToolCall.objects.get(call_id=call_id))
+
+
+CALL_TIMEOUT_MESSAGE = "no result arrived in time: the tools workers may be down or overloaded"
+
+
+def _reply(call: ToolCall) -> dict[str, Any]:
+    if call.status == ToolCall.Status.COMPLETED:
+        return {"ok": True, "result": call.output}
+    return {"ok": False, "error": call.error or {"code": "tool_error", "message": "the call failed"}}
+
+
+def _tool_call_finish(*, call_id: str, output: Any = None, error: dict[str, str] | None = None) -> bool:
+    """Move an executing call to completed or failed. Return False if it had already finished."""
+    return bool(
+        ToolCall.objects.filter(call_id=call_id, status=ToolCall.Status.EXECUTING).update(
+            status=ToolCall.Status.FAILED if error else ToolCall.Status.COMPLETED,
+            output=None if error else output,
+            error=error,
+            finished_at=timezone.now(),
+        )
+    )
+
+
+def tool_call_execute(*, call_id: str) -> None:
+    """Run one recorded call, once: claim it, run it, record the result, push it to the job.
+
+    A redelivered task finds the claim taken. If the call finished, its result is pushed again (the
+    bridge ignores repeats); if it never finished, the worker that ran it died, and it fails as
+    ``worker_lost`` rather than run twice.
+    """
+    claimed = ToolCall.objects.filter(
+        call_id=call_id, status=ToolCall.Status.EXECUTING, claimed_at__isnull=True
+    ).update(claimed_at=timezone.now())
+    call = ToolCall.objects.select_related("exec_job", "tool__toolset").filter(call_id=call_id).first()
+    if call is None:
+        logger.warning("tool call not found", extra={"call_id": call_id})
+        return
+    if not claimed:
+        if call.status == ToolCall.Status.EXECUTING:
+            _tool_call_finish(call_id=call_id, error={
+                "code": "worker_lost", "message": "the tools worker running this call stopped; it was not run again"})
+    elif call.exec_job is not None and call.exec_job.status != Status.RUNNING:
+        _tool_call_finish(call_id=call_id, error={
+            "code": "job_ended", "message": f"the job is {call.exec_job.status}; the call was not run"})
+    elif call.tool is None:
+        _tool_call_finish(call_id=call_id, error={"code": "unknown_tool", "message": "the tool no longer exists"})
+    else:
+        _tool_call_run(call)
+    if call.exec_job is not None:
+        call.refresh_from_db(fields=["status", "output", "error"])
+        channels.publish(
+            channels.job_channel(call.ptc_call_id), {"kind": "result", "call_id": call_id, **_reply(call)}
+        )
+
+
+def _tool_call_run(call: ToolCall) -> None:
+    tool = call.tool
+    assert tool is not None
+    started = time.monotonic()
+    try:
+        output = tool_run(
+            toolset=tool.toolset, tool=tool, arguments=call.input,
+            timeout=tool.timeout or settings.PTC_DEFAULT_TOOL_TIMEOUT,
+        )
+        size = len(json.dumps(output, allow_nan=False))
+        if size > settings.PTC_MAX_FRAME_BYTES - 4096:
+            raise ToolFailure("output_too_large", f"the tool returned {size} bytes; the limit is "
+                                                  f"{settings.PTC_MAX_FRAME_BYTES - 4096}")
+    except ToolFailure as failure:
+        _tool_call_finish(call_id=call.call_id, error=failure.as_dict())
+    except (TypeError, ValueError) as exc:
+        _tool_call_finish(call_id=call.call_id, error={"code": "invalid_output", "message": f"the tool's output is not JSON: {exc}"})
+    else:
+        _tool_call_finish(call_id=call.call_id, output=output)
+    logger.info("tool call ran", extra={"call_id": call.call_id, "job_id": str(call.exec_job_id),
+                                        "ms": round((time.monotonic() - started) * 1000, 2)})

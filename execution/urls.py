@@ -1,0 +1,10 @@
+from django.urls import path
+
+from execution import apis
+
+urlpatterns = [
+    path("exec", apis.ExecListCreateApi.as_view(), name="exec-list"),
+    path("exec/<uuid:job_id>", apis.ExecDetailApi.as_view(), name="exec-detail"),
+    path("exec/<uuid:job_id>/cancel", apis.ExecCancelApi.as_view(), name="exec-cancel"),
+    path("tool-calls", apis.ToolCallListApi.as_view(), name="tool-call-list"),
+]

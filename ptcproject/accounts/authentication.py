@@ -1,0 +1,39 @@
+from typing import Any
+
+from drf_spectacular.extensions import OpenApiAuthenticationExtension
+from rest_framework import authentication, exceptions
+from rest_framework.request import Request
+
+from ptcproject.accounts.services import api_key_authenticate
+
+
+class ApiKeyAuthentication(authentication.BaseAuthentication):
+    """``Authorization: Bearer <api key>``."""
+
+    keyword = "Bearer"
+
+    def authenticate(self, request: Request) -> tuple[Any, Any] | None:
+        header = authentication.get_authorization_header(request).decode("latin-1")
+        if not header:
+            return None
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != self.keyword.lower():
+            return None
+        token = token.strip()
+        if not token:
+            raise exceptions.AuthenticationFailed("The Authorization header has no key after 'Bearer'.")
+        key = api_key_authenticate(plaintext=token)
+        if key is None:
+            raise exceptions.AuthenticationFailed("The API key is unknown, expired or revoked.")
+        return key.user, key
+
+    def authenticate_header(self, request: Request) -> str:
+        return self.keyword
+
+
+class ApiKeyAuthenticationScheme(OpenApiAuthenticationExtension):
+    target_class = ApiKeyAuthentication
+    name = "ApiKeyAuth"
+
+    def get_security_definition(self, auto_schema: Any) -> dict[str, str]:
+        return {"type": "http", "scheme": "bearer", "description": "A PTC API key: `ptc_<prefix>_<secret>`."}

@@ -1,0 +1,31 @@
+from typing import Any
+
+from django.core.management.base import BaseCommand, CommandError, CommandParser
+
+from ptcproject.accounts.services import user_with_key_create
+
+
+class Command(BaseCommand):
+    help = "Create an API key for a user. The key is printed as the last line of stdout."
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument("username")
+        parser.add_argument("--create-user", action="store_true", help="Create the user if it does not exist.")
+        parser.add_argument("--staff", action="store_true", help="Make the user staff.")
+        parser.add_argument("--credits", type=int, default=None, help="Credits to grant (once billing exists).")
+        parser.add_argument("--name", default="", help="A label for the key.")
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        if options["credits"] is not None and options["credits"] < 0:
+            raise CommandError("--credits must be zero or more.")
+        try:
+            user, plaintext = user_with_key_create(
+                username=options["username"],
+                create_user=options["create_user"],
+                staff=options["staff"],
+                name=options["name"],
+            )
+        except LookupError as exc:
+            raise CommandError(str(exc)) from exc
+        self.stdout.write(f"Created an API key for '{user.username}'{' (staff)' if user.is_staff else ''}.")
+        self.stdout.write(plaintext)

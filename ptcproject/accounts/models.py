@@ -1,0 +1,34 @@
+import uuid
+
+from django.conf import settings
+from django.db import models
+from django.utils import timezone
+
+
+class ApiKey(models.Model):
+    """A bearer key. Only its SHA-256 is stored; the plaintext is shown once, at creation.
+
+    The key reads ``ptc_<prefix>_<secret>``: the prefix finds the row, the hash proves the secret.
+    """
+
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    user = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="api_keys")
+    name = models.CharField(max_length=100, blank=True)
+    prefix = models.CharField(max_length=16, unique=True, editable=False)
+    key_hash = models.CharField(max_length=64, editable=False)
+    created_at = models.DateTimeField(auto_now_add=True)
+    expires_at = models.DateTimeField(null=True, blank=True)
+    revoked_at = models.DateTimeField(null=True, blank=True)
+    last_used_at = models.DateTimeField(null=True, blank=True, editable=False)
+
+    class Meta:
+        ordering = ["-created_at"]
+        verbose_name = "API key"
+
+    def __str__(self) -> str:
+        return f"ptc_{self.prefix}_… ({self.user})"
+
+    @property
+    def is_active(self) -> bool:
+        now = timezone.now()
+        return self.revoked_at is None and (self.expires_at is None or self.expires_at > now)

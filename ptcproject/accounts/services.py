@@ -1,0 +1,70 @@
+import hashlib
+import hmac
+import secrets
+from datetime import datetime, timedelta
+
+from django.contrib.auth import get_user_model
+from django.contrib.auth.models import AbstractUser
+from django.db import transaction
+from django.utils import timezone
+
+from ptcproject.accounts.models import ApiKey
+
+KEY_PREFIX = "ptc_"
+# Writing last_used_at on every request would turn each read into a write; once a minute is enough.
+LAST_USED_RESOLUTION = timedelta(seconds=60)
+
+
+def _hash(secret: str) -> str:
+    return hashlib.sha256(secret.encode()).hexdigest()
+
+
+def api_key_create(
+    *, user: AbstractUser, name: str = "", expires_at: datetime | None = None
+) -> tuple[ApiKey, str]:
+    """Create a key for ``user``. Return the row and the plaintext key, which is never stored."""
+    prefix = secrets.token_hex(6)
+    plaintext = f"{KEY_PREFIX}{prefix}_{secrets.token_urlsafe(32)}"
+    key = ApiKey.objects.create(user=user, name=name, prefix=prefix, key_hash=_hash(plaintext), expires_at=expires_at)
+    return key, plaintext
+
+
+def api_key_revoke(*, key: ApiKey) -> None:
+    ApiKey.objects.filter(pk=key.pk, revoked_at__isnull=True).update(revoked_at=timezone.now())
+
+
+def api_key_authenticate(*, plaintext: str) -> ApiKey | None:
+    """Return the active key row for ``plaintext``, or None if it is unknown, expired or revoked."""
+    if not plaintext.startswith(KEY_PREFIX):
+        return None
+    prefix = plaintext[len(KEY_PREFIX) :].split("_", 1)[0]
+    key = ApiKey.objects.select_related("user").filter(prefix=prefix).first()
+    if key is None or not hmac.compare_digest(key.key_hash, _hash(plaintext)):
+        return None
+    if not key.is_active or not key.user.is_active:
+        return None
+    now = timezone.now()
+    if key.last_used_at is None or now - key.last_used_at > LAST_USED_RESOLUTION:
+        ApiKey.objects.filter(pk=key.pk).update(last_used_at=now)
+    return key
+
+
+@transaction.atomic
+def user_with_key_create(
+    *, username: str, create_user: bool, staff: bool, name: str = ""
+) -> tuple[AbstractUser, str]:
+    """Find (or with ``create_user``, create) ``username`` and give it a new key.
+
+    Raises ``LookupError`` when the user does not exist and ``create_user`` is false.
+    """
+    users = get_user_model()
+    user = users.objects.filter(username=username).first()
+    if user is None:
+        if not create_user:
+            raise LookupError(f"User '{username}' does not exist; pass --create-user to create it.")
+        user = users.objects.create_user(username=username)
+    if staff and not user.is_staff:
+        user.is_staff = True
+        user.save(update_fields=["is_staff"])
+    _, plaintext = api_key_create(user=user, name=name)
+    return user, plaintext

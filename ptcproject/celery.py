@@ -1,0 +1,38 @@
+"""The Celery app. One worker command per queue (ARCHITECTURE.md):
+
+    celery -A ptcproject worker -Q exec     # runs sandboxes, bridges their tool calls
+    celery -A ptcproject worker -Q tools    # runs one tool call per task
+"""
+
+import os
+from typing import Any
+
+from celery import Celery
+from celery.signals import celeryd_init
+
+from ptcproject import queues
+
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "ptcproject.settings")
+
+app = Celery("ptcproject")
+app.config_from_object("django.conf:settings", namespace="CELERY")
+app.conf.task_routes = queues.TASK_ROUTES
+app.conf.task_default_queue = queues.EXEC
+app.autodiscover_tasks()
+
+
+@celeryd_init.connect
+def _size_pool_for_queue(conf: Any = None, options: dict[str, Any] | None = None, **_: Any) -> None:
+    """Give each queue's worker its own default thread count, unless ``-c`` was given.
+
+    An exec thread holds one sandbox for the job's whole life; a tools thread holds one call. The
+    command line's ``--concurrency`` still wins: Celery reads this only when the CLI left it unset.
+    """
+    from django.conf import settings
+
+    wanted = set((options or {}).get("queues") or [])
+    if conf is not None and conf.worker_concurrency is None:
+        if wanted == {queues.TOOLS}:
+            conf.worker_concurrency = settings.PTC_TOOLS_CONCURRENCY
+        else:
+            conf.worker_concurrency = settings.PTC_EXEC_CONCURRENCY

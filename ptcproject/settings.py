@@ -1,0 +1,200 @@
+"""Settings, all read from the environment through one ``env`` (STYLE.md §9).
+
+With no URLs configured the project runs on the embedded default: SQLite and kombu's filesystem
+transport, under ``var/``. Give ``DATABASE_URL`` and ``CELERY_BROKER_URL``/``REDIS_URL`` to run on
+PostgreSQL and Redis.
+"""
+
+from pathlib import Path
+
+import environ
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+env = environ.Env()
+if (BASE_DIR / ".env").exists():
+    env.read_env(str(BASE_DIR / ".env"))
+
+DATA_DIR = Path(env.str("PTC_DATA_DIR", default=str(BASE_DIR / "var")))
+
+DEBUG = env.bool("DJANGO_DEBUG", default=False)
+# The default key is for the embedded quickstart only; a deployment sets its own.
+SECRET_KEY = env.str("DJANGO_SECRET_KEY", default="ptc-insecure-quickstart-key-change-me-0123456789")
+ALLOWED_HOSTS = env.list("DJANGO_ALLOWED_HOSTS", default=["127.0.0.1", "localhost", "[::1]", "testserver"])
+CSRF_TRUSTED_ORIGINS = env.list("DJANGO_CSRF_TRUSTED_ORIGINS", default=[])
+
+INSTALLED_APPS = [
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "rest_framework",
+    "drf_spectacular",
+    "drf_spectacular_sidecar",
+    "ptcproject.accounts",
+    "tools",
+    "execution",
+    "billing",
+]
+
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+]
+
+ROOT_URLCONF = "ptcproject.urls"
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [BASE_DIR / "templates"],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ],
+        },
+    },
+]
+WSGI_APPLICATION = "ptcproject.wsgi.application"
+ASGI_APPLICATION = "ptcproject.asgi.application"
+
+DATABASES = {"default": env.db("DATABASE_URL", default=f"sqlite:///{DATA_DIR / 'db.sqlite3'}")}
+if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
+    # Web, exec and tools workers write from separate processes: wait for the lock instead of
+    # failing, and take it at BEGIN so two writers never deadlock on an upgrade.
+    DATABASES["default"]["OPTIONS"] = {
+        "timeout": 30,
+        "transaction_mode": "IMMEDIATE",
+        "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;",
+    }
+else:
+    DATABASES["default"]["CONN_MAX_AGE"] = env.int("DATABASE_CONN_MAX_AGE", default=60)
+    DATABASES["default"]["CONN_HEALTH_CHECKS"] = True
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+LANGUAGE_CODE = "en-us"
+TIME_ZONE = "UTC"
+USE_I18N = True
+USE_TZ = True
+STATIC_URL = "static/"
+STATIC_ROOT = DATA_DIR / "static"
+
+LOG_LEVEL = env.str("PTC_LOG_LEVEL", default="INFO")
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "formatters": {
+        "plain": {"format": "%(asctime)s %(levelname)s %(name)s %(message)s"},
+    },
+    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
+    "loggers": {
+        "ptc": {"handlers": ["console"], "level": LOG_LEVEL, "propagate": False},
+    },
+}
+
+REST_FRAMEWORK = {
+    "DEFAULT_AUTHENTICATION_CLASSES": [
+        "ptcproject.accounts.authentication.ApiKeyAuthentication",
+        "rest_framework.authentication.SessionAuthentication",
+    ],
+    "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
+    "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
+    "DEFAULT_PAGINATION_CLASS": "ptcproject.api.Pagination",
+    "PAGE_SIZE": 50,
+    "EXCEPTION_HANDLER": "ptcproject.api.exception_handler",
+    "UNAUTHENTICATED_USER": None,
+}
+SPECTACULAR_SETTINGS = {
+    "TITLE": "PTC backend API",
+    "DESCRIPTION": "Programmatic Tool Calling: run agent-written Python that calls tools as functions.",
+    "VERSION": "1.0.0",
+    "SERVE_INCLUDE_SCHEMA": False,
+    # Swagger UI is served from the sidecar package, so /api/docs/ works offline (no CDN).
+    "SWAGGER_UI_DIST": "SIDECAR",
+    "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
+    "REDOC_DIST": "SIDECAR",
+    "COMPONENT_SPLIT_REQUEST": True,
+}
+
+# --- Celery -------------------------------------------------------------------------------------
+CELERY_BROKER_URL = env.str("CELERY_BROKER_URL", default="filesystem://")
+REDIS_URL = env.str(
+    "REDIS_URL", default=CELERY_BROKER_URL if CELERY_BROKER_URL.startswith("redis") else ""
+)
+EMBEDDED = CELERY_BROKER_URL.startswith("filesystem")
+# The sandbox's hard wall clock is capped by PTC_MAX_TIMEOUT; tasks get a margin on top of it.
+PTC_MAX_TIMEOUT = env.int("PTC_MAX_TIMEOUT", default=600)
+CELERY_TASK_HARD_LIMIT = PTC_MAX_TIMEOUT + 60
+
+# JSON only: a message that reached the broker must never be able to run code (ARCHITECTURE.md).
+CELERY_TASK_SERIALIZER = "json"
+CELERY_ACCEPT_CONTENT = ["json"]
+CELERY_RESULT_SERIALIZER = "json"
+# The database is the source of truth; nobody waits on a Celery result.
+CELERY_TASK_IGNORE_RESULT = True
+# Redelivered if a worker dies mid-task; every task claims its record first, so a rerun is harmless.
+CELERY_TASK_ACKS_LATE = True
+CELERY_TASK_REJECT_ON_WORKER_LOST = True
+# One message at a time per free slot: a long job must not sit behind another in a prefetch buffer.
+CELERY_WORKER_PREFETCH_MULTIPLIER = 1
+# Exec tasks wait on sandboxes and tools tasks wait on I/O: threads, not processes, fit both.
+# The number of threads is set per queue in ptcproject/celery.py unless -c is given.
+CELERY_WORKER_POOL = "threads"
+# Task events feed `celery events` and flower: observable by default (STYLE.md §14).
+CELERY_WORKER_SEND_TASK_EVENTS = True
+CELERY_TASK_SEND_SENT_EVENT = True
+# Don't let the worker hijack the root logger; our own handlers stay.
+CELERY_WORKER_HIJACK_ROOT_LOGGER = False
+CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+if EMBEDDED:
+    _broker_dir = DATA_DIR / "broker"
+    CELERY_BROKER_TRANSPORT_OPTIONS = {
+        "data_folder_in": str(_broker_dir / "out"),
+        "data_folder_out": str(_broker_dir / "out"),
+        "processed_folder": str(_broker_dir / "processed"),
+        "store_processed": False,
+        # The filesystem transport can only poll; keep the interval short for the quickstart.
+        "polling_interval": 0.02,
+    }
+else:
+    CELERY_BROKER_TRANSPORT_OPTIONS = {
+        # Above the longest hard time limit, or a running task is redelivered to a second worker.
+        "visibility_timeout": CELERY_TASK_HARD_LIMIT + 300,
+    }
+CELERY_BEAT_SCHEDULE = {
+    "reap-stuck-jobs": {"task": "execution.tasks.reap_jobs", "schedule": 30.0},
+}
+CELERY_BEAT_SCHEDULE_FILENAME = str(DATA_DIR / "celerybeat-schedule")
+# Threads per worker process when -c is not given on the command line.
+PTC_EXEC_CONCURRENCY = env.int("PTC_EXEC_CONCURRENCY", default=8)
+PTC_TOOLS_CONCURRENCY = env.int("PTC_TOOLS_CONCURRENCY", default=64)
+
+# --- Sandbox and job limits ---------------------------------------------------------------------
+# Interpreter the sandbox runs: Debian's, which an unprivileged uid can read and which starts fast.
+PTC_SANDBOX_PYTHON = env.str("PTC_SANDBOX_PYTHON", default="/usr/bin/python3")
+PTC_BWRAP = env.str("PTC_BWRAP", default="/usr/bin/bwrap")
+# Where generated SDKs and the runner are staged for bind-mounting; readable by the sandbox uid.
+PTC_SANDBOX_DIR = Path(env.str("PTC_SANDBOX_DIR", default="/tmp/ptc-sandbox"))
+PTC_DEFAULT_TIMEOUT = env.int("PTC_TIMEOUT", default=120)
+PTC_MAX_CODE_BYTES = 256 * 1024
+PTC_MAX_WAIT = 60
+PTC_MEMORY_LIMIT_MB = env.int("PTC_MEMORY_LIMIT_MB", default=512)
+PTC_MAX_OUTPUT_BYTES = env.int("PTC_MAX_OUTPUT_BYTES", default=1_000_000)
+PTC_MAX_TOOL_CALLS = env.int("PTC_MAX_TOOL_CALLS", default=1000)
+PTC_MAX_PARALLEL_TOOL_CALLS = env.int("PTC_MAX_PARALLEL_TOOL_CALLS", default=16)
+PTC_MAX_PROCESSES = env.int("PTC_MAX_PROCESSES", default=64)
+PTC_MAX_FILE_MB = env.int("PTC_MAX_FILE_MB", default=64)
+PTC_MAX_OPEN_FILES = env.int("PTC_MAX_OPEN_FILES", default=256)
+PTC_MAX_FRAME_BYTES = env.int("PTC_MAX_FRAME_BYTES", default=8 * 1024 * 1024)
+# A running job refreshes its lease this often; the reaper fails jobs whose lease has run out.
+PTC_JOB_HEARTBEAT_SECONDS = env.int("PTC_JOB_HEARTBEAT_SECONDS", default=10)
+PTC_JOB_LEASE_SECONDS = env.int("PTC_JOB_LEASE_SECONDS", default=45)
+PTC_DEFAULT_TOOL_TIMEOUT = env.int("PTC_DEFAULT_TOOL_TIMEOUT", default=60)

@@ -1,0 +1,14 @@
+from django.contrib import admin
+from django.urls import include, path
+from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
+
+from ptcproject import probes
+
+urlpatterns = [
+    path("admin/", admin.site.urls),
+    path("healthz", probes.healthz),
+    path("readyz", probes.readyz),
+    path("api/schema/", SpectacularAPIView.as_view(), name="schema"),
+    path("api/docs/", SpectacularSwaggerView.as_view(url_name="schema"), name="docs"),
+    path("api/v1/", include("execution.urls")),
+]

@@ -1,0 +1,19 @@
+"""How each kind of toolset runs one call. Each kind exposes ``run(toolset, tool, arguments, timeout)``."""
+
+from typing import Any
+
+from tools.errors import ToolFailure
+from tools.kinds import builtin
+from tools.models import Tool, Toolset
+
+_RUNNERS = {Toolset.Kind.BUILTIN: builtin.run}
+
+
+def tool_run(*, toolset: Toolset, tool: Tool, arguments: dict[str, Any], timeout: float) -> Any:
+    """Run one call and return its JSON-able output, or raise ``ToolFailure``."""
+    runner = _RUNNERS.get(toolset.kind)
+    if runner is None:
+        raise ToolFailure(
+            "kind_unsupported", f"Toolset '{toolset.key}' is of kind '{toolset.kind}', which this server cannot run yet."
+        )
+    return runner(toolset=toolset, tool=tool, arguments=arguments, timeout=timeout)

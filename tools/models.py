@@ -1,0 +1,69 @@
+import uuid
+
+from django.conf import settings
+from django.db import models
+from django.db.models import Q
+
+
+class Toolset(models.Model):
+    class Kind(models.TextChoices):
+        BUILTIN = "builtin"
+        HTTP = "http"
+        MCP = "mcp"
+
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    key = models.CharField(max_length=64, help_text="A Python identifier; the SDK module is ptc_tools.<key>.")
+    name = models.CharField(max_length=200)
+    description = models.TextField(blank=True)
+    kind = models.CharField(max_length=16, choices=Kind.choices)
+    # A toolset with an owner is that user's own, and shadows a global one with the same key.
+    owner = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.CASCADE, related_name="toolsets"
+    )
+    is_global = models.BooleanField(default=True, help_text="Global toolsets are visible to all and billed.")
+    enabled = models.BooleanField(default=True)
+    price = models.PositiveIntegerField(default=0, help_text="Credits per successful call.")
+    billing_free = models.BooleanField(default=False)
+    config = models.JSONField(default=dict, blank=True)
+    # Write-only: never serialised, exported, sent to a sandbox or logged.
+    secrets = models.JSONField(default=dict, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["key"]
+        constraints = [
+            models.UniqueConstraint(fields=["key"], condition=Q(owner__isnull=True), name="toolset_global_key"),
+            models.UniqueConstraint(fields=["key", "owner"], name="toolset_owner_key"),
+        ]
+
+    def __str__(self) -> str:
+        return self.key
+
+
+class Tool(models.Model):
+    class Caller(models.TextChoices):
+        DIRECT = "direct"
+        CODE_EXECUTION = "code_execution"
+
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    toolset = models.ForeignKey(Toolset, on_delete=models.CASCADE, related_name="tools")
+    name = models.CharField(max_length=128)
+    description = models.TextField(blank=True)
+    input_schema = models.JSONField(default=dict)
+    output_schema = models.JSONField(null=True, blank=True)
+    allowed_callers = models.JSONField(default=list, blank=True)
+    read_only = models.BooleanField(default=False)
+    timeout = models.FloatField(null=True, blank=True, help_text="Seconds; the default applies when empty.")
+    price = models.PositiveIntegerField(null=True, blank=True, help_text="Overrides the toolset's price.")
+    billing_free = models.BooleanField(default=False)
+    enabled = models.BooleanField(default=True)
+    # Kind-specific call spec, e.g. for http: {"method", "path", "query"}.
+    http = models.JSONField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["toolset__key", "name"]
+        constraints = [models.UniqueConstraint(fields=["toolset", "name"], name="tool_unique_name")]
+
+    def __str__(self) -> str:
+        return f"{self.toolset.key}.{self.name}"

@@ -1,0 +1,60 @@
+"""The bridge's wire format: length-prefixed JSON frames over a unix socketpair.
+
+Standard library only: this file is used by the worker and, copied as ``ptc_tools/_protocol.py``,
+inside the sandbox.
+
+A frame is a 4-byte big-endian length, then that many bytes of UTF-8 JSON holding one object.
+"""
+
+import json
+import struct
+from typing import Any
+
+HEADER = struct.Struct(">I")
+DEFAULT_MAX_FRAME = 8 * 1024 * 1024
+
+
+class FrameError(Exception):
+    """The peer sent something that is not a valid frame. The connection cannot be trusted after."""
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def encode(message: dict[str, Any]) -> bytes:
+    """Return ``message`` as one frame. Raise ValueError if it is not strict JSON."""
+    body = json.dumps(message, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
+    return HEADER.pack(len(body)) + body
+
+
+class FrameDecoder:
+    """Turns a byte stream into messages; ``feed`` returns every whole frame received so far."""
+
+    def __init__(self, max_frame: int = DEFAULT_MAX_FRAME) -> None:
+        self.max_frame = max_frame
+        self._buffer = bytearray()
+
+    def feed(self, data: bytes) -> list[dict[str, Any]]:
+        self._buffer += data
+        messages = []
+        while len(self._buffer) >= HEADER.size:
+            (size,) = HEADER.unpack_from(self._buffer)
+            if size > self.max_frame:
+                raise FrameError(f"frame of {size} bytes is over the {self.max_frame}-byte limit")
+            if len(self._buffer) < HEADER.size + size:
+                break
+            body = bytes(self._buffer[HEADER.size : HEADER.size + size])
+            del self._buffer[: HEADER.size + size]
+            try:
+                message = json.loads(body, parse_constant=_reject_constant)
+            except (ValueError, UnicodeDecodeError) as exc:
+                raise FrameError(f"frame is not valid JSON: {exc}") from None
+            if not isinstance(message, dict):
+                raise FrameError("frame is not a JSON object")
+            messages.append(message)
+        return messages
+
+    @property
+    def pending_bytes(self) -> int:
+        return len(self._buffer)

@@ -1,0 +1,179 @@
+"""The sandbox side of the bridge, shipped as ``ptc_tools/_runtime.py``. Standard library only.
+
+Each tool call sends ``{"op": "call", "id", "toolset", "tool", "args"}`` and waits for the frame
+with the same ``id``. Calls from many threads, or many asyncio tasks, are in flight at once; one
+reader thread hands each reply to its caller. ``asyncio`` is imported only when ``.aio`` is used:
+it costs ~50 ms to import.
+"""
+
+import socket
+import threading
+from typing import Any
+
+from ptc_tools import _protocol
+
+
+class ToolError(Exception):
+    """A tool call failed. ``.tool`` is ``toolset.tool``, ``.code`` is stable, ``.message`` says why."""
+
+    def __init__(self, message: str, *, tool: str = "", call_id: str = "", code: str = "tool_error") -> None:
+        super().__init__(message)
+        self.message = message
+        self.tool = tool
+        self.call_id = call_id
+        self.code = code
+
+    def __str__(self) -> str:
+        return f"{self.tool}: {self.message} [{self.code}]" if self.tool else self.message
+
+
+class _Unset:
+    def __repr__(self) -> str:
+        return "UNSET"
+
+
+UNSET: Any = _Unset()
+
+
+def args(**kwargs: Any) -> dict[str, Any]:
+    """Return the arguments the caller gave, leaving out optional ones left unset."""
+    return {k: v for k, v in kwargs.items() if v is not UNSET}
+
+
+class _Bridge:
+    def __init__(self, fd: int) -> None:
+        self._sock = socket.socket(fileno=fd)
+        self._send_lock = threading.Lock()
+        self._lock = threading.Lock()
+        self._pending: dict[int, Any] = {}
+        self._next_id = 0
+        self._closed: str | None = None
+        self._decoder = _protocol.FrameDecoder()
+        self.start_message: dict[str, Any] = self._read_first()
+        threading.Thread(target=self._read_loop, name="ptc-bridge", daemon=True).start()
+
+    def _read_first(self) -> dict[str, Any]:
+        while True:
+            data = self._sock.recv(1 << 16)
+            if not data:
+                raise SystemExit("bridge closed before the job was sent")
+            messages = self._decoder.feed(data)
+            if messages:
+                # The worker sends nothing else before the code has started.
+                return messages[0]
+
+    def send(self, message: dict[str, Any]) -> None:
+        frame = _protocol.encode(message)
+        with self._send_lock:
+            self._sock.sendall(frame)
+
+    def _register(self, waiter: Any) -> int:
+        with self._lock:
+            if self._closed:
+                raise ToolError(self._closed, code="bridge_closed")
+            self._next_id += 1
+            self._pending[self._next_id] = waiter
+            return self._next_id
+
+    def call(self, toolset: str, tool: str, arguments: dict[str, Any]) -> Any:
+        done = threading.Event()
+        box: list[Any] = [done, None]
+        call_id = self._register(box)
+        self._send_call(call_id, toolset, tool, arguments)
+        done.wait()
+        return _unwrap(box[1], toolset, tool)
+
+    async def acall(self, toolset: str, tool: str, arguments: dict[str, Any]) -> Any:
+        import asyncio
+
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        call_id = self._register((loop, future))
+        self._send_call(call_id, toolset, tool, arguments)
+        return _unwrap(await future, toolset, tool)
+
+    def _send_call(self, call_id: int, toolset: str, tool: str, arguments: dict[str, Any]) -> None:
+        try:
+            self.send({"op": "call", "id": call_id, "toolset": toolset, "tool": tool, "args": arguments})
+        except ValueError as exc:
+            with self._lock:
+                self._pending.pop(call_id, None)
+            raise ToolError(
+                f"arguments are not JSON-serialisable: {exc}", tool=f"{toolset}.{tool}", code="invalid_arguments"
+            ) from None
+        except OSError as exc:
+            with self._lock:
+                self._pending.pop(call_id, None)
+            raise ToolError(f"the bridge is closed: {exc}", tool=f"{toolset}.{tool}", code="bridge_closed") from None
+
+    def _deliver(self, waiter: Any, reply: dict[str, Any]) -> None:
+        if isinstance(waiter, list):
+            waiter[1] = reply
+            waiter[0].set()
+        else:
+            loop, future = waiter
+            loop.call_soon_threadsafe(lambda: future.done() or future.set_result(reply))
+
+    def _read_loop(self) -> None:
+        reason = "the bridge closed"
+        try:
+            while True:
+                data = self._sock.recv(1 << 16)
+                if not data:
+                    break
+                for reply in self._decoder.feed(data):
+                    with self._lock:
+                        waiter = self._pending.pop(reply.get("id"), None)
+                    if waiter is not None:
+                        self._deliver(waiter, reply)
+        except Exception as exc:  # a broken bridge fails every waiting call; it never hangs them
+            reason = f"the bridge failed: {exc}"
+        with self._lock:
+            self._closed = reason
+            waiters, self._pending = list(self._pending.values()), {}
+        for waiter in waiters:
+            self._deliver(waiter, {"ok": False, "error": {"code": "bridge_closed", "message": reason}})
+
+
+def _unwrap(reply: dict[str, Any], toolset: str, tool: str) -> Any:
+    if reply.get("ok"):
+        return reply.get("result")
+    error = reply.get("error") or {}
+    raise ToolError(
+        error.get("message", "the tool call failed"),
+        tool=f"{toolset}.{tool}",
+        call_id=reply.get("call_id", ""),
+        code=error.get("code", "tool_error"),
+    )
+
+
+_bridge: _Bridge | None = None
+
+
+def connect(fd: int) -> dict[str, Any]:
+    """Open the bridge on ``fd`` and return the job the worker sent as its first frame."""
+    global _bridge
+    _bridge = _Bridge(fd)
+    return _bridge.start_message
+
+
+def send(message: dict[str, Any]) -> None:
+    if _bridge is None:
+        raise RuntimeError("the bridge is not connected")
+    _bridge.send(message)
+
+
+def call(toolset: str, tool: str, arguments: dict[str, Any]) -> Any:
+    """Call ``toolset.tool`` and return its result, or raise ToolError."""
+    if _bridge is None:
+        raise ToolError("tools can only be called inside a PTC sandbox", tool=f"{toolset}.{tool}", code="no_bridge")
+    return _bridge.call(toolset, tool, arguments)
+
+
+async def acall(toolset: str, tool: str, arguments: dict[str, Any]) -> Any:
+    """The asyncio form of ``call``."""
+    if _bridge is None:
+        raise ToolError("tools can only be called inside a PTC sandbox", tool=f"{toolset}.{tool}", code="no_bridge")
+    return await _bridge.acall(toolset, tool, arguments)
+
+

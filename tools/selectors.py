@@ -1,0 +1,46 @@
+from collections.abc import Iterable
+
+from django.conf import settings
+from django.contrib.auth.models import AbstractBaseUser
+from django.db.models import Prefetch, Q, QuerySet
+
+from tools.models import Tool, Toolset
+
+DEFAULT_DIRECT_ONLY_TOOLS = ("complete", "fail", "onboarding_handoff")
+
+
+def direct_only_tools() -> frozenset[str]:
+    """Return the tool names that are always direct (the policy's ``direct_only_tools``)."""
+    return frozenset(getattr(settings, "PTC_DIRECT_ONLY_TOOLS", DEFAULT_DIRECT_ONLY_TOOLS))
+
+
+def tool_is_ptc(*, tool: Tool, kind: str, direct_only: frozenset[str]) -> bool:
+    """Return True if ``tool`` is callable from code (PRODUCT.md, "Tool classification").
+
+    MCP tools are always PTC. Otherwise a tool is direct when its name is direct-only, or when
+    its ``allowed_callers`` is set and lacks ``code_execution``.
+    """
+    if kind == Toolset.Kind.MCP:
+        return True
+    if tool.name in direct_only:
+        return False
+    callers = tool.allowed_callers or [Tool.Caller.CODE_EXECUTION]
+    return Tool.Caller.CODE_EXECUTION in callers
+
+
+def toolsets_visible(*, user: AbstractBaseUser) -> QuerySet[Toolset]:
+    """Return the enabled toolsets ``user`` may use: their own, plus global ones they don't shadow."""
+    own_keys = Toolset.objects.filter(owner=user).values("key")
+    return (
+        Toolset.objects.filter(enabled=True)
+        .filter(Q(owner=user) | (Q(owner__isnull=True) & ~Q(key__in=own_keys)))
+        .prefetch_related(Prefetch("tools", queryset=Tool.objects.filter(enabled=True).order_by("name")))
+        .order_by("key")
+    )
+
+
+def toolsets_resolve(*, user: AbstractBaseUser, keys: Iterable[str]) -> tuple[list[Toolset], list[str]]:
+    """Return the visible toolsets named by ``keys`` in that order, and the keys that matched none."""
+    wanted = list(dict.fromkeys(keys))
+    found = {ts.key: ts for ts in toolsets_visible(user=user).filter(key__in=wanted)}
+    return [found[k] for k in wanted if k in found], [k for k in wanted if k not in found]
