@@ -35,9 +35,27 @@ class ExecJobAdmin(admin.ModelAdmin):
     search_fields = ("call_id", "id", "title", "user__username")
     date_hierarchy = "created_at"
     inlines = [ToolCallInline]
-    fields = ("id", "call_id", "user", "status", "title", "toolsets", "sdk_hash", "timeout_seconds",
-              "created_at", "started_at", "finished_at", "worker", "code_pre", "stdout_pre", "stderr_pre",
-              "return_value_pre", "error_pre", "timings_pre", "limits")
+    fields = (
+        "id",
+        "call_id",
+        "user",
+        "status",
+        "title",
+        "toolsets",
+        "sdk_hash",
+        "timeout_seconds",
+        "created_at",
+        "started_at",
+        "finished_at",
+        "worker",
+        "code_pre",
+        "stdout_pre",
+        "stderr_pre",
+        "return_value_pre",
+        "error_pre",
+        "timings_pre",
+        "limits",
+    )
     readonly_fields = fields
 
     def has_add_permission(self, request: Any) -> bool:

@@ -18,8 +18,19 @@ class ToolCallSerializer(serializers.ModelSerializer):
     class Meta:
         model = ToolCall
         fields = [
-            "call_id", "type", "ptc_call_id", "toolset", "tool", "input", "output", "error",
-            "status", "credits", "started_at", "finished_at", "duration_ms",
+            "call_id",
+            "type",
+            "ptc_call_id",
+            "toolset",
+            "tool",
+            "input",
+            "output",
+            "error",
+            "status",
+            "credits",
+            "started_at",
+            "finished_at",
+            "duration_ms",
         ]
 
 
@@ -42,10 +53,27 @@ class ExecJobSerializer(serializers.ModelSerializer):
     class Meta:
         model = ExecJob
         fields = [
-            "id", "call_id", "status", "success", "title", "toolsets", "code",
-            "stdout", "stderr", "stdout_truncated", "stderr_truncated", "return_value", "error",
-            "execution_time_seconds", "timeout_limit_seconds", "tool_calls", "credits_charged",
-            "sdk_hash", "created_at", "started_at", "finished_at",
+            "id",
+            "call_id",
+            "status",
+            "success",
+            "title",
+            "toolsets",
+            "code",
+            "stdout",
+            "stderr",
+            "stdout_truncated",
+            "stderr_truncated",
+            "return_value",
+            "error",
+            "execution_time_seconds",
+            "timeout_limit_seconds",
+            "tool_calls",
+            "credits_charged",
+            "sdk_hash",
+            "created_at",
+            "started_at",
+            "finished_at",
         ]
 
     @extend_schema_field(ErrorSerializer(allow_null=True))

@@ -101,8 +101,12 @@ def exec_job_run(*, job_id: str, worker: str) -> None:
     if not claimed:
         # Running already means the worker that took it died and the broker redelivered it: the
         # code may have had effects, so it is not run twice.
-        _exec_job_fail_if(job_id=job_id, status=Status.RUNNING, kind="WorkerLost",
-                          message="the worker running this job stopped; it was not run again")
+        _exec_job_fail_if(
+            job_id=job_id,
+            status=Status.RUNNING,
+            kind="WorkerLost",
+            message="the worker running this job stopped; it was not run again",
+        )
         return
     job = ExecJob.objects.select_related("user").get(pk=job_id)
     toolsets, _ = toolsets_resolve(user=job.user, keys=job.toolsets)
@@ -110,8 +114,13 @@ def exec_job_run(*, job_id: str, worker: str) -> None:
         sdk_hash, sdk_dir = sdk_prepare(toolsets=toolsets)
     except Exception as exc:  # the job must end, never stay running
         logger.exception("sdk generation failed", extra={"job_id": job_id})
-        exec_job_finish(job=job, outcome=Outcome(status="failed", error={
-            "type": "SandboxCrashed", "message": f"the SDK could not be generated: {exc}", "traceback": ""}))
+        exec_job_finish(
+            job=job,
+            outcome=Outcome(
+                status="failed",
+                error={"type": "SandboxCrashed", "message": f"the SDK could not be generated: {exc}", "traceback": ""},
+            ),
+        )
         return
     ExecJob.objects.filter(pk=job.pk).update(sdk_hash=sdk_hash)
     limits = Limits.from_dict(job.limits)
@@ -160,6 +169,12 @@ def exec_job_finish(*, job: ExecJob, outcome: Outcome) -> None:
     if not updated:
         # Cancelled while it ran: keep that status, but keep what the code printed too.
         ExecJob.objects.filter(pk=job.pk, status=Status.CANCELLED).update(**output)
+    # Calls still queued for the job never run; a tools worker that claimed one finishes it.
+    ToolCall.objects.filter(exec_job=job, status=ToolCall.Status.EXECUTING, claimed_at__isnull=True).update(
+        status=ToolCall.Status.FAILED,
+        error={"code": "job_ended", "message": "the job ended before this call started; it was not run"},
+        finished_at=now,
+    )
     status = ExecJob.objects.filter(pk=job.pk).values_list("status", flat=True).first()
     channels.publish(channels.job_channel(job.call_id), {"kind": "end", "status": status})
     logger.info("job finished", extra={"job_id": str(job.pk), "status": status, **outcome.timings})
@@ -191,20 +206,29 @@ def exec_job_cancel(*, job: ExecJob) -> ExecJob:
     )
     job.refresh_from_db()
     if not updated:
-        raise ApplicationError(
-            "job_finished", f"The job has already finished with status '{job.status}'.", status=409
-        )
+        raise ApplicationError("job_finished", f"The job has already finished with status '{job.status}'.", status=409)
     channels.publish(channels.job_channel(job.call_id), {"kind": "cancel"})
     return job
 
 
 def exec_jobs_reap() -> int:
-    """Fail running jobs whose worker stopped sending heartbeats. Return how many were failed."""
+    """Fail running jobs whose worker stopped sending heartbeats, and calls abandoned by dead
+    tools workers. Return how many jobs were failed."""
     stale = timezone.now() - timedelta(seconds=settings.PTC_JOB_LEASE_SECONDS)
+    abandoned = timezone.now() - timedelta(seconds=settings.PTC_DEFAULT_TOOL_TIMEOUT * 2 + settings.PTC_JOB_LEASE_SECONDS)
+    ToolCall.objects.filter(status=ToolCall.Status.EXECUTING, started_at__lt=abandoned).exclude(
+        exec_job__status=Status.RUNNING
+    ).update(
+        status=ToolCall.Status.FAILED,
+        error={"code": "worker_lost", "message": "no tools worker finished this call; it was abandoned"},
+        finished_at=timezone.now(),
+    )
     reaped = 0
     for job_id in ExecJob.objects.filter(status=Status.RUNNING, heartbeat_at__lt=stale).values_list("pk", flat=True):
         reaped += _exec_job_fail_if(
-            job_id=str(job_id), status=Status.RUNNING, kind="WorkerLost",
+            job_id=str(job_id),
+            status=Status.RUNNING,
+            kind="WorkerLost",
             message="the worker running this job stopped sending heartbeats; the job was ended",
         )
     return reaped
@@ -246,7 +270,7 @@ class JobCallRouter:
         tool = next((t for t in toolset.tools.all() if t.name == tool_name), None)
         if tool is None:
             raise ToolFailure("unknown_tool", f"toolset '{toolset_key}' has no tool '{tool_name}'")
-        if not tool_is_ptc(tool=tool, kind=toolset.kind, direct_only=self.direct_only):
+        if not tool_is_ptc(tool=tool, toolset=toolset, direct_only=self.direct_only):
             raise ToolFailure("tool_not_ptc", f"'{toolset_key}.{tool_name}' is a direct tool and cannot be called from code")
         if not isinstance(arguments, dict):
             raise ToolFailure("invalid_arguments", "arguments must be a JSON object of keyword arguments")
@@ -257,11 +281,12 @@ class JobCallRouter:
         error = jsonschema.exceptions.best_match(validator.iter_errors(arguments))
         if error is not None:
             where = "/".join(str(p) for p in error.absolute_path) or "arguments"
-            raise ToolFailure("invalid_arguments", f"{toolset_key}.{tool_name}: {where}: {error.message}")
+            raise ToolFailure("invalid_arguments", f"{where}: {error.message}")
         return tool
 
-    def _record(self, call_id: str, toolset: str, tool: str, arguments: Any, found: Tool | None,
-                error: dict[str, str] | None = None) -> None:
+    def _record(
+        self, call_id: str, toolset: str, tool: str, arguments: Any, found: Tool | None, error: dict[str, str] | None = None
+    ) -> None:
         now = timezone.now()
         ToolCall.objects.create(
             call_id=call_id,
@@ -314,29 +339,30 @@ def tool_call_execute(*, call_id: str) -> None:
     bridge ignores repeats); if it never finished, the worker that ran it died, and it fails as
     ``worker_lost`` rather than run twice.
     """
-    claimed = ToolCall.objects.filter(
-        call_id=call_id, status=ToolCall.Status.EXECUTING, claimed_at__isnull=True
-    ).update(claimed_at=timezone.now())
+    claimed = ToolCall.objects.filter(call_id=call_id, status=ToolCall.Status.EXECUTING, claimed_at__isnull=True).update(
+        claimed_at=timezone.now()
+    )
     call = ToolCall.objects.select_related("exec_job", "tool__toolset").filter(call_id=call_id).first()
     if call is None:
         logger.warning("tool call not found", extra={"call_id": call_id})
         return
     if not claimed:
         if call.status == ToolCall.Status.EXECUTING:
-            _tool_call_finish(call_id=call_id, error={
-                "code": "worker_lost", "message": "the tools worker running this call stopped; it was not run again"})
+            _tool_call_finish(
+                call_id=call_id,
+                error={"code": "worker_lost", "message": "the tools worker running this call stopped; it was not run again"},
+            )
     elif call.exec_job is not None and call.exec_job.status != Status.RUNNING:
-        _tool_call_finish(call_id=call_id, error={
-            "code": "job_ended", "message": f"the job is {call.exec_job.status}; the call was not run"})
+        _tool_call_finish(
+            call_id=call_id, error={"code": "job_ended", "message": f"the job is {call.exec_job.status}; the call was not run"}
+        )
     elif call.tool is None:
         _tool_call_finish(call_id=call_id, error={"code": "unknown_tool", "message": "the tool no longer exists"})
     else:
         _tool_call_run(call)
     if call.exec_job is not None:
         call.refresh_from_db(fields=["status", "output", "error"])
-        channels.publish(
-            channels.job_channel(call.ptc_call_id), {"kind": "result", "call_id": call_id, **_reply(call)}
-        )
+        channels.publish(channels.job_channel(call.ptc_call_id), {"kind": "result", "call_id": call_id, **_reply(call)})
 
 
 def _tool_call_run(call: ToolCall) -> None:
@@ -345,18 +371,24 @@ def _tool_call_run(call: ToolCall) -> None:
     started = time.monotonic()
     try:
         output = tool_run(
-            toolset=tool.toolset, tool=tool, arguments=call.input,
+            toolset=tool.toolset,
+            tool=tool,
+            arguments=call.input,
             timeout=tool.timeout or settings.PTC_DEFAULT_TOOL_TIMEOUT,
         )
         size = len(json.dumps(output, allow_nan=False))
         if size > settings.PTC_MAX_FRAME_BYTES - 4096:
-            raise ToolFailure("output_too_large", f"the tool returned {size} bytes; the limit is "
-                                                  f"{settings.PTC_MAX_FRAME_BYTES - 4096}")
+            raise ToolFailure(
+                "output_too_large", f"the tool returned {size} bytes; the limit is {settings.PTC_MAX_FRAME_BYTES - 4096}"
+            )
     except ToolFailure as failure:
         _tool_call_finish(call_id=call.call_id, error=failure.as_dict())
     except (TypeError, ValueError) as exc:
-        _tool_call_finish(call_id=call.call_id, error={"code": "invalid_output", "message": f"the tool's output is not JSON: {exc}"})
+        error = {"code": "invalid_output", "message": f"the tool's output is not JSON: {exc}"}
+        _tool_call_finish(call_id=call.call_id, error=error)
     else:
         _tool_call_finish(call_id=call.call_id, output=output)
-    logger.info("tool call ran", extra={"call_id": call.call_id, "job_id": str(call.exec_job_id),
-                                        "ms": round((time.monotonic() - started) * 1000, 2)})
+    logger.info(
+        "tool call ran",
+        extra={"call_id": call.call_id, "job_id": str(call.exec_job_id), "ms": round((time.monotonic() - started) * 1000, 2)},
+    )

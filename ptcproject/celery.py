@@ -1,7 +1,7 @@
 """The Celery app. One worker command per queue (ARCHITECTURE.md):
 
-    celery -A ptcproject worker -Q exec     # runs sandboxes, bridges their tool calls
-    celery -A ptcproject worker -Q tools    # runs one tool call per task
+celery -A ptcproject worker -Q exec     # runs sandboxes, bridges their tool calls
+celery -A ptcproject worker -Q tools    # runs one tool call per task
 """
 
 import os

@@ -15,6 +15,7 @@ if (BASE_DIR / ".env").exists():
     env.read_env(str(BASE_DIR / ".env"))
 
 DATA_DIR = Path(env.str("PTC_DATA_DIR", default=str(BASE_DIR / "var")))
+DATA_DIR.mkdir(parents=True, exist_ok=True)
 
 DEBUG = env.bool("DJANGO_DEBUG", default=False)
 # The default key is for the embedded quickstart only; a deployment sets its own.
@@ -126,9 +127,7 @@ SPECTACULAR_SETTINGS = {
 
 # --- Celery -------------------------------------------------------------------------------------
 CELERY_BROKER_URL = env.str("CELERY_BROKER_URL", default="filesystem://")
-REDIS_URL = env.str(
-    "REDIS_URL", default=CELERY_BROKER_URL if CELERY_BROKER_URL.startswith("redis") else ""
-)
+REDIS_URL = env.str("REDIS_URL", default=CELERY_BROKER_URL if CELERY_BROKER_URL.startswith("redis") else "")
 EMBEDDED = CELERY_BROKER_URL.startswith("filesystem")
 # The sandbox's hard wall clock is capped by PTC_MAX_TIMEOUT; tasks get a margin on top of it.
 PTC_MAX_TIMEOUT = env.int("PTC_MAX_TIMEOUT", default=600)
@@ -169,8 +168,10 @@ else:
         # Above the longest hard time limit, or a running task is redelivered to a second worker.
         "visibility_timeout": CELERY_TASK_HARD_LIMIT + 300,
     }
+# How often beat runs the reaper that ends jobs whose worker died (ARCHITECTURE.md, "no job stays running").
+PTC_REAP_EVERY = env.float("PTC_REAP_EVERY", default=15.0)
 CELERY_BEAT_SCHEDULE = {
-    "reap-stuck-jobs": {"task": "execution.tasks.reap_jobs", "schedule": 30.0},
+    "reap-stuck-jobs": {"task": "execution.tasks.reap_jobs", "schedule": PTC_REAP_EVERY},
 }
 CELERY_BEAT_SCHEDULE_FILENAME = str(DATA_DIR / "celerybeat-schedule")
 # Threads per worker process when -c is not given on the command line.

@@ -19,8 +19,19 @@ class PrettyJSONWidget(forms.Textarea):
 class ToolInline(admin.StackedInline):
     model = Tool
     extra = 0
-    fields = ("name", "description", "input_schema", "output_schema", "allowed_callers", "read_only",
-              "timeout", "price", "billing_free", "enabled", "http")
+    fields = (
+        "name",
+        "description",
+        "input_schema",
+        "output_schema",
+        "allowed_callers",
+        "read_only",
+        "timeout",
+        "price",
+        "billing_free",
+        "enabled",
+        "http",
+    )
     formfield_overrides = {
         # JSONField's form field; pretty-printed so a schema is readable when edited.
         Tool._meta.get_field("input_schema").__class__: {"widget": PrettyJSONWidget(attrs={"rows": 12, "cols": 80})},

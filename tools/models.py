@@ -17,9 +17,7 @@ class Toolset(models.Model):
     description = models.TextField(blank=True)
     kind = models.CharField(max_length=16, choices=Kind.choices)
     # A toolset with an owner is that user's own, and shadows a global one with the same key.
-    owner = models.ForeignKey(
-        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.CASCADE, related_name="toolsets"
-    )
+    owner = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.CASCADE, related_name="toolsets")
     is_global = models.BooleanField(default=True, help_text="Global toolsets are visible to all and billed.")
     enabled = models.BooleanField(default=True)
     price = models.PositiveIntegerField(default=0, help_text="Credits per successful call.")

@@ -74,26 +74,39 @@ def _json_type_label(schema: Any) -> str:
     return json_type(schema)
 
 
+def parameters(schema: dict[str, Any] | None) -> tuple[list[str], list[str], dict[str, Any]]:
+    """Return a tool's required and optional parameter names, and their schemas.
+
+    Required ones come in the order of ``required``, optional ones alphabetically: PostgreSQL's
+    jsonb does not keep key order, and the SDK must read the same on every database.
+    """
+    schema = schema or {}
+    properties = schema.get("properties") or {}
+    if not isinstance(properties, dict):
+        properties = {}
+    required = [n for n in dict.fromkeys(schema.get("required") or []) if n in properties]
+    optional = sorted(n for n in properties if n not in required)
+    return required, optional, properties
+
+
 def tool_signature(tool: Tool) -> str:
     """Return the compact one-line form, e.g. ``catalog_search(query: str, limit?: int) -> list``."""
-    properties = (tool.input_schema or {}).get("properties") or {}
-    required = set((tool.input_schema or {}).get("required") or [])
-    params = [f"{name}{'' if name in required else '?'}: {_json_type_label(s)}" for name, s in properties.items()]
+    required, optional, properties = parameters(tool.input_schema)
+    params = [f"{n}: {_json_type_label(properties[n])}" for n in required]
+    params += [f"{n}?: {_json_type_label(properties[n])}" for n in optional]
     returns = _json_type_label(tool.output_schema) if tool.output_schema else "Any"
     return f"{tool.name}({', '.join(params)}) -> {returns}"
 
 
 def _docstring(tool: Tool) -> str:
-    schema = tool.input_schema or {}
-    properties = schema.get("properties") or {}
-    required = set(schema.get("required") or [])
+    required, optional, properties = parameters(tool.input_schema)
     lines = [tool_signature(tool), ""]
     if tool.description:
         lines += [tool.description.strip(), ""]
     if properties:
         lines.append("Args:")
-        for name, prop in properties.items():
-            prop = prop if isinstance(prop, dict) else {}
+        for name in required + optional:
+            prop = properties[name] if isinstance(properties[name], dict) else {}
             bits = [_json_type_label(prop), "required" if name in required else "optional"]
             if "enum" in prop:
                 bits.append("one of " + ", ".join(json.dumps(v) for v in prop["enum"]))
@@ -108,10 +121,7 @@ def _docstring(tool: Tool) -> str:
 
 
 def _tool_source(toolset_key: str, tool: Tool) -> str:
-    schema = tool.input_schema or {}
-    properties = schema.get("properties") or {}
-    required = [n for n in (schema.get("required") or []) if n in properties]
-    optional = [n for n in properties if n not in required]
+    required, optional, properties = parameters(tool.input_schema)
     names_ok = all(n.isidentifier() and not keyword.iskeyword(n) and not n.startswith("_") for n in properties)
     returns = json_type(tool.output_schema)
     fn = f"_{tool.name}"
@@ -119,7 +129,7 @@ def _tool_source(toolset_key: str, tool: Tool) -> str:
         params = [f"{n}: {json_type(properties[n])}" for n in required]
         params += [f"{n}: {json_type(properties[n])} = _rt.UNSET" for n in optional]
         signature = f"*, {', '.join(params)}" if params else ""
-        passed = f"_rt.args({', '.join(f'{n}={n}' for n in properties)})"
+        passed = f"_rt.args({', '.join(f'{n}={n}' for n in required + optional)})"
     else:  # parameter names Python can't spell: take them as **kwargs
         signature, passed = "**kwargs: Any", "kwargs"
     target = f"{json.dumps(toolset_key)}, {json.dumps(tool.name)}"
@@ -151,7 +161,8 @@ def _toolset_doc(toolset: Toolset, tools: list[Tool]) -> str:
     if toolset.description:
         lines += [toolset.description, ""]
     for tool in tools:
-        lines.append(f"- `{cls}.{tool_signature(tool)}`: {tool.description.strip().splitlines()[0] if tool.description else ''}")
+        summary = tool.description.strip().splitlines()[0] if tool.description.strip() else ""
+        lines.append(f"- `{cls}.{tool_signature(tool)}`: {summary}")
     return "\n".join(lines) + "\n"
 
 
@@ -169,7 +180,7 @@ def _ptc_tools(toolsets: list[Toolset]) -> list[tuple[Toolset, list[Tool]]]:
         (
             toolset,
             sorted(
-                (t for t in toolset.tools.all() if t.enabled and tool_is_ptc(tool=t, kind=toolset.kind, direct_only=direct_only)),
+                (t for t in toolset.tools.all() if t.enabled and tool_is_ptc(tool=t, toolset=toolset, direct_only=direct_only)),
                 key=lambda t: t.name,
             ),
         )
@@ -232,7 +243,7 @@ def sdk_materialize(*, sdk: Sdk) -> Path:
             path = staging / name
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(content)
-        for dirpath, dirnames, filenames in os.walk(staging):
+        for dirpath, _dirnames, filenames in os.walk(staging):
             os.chmod(dirpath, 0o755)
             for filename in filenames:
                 os.chmod(os.path.join(dirpath, filename), 0o644)

@@ -4,6 +4,7 @@ from django.conf import settings
 from django.contrib.auth.models import AbstractBaseUser
 from django.db.models import Prefetch, Q, QuerySet
 
+from tools.builtin import builtin_callable_from_code
 from tools.models import Tool, Toolset
 
 DEFAULT_DIRECT_ONLY_TOOLS = ("complete", "fail", "onboarding_handoff")
@@ -14,15 +15,18 @@ def direct_only_tools() -> frozenset[str]:
     return frozenset(getattr(settings, "PTC_DIRECT_ONLY_TOOLS", DEFAULT_DIRECT_ONLY_TOOLS))
 
 
-def tool_is_ptc(*, tool: Tool, kind: str, direct_only: frozenset[str]) -> bool:
+def tool_is_ptc(*, tool: Tool, toolset: Toolset, direct_only: frozenset[str]) -> bool:
     """Return True if ``tool`` is callable from code (PRODUCT.md, "Tool classification").
 
     MCP tools are always PTC. Otherwise a tool is direct when its name is direct-only, or when
-    its ``allowed_callers`` is set and lacks ``code_execution``.
+    its ``allowed_callers`` is set and lacks ``code_execution``. A builtin may declare in code that
+    a direct-only name of its own is not the lifecycle tool (``demo.fail``).
     """
-    if kind == Toolset.Kind.MCP:
+    if toolset.kind == Toolset.Kind.MCP:
         return True
-    if tool.name in direct_only:
+    if tool.name in direct_only and not (
+        toolset.kind == Toolset.Kind.BUILTIN and builtin_callable_from_code(toolset.key, tool.name)
+    ):
         return False
     callers = tool.allowed_callers or [Tool.Caller.CODE_EXECUTION]
     return Tool.Caller.CODE_EXECUTION in callers

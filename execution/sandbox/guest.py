@@ -53,11 +53,14 @@ def _error(exc: BaseException, limits: dict[str, int]) -> dict[str, Any]:
     trace = "Traceback (most recent call last):\n" + "".join(traceback.format_list(frames))
     trace += "".join(traceback.format_exception_only(type(exc), exc))
     kind, message = type(exc).__name__, str(exc)
-    if isinstance(exc, MemoryError):
+    if isinstance(exc, ToolError):
+        message = exc.message
+    elif isinstance(exc, MemoryError):
         kind, message = "ResourceLimit", f"memory limit of {limits['memory_bytes'] // (1 << 20)} MiB reached"
     elif isinstance(exc, OSError) and exc.errno == errno.EFBIG:
         kind, message = "ResourceLimit", f"file size limit of {limits['max_file_bytes']} bytes reached"
-    elif isinstance(exc, BlockingIOError) and exc.errno == errno.EAGAIN and "fork" in trace:
+    elif isinstance(exc, BlockingIOError) and exc.errno == errno.EAGAIN and "socket" not in trace:
+        # fork() and subprocess fail with EAGAIN at RLIMIT_NPROC.
         kind, message = "ResourceLimit", f"process limit of {limits['max_processes']} reached"
     error: dict[str, Any] = {"type": kind, "message": message, "traceback": trace}
     if isinstance(exc, ToolError):
@@ -104,6 +107,8 @@ def main() -> None:
             result["error"] = {"type": "SystemExit", "message": f"exit status {exc.code}", "traceback": ""}
     except BaseException as exc:  # everything the code raises is the job's error, reported whole
         result["error"] = _error(exc, limits)
+    if not _runtime.connected():
+        os._exit(1 if result["error"] else 0)  # a forked child's end is not the job's end
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
@@ -111,7 +116,7 @@ def main() -> None:
             pass
     try:
         _runtime.send(result)
-    except Exception:  # noqa: BLE001 - the worker reports a missing result as SandboxCrashed
+    except Exception:
         os._exit(70)
     # Daemon threads or stray user threads must not keep the sandbox alive after the result.
     os._exit(0)

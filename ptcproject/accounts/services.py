@@ -19,9 +19,7 @@ def _hash(secret: str) -> str:
     return hashlib.sha256(secret.encode()).hexdigest()
 
 
-def api_key_create(
-    *, user: AbstractUser, name: str = "", expires_at: datetime | None = None
-) -> tuple[ApiKey, str]:
+def api_key_create(*, user: AbstractUser, name: str = "", expires_at: datetime | None = None) -> tuple[ApiKey, str]:
     """Create a key for ``user``. Return the row and the plaintext key, which is never stored."""
     prefix = secrets.token_hex(6)
     plaintext = f"{KEY_PREFIX}{prefix}_{secrets.token_urlsafe(32)}"
@@ -50,9 +48,7 @@ def api_key_authenticate(*, plaintext: str) -> ApiKey | None:
 
 
 @transaction.atomic
-def user_with_key_create(
-    *, username: str, create_user: bool, staff: bool, name: str = ""
-) -> tuple[AbstractUser, str]:
+def user_with_key_create(*, username: str, create_user: bool, staff: bool, name: str = "") -> tuple[AbstractUser, str]:
     """Find (or with ``create_user``, create) ``username`` and give it a new key.
 
     Raises ``LookupError`` when the user does not exist and ``create_user`` is false.

@@ -15,6 +15,9 @@ class BuiltinTool:
     read_only: bool = True
     price: int | None = None
     billing_free: bool = False
+    # Set by a builtin whose name collides with a lifecycle tool in ``direct_only_tools`` but
+    # which is meant to be called from code (``demo.fail``): its code owner knows it is not one.
+    callable_from_code: bool = False
 
 
 @dataclass(frozen=True)
@@ -32,3 +35,9 @@ def registry() -> dict[str, BuiltinToolset]:
     from tools.builtin import demo
 
     return {ts.key: ts for ts in (demo.TOOLSET,)}
+
+
+def builtin_callable_from_code(toolset_key: str, tool_name: str) -> bool:
+    """Return True if the builtin ``toolset_key.tool_name`` declares itself callable from code."""
+    spec = registry().get(toolset_key)
+    return bool(spec and any(t.name == tool_name and t.callable_from_code for t in spec.tools))

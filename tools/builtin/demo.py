@@ -63,8 +63,7 @@ def catalog_search(query: str, category: str | None = None, limit: int = 10) -> 
     hits = [
         p
         for p in CATALOG
-        if (category is None or p["category"] == category)
-        and all(w in f"{p['name']} {p['category']}".lower() for w in words)
+        if (category is None or p["category"] == category) and all(w in f"{p['name']} {p['category']}".lower() for w in words)
     ]
     return hits[:limit]
 
@@ -121,6 +120,7 @@ TOOLSET = BuiltinToolset(
             name="fail",
             func=fail,
             description="Always fail with `message`.",
+            callable_from_code=True,
             input_schema={
                 "type": "object",
                 "properties": {"message": {"type": "string"}},

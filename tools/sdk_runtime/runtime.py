@@ -6,6 +6,7 @@ reader thread hands each reply to its caller. ``asyncio`` is imported only when 
 it costs ~50 ms to import.
 """
 
+import os
 import socket
 import threading
 from typing import Any
@@ -25,6 +26,9 @@ class ToolError(Exception):
 
     def __str__(self) -> str:
         return f"{self.tool}: {self.message} [{self.code}]" if self.tool else self.message
+
+
+ToolError.__module__ = "ptc_tools"  # tracebacks name it as the user imports it
 
 
 class _Unset:
@@ -148,13 +152,27 @@ def _unwrap(reply: dict[str, Any], toolset: str, tool: str) -> Any:
 
 
 _bridge: _Bridge | None = None
+_NO_BRIDGE = "tools can be called only from the sandbox's main process (not outside PTC, nor from a fork)"
+
+
+def _forked() -> None:
+    # A forked child shares the bridge socket but not its reader thread or locks: its frames
+    # would interleave with the parent's. Only the sandbox's main process may call tools.
+    global _bridge
+    _bridge = None
 
 
 def connect(fd: int) -> dict[str, Any]:
     """Open the bridge on ``fd`` and return the job the worker sent as its first frame."""
     global _bridge
     _bridge = _Bridge(fd)
+    os.register_at_fork(after_in_child=_forked)
     return _bridge.start_message
+
+
+def connected() -> bool:
+    """Return True in the process that owns the bridge (not in a forked child)."""
+    return _bridge is not None
 
 
 def send(message: dict[str, Any]) -> None:
@@ -166,14 +184,12 @@ def send(message: dict[str, Any]) -> None:
 def call(toolset: str, tool: str, arguments: dict[str, Any]) -> Any:
     """Call ``toolset.tool`` and return its result, or raise ToolError."""
     if _bridge is None:
-        raise ToolError("tools can only be called inside a PTC sandbox", tool=f"{toolset}.{tool}", code="no_bridge")
+        raise ToolError(_NO_BRIDGE, tool=f"{toolset}.{tool}", code="no_bridge")
     return _bridge.call(toolset, tool, arguments)
 
 
 async def acall(toolset: str, tool: str, arguments: dict[str, Any]) -> Any:
     """The asyncio form of ``call``."""
     if _bridge is None:
-        raise ToolError("tools can only be called inside a PTC sandbox", tool=f"{toolset}.{tool}", code="no_bridge")
+        raise ToolError(_NO_BRIDGE, tool=f"{toolset}.{tool}", code="no_bridge")
     return await _bridge.acall(toolset, tool, arguments)
-
-

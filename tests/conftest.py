@@ -1,0 +1,135 @@
+"""Integration fixtures: a fresh PostgreSQL database, real workers on Redis, the real HTTP API.
+
+The test command (README) provides ``TEST_DATABASE_URL`` and ``REDIS_URL``. Nothing here runs
+Celery eagerly: every job goes through the broker to a worker process.
+"""
+
+import os
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import httpx
+import psycopg
+import pytest
+from django.conf import settings
+from django.db import connections
+
+from tests.stack import Stack
+
+TEST_DATABASE_URL = os.environ.get("TEST_DATABASE_URL", "")
+REDIS_URL = os.environ.get("REDIS_URL", "")
+# The sandbox can't see this; a test checks that it really can't.
+WORKER_SECRET = f"s3cret-{uuid.uuid4().hex}"
+
+
+def _require_services() -> None:
+    if not TEST_DATABASE_URL.startswith("postgres") or not REDIS_URL.startswith("redis"):
+        pytest.exit(
+            "The tests need PostgreSQL and Redis: run them with `make test`, which finds or starts both, "
+            "or set TEST_DATABASE_URL=postgres://... and REDIS_URL=redis://...",
+            returncode=2,
+        )
+
+
+@pytest.fixture(scope="session")
+def django_db_setup(django_db_blocker: Any) -> Iterator[str]:
+    """Create a uniquely named database, migrate it, and point Django at it; drop it at the end."""
+    _require_services()
+    name = f"ptc_test_{uuid.uuid4().hex[:10]}"
+    admin_url = TEST_DATABASE_URL
+    with psycopg.connect(admin_url, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    base = TEST_DATABASE_URL.rsplit("/", 1)[0]
+    db_url = f"{base}/{name}"
+    for alias in connections:
+        connections[alias].close()
+    settings.DATABASES["default"]["NAME"] = name
+    connections["default"].settings_dict["NAME"] = name
+    from django.core.management import call_command
+
+    with django_db_blocker.unblock():
+        call_command("migrate", verbosity=0)
+    yield db_url
+    with django_db_blocker.unblock():
+        for alias in connections:
+            connections[alias].close()
+    with psycopg.connect(admin_url, autocommit=True) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _db_access(django_db_setup: str, django_db_blocker: Any) -> Iterator[None]:
+    """Tests read and write the live database the workers use; each test makes its own users."""
+    with django_db_blocker.unblock():
+        yield
+
+
+@pytest.fixture(scope="session")
+def stack_env(django_db_setup: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST", "DJANGO_SETTINGS"))}
+    env.update(
+        DATABASE_URL=django_db_setup,
+        CELERY_BROKER_URL=REDIS_URL,
+        REDIS_URL=REDIS_URL,
+        DJANGO_SETTINGS_MODULE="ptcproject.settings",
+        PTC_TEST_WORKER_SECRET=WORKER_SECRET,
+        # Short leases so the worker-death test ends in seconds, not minutes.
+        PTC_JOB_HEARTBEAT_SECONDS="1",
+        PTC_JOB_LEASE_SECONDS="4",
+        PTC_REAP_EVERY="1",
+        PTC_EXEC_CONCURRENCY="6",
+        PTC_TOOLS_CONCURRENCY="48",
+    )
+    return env
+
+
+@pytest.fixture(scope="session")
+def stack(stack_env: dict[str, str]) -> Iterator[Stack]:
+    running = Stack(stack_env)
+    try:
+        running.start()
+        yield running
+    finally:
+        running.stop()
+
+
+class Api:
+    """An HTTP client for one user, against the running web process."""
+
+    def __init__(self, base_url: str, key: str, username: str) -> None:
+        self.key = key
+        self.username = username
+        self.http = httpx.Client(base_url=base_url, headers={"Authorization": f"Bearer {key}"}, timeout=90)
+
+    def run(self, code: str, *, toolsets: list[str] | None = None, wait: float = 60, **body: Any) -> dict[str, Any]:
+        """Submit ``code`` and return the finished job (status 201 asserted)."""
+        payload = {"code": code, "wait": wait, **body}
+        if toolsets is not None:
+            payload["toolsets"] = toolsets
+        response = self.http.post("/api/v1/exec", json=payload)
+        assert response.status_code == 201, response.text
+        return response.json()
+
+    def get(self, path: str, **kwargs: Any) -> httpx.Response:
+        return self.http.get(path, **kwargs)
+
+    def post(self, path: str, **kwargs: Any) -> httpx.Response:
+        return self.http.post(path, **kwargs)
+
+
+@pytest.fixture
+def make_api(stack: Stack) -> Callable[..., Api]:
+    from ptcproject.accounts.services import user_with_key_create
+
+    def make(staff: bool = False) -> Api:
+        username = f"user-{uuid.uuid4().hex[:8]}"
+        _, key = user_with_key_create(username=username, create_user=True, staff=staff)
+        return Api(stack.base_url, key, username)
+
+    return make
+
+
+@pytest.fixture
+def api(make_api: Callable[..., Api]) -> Api:
+    return make_api()

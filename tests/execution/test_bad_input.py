@@ -1,0 +1,148 @@
+"""Bad input gets a stable error and harms nothing: the worker takes the next job."""
+
+import pytest
+
+from tests.conftest import Api
+
+
+def _assert_error(job: dict, status: str, kind: str) -> None:
+    assert job["status"] == status, job
+    assert job["error"]["type"] == kind, job["error"]
+    assert job["error"]["message"]
+
+
+def test_code_that_is_not_python(api: Api) -> None:
+    job = api.run("def (:", toolsets=["demo"])
+    _assert_error(job, "failed", "SyntaxError")
+
+
+def test_code_over_256_kib_is_413(api: Api) -> None:
+    response = api.post("/api/v1/exec", json={"code": "#" * (256 * 1024 + 1), "toolsets": ["demo"]})
+    assert response.status_code == 413
+    assert response.json()["error"]["code"] == "code_too_large"
+
+
+def test_allocating_10_gb(api: Api) -> None:
+    job = api.run("x = bytearray(10 * 1024**3)", toolsets=["demo"])
+    _assert_error(job, "failed", "ResourceLimit")
+    assert "memory" in job["error"]["message"]
+
+
+def test_fork_bomb(api: Api) -> None:
+    job = api.run("import os\nwhile True:\n    os.fork()", toolsets=["demo"], timeout=10)
+    _assert_error(job, "failed", "ResourceLimit")
+    assert "process" in job["error"]["message"]
+
+
+def test_printing_1_gb_keeps_head_and_tail(api: Api) -> None:
+    code = "import sys\nprint('FIRST')\nfor _ in range(1024 * 1024):\n    sys.stdout.write('x' * 1023 + '\\n')\nprint('LAST')"
+    job = api.run(code, toolsets=["demo"], timeout=60)
+    assert job["status"] == "completed", job["error"]
+    assert job["stdout_truncated"] is True
+    assert job["stdout"].startswith("FIRST\n")
+    assert job["stdout"].endswith("LAST\n")
+    assert "bytes omitted" in job["stdout"]
+    assert len(job["stdout"]) < 1_100_000
+
+
+def test_os_exit(api: Api) -> None:
+    job = api.run("print('bye', flush=True)\nimport os\nos._exit(3)", toolsets=["demo"])
+    _assert_error(job, "failed", "SandboxCrashed")
+    assert "status 3" in job["error"]["message"]
+    assert job["stdout"] == "bye\n"
+
+
+def test_killing_its_parent(api: Api) -> None:
+    job = api.run("import os, signal\nos.kill(os.getppid(), signal.SIGKILL)\n'survived'", toolsets=["demo"])
+    # Its parent is the sandbox's own init, which ignores the signal: the worker is out of reach.
+    assert job["status"] == "completed", job["error"]
+    assert job["return_value"] == "survived"
+
+
+def test_setsid_grandchild_is_killed_at_timeout(api: Api) -> None:
+    code = """
+import subprocess, sys
+subprocess.Popen([sys.executable, "-c", "import os, time; os.setsid(); time.sleep(300)"])
+import time; time.sleep(300)
+"""
+    job = api.run(code, toolsets=["demo"], timeout=2)
+    _assert_error(job, "timeout", "Timeout")
+    import subprocess
+
+    survivors = subprocess.run(["pgrep", "-f", "time.sleep(300)"], capture_output=True, text=True).stdout.split()
+    assert survivors == []
+
+
+@pytest.mark.parametrize(
+    ("call", "code"),
+    [
+        ("_rt.call('nope', 'x', {})", "unknown_toolset"),
+        ("_rt.call('demo', 'nope', {})", "unknown_tool"),
+        ("_rt.call('demo', 'add', {'a': 1})", "invalid_arguments"),
+        ("_rt.call('demo', 'sleep', {'ms': 10**9})", "invalid_arguments"),
+    ],
+)
+def test_bad_calls_get_a_tool_error_with_a_stable_code(api: Api, call: str, code: str) -> None:
+    job = api.run(f"from ptc_tools import _runtime as _rt\nfrom ptc_tools.demo import Demo\n{call}", toolsets=["demo"])
+    _assert_error(job, "failed", "ToolError")
+    assert job["error"]["code"] == code
+    [record] = job["tool_calls"]
+    assert record["status"] == "failed"
+    assert record["error"]["code"] == code
+
+
+def test_toolset_not_granted_to_the_job(api: Api) -> None:
+    job = api.run("from ptc_tools import _runtime as _rt\n_rt.call('demo', 'add', {'a': 1, 'b': 2})", toolsets=[])
+    _assert_error(job, "failed", "ToolError")
+    assert job["error"]["code"] == "toolset_not_granted"
+    # Nor is its module in the job's SDK.
+    missing = api.run("import ptc_tools.demo", toolsets=[])
+    _assert_error(missing, "failed", "ModuleNotFoundError")
+
+
+@pytest.mark.parametrize(
+    ("frame", "message"),
+    [
+        (b"\\xff\\xff\\xff\\xff", "over the"),
+        (b"\\x00\\x00\\x00\\x05hello", "not valid JSON"),
+        (b"\\x00\\x00\\x00\\x02[]", "not a JSON object"),
+        (b'\\x00\\x00\\x00\\x0c{"op":"zap"}', "unknown bridge frame"),
+    ],
+)
+def test_malformed_frames_end_the_job_clearly(api: Api, frame: bytes, message: str) -> None:
+    code = f"""
+import os, time
+from ptc_tools import _runtime
+os.write(_runtime._bridge._sock.fileno(), b'{frame.decode()}')
+time.sleep(10)
+"""
+    job = api.run(code, toolsets=["demo"], timeout=20)
+    _assert_error(job, "failed", "BridgeError")
+    assert message in job["error"]["message"]
+
+
+def test_unknown_toolset_in_the_request_is_400(api: Api) -> None:
+    response = api.post("/api/v1/exec", json={"code": "1", "toolsets": ["nope"]})
+    assert response.status_code == 400
+    body = response.json()["error"]
+    assert body["code"] == "unknown_toolset"
+    assert body["details"] == {"toolsets": ["nope"]}
+
+
+def test_invalid_request_body_is_a_field_error(api: Api) -> None:
+    response = api.post("/api/v1/exec", json={"toolsets": "demo", "wait": 500})
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["code"] == "validation_error"
+    assert set(error["details"]) == {"code", "toolsets", "wait"}
+
+
+def test_timeout_above_the_maximum_is_refused_not_clamped(api: Api) -> None:
+    response = api.post("/api/v1/exec", json={"code": "1", "timeout": 10**6})
+    assert response.status_code == 400
+    assert "timeout" in response.json()["error"]["details"]
+
+
+def test_after_all_that_the_worker_still_runs_jobs(api: Api) -> None:
+    job = api.run("from ptc_tools.demo import Demo\nDemo.add(a=40, b=2)", toolsets=["demo"])
+    assert job["return_value"] == 42

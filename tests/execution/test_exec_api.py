@@ -1,0 +1,193 @@
+"""The path of one job, end to end, through the HTTP API and real workers."""
+
+import time
+
+from tests.conftest import Api
+
+
+def test_stdout_and_return_value(api: Api) -> None:
+    job = api.run("print('hello')\nx = 20\nx + 22", toolsets=["demo"])
+    assert job["status"] == "completed"
+    assert job["success"] is True
+    assert job["stdout"] == "hello\n"
+    assert job["return_value"] == 42
+    assert job["error"] is None
+    assert job["call_id"].startswith("exec_")
+    assert job["sdk_hash"] and len(job["sdk_hash"]) == 64
+    assert job["execution_time_seconds"] > 0
+    assert job["started_at"] and job["finished_at"]
+
+
+def test_location_header_and_get(api: Api) -> None:
+    response = api.post("/api/v1/exec", json={"code": "1", "toolsets": ["demo"], "wait": 0})
+    assert response.status_code == 201
+    job = response.json()
+    assert response.headers["Location"] == f"/api/v1/exec/{job['id']}"
+    assert job["status"] in ("queued", "running", "completed")
+    assert job["success"] in (None, True)
+    fetched = api.run("2", toolsets=["demo"])
+    assert api.get(f"/api/v1/exec/{fetched['id']}").json()["return_value"] == 2
+
+
+def test_one_tool_call_and_its_record(api: Api) -> None:
+    job = api.run("from ptc_tools.demo import Demo\nDemo.add(a=1, b=2)", toolsets=["demo"])
+    assert job["status"] == "completed", job["error"]
+    assert job["return_value"] == 3
+    [call] = job["tool_calls"]
+    assert call["call_id"].startswith("ptc_")
+    assert call["type"] == "ptc"
+    assert call["ptc_call_id"] == job["call_id"]
+    assert (call["toolset"], call["tool"]) == ("demo", "add")
+    assert call["input"] == {"a": 1, "b": 2}
+    assert call["output"] == 3
+    assert call["status"] == "completed"
+    assert call["error"] is None
+    assert call["duration_ms"] >= 0
+    listed = api.get("/api/v1/tool-calls", params={"exec": job["id"]}).json()
+    assert listed["count"] == 1
+    assert listed["results"][0]["call_id"] == call["call_id"]
+
+
+def test_parallel_calls_through_threads(api: Api) -> None:
+    code = """
+from concurrent.futures import ThreadPoolExecutor
+from ptc_tools.demo import Demo
+with ThreadPoolExecutor(16) as pool:
+    results = list(pool.map(lambda _: Demo.sleep(ms=500), range(16)))
+results
+"""
+    job = api.run(code, toolsets=["demo"])
+    assert job["status"] == "completed", job["error"]
+    assert job["return_value"] == [{"slept_ms": 500}] * 16
+    assert len(job["tool_calls"]) == 16
+    # Sixteen 0.5 s calls in series would take 8 s; in parallel they take about 0.5 s.
+    assert job["execution_time_seconds"] < 2.5, job["execution_time_seconds"]
+
+
+def test_parallel_calls_through_asyncio_gather(api: Api) -> None:
+    code = """
+import asyncio
+from ptc_tools.demo import Demo
+results = await asyncio.gather(*(Demo.sleep.aio(ms=500) for _ in range(16)))
+len(results)
+"""
+    job = api.run(code, toolsets=["demo"])
+    assert job["status"] == "completed", job["error"]
+    assert job["return_value"] == 16
+    assert all(c["status"] == "completed" for c in job["tool_calls"])
+    assert job["execution_time_seconds"] < 2.5, job["execution_time_seconds"]
+
+
+def test_uncaught_tool_error_fails_the_job(api: Api) -> None:
+    job = api.run("from ptc_tools.demo import Demo\nDemo.fail(message='boom')", toolsets=["demo"])
+    assert job["status"] == "failed"
+    assert job["success"] is False
+    assert job["error"]["type"] == "ToolError"
+    assert job["error"]["message"] == "boom"
+    assert job["error"]["tool"] == "demo.fail"
+    [call] = job["tool_calls"]
+    assert call["status"] == "failed"
+    assert call["error"] == {"code": "tool_failed", "message": "boom"}
+    assert job["error"]["call_id"] == call["call_id"]
+
+
+def test_caught_tool_error_lets_the_code_go_on(api: Api) -> None:
+    code = """
+from ptc_tools import ToolError
+from ptc_tools.demo import Demo
+try:
+    Demo.fail(message="nope")
+except ToolError as e:
+    print("caught", e.tool, e.message, e.call_id.startswith("ptc_"))
+Demo.add(a=2, b=3)
+"""
+    job = api.run(code, toolsets=["demo"])
+    assert job["status"] == "completed", job["error"]
+    assert job["stdout"] == "caught demo.fail nope True\n"
+    assert job["return_value"] == 5
+    assert [c["status"] for c in job["tool_calls"]] == ["failed", "completed"]
+
+
+def test_schema_invalid_arguments_are_refused_before_running(api: Api) -> None:
+    code = """
+from ptc_tools import ToolError
+from ptc_tools.demo import Demo
+try:
+    Demo.add(a="one", b=2)
+except ToolError as e:
+    print(e.code, e.message)
+"""
+    job = api.run(code, toolsets=["demo"])
+    assert job["status"] == "completed", job["error"]
+    assert job["stdout"] == "invalid_arguments a: 'one' is not of type 'number'\n"
+    [call] = job["tool_calls"]
+    assert call["status"] == "failed"
+    assert call["error"]["code"] == "invalid_arguments"
+    assert call["output"] is None
+
+
+def test_timeout_then_the_next_job_still_works(api: Api) -> None:
+    started = time.monotonic()
+    job = api.run("print('spinning', flush=True)\nwhile True: pass", toolsets=["demo"], timeout=2)
+    assert job["status"] == "timeout"
+    assert job["error"]["type"] == "Timeout"
+    assert job["stdout"] == "spinning\n"
+    assert time.monotonic() - started < 10
+    assert api.run("'still here'", toolsets=["demo"])["return_value"] == "still here"
+
+
+def test_cancel_kills_the_job_and_its_queued_calls_never_run(api: Api) -> None:
+    code = """
+import threading, time
+from ptc_tools.demo import Demo
+print("started", flush=True)
+# 16 calls in flight, 24 more waiting for a slot: none of those may run once cancelled.
+threads = [threading.Thread(target=Demo.sleep, kwargs={"ms": 3000}) for _ in range(40)]
+[t.start() for t in threads]
+[t.join() for t in threads]
+"""
+    job = api.run(code, toolsets=["demo"], wait=0)
+    deadline = time.monotonic() + 15
+    while api.get(f"/api/v1/exec/{job['id']}").json()["status"] != "running":
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    time.sleep(0.5)
+    cancelled = api.post(f"/api/v1/exec/{job['id']}/cancel")
+    assert cancelled.status_code == 200, cancelled.text
+    assert cancelled.json()["status"] == "cancelled"
+    assert cancelled.json()["error"]["type"] == "Cancelled"
+    time.sleep(4)  # longer than the calls in flight take
+    final = api.get(f"/api/v1/exec/{job['id']}").json()
+    assert final["status"] == "cancelled"
+    assert final["stdout"] == "started\n"
+    calls = final["tool_calls"]
+    assert len(calls) <= 16, "calls waiting for a slot were dispatched after the cancel"
+    assert all(c["status"] != "executing" for c in calls)
+    again = api.post(f"/api/v1/exec/{job['id']}/cancel")
+    assert again.status_code == 409
+    assert again.json()["error"]["code"] == "job_finished"
+
+
+def test_other_users_jobs_are_404(make_api) -> None:  # type: ignore[no-untyped-def]
+    alice, bob = make_api(), make_api()
+    job = alice.run("1", toolsets=["demo"])
+    for response in (
+        bob.get(f"/api/v1/exec/{job['id']}"),
+        bob.post(f"/api/v1/exec/{job['id']}/cancel"),
+    ):
+        assert response.status_code == 404
+        assert response.json()["error"]["code"] == "not_found"
+    assert bob.get("/api/v1/tool-calls", params={"exec": job["id"]}).json()["count"] == 0
+    assert all(j["id"] != job["id"] for j in bob.get("/api/v1/exec").json()["results"])
+
+
+def test_list_is_newest_first_and_filters_by_status(api: Api) -> None:
+    first = api.run("1", toolsets=["demo"])
+    failed = api.run("1/0", toolsets=["demo"])
+    listed = api.get("/api/v1/exec").json()
+    ids = [j["id"] for j in listed["results"]]
+    assert ids.index(failed["id"]) < ids.index(first["id"])
+    only_failed = api.get("/api/v1/exec", params={"status": "failed"}).json()["results"]
+    assert [j["id"] for j in only_failed] == [failed["id"]]
+    assert failed["error"]["type"] == "ZeroDivisionError"
+    assert "line 1" in failed["error"]["traceback"]

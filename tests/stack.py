@@ -1,0 +1,105 @@
+"""A real stack for integration tests: Celery exec and tools workers and uvicorn, as operators run them.
+
+Each process is started with the exact commands of ARCHITECTURE.md, on the test database and Redis,
+and stopped at the end of the session.
+"""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+ARTIFACTS = ROOT / "test-artifacts"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Process:
+    """One long-running process whose output goes to a log file under test-artifacts/."""
+
+    def __init__(self, name: str, argv: list[str], env: dict[str, str], ready: str | None = None) -> None:
+        self.name, self.argv, self.env, self.ready = name, argv, env, ready
+        self.log = ARTIFACTS / f"{name}.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout: float = 60) -> None:
+        ARTIFACTS.mkdir(exist_ok=True)
+        offset = self.log.stat().st_size if self.log.exists() else 0
+        handle = self.log.open("ab")
+        self.proc = subprocess.Popen(self.argv, cwd=ROOT, env=self.env, stdout=handle, stderr=subprocess.STDOUT)
+        handle.close()
+        if self.ready is None:
+            return
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:  # start-up only; nothing here is on a tested path
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}; see {self.log}")
+            with self.log.open("rb") as f:
+                f.seek(offset)
+                if self.ready.encode() in f.read():
+                    return
+            time.sleep(0.1)
+        raise RuntimeError(f"{self.name} was not ready within {timeout} s; see {self.log}")
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 20) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(sig)
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+    def kill(self) -> None:
+        self.stop(signal.SIGKILL)
+
+
+class Stack:
+    def __init__(self, env: dict[str, str]) -> None:
+        self.env = env
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        celery = str(BIN / "celery")
+        self.exec_worker = Process(
+            "exec-worker",
+            [celery, "-A", "ptcproject", "worker", "-Q", "exec", "-n", f"exec-{os.getpid()}@%h", "-l", "info"],
+            env,
+            ready=" ready.",
+        )
+        self.tools_worker = Process(
+            "tools-worker",
+            [celery, "-A", "ptcproject", "worker", "-Q", "tools", "-n", f"tools-{os.getpid()}@%h", "-l", "info"],
+            env,
+            ready=" ready.",
+        )
+        self.beat = Process(
+            "beat",
+            [celery, "-A", "ptcproject", "beat", "-l", "info", "-s", str(ARTIFACTS / f"beat-{os.getpid()}")],
+            env,
+            ready="beat: Starting",
+        )
+        self.web = Process(
+            "web",
+            [str(BIN / "uvicorn"), "ptcproject.asgi:application", "--port", str(self.port), "--no-access-log"],
+            env,
+            ready="Uvicorn running",
+        )
+        self.processes = [self.exec_worker, self.tools_worker, self.beat, self.web]
+
+    def start(self) -> None:
+        for process in self.processes:
+            process.start()
+
+    def stop(self) -> None:
+        for process in reversed(self.processes):
+            process.stop()

@@ -1,0 +1,22 @@
+import httpx
+
+from tests.stack import Stack
+
+
+def test_healthz_and_readyz(stack: Stack) -> None:
+    assert httpx.get(f"{stack.base_url}/healthz").json() == {"status": "ok"}
+    ready = httpx.get(f"{stack.base_url}/readyz")
+    assert ready.status_code == 200, ready.text
+
+
+def test_openapi_schema_and_docs_are_served_offline(stack: Stack) -> None:
+    schema = httpx.get(f"{stack.base_url}/api/schema/", headers={"Accept": "application/json"})
+    assert schema.status_code == 200
+    paths = schema.json()["paths"]
+    for path in ("/api/v1/exec", "/api/v1/exec/{job_id}", "/api/v1/exec/{job_id}/cancel", "/api/v1/tool-calls"):
+        assert path in paths
+    docs = httpx.get(f"{stack.base_url}/api/docs/")
+    assert docs.status_code == 200
+    assert "cdn" not in docs.text.lower()
+    asset = docs.text.split('src="')[1].split('"')[0]
+    assert httpx.get(f"{stack.base_url}{asset}").status_code == 200
