@@ -1,0 +1,102 @@
+#!/usr/bin/env bash
+# The quickstart: install, migrate, start the web process, the exec and tools workers and beat,
+# print a demo user's API key, run one demo job with parallel tool calls, and print its result.
+#
+# With no URLs it runs embedded: SQLite and kombu's filesystem transport under var/ (PTC_DATA_DIR).
+# With DATABASE_URL and CELERY_BROKER_URL (or REDIS_URL) it runs on PostgreSQL and Redis.
+# PORT (default 8000) is the web port. PTC_QUICKSTART_ONCE=1 stops everything after the demo job.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/setup.sh
+
+if [ -n "${REDIS_URL:-}" ] && [ -z "${CELERY_BROKER_URL:-}" ]; then
+    export CELERY_BROKER_URL="$REDIS_URL"
+fi
+export DJANGO_SETTINGS_MODULE=ptcproject.settings
+data_dir="${PTC_DATA_DIR:-$PWD/var}"
+logs="$data_dir/log"
+mkdir -p "$logs"
+port="${PORT:-8000}"
+base="http://127.0.0.1:$port"
+py=.venv/bin/python
+
+if [ -z "${DATABASE_URL:-}" ]; then
+    echo "== embedded: SQLite at $data_dir/db.sqlite3, filesystem broker at $data_dir/broker"
+else
+    echo "== database: ${DATABASE_URL%%\?*}"
+fi
+$py manage.py migrate --no-input -v0
+
+pids=()
+stop() {
+    trap - EXIT INT TERM
+    [ ${#pids[@]} -gt 0 ] && kill "${pids[@]}" 2>/dev/null
+    wait 2>/dev/null || true
+}
+trap stop EXIT INT TERM
+
+start() {  # name, then the command
+    local name=$1; shift
+    "$@" >"$logs/$name.log" 2>&1 &
+    pids+=($!)
+}
+start web .venv/bin/uvicorn ptcproject.asgi:application --host 127.0.0.1 --port "$port"
+start exec .venv/bin/celery -A ptcproject worker -Q exec -n "exec@%h" -l info
+start tools .venv/bin/celery -A ptcproject worker -Q tools -n "tools@%h" -l info
+start beat .venv/bin/celery -A ptcproject beat -l info -s "$data_dir/celerybeat-schedule"
+
+$py - "$base" "$logs" <<'PY'
+import sys, time, pathlib, urllib.request
+base, logs = sys.argv[1], pathlib.Path(sys.argv[2])
+deadline = time.monotonic() + 60
+def ready() -> bool:
+    workers = all(" ready." in (logs / f"{n}.log").read_text(errors="replace") for n in ("exec", "tools"))
+    try:
+        return workers and urllib.request.urlopen(f"{base}/healthz", timeout=1).status == 200
+    except OSError:
+        return False
+while not ready():
+    if time.monotonic() > deadline:
+        sys.exit(f"the stack did not start within 60 s; see the logs in {logs}")
+    time.sleep(0.2)
+PY
+
+key=$($py manage.py create_api_key demo --create-user | tail -n 1)
+echo "== the demo user's API key (shown once):"
+echo "$key"
+echo "== running a demo job: four catalog searches in parallel, then a sum"
+$py - "$base" "$key" <<'PY'
+import json, sys, urllib.request
+base, key = sys.argv[1], sys.argv[2]
+code = '''
+from concurrent.futures import ThreadPoolExecutor
+from ptc_tools.demo import Demo
+
+categories = ["jewelry", "watches", "accessories", "bags"]
+with ThreadPoolExecutor(4) as pool:
+    found = dict(zip(categories, pool.map(lambda c: Demo.catalog_search(query="classic", category=c), categories)))
+for category, products in found.items():
+    print(f"{category:12} {len(products)} products, cheapest {min(p['price'] for p in products)}")
+Demo.add(a=sum(len(p) for p in found.values()), b=0)
+'''
+body = json.dumps({"code": code, "toolsets": ["demo"], "wait": 30, "title": "quickstart"}).encode()
+request = urllib.request.Request(f"{base}/api/v1/exec", data=body, method="POST", headers={
+    "Authorization": f"Bearer {key}", "Content-Type": "application/json"})
+job = json.load(urllib.request.urlopen(request, timeout=60))
+print(job["stdout"], end="")
+print(f"status: {job['status']}   return value: {job['return_value']}   "
+      f"tool calls: {len(job['tool_calls'])}   time: {job['execution_time_seconds']} s")
+for call in job["tool_calls"]:
+    print(f"  {call['call_id']}  {call['tool']:15} {call['status']:9} {call['duration_ms']} ms")
+if job["status"] != "completed":
+    sys.exit(f"the demo job did not complete: {job['error']}")
+PY
+
+echo
+echo "== up: API $base/api/v1/   docs $base/api/docs/   admin $base/admin/   logs $logs"
+echo "   try: curl -s -H \"Authorization: Bearer $key\" $base/api/v1/exec | head -c 400"
+if [ "${PTC_QUICKSTART_ONCE:-}" = 1 ]; then
+    exit 0
+fi
+echo "   Ctrl-C stops everything."
+wait
