@@ -13,6 +13,7 @@ import jsonschema
 from django.conf import settings
 from django.contrib.auth.models import AbstractBaseUser
 from django.db import transaction
+from django.db.models import Q
 from django.utils import timezone
 
 from execution import channels
@@ -24,7 +25,7 @@ from tools.errors import ToolFailure
 from tools.kinds import tool_run
 from tools.models import Tool, Toolset
 from tools.sdk import sdk_prepare
-from tools.selectors import direct_only_tools, tool_is_ptc, toolsets_resolve, toolsets_visible
+from tools.selectors import direct_only_tools, tool_for_call, tool_is_ptc, toolsets_resolve, toolsets_visible
 
 logger = logging.getLogger("ptc.execution")
 Status = ExecJob.Status
@@ -335,60 +336,64 @@ def _tool_call_finish(*, call_id: str, output: Any = None, error: dict[str, str]
 def tool_call_execute(*, call_id: str) -> None:
     """Run one recorded call, once: claim it, run it, record the result, push it to the job.
 
-    A redelivered task finds the claim taken. If the call finished, its result is pushed again (the
-    bridge ignores repeats); if it never finished, the worker that ran it died, and it fails as
-    ``worker_lost`` rather than run twice.
+    The claim is one conditional UPDATE: the call must still be executing, unclaimed, and its job
+    still running. A redelivered task finds the claim taken: if the call finished, its result is
+    pushed again (the bridge ignores repeats); if it never finished, the worker that ran it died,
+    and it fails as ``worker_lost`` rather than run twice.
     """
-    claimed = ToolCall.objects.filter(call_id=call_id, status=ToolCall.Status.EXECUTING, claimed_at__isnull=True).update(
-        claimed_at=timezone.now()
+    claimed = (
+        ToolCall.objects.filter(call_id=call_id, status=ToolCall.Status.EXECUTING, claimed_at__isnull=True)
+        .filter(Q(exec_job__isnull=True) | Q(exec_job__status=Status.RUNNING))
+        .update(claimed_at=timezone.now())
     )
-    call = ToolCall.objects.select_related("exec_job", "tool__toolset").filter(call_id=call_id).first()
+    call = ToolCall.objects.filter(call_id=call_id).values("tool_id", "input", "ptc_call_id", "status", "claimed_at").first()
     if call is None:
         logger.warning("tool call not found", extra={"call_id": call_id})
         return
-    if not claimed:
-        if call.status == ToolCall.Status.EXECUTING:
-            _tool_call_finish(
-                call_id=call_id,
-                error={"code": "worker_lost", "message": "the tools worker running this call stopped; it was not run again"},
-            )
-    elif call.exec_job is not None and call.exec_job.status != Status.RUNNING:
-        _tool_call_finish(
-            call_id=call_id, error={"code": "job_ended", "message": f"the job is {call.exec_job.status}; the call was not run"}
-        )
-    elif call.tool is None:
-        _tool_call_finish(call_id=call_id, error={"code": "unknown_tool", "message": "the tool no longer exists"})
+    if claimed:
+        tool = tool_for_call(tool_id=call["tool_id"]) if call["tool_id"] else None
+        if tool is None:
+            reply = _tool_call_fail(call_id, "unknown_tool", "the tool no longer exists")
+        else:
+            reply = _tool_call_run(call_id=call_id, tool=tool, arguments=call["input"])
+    elif call["status"] != ToolCall.Status.EXECUTING:
+        reply = _reply(ToolCall.objects.get(call_id=call_id))
+    elif call["claimed_at"] is not None:
+        reply = _tool_call_fail(call_id, "worker_lost", "the tools worker running this call stopped; it was not run again")
     else:
-        _tool_call_run(call)
-    if call.exec_job is not None:
-        call.refresh_from_db(fields=["status", "output", "error"])
-        channels.publish(channels.job_channel(call.ptc_call_id), {"kind": "result", "call_id": call_id, **_reply(call)})
+        reply = _tool_call_fail(call_id, "job_ended", "the job ended before this call started; it was not run")
+    if call["ptc_call_id"]:
+        channels.publish(channels.job_channel(call["ptc_call_id"]), {"kind": "result", "call_id": call_id, **reply})
 
 
-def _tool_call_run(call: ToolCall) -> None:
-    tool = call.tool
-    assert tool is not None
+def _tool_call_fail(call_id: str, code: str, message: str) -> dict[str, Any]:
+    error = {"code": code, "message": message}
+    if _tool_call_finish(call_id=call_id, error=error):
+        return {"ok": False, "error": error}
+    return _reply(ToolCall.objects.get(call_id=call_id))
+
+
+def _tool_call_run(*, call_id: str, tool: Tool, arguments: dict[str, Any]) -> dict[str, Any]:
+    """Run the tool and record the outcome. Return the reply for the waiting code."""
     started = time.monotonic()
     try:
         output = tool_run(
-            toolset=tool.toolset,
-            tool=tool,
-            arguments=call.input,
-            timeout=tool.timeout or settings.PTC_DEFAULT_TOOL_TIMEOUT,
+            toolset=tool.toolset, tool=tool, arguments=arguments, timeout=tool.timeout or settings.PTC_DEFAULT_TOOL_TIMEOUT
         )
         size = len(json.dumps(output, allow_nan=False))
-        if size > settings.PTC_MAX_FRAME_BYTES - 4096:
-            raise ToolFailure(
-                "output_too_large", f"the tool returned {size} bytes; the limit is {settings.PTC_MAX_FRAME_BYTES - 4096}"
-            )
+        limit = settings.PTC_MAX_FRAME_BYTES - 4096
+        if size > limit:
+            raise ToolFailure("output_too_large", f"the tool returned {size} bytes of JSON; the limit is {limit}")
     except ToolFailure as failure:
-        _tool_call_finish(call_id=call.call_id, error=failure.as_dict())
+        reply: dict[str, Any] = {"ok": False, "error": failure.as_dict()}
     except (TypeError, ValueError) as exc:
-        error = {"code": "invalid_output", "message": f"the tool's output is not JSON: {exc}"}
-        _tool_call_finish(call_id=call.call_id, error=error)
+        reply = {"ok": False, "error": {"code": "invalid_output", "message": f"the tool's output is not JSON: {exc}"}}
     else:
-        _tool_call_finish(call_id=call.call_id, output=output)
+        reply = {"ok": True, "result": output}
+    finished = _tool_call_finish(call_id=call_id, output=reply.get("result"), error=reply.get("error"))
     logger.info(
         "tool call ran",
-        extra={"call_id": call.call_id, "job_id": str(call.exec_job_id), "ms": round((time.monotonic() - started) * 1000, 2)},
+        extra={"call_id": call_id, "tool": str(tool), "ok": reply["ok"], "ms": round((time.monotonic() - started) * 1000, 2)},
     )
+    # Not finished by us means the bridge gave up on it meanwhile: the record's word is final.
+    return reply if finished else _reply(ToolCall.objects.get(call_id=call_id))

@@ -1,4 +1,6 @@
+import time
 from collections.abc import Iterable
+from typing import Any
 
 from django.conf import settings
 from django.contrib.auth.models import AbstractBaseUser
@@ -48,3 +50,20 @@ def toolsets_resolve(*, user: AbstractBaseUser, keys: Iterable[str]) -> tuple[li
     wanted = list(dict.fromkeys(keys))
     found = {ts.key: ts for ts in toolsets_visible(user=user).filter(key__in=wanted)}
     return [found[k] for k in wanted if k in found], [k for k in wanted if k not in found]
+
+
+# Tool definitions change rarely and every call needs one: a tools worker keeps each for a moment
+# rather than join it into every claim. An edit reaches the workers within this many seconds.
+TOOL_CACHE_SECONDS = 2.0
+_tool_cache: dict[Any, tuple[float, Tool | None]] = {}
+
+
+def tool_for_call(*, tool_id: Any) -> Tool | None:
+    """Return the tool (with its toolset) to run a call with, or None if it was deleted."""
+    now = time.monotonic()
+    hit = _tool_cache.get(tool_id)
+    if hit is not None and hit[0] > now:
+        return hit[1]
+    tool = Tool.objects.select_related("toolset").filter(pk=tool_id).first()
+    _tool_cache[tool_id] = (now + TOOL_CACHE_SECONDS, tool)
+    return tool

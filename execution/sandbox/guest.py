@@ -15,10 +15,12 @@ import os
 import resource
 import signal
 import sys
+import threading
 import traceback
 from typing import Any
 
 CODE_NAME = "<exec_code>"
+THREAD_STACK_BYTES = 1 << 20
 
 
 def _set_limits(limits: dict[str, int]) -> None:
@@ -36,6 +38,9 @@ def _set_limits(limits: dict[str, int]) -> None:
     resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
     # An over-size write raises EFBIG instead of killing the process with SIGXFSZ.
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    # Each thread's stack counts against RLIMIT_AS: at the default 8 MiB, a pool of 100 threads
+    # calling tools would need 800 MiB of address space it never touches.
+    threading.stack_size(THREAD_STACK_BYTES)
 
 
 def _jsonable(value: Any) -> Any:

@@ -1,0 +1,109 @@
+"""What every benchmark shares: a stack on a fresh database, a user, and a table printer.
+
+Figures are medians and p95 over repeated runs, each next to a baseline measured in the same
+process, because these machines are noisy: the ratio travels, the absolute figure less so.
+"""
+
+import os
+import statistics
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psycopg
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from tests.stack import Stack  # noqa: E402  (after the path is set)
+
+
+def p95(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(0.95 * (len(ordered) - 1)))]
+
+
+def row(name: str, values: list[float], unit: str, baseline: list[float] | None = None, target: str = "") -> list[str]:
+    med = statistics.median(values)
+    ratio = f"{med / statistics.median(baseline):.1f}x" if baseline else ""
+    return [name, f"{med:.2f} {unit}", f"{p95(values):.2f} {unit}", str(len(values)), ratio, target]
+
+
+def print_table(title: str, rows: list[list[str]]) -> None:
+    header = ["measure", "median", "p95", "n", "vs baseline", "target"]
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    print(f"\n### {title}\n")
+    print("| " + " | ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)) + " |")
+    print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    for r in rows:
+        print("| " + " | ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) + " |")
+
+
+def timed(fn: Callable[[], Any], runs: int) -> list[float]:
+    """Return the wall time of each run of ``fn``, in milliseconds."""
+    out = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        fn()
+        out.append((time.perf_counter() - start) * 1000)
+    return out
+
+
+@contextmanager
+def running_stack() -> Iterator[tuple[Stack, httpx.Client]]:
+    """Start exec and tools workers and the web process on a fresh database; yield an authed client."""
+    server = os.environ["TEST_DATABASE_URL"]
+    redis = os.environ["REDIS_URL"]
+    name = f"ptc_bench_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(server, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    db_url = f"{server.rsplit('/', 1)[0]}/{name}"
+    env = {
+        **os.environ,
+        "DATABASE_URL": db_url,
+        "CELERY_BROKER_URL": redis,
+        "REDIS_URL": redis,
+        "DJANGO_SETTINGS_MODULE": "ptcproject.settings",
+        "PTC_LOG_LEVEL": "WARNING",
+    }
+    os.environ.update(DATABASE_URL=db_url, CELERY_BROKER_URL=redis)  # for Django in this process too
+    stack = Stack(env)
+    try:
+        import subprocess
+
+        py = str(Path(sys.executable))
+        subprocess.run([py, "manage.py", "migrate", "-v0"], cwd=ROOT, env=env, check=True)
+        key = (
+            subprocess.run(
+                [py, "manage.py", "create_api_key", "bench", "--create-user"],
+                cwd=ROOT,
+                env=env,
+                check=True,
+                capture_output=True,
+                text=True,
+            )
+            .stdout.strip()
+            .splitlines()[-1]
+        )
+        for process in (stack.exec_worker, stack.tools_worker, stack.web):
+            process.start()
+        client = httpx.Client(base_url=stack.base_url, headers={"Authorization": f"Bearer {key}"}, timeout=120)
+        yield stack, client
+    finally:
+        stack.stop()
+        with psycopg.connect(server, autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+def run_job(client: httpx.Client, code: str, **body: Any) -> dict[str, Any]:
+    response = client.post("/api/v1/exec", json={"code": code, "toolsets": ["demo"], "wait": 60, **body})
+    response.raise_for_status()
+    job = response.json()
+    if job["status"] != "completed":
+        raise RuntimeError(f"bench job failed: {job['error']}")
+    return job
