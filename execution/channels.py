@@ -107,13 +107,18 @@ class _RedisSubscription(Subscription):
         self._thread.start()
 
     def _listen(self) -> None:
+        broken = False
         while not self._closed.is_set():
             try:
                 message = self._pubsub.get_message(timeout=1.0)  # blocks on the socket; wakes on a push
-            except Exception:  # Redis went away: the waiter falls back to the database at its deadline
-                if self._closed.wait(1.0):
+            except Exception:  # Redis went away; redis-py resubscribes when it reconnects
+                broken = True
+                if self._closed.wait(0.5):
                     return
                 continue
+            if broken:
+                broken = False
+                self._put({"kind": "resync"})  # what was pushed meanwhile is lost: look at the records
             if message and message.get("type") == "message":
                 self._put(json.loads(message["data"]))
 

@@ -259,7 +259,13 @@ class JobCallRouter:
             self._record(call_id, toolset, tool, arguments, None, error=failure.as_dict())
             return Refused(call_id=call_id, error=failure.as_dict())
         self._record(call_id, toolset, tool, arguments, found)
-        execute_tool.delay(call_id)
+        try:
+            execute_tool.delay(call_id)
+        except Exception as exc:  # the broker is down even after Celery's own retries
+            logger.exception("could not enqueue a tool call", extra={"call_id": call_id, "job_id": str(self.job.pk)})
+            error = {"code": "broker_unavailable", "message": f"the call could not be queued ({type(exc).__name__}); retry"}
+            _tool_call_finish(call_id=call_id, error=error)
+            return Refused(call_id=call_id, error=error)
         return Dispatched(call_id=call_id, timeout=found.timeout or settings.PTC_DEFAULT_TOOL_TIMEOUT)
 
     def _authorise(self, toolset_key: str, tool_name: str, arguments: Any) -> Tool:
@@ -304,6 +310,11 @@ class JobCallRouter:
             started_at=now,
             finished_at=now if error else None,
         )
+
+    def lookup(self, *, call_id: str) -> dict[str, Any] | None:
+        """Return the reply for a call that has finished, from its record; None while it runs."""
+        call = ToolCall.objects.filter(call_id=call_id).exclude(status=ToolCall.Status.EXECUTING).first()
+        return None if call is None else _reply(call)
 
     def overdue(self, *, call_id: str) -> dict[str, Any]:
         # The hand-off was lost or the call is stuck: the record decides. A late tools worker
@@ -364,6 +375,14 @@ def tool_call_execute(*, call_id: str) -> None:
         reply = _tool_call_fail(call_id, "job_ended", "the job ended before this call started; it was not run")
     if call["ptc_call_id"]:
         channels.publish(channels.job_channel(call["ptc_call_id"]), {"kind": "result", "call_id": call_id, **reply})
+
+
+def tool_call_abort(*, call_id: str) -> None:
+    """Fail a call whose task crashed, and push that to its job, so the code gets a ToolError now."""
+    reply = _tool_call_fail(call_id, "internal_error", "the tools worker failed while running this call; see its log")
+    ptc_call_id = ToolCall.objects.filter(call_id=call_id).values_list("ptc_call_id", flat=True).first()
+    if ptc_call_id:
+        channels.publish(channels.job_channel(ptc_call_id), {"kind": "result", "call_id": call_id, **reply})
 
 
 def _tool_call_fail(call_id: str, code: str, message: str) -> dict[str, Any]:

@@ -1,7 +1,7 @@
 from celery import shared_task
 from django.db import OperationalError
 
-from execution.services import tool_call_execute
+from execution.services import tool_call_abort, tool_call_execute
 from ptcproject import queues
 
 
@@ -16,4 +16,11 @@ from ptcproject import queues
     max_retries=3,
 )
 def execute_tool(call_id: str) -> None:
-    tool_call_execute(call_id=call_id)
+    try:
+        tool_call_execute(call_id=call_id)
+    except OperationalError:
+        raise
+    except Exception:
+        # A bug must not leave the code waiting for a result that never comes: fail the call now.
+        tool_call_abort(call_id=call_id)
+        raise

@@ -56,6 +56,10 @@ class CallRouter(Protocol):
 
     def submit(self, *, toolset: str, tool: str, arguments: Any) -> Dispatched | Refused: ...
 
+    def lookup(self, *, call_id: str) -> dict[str, Any] | None:
+        """Return the reply for a finished call from its record, or None while it runs."""
+        ...
+
     def overdue(self, *, call_id: str) -> dict[str, Any]:
         """Return the reply for a call whose result never arrived (from its record, or a failure)."""
         ...
@@ -263,6 +267,12 @@ class Session:
             self._reply(str(message.get("call_id")), {k: message.get(k) for k in ("ok", "result", "error")})
         elif kind == "cancel":
             self._end("cancelled", "Cancelled", "the job was cancelled")
+        elif kind == "resync":
+            # The channel reconnected: results pushed while it was down are lost; the records are not.
+            for call_id in list(self.in_flight):
+                reply = self.router.lookup(call_id=call_id)
+                if reply is not None:
+                    self._reply(call_id, reply)
 
     def _end(self, status: str, kind: str, message: str) -> None:
         if self.ended is None:
