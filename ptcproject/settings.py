@@ -174,6 +174,9 @@ if EMBEDDED:
         "polling_interval": 0.02,
     }
 else:
+    if CELERY_BROKER_URL.startswith("redis://"):
+        # kombu's Redis transport with a fix for losing the connection mid-job (ptcproject/broker.py).
+        CELERY_BROKER_TRANSPORT = "ptcproject.broker:Transport"
     CELERY_BROKER_TRANSPORT_OPTIONS = {
         # Above the longest hard time limit, or a running task is redelivered to a second worker.
         "visibility_timeout": CELERY_TASK_HARD_LIMIT + 300,
