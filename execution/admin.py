@@ -2,7 +2,7 @@ import json
 from typing import Any
 
 from django.contrib import admin
-from django.utils.html import format_html
+from django.utils.html import format_html, format_html_join
 
 from execution.models import ExecJob, ToolCall
 
@@ -66,7 +66,8 @@ class ExecJobAdmin(admin.ModelAdmin):
 
     @admin.display(description="code")
     def code_pre(self, job: ExecJob) -> str:
-        return _pre(job.code)
+        lines = format_html_join("", "<span>{}</span>", ((line,) for line in job.code.splitlines()))
+        return format_html('<div class="ptc-code">{}</div>', lines)
 
     @admin.display(description="stdout")
     def stdout_pre(self, job: ExecJob) -> str:

@@ -1,0 +1,72 @@
+"""The tools task under redelivery and cancel: a call runs at most once, and never for an ended job."""
+
+import uuid
+from typing import Any
+
+import pytest
+from django.contrib.auth import get_user_model
+from django.utils import timezone
+
+from execution import services
+from execution.models import ExecJob, ToolCall
+from tools.models import Tool
+
+
+@pytest.fixture
+def running_call() -> ToolCall:
+    user = get_user_model().objects.create_user(username=f"idem-{uuid.uuid4().hex[:6]}")
+    job = ExecJob.objects.create(user=user, code="", toolsets=["demo"], timeout_seconds=30, status="running")
+    return ToolCall.objects.create(
+        call_id=f"ptc_{uuid.uuid4().hex}",
+        type="ptc",
+        exec_job=job,
+        ptc_call_id=job.call_id,
+        user=user,
+        toolset_key="demo",
+        tool_name="add",
+        tool=Tool.objects.get(toolset__key="demo", name="add"),
+        input={"a": 1, "b": 2},
+        started_at=timezone.now(),
+    )
+
+
+@pytest.fixture
+def runs(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
+    calls: list[dict[str, Any]] = []
+    real = services.tool_run
+
+    def counting(**kwargs: Any) -> Any:
+        calls.append(kwargs["arguments"])
+        return real(**kwargs)
+
+    monkeypatch.setattr(services, "tool_run", counting)
+    return calls
+
+
+def test_a_redelivered_task_runs_the_tool_once(running_call: ToolCall, runs: list) -> None:
+    services.tool_call_execute(call_id=running_call.call_id)
+    first = ToolCall.objects.get(pk=running_call.pk)
+    services.tool_call_execute(call_id=running_call.call_id)  # the broker delivers it again
+    second = ToolCall.objects.get(pk=running_call.pk)
+    assert len(runs) == 1
+    assert (first.status, first.output) == ("completed", 3)
+    assert (second.status, second.output, second.finished_at) == ("completed", 3, first.finished_at)
+    assert ToolCall.objects.filter(call_id=running_call.call_id).count() == 1
+
+
+def test_a_task_redelivered_after_its_worker_died_is_not_run_again(running_call: ToolCall, runs: list) -> None:
+    ToolCall.objects.filter(pk=running_call.pk).update(claimed_at=timezone.now())  # claimed, then the worker died
+    services.tool_call_execute(call_id=running_call.call_id)
+    call = ToolCall.objects.get(pk=running_call.pk)
+    assert runs == []
+    assert call.status == "failed"
+    assert call.error["code"] == "worker_lost"
+
+
+def test_a_call_queued_for_a_cancelled_job_is_not_run(running_call: ToolCall, runs: list) -> None:
+    ExecJob.objects.filter(pk=running_call.exec_job_id).update(status="cancelled")
+    services.tool_call_execute(call_id=running_call.call_id)
+    call = ToolCall.objects.get(pk=running_call.pk)
+    assert runs == []
+    assert call.status == "failed"
+    assert call.error["code"] == "job_ended"
