@@ -96,6 +96,8 @@ def main() -> None:
     job = _runtime.connect(bridge_fd)
     limits = job["limits"]
     _set_limits(limits)
+    # Line by line, so what the code printed before a timeout or a kill is not lost in a buffer.
+    sys.stdout.reconfigure(line_buffering=True)
     namespace: dict[str, Any] = {"__name__": "__main__", "__builtins__": builtins}
     result: dict[str, Any] = {"op": "done", "return_value": None, "error": None}
     try:
