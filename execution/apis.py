@@ -12,8 +12,10 @@ from execution.serializers import (
     ExecListQuerySerializer,
     ToolCallListQuerySerializer,
     ToolCallSerializer,
+    ToolExecuteSerializer,
 )
-from execution.services import exec_job_cancel, exec_job_create
+from execution.services import exec_job_cancel, exec_job_create, tool_call_standalone
+from ptcproject.accounts.models import ApiKey
 
 
 class ExecListCreateApi(generics.ListAPIView):
@@ -81,3 +83,34 @@ class ToolCallListApi(generics.ListAPIView):
     @extend_schema(parameters=[OpenApiParameter("exec", str, description="An exec job's id.")])
     def get(self, request: Request) -> Response:
         return super().get(request)
+
+
+class ToolExecuteApi(APIView):
+    # The one endpoint a job-scoped key may call: a sandbox on another host calls back through it.
+    allow_job_keys = True
+
+    @extend_schema(
+        request=ToolExecuteSerializer,
+        responses=ToolCallSerializer,
+        parameters=[
+            OpenApiParameter(
+                "x-ptc-call-id",
+                str,
+                OpenApiParameter.HEADER,
+                required=False,
+                description="With a job-scoped key: the job's call_id; the call is then recorded under that job.",
+            )
+        ],
+    )
+    def post(self, request: Request) -> Response:
+        body = ToolExecuteSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        call = tool_call_standalone(
+            user=request.user,
+            key=request.auth if isinstance(request.auth, ApiKey) else None,
+            toolset=body.validated_data["toolset"],
+            tool=body.validated_data["tool"],
+            arguments=body.validated_data["arguments"],
+            job_call_id=request.headers.get("x-ptc-call-id", ""),
+        )
+        return Response(ToolCallSerializer(call).data)

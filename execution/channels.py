@@ -29,7 +29,13 @@ from tools.sdk_runtime.protocol import FrameDecoder, encode
 
 
 def job_channel(call_id: str) -> str:
+    """A job's channel: its tool results, cancel, and its end."""
     return f"ptc:job:{call_id}"
+
+
+def call_channel(call_id: str) -> str:
+    """A standalone call's channel: its result."""
+    return f"ptc:call:{call_id}"
 
 
 class Subscription:
@@ -65,13 +71,9 @@ class Subscription:
             except queue.Empty:
                 return messages
 
-    def wait(self, timeout: float) -> list[dict[str, Any]]:
-        """Block until at least one message arrives or ``timeout`` passes; return what arrived."""
-        messages = self.drain()
-        if messages:
-            return messages
+    def wait(self, timeout: float) -> None:
+        """Block until a message is queued or ``timeout`` passes; ``drain`` then returns what came."""
         select.select([self._wake_r], [], [], max(0.0, timeout))
-        return self.drain()
 
     def close(self) -> None:
         if not self._closed.is_set():

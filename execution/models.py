@@ -28,8 +28,10 @@ class ExecJob(models.Model):
     toolsets = models.JSONField(default=list)
     sdk_hash = models.CharField(max_length=64, blank=True)
     timeout_seconds = models.FloatField()
-    # The limits this job runs under, fixed when it is created.
+    # The limits this job runs under, fixed from the policy when it is created.
     limits = models.JSONField(default=dict)
+    # The policy said sequential: the bridge ran this job's tool calls one at a time.
+    sequential = models.BooleanField(default=False)
     stdout = models.TextField(blank=True)
     stderr = models.TextField(blank=True)
     stdout_truncated = models.BooleanField(default=False)

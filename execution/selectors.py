@@ -35,6 +35,6 @@ def exec_job_wait(*, job: ExecJob, seconds: float) -> None:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return
-            messages = channel.wait(remaining)
-            if any(m.get("kind") == "end" for m in messages):
+            channel.wait(remaining)
+            if any(m.get("kind") == "end" for m in channel.drain()):
                 return

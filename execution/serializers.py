@@ -84,6 +84,12 @@ class ExecJobSerializer(serializers.ModelSerializer):
         return sum(call.credits for call in job.tool_calls.all())
 
 
+class ToolExecuteSerializer(serializers.Serializer):
+    toolset = serializers.CharField(max_length=64)
+    tool = serializers.CharField(max_length=128)
+    arguments = serializers.JSONField(default=dict)
+
+
 class ExecCreateSerializer(serializers.Serializer):
     # The size limit is checked in the service, which answers 413 rather than a field error.
     code = serializers.CharField(trim_whitespace=False, allow_blank=True)

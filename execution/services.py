@@ -19,26 +19,30 @@ from django.utils import timezone
 from execution import channels
 from execution.models import ExecJob, ToolCall
 from execution.sandbox.limits import Limits
-from execution.sandbox.session import Dispatched, Outcome, Refused, Session
+from execution.sandbox.session import CALL_GRACE_SECONDS, Dispatched, Outcome, Refused, Session
+from ptcproject.accounts.models import ApiKey
+from ptcproject.accounts.services import api_key_create, job_keys_revoke
 from ptcproject.errors import ApplicationError
+from ptcproject.policy.models import Policy
+from ptcproject.policy.selectors import policy_get, ptc_decision
 from tools.errors import ToolFailure
 from tools.kinds import tool_run
 from tools.models import Tool, Toolset
 from tools.sdk import sdk_prepare
-from tools.selectors import direct_only_tools, tool_for_call, tool_is_ptc, toolsets_resolve, toolsets_visible
+from tools.selectors import tool_for_call, tool_is_ptc, toolsets_resolve, toolsets_visible
 
 logger = logging.getLogger("ptc.execution")
 Status = ExecJob.Status
 
 
-def job_limits(*, timeout: float) -> Limits:
-    """Return the limits a new job runs under."""
+def job_limits(*, policy: Policy, timeout: float) -> Limits:
+    """Return the limits a new job runs under: the policy's, one call at a time if it is sequential."""
     return Limits(
         timeout=timeout,
-        memory_mb=settings.PTC_MEMORY_LIMIT_MB,
-        max_output_bytes=settings.PTC_MAX_OUTPUT_BYTES,
-        max_tool_calls=settings.PTC_MAX_TOOL_CALLS,
-        max_parallel_tool_calls=settings.PTC_MAX_PARALLEL_TOOL_CALLS,
+        memory_mb=policy.memory_limit_mb,
+        max_output_bytes=policy.max_output_bytes,
+        max_tool_calls=policy.max_tool_calls,
+        max_parallel_tool_calls=1 if policy.sequential else policy.max_parallel_tool_calls,
         max_processes=settings.PTC_MAX_PROCESSES,
         max_file_mb=settings.PTC_MAX_FILE_MB,
         max_open_files=settings.PTC_MAX_OPEN_FILES,
@@ -49,7 +53,11 @@ def job_limits(*, timeout: float) -> Limits:
 def exec_job_create(
     *, user: AbstractBaseUser, code: str, toolsets: list[str] | None, timeout: float | None, title: str = ""
 ) -> ExecJob:
-    """Check the request, record the job as ``queued``, and enqueue it once that is committed."""
+    """Check the request against the policy, record the job as ``queued``, and enqueue it once committed.
+
+    Raise ApplicationError: ``code_too_large`` (413), ``validation_error`` for a timeout above the
+    policy's maximum (400; never clamped), ``unknown_toolset`` (400), ``ptc_disabled`` (403).
+    """
     from execution.tasks import run_exec
 
     size = len(code.encode())
@@ -60,16 +68,22 @@ def exec_job_create(
             status=413,
             details={"size": size, "limit": settings.PTC_MAX_CODE_BYTES},
         )
+    policy = policy_get()
     if timeout is None:
-        timeout = settings.PTC_DEFAULT_TIMEOUT
-    if timeout > settings.PTC_MAX_TIMEOUT:
+        timeout = policy.default_timeout
+    if timeout > policy.max_timeout:
         raise ApplicationError(
             "validation_error",
-            f"timeout {timeout:g} s is above the maximum of {settings.PTC_MAX_TIMEOUT} s.",
-            details={"timeout": [f"Ensure this value is less than or equal to {settings.PTC_MAX_TIMEOUT}."]},
+            f"timeout {timeout:g} s is above the maximum of {policy.max_timeout} s.",
+            details={"timeout": [f"Ensure this value is less than or equal to {policy.max_timeout}."]},
         )
     if toolsets is None:
-        keys = [ts.key for ts in toolsets_visible(user=user)]
+        # Every toolset the user may use with PTC: the policy's lists narrow what they can see.
+        keys = [
+            ts.key
+            for ts in toolsets_visible(user=user)
+            if ts.key not in policy.toolset_blocklist and (not policy.toolset_allowlist or ts.key in policy.toolset_allowlist)
+        ]
     else:
         found, missing = toolsets_resolve(user=user, keys=toolsets)
         if missing:
@@ -79,6 +93,11 @@ def exec_job_create(
                 details={"toolsets": missing},
             )
         keys = [ts.key for ts in found]
+    decision = ptc_decision(policy=policy, user=user, toolsets=keys, title=title)
+    if not decision.enabled:
+        raise ApplicationError(
+            "ptc_disabled", f"PTC is disabled here: {decision.reason}.", status=403, details={"reason": decision.reason}
+        )
     with transaction.atomic():
         job = ExecJob.objects.create(
             user=user,
@@ -86,7 +105,8 @@ def exec_job_create(
             toolsets=keys,
             title=title,
             timeout_seconds=timeout,
-            limits=job_limits(timeout=timeout).as_dict(),
+            limits=job_limits(policy=policy, timeout=timeout).as_dict(),
+            sequential=policy.sequential,
         )
         transaction.on_commit(lambda: run_exec.delay(str(job.id)))
     logger.info("job queued", extra={"job_id": str(job.id)})
@@ -100,16 +120,19 @@ def exec_job_run(*, job_id: str, worker: str) -> None:
         status=Status.RUNNING, started_at=now, heartbeat_at=now, worker=worker
     )
     if not claimed:
-        # Running already means the worker that took it died and the broker redelivered it: the
-        # code may have had effects, so it is not run twice.
+        # Running with a stale heartbeat means the worker that took it died and the broker
+        # redelivered it: the code may have had effects, so it is not run twice. A fresh heartbeat
+        # means its worker is alive, and this delivery is a duplicate to drop.
         _exec_job_fail_if(
             job_id=job_id,
             status=Status.RUNNING,
             kind="WorkerLost",
             message="the worker running this job stopped; it was not run again",
+            stale=True,
         )
         return
     job = ExecJob.objects.select_related("user").get(pk=job_id)
+    policy = policy_get()
     toolsets, _ = toolsets_resolve(user=job.user, keys=job.toolsets)
     try:
         sdk_hash, sdk_dir = sdk_prepare(toolsets=toolsets)
@@ -125,7 +148,14 @@ def exec_job_run(*, job_id: str, worker: str) -> None:
         return
     ExecJob.objects.filter(pk=job.pk).update(sdk_hash=sdk_hash)
     limits = Limits.from_dict(job.limits)
-    router = JobCallRouter(job=job, toolsets=toolsets)
+    router = JobCallRouter(job=job, toolsets=toolsets, direct_only=frozenset(policy.direct_only_tools))
+    # What a sandbox on another host would call back with (POST /api/v1/tools/execute); it dies with the job.
+    _, job_key = api_key_create(
+        user=job.user,
+        name=f"job {job.call_id}",
+        exec_job=job,
+        expires_at=timezone.now() + timedelta(seconds=job.timeout_seconds + 60),
+    )
     with channels.subscribe(channels.job_channel(job.call_id)) as channel:
         # A cancel that landed between the claim and the subscription would otherwise be missed.
         if ExecJob.objects.filter(pk=job.pk, status=Status.CANCELLED).exists():
@@ -140,6 +170,7 @@ def exec_job_run(*, job_id: str, worker: str) -> None:
             heartbeat=lambda: ExecJob.objects.filter(pk=job.pk).update(heartbeat_at=timezone.now()),
             heartbeat_every=settings.PTC_JOB_HEARTBEAT_SECONDS,
             max_frame=settings.PTC_MAX_FRAME_BYTES,
+            job_info={"call_id": job.call_id, "key": job_key},
         )
         try:
             outcome = session.run()
@@ -170,6 +201,7 @@ def exec_job_finish(*, job: ExecJob, outcome: Outcome) -> None:
     if not updated:
         # Cancelled while it ran: keep that status, but keep what the code printed too.
         ExecJob.objects.filter(pk=job.pk, status=Status.CANCELLED).update(**output)
+    job_keys_revoke(exec_job_id=job.pk)
     # Calls still queued for the job never run; a tools worker that claimed one finishes it.
     ToolCall.objects.filter(exec_job=job, status=ToolCall.Status.EXECUTING, claimed_at__isnull=True).update(
         status=ToolCall.Status.FAILED,
@@ -181,16 +213,21 @@ def exec_job_finish(*, job: ExecJob, outcome: Outcome) -> None:
     logger.info("job finished", extra={"job_id": str(job.pk), "status": status, **outcome.timings})
 
 
-def _exec_job_fail_if(*, job_id: str, status: str, kind: str, message: str) -> bool:
+def _exec_job_fail_if(*, job_id: str, status: str, kind: str, message: str, stale: bool = False) -> bool:
+    """Fail the job if it is still in ``status`` (and, with ``stale``, its heartbeat has lapsed)."""
     job = ExecJob.objects.filter(pk=job_id).first()
     if job is None:
         return False
-    updated = ExecJob.objects.filter(pk=job_id, status=status).update(
+    jobs = ExecJob.objects.filter(pk=job_id, status=status)
+    if stale:
+        jobs = jobs.filter(heartbeat_at__lt=timezone.now() - timedelta(seconds=settings.PTC_JOB_LEASE_SECONDS))
+    updated = jobs.update(
         status=Status.FAILED,
         finished_at=timezone.now(),
         error={"type": kind, "message": message, "traceback": ""},
     )
     if updated:
+        job_keys_revoke(exec_job_id=job.pk)
         channels.publish(channels.job_channel(job.call_id), {"kind": "end", "status": Status.FAILED})
     return bool(updated)
 
@@ -208,6 +245,7 @@ def exec_job_cancel(*, job: ExecJob) -> ExecJob:
     job.refresh_from_db()
     if not updated:
         raise ApplicationError("job_finished", f"The job has already finished with status '{job.status}'.", status=409)
+    job_keys_revoke(exec_job_id=job.pk)
     channels.publish(channels.job_channel(job.call_id), {"kind": "cancel"})
     return job
 
@@ -228,6 +266,7 @@ def exec_jobs_reap() -> int:
     for job_id in ExecJob.objects.filter(status=Status.RUNNING, heartbeat_at__lt=stale).values_list("pk", flat=True):
         reaped += _exec_job_fail_if(
             job_id=str(job_id),
+            stale=True,
             status=Status.RUNNING,
             kind="WorkerLost",
             message="the worker running this job stopped sending heartbeats; the job was ended",
@@ -240,44 +279,28 @@ def worker_name() -> str:
 
 
 # -- Tool calls ----------------------------------------------------------------------------------
-class JobCallRouter:
-    """Checks and dispatches one job's tool calls: grant, existence, PTC, schema; then record, enqueue."""
+class CallChecker:
+    """Checks one tool call before it runs: toolset granted, tool known (and callable from code when
+    ``ptc_only``), arguments valid against the tool's JSON Schema. Validators are kept per tool."""
 
-    def __init__(self, *, job: ExecJob, toolsets: list[Toolset]) -> None:
-        self.job = job
-        self.toolsets = {ts.key: ts for ts in toolsets if ts.key in job.toolsets}
-        self.direct_only = direct_only_tools()
+    def __init__(self, *, user: AbstractBaseUser, toolsets: list[Toolset], direct_only: frozenset[str], ptc_only: bool) -> None:
+        self.user = user
+        self.toolsets = {ts.key: ts for ts in toolsets}
+        self.direct_only = direct_only
+        self.ptc_only = ptc_only
         self.validators: dict[Any, Any] = {}
 
-    def submit(self, *, toolset: str, tool: str, arguments: Any) -> Dispatched | Refused:
-        from tools.tasks import execute_tool
-
-        call_id = f"ptc_{uuid.uuid4().hex}"
-        try:
-            found = self._authorise(toolset, tool, arguments)
-        except ToolFailure as failure:
-            self._record(call_id, toolset, tool, arguments, None, error=failure.as_dict())
-            return Refused(call_id=call_id, error=failure.as_dict())
-        self._record(call_id, toolset, tool, arguments, found)
-        try:
-            execute_tool.delay(call_id)
-        except Exception as exc:  # the broker is down even after Celery's own retries
-            logger.exception("could not enqueue a tool call", extra={"call_id": call_id, "job_id": str(self.job.pk)})
-            error = {"code": "broker_unavailable", "message": f"the call could not be queued ({type(exc).__name__}); retry"}
-            _tool_call_finish(call_id=call_id, error=error)
-            return Refused(call_id=call_id, error=error)
-        return Dispatched(call_id=call_id, timeout=found.timeout or settings.PTC_DEFAULT_TOOL_TIMEOUT)
-
-    def _authorise(self, toolset_key: str, tool_name: str, arguments: Any) -> Tool:
+    def check(self, toolset_key: str, tool_name: str, arguments: Any) -> Tool:
+        """Return the tool to run, or raise ToolFailure with a stable code."""
         toolset = self.toolsets.get(toolset_key)
         if toolset is None:
-            if toolsets_resolve(user=self.job.user, keys=[toolset_key])[0]:
+            if toolsets_resolve(user=self.user, keys=[toolset_key])[0]:
                 raise ToolFailure("toolset_not_granted", f"toolset '{toolset_key}' was not granted to this job")
             raise ToolFailure("unknown_toolset", f"there is no toolset '{toolset_key}'")
         tool = next((t for t in toolset.tools.all() if t.name == tool_name), None)
         if tool is None:
             raise ToolFailure("unknown_tool", f"toolset '{toolset_key}' has no tool '{tool_name}'")
-        if not tool_is_ptc(tool=tool, toolset=toolset, direct_only=self.direct_only):
+        if self.ptc_only and not tool_is_ptc(tool=tool, toolset=toolset, direct_only=self.direct_only):
             raise ToolFailure("tool_not_ptc", f"'{toolset_key}.{tool_name}' is a direct tool and cannot be called from code")
         if not isinstance(arguments, dict):
             raise ToolFailure("invalid_arguments", "arguments must be a JSON object of keyword arguments")
@@ -291,25 +314,79 @@ class JobCallRouter:
             raise ToolFailure("invalid_arguments", f"{where}: {error.message}")
         return tool
 
-    def _record(
-        self, call_id: str, toolset: str, tool: str, arguments: Any, found: Tool | None, error: dict[str, str] | None = None
-    ) -> None:
-        now = timezone.now()
-        ToolCall.objects.create(
-            call_id=call_id,
-            type=ToolCall.Type.PTC,
-            exec_job=self.job,
-            ptc_call_id=self.job.call_id,
-            user=self.job.user,
-            toolset_key=toolset[:64],
-            tool_name=tool[:128],
-            tool=found,
-            input=arguments if isinstance(arguments, dict) else {"value": arguments},
-            status=ToolCall.Status.FAILED if error else ToolCall.Status.EXECUTING,
-            error=error,
-            started_at=now,
-            finished_at=now if error else None,
-        )
+
+def _tool_call_record(
+    *,
+    call_id: str,
+    user: AbstractBaseUser,
+    job: ExecJob | None,
+    toolset: str,
+    tool: str,
+    arguments: Any,
+    found: Tool | None,
+    error: dict[str, str] | None = None,
+) -> ToolCall:
+    """Write the call's record before it runs: ``executing``, or ``failed`` already if it was refused."""
+    now = timezone.now()
+    return ToolCall.objects.create(
+        call_id=call_id,
+        type=ToolCall.Type.PTC if job else ToolCall.Type.STANDALONE,
+        exec_job=job,
+        ptc_call_id=job.call_id if job else "",
+        user=user,
+        toolset_key=toolset[:64],
+        tool_name=tool[:128],
+        tool=found,
+        input=arguments if isinstance(arguments, dict) else {"value": arguments},
+        status=ToolCall.Status.FAILED if error else ToolCall.Status.EXECUTING,
+        error=error,
+        started_at=now,
+        finished_at=now if error else None,
+    )
+
+
+def _tool_call_enqueue(*, call_id: str) -> dict[str, str] | None:
+    """Send the call to the tools queue. Return the error it failed with, if the broker is down."""
+    from tools.tasks import execute_tool
+
+    try:
+        execute_tool.delay(call_id)
+    except Exception as exc:  # the broker is down even after Celery's own retries
+        logger.exception("could not enqueue a tool call", extra={"call_id": call_id})
+        error = {"code": "broker_unavailable", "message": f"the call could not be queued ({type(exc).__name__}); retry"}
+        _tool_call_finish(call_id=call_id, error=error)
+        return error
+    return None
+
+
+class JobCallRouter:
+    """Checks and dispatches one job's tool calls from its sandbox: check, record, enqueue."""
+
+    def __init__(self, *, job: ExecJob, toolsets: list[Toolset], direct_only: frozenset[str]) -> None:
+        self.job = job
+        granted = [ts for ts in toolsets if ts.key in job.toolsets]
+        self.checker = CallChecker(user=job.user, toolsets=granted, direct_only=direct_only, ptc_only=True)
+
+    def submit(self, *, toolset: str, tool: str, arguments: Any) -> Dispatched | Refused:
+        call_id = f"ptc_{uuid.uuid4().hex}"
+        record = {
+            "call_id": call_id,
+            "user": self.job.user,
+            "job": self.job,
+            "toolset": toolset,
+            "tool": tool,
+            "arguments": arguments,
+        }
+        try:
+            found = self.checker.check(toolset, tool, arguments)
+        except ToolFailure as failure:
+            _tool_call_record(**record, found=None, error=failure.as_dict())
+            return Refused(call_id=call_id, error=failure.as_dict())
+        _tool_call_record(**record, found=found)
+        error = _tool_call_enqueue(call_id=call_id)
+        if error:
+            return Refused(call_id=call_id, error=error)
+        return Dispatched(call_id=call_id, timeout=found.timeout or settings.PTC_DEFAULT_TOOL_TIMEOUT)
 
     def lookup(self, *, call_id: str) -> dict[str, Any] | None:
         """Return the reply for a call that has finished, from its record; None while it runs."""
@@ -321,6 +398,55 @@ class JobCallRouter:
         # finds the call failed and its result is dropped.
         _tool_call_finish(call_id=call_id, error={"code": "tool_timeout", "message": CALL_TIMEOUT_MESSAGE})
         return _reply(ToolCall.objects.get(call_id=call_id))
+
+
+def tool_call_standalone(
+    *, user: AbstractBaseUser, key: ApiKey | None, toolset: str, tool: str, arguments: Any, job_call_id: str = ""
+) -> ToolCall:
+    """Run one call outside any sandbox (POST /api/v1/tools/execute) and return its finished record.
+
+    With a user key it is a ``standalone`` call. With a job-scoped key and the job's call_id, it is
+    a ``ptc`` call of that job, held to the job's toolsets. A tool that fails still returns its
+    record (``failed``); a request that names no such toolset or tool raises ApplicationError.
+    """
+    job = None
+    if key is not None and key.exec_job_id is not None:
+        job = ExecJob.objects.select_related("user").get(pk=key.exec_job_id)
+        if job_call_id != job.call_id:
+            raise ApplicationError(
+                "call_id_mismatch", "x-ptc-call-id must be the call_id of the job this key belongs to.", status=403
+            )
+        if toolset not in job.toolsets:
+            raise ApplicationError(
+                "toolset_not_granted", f"Toolset '{toolset}' was not granted to job {job.call_id}.", status=403
+            )
+    found_toolsets, _ = toolsets_resolve(user=user, keys=[toolset])
+    policy = policy_get()
+    checker = CallChecker(
+        user=user, toolsets=found_toolsets, direct_only=frozenset(policy.direct_only_tools), ptc_only=job is not None
+    )
+    call_id = f"ptc_{uuid.uuid4().hex}" if job else f"standalone_{uuid.uuid4().hex}"
+    record = {"call_id": call_id, "user": user, "job": job, "toolset": toolset, "tool": tool, "arguments": arguments}
+    try:
+        found = checker.check(toolset, tool, arguments)
+    except ToolFailure as failure:
+        if failure.code in ("unknown_toolset", "unknown_tool"):
+            raise ApplicationError(failure.code, f"{failure.message[:1].upper()}{failure.message[1:]}.") from None
+        if failure.code == "tool_not_ptc":
+            raise ApplicationError(failure.code, f"{failure.message[:1].upper()}{failure.message[1:]}.", status=403) from None
+        return _tool_call_record(**record, found=None, error=failure.as_dict())
+    channel = channels.job_channel(job.call_id) if job else channels.call_channel(call_id)
+    with channels.subscribe(channel) as subscription:  # before the enqueue: the result can't be missed
+        _tool_call_record(**record, found=found)
+        if _tool_call_enqueue(call_id=call_id) is None:
+            deadline = time.monotonic() + (found.timeout or settings.PTC_DEFAULT_TOOL_TIMEOUT) + CALL_GRACE_SECONDS
+            while not any(m.get("call_id") == call_id for m in subscription.drain()):
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    _tool_call_finish(call_id=call_id, error={"code": "tool_timeout", "message": CALL_TIMEOUT_MESSAGE})
+                    break
+                subscription.wait(remaining)
+    return ToolCall.objects.get(call_id=call_id)
 
 
 CALL_TIMEOUT_MESSAGE = "no result arrived in time: the tools workers may be down or overloaded"
@@ -373,16 +499,20 @@ def tool_call_execute(*, call_id: str) -> None:
         reply = _tool_call_fail(call_id, "worker_lost", "the tools worker running this call stopped; it was not run again")
     else:
         reply = _tool_call_fail(call_id, "job_ended", "the job ended before this call started; it was not run")
-    if call["ptc_call_id"]:
-        channels.publish(channels.job_channel(call["ptc_call_id"]), {"kind": "result", "call_id": call_id, **reply})
+    channels.publish(_result_channel(call_id, call["ptc_call_id"]), {"kind": "result", "call_id": call_id, **reply})
+
+
+def _result_channel(call_id: str, ptc_call_id: str) -> str:
+    """A job's calls report on the job's channel; a standalone call on its own."""
+    return channels.job_channel(ptc_call_id) if ptc_call_id else channels.call_channel(call_id)
 
 
 def tool_call_abort(*, call_id: str) -> None:
     """Fail a call whose task crashed, and push that to its job, so the code gets a ToolError now."""
     reply = _tool_call_fail(call_id, "internal_error", "the tools worker failed while running this call; see its log")
     ptc_call_id = ToolCall.objects.filter(call_id=call_id).values_list("ptc_call_id", flat=True).first()
-    if ptc_call_id:
-        channels.publish(channels.job_channel(ptc_call_id), {"kind": "result", "call_id": call_id, **reply})
+    if ptc_call_id is not None:
+        channels.publish(_result_channel(call_id, ptc_call_id), {"kind": "result", "call_id": call_id, **reply})
 
 
 def _tool_call_fail(call_id: str, code: str, message: str) -> dict[str, Any]:

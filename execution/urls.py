@@ -7,4 +7,5 @@ urlpatterns = [
     path("exec/<uuid:job_id>", apis.ExecDetailApi.as_view(), name="exec-detail"),
     path("exec/<uuid:job_id>/cancel", apis.ExecCancelApi.as_view(), name="exec-cancel"),
     path("tool-calls", apis.ToolCallListApi.as_view(), name="tool-call-list"),
+    path("tools/execute", apis.ToolExecuteApi.as_view(), name="tool-execute"),
 ]

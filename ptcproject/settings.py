@@ -5,9 +5,12 @@ transport, under ``var/``. Give ``DATABASE_URL`` and ``CELERY_BROKER_URL``/``RED
 PostgreSQL and Redis.
 """
 
+import os
 from pathlib import Path
 
 import environ
+
+from ptcproject.policy.seed import policy_seed
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 env = environ.Env()
@@ -34,6 +37,7 @@ INSTALLED_APPS = [
     "drf_spectacular",
     "drf_spectacular_sidecar",
     "ptcproject.accounts",
+    "ptcproject.policy",
     "tools",
     "execution",
     "billing",
@@ -135,9 +139,10 @@ SPECTACULAR_SETTINGS = {
 CELERY_BROKER_URL = env.str("CELERY_BROKER_URL", default="filesystem://")
 REDIS_URL = env.str("REDIS_URL", default=CELERY_BROKER_URL if CELERY_BROKER_URL.startswith("redis") else "")
 EMBEDDED = CELERY_BROKER_URL.startswith("filesystem")
-# The sandbox's hard wall clock is capped by PTC_MAX_TIMEOUT; tasks get a margin on top of it.
-PTC_MAX_TIMEOUT = env.int("PTC_MAX_TIMEOUT", default=600)
-CELERY_TASK_HARD_LIMIT = PTC_MAX_TIMEOUT + 60
+# No job may run longer than this, whatever the policy says: it sets the broker's visibility timeout,
+# which must stay above the longest job, or a running job's message is handed to a second worker.
+PTC_TIMEOUT_CEILING = env.int("PTC_TIMEOUT_CEILING", default=3600)
+CELERY_TASK_HARD_LIMIT = PTC_TIMEOUT_CEILING + 60
 
 # JSON only: a message that reached the broker must never be able to run code (ARCHITECTURE.md).
 CELERY_TASK_SERIALIZER = "json"
@@ -197,13 +202,11 @@ PTC_SANDBOX_PYTHON = env.str("PTC_SANDBOX_PYTHON", default="/usr/bin/python3")
 PTC_BWRAP = env.str("PTC_BWRAP", default="/usr/bin/bwrap")
 # Where generated SDKs and the runner are staged for bind-mounting; readable by the sandbox uid.
 PTC_SANDBOX_DIR = Path(env.str("PTC_SANDBOX_DIR", default="/tmp/ptc-sandbox"))
-PTC_DEFAULT_TIMEOUT = env.int("PTC_TIMEOUT", default=120)
 PTC_MAX_CODE_BYTES = 256 * 1024
 PTC_MAX_WAIT = 60
-PTC_MEMORY_LIMIT_MB = env.int("PTC_MEMORY_LIMIT_MB", default=512)
-PTC_MAX_OUTPUT_BYTES = env.int("PTC_MAX_OUTPUT_BYTES", default=1_000_000)
-PTC_MAX_TOOL_CALLS = env.int("PTC_MAX_TOOL_CALLS", default=1000)
-PTC_MAX_PARALLEL_TOOL_CALLS = env.int("PTC_MAX_PARALLEL_TOOL_CALLS", default=16)
+# The rollout policy's first values (PTC_MODE, PTC_TIMEOUT, PTC_MAX_TOOL_CALLS, ...); see
+# ptcproject/policy/seed.py. After the row exists, the admin and PATCH /api/v1/policy own it.
+PTC_POLICY_SEED = policy_seed(os.environ, timeout_ceiling=PTC_TIMEOUT_CEILING)
 # Counts threads as well as processes (RLIMIT_NPROC): room for a pool of 100 threads calling tools.
 PTC_MAX_PROCESSES = env.int("PTC_MAX_PROCESSES", default=256)
 PTC_MAX_FILE_MB = env.int("PTC_MAX_FILE_MB", default=64)

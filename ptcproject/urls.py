@@ -11,4 +11,5 @@ urlpatterns = [
     path("api/schema/", SpectacularAPIView.as_view(), name="schema"),
     path("api/docs/", SpectacularSwaggerView.as_view(url_name="schema"), name="docs"),
     path("api/v1/", include("execution.urls")),
+    path("api/v1/", include("ptcproject.policy.urls")),
 ]

@@ -94,6 +94,8 @@ def main() -> None:
     from ptc_tools import _runtime
 
     job = _runtime.connect(bridge_fd)
+    # The job's call_id and its job-scoped key: what a sandbox elsewhere would call back with.
+    _runtime.job_info = job.get("job", {})  # type: ignore[attr-defined]
     limits = job["limits"]
     _set_limits(limits)
     # Line by line, so what the code printed before a timeout or a kill is not lost in a buffer.

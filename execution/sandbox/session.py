@@ -89,6 +89,7 @@ class Session:
         heartbeat: Callable[[], None],
         heartbeat_every: float,
         max_frame: int,
+        job_info: dict[str, Any] | None = None,
     ) -> None:
         self.code = code
         self.limits = limits
@@ -98,6 +99,7 @@ class Session:
         self.heartbeat = heartbeat
         self.heartbeat_every = heartbeat_every
         self.decoder = FrameDecoder(max_frame)
+        self.job_info = job_info or {}
         self.stdout = CappedOutput(limits.max_output_bytes)
         self.stderr = CappedOutput(limits.max_output_bytes)
         self.outbox = bytearray()
@@ -139,7 +141,7 @@ class Session:
 
     def _loop(self, proc: subprocess.Popen[bytes], sock: socket.socket, *, deadline: float) -> None:
         sock.setblocking(False)
-        self.outbox += encode({"op": "start", "code": self.code, "limits": self.limits.guest()})
+        self.outbox += encode({"op": "start", "code": self.code, "limits": self.limits.guest(), "job": self.job_info})
         sel = selectors.DefaultSelector()
         assert proc.stdout is not None and proc.stderr is not None
         sel.register(sock, selectors.EVENT_READ | selectors.EVENT_WRITE, "bridge")

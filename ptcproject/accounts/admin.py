@@ -8,11 +8,11 @@ from ptcproject.accounts.services import api_key_create, api_key_revoke
 
 @admin.register(ApiKey)
 class ApiKeyAdmin(admin.ModelAdmin):
-    list_display = ("prefix", "user", "name", "created_at", "expires_at", "revoked_at", "last_used_at")
-    list_filter = ("revoked_at", "expires_at")
+    list_display = ("prefix", "user", "name", "exec_job", "created_at", "expires_at", "revoked_at", "last_used_at")
+    list_filter = ("revoked_at", "expires_at", ("exec_job", admin.EmptyFieldListFilter))
     search_fields = ("prefix", "user__username", "name")
-    readonly_fields = ("prefix", "created_at", "last_used_at", "revoked_at")
-    fields = ("user", "name", "expires_at", "prefix", "created_at", "last_used_at", "revoked_at")
+    readonly_fields = ("prefix", "exec_job", "created_at", "last_used_at", "revoked_at")
+    fields = ("user", "name", "expires_at", "prefix", "exec_job", "created_at", "last_used_at", "revoked_at")
     actions = ("revoke",)
 
     def save_model(self, request: HttpRequest, obj: ApiKey, form: object, change: bool) -> None:

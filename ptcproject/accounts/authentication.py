@@ -25,6 +25,9 @@ class ApiKeyAuthentication(authentication.BaseAuthentication):
         key = api_key_authenticate(plaintext=token)
         if key is None:
             raise exceptions.AuthenticationFailed("The API key is unknown, expired or revoked.")
+        view = (request.parser_context or {}).get("view")
+        if key.exec_job_id is not None and not getattr(view, "allow_job_keys", False):
+            raise exceptions.PermissionDenied("A job-scoped key can only call POST /api/v1/tools/execute.")
         return key.user, key
 
     def authenticate_header(self, request: Request) -> str:

@@ -20,6 +20,11 @@ class ApiKey(models.Model):
     expires_at = models.DateTimeField(null=True, blank=True)
     revoked_at = models.DateTimeField(null=True, blank=True)
     last_used_at = models.DateTimeField(null=True, blank=True, editable=False)
+    # Set on a job-scoped key: valid only for that job's toolsets, only while it runs, and only
+    # at POST /api/v1/tools/execute. Revoked when the job ends.
+    exec_job = models.ForeignKey(
+        "execution.ExecJob", null=True, blank=True, on_delete=models.CASCADE, related_name="keys", editable=False
+    )
 
     class Meta:
         ordering = ["-created_at"]

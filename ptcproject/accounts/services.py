@@ -2,6 +2,7 @@ import hashlib
 import hmac
 import secrets
 from datetime import datetime, timedelta
+from typing import Any
 
 from django.contrib.auth import get_user_model
 from django.contrib.auth.models import AbstractUser
@@ -19,12 +20,24 @@ def _hash(secret: str) -> str:
     return hashlib.sha256(secret.encode()).hexdigest()
 
 
-def api_key_create(*, user: AbstractUser, name: str = "", expires_at: datetime | None = None) -> tuple[ApiKey, str]:
-    """Create a key for ``user``. Return the row and the plaintext key, which is never stored."""
+def api_key_create(
+    *, user: AbstractUser, name: str = "", expires_at: datetime | None = None, exec_job: Any = None
+) -> tuple[ApiKey, str]:
+    """Create a key for ``user`` (job-scoped if ``exec_job`` is given).
+
+    Return the row and the plaintext key, which is never stored.
+    """
     prefix = secrets.token_hex(6)
     plaintext = f"{KEY_PREFIX}{prefix}_{secrets.token_urlsafe(32)}"
-    key = ApiKey.objects.create(user=user, name=name, prefix=prefix, key_hash=_hash(plaintext), expires_at=expires_at)
+    key = ApiKey.objects.create(
+        user=user, name=name, prefix=prefix, key_hash=_hash(plaintext), expires_at=expires_at, exec_job=exec_job
+    )
     return key, plaintext
+
+
+def job_keys_revoke(*, exec_job_id: Any) -> None:
+    """Revoke every key scoped to the job: it has ended."""
+    ApiKey.objects.filter(exec_job_id=exec_job_id, revoked_at__isnull=True).update(revoked_at=timezone.now())
 
 
 def api_key_revoke(*, key: ApiKey) -> None:

@@ -1,0 +1,99 @@
+from typing import Any
+
+from django import forms
+from django.contrib import admin
+from django.contrib.auth import get_user_model
+from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
+from django.template.response import TemplateResponse
+from django.urls import URLPattern, path, reverse
+
+from ptcproject.policy.models import Policy, PolicyChange
+from ptcproject.policy.selectors import POLICY_PK, policy_get, ptc_decision
+from ptcproject.policy.serializers import PolicySerializer
+from ptcproject.policy.services import policy_update
+from tools.models import Toolset
+
+
+class PolicyForm(forms.ModelForm):
+    class Meta:
+        model = Policy
+        fields = "__all__"
+
+    def clean(self) -> dict[str, Any]:
+        """Check with the API's own rules, so the admin and PATCH /api/v1/policy accept the same values."""
+        data = super().clean()
+        values = {k: v for k, v in data.items() if k in PolicySerializer.Meta.fields}
+        checked = PolicySerializer(self.instance, data=values, partial=True)
+        if not checked.is_valid():
+            for field, errors in checked.errors.items():
+                self.add_error(field if field in self.fields else None, errors)
+        return data
+
+
+class PolicyChangeInline(admin.TabularInline):
+    model = PolicyChange
+    extra = 0
+    can_delete = False
+    fields = ("changed_at", "changed_by", "changes")
+    readonly_fields = fields
+
+    def has_add_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+
+class DecisionForm(forms.Form):
+    user = forms.ModelChoiceField(queryset=get_user_model().objects.order_by("username"))
+    toolsets = forms.ModelMultipleChoiceField(
+        queryset=Toolset.objects.order_by("key"),
+        to_field_name="key",
+        required=False,
+        widget=forms.CheckboxSelectMultiple,
+    )
+    title = forms.CharField(required=False, help_text="The node title; it feeds the debug opt-in and opt-out rules.")
+
+
+@admin.register(Policy)
+class PolicyAdmin(admin.ModelAdmin):
+    form = PolicyForm
+    inlines = [PolicyChangeInline]
+    list_display = ("__str__", "rollout_percent", "debug", "sequential", "updated_at")
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False  # one row, created from the PTC_* seed
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def changelist_view(self, request: HttpRequest, extra_context: dict[str, Any] | None = None) -> HttpResponse:
+        policy_get()
+        return HttpResponseRedirect(reverse("admin:policy_policy_change", args=[POLICY_PK]))
+
+    def save_model(self, request: HttpRequest, obj: Policy, form: forms.ModelForm, change: bool) -> None:
+        values = {field: form.cleaned_data[field] for field in form.changed_data}
+        policy_update(changed_by=request.user, values=values)  # records who changed what
+
+    def get_urls(self) -> list[URLPattern]:
+        return [
+            path("try/", self.admin_site.admin_view(self.try_decision), name="policy_policy_try"),
+            *super().get_urls(),
+        ]
+
+    def try_decision(self, request: HttpRequest) -> TemplateResponse:
+        """The "try a decision" form: pick a user, toolsets and a title; see the answer and its reason."""
+        form = DecisionForm(request.GET or None)
+        decision = None
+        if form.is_valid():
+            decision = ptc_decision(
+                policy=policy_get(),
+                user=form.cleaned_data["user"],
+                toolsets=[t.key for t in form.cleaned_data["toolsets"]],
+                title=form.cleaned_data["title"],
+            )
+        context = {
+            **self.admin_site.each_context(request),
+            "title": "Try a PTC decision",
+            "form": form,
+            "decision": decision,
+            "opts": self.model._meta,
+        }
+        return TemplateResponse(request, "admin/policy/try_decision.html", context)

@@ -1,0 +1,71 @@
+"""The policy's first values, from the PTC_* environment variables.
+
+Read by settings at start-up, so a bad value stops every process at once, naming the variable.
+The row they seed is created once; after that the admin owns it and these are not read again.
+"""
+
+from collections.abc import Mapping
+from typing import Any
+
+from django.core.exceptions import ImproperlyConfigured
+
+MODES = ("off", "on", "partial")
+DEBUG_VALUES = {"": "", "false": "", "off": "", "opt-in": "opt-in", "true": "opt-in", "opt-out": "opt-out"}
+DEFAULT_DIRECT_ONLY_TOOLS = ["complete", "fail", "onboarding_handoff"]
+
+
+def _int(env: Mapping[str, str], name: str, default: int, low: int, high: int | None = None) -> int:
+    raw = env.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ImproperlyConfigured(f"{name} must be a whole number; got {raw!r}.") from None
+    if value < low or (high is not None and value > high):
+        bounds = f"between {low} and {high}" if high is not None else f"at least {low}"
+        raise ImproperlyConfigured(f"{name} must be {bounds}; got {value}.")
+    return value
+
+
+def _list(env: Mapping[str, str], name: str, default: list[str] | None = None) -> list[str]:
+    raw = env.get(name)
+    if raw is None:
+        return list(default or [])
+    return [item.strip() for item in raw.split(",") if item.strip()]
+
+
+def _bool(env: Mapping[str, str], name: str) -> bool:
+    raw = env.get(name, "").strip().lower()
+    if raw in ("", "0", "false", "no", "off"):
+        return False
+    if raw in ("1", "true", "yes", "on"):
+        return True
+    raise ImproperlyConfigured(f"{name} must be true or false; got {raw!r}.")
+
+
+def policy_seed(env: Mapping[str, str], *, timeout_ceiling: int) -> dict[str, Any]:
+    """Return the policy's initial field values. Raise ImproperlyConfigured naming a bad variable."""
+    mode = env.get("PTC_MODE", "on").strip().lower() or "on"
+    if mode not in MODES:
+        raise ImproperlyConfigured(f"PTC_MODE must be one of {', '.join(MODES)}; got {mode!r}.")
+    debug = env.get("PTC_DEBUG", "").strip().lower()
+    if debug not in DEBUG_VALUES:
+        raise ImproperlyConfigured(f"PTC_DEBUG must be one of '', opt-in, opt-out (or legacy true); got {debug!r}.")
+    max_timeout = _int(env, "PTC_MAX_TIMEOUT", min(600, timeout_ceiling), 1, timeout_ceiling)
+    return {
+        "mode": mode,
+        "user_allowlist": _list(env, "PTC_USER_ALLOWLIST"),
+        "toolset_allowlist": _list(env, "PTC_TOOLSET_ALLOWLIST"),
+        "toolset_blocklist": _list(env, "PTC_TOOLSET_BLOCKLIST"),
+        "rollout_percent": _int(env, "PTC_ROLLOUT_PERCENT", 100, 0, 100),
+        "debug": DEBUG_VALUES[debug],
+        "sequential": _bool(env, "PTC_SEQUENTIAL"),
+        "default_timeout": _int(env, "PTC_TIMEOUT", min(120, max_timeout), 1, max_timeout),
+        "max_timeout": max_timeout,
+        "direct_only_tools": _list(env, "PTC_DIRECT_ONLY_TOOLS", DEFAULT_DIRECT_ONLY_TOOLS),
+        "max_tool_calls": _int(env, "PTC_MAX_TOOL_CALLS", 1000, 1),
+        "max_parallel_tool_calls": _int(env, "PTC_MAX_PARALLEL_TOOL_CALLS", 16, 1),
+        "max_output_bytes": _int(env, "PTC_MAX_OUTPUT_BYTES", 1_000_000, 1),
+        "memory_limit_mb": _int(env, "PTC_MEMORY_LIMIT_MB", 512, 32),
+    }

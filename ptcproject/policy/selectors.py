@@ -1,0 +1,75 @@
+"""Reading the policy, and the PTC decision it makes."""
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from django.conf import settings
+from django.contrib.auth.models import AbstractBaseUser
+from django.db import IntegrityError, transaction
+
+from ptcproject.policy.models import Policy
+
+POLICY_PK = 1
+
+
+def policy_get() -> Policy:
+    """Return the policy row, creating it from the PTC_* seed the first time.
+
+    It is read fresh on every call: one primary-key lookup buys a change that every process sees
+    on its very next request, with no cache to invalidate.
+    """
+    policy = Policy.objects.filter(pk=POLICY_PK).first()
+    if policy is not None:
+        return policy
+    try:
+        with transaction.atomic():
+            return Policy.objects.create(pk=POLICY_PK, **settings.PTC_POLICY_SEED)
+    except IntegrityError:  # another process created it first
+        return Policy.objects.get(pk=POLICY_PK)
+
+
+@dataclass(frozen=True)
+class Decision:
+    enabled: bool
+    reason: str
+
+
+def rollout_bucket(*, user_id: int, salt: str) -> int:
+    """Return the user's bucket, 0..99: the same in every process and on every host."""
+    return int(hashlib.sha256(f"{user_id}{salt}".encode()).hexdigest(), 16) % 100
+
+
+def ptc_decision(*, policy: Policy, user: AbstractBaseUser, toolsets: Sequence[str], title: str = "") -> Decision:
+    """Decide whether PTC is on for this user, toolsets and node title, and say which rule decided.
+
+    The rules apply in the order of PRODUCT.md: mode, rollout percent, toolsets, then debug.
+    """
+    username = user.get_username()
+    if policy.mode == Policy.Mode.OFF:
+        return Decision(False, "mode is off: PTC is disabled for everyone")
+    if policy.mode == Policy.Mode.PARTIAL and username not in policy.user_allowlist:
+        return Decision(False, f"mode is partial and user '{username}' is not on the user allowlist")
+    notes = [f"mode {policy.mode}" + (f" with user '{username}' on the allowlist" if policy.mode == Policy.Mode.PARTIAL else "")]
+    if policy.rollout_percent < 100:
+        bucket = rollout_bucket(user_id=user.pk, salt=policy.rollout_salt)
+        if bucket >= policy.rollout_percent:
+            return Decision(False, f"user '{username}' is in bucket {bucket}, outside the {policy.rollout_percent}% rollout")
+        notes.append(f"bucket {bucket} is inside the {policy.rollout_percent}% rollout")
+    for key in toolsets:
+        if key in policy.toolset_blocklist:
+            return Decision(False, f"toolset '{key}' is on the blocklist")
+    if policy.toolset_allowlist:
+        for key in toolsets:
+            if key not in policy.toolset_allowlist:
+                return Decision(False, f"toolset '{key}' is not on the toolset allowlist")
+    notes.append("all toolsets allowed")
+    lowered = title.lower()
+    if policy.debug == Policy.Debug.OPT_IN:
+        if "useptc" not in lowered:
+            return Decision(False, "debug is opt-in and the title does not contain 'useptc'")
+        notes.append("the title opts in with 'useptc'")
+    elif policy.debug == Policy.Debug.OPT_OUT:
+        if "nonptc" in lowered:
+            return Decision(False, "debug is opt-out and the title contains 'nonptc'")
+    return Decision(True, "; ".join(notes))

@@ -1,0 +1,5 @@
+from django.urls import path
+
+from ptcproject.policy import apis
+
+urlpatterns = [path("policy", apis.PolicyApi.as_view(), name="policy")]
