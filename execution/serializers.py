@@ -68,6 +68,7 @@ class ExecJobSerializer(serializers.ModelSerializer):
             "error",
             "execution_time_seconds",
             "timeout_limit_seconds",
+            "sequential",
             "tool_calls",
             "credits_charged",
             "sdk_hash",

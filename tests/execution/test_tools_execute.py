@@ -1,0 +1,115 @@
+"""POST /api/v1/tools/execute with a user key, and with a job-scoped key from inside a running job."""
+
+import hashlib
+import time
+import uuid
+
+import httpx
+import pytest
+
+from ptcproject.accounts.models import ApiKey
+from tests.conftest import Api
+from tools.models import Toolset
+
+
+def execute(client: httpx.Client, body: dict, **headers: str) -> httpx.Response:
+    return client.post("/api/v1/tools/execute", json=body, headers=headers)
+
+
+def test_a_standalone_call_with_a_user_key(api: Api) -> None:
+    response = execute(api.http, {"toolset": "demo", "tool": "add", "arguments": {"a": 2, "b": 3}})
+    assert response.status_code == 200, response.text
+    call = response.json()
+    assert call["type"] == "standalone"
+    assert call["call_id"].startswith("standalone_")
+    assert (call["status"], call["output"], call["error"]) == ("completed", 5, None)
+    assert call["ptc_call_id"] == ""
+    listed = api.get("/api/v1/tool-calls").json()["results"]
+    assert call["call_id"] in [c["call_id"] for c in listed]
+
+
+def test_a_failed_tool_is_still_200(api: Api) -> None:
+    failed = execute(api.http, {"toolset": "demo", "tool": "fail", "arguments": {"message": "nope"}})
+    assert failed.status_code == 200
+    assert failed.json()["status"] == "failed"
+    assert failed.json()["error"] == {"code": "tool_failed", "message": "nope"}
+    invalid = execute(api.http, {"toolset": "demo", "tool": "add", "arguments": {"a": "x"}})
+    assert invalid.status_code == 200
+    assert invalid.json()["error"]["code"] == "invalid_arguments"
+
+
+@pytest.mark.parametrize(
+    ("body", "code"),
+    [
+        ({"toolset": "nope", "tool": "add"}, "unknown_toolset"),
+        ({"toolset": "demo", "tool": "nope"}, "unknown_tool"),
+        ({"tool": "add"}, "validation_error"),
+    ],
+)
+def test_a_request_for_no_such_tool_is_400(api: Api, body: dict, code: str) -> None:
+    response = execute(api.http, body)
+    assert response.status_code == 400
+    assert response.json()["error"]["code"] == code
+
+
+JOB = """
+import time
+from ptc_tools import _runtime
+from ptc_tools.demo import Demo
+Demo.echo(value=_runtime.job_info["key"])  # hands the test this job's key through the call record
+time.sleep(6)
+"""
+
+
+def _job_key(api: Api, job_id: str) -> str:
+    deadline = time.monotonic() + 15
+    while True:
+        calls = api.get("/api/v1/tool-calls", params={"exec": job_id}).json()["results"]
+        if calls:
+            return calls[0]["input"]["value"]
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+
+
+def test_the_job_scoped_key_lifecycle(api: Api, make_api) -> None:  # type: ignore[no-untyped-def]
+    job = api.run(JOB, toolsets=["demo"], wait=0)
+    key = _job_key(api, job["id"])
+    stored = ApiKey.objects.get(exec_job_id=job["id"])
+    assert stored.key_hash == hashlib.sha256(key.encode()).hexdigest()
+    assert stored.revoked_at is None
+    client = httpx.Client(base_url=api.http.base_url, headers={"Authorization": f"Bearer {key}"}, timeout=30)
+
+    call = execute(client, {"toolset": "demo", "tool": "add", "arguments": {"a": 1, "b": 1}}, **{"x-ptc-call-id": job["call_id"]})
+    assert call.status_code == 200, call.text
+    assert call.json()["type"] == "ptc"
+    assert call.json()["ptc_call_id"] == job["call_id"]
+    assert call.json()["output"] == 2
+
+    other = make_api().run("1", toolsets=["demo"])
+    for headers in ({}, {"x-ptc-call-id": other["call_id"]}):
+        wrong = execute(client, {"toolset": "demo", "tool": "add", "arguments": {"a": 1, "b": 1}}, **headers)
+        assert wrong.status_code == 403
+        assert wrong.json()["error"]["code"] == "call_id_mismatch"
+    user = stored.user
+    outside = Toolset.objects.create(
+        key=f"outside_{uuid.uuid4().hex[:6]}", name="Outside", kind="http", owner=user, is_global=False
+    )
+    scoped = execute(client, {"toolset": outside.key, "tool": "x"}, **{"x-ptc-call-id": job["call_id"]})
+    assert scoped.status_code == 403
+    assert scoped.json()["error"]["code"] == "toolset_not_granted"
+    assert client.get("/api/v1/exec").status_code == 403  # nothing but tools/execute
+
+    final = api.run("1", toolsets=["demo"])  # let the first job end
+    deadline = time.monotonic() + 20
+    while api.get(f"/api/v1/exec/{job['id']}").json()["status"] == "running":
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    assert final["status"] == "completed"
+    ended = execute(
+        client, {"toolset": "demo", "tool": "add", "arguments": {"a": 1, "b": 1}}, **{"x-ptc-call-id": job["call_id"]}
+    )
+    assert ended.status_code == 401
+    assert ApiKey.objects.get(exec_job_id=job["id"]).revoked_at is not None
+    finished = api.get(f"/api/v1/exec/{job['id']}").json()
+    assert [c["tool"] for c in finished["tool_calls"]] == ["echo", "add"]
+    outside.delete()

@@ -1,0 +1,161 @@
+"""The policy through the API, live: every process sees a change on its next request."""
+
+import itertools
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from ptcproject.policy.models import PolicyChange
+from tests.conftest import Api
+
+
+@pytest.fixture
+def staff(make_api: Callable[..., Api]) -> Iterator[Api]:
+    """A staff client; the policy is put back as it was after the test."""
+    admin = make_api(staff=True)
+    before = admin.get("/api/v1/policy").json()
+    before.pop("updated_at")
+    yield admin
+    restored = admin.http.patch("/api/v1/policy", json=before)
+    assert restored.status_code == 200, restored.text
+
+
+def patch(staff: Api, **values: Any) -> httpx.Response:
+    return staff.http.patch("/api/v1/policy", json=values)
+
+
+def test_only_staff_read_or_change_the_policy(api: Api) -> None:
+    assert api.get("/api/v1/policy").status_code == 403
+    assert api.http.patch("/api/v1/policy", json={"mode": "off"}).status_code == 403
+
+
+def test_a_change_is_recorded_who_when_old_to_new(staff: Api) -> None:
+    old = staff.get("/api/v1/policy").json()["rollout_percent"]
+    response = patch(staff, rollout_percent=37)
+    assert response.status_code == 200
+    assert response.json()["rollout_percent"] == 37
+    change = PolicyChange.objects.select_related("changed_by").first()
+    assert change.changed_by.username == staff.username
+    assert change.changes == {"rollout_percent": [old, 37]}
+
+
+@pytest.mark.parametrize(
+    ("values", "field"),
+    [
+        ({"user_allowlist": ["no-such-user-x"]}, "user_allowlist"),
+        ({"toolset_blocklist": ["no-such-toolset"]}, "toolset_blocklist"),
+        ({"toolset_allowlist": ["demo", "nope"]}, "toolset_allowlist"),
+        ({"rollout_percent": 101}, "rollout_percent"),
+        ({"rollout_percent": -1}, "rollout_percent"),
+        ({"debug": "sometimes"}, "debug"),
+        ({"mode": "maybe"}, "mode"),
+        ({"max_tool_calls": -5}, "max_tool_calls"),
+        ({"max_parallel_tool_calls": 0}, "max_parallel_tool_calls"),
+        ({"memory_limit_mb": -1}, "memory_limit_mb"),
+        ({"default_timeout": 10**6}, "default_timeout"),
+    ],
+)
+def test_bad_values_get_a_field_error_and_change_nothing(staff: Api, values: dict, field: str) -> None:
+    before = staff.get("/api/v1/policy").json()
+    changes = PolicyChange.objects.count()
+    response = patch(staff, **values)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["code"] == "validation_error"
+    assert field in error["details"]
+    assert staff.get("/api/v1/policy").json() == before
+    assert PolicyChange.objects.count() == changes
+
+
+def test_exec_is_403_with_the_reason_when_the_policy_says_no(staff: Api, api: Api) -> None:
+    assert patch(staff, toolset_blocklist=["demo"]).status_code == 200
+    response = api.post("/api/v1/exec", json={"code": "1", "toolsets": ["demo"]})
+    assert response.status_code == 403
+    error = response.json()["error"]
+    assert error["code"] == "ptc_disabled"
+    assert "toolset 'demo' is on the blocklist" in error["message"]
+
+
+def test_a_running_worker_sees_a_change_without_a_restart(staff: Api, api: Api) -> None:
+    code = "from ptc_tools.demo import Demo\n[Demo.add(a=i, b=1) for i in range(5)]"
+    assert api.run(code, toolsets=["demo"])["return_value"] == [1, 2, 3, 4, 5]
+    assert patch(staff, max_tool_calls=3).status_code == 200
+    limited = api.run(code, toolsets=["demo"])
+    assert limited["status"] == "failed"
+    assert limited["error"]["type"] == "ResourceLimit"
+    assert "tool-call limit of 3" in limited["error"]["message"]
+    assert patch(staff, direct_only_tools=["complete", "fail", "onboarding_handoff", "add"]).status_code == 200
+    direct = api.run("from ptc_tools.demo import Demo\nDemo.add(a=1, b=1)", toolsets=["demo"])
+    assert direct["status"] == "failed"
+    assert direct["error"]["type"] == "AttributeError"  # a direct tool is not in the SDK at all
+
+
+def _threaded_sleeps(api: Api) -> tuple[dict, float]:
+    code = """
+import itertools
+import time
+from concurrent.futures import ThreadPoolExecutor
+from ptc_tools.demo import Demo
+start = time.monotonic()
+with ThreadPoolExecutor(8) as pool:
+    list(pool.map(lambda _: Demo.sleep(ms=200), range(8)))
+time.monotonic() - start
+"""
+    job = api.run(code, toolsets=["demo"])
+    assert job["status"] == "completed", job["error"]
+    return job, job["return_value"]
+
+
+def test_sequential_is_enforced_even_with_threads(staff: Api, api: Api) -> None:
+    parallel_job, parallel = _threaded_sleeps(api)
+    assert parallel < 0.8, parallel
+    assert parallel_job["sequential"] is False
+    assert patch(staff, sequential=True).status_code == 200
+    sequential_job, sequential = _threaded_sleeps(api)
+    assert sequential >= 1.6, sequential
+    assert sequential_job["sequential"] is True
+    calls = sorted(sequential_job["tool_calls"], key=lambda c: c["started_at"])
+    for before, after in itertools.pairwise(calls):
+        assert before["finished_at"] <= after["started_at"]
+
+
+def test_max_parallel_tool_calls_makes_extra_calls_wait_not_fail(staff: Api, api: Api) -> None:
+    assert patch(staff, max_parallel_tool_calls=2).status_code == 200
+    job, seconds = _threaded_sleeps(api)
+    assert all(c["status"] == "completed" for c in job["tool_calls"])
+    assert 0.8 <= seconds < 1.6, seconds  # 4 rounds of 200 ms
+
+
+def test_a_timeout_above_the_policy_maximum_is_refused(staff: Api, api: Api) -> None:
+    assert patch(staff, max_timeout=30, default_timeout=20).status_code == 200
+    response = api.post("/api/v1/exec", json={"code": "1", "timeout": 31})
+    assert response.status_code == 400
+    assert "30" in response.json()["error"]["message"]
+    assert api.run("1", toolsets=["demo"])["timeout_limit_seconds"] == 20
+
+
+def test_memory_and_output_limits_come_from_the_policy(staff: Api, api: Api) -> None:
+    assert patch(staff, memory_limit_mb=64, max_output_bytes=1000).status_code == 200
+    job = api.run("print('x' * 5000)\nb = bytearray(100 * 1024 * 1024)", toolsets=["demo"])
+    assert job["error"]["type"] == "ResourceLimit"
+    assert "64 MiB" in job["error"]["message"]
+    assert job["stdout_truncated"] is True
+    assert len(job["stdout"]) < 1100
+
+
+def test_the_admin_try_a_decision_form(staff: Api) -> None:
+    from django.contrib.auth import get_user_model
+    from django.test import Client
+
+    superuser = get_user_model().objects.create_user(username=f"su-{uuid.uuid4().hex[:6]}", is_staff=True, is_superuser=True)
+    client = Client()
+    client.force_login(superuser)
+    assert patch(staff, toolset_blocklist=["demo"]).status_code == 200
+    page = client.get("/admin/policy/policy/try/", {"user": superuser.pk, "toolsets": ["demo"], "title": "x"})
+    assert page.status_code == 200
+    assert "toolset &#x27;demo&#x27; is on the blocklist" in page.content.decode()
+    assert client.get("/admin/policy/policy/1/change/").status_code == 200
+    assert "toolset_blocklist" in client.get("/admin/policy/policy/1/change/").content.decode()
