@@ -12,7 +12,7 @@ from typing import Any
 import jsonschema
 from django.conf import settings
 from django.contrib.auth.models import AbstractBaseUser
-from django.db import transaction
+from django.db import DatabaseError, connection, transaction
 from django.db.models import Q
 from django.utils import timezone
 
@@ -25,6 +25,7 @@ from ptcproject.accounts.services import api_key_create, job_keys_revoke
 from ptcproject.errors import ApplicationError
 from ptcproject.policy.models import Policy
 from ptcproject.policy.selectors import policy_get, ptc_decision
+from ptcproject.storage import storable
 from tools.errors import ToolFailure
 from tools.kinds import tool_run
 from tools.models import Tool, Toolset
@@ -170,6 +171,7 @@ def exec_job_run(*, job_id: str, worker: str) -> None:
             heartbeat=lambda: ExecJob.objects.filter(pk=job.pk).update(heartbeat_at=timezone.now()),
             heartbeat_every=settings.PTC_JOB_HEARTBEAT_SECONDS,
             max_frame=settings.PTC_MAX_FRAME_BYTES,
+            max_buffered=settings.PTC_MAX_BUFFERED_BYTES,
             job_info={"call_id": job.call_id, "key": job_key},
         )
         try:
@@ -182,25 +184,29 @@ def exec_job_run(*, job_id: str, worker: str) -> None:
 
 
 def exec_job_finish(*, job: ExecJob, outcome: Outcome) -> None:
-    """Record the outcome of a running job and announce its end. A cancelled job stays cancelled."""
+    """Record the outcome of a running job and announce its end. A cancelled job stays cancelled.
+
+    Whatever the code produced is made storable first; if the record still can't be written, the
+    job ends failed with a short error rather than stay running.
+    """
     now = timezone.now()
     output = {
-        "stdout": outcome.stdout,
-        "stderr": outcome.stderr,
+        "stdout": storable(outcome.stdout),
+        "stderr": storable(outcome.stderr),
         "stdout_truncated": outcome.stdout_truncated,
         "stderr_truncated": outcome.stderr_truncated,
         "timings": outcome.timings,
     }
-    updated = ExecJob.objects.filter(pk=job.pk, status=Status.RUNNING).update(
-        status=outcome.status,
-        return_value=outcome.return_value,
-        error=outcome.error,
-        finished_at=now,
-        **output,
-    )
-    if not updated:
-        # Cancelled while it ran: keep that status, but keep what the code printed too.
-        ExecJob.objects.filter(pk=job.pk, status=Status.CANCELLED).update(**output)
+    result = {"status": outcome.status, "return_value": storable(outcome.return_value), "error": storable(outcome.error)}
+    try:
+        updated = ExecJob.objects.filter(pk=job.pk, status=Status.RUNNING).update(finished_at=now, **result, **output)
+        if not updated:
+            # Cancelled while it ran: keep that status, but keep what the code printed too.
+            ExecJob.objects.filter(pk=job.pk, status=Status.CANCELLED).update(**output)
+    except DatabaseError:
+        logger.exception("could not store a job's outcome", extra={"job_id": str(job.pk)})
+        error = {"type": "InternalError", "message": "the job's output could not be stored", "traceback": ""}
+        ExecJob.objects.filter(pk=job.pk, status=Status.RUNNING).update(status=Status.FAILED, error=error, finished_at=now)
     job_keys_revoke(exec_job_id=job.pk)
     # Calls still queued for the job never run; a tools worker that claimed one finishes it.
     ToolCall.objects.filter(exec_job=job, status=ToolCall.Status.EXECUTING, claimed_at__isnull=True).update(
@@ -262,6 +268,14 @@ def exec_jobs_reap() -> int:
         error={"code": "worker_lost", "message": "no tools worker finished this call; it was abandoned"},
         finished_at=timezone.now(),
     )
+    lost = timezone.now() - timedelta(seconds=settings.PTC_QUEUED_MAX_SECONDS)
+    for job_id in ExecJob.objects.filter(status=Status.QUEUED, created_at__lt=lost).values_list("pk", flat=True):
+        _exec_job_fail_if(
+            job_id=str(job_id),
+            status=Status.QUEUED,
+            kind="WorkerLost",
+            message=f"no exec worker took the job within {settings.PTC_QUEUED_MAX_SECONDS} s; its queue message was lost",
+        )
     reaped = 0
     for job_id in ExecJob.objects.filter(status=Status.RUNNING, heartbeat_at__lt=stale).values_list("pk", flat=True):
         reaped += _exec_job_fail_if(
@@ -337,7 +351,7 @@ def _tool_call_record(
         toolset_key=toolset[:64],
         tool_name=tool[:128],
         tool=found,
-        input=arguments if isinstance(arguments, dict) else {"value": arguments},
+        input=storable(arguments if isinstance(arguments, dict) else {"value": arguments}),
         status=ToolCall.Status.FAILED if error else ToolCall.Status.EXECUTING,
         error=error,
         started_at=now,
@@ -463,8 +477,8 @@ def _tool_call_finish(*, call_id: str, output: Any = None, error: dict[str, str]
     return bool(
         ToolCall.objects.filter(call_id=call_id, status=ToolCall.Status.EXECUTING).update(
             status=ToolCall.Status.FAILED if error else ToolCall.Status.COMPLETED,
-            output=None if error else output,
-            error=error,
+            output=None if error else storable(output),
+            error=storable(error),
             finished_at=timezone.now(),
         )
     )
@@ -525,12 +539,15 @@ def _tool_call_fail(call_id: str, code: str, message: str) -> dict[str, Any]:
 def _tool_call_run(*, call_id: str, tool: Tool, arguments: dict[str, Any]) -> dict[str, Any]:
     """Run the tool and record the outcome. Return the reply for the waiting code."""
     started = time.monotonic()
+    # Hand the database connection back to the pool while the tool runs: a slow tool must not hold
+    # one of the pool's few connections idle while other calls wait for it.
+    connection.close()
     try:
         output = tool_run(
             toolset=tool.toolset, tool=tool, arguments=arguments, timeout=tool.timeout or settings.PTC_DEFAULT_TOOL_TIMEOUT
         )
         size = len(json.dumps(output, allow_nan=False))
-        limit = settings.PTC_MAX_FRAME_BYTES - 4096
+        limit = settings.PTC_MAX_TOOL_OUTPUT_BYTES
         if size > limit:
             raise ToolFailure("output_too_large", f"the tool returned {size} bytes of JSON; the limit is {limit}")
     except ToolFailure as failure:

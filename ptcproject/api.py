@@ -2,6 +2,8 @@
 
 from typing import Any
 
+from django.http import HttpRequest, HttpResponse, JsonResponse
+from django.views import defaults
 from rest_framework import exceptions
 from rest_framework.pagination import PageNumberPagination
 from rest_framework.response import Response
@@ -62,3 +64,19 @@ def exception_handler(exc: Exception, context: dict[str, Any]) -> Response | Non
         body = {"code": code, "message": _first_message(response.data.get("detail", response.data)), "details": {}}
     response.data = {"error": body}
     return response
+
+
+def not_found(request: HttpRequest, exception: Exception) -> HttpResponse:
+    """404 outside any view: the API's error shape under /api/, Django's page elsewhere."""
+    if request.path.startswith("/api/"):
+        body = {"code": "not_found", "message": f"No such endpoint or object: {request.path}", "details": {}}
+        return JsonResponse({"error": body}, status=404)
+    return defaults.page_not_found(request, exception)
+
+
+def server_error(request: HttpRequest) -> HttpResponse:
+    """500: the API's error shape under /api/; the traceback is in the log, never in the answer."""
+    if request.path.startswith("/api/"):
+        body = {"code": "internal_error", "message": "The server failed on this request; it is logged.", "details": {}}
+        return JsonResponse({"error": body}, status=500)
+    return defaults.server_error(request)

@@ -108,6 +108,8 @@ LOGGING = {
     "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
     "loggers": {
         "ptc": {"handlers": ["console"], "level": LOG_LEVEL, "propagate": False},
+        # Unhandled errors in requests: a 500 must leave its traceback in the log.
+        "django.request": {"handlers": ["console"], "level": "ERROR", "propagate": False},
     },
 }
 
@@ -211,7 +213,13 @@ PTC_POLICY_SEED = policy_seed(os.environ, timeout_ceiling=PTC_TIMEOUT_CEILING)
 PTC_MAX_PROCESSES = env.int("PTC_MAX_PROCESSES", default=256)
 PTC_MAX_FILE_MB = env.int("PTC_MAX_FILE_MB", default=64)
 PTC_MAX_OPEN_FILES = env.int("PTC_MAX_OPEN_FILES", default=256)
-PTC_MAX_FRAME_BYTES = env.int("PTC_MAX_FRAME_BYTES", default=8 * 1024 * 1024)
+# A tool's arguments and its output are each held to this; a bridge frame carries one of them.
+PTC_MAX_TOOL_OUTPUT_BYTES = env.int("PTC_MAX_TOOL_OUTPUT_BYTES", default=1024 * 1024)
+PTC_MAX_FRAME_BYTES = PTC_MAX_TOOL_OUTPUT_BYTES + 64 * 1024
+# What the worker buffers for one job (replies the code has not read, calls waiting for a slot).
+PTC_MAX_BUFFERED_BYTES = env.int("PTC_MAX_BUFFERED_BYTES", default=32 * 1024 * 1024)
+# A job still queued after this long lost its queue message: the reaper fails it.
+PTC_QUEUED_MAX_SECONDS = env.int("PTC_QUEUED_MAX_SECONDS", default=1800)
 # A running job refreshes its lease this often; the reaper fails jobs whose lease has run out.
 PTC_JOB_HEARTBEAT_SECONDS = env.int("PTC_JOB_HEARTBEAT_SECONDS", default=10)
 PTC_JOB_LEASE_SECONDS = env.int("PTC_JOB_LEASE_SECONDS", default=45)

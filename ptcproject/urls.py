@@ -13,3 +13,6 @@ urlpatterns = [
     path("api/v1/", include("execution.urls")),
     path("api/v1/", include("ptcproject.policy.urls")),
 ]
+
+handler404 = "ptcproject.api.not_found"
+handler500 = "ptcproject.api.server_error"

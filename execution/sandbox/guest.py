@@ -44,11 +44,23 @@ def _set_limits(limits: dict[str, int]) -> None:
 
 
 def _jsonable(value: Any) -> Any:
+    """Return ``value`` if it is strict JSON, else its repr (or a placeholder if even that fails)."""
     try:
         json.dumps(value, allow_nan=False)
         return value
     except (TypeError, ValueError, RecursionError):
+        pass
+    try:
         return repr(value)
+    except BaseException:  # a __repr__ that raises, or recursion too deep to print
+        return f"<unrepresentable {type(value).__name__}>"
+
+
+def _describe(exc: BaseException) -> str:
+    try:
+        return str(exc)
+    except BaseException:  # an exception whose __str__ raises is still reported
+        return f"<{type(exc).__name__} whose message could not be read>"
 
 
 def _error(exc: BaseException, limits: dict[str, int]) -> dict[str, Any]:
@@ -56,8 +68,11 @@ def _error(exc: BaseException, limits: dict[str, int]) -> dict[str, Any]:
 
     frames = [f for f in traceback.extract_tb(exc.__traceback__) if f.filename == CODE_NAME]
     trace = "Traceback (most recent call last):\n" + "".join(traceback.format_list(frames))
-    trace += "".join(traceback.format_exception_only(type(exc), exc))
-    kind, message = type(exc).__name__, str(exc)
+    try:
+        trace += "".join(traceback.format_exception_only(type(exc), exc))
+    except BaseException:  # see _describe
+        trace += f"{type(exc).__name__}\n"
+    kind, message = type(exc).__name__, _describe(exc)
     if isinstance(exc, ToolError):
         message = exc.message
     elif isinstance(exc, MemoryError):
@@ -91,7 +106,7 @@ def _compile(source: str) -> tuple[Any, bool]:
 def main() -> None:
     bridge_fd, sdk_dir = int(sys.argv[1]), sys.argv[2]
     sys.path.insert(0, sdk_dir)
-    from ptc_tools import _runtime
+    from ptc_tools import _protocol, _runtime
 
     job = _runtime.connect(bridge_fd)
     # The job's call_id and its job-scoped key: what a sandbox elsewhere would call back with.
@@ -115,7 +130,18 @@ def main() -> None:
         if exc.code not in (None, 0):
             result["error"] = {"type": "SystemExit", "message": f"exit status {exc.code}", "traceback": ""}
     except BaseException as exc:  # everything the code raises is the job's error, reported whole
-        result["error"] = _error(exc, limits)
+        try:
+            result["error"] = _error(exc, limits)
+        except BaseException:  # reporting must not fail however odd the exception
+            result["error"] = {"type": "Exception", "message": "the code raised an exception that could not be reported"}
+    size = len(_protocol.encode(result))
+    if size > job["max_frame"]:
+        result["return_value"] = None
+        result["error"] = result["error"] or {
+            "type": "ResourceLimit",
+            "message": f"the return value is {size} bytes of JSON; the limit is {job['max_frame']}: print it instead",
+            "traceback": "",
+        }
     if not _runtime.connected():
         os._exit(1 if result["error"] else 0)  # a forked child's end is not the job's end
     for stream in (sys.stdout, sys.stderr):
@@ -125,7 +151,8 @@ def main() -> None:
             pass
     try:
         _runtime.send(result)
-    except Exception:
+    except Exception as exc:  # the worker reports a missing result as SandboxCrashed; say why here
+        os.write(2, f"ptc: the result could not be sent: {type(exc).__name__}: {exc}\n".encode())
         os._exit(70)
     # Daemon threads or stray user threads must not keep the sandbox alive after the result.
     os._exit(0)

@@ -9,6 +9,8 @@ ones that called ``setsid()``.
 
 import errno
 import functools
+import hashlib
+import itertools
 import os
 import socket
 import subprocess
@@ -24,23 +26,44 @@ SANDBOX_UID = 65534  # nobody: used only when the worker runs as root
 MOUNT_SDK = "/opt/ptc/sdk"
 MOUNT_BIN = "/opt/ptc/bin"
 SCRATCH_MB = 64
+SHM_MB = 16
 
 
 class SandboxUnavailable(Exception):
     """The sandbox cannot be started on this host (bwrap missing, user namespaces off, ...)."""
 
 
+# clone() flags that would make a new namespace: with a user namespace the code would get a full
+# set of capabilities inside it, and with them the kernel's netfilter and mount code to attack.
+_CLONE_NAMESPACE_FLAGS = (
+    0x10000000,  # CLONE_NEWUSER
+    0x40000000,  # CLONE_NEWNET
+    0x00020000,  # CLONE_NEWNS
+    0x20000000,  # CLONE_NEWPID
+    0x08000000,  # CLONE_NEWIPC
+    0x04000000,  # CLONE_NEWUTS
+    0x02000000,  # CLONE_NEWCGROUP
+)
+
+
 @functools.cache
 def _seccomp_program() -> bytes:
     """Return the compiled BPF program: ``socket()`` of any family but AF_UNIX fails with EPERM.
 
-    Also refused: ptrace, kernel keyrings, bpf, perf, userfaultfd and mounting, none of which
-    job code needs and each of which has been a kernel escape route.
+    Also refused: io_uring (its IORING_OP_SOCKET makes sockets without ``socket()``), clone() into
+    new namespaces, clone3 (its flags sit in memory a filter can't read: ENOSYS makes libc fall
+    back to clone), and ptrace, kernel keyrings, bpf, perf, userfaultfd and mounting, none of
+    which job code needs and each of which has been a kernel escape route.
     """
     import pyseccomp as sc
 
     flt = sc.SyscallFilter(defaction=sc.ALLOW)
     flt.add_rule(sc.ERRNO(errno.EPERM), "socket", sc.Arg(0, sc.NE, socket.AF_UNIX))
+    for flag in _CLONE_NAMESPACE_FLAGS:
+        flt.add_rule(sc.ERRNO(errno.EPERM), "clone", sc.Arg(0, sc.MASKED_EQ, flag, flag))
+    flt.add_rule(sc.ERRNO(errno.ENOSYS), "clone3")
+    for name in ("io_uring_setup", "io_uring_enter", "io_uring_register"):
+        flt.add_rule(sc.ERRNO(errno.EPERM), name)
     for name in (
         "ptrace",
         "keyctl",
@@ -79,17 +102,21 @@ def _program_fd() -> int:
 
 @functools.cache
 def _guest_dir() -> Path:
-    """Stage the runner where the sandbox's unprivileged uid can read it."""
-    target = Path(settings.PTC_SANDBOX_DIR) / "bin"
-    target.mkdir(parents=True, exist_ok=True, mode=0o755)
-    os.chmod(settings.PTC_SANDBOX_DIR, 0o755)
-    staged = target / "guest.py"
+    """Stage the runner where the sandbox's unprivileged uid can read it, under its content hash.
+
+    By hash, so workers of different versions sharing a host never run each other's runner.
+    """
     content = GUEST.read_bytes()
-    if not staged.exists() or staged.read_bytes() != content:
+    root = Path(settings.PTC_SANDBOX_DIR)
+    target = root / "bin" / hashlib.sha256(content).hexdigest()[:16]
+    if not (target / "guest.py").exists():
+        target.mkdir(parents=True, exist_ok=True, mode=0o755)
+        for directory in (root, root / "bin", target):
+            os.chmod(directory, 0o755)
         tmp = target / f".guest-{os.getpid()}.py"
         tmp.write_bytes(content)
         os.chmod(tmp, 0o644)
-        tmp.rename(staged)
+        tmp.rename(target / "guest.py")  # atomic: a sandbox never sees half a runner
     return target
 
 
@@ -105,79 +132,44 @@ def check() -> None:
 
 
 def command(*, limits: Limits, sdk_dir: Path, bridge_fd: int, seccomp_fd: int) -> list[str]:
-    python = settings.PTC_SANDBOX_PYTHON
-    argv = [
-        settings.PTC_BWRAP,
-        "--unshare-all",
-        "--die-with-parent",
-        "--new-session",  # no TIOCSTI into the worker's terminal (CVE-2017-5226)
-        "--cap-drop",
-        "ALL",
-        "--clearenv",
-        "--setenv",
-        "PATH",
-        "/usr/bin:/bin",
-        "--setenv",
-        "HOME",
-        "/work",
-        "--setenv",
-        "LANG",
-        "C.UTF-8",
-        "--setenv",
-        "PYTHONIOENCODING",
-        "utf-8",
+    """Return the bwrap command line that runs the guest with the bridge on ``bridge_fd``."""
+    options: list[tuple[str, ...]] = [
+        ("--unshare-all",),
+        ("--unshare-user",),
+        ("--disable-userns",),  # no nested user namespace, so no capabilities to be had inside
+        ("--hostname", "sandbox"),
+        ("--die-with-parent",),
+        ("--new-session",),  # no TIOCSTI into the worker's terminal (CVE-2017-5226)
+        ("--cap-drop", "ALL"),
+        ("--clearenv",),
+        ("--setenv", "PATH", "/usr/bin:/bin"),
+        ("--setenv", "HOME", "/work"),
+        ("--setenv", "LANG", "C.UTF-8"),
+        ("--setenv", "PYTHONIOENCODING", "utf-8"),
         # Each thread's malloc arena reserves 64 MiB of address space; under RLIMIT_AS a thread
         # pool of tool calls would run out of memory it never used.
-        "--setenv",
-        "MALLOC_ARENA_MAX",
-        "2",
-        "--ro-bind",
-        "/usr",
-        "/usr",
-        "--symlink",
-        "usr/bin",
-        "/bin",
-        "--symlink",
-        "usr/lib",
-        "/lib",
-        "--symlink",
-        "usr/lib64",
-        "/lib64",
-        "--ro-bind-try",
-        "/etc/localtime",
-        "/etc/localtime",
-        "--proc",
-        "/proc",
-        "--dev",
-        "/dev",
-        "--size",
-        str(SCRATCH_MB << 20),
-        "--tmpfs",
-        "/tmp",
-        "--size",
-        str(SCRATCH_MB << 20),
-        "--tmpfs",
-        "/work",
-        "--ro-bind",
-        str(sdk_dir),
-        MOUNT_SDK,
-        "--ro-bind",
-        str(_guest_dir()),
-        MOUNT_BIN,
-        "--chdir",
-        "/work",
-        "--seccomp",
-        str(seccomp_fd),
-        "--",
-        python,
-        "-I",
-        "-S",
-        "-B",
-        f"{MOUNT_BIN}/guest.py",
-        str(bridge_fd),
-        MOUNT_SDK,
+        ("--setenv", "MALLOC_ARENA_MAX", "2"),
+        ("--ro-bind", "/usr", "/usr"),
+        ("--symlink", "usr/bin", "/bin"),
+        ("--symlink", "usr/lib", "/lib"),
+        ("--symlink", "usr/lib64", "/lib64"),
+        ("--ro-bind-try", "/etc/localtime", "/etc/localtime"),
+        ("--proc", "/proc"),
+        ("--ro-bind", "/dev/null", "/proc/cmdline"),  # the host's boot arguments are none of its business
+        ("--dev", "/dev"),
+        # Every writable place is a size-capped tmpfs: tmpfs pages are host memory.
+        ("--size", str(SHM_MB << 20), "--tmpfs", "/dev/shm"),
+        ("--size", str(SCRATCH_MB << 20), "--tmpfs", "/tmp"),
+        ("--size", str(SCRATCH_MB << 20), "--tmpfs", "/work"),
+        ("--ro-bind", str(sdk_dir), MOUNT_SDK),
+        ("--ro-bind", str(_guest_dir()), MOUNT_BIN),
+        ("--remount-ro", "/dev"),
+        ("--remount-ro", "/"),  # bwrap's root is an unsized tmpfs: read-only, so nothing can fill it
+        ("--chdir", "/work"),
+        ("--seccomp", str(seccomp_fd)),
     ]
-    return argv
+    guest = (settings.PTC_SANDBOX_PYTHON, "-I", "-S", "-B", f"{MOUNT_BIN}/guest.py", str(bridge_fd), MOUNT_SDK)
+    return [settings.PTC_BWRAP, *itertools.chain.from_iterable(options), "--", *guest]
 
 
 def spawn(*, limits: Limits, sdk_dir: Path, bridge_fd: int) -> subprocess.Popen[bytes]:

@@ -25,6 +25,9 @@ from tools.sdk_runtime.protocol import FrameDecoder, FrameError, encode
 logger = logging.getLogger("ptc.sandbox")
 # A call whose result has not been pushed by then is looked up in the database, the source of truth.
 CALL_GRACE_SECONDS = 30.0
+# Calls waiting for a free slot, at most; past that the bridge stops reading and the code's next
+# call blocks in its own send(), so a flood of calls costs the worker nothing.
+MAX_WAITING_CALLS = 64
 
 
 @dataclass
@@ -89,6 +92,7 @@ class Session:
         heartbeat: Callable[[], None],
         heartbeat_every: float,
         max_frame: int,
+        max_buffered: int,
         job_info: dict[str, Any] | None = None,
     ) -> None:
         self.code = code
@@ -99,6 +103,8 @@ class Session:
         self.heartbeat = heartbeat
         self.heartbeat_every = heartbeat_every
         self.decoder = FrameDecoder(max_frame)
+        self.max_frame = max_frame
+        self.max_buffered = max_buffered
         self.job_info = job_info or {}
         self.stdout = CappedOutput(limits.max_output_bytes)
         self.stderr = CappedOutput(limits.max_output_bytes)
@@ -141,7 +147,14 @@ class Session:
 
     def _loop(self, proc: subprocess.Popen[bytes], sock: socket.socket, *, deadline: float) -> None:
         sock.setblocking(False)
-        self.outbox += encode({"op": "start", "code": self.code, "limits": self.limits.guest(), "job": self.job_info})
+        start = {
+            "op": "start",
+            "code": self.code,
+            "limits": self.limits.guest(),
+            "max_frame": self.max_frame,
+            "job": self.job_info,
+        }
+        self.outbox += encode(start)
         sel = selectors.DefaultSelector()
         assert proc.stdout is not None and proc.stderr is not None
         sel.register(sock, selectors.EVENT_READ | selectors.EVENT_WRITE, "bridge")
@@ -149,9 +162,10 @@ class Session:
         sel.register(proc.stderr, selectors.EVENT_READ, "stderr")
         sel.register(self.channel.fileno(), selectors.EVENT_READ, "channel")
         open_streams = {"bridge", "stdout", "stderr"}
+        paused_bridge = False
         next_beat = time.monotonic() + self.heartbeat_every
         try:
-            while open_streams and self.ended is None:
+            while (open_streams or paused_bridge) and self.ended is None:
                 now = time.monotonic()
                 wake = min([deadline, next_beat] + [c.deadline for c in self.in_flight.values()])
                 for key, mask in sel.select(max(0.0, wake - now)):
@@ -175,8 +189,18 @@ class Session:
                     if self.ended is not None:
                         break
                 if "bridge" in open_streams:
-                    events = selectors.EVENT_READ | (selectors.EVENT_WRITE if self.outbox else 0)
-                    sel.modify(sock, events, "bridge")
+                    reading = selectors.EVENT_READ if len(self.waiting) < MAX_WAITING_CALLS else 0
+                    events = reading | (selectors.EVENT_WRITE if self.outbox else 0)
+                    if events:
+                        sel.modify(sock, events, "bridge")
+                    else:
+                        sel.unregister(sock)
+                        open_streams.discard("bridge")
+                        paused_bridge = True
+                elif paused_bridge and len(self.waiting) < MAX_WAITING_CALLS:
+                    sel.register(sock, selectors.EVENT_READ | selectors.EVENT_WRITE, "bridge")
+                    open_streams.add("bridge")
+                    paused_bridge = False
                 now = time.monotonic()
                 if now >= deadline and self.ended is None:
                     self._end("timeout", "Timeout", f"the code ran past its {self.limits.timeout:g} s timeout")
@@ -234,8 +258,10 @@ class Session:
                 self.waiting.append(message)  # waits for a free slot; it does not fail
             else:
                 self._dispatch(message)
-        elif op == "done" and self.result is None:
+        elif op == "done" and self.result is None and _valid_result(message):
             self.result = message
+        elif op == "done":
+            self._end("failed", "BridgeError", "the sandbox sent a second or malformed result frame")
         else:
             self._end("failed", "BridgeError", f"the sandbox sent an unknown bridge frame (op={op!r})")
 
@@ -244,8 +270,14 @@ class Session:
         if not isinstance(toolset, str) or not isinstance(tool, str):
             self._end("failed", "BridgeError", "the sandbox sent a call frame without toolset and tool names")
             return
-        submitted = self.router.submit(toolset=toolset, tool=tool, arguments=message.get("args"))
         request_id = message["id"]
+        try:
+            submitted = self.router.submit(toolset=toolset, tool=tool, arguments=message.get("args"))
+        except Exception:  # a failure here is this call's, never the job's or the worker's
+            logger.exception("could not submit a tool call")
+            error = {"code": "internal_error", "message": "the call could not be recorded; see the worker's log"}
+            self._send({"id": request_id, "ok": False, "call_id": "", "error": error})
+            return
         if isinstance(submitted, Refused):
             self._send({"id": request_id, "ok": False, "call_id": submitted.call_id, "error": submitted.error})
             return
@@ -262,6 +294,10 @@ class Session:
 
     def _send(self, message: dict[str, Any]) -> None:
         self.outbox += encode(message)
+        if len(self.outbox) > self.max_buffered:
+            # The sandbox's reader has stopped (SIGSTOP, a held lock): don't hold its replies forever.
+            self.outbox.clear()
+            self._end("failed", "ResourceLimit", f"the code left over {self.max_buffered} bytes of tool results unread")
 
     def _on_channel(self, message: dict[str, Any]) -> None:
         kind = message.get("kind")
@@ -306,3 +342,11 @@ def _signal_name(signum: int) -> str:
         return signal.Signals(signum).name
     except ValueError:
         return str(signum)
+
+
+def _valid_result(message: dict[str, Any]) -> bool:
+    """A done frame's error is None or ``{"type": str, "message": str, ...}``, as the API promises."""
+    error = message.get("error")
+    return error is None or (
+        isinstance(error, dict) and isinstance(error.get("type"), str) and isinstance(error.get("message"), str)
+    )

@@ -24,7 +24,10 @@ def _reject_constant(name: str) -> Any:
 
 def encode(message: dict[str, Any]) -> bytes:
     """Return ``message`` as one frame. Raise ValueError if it is not strict JSON."""
-    body = json.dumps(message, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
+    try:
+        body = json.dumps(message, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
+    except UnicodeEncodeError:  # a lone surrogate: JSON can still carry it, escaped
+        body = json.dumps(message, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode()
     return HEADER.pack(len(body)) + body
 
 

@@ -68,6 +68,9 @@ class _Bridge:
 
     def send(self, message: dict[str, Any]) -> None:
         frame = _protocol.encode(message)
+        limit = self.start_message.get("max_frame") if hasattr(self, "start_message") else None
+        if limit and len(frame) > limit:
+            raise ValueError(f"they are {len(frame)} bytes of JSON; the limit is {limit}")
         with self._send_lock:
             self._sock.sendall(frame)
 
@@ -102,9 +105,7 @@ class _Bridge:
         except ValueError as exc:
             with self._lock:
                 self._pending.pop(call_id, None)
-            raise ToolError(
-                f"arguments are not JSON-serialisable: {exc}", tool=f"{toolset}.{tool}", code="invalid_arguments"
-            ) from None
+            raise ToolError(f"arguments cannot be sent: {exc}", tool=f"{toolset}.{tool}", code="invalid_arguments") from None
         except OSError as exc:
             with self._lock:
                 self._pending.pop(call_id, None)

@@ -1,0 +1,154 @@
+"""What a hostile tester found, kept found: each of these once harmed a job, the worker or the host."""
+
+import uuid
+from datetime import timedelta
+
+from django.contrib.auth import get_user_model
+from django.utils import timezone
+
+from execution.models import ExecJob
+from execution.services import exec_jobs_reap
+from tests.conftest import Api
+
+
+def test_io_uring_and_new_namespaces_are_refused(api: Api) -> None:
+    code = """
+import ctypes
+libc = ctypes.CDLL(None, use_errno=True)
+def errno_of(result):
+    return ctypes.get_errno() if result == -1 else "allowed"
+uring = errno_of(libc.syscall(425, 8, ctypes.create_string_buffer(120)))   # io_uring_setup
+userns = errno_of(libc.syscall(56, 0x10000000 | 17, 0, 0, 0, 0))         # clone(CLONE_NEWUSER)
+netns = errno_of(libc.syscall(56, 0x40000000 | 17, 0, 0, 0, 0))          # clone(CLONE_NEWNET)
+(uring, userns, netns)
+"""
+    job = api.run(code, toolsets=["demo"])
+    assert job["status"] == "completed", job["error"]
+    assert job["return_value"] == [1, 1, 1]  # EPERM each
+
+
+def test_threads_fork_and_subprocess_still_work(api: Api) -> None:
+    code = """
+import os, subprocess, threading
+t = threading.Thread(target=lambda: None); t.start(); t.join()
+pid = os.fork()
+if pid == 0:
+    os._exit(0)
+os.waitpid(pid, 0)
+subprocess.run(["/usr/bin/true"]).returncode
+"""
+    assert api.run(code, toolsets=["demo"])["return_value"] == 0
+
+
+def test_only_size_capped_scratch_is_writable(api: Api) -> None:
+    code = """
+import os
+def writable(path):
+    try:
+        with open(path, "wb") as f:
+            f.write(b"x")
+        return True
+    except OSError:
+        return False
+sizes = {p: os.statvfs(p).f_blocks * os.statvfs(p).f_frsize >> 20 for p in ("/work", "/tmp", "/dev/shm")}
+({p: writable(p + "/probe") for p in ("", "/etc", "/dev", "/usr", "/work", "/tmp", "/dev/shm")}, sizes)
+"""
+    job = api.run(code, toolsets=["demo"])
+    writable, sizes = job["return_value"]
+    assert writable == {"": False, "/etc": False, "/dev": False, "/usr": False, "/work": True, "/tmp": True, "/dev/shm": True}
+    assert all(size <= 64 for size in sizes.values()), sizes
+
+
+def test_nul_characters_are_stored_not_fatal(api: Api) -> None:
+    job = api.run('from ptc_tools.demo import Demo\nprint("a\\x00b")\nDemo.echo(value="c\\x00d")', toolsets=["demo"])
+    assert job["status"] == "completed", job["error"]
+    assert job["stdout"] == "a\ufffdb\n"
+    assert job["return_value"] == "c\ufffdd"
+    assert job["tool_calls"][0]["input"] == {"value": "c\ufffdd"}
+    failed = api.run('raise ValueError("x\\x00y")', toolsets=["demo"])
+    assert failed["status"] == "failed"
+    assert failed["error"]["message"] == "x\ufffdy"
+
+
+def test_oversized_arguments_and_return_values_are_clear_errors(api: Api) -> None:
+    code = """
+from ptc_tools import ToolError
+from ptc_tools.demo import Demo
+try:
+    Demo.echo(value="x" * (3 << 20))
+except ToolError as e:
+    print(e.code)
+"y" * (3 << 20)
+"""
+    job = api.run(code, toolsets=["demo"])
+    assert job["stdout"] == "invalid_arguments\n"
+    assert job["error"]["type"] == "ResourceLimit"
+    assert "return value" in job["error"]["message"]
+
+
+def test_odd_exceptions_and_values_are_still_reported(api: Api) -> None:
+    raising = api.run(
+        "class E(Exception):\n    def __str__(self):\n        raise KeyboardInterrupt\nraise E()", toolsets=["demo"]
+    )
+    assert raising["status"] == "failed"
+    assert raising["error"]["type"] == "E"
+    deep = api.run("x = []\nfor _ in range(5000):\n    x = [x]\nx", toolsets=["demo"])
+    assert deep["status"] == "completed"
+    assert deep["return_value"] == "<unrepresentable list>"
+    surrogate = api.run('"\\ud800"', toolsets=["demo"])
+    assert surrogate["status"] == "completed"
+
+
+def test_a_flood_of_calls_is_held_back_not_buffered(api: Api) -> None:
+    code = """
+import threading
+from ptc_tools.demo import Demo
+threads = [threading.Thread(target=Demo.sleep, kwargs={"ms": 50}) for _ in range(150)]
+[t.start() for t in threads]
+[t.join() for t in threads]
+"""
+    job = api.run(code, toolsets=["demo"])
+    assert job["status"] == "completed", job["error"]
+    assert len(job["tool_calls"]) == 150
+    assert all(c["status"] == "completed" for c in job["tool_calls"])
+
+
+def test_a_forged_result_frame_is_refused(api: Api) -> None:
+    code = """
+import time
+from ptc_tools import _runtime
+_runtime.send({"op": "done", "return_value": 1, "error": [1, 2]})
+time.sleep(5)
+"""
+    job = api.run(code, toolsets=["demo"], timeout=20)
+    assert job["error"]["type"] == "BridgeError"
+
+
+def test_unknown_api_paths_answer_in_the_error_shape(api: Api) -> None:
+    for path in ("/api/v1/nope", "/api/v1/exec/not-a-uuid"):
+        response = api.get(path)
+        assert response.status_code == 404
+        assert response.json()["error"]["code"] == "not_found"
+
+
+def test_a_job_whose_queue_message_was_lost_is_failed() -> None:
+    user = get_user_model().objects.create_user(username=f"lost-{uuid.uuid4().hex[:6]}")
+    job = ExecJob.objects.create(user=user, code="1", toolsets=[], timeout_seconds=10)
+    ExecJob.objects.filter(pk=job.pk).update(created_at=timezone.now() - timedelta(hours=2))
+    exec_jobs_reap()
+    job.refresh_from_db()
+    assert job.status == "failed"
+    assert job.error["type"] == "WorkerLost"
+    assert "queue message was lost" in job.error["message"]
+
+
+def test_sandbox_hostname_and_boot_arguments_stay_private(api: Api) -> None:
+    code = """
+import socket
+try:
+    cmdline = open("/proc/cmdline").read()
+except OSError:
+    cmdline = ""
+(socket.gethostname(), cmdline)
+"""
+    assert api.run(code, toolsets=["demo"])["return_value"] == ["sandbox", ""]
