@@ -80,7 +80,7 @@ def running_stack() -> Iterator[tuple[Stack, httpx.Client]]:
         subprocess.run([py, "manage.py", "migrate", "-v0"], cwd=ROOT, env=env, check=True)
         key = (
             subprocess.run(
-                [py, "manage.py", "create_api_key", "bench", "--create-user"],
+                [py, "manage.py", "create_api_key", "bench", "--create-user", "--credits", "100000000"],
                 cwd=ROOT,
                 env=env,
                 check=True,

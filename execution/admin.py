@@ -2,30 +2,21 @@ import json
 from typing import Any
 
 from django.contrib import admin
+from django.db.models import QuerySet
+from django.http import HttpRequest, HttpResponse
+from django.urls import reverse
 from django.utils.html import format_html, format_html_join
 
 from execution.models import ExecJob, ToolCall
+from execution.selectors import tool_calls_for
+from execution.timeline import timeline_build
 
 
 def _pre(value: Any) -> str:
+    if value is None or value == "":
+        return "-"  # the admin's empty value, rather than an empty box or "null"
     text = value if isinstance(value, str) else json.dumps(value, indent=2, sort_keys=True)
     return format_html('<pre style="white-space:pre-wrap;max-height:30em;overflow:auto">{}</pre>', text)
-
-
-class ToolCallInline(admin.TabularInline):
-    model = ToolCall
-    extra = 0
-    can_delete = False
-    fields = ("call_id", "toolset_key", "tool_name", "status", "credits", "started_at", "duration")
-    readonly_fields = fields
-    show_change_link = True
-
-    @admin.display(description="duration (ms)")
-    def duration(self, call: ToolCall) -> float | None:
-        return call.duration_ms
-
-    def has_add_permission(self, request: Any, obj: Any = None) -> bool:
-        return False
 
 
 @admin.register(ExecJob)
@@ -34,29 +25,38 @@ class ExecJobAdmin(admin.ModelAdmin):
     list_filter = ("status", "created_at", "user")
     search_fields = ("call_id", "id", "title", "user__username")
     date_hierarchy = "created_at"
-    inlines = [ToolCallInline]
-    fields = (
-        "id",
-        "call_id",
-        "user",
-        "status",
-        "title",
-        "toolsets",
-        "sdk_hash",
-        "timeout_seconds",
-        "created_at",
-        "started_at",
-        "finished_at",
-        "worker",
-        "code_pre",
-        "stdout_pre",
-        "stderr_pre",
-        "return_value_pre",
-        "error_pre",
-        "timings_pre",
-        "limits",
+    # The tool calls are drawn as a timeline above these (change_form.html), from one query; a
+    # thousand-row inline would be neither readable nor fast.
+    fieldsets = (
+        ("Code", {"fields": ("code_pre",), "classes": ("ptc-stacked",)}),
+        (
+            "Result",
+            {"fields": ("status", "return_value_pre", "error_pre", "stdout_pre", "stderr_pre"), "classes": ("ptc-stacked",)},
+        ),
+        ("Job", {"fields": ("id", "call_id", "user", "title", "toolsets", "sdk_hash", "worker", "timeout_seconds", "limits")}),
+        ("Timings", {"fields": ("created_at", "started_at", "finished_at", "execution_time_seconds", "timings_pre")}),
     )
-    readonly_fields = fields
+    readonly_fields = tuple(name for _, options in fieldsets for name in options["fields"])
+
+    def get_queryset(self, request: HttpRequest) -> QuerySet[ExecJob]:
+        return super().get_queryset(request).select_related("user")
+
+    def render_change_form(
+        self,
+        request: HttpRequest,
+        context: dict[str, Any],
+        add: bool = False,
+        change: bool = False,
+        form_url: str = "",
+        obj: Any = None,
+    ) -> HttpResponse:
+        if obj is not None:
+            calls_url = reverse("admin:execution_toolcall_changelist")
+            # One query for all the calls, however many; nothing below touches a related row.
+            calls = tool_calls_for(user=request.user).filter(exec_job=obj)
+            context["timeline"] = timeline_build(job=obj, calls=calls, call_url=lambda call: f"{calls_url}{call.pk}/change/")
+            context["timeline_calls_url"] = f"{calls_url}?exec_job={obj.pk}"
+        return super().render_change_form(request, context, add=add, change=change, form_url=form_url, obj=obj)
 
     def has_add_permission(self, request: Any) -> bool:
         return False

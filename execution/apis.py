@@ -44,6 +44,7 @@ class ExecListCreateApi(generics.ListAPIView):
             toolsets=data.get("toolsets"),
             timeout=data.get("timeout"),
             title=data["title"],
+            max_credits=data.get("max_credits"),
         )
         exec_job_wait(job=job, seconds=data["wait"])
         job = exec_jobs_for(user=request.user).get(pk=job.pk)

@@ -30,12 +30,12 @@ from tools.sdk_runtime.protocol import FrameDecoder, encode
 
 def job_channel(call_id: str) -> str:
     """A job's channel: its tool results, cancel, and its end."""
-    return f"ptc:job:{call_id}"
+    return f"{settings.PTC_REDIS_PREFIX}ptc:job:{call_id}"
 
 
 def call_channel(call_id: str) -> str:
     """A standalone call's channel: its result."""
-    return f"ptc:call:{call_id}"
+    return f"{settings.PTC_REDIS_PREFIX}ptc:call:{call_id}"
 
 
 class Subscription:

@@ -32,6 +32,8 @@ class ExecJob(models.Model):
     limits = models.JSONField(default=dict)
     # The policy said sequential: the bridge ran this job's tool calls one at a time.
     sequential = models.BooleanField(default=False)
+    # The most credits this job's tool calls may cost; calls past it fail with budget_exceeded.
+    max_credits = models.PositiveIntegerField(null=True, blank=True)
     stdout = models.TextField(blank=True)
     stderr = models.TextField(blank=True)
     stdout_truncated = models.BooleanField(default=False)

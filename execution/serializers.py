@@ -69,6 +69,7 @@ class ExecJobSerializer(serializers.ModelSerializer):
             "execution_time_seconds",
             "timeout_limit_seconds",
             "sequential",
+            "max_credits",
             "tool_calls",
             "credits_charged",
             "sdk_hash",
@@ -98,6 +99,9 @@ class ExecCreateSerializer(serializers.Serializer):
     timeout = serializers.FloatField(required=False, allow_null=True, min_value=0.1)
     wait = serializers.FloatField(required=False, default=0, min_value=0, max_value=settings.PTC_MAX_WAIT)
     title = serializers.CharField(required=False, allow_blank=True, default="", max_length=500)
+    max_credits = serializers.IntegerField(
+        required=False, allow_null=True, min_value=0, help_text="The most credits this job's tool calls may cost."
+    )
 
 
 class ExecListQuerySerializer(serializers.Serializer):

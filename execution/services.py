@@ -16,6 +16,14 @@ from django.db import DatabaseError, connection, transaction
 from django.db.models import Q
 from django.utils import timezone
 
+from billing.services import (
+    CreditsRefused,
+    credits_release,
+    credits_reserve,
+    credits_settle,
+    price_quote,
+    reservations_repair,
+)
 from execution import channels
 from execution.models import ExecJob, ToolCall
 from execution.sandbox.limits import Limits
@@ -52,7 +60,13 @@ def job_limits(*, policy: Policy, timeout: float) -> Limits:
 
 # -- Jobs ----------------------------------------------------------------------------------------
 def exec_job_create(
-    *, user: AbstractBaseUser, code: str, toolsets: list[str] | None, timeout: float | None, title: str = ""
+    *,
+    user: AbstractBaseUser,
+    code: str,
+    toolsets: list[str] | None,
+    timeout: float | None,
+    title: str = "",
+    max_credits: int | None = None,
 ) -> ExecJob:
     """Check the request against the policy, record the job as ``queued``, and enqueue it once committed.
 
@@ -108,6 +122,7 @@ def exec_job_create(
             timeout_seconds=timeout,
             limits=job_limits(policy=policy, timeout=timeout).as_dict(),
             sequential=policy.sequential,
+            max_credits=max_credits,
         )
         transaction.on_commit(lambda: run_exec.delay(str(job.id)))
     logger.info("job queued", extra={"job_id": str(job.id)})
@@ -259,6 +274,8 @@ def exec_job_cancel(*, job: ExecJob) -> ExecJob:
 def exec_jobs_reap() -> int:
     """Fail running jobs whose worker stopped sending heartbeats, and calls abandoned by dead
     tools workers. Return how many jobs were failed."""
+    # Reservations of calls whose worker died between running and settling: the record decides.
+    reservations_repair(older_than_seconds=settings.PTC_JOB_LEASE_SECONDS)
     stale = timezone.now() - timedelta(seconds=settings.PTC_JOB_LEASE_SECONDS)
     abandoned = timezone.now() - timedelta(seconds=settings.PTC_DEFAULT_TOOL_TIMEOUT * 2 + settings.PTC_JOB_LEASE_SECONDS)
     ToolCall.objects.filter(status=ToolCall.Status.EXECUTING, started_at__lt=abandoned).exclude(
@@ -397,7 +414,9 @@ class JobCallRouter:
             _tool_call_record(**record, found=None, error=failure.as_dict())
             return Refused(call_id=call_id, error=failure.as_dict())
         _tool_call_record(**record, found=found)
-        error = _tool_call_enqueue(call_id=call_id)
+        error = _tool_call_reserve(call_id=call_id, user=self.job.user, tool=found, job=self.job) or _tool_call_enqueue(
+            call_id=call_id
+        )
         if error:
             return Refused(call_id=call_id, error=error)
         return Dispatched(call_id=call_id, timeout=found.timeout or settings.PTC_DEFAULT_TOOL_TIMEOUT)
@@ -452,7 +471,8 @@ def tool_call_standalone(
     channel = channels.job_channel(job.call_id) if job else channels.call_channel(call_id)
     with channels.subscribe(channel) as subscription:  # before the enqueue: the result can't be missed
         _tool_call_record(**record, found=found)
-        if _tool_call_enqueue(call_id=call_id) is None:
+        refused = _tool_call_reserve(call_id=call_id, user=user, tool=found, job=job)
+        if refused is None and _tool_call_enqueue(call_id=call_id) is None:
             deadline = time.monotonic() + (found.timeout or settings.PTC_DEFAULT_TOOL_TIMEOUT) + CALL_GRACE_SECONDS
             while not any(m.get("call_id") == call_id for m in subscription.drain()):
                 remaining = deadline - time.monotonic()
@@ -473,15 +493,36 @@ def _reply(call: ToolCall) -> dict[str, Any]:
 
 
 def _tool_call_finish(*, call_id: str, output: Any = None, error: dict[str, str] | None = None) -> bool:
-    """Move an executing call to completed or failed. Return False if it had already finished."""
-    return bool(
-        ToolCall.objects.filter(call_id=call_id, status=ToolCall.Status.EXECUTING).update(
+    """Move an executing call to completed or failed, and settle or release its credits in the same
+    transaction. Return False if it had already finished (a redelivery: nothing changes)."""
+    with transaction.atomic():
+        finished = ToolCall.objects.filter(call_id=call_id, status=ToolCall.Status.EXECUTING).update(
             status=ToolCall.Status.FAILED if error else ToolCall.Status.COMPLETED,
             output=None if error else storable(output),
             error=storable(error),
             finished_at=timezone.now(),
         )
-    )
+        if finished and not error:
+            charged = credits_settle(tool_call_id=call_id)
+            if charged:
+                ToolCall.objects.filter(call_id=call_id).update(credits=charged)
+    if finished and error:
+        credits_release(tool_call_id=call_id)
+    return bool(finished)
+
+
+def _tool_call_reserve(*, call_id: str, user: AbstractBaseUser, tool: Tool, job: ExecJob | None) -> dict[str, str] | None:
+    """Hold the call's price before it runs. Return the error that refused it, after failing its record."""
+    quote = price_quote(user=user, toolset=tool.toolset, tool=tool)
+    if quote is None:
+        return None
+    try:
+        credits_reserve(user=user, tool_call_id=call_id, quote=quote, exec_job=job, max_credits=job.max_credits if job else None)
+    except CreditsRefused as refused:
+        error = {"code": refused.code, "message": refused.message}
+        _tool_call_finish(call_id=call_id, error=error)
+        return error
+    return None
 
 
 def tool_call_execute(*, call_id: str) -> None:

@@ -141,6 +141,9 @@ SPECTACULAR_SETTINGS = {
 CELERY_BROKER_URL = env.str("CELERY_BROKER_URL", default="filesystem://")
 REDIS_URL = env.str("REDIS_URL", default=CELERY_BROKER_URL if CELERY_BROKER_URL.startswith("redis") else "")
 EMBEDDED = CELERY_BROKER_URL.startswith("filesystem")
+# Prefix for every Redis key and channel this deployment uses, so several can share one Redis
+# (the test suite gives each run its own).
+PTC_REDIS_PREFIX = env.str("PTC_REDIS_PREFIX", default="")
 # No job may run longer than this, whatever the policy says: it sets the broker's visibility timeout,
 # which must stay above the longest job, or a running job's message is handed to a second worker.
 PTC_TIMEOUT_CEILING = env.int("PTC_TIMEOUT_CEILING", default=3600)
@@ -187,6 +190,7 @@ else:
     CELERY_BROKER_TRANSPORT_OPTIONS = {
         # Above the longest hard time limit, or a running task is redelivered to a second worker.
         "visibility_timeout": CELERY_TASK_HARD_LIMIT + 300,
+        "global_keyprefix": PTC_REDIS_PREFIX,
     }
 # How often beat runs the reaper that ends jobs whose worker died (ARCHITECTURE.md, "no job stays running").
 PTC_REAP_EVERY = env.float("PTC_REAP_EVERY", default=15.0)

@@ -12,6 +12,7 @@ urlpatterns = [
     path("api/docs/", SpectacularSwaggerView.as_view(url_name="schema"), name="docs"),
     path("api/v1/", include("execution.urls")),
     path("api/v1/", include("ptcproject.policy.urls")),
+    path("api/v1/", include("billing.urls")),
 ]
 
 handler404 = "ptcproject.api.not_found"

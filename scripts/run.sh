@@ -61,7 +61,7 @@ while not ready():
     time.sleep(0.2)
 PY
 
-key=$($py manage.py create_api_key demo --create-user | tail -n 1)
+key=$($py manage.py create_api_key demo --create-user --credits 1000 | tail -n 1)
 echo "== the demo user's API key (shown once):"
 echo "$key"
 echo "== running a demo job: four catalog searches in parallel, then a sum"

@@ -21,6 +21,9 @@ TEST_DATABASE_URL = os.environ.get("TEST_DATABASE_URL", "")
 REDIS_URL = os.environ.get("REDIS_URL", "")
 # The sandbox can't see this; a test checks that it really can't.
 WORKER_SECRET = f"s3cret-{uuid.uuid4().hex}"
+REDIS_PREFIX = f"ptc-test-{uuid.uuid4().hex[:8]}:"
+# This process enqueues and publishes too (tests that call services directly).
+os.environ["PTC_REDIS_PREFIX"] = REDIS_PREFIX
 
 
 def _require_services() -> None:
@@ -45,6 +48,7 @@ def django_db_setup(django_db_blocker: Any) -> Iterator[str]:
     for alias in connections:
         connections[alias].close()
     settings.DATABASES["default"]["NAME"] = name
+    settings.PTC_REDIS_PREFIX = REDIS_PREFIX
     connections["default"].settings_dict["NAME"] = name
     from django.core.management import call_command
 
@@ -78,6 +82,8 @@ def stack_env(django_db_setup: str) -> dict[str, str]:
         PTC_JOB_HEARTBEAT_SECONDS="1",
         PTC_JOB_LEASE_SECONDS="4",
         PTC_REAP_EVERY="1",
+        # Its own keys and channels on a shared Redis: two test runs never take each other's tasks.
+        PTC_REDIS_PREFIX=REDIS_PREFIX,
         PTC_EXEC_CONCURRENCY="6",
         PTC_TOOLS_CONCURRENCY="48",
     )
@@ -122,9 +128,9 @@ class Api:
 def make_api(stack: Stack) -> Callable[..., Api]:
     from ptcproject.accounts.services import user_with_key_create
 
-    def make(staff: bool = False) -> Api:
+    def make(staff: bool = False, credits: int = 10_000) -> Api:
         username = f"user-{uuid.uuid4().hex[:8]}"
-        _, key = user_with_key_create(username=username, create_user=True, staff=staff)
+        _, key = user_with_key_create(username=username, create_user=True, staff=staff, credits=credits)
         return Api(stack.base_url, key, username)
 
     return make

@@ -61,7 +61,9 @@ def api_key_authenticate(*, plaintext: str) -> ApiKey | None:
 
 
 @transaction.atomic
-def user_with_key_create(*, username: str, create_user: bool, staff: bool, name: str = "") -> tuple[AbstractUser, str]:
+def user_with_key_create(
+    *, username: str, create_user: bool, staff: bool, name: str = "", credits: int = 0
+) -> tuple[AbstractUser, str]:
     """Find (or with ``create_user``, create) ``username`` and give it a new key.
 
     Raises ``LookupError`` when the user does not exist and ``create_user`` is false.
@@ -76,4 +78,8 @@ def user_with_key_create(*, username: str, create_user: bool, staff: bool, name:
         user.is_staff = True
         user.save(update_fields=["is_staff"])
     _, plaintext = api_key_create(user=user, name=name)
+    if credits:
+        from billing.services import credits_adjust
+
+        credits_adjust(user=user, amount=credits, reason="granted with a new API key (create_api_key --credits)")
     return user, plaintext

@@ -75,7 +75,7 @@ def redis_stack(stack_env: dict[str, str], tmp_path: Path) -> Iterator[tuple[Red
 
 def test_a_job_survives_a_redis_restart(redis_stack: tuple[RedisServer, Stack]) -> None:
     redis, stack = redis_stack
-    _, key = user_with_key_create(username=f"redis-{free_port()}", create_user=True, staff=False)
+    _, key = user_with_key_create(username=f"redis-{free_port()}", create_user=True, staff=False, credits=100)
     http = httpx.Client(base_url=stack.base_url, headers={"Authorization": f"Bearer {key}"}, timeout=60)
     code = """
 import time

@@ -2,9 +2,18 @@
 
 import subprocess
 import time
+from pathlib import Path
 
 from tests.conftest import Api
 from tests.stack import Stack
+
+
+def _alive(pid: str) -> bool:
+    """Running, not a zombie waiting for init to reap it."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
 
 
 def _wait_for(api: Api, job_id: str, statuses: set[str], seconds: float) -> dict:
@@ -20,11 +29,14 @@ def test_job_of_a_killed_worker_ends_as_worker_lost(api: Api, stack: Stack) -> N
     code = "import time\nprint('working', flush=True)\ntime.sleep(120)"
     job = api.run(code, toolsets=["demo"], wait=0, timeout=200)
     assert _wait_for(api, job["id"], {"running"}, 15)["status"] == "running"
+    assert stack.exec_worker.proc is not None
+    worker_pid = str(stack.exec_worker.proc.pid)
+    sandboxes = subprocess.run(["pgrep", "-P", worker_pid, "bwrap"], capture_output=True, text=True).stdout.split()
+    assert sandboxes, "the job's sandbox should be a child of the exec worker"
     stack.exec_worker.kill()  # SIGKILL: no cleanup, no goodbye
     time.sleep(0.5)
     # The sandbox died with its worker (bwrap --die-with-parent tears its PID namespace down).
-    left = subprocess.run(["pgrep", "-f", "/opt/ptc/bin/guest.py"], capture_output=True, text=True).stdout.split()
-    assert left == []
+    assert [pid for pid in sandboxes if _alive(pid)] == []
     stack.exec_worker.start()  # as a supervisor would; beat's reaper runs on it
     final = _wait_for(api, job["id"], {"failed"}, 20)
     assert final["status"] == "failed"

@@ -12,11 +12,11 @@ class Command(BaseCommand):
         parser.add_argument("username")
         parser.add_argument("--create-user", action="store_true", help="Create the user if it does not exist.")
         parser.add_argument("--staff", action="store_true", help="Make the user staff.")
-        parser.add_argument("--credits", type=int, default=None, help="Credits to grant (once billing exists).")
+        parser.add_argument("--credits", type=int, default=0, help="Credits to grant, through the ledger.")
         parser.add_argument("--name", default="", help="A label for the key.")
 
     def handle(self, *args: Any, **options: Any) -> None:
-        if options["credits"] is not None and options["credits"] < 0:
+        if options["credits"] < 0:
             raise CommandError("--credits must be zero or more.")
         try:
             user, plaintext = user_with_key_create(
@@ -24,6 +24,7 @@ class Command(BaseCommand):
                 create_user=options["create_user"],
                 staff=options["staff"],
                 name=options["name"],
+                credits=options["credits"],
             )
         except LookupError as exc:
             raise CommandError(str(exc)) from exc

@@ -1,0 +1,49 @@
+from django.contrib.auth import get_user_model
+from rest_framework import serializers
+
+from billing.models import CreditUsage
+
+
+class BalanceSerializer(serializers.Serializer):
+    balance = serializers.IntegerField()
+    reserved = serializers.IntegerField()
+    plan = serializers.CharField(allow_null=True)
+    plan_expires_at = serializers.DateTimeField(allow_null=True)
+
+
+class UsageSerializer(serializers.ModelSerializer):
+    exec_id = serializers.UUIDField(source="exec_job_id", allow_null=True)
+    tool_call_meta = serializers.JSONField()
+
+    class Meta:
+        model = CreditUsage
+        fields = ["id", "exec_id", "tool_call_id", "usage_type", "tool_call_meta", "amount", "due_amount", "created_at"]
+
+
+class UsageQuerySerializer(serializers.Serializer):
+    exec = serializers.UUIDField(required=False)
+
+
+class CreditsSerializer(serializers.Serializer):
+    username = serializers.CharField(max_length=150)
+    amount = serializers.IntegerField()
+    reason = serializers.CharField(max_length=300)
+
+    def validate_username(self, value: str) -> str:
+        if not get_user_model().objects.filter(username=value).exists():
+            raise serializers.ValidationError(f"There is no user '{value}'.")
+        return value
+
+    def validate_amount(self, value: int) -> int:
+        if value == 0:
+            raise serializers.ValidationError("The amount must not be 0.")
+        return value
+
+
+class LedgerEntrySerializer(serializers.Serializer):
+    id = serializers.IntegerField()
+    kind = serializers.CharField()
+    delta = serializers.IntegerField()
+    reason = serializers.CharField()
+    balance = serializers.IntegerField()
+    created_at = serializers.DateTimeField()

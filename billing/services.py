@@ -1,0 +1,190 @@
+"""Credits: quote a call, reserve before it runs, settle on success, release otherwise; grants.
+
+Every balance change happens inside ``transaction.atomic()`` with the account row locked, and
+writes a ledger entry in the same transaction: the balance always equals the sum of the ledger.
+"""
+
+import logging
+import math
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+from django.contrib.auth.models import AbstractBaseUser
+from django.db import transaction
+from django.db.models import Max, Sum
+from django.utils import timezone
+
+from billing.models import CreditAccount, CreditUsage, Discount, LedgerEntry, Reservation
+from tools.models import Tool, Toolset
+
+logger = logging.getLogger("ptc.billing")
+
+
+class CreditsRefused(Exception):
+    """A call can't be paid for: ``code`` is ``insufficient_credits`` or ``budget_exceeded``."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+@dataclass(frozen=True)
+class Quote:
+    amount: int  # what the call will cost
+    due_amount: int  # its list price
+    meta: dict[str, str]
+
+
+def account_get(*, user: AbstractBaseUser) -> CreditAccount:
+    account, _ = CreditAccount.objects.get_or_create(user=user)
+    return account
+
+
+def price_quote(*, user: AbstractBaseUser, toolset: Toolset, tool: Tool) -> Quote | None:
+    """Return what a successful call costs ``user``, or None when it is never billed.
+
+    Billed only for global toolsets that are not free and whose tool is not free. The tool's
+    price overrides the toolset's. A plan with free tool access makes it 0 (the list price is still
+    recorded); otherwise the largest discount for the user's plan or the toolset applies, rounded
+    up, and a price above zero costs at least 1.
+    """
+    if not toolset.is_global or toolset.billing_free or tool.billing_free:
+        return None
+    due = tool.price if tool.price is not None else toolset.price
+    meta = {"toolName": tool.name, "toolsetKey": toolset.key}
+    account = account_get(user=user)
+    now = timezone.now()
+    plan_active = account.plan is not None and (account.plan_expires_at is None or account.plan_expires_at > now)
+    if plan_active and account.plan.free_tool_access:  # type: ignore[union-attr]
+        return Quote(amount=0, due_amount=due, meta=meta)
+    discounts = Discount.objects.filter(toolset=toolset)
+    if plan_active:
+        discounts = discounts | Discount.objects.filter(plan=account.plan)
+    percent = discounts.aggregate(best=Max("percent"))["best"] or 0
+    amount = math.ceil(due * (100 - percent) / 100)
+    if due > 0:
+        amount = max(amount, 1)
+    return Quote(amount=amount, due_amount=due, meta=meta)
+
+
+def credits_reserve(
+    *, user: AbstractBaseUser, tool_call_id: str, quote: Quote, exec_job: Any = None, max_credits: int | None = None
+) -> None:
+    """Hold ``quote.amount`` for the call before it runs, or raise CreditsRefused.
+
+    The account row is locked, so parallel calls are serialised here: the held total can never
+    exceed the balance, and a job's calls can never exceed its budget.
+    """
+    with transaction.atomic():
+        account = CreditAccount.objects.select_for_update().get(pk=account_get(user=user).pk)
+        if max_credits is not None and exec_job is not None:
+            spent = (
+                Reservation.objects.filter(exec_job=exec_job)
+                .exclude(status=Reservation.Status.RELEASED)
+                .aggregate(total=Sum("amount"))["total"]
+                or 0
+            )
+            if spent + quote.amount > max_credits:
+                raise CreditsRefused(
+                    "budget_exceeded",
+                    f"this call costs {quote.amount} credits and the job has {max_credits - spent} of its "
+                    f"{max_credits}-credit budget left",
+                )
+        available = account.balance - account.reserved
+        if quote.amount > available:
+            raise CreditsRefused(
+                "insufficient_credits", f"this call costs {quote.amount} credits and {max(available, 0)} are available"
+            )
+        account.reserved += quote.amount
+        account.save(update_fields=["reserved", "updated_at"])
+        Reservation.objects.create(
+            account=account,
+            tool_call_id=tool_call_id,
+            exec_job=exec_job,
+            amount=quote.amount,
+            due_amount=quote.due_amount,
+            meta=quote.meta,
+        )
+
+
+def credits_settle(*, tool_call_id: str) -> int:
+    """Turn the call's held reservation into a charge: usage row, ledger row, balance. Return the
+    amount charged (0 when nothing was held). Call it inside the transaction that marks the call
+    completed; a second call for the same call charges nothing."""
+    reservation = Reservation.objects.filter(tool_call_id=tool_call_id, status=Reservation.Status.HELD).first()
+    if reservation is None:
+        return 0
+    account = CreditAccount.objects.select_for_update().get(pk=reservation.account_id)
+    if not Reservation.objects.filter(pk=reservation.pk, status=Reservation.Status.HELD).update(
+        status=Reservation.Status.SETTLED, closed_at=timezone.now()
+    ):
+        return 0
+    account.reserved -= reservation.amount
+    account.balance -= reservation.amount
+    account.save(update_fields=["reserved", "balance", "updated_at"])
+    CreditUsage.objects.create(
+        user_id=account.user_id,
+        exec_job_id=reservation.exec_job_id,
+        tool_call_id=tool_call_id,
+        tool_call_meta=reservation.meta,
+        amount=reservation.amount,
+        due_amount=reservation.due_amount,
+    )
+    if reservation.amount:
+        LedgerEntry.objects.create(
+            account=account,
+            kind=LedgerEntry.Kind.CHARGE,
+            delta=-reservation.amount,
+            tool_call_id=tool_call_id,
+            reason=f"{reservation.meta.get('toolsetKey')}.{reservation.meta.get('toolName')} call {tool_call_id}",
+        )
+    return reservation.amount
+
+
+def credits_release(*, tool_call_id: str) -> None:
+    """Give back what was held for a call that did not succeed. A second release does nothing."""
+    with transaction.atomic():
+        reservation = Reservation.objects.filter(tool_call_id=tool_call_id, status=Reservation.Status.HELD).first()
+        if reservation is None:
+            return
+        account = CreditAccount.objects.select_for_update().get(pk=reservation.account_id)
+        if Reservation.objects.filter(pk=reservation.pk, status=Reservation.Status.HELD).update(
+            status=Reservation.Status.RELEASED, closed_at=timezone.now()
+        ):
+            account.reserved -= reservation.amount
+            account.save(update_fields=["reserved", "updated_at"])
+
+
+def credits_adjust(
+    *, user: AbstractBaseUser, amount: int, reason: str, created_by: AbstractBaseUser | None = None
+) -> LedgerEntry:
+    """Add (or with a negative amount, remove) credits, with a ledger entry. Return the entry."""
+    kind = LedgerEntry.Kind.GRANT if created_by is None and amount >= 0 else LedgerEntry.Kind.ADJUSTMENT
+    with transaction.atomic():
+        account = CreditAccount.objects.select_for_update().get(pk=account_get(user=user).pk)
+        account.balance += amount
+        account.save(update_fields=["balance", "updated_at"])
+        return LedgerEntry.objects.create(account=account, kind=kind, delta=amount, reason=reason, created_by=created_by)
+
+
+def reservations_repair(*, older_than_seconds: int) -> int:
+    """Close reservations whose call has ended but whose worker died between running and settling:
+    settled if the record says completed, released otherwise. Return how many were closed."""
+    from execution.models import ToolCall
+
+    cutoff = timezone.now() - timedelta(seconds=older_than_seconds)
+    repaired = 0
+    for reservation in Reservation.objects.filter(status=Reservation.Status.HELD, created_at__lt=cutoff):
+        status = ToolCall.objects.filter(call_id=reservation.tool_call_id).values_list("status", flat=True).first()
+        if status == ToolCall.Status.COMPLETED:
+            with transaction.atomic():
+                amount = credits_settle(tool_call_id=reservation.tool_call_id)
+                ToolCall.objects.filter(call_id=reservation.tool_call_id).update(credits=amount)
+        elif status != ToolCall.Status.EXECUTING:
+            credits_release(tool_call_id=reservation.tool_call_id)
+        else:
+            continue
+        repaired += 1
+    return repaired
