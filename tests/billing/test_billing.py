@@ -1,0 +1,259 @@
+"""Billing against real workers and PostgreSQL: every call that should cost credits costs exactly once."""
+
+import uuid
+from collections.abc import Callable
+from datetime import timedelta
+
+import pytest
+from django.contrib.auth import get_user_model
+from django.core.management import call_command
+from django.test import Client
+from django.utils import timezone
+
+from billing.models import CreditAccount, CreditUsage, Discount, LedgerEntry, Plan, Reservation
+from billing.selectors import ledger_mismatches
+from billing.services import account_get, credits_reserve, price_quote, reservations_repair
+from execution import services as execution_services
+from execution.models import ExecJob, ToolCall
+from tests.conftest import Api
+from tools.models import Tool, Toolset
+
+
+def balance(api: Api) -> int:
+    return api.get("/api/v1/billing/balance").json()["balance"]
+
+
+def test_a_successful_call_is_charged_once_and_a_failed_one_not_at_all(make_api: Callable[..., Api]) -> None:
+    api = make_api(credits=10)
+    job = api.run(
+        "from ptc_tools import ToolError\nfrom ptc_tools.demo import Demo\n"
+        "Demo.add(a=1, b=2)\nDemo.echo(value=1)\ntry:\n    Demo.fail(message='x')\nexcept ToolError:\n    pass",
+        toolsets=["demo"],
+    )
+    assert job["status"] == "completed", job["error"]
+    assert job["credits_charged"] == 1
+    assert [(c["tool"], c["credits"]) for c in job["tool_calls"]] == [("add", 1), ("echo", 0), ("fail", 0)]
+    assert balance(api) == 9
+    usage = api.get("/api/v1/billing/usage", params={"exec": job["id"]}).json()
+    assert usage["count"] == 1  # echo is free: no row; fail did not succeed: no row
+    [row] = usage["results"]
+    assert row["tool_call_meta"] == {"toolName": "add", "toolsetKey": "demo"}
+    assert (row["amount"], row["due_amount"], row["usage_type"]) == (1, 1, "tool_call")
+    assert row["tool_call_id"] == job["tool_calls"][0]["call_id"]
+    assert row["exec_id"] == job["id"]
+
+
+def test_parallel_calls_can_never_overdraw(make_api: Callable[..., Api]) -> None:
+    api = make_api(credits=5)
+    code = """
+from concurrent.futures import ThreadPoolExecutor
+from ptc_tools import ToolError
+from ptc_tools.demo import Demo
+def call(i):
+    try:
+        Demo.add(a=i, b=0)
+        return "ok"
+    except ToolError as e:
+        return e.code
+with ThreadPoolExecutor(20) as pool:
+    outcomes = list(pool.map(call, range(20)))
+sorted(outcomes)
+"""
+    job = api.run(code, toolsets=["demo"])
+    assert job["status"] == "completed", job["error"]
+    assert job["return_value"].count("ok") == 5
+    assert job["return_value"].count("insufficient_credits") == 15
+    assert balance(api) == 0
+    refused = [c for c in job["tool_calls"] if c["status"] == "failed"]
+    assert len(refused) == 15
+    assert all(c["error"]["code"] == "insufficient_credits" for c in refused)
+    account = CreditAccount.objects.get(user__username=api.username)
+    assert (account.balance, account.reserved) == (0, 0)
+
+
+def test_the_job_budget_stops_calls_and_the_code_can_finish(api: Api) -> None:
+    code = """
+from ptc_tools import ToolError
+from ptc_tools.demo import Demo
+done = []
+for i in range(5):
+    try:
+        done.append(Demo.add(a=i, b=0))
+    except ToolError as e:
+        print(e.code)
+        break
+done
+"""
+    job = api.run(code, toolsets=["demo"], max_credits=3)
+    assert job["status"] == "completed", job["error"]
+    assert job["return_value"] == [0, 1, 2]
+    assert job["stdout"] == "budget_exceeded\n"
+    assert job["credits_charged"] == 3
+    assert job["max_credits"] == 3
+
+
+def test_a_plan_with_free_tools_records_the_price_and_charges_nothing(api: Api) -> None:
+    account = account_get(user=get_user_model().objects.get(username=api.username))
+    account.plan = Plan.objects.get(key="plus")
+    account.plan_expires_at = timezone.now() + timedelta(days=30)
+    account.save()
+    before = balance(api)
+    job = api.run("from ptc_tools.demo import Demo\nDemo.add(a=1, b=1)", toolsets=["demo"])
+    assert job["credits_charged"] == 0
+    assert balance(api) == before
+    [row] = api.get("/api/v1/billing/usage", params={"exec": job["id"]}).json()["results"]
+    assert (row["amount"], row["due_amount"]) == (0, 1)
+    body = api.get("/api/v1/billing/balance").json()
+    assert body["plan"] == "plus"
+    assert body["plan_expires_at"] is not None
+    account.plan_expires_at = timezone.now() - timedelta(seconds=1)  # the plan ran out: billed again
+    account.save()
+    assert api.run("from ptc_tools.demo import Demo\nDemo.add(a=1, b=1)", toolsets=["demo"])["credits_charged"] == 1
+
+
+def test_a_redelivered_tools_task_charges_once(api: Api) -> None:
+    user = get_user_model().objects.get(username=api.username)
+    job = ExecJob.objects.create(user=user, code="", toolsets=["demo"], timeout_seconds=30, status="running")
+    tool = Tool.objects.select_related("toolset").get(toolset__key="demo", toolset__owner=None, name="add")
+    call = ToolCall.objects.create(
+        call_id=f"ptc_{uuid.uuid4().hex}",
+        type="ptc",
+        exec_job=job,
+        ptc_call_id=job.call_id,
+        user=user,
+        toolset_key="demo",
+        tool_name="add",
+        tool=tool,
+        input={"a": 1, "b": 1},
+        started_at=timezone.now(),
+    )
+    credits_reserve(
+        user=user, tool_call_id=call.call_id, quote=price_quote(user=user, toolset=tool.toolset, tool=tool), exec_job=job
+    )
+    before = CreditAccount.objects.get(user=user).balance
+    execution_services.tool_call_execute(call_id=call.call_id)
+    execution_services.tool_call_execute(call_id=call.call_id)  # the broker delivers it again
+    assert CreditAccount.objects.get(user=user).balance == before - 1
+    assert CreditUsage.objects.filter(tool_call_id=call.call_id).count() == 1
+    assert LedgerEntry.objects.filter(tool_call_id=call.call_id, kind="charge").count() == 1
+    assert ToolCall.objects.get(pk=call.pk).credits == 1
+
+
+def test_the_reaper_settles_or_releases_what_a_dead_worker_left_held(api: Api) -> None:
+    user = get_user_model().objects.get(username=api.username)
+    tool = Tool.objects.select_related("toolset").get(toolset__key="demo", toolset__owner=None, name="add")
+    quote = price_quote(user=user, toolset=tool.toolset, tool=tool)
+    made = {}
+    for outcome in ("completed", "failed"):
+        call = ToolCall.objects.create(
+            call_id=f"ptc_{uuid.uuid4().hex}",
+            type="standalone",
+            user=user,
+            toolset_key="demo",
+            tool_name="add",
+            tool=tool,
+            input={},
+            started_at=timezone.now(),
+            status=outcome,
+            output=2 if outcome == "completed" else None,
+        )
+        credits_reserve(user=user, tool_call_id=call.call_id, quote=quote)
+        made[outcome] = call.call_id
+    Reservation.objects.filter(tool_call_id__in=made.values()).update(created_at=timezone.now() - timedelta(minutes=5))
+    before = CreditAccount.objects.get(user=user)
+    assert reservations_repair(older_than_seconds=60) == 2
+    after = CreditAccount.objects.get(user=user)
+    assert after.balance == before.balance - 1
+    assert after.reserved == before.reserved - 2
+    assert Reservation.objects.get(tool_call_id=made["completed"]).status == "settled"
+    assert Reservation.objects.get(tool_call_id=made["failed"]).status == "released"
+
+
+def _toolset(**fields: object) -> Toolset:
+    return Toolset(key="t", name="T", kind="http", is_global=True, price=3, **fields)
+
+
+def test_price_rules() -> None:
+    user = get_user_model().objects.create_user(username=f"price-{uuid.uuid4().hex[:6]}")
+    toolset = Toolset.objects.create(key=f"priced_{uuid.uuid4().hex[:6]}", name="P", kind="http", price=3)
+    tool = Tool(toolset=toolset, name="x", input_schema={})
+    assert price_quote(user=user, toolset=toolset, tool=tool).amount == 3
+    tool.price = 7  # the tool's price overrides the toolset's
+    assert price_quote(user=user, toolset=toolset, tool=tool).amount == 7
+    tool.price = None
+    Discount.objects.create(toolset=toolset, percent=50)
+    assert price_quote(user=user, toolset=toolset, tool=tool).amount == 2  # 1.5 rounds up
+    Discount.objects.create(toolset=toolset, percent=99)
+    quote = price_quote(user=user, toolset=toolset, tool=tool)
+    assert (quote.amount, quote.due_amount) == (1, 3)  # above zero costs at least 1
+    tool.billing_free = True
+    assert price_quote(user=user, toolset=toolset, tool=tool) is None
+    tool.billing_free = False
+    toolset.billing_free = True
+    assert price_quote(user=user, toolset=toolset, tool=tool) is None
+    toolset.billing_free, toolset.is_global = False, False
+    assert price_quote(user=user, toolset=toolset, tool=tool) is None  # only global toolsets are billed
+    toolset.delete()
+
+
+def test_staff_grant_credits_through_the_ledger(make_api: Callable[..., Api], api: Api) -> None:
+    staff = make_api(staff=True)
+    before = balance(api)
+    response = staff.post("/api/v1/billing/credits", json={"username": api.username, "amount": 25, "reason": "goodwill"})
+    assert response.status_code == 201, response.text
+    assert response.json()["balance"] == before + 25
+    removed = staff.post("/api/v1/billing/credits", json={"username": api.username, "amount": -5, "reason": "correction"})
+    assert removed.status_code == 201
+    assert balance(api) == before + 20
+    entries = LedgerEntry.objects.filter(account__user__username=api.username).order_by("id")
+    assert [(e.kind, e.delta) for e in entries][-2:] == [("adjustment", 25), ("adjustment", -5)]
+    assert api.post("/api/v1/billing/credits", json={"username": api.username, "amount": 5, "reason": "x"}).status_code == 403
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ({"username": "no-such-user-zz", "amount": 5, "reason": "x"}, "username"),
+        ({"username": "{me}", "amount": 1.5, "reason": "x"}, "amount"),
+        ({"username": "{me}", "amount": "lots", "reason": "x"}, "amount"),
+        ({"username": "{me}", "amount": 5}, "reason"),
+    ],
+)
+def test_bad_adjustments_get_a_field_error_and_write_nothing(make_api: Callable[..., Api], body: dict, field: str) -> None:
+    staff = make_api(staff=True)
+    body = {k: (staff.username if v == "{me}" else v) for k, v in body.items()}
+    entries = LedgerEntry.objects.count()
+    response = staff.post("/api/v1/billing/credits", json=body)
+    assert response.status_code == 400
+    assert field in response.json()["error"]["details"]
+    assert LedgerEntry.objects.count() == entries
+
+
+def test_the_usage_chart_is_drawn_server_side(api: Api) -> None:
+    api.run("from ptc_tools.demo import Demo\nDemo.add(a=1, b=1)", toolsets=["demo"])
+    superuser = get_user_model().objects.create_user(username=f"su-{uuid.uuid4().hex[:6]}", is_staff=True, is_superuser=True)
+    client = Client()
+    client.force_login(superuser)
+    page = client.get("/admin/billing/creditusage/chart/").content.decode()
+    assert page.count('aria-label="credits per day"') == 2
+    assert "<rect" in page and "demo (" in page and api.username in page
+    for url in (
+        "/admin/billing/creditaccount/",
+        "/admin/billing/ledgerentry/",
+        "/admin/billing/reservation/",
+        "/admin/billing/creditusage/",
+        "/admin/billing/plan/",
+        "/admin/billing/discount/",
+    ):
+        assert client.get(url).status_code == 200, url
+
+
+def test_usage_is_private(make_api: Callable[..., Api]) -> None:
+    alice, bob = make_api(), make_api()
+    job = alice.run("from ptc_tools.demo import Demo\nDemo.add(a=1, b=1)", toolsets=["demo"])
+    assert bob.get("/api/v1/billing/usage", params={"exec": job["id"]}).json()["count"] == 0
+
+
+def test_zz_the_ledger_invariant_holds_after_everything() -> None:
+    assert ledger_mismatches() == []
+    call_command("check_ledger")
