@@ -23,8 +23,8 @@ MAX_LANES = 40
 # Aggregated: at most this many rows (groups of adjacent lanes) and this many time buckets per row.
 AGGREGATE_ROWS = 20
 AGGREGATE_BUCKETS = 100
-# An aggregated cell names at most this many of its calls; the rest are counted.
-CELL_SAMPLE = 8
+# An aggregated cell names at most this many of its calls, failed ones first; the rest are counted.
+CELL_SAMPLE = 5
 # The call table under the timeline lists at most this many calls; the full list is one link away.
 TABLE_LIMIT = 200
 TICK_TARGET = 8
@@ -240,18 +240,20 @@ def _cells_build(
     group = max(1, math.ceil(lane_count / AGGREGATE_ROWS))
     row_count = math.ceil(lane_count / group)
     bucket_ms = span_ms / AGGREGATE_BUCKETS
-    # cells[row][bucket] = (counts by status, sample of call ids)
-    cells: list[dict[int, tuple[dict[str, int], list[str]]]] = [{} for _ in range(row_count)]
+    # cells[row][bucket] = (counts by status, {status: the first few calls of that status})
+    cells: list[dict[int, tuple[dict[str, int], dict[str, list[str]]]]] = [{} for _ in range(row_count)]
     for call, lane, (start_ms, end_ms) in zip(calls, lanes, spans, strict=True):
         first = min(int(start_ms / bucket_ms), AGGREGATE_BUCKETS - 1)
         # A call ending exactly on a bucket's edge is not active in the next one.
         last = min(max(math.ceil(end_ms / bucket_ms) - 1, first), AGGREGATE_BUCKETS - 1)
         row = cells[lane // group]
         for bucket in range(first, last + 1):
-            counts, sample = row.setdefault(bucket, (dict.fromkeys(STATUSES, 0), []))
-            counts[_status(call)] = counts.get(_status(call), 0) + 1
-            if len(sample) < CELL_SAMPLE:
-                sample.append(f"{call.call_id} {call.toolset_key}.{call.tool_name} {_status(call)}")
+            counts, samples = row.setdefault(bucket, (dict.fromkeys(STATUSES, 0), {}))
+            status = _status(call)
+            counts[status] = counts.get(status, 0) + 1
+            named = samples.setdefault(status, [])
+            if len(named) < CELL_SAMPLE:
+                named.append(f"{call.call_id} {call.toolset_key}.{call.tool_name} {status}")
     peak = max((sum(c.values()) for row in cells for c, _ in row.values()), default=1)
     rows = []
     for index, row in enumerate(cells):
@@ -260,7 +262,8 @@ def _cells_build(
         lanes_label = f"lane {label}" if low == high else f"lanes {label}"
         row_cells = []
         for bucket in sorted(row):
-            counts, sample = row[bucket]
+            counts, samples = row[bucket]
+            sample = [line for status in SEVERITY for line in samples.get(status, [])][:CELL_SAMPLE]
             total = sum(counts.values())
             start_ms, end_ms = bucket * bucket_ms, (bucket + 1) * bucket_ms
             mix = ", ".join(f"{n} {status}" for status, n in counts.items() if n)
@@ -271,7 +274,7 @@ def _cells_build(
                 ["time", f"+{_fmt_ms(start_ms)} to +{_fmt_ms(end_ms)}", False],
                 ["calls active", str(total), False],
                 *[[status, str(n), False] for status, n in counts.items() if n],
-                ["calls" if total <= len(sample) else f"the first {len(sample)}", "\n".join(sample), True],
+                ["calls" if total <= len(sample) else f"{len(sample)} of them", "\n".join(sample), True],
             ]
             worst = next((s for s in SEVERITY if counts.get(s)), COMPLETED)
             details.append({"heading": f"{total} call{plural}, {lanes_label}", "status": worst, "url": "", "fields": fields})

@@ -5,7 +5,6 @@ import uuid
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-import pytest
 from django.contrib.auth import get_user_model
 from django.db import connection
 from django.test import Client
@@ -210,7 +209,6 @@ def _render(client: Client, job: ExecJob) -> tuple[str, list[str]]:
     return response.content.decode(), [q["sql"] for q in queries.captured_queries]
 
 
-@pytest.mark.django_db
 def test_admin_page_of_a_thousand_calls_is_aggregated_and_takes_one_query_for_them() -> None:
     client = _admin_client()
     _render(client, _job_with_calls(3, 3))  # warm-up: the session, content types, caches
@@ -236,7 +234,6 @@ def test_admin_page_of_a_thousand_calls_is_aggregated_and_takes_one_query_for_th
     assert len(big_html) < 1_500_000
 
 
-@pytest.mark.django_db
 def test_admin_page_lays_out_code_result_and_job_fields() -> None:
     client = _admin_client()
     job = _job_with_calls(4, 2)
