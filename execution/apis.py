@@ -1,3 +1,9 @@
+from collections.abc import AsyncIterator
+from typing import Any
+from uuid import UUID
+
+from asgiref.sync import sync_to_async
+from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
 from django.shortcuts import get_object_or_404
 from drf_spectacular.utils import OpenApiParameter, extend_schema
 from rest_framework import generics, status
@@ -5,6 +11,7 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from execution.events import event_stream
 from execution.selectors import exec_job_wait, exec_jobs_for, tool_calls_for
 from execution.serializers import (
     ExecCreateSerializer,
@@ -16,6 +23,7 @@ from execution.serializers import (
 )
 from execution.services import exec_job_cancel, exec_job_create, tool_call_standalone
 from ptcproject.accounts.models import ApiKey
+from ptcproject.accounts.services import api_key_authenticate
 
 
 class ExecListCreateApi(generics.ListAPIView):
@@ -115,3 +123,47 @@ class ToolExecuteApi(APIView):
             job_call_id=request.headers.get("x-ptc-call-id", ""),
         )
         return Response(ToolCallSerializer(call).data)
+
+
+async def _authenticate(request: HttpRequest) -> Any:
+    """The user of a Bearer key (not a job-scoped one) or of an admin session; None if neither."""
+    header = request.headers.get("Authorization", "")
+    if header.lower().startswith("bearer "):
+        key = await sync_to_async(api_key_authenticate)(plaintext=header[7:].strip())
+        if key is None or key.exec_job_id is not None:
+            return None
+        return await sync_to_async(lambda: key.user)()
+    user = await request.auser()
+    return user if user.is_authenticated else None
+
+
+def _error(status: int, code: str, message: str) -> JsonResponse:
+    return JsonResponse({"error": {"code": code, "message": message, "details": {}}}, status=status)
+
+
+async def exec_events_api(request: HttpRequest, job_id: UUID) -> HttpResponse:
+    """GET /api/v1/exec/{id}/events: the job's events as Server-Sent Events, pushed as they happen.
+
+    An async view (not DRF): a slow client holds a coroutine, not a worker thread. ``Last-Event-ID``
+    resumes after that event; a client that comes after the end gets the whole history, then the
+    stream closes. Documented in the OpenAPI schema by ``ptcproject.api.add_event_stream_path``.
+    """
+    if request.method != "GET":
+        return _error(405, "method_not_allowed", "Use GET.")
+    user = await _authenticate(request)
+    if user is None:
+        return _error(401, "not_authenticated", "Send Authorization: Bearer <api key>.")
+    job = await sync_to_async(lambda: exec_jobs_for(user=user).filter(pk=job_id).first())()
+    if job is None:
+        return _error(404, "not_found", f"No such endpoint or object: {request.path}")
+    last_event_id = request.headers.get("Last-Event-ID") or request.GET.get("last_event_id")
+
+    async def frames() -> AsyncIterator[str]:
+        yield "retry: 1000\n\n"
+        async for item in event_stream(job_id=job.pk, last_event_id=last_event_id):
+            yield ": heartbeat\n\n" if item is None else item.sse()
+
+    response = StreamingHttpResponse(frames(), content_type="text/event-stream")
+    response["Cache-Control"] = "no-cache"
+    response["X-Accel-Buffering"] = "no"  # a proxy must pass frames on, not buffer them
+    return response

@@ -25,9 +25,11 @@ from billing.services import (
     reservations_repair,
 )
 from execution import channels
+from execution.events import event_publish, job_end_payload, job_start_payload, tool_call_event
 from execution.models import ExecJob, ToolCall
 from execution.sandbox.limits import Limits
 from execution.sandbox.session import CALL_GRACE_SECONDS, Dispatched, Outcome, Refused, Session
+from execution.serializers import ToolCallSerializer
 from ptcproject.accounts.models import ApiKey
 from ptcproject.accounts.services import api_key_create, job_keys_revoke
 from ptcproject.errors import ApplicationError
@@ -148,6 +150,7 @@ def exec_job_run(*, job_id: str, worker: str) -> None:
         )
         return
     job = ExecJob.objects.select_related("user").get(pk=job_id)
+    event_publish(job_call_id=job.call_id, event="exec_start", data=job_start_payload(job))
     policy = policy_get()
     toolsets, _ = toolsets_resolve(user=job.user, keys=job.toolsets)
     try:
@@ -188,6 +191,7 @@ def exec_job_run(*, job_id: str, worker: str) -> None:
             max_frame=settings.PTC_MAX_FRAME_BYTES,
             max_buffered=settings.PTC_MAX_BUFFERED_BYTES,
             job_info={"call_id": job.call_id, "key": job_key},
+            on_output=lambda stream, text: event_publish(job_call_id=job.call_id, event=stream, data={"text": text}),
         )
         try:
             outcome = session.run()
@@ -229,9 +233,16 @@ def exec_job_finish(*, job: ExecJob, outcome: Outcome) -> None:
         error={"code": "job_ended", "message": "the job ended before this call started; it was not run"},
         finished_at=now,
     )
-    status = ExecJob.objects.filter(pk=job.pk).values_list("status", flat=True).first()
-    channels.publish(channels.job_channel(job.call_id), {"kind": "end", "status": status})
+    status = _exec_job_ended(job)
     logger.info("job finished", extra={"job_id": str(job.pk), "status": status, **outcome.timings})
+
+
+def _exec_job_ended(job: ExecJob) -> str:
+    """Announce a job's end: its last event, then the channel's ``end`` that wakes ``wait``. Return its status."""
+    final = ExecJob.objects.select_related("user").get(pk=job.pk)
+    event_publish(job_call_id=final.call_id, event="exec_end", data=job_end_payload(final))
+    channels.publish(channels.job_channel(final.call_id), {"kind": "end", "status": final.status})
+    return final.status
 
 
 def _exec_job_fail_if(*, job_id: str, status: str, kind: str, message: str, stale: bool = False) -> bool:
@@ -249,7 +260,7 @@ def _exec_job_fail_if(*, job_id: str, status: str, kind: str, message: str, stal
     )
     if updated:
         job_keys_revoke(exec_job_id=job.pk)
-        channels.publish(channels.job_channel(job.call_id), {"kind": "end", "status": Status.FAILED})
+        _exec_job_ended(job)
     return bool(updated)
 
 
@@ -258,16 +269,21 @@ def exec_job_cancel(*, job: ExecJob) -> ExecJob:
 
     Raise ApplicationError ``job_finished`` (409) if it has already ended.
     """
-    updated = ExecJob.objects.filter(pk=job.pk, status__in=[Status.QUEUED, Status.RUNNING]).update(
-        status=Status.CANCELLED,
-        finished_at=timezone.now(),
-        error={"type": "Cancelled", "message": "the job was cancelled", "traceback": ""},
-    )
+    cancelled = {
+        "status": Status.CANCELLED,
+        "finished_at": timezone.now(),
+        "error": {"type": "Cancelled", "message": "the job was cancelled", "traceback": ""},
+    }
+    was_queued = ExecJob.objects.filter(pk=job.pk, status=Status.QUEUED).update(**cancelled)
+    was_running = not was_queued and ExecJob.objects.filter(pk=job.pk, status=Status.RUNNING).update(**cancelled)
     job.refresh_from_db()
-    if not updated:
+    if not (was_queued or was_running):
         raise ApplicationError("job_finished", f"The job has already finished with status '{job.status}'.", status=409)
     job_keys_revoke(exec_job_id=job.pk)
-    channels.publish(channels.job_channel(job.call_id), {"kind": "cancel"})
+    if was_queued:
+        _exec_job_ended(job)  # no worker will: it never started
+    else:
+        channels.publish(channels.job_channel(job.call_id), {"kind": "cancel"})  # its worker kills it and ends it
     return job
 
 
@@ -359,7 +375,7 @@ def _tool_call_record(
 ) -> ToolCall:
     """Write the call's record before it runs: ``executing``, or ``failed`` already if it was refused."""
     now = timezone.now()
-    return ToolCall.objects.create(
+    call = ToolCall.objects.create(
         call_id=call_id,
         type=ToolCall.Type.PTC if job else ToolCall.Type.STANDALONE,
         exec_job=job,
@@ -374,6 +390,17 @@ def _tool_call_record(
         started_at=now,
         finished_at=now if error else None,
     )
+    if job is not None:
+        event_publish(job_call_id=job.call_id, event="tool_call_start", data={**ToolCallSerializer(call).data, "ptc": True})
+        if error:
+            _tool_call_event(call)
+    return call
+
+
+def _tool_call_event(call: ToolCall) -> None:
+    if call.ptc_call_id:
+        name, data = tool_call_event(call)
+        event_publish(job_call_id=call.ptc_call_id, event=name, data=data)
 
 
 def _tool_call_enqueue(*, call_id: str) -> dict[str, str] | None:
@@ -508,6 +535,8 @@ def _tool_call_finish(*, call_id: str, output: Any = None, error: dict[str, str]
                 ToolCall.objects.filter(call_id=call_id).update(credits=charged)
     if finished and error:
         credits_release(tool_call_id=call_id)
+    if finished:
+        _tool_call_event(ToolCall.objects.get(call_id=call_id))
     return bool(finished)
 
 

@@ -6,6 +6,7 @@ urlpatterns = [
     path("exec", apis.ExecListCreateApi.as_view(), name="exec-list"),
     path("exec/<uuid:job_id>", apis.ExecDetailApi.as_view(), name="exec-detail"),
     path("exec/<uuid:job_id>/cancel", apis.ExecCancelApi.as_view(), name="exec-cancel"),
+    path("exec/<uuid:job_id>/events", apis.exec_events_api, name="exec-events"),
     path("tool-calls", apis.ToolCallListApi.as_view(), name="tool-call-list"),
     path("tools/execute", apis.ToolExecuteApi.as_view(), name="tool-execute"),
 ]

@@ -80,3 +80,28 @@ def server_error(request: HttpRequest) -> HttpResponse:
         body = {"code": "internal_error", "message": "The server failed on this request; it is logged.", "details": {}}
         return JsonResponse({"error": body}, status=500)
     return defaults.server_error(request)
+
+
+def add_event_stream_path(result: dict[str, Any], generator: Any, request: Any, public: bool) -> dict[str, Any]:
+    """Document GET /api/v1/exec/{id}/events, an async Django view that DRF's schema can't see."""
+    result.setdefault("paths", {})["/api/v1/exec/{job_id}/events"] = {
+        "get": {
+            "operationId": "exec_events",
+            "summary": "The job's events as Server-Sent Events",
+            "description": (
+                "Events exec_start, stdout, stderr, tool_call_start, tool_call_end, tool_call_error and exec_end, "
+                "each with an increasing id. Send Last-Event-ID to resume. Closes after exec_end."
+            ),
+            "tags": ["exec"],
+            "parameters": [
+                {"name": "job_id", "in": "path", "required": True, "schema": {"type": "string", "format": "uuid"}},
+                {"name": "Last-Event-ID", "in": "header", "required": False, "schema": {"type": "string"}},
+            ],
+            "security": [{"ApiKeyAuth": []}],
+            "responses": {
+                "200": {"description": "An event stream", "content": {"text/event-stream": {"schema": {"type": "string"}}}},
+                "404": {"description": "No such job, or another user's"},
+            },
+        }
+    }
+    return result

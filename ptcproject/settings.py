@@ -135,6 +135,10 @@ SPECTACULAR_SETTINGS = {
     "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
     "REDOC_DIST": "SIDECAR",
     "COMPONENT_SPLIT_REQUEST": True,
+    "POSTPROCESSING_HOOKS": [
+        "drf_spectacular.hooks.postprocess_schema_enums",
+        "ptcproject.api.add_event_stream_path",
+    ],
 }
 
 # --- Celery -------------------------------------------------------------------------------------
@@ -228,3 +232,7 @@ PTC_QUEUED_MAX_SECONDS = env.int("PTC_QUEUED_MAX_SECONDS", default=1800)
 PTC_JOB_HEARTBEAT_SECONDS = env.int("PTC_JOB_HEARTBEAT_SECONDS", default=10)
 PTC_JOB_LEASE_SECONDS = env.int("PTC_JOB_LEASE_SECONDS", default=45)
 PTC_DEFAULT_TOOL_TIMEOUT = env.int("PTC_DEFAULT_TOOL_TIMEOUT", default=60)
+# How long a finished job's event stream stays in Redis; after that it is rebuilt from the records.
+PTC_EVENTS_RETENTION_SECONDS = env.int("PTC_EVENTS_RETENTION_SECONDS", default=3600)
+# Where people reach the admin, for links the CLI prints.
+PTC_PUBLIC_URL = env.str("PTC_PUBLIC_URL", default="http://127.0.0.1:8000")

@@ -5,6 +5,7 @@ job's channel (tool results pushed by tools workers, and cancel), with ``selecto
 this path polls: every wake-up is a frame, a chunk of output, a pushed message or a deadline.
 """
 
+import codecs
 import logging
 import selectors
 import signal
@@ -28,6 +29,9 @@ CALL_GRACE_SECONDS = 30.0
 # Calls waiting for a free slot, at most; past that the bridge stops reading and the code's next
 # call blocks in its own send(), so a flood of calls costs the worker nothing.
 MAX_WAITING_CALLS = 64
+# Output goes out as events in chunks: every 50 ms or 4 KB, whichever comes first.
+OUTPUT_CHUNK_SECONDS = 0.05
+OUTPUT_CHUNK_BYTES = 4096
 
 
 @dataclass
@@ -94,6 +98,7 @@ class Session:
         max_frame: int,
         max_buffered: int,
         job_info: dict[str, Any] | None = None,
+        on_output: Callable[[str, str], None] | None = None,
     ) -> None:
         self.code = code
         self.limits = limits
@@ -106,6 +111,12 @@ class Session:
         self.max_frame = max_frame
         self.max_buffered = max_buffered
         self.job_info = job_info or {}
+        self.on_output = on_output
+        # Output is passed on in chunks of at most OUTPUT_CHUNK_BYTES or OUTPUT_CHUNK_SECONDS old.
+        self.chunks: dict[str, bytearray] = {"stdout": bytearray(), "stderr": bytearray()}
+        self.chunk_since: dict[str, float] = {}
+        self.streamed: dict[str, int] = {}
+        self.decoders = {name: codecs.getincrementaldecoder("utf-8")("replace") for name in self.chunks}
         self.stdout = CappedOutput(limits.max_output_bytes)
         self.stderr = CappedOutput(limits.max_output_bytes)
         self.outbox = bytearray()
@@ -167,7 +178,8 @@ class Session:
         try:
             while (open_streams or paused_bridge) and self.ended is None:
                 now = time.monotonic()
-                wake = min([deadline, next_beat] + [c.deadline for c in self.in_flight.values()])
+                flush_at = [t + OUTPUT_CHUNK_SECONDS for t in self.chunk_since.values()]
+                wake = min([deadline, next_beat, *flush_at] + [c.deadline for c in self.in_flight.values()])
                 for key, mask in sel.select(max(0.0, wake - now)):
                     if key.data == "bridge":
                         if mask & selectors.EVENT_WRITE and self.outbox:
@@ -180,6 +192,7 @@ class Session:
                         data = key.fileobj.read1(1 << 16)  # type: ignore[union-attr]
                         if data:
                             (self.stdout if key.data == "stdout" else self.stderr).feed(data)
+                            self._chunk(key.data, data)
                         else:
                             open_streams.discard(key.data)
                             sel.unregister(key.fileobj)
@@ -202,6 +215,9 @@ class Session:
                     open_streams.add("bridge")
                     paused_bridge = False
                 now = time.monotonic()
+                for name, since in list(self.chunk_since.items()):
+                    if now >= since + OUTPUT_CHUNK_SECONDS:
+                        self._flush_chunk(name)
                 if now >= deadline and self.ended is None:
                     self._end("timeout", "Timeout", f"the code ran past its {self.limits.timeout:g} s timeout")
                 if now >= next_beat:
@@ -212,9 +228,34 @@ class Session:
                         self._reply(call_id, self.router.overdue(call_id=call_id))
         finally:
             sel.close()
+            for name in list(self.chunk_since):
+                self._flush_chunk(name, final=True)
             if self.ended is not None:
                 # Killing bwrap tears down the sandbox's PID namespace: every descendant goes too.
                 proc.send_signal(signal.SIGKILL)
+
+    # -- output --------------------------------------------------------------------------------
+    def _chunk(self, name: str, data: bytes) -> None:
+        if self.on_output is None:
+            return
+        # Stream no more than the job keeps: past that, one marker, and exec_end has the tail.
+        sent = self.streamed.get(name, 0)
+        self.streamed[name] = sent + len(data)
+        if sent >= self.limits.max_output_bytes:
+            return
+        if sent + len(data) >= self.limits.max_output_bytes:
+            data = data[: self.limits.max_output_bytes - sent] + b"\n[output truncated here; exec_end has its tail]\n"
+        self.chunks[name] += data
+        self.chunk_since.setdefault(name, time.monotonic())
+        if len(self.chunks[name]) >= OUTPUT_CHUNK_BYTES:
+            self._flush_chunk(name)
+
+    def _flush_chunk(self, name: str, final: bool = False) -> None:
+        data, self.chunks[name] = bytes(self.chunks[name]), bytearray()
+        self.chunk_since.pop(name, None)
+        text = self.decoders[name].decode(data, final=final)
+        if text and self.on_output is not None:
+            self.on_output(name, text)
 
     # -- the bridge ------------------------------------------------------------------------------
     def _flush(self, sock: socket.socket) -> None:

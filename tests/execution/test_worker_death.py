@@ -31,8 +31,10 @@ def test_job_of_a_killed_worker_ends_as_worker_lost(api: Api, stack: Stack) -> N
     assert _wait_for(api, job["id"], {"running"}, 15)["status"] == "running"
     assert stack.exec_worker.proc is not None
     worker_pid = str(stack.exec_worker.proc.pid)
-    sandboxes = subprocess.run(["pgrep", "-P", worker_pid, "bwrap"], capture_output=True, text=True).stdout.split()
-    assert sandboxes, "the job's sandbox should be a child of the exec worker"
+    deadline = time.monotonic() + 10
+    while not (sandboxes := subprocess.run(["pgrep", "-P", worker_pid, "bwrap"], capture_output=True, text=True).stdout.split()):
+        assert time.monotonic() < deadline, "the job's sandbox should be a child of the exec worker"
+        time.sleep(0.05)
     stack.exec_worker.kill()  # SIGKILL: no cleanup, no goodbye
     time.sleep(0.5)
     # The sandbox died with its worker (bwrap --die-with-parent tears its PID namespace down).

@@ -1,0 +1,201 @@
+"""Live events of a job: published by the workers as things happen, read back as Server-Sent Events.
+
+With Redis, each job has a Redis Stream (``XADD``): ordered, with increasing ids, replayable from
+any id, and read with a blocking ``XREAD`` (pushed, never polled). The stream expires a while
+after the job ends; after that, and in the embedded setup that has no Redis, the same sequence is
+rebuilt from the database records (without the stdout chunks: ``exec_end`` carries the final
+stdout). The embedded setup wakes readers through the job's channel instead.
+"""
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from asgiref.sync import sync_to_async
+from django.conf import settings
+
+from execution import channels
+from execution.models import ExecJob, ToolCall
+
+logger = logging.getLogger("ptc.events")
+HEARTBEAT_SECONDS = 15.0
+STREAM_MAXLEN = 50_000
+
+
+@dataclass(frozen=True)
+class Event:
+    id: str  # "<ms>-<seq>", increasing within a job
+    event: str
+    data: dict[str, Any]
+
+    def sse(self) -> str:
+        return f"id: {self.id}\nevent: {self.event}\ndata: {json.dumps(self.data, separators=(',', ':'))}\n\n"
+
+
+def _stream_key(job_call_id: str) -> str:
+    return f"{settings.PTC_REDIS_PREFIX}ptc:events:{job_call_id}"
+
+
+def _order(event_id: str) -> tuple[int, int]:
+    ms, _, seq = event_id.partition("-")
+    try:
+        return int(ms), int(seq or 0)
+    except ValueError:
+        return 0, 0
+
+
+# -- Publishing (workers) ------------------------------------------------------------------------
+def event_publish(*, job_call_id: str, event: str, data: dict[str, Any]) -> None:
+    """Append an event to the job's stream. Never raises: a lost event must not fail the job."""
+    try:
+        if settings.REDIS_URL:
+            client = channels.redis_client()
+            key = _stream_key(job_call_id)
+            payload = json.dumps(data, separators=(",", ":"), default=str)
+            client.xadd(key, {"event": event, "data": payload}, maxlen=STREAM_MAXLEN, approximate=True)
+            if event == "exec_end":
+                client.expire(key, settings.PTC_EVENTS_RETENTION_SECONDS)
+        else:  # embedded: readers rebuild from the records; wake them
+            channels.publish(channels.job_channel(job_call_id), {"kind": "event"})
+    except Exception:  # the records stay the truth; a reader rebuilds from them
+        logger.warning("could not publish an event", extra={"job_id": job_call_id, "event": event}, exc_info=True)
+
+
+def tool_call_event(call: ToolCall) -> tuple[str, dict[str, Any]]:
+    """Return the event name and payload for a call's current state."""
+    from execution.serializers import ToolCallSerializer
+
+    name = {"executing": "tool_call_start", "completed": "tool_call_end"}.get(call.status, "tool_call_error")
+    return name, {**ToolCallSerializer(call).data, "ptc": True}
+
+
+def job_end_payload(job: ExecJob) -> dict[str, Any]:
+    from execution.selectors import exec_jobs_for
+    from execution.serializers import ExecJobSerializer
+
+    fresh = exec_jobs_for(user=job.user).get(pk=job.pk)
+    data = dict(ExecJobSerializer(fresh).data)
+    data.pop("code", None)
+    return data
+
+
+def job_start_payload(job: ExecJob) -> dict[str, Any]:
+    return {
+        "id": str(job.pk),
+        "call_id": job.call_id,
+        "status": "running",
+        "title": job.title,
+        "toolsets": job.toolsets,
+        "started_at": job.started_at.isoformat() if job.started_at else None,
+    }
+
+
+# -- Reading (SSE, CLI) --------------------------------------------------------------------------
+def events_from_records(job_id: Any) -> tuple[list[Event], bool]:
+    """Rebuild a job's events from its records, in order. Return them and whether the job ended."""
+    job = ExecJob.objects.select_related("user").get(pk=job_id)
+    timed: list[tuple[float, int, str, dict[str, Any]]] = []
+    if job.started_at:
+        timed.append((job.started_at.timestamp(), 0, "exec_start", job_start_payload(job)))
+    from execution.serializers import ToolCallSerializer
+
+    for order, call in enumerate(job.tool_calls.order_by("started_at", "id")):
+        payload = {**ToolCallSerializer(call).data, "ptc": True}
+        timed.append((call.started_at.timestamp(), 1 + 2 * order, "tool_call_start", payload))
+        if call.finished_at:
+            name, _ = tool_call_event(call)
+            timed.append((call.finished_at.timestamp(), 2 + 2 * order, name, payload))
+    ended = job.status in ExecJob.FINISHED
+    if ended:
+        end = (job.finished_at or job.created_at).timestamp()
+        timed.append((max(end, *(t[0] for t in timed)) if timed else end, 10**9, "exec_end", job_end_payload(job)))
+    timed.sort(key=lambda t: (t[0], t[1]))
+    events, last = [], (0, -1)
+    for at, _, name, payload in timed:
+        ms = int(at * 1000)
+        key = (ms, 0) if ms > last[0] else (last[0], last[1] + 1)
+        last = key
+        events.append(Event(f"{key[0]}-{key[1]}", name, payload))
+    return events, ended
+
+
+async def _from_records(job_id: Any, after: str | None) -> AsyncIterator[Event | None]:
+    """Replay the records, then (embedded) follow the job, woken by its channel, until it ends."""
+    seen = _order(after) if after else (-1, -1)
+    subscription = None
+    try:
+        while True:
+            if subscription is None and not settings.REDIS_URL:
+                subscription = await sync_to_async(channels.subscribe)(channels.job_channel(await _call_id(job_id)))
+            events, ended = await sync_to_async(events_from_records)(job_id)
+            for event in events:
+                if _order(event.id) > seen:
+                    seen = _order(event.id)
+                    yield event
+            if ended or subscription is None:
+                return
+            await asyncio.to_thread(subscription.wait, HEARTBEAT_SECONDS)
+            if not subscription.drain():
+                yield None  # a heartbeat
+    finally:
+        if subscription is not None:
+            subscription.close()
+
+
+@sync_to_async
+def _call_id(job_id: Any) -> str:
+    return ExecJob.objects.values_list("call_id", flat=True).get(pk=job_id)
+
+
+@sync_to_async
+def _job_state(job_id: Any) -> tuple[str, bool]:
+    job = ExecJob.objects.values("call_id", "status").get(pk=job_id)
+    return job["call_id"], job["status"] in ExecJob.FINISHED
+
+
+async def event_stream(*, job_id: Any, last_event_id: str | None = None) -> AsyncIterator[Event | None]:
+    """Yield the job's events after ``last_event_id`` as they happen, ending with ``exec_end``.
+
+    ``None`` is a heartbeat: nothing happened for HEARTBEAT_SECONDS.
+    """
+    if not settings.REDIS_URL:
+        async for item in _from_records(job_id, last_event_id):
+            yield item
+        return
+    import redis.asyncio as aioredis
+
+    call_id, ended = await _job_state(job_id)
+    client = aioredis.Redis.from_url(settings.REDIS_URL)
+    key = _stream_key(call_id)
+    try:
+        if ended and not await client.exists(key):  # the stream expired: the records tell it
+            async for item in _from_records(job_id, last_event_id):
+                yield item
+            return
+        cursor = last_event_id or "0-0"
+        while True:
+            reply = await client.xread({key: cursor}, block=int(HEARTBEAT_SECONDS * 1000), count=500)
+            if not reply:
+                call_id, ended = await _job_state(job_id)
+                if ended and not await client.exists(key):
+                    async for item in _from_records(job_id, cursor):
+                        yield item
+                    return
+                yield None
+                continue
+            for raw_id, fields in reply[0][1]:
+                cursor = raw_id.decode()
+                name = fields[b"event"].decode()
+                yield Event(cursor, name, json.loads(fields[b"data"]))
+                if name == "exec_end":
+                    return
+    finally:
+        await client.aclose()
+
+
+def now_ms() -> float:
+    return time.time() * 1000
