@@ -22,7 +22,6 @@ from execution import channels
 from execution.models import ExecJob, ToolCall
 
 logger = logging.getLogger("ptc.events")
-HEARTBEAT_SECONDS = 15.0
 STREAM_MAXLEN = 50_000
 
 
@@ -138,7 +137,7 @@ async def _from_records(job_id: Any, after: str | None) -> AsyncIterator[Event |
                     yield event
             if ended or subscription is None:
                 return
-            await asyncio.to_thread(subscription.wait, HEARTBEAT_SECONDS)
+            await asyncio.to_thread(subscription.wait, settings.PTC_EVENTS_HEARTBEAT_SECONDS)
             if not subscription.drain():
                 yield None  # a heartbeat
     finally:
@@ -160,7 +159,7 @@ def _job_state(job_id: Any) -> tuple[str, bool]:
 async def event_stream(*, job_id: Any, last_event_id: str | None = None) -> AsyncIterator[Event | None]:
     """Yield the job's events after ``last_event_id`` as they happen, ending with ``exec_end``.
 
-    ``None`` is a heartbeat: nothing happened for HEARTBEAT_SECONDS.
+    ``None`` is a heartbeat: nothing happened for PTC_EVENTS_HEARTBEAT_SECONDS.
     """
     if not settings.REDIS_URL:
         async for item in _from_records(job_id, last_event_id):
@@ -178,7 +177,7 @@ async def event_stream(*, job_id: Any, last_event_id: str | None = None) -> Asyn
             return
         cursor = last_event_id or "0-0"
         while True:
-            reply = await client.xread({key: cursor}, block=int(HEARTBEAT_SECONDS * 1000), count=500)
+            reply = await client.xread({key: cursor}, block=int(settings.PTC_EVENTS_HEARTBEAT_SECONDS * 1000), count=500)
             if not reply:
                 call_id, ended = await _job_state(job_id)
                 if ended and not await client.exists(key):

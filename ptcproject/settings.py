@@ -234,5 +234,7 @@ PTC_JOB_LEASE_SECONDS = env.int("PTC_JOB_LEASE_SECONDS", default=45)
 PTC_DEFAULT_TOOL_TIMEOUT = env.int("PTC_DEFAULT_TOOL_TIMEOUT", default=60)
 # How long a finished job's event stream stays in Redis; after that it is rebuilt from the records.
 PTC_EVENTS_RETENTION_SECONDS = env.int("PTC_EVENTS_RETENTION_SECONDS", default=3600)
+# A quiet event stream sends a comment this often, so proxies and clients know it is alive.
+PTC_EVENTS_HEARTBEAT_SECONDS = env.float("PTC_EVENTS_HEARTBEAT_SECONDS", default=15.0)
 # Where people reach the admin, for links the CLI prints.
 PTC_PUBLIC_URL = env.str("PTC_PUBLIC_URL", default="http://127.0.0.1:8000")

@@ -292,6 +292,9 @@ class Session:
     def _on_frame(self, message: dict[str, Any]) -> None:
         op = message.get("op")
         if op == "call" and isinstance(message.get("id"), int):
+            # What the code printed before this call goes out before it: the events read in order.
+            for name in list(self.chunk_since):
+                self._flush_chunk(name)
             self.calls += 1
             if self.calls > self.limits.max_tool_calls:
                 self._end("failed", "ResourceLimit", f"tool-call limit of {self.limits.max_tool_calls} per job reached")

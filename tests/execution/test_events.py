@@ -1,0 +1,168 @@
+"""GET /api/v1/exec/{id}/events: order, completeness, resume, late connect, rebuilt history, privacy."""
+
+import json
+import subprocess
+import sys
+import time
+from typing import Any
+
+import httpx
+import redis
+
+from execution.events import _stream_key
+from tests.conftest import REDIS_URL, Api
+from tests.stack import ROOT
+
+JOB = """
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from ptc_tools import ToolError
+from ptc_tools.demo import Demo
+print("before")
+with ThreadPoolExecutor(4) as pool:
+    list(pool.map(lambda i: Demo.sleep(ms=200), range(4)))
+try:
+    Demo.fail(message="expected")
+except ToolError:
+    print("caught", file=sys.stderr)
+print("after")
+"""
+
+
+def read_events(
+    api: Api, job_id: str, last_event_id: str | None = None, timeout: float = 30
+) -> tuple[list[dict[str, Any]], list[str]]:
+    """Read the stream to its end; return the events and the comment lines (heartbeats)."""
+    headers = {"Last-Event-ID": last_event_id} if last_event_id else {}
+    events: list[dict[str, Any]] = []
+    comments: list[str] = []
+    current: dict[str, Any] = {}
+    with api.http.stream("GET", f"/api/v1/exec/{job_id}/events", headers=headers, timeout=timeout) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        for line in response.iter_lines():
+            if line.startswith(":"):
+                comments.append(line)
+            elif line.startswith("id: "):
+                current["id"] = line[4:]
+            elif line.startswith("event: "):
+                current["event"] = line[7:]
+            elif line.startswith("data: "):
+                current["data"] = json.loads(line[6:])
+            elif not line and current:
+                events.append(current)
+                current = {}
+    return events, comments
+
+
+def _order(event_id: str) -> tuple[int, int]:
+    ms, seq = event_id.split("-")
+    return int(ms), int(seq)
+
+
+def _check_sequence(events: list[dict[str, Any]], job: dict[str, Any], with_output: bool) -> None:
+    names = [e["event"] for e in events]
+    assert names[0] == "exec_start" and names[-1] == "exec_end"
+    assert [_order(e["id"]) for e in events] == sorted({_order(e["id"]) for e in events})  # increasing, unique
+    calls = [e for e in events if e["event"].startswith("tool_call")]
+    assert all(e["data"]["ptc"] is True for e in calls)
+    for call in job["tool_calls"]:
+        mine = [e["event"] for e in calls if e["data"]["call_id"] == call["call_id"]]
+        assert mine == ["tool_call_start", "tool_call_end" if call["status"] == "completed" else "tool_call_error"]
+    end = events[-1]["data"]
+    assert "code" not in end
+    assert end["status"] == "completed"
+    assert end["stdout"] == "before\nafter\n"
+    if with_output:
+        assert "".join(e["data"]["text"] for e in events if e["event"] == "stdout") == "before\nafter\n"
+        assert "".join(e["data"]["text"] for e in events if e["event"] == "stderr") == "caught\n"
+        assert names.index("stdout") < names.index("tool_call_start")  # "before" came first
+
+
+def test_events_arrive_in_order_and_complete(api: Api) -> None:
+    job = api.run(JOB, toolsets=["demo"], wait=0)
+    events, _ = read_events(api, job["id"])
+    final = api.get(f"/api/v1/exec/{job['id']}").json()
+    assert len(final["tool_calls"]) == 5
+    _check_sequence(events, final, with_output=True)
+
+
+def test_resume_with_last_event_id(api: Api) -> None:
+    job = api.run(JOB, toolsets=["demo"])
+    everything, _ = read_events(api, job["id"])
+    resumed, _ = read_events(api, job["id"], last_event_id=everything[3]["id"])
+    assert resumed == everything[4:]
+
+
+def test_a_late_client_gets_the_whole_history_then_the_end(api: Api) -> None:
+    job = api.run(JOB, toolsets=["demo"])
+    assert job["status"] == "completed"
+    events, _ = read_events(api, job["id"])
+    _check_sequence(events, job, with_output=True)
+
+
+def test_history_is_rebuilt_from_the_records_after_the_stream_expired(api: Api) -> None:
+    job = api.run(JOB, toolsets=["demo"])
+    live, _ = read_events(api, job["id"])
+    redis.Redis.from_url(REDIS_URL).delete(_stream_key(job["call_id"]))  # as if it had expired
+    rebuilt, _ = read_events(api, job["id"])
+    _check_sequence(rebuilt, job, with_output=False)
+    without_output = [(e["event"], e["data"].get("call_id")) for e in live if e["event"] not in ("stdout", "stderr")]
+    assert [(e["event"], e["data"].get("call_id")) for e in rebuilt] == without_output
+    resumed, _ = read_events(api, job["id"], last_event_id=rebuilt[2]["id"])
+    assert resumed == rebuilt[3:]
+
+
+def test_a_quiet_stream_sends_heartbeats(api: Api) -> None:
+    job = api.run("import time\ntime.sleep(2.5)", toolsets=["demo"], wait=0)
+    _, comments = read_events(api, job["id"])
+    assert ": heartbeat" in comments
+
+
+def test_another_users_stream_is_404_and_no_key_is_401(make_api) -> None:  # type: ignore[no-untyped-def]
+    alice, bob = make_api(), make_api()
+    job = alice.run("1", toolsets=["demo"])
+    response = bob.get(f"/api/v1/exec/{job['id']}/events")
+    assert response.status_code == 404
+    assert response.json()["error"]["code"] == "not_found"
+    anonymous = httpx.get(f"{alice.http.base_url}/api/v1/exec/{job['id']}/events")
+    assert anonymous.status_code == 401
+
+
+def test_a_cancelled_queued_job_still_ends_its_stream(api: Api) -> None:
+    job = api.run("1", toolsets=["demo"], wait=0)
+    api.post(f"/api/v1/exec/{job['id']}/cancel")
+    started = time.monotonic()
+    events, _ = read_events(api, job["id"])
+    assert events[-1]["event"] == "exec_end"
+    assert events[-1]["data"]["status"] in ("cancelled", "completed")
+    assert time.monotonic() - started < 5
+
+
+def _cli(stack_env: dict[str, str], username: str, code: str, tmp_path) -> subprocess.CompletedProcess:  # type: ignore[no-untyped-def]
+    script = tmp_path / "job.py"
+    script.write_text(code)
+    return subprocess.run(
+        [sys.executable, "manage.py", "ptc_exec", str(script), "--user", username, "--toolsets", "demo"],
+        cwd=ROOT,
+        env={**stack_env, "PTC_LOG_LEVEL": "WARNING"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_the_cli_follows_a_job_and_exits_by_its_outcome(api: Api, stack_env: dict[str, str], tmp_path) -> None:  # type: ignore[no-untyped-def]
+    ok = _cli(stack_env, api.username, JOB, tmp_path)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    lines = ok.stdout.splitlines()
+    assert lines[0].startswith("job exec_") and lines[0].endswith("submitted")
+    assert "before" in lines and "after" in lines
+    assert sum(line.startswith("✓ demo.sleep(ms=200)") for line in lines) == 4
+    assert any(line.startswith("✗ demo.fail(message='expected')") and line.endswith("expected") for line in lines)
+    assert any(line.startswith("status completed   calls 5 (1 failed)   credits 4") for line in lines)
+    assert lines[-1].startswith("timeline: http") and lines[-1].endswith("/change/")
+    failed = _cli(stack_env, api.username, "1/0", tmp_path)
+    assert failed.returncode == 1
+    assert "status failed" in failed.stdout
+    assert "ZeroDivisionError: division by zero" in failed.stdout
