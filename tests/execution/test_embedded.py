@@ -1,0 +1,56 @@
+"""The embedded default (SQLite, the filesystem broker, no Redis): jobs, tool calls and SSE events."""
+
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.execution.test_events import JOB, _check_sequence, read_events
+from tests.stack import ROOT, Stack
+
+
+@pytest.fixture(scope="module")
+def embedded(tmp_path_factory: pytest.TempPathFactory, stack_env: dict[str, str]) -> Iterator[tuple[Stack, str]]:
+    data = tmp_path_factory.mktemp("embedded")
+    env = {k: v for k, v in stack_env.items() if k not in ("DATABASE_URL", "CELERY_BROKER_URL", "REDIS_URL", "PTC_REDIS_PREFIX")}
+    env["PTC_DATA_DIR"] = str(data)
+    subprocess.run([sys.executable, "manage.py", "migrate", "-v0"], cwd=ROOT, env=env, check=True)
+    key = subprocess.run(
+        [sys.executable, "manage.py", "create_api_key", "embedded", "--create-user", "--credits", "100"],
+        cwd=ROOT,
+        env=env,
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.splitlines()[-1]
+    stack = Stack(env)
+    for process in (stack.exec_worker, stack.tools_worker, stack.web):
+        process.name = f"embedded-{process.name}"
+        process.log = process.log.with_name(f"{process.name}.log")
+        process.start()
+    try:
+        yield stack, key
+    finally:
+        stack.stop()
+
+
+class _Client:
+    def __init__(self, base_url: str, key: str) -> None:
+        self.http = httpx.Client(base_url=base_url, headers={"Authorization": f"Bearer {key}"}, timeout=60)
+
+
+def test_embedded_jobs_and_events_from_the_records(embedded: tuple[Stack, str]) -> None:
+    stack, key = embedded
+    client = _Client(stack.base_url, key)
+    response = client.http.post("/api/v1/exec", json={"code": JOB, "toolsets": ["demo"], "wait": 0})
+    assert response.status_code == 201
+    job_id = response.json()["id"]
+    events, _ = read_events(client, job_id)  # type: ignore[arg-type]
+    job = client.http.get(f"/api/v1/exec/{job_id}").json()
+    assert job["status"] == "completed", job["error"]
+    assert job["credits_charged"] == 4
+    _check_sequence(events, job, with_output=False)
+    assert Path(stack.env["PTC_DATA_DIR"], "db.sqlite3").exists()
