@@ -12,7 +12,7 @@ from typing import Any
 
 from django.contrib.auth.models import AbstractBaseUser
 from django.db import transaction
-from django.db.models import Max, Sum
+from django.db.models import F, Max, Sum
 from django.utils import timezone
 
 from billing.models import CreditAccount, CreditUsage, Discount, LedgerEntry, Reservation
@@ -42,6 +42,11 @@ def account_get(*, user: AbstractBaseUser) -> CreditAccount:
     return account
 
 
+def billable(*, toolset: Toolset, tool: Tool) -> bool:
+    """Return True if a successful call of ``tool`` is billed: a global toolset, neither of them free."""
+    return toolset.is_global and not toolset.billing_free and not tool.billing_free
+
+
 def price_quote(*, user: AbstractBaseUser, toolset: Toolset, tool: Tool) -> Quote | None:
     """Return what a successful call costs ``user``, or None when it is never billed.
 
@@ -50,7 +55,7 @@ def price_quote(*, user: AbstractBaseUser, toolset: Toolset, tool: Tool) -> Quot
     recorded); otherwise the largest discount for the user's plan or the toolset applies, rounded
     up, and a price above zero costs at least 1.
     """
-    if not toolset.is_global or toolset.billing_free or tool.billing_free:
+    if not billable(toolset=toolset, tool=tool):
         return None
     due = tool.price if tool.price is not None else toolset.price
     meta = {"toolName": tool.name, "toolsetKey": toolset.key}
@@ -77,9 +82,10 @@ def credits_reserve(
     The account row is locked, so parallel calls are serialised here: the held total can never
     exceed the balance, and a job's calls can never exceed its budget.
     """
+    account_id = account_get(user=user).pk
     with transaction.atomic():
-        account = CreditAccount.objects.select_for_update().get(pk=account_get(user=user).pk)
         if max_credits is not None and exec_job is not None:
+            CreditAccount.objects.select_for_update().filter(pk=account_id).first()  # serialise the budget check
             spent = (
                 Reservation.objects.filter(exec_job=exec_job)
                 .exclude(status=Reservation.Status.RELEASED)
@@ -92,15 +98,18 @@ def credits_reserve(
                     f"this call costs {quote.amount} credits and the job has {max_credits - spent} of its "
                     f"{max_credits}-credit budget left",
                 )
-        available = account.balance - account.reserved
-        if quote.amount > available:
+        # One conditional UPDATE takes the row lock and checks the balance: parallel calls queue on
+        # the lock, and each sees what the ones before it held.
+        held = CreditAccount.objects.filter(pk=account_id, balance__gte=F("reserved") + quote.amount).update(
+            reserved=F("reserved") + quote.amount, updated_at=timezone.now()
+        )
+        if not held:
+            available = CreditAccount.objects.filter(pk=account_id).values_list(F("balance") - F("reserved"), flat=True)[0]
             raise CreditsRefused(
                 "insufficient_credits", f"this call costs {quote.amount} credits and {max(available, 0)} are available"
             )
-        account.reserved += quote.amount
-        account.save(update_fields=["reserved", "updated_at"])
         Reservation.objects.create(
-            account=account,
+            account_id=account_id,
             tool_call_id=tool_call_id,
             exec_job=exec_job,
             amount=quote.amount,

@@ -123,8 +123,15 @@ def events_from_records(job_id: Any) -> tuple[list[Event], bool]:
 
 
 async def _from_records(job_id: Any, after: str | None) -> AsyncIterator[Event | None]:
-    """Replay the records, then (embedded) follow the job, woken by its channel, until it ends."""
-    seen = _order(after) if after else (-1, -1)
+    """Replay the records, then (embedded) follow the job, woken by its channel, until it ends.
+
+    While a job runs, records can become visible out of timestamp order (two calls committing
+    together), so each event is sent once by its identity, never skipped for its timestamp, and
+    its id is bumped where needed to stay increasing.
+    """
+    start = _order(after) if after else (-1, -1)
+    last = start
+    sent: set[tuple[str, Any]] = set()
     subscription = None
     try:
         while True:
@@ -132,9 +139,14 @@ async def _from_records(job_id: Any, after: str | None) -> AsyncIterator[Event |
                 subscription = await sync_to_async(channels.subscribe)(channels.job_channel(await _call_id(job_id)))
             events, ended = await sync_to_async(events_from_records)(job_id)
             for event in events:
-                if _order(event.id) > seen:
-                    seen = _order(event.id)
-                    yield event
+                identity = (event.event, event.data.get("call_id") if event.event.startswith("tool_call") else None)
+                if identity in sent:
+                    continue
+                sent.add(identity)
+                if _order(event.id) <= start:
+                    continue  # the client had it before it reconnected
+                last = max(_order(event.id), (last[0], last[1] + 1))
+                yield Event(f"{last[0]}-{last[1]}", event.event, event.data)
             if ended or subscription is None:
                 return
             await asyncio.to_thread(subscription.wait, settings.PTC_EVENTS_HEARTBEAT_SECONDS)

@@ -6,6 +6,7 @@ import os
 import socket
 import time
 import uuid
+from contextlib import nullcontext
 from datetime import timedelta
 from typing import Any
 
@@ -18,6 +19,7 @@ from django.utils import timezone
 
 from billing.services import (
     CreditsRefused,
+    billable,
     credits_release,
     credits_reserve,
     credits_settle,
@@ -424,8 +426,15 @@ class JobCallRouter:
         self.job = job
         granted = [ts for ts in toolsets if ts.key in job.toolsets]
         self.checker = CallChecker(user=job.user, toolsets=granted, direct_only=direct_only, ptc_only=True)
+        self.quotes: dict[Any, Any] = {}
 
     def submit(self, *, toolset: str, tool: str, arguments: Any) -> Dispatched | Refused:
+        try:
+            return self._submit(toolset=toolset, tool=tool, arguments=arguments)
+        finally:
+            connection.close()  # this runs on a session's submit thread: give its connection back to the pool
+
+    def _submit(self, *, toolset: str, tool: str, arguments: Any) -> Dispatched | Refused:
         call_id = f"ptc_{uuid.uuid4().hex}"
         record = {
             "call_id": call_id,
@@ -441,9 +450,9 @@ class JobCallRouter:
             _tool_call_record(**record, found=None, error=failure.as_dict())
             return Refused(call_id=call_id, error=failure.as_dict())
         _tool_call_record(**record, found=found)
-        error = _tool_call_reserve(call_id=call_id, user=self.job.user, tool=found, job=self.job) or _tool_call_enqueue(
-            call_id=call_id
-        )
+        error = _tool_call_reserve(
+            call_id=call_id, user=self.job.user, tool=found, job=self.job, quotes=self.quotes
+        ) or _tool_call_enqueue(call_id=call_id)
         if error:
             return Refused(call_id=call_id, error=error)
         return Dispatched(call_id=call_id, timeout=found.timeout or settings.PTC_DEFAULT_TOOL_TIMEOUT)
@@ -519,30 +528,42 @@ def _reply(call: ToolCall) -> dict[str, Any]:
     return {"ok": False, "error": call.error or {"code": "tool_error", "message": "the call failed"}}
 
 
-def _tool_call_finish(*, call_id: str, output: Any = None, error: dict[str, str] | None = None) -> bool:
-    """Move an executing call to completed or failed, and settle or release its credits in the same
-    transaction. Return False if it had already finished (a redelivery: nothing changes)."""
-    with transaction.atomic():
-        finished = ToolCall.objects.filter(call_id=call_id, status=ToolCall.Status.EXECUTING).update(
-            status=ToolCall.Status.FAILED if error else ToolCall.Status.COMPLETED,
-            output=None if error else storable(output),
-            error=storable(error),
-            finished_at=timezone.now(),
-        )
-        if finished and not error:
+def _tool_call_finish(*, call_id: str, output: Any = None, error: dict[str, str] | None = None, billed: bool = True) -> bool:
+    """Move an executing call to completed or failed, settling or releasing its credits in the same
+    transaction, and publish its event. Return False if it had already finished (a redelivery:
+    nothing changes). ``billed=False`` says the tool is never billed, which skips the books."""
+    fields = {
+        "status": ToolCall.Status.FAILED if error else ToolCall.Status.COMPLETED,
+        "output": None if error else storable(output),
+        "error": storable(error),
+        "finished_at": timezone.now(),
+    }
+    with transaction.atomic() if billed and not error else nullcontext():
+        finished = ToolCall.objects.filter(call_id=call_id, status=ToolCall.Status.EXECUTING).update(**fields)
+        if finished and billed and not error:
             charged = credits_settle(tool_call_id=call_id)
             if charged:
                 ToolCall.objects.filter(call_id=call_id).update(credits=charged)
-    if finished and error:
+    if finished and billed and error:
         credits_release(tool_call_id=call_id)
     if finished:
         _tool_call_event(ToolCall.objects.get(call_id=call_id))
     return bool(finished)
 
 
-def _tool_call_reserve(*, call_id: str, user: AbstractBaseUser, tool: Tool, job: ExecJob | None) -> dict[str, str] | None:
-    """Hold the call's price before it runs. Return the error that refused it, after failing its record."""
-    quote = price_quote(user=user, toolset=tool.toolset, tool=tool)
+def _tool_call_reserve(
+    *, call_id: str, user: AbstractBaseUser, tool: Tool, job: ExecJob | None, quotes: dict[Any, Any] | None = None
+) -> dict[str, str] | None:
+    """Hold the call's price before it runs. Return the error that refused it, after failing its record.
+
+    ``quotes`` keeps a job's prices for its life, so its calls don't price the same tool again.
+    """
+    if quotes is not None and tool.pk in quotes:
+        quote = quotes[tool.pk]
+    else:
+        quote = price_quote(user=user, toolset=tool.toolset, tool=tool)
+        if quotes is not None:
+            quotes[tool.pk] = quote
     if quote is None:
         return None
     try:
@@ -626,7 +647,9 @@ def _tool_call_run(*, call_id: str, tool: Tool, arguments: dict[str, Any]) -> di
         reply = {"ok": False, "error": {"code": "invalid_output", "message": f"the tool's output is not JSON: {exc}"}}
     else:
         reply = {"ok": True, "result": output}
-    finished = _tool_call_finish(call_id=call_id, output=reply.get("result"), error=reply.get("error"))
+    finished = _tool_call_finish(
+        call_id=call_id, output=reply.get("result"), error=reply.get("error"), billed=billable(toolset=tool.toolset, tool=tool)
+    )
     logger.info(
         "tool call ran",
         extra={"call_id": call_id, "tool": str(tool), "ok": reply["ok"], "ms": round((time.monotonic() - started) * 1000, 2)},

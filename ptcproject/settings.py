@@ -86,7 +86,7 @@ elif DATABASES["default"]["ENGINE"] == "django.db.backends.postgresql":
     DATABASES["default"]["CONN_MAX_AGE"] = 0
     DATABASES["default"].setdefault("OPTIONS", {})["pool"] = {
         "min_size": env.int("PTC_DB_POOL_MIN", default=2),
-        "max_size": env.int("PTC_DB_POOL_MAX", default=16),
+        "max_size": env.int("PTC_DB_POOL_MAX", default=20),
         "timeout": 30,
     }
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"

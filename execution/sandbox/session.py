@@ -7,6 +7,8 @@ this path polls: every wake-up is a frame, a chunk of output, a pushed message o
 
 import codecs
 import logging
+import os
+import queue
 import selectors
 import signal
 import socket
@@ -14,6 +16,7 @@ import subprocess
 import time
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -29,6 +32,11 @@ CALL_GRACE_SECONDS = 30.0
 # Calls waiting for a free slot, at most; past that the bridge stops reading and the code's next
 # call blocks in its own send(), so a flood of calls costs the worker nothing.
 MAX_WAITING_CALLS = 64
+# Calls are checked, recorded and enqueued on a few threads, so a burst of calls doesn't queue
+# behind one thread's database round trips.
+SUBMIT_THREADS = 4
+# Results that arrive before their call's submission has been seen (a fast tool), kept at most.
+MAX_EARLY_RESULTS = 1024
 # Output goes out as events in chunks: every 50 ms or 4 KB, whichever comes first.
 OUTPUT_CHUNK_SECONDS = 0.05
 OUTPUT_CHUNK_BYTES = 4096
@@ -61,7 +69,9 @@ class Refused:
 class CallRouter(Protocol):
     """What the session needs from the rest of the system to run a tool call."""
 
-    def submit(self, *, toolset: str, tool: str, arguments: Any) -> Dispatched | Refused: ...
+    def submit(self, *, toolset: str, tool: str, arguments: Any) -> Dispatched | Refused:
+        """Check, record and enqueue one call. Called on the session's submit threads."""
+        ...
 
     def lookup(self, *, call_id: str) -> dict[str, Any] | None:
         """Return the reply for a finished call from its record, or None while it runs."""
@@ -121,6 +131,9 @@ class Session:
         self.stderr = CappedOutput(limits.max_output_bytes)
         self.outbox = bytearray()
         self.in_flight: dict[str, _InFlight] = {}
+        self.submitting = 0
+        self.submitted: queue.SimpleQueue[tuple[int, Dispatched | Refused | None]] = queue.SimpleQueue()
+        self.early: dict[str, dict[str, Any]] = {}
         self.waiting: deque[dict[str, Any]] = deque()
         self.calls = 0
         self.result: dict[str, Any] | None = None
@@ -135,9 +148,16 @@ class Session:
         finally:
             theirs.close()
         spawned = time.monotonic()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        self.submitter = ThreadPoolExecutor(SUBMIT_THREADS, thread_name_prefix="ptc-submit")
         try:
             self._loop(proc, ours, deadline=spawned + self.limits.timeout)
         finally:
+            # Submissions not started are dropped (never recorded); started ones finish first.
+            self.submitter.shutdown(wait=True, cancel_futures=True)
+            os.close(self._wake_r)
+            os.close(self._wake_w)
             if proc.poll() is None:
                 proc.kill()
             returncode = proc.wait()
@@ -172,6 +192,7 @@ class Session:
         sel.register(proc.stdout, selectors.EVENT_READ, "stdout")
         sel.register(proc.stderr, selectors.EVENT_READ, "stderr")
         sel.register(self.channel.fileno(), selectors.EVENT_READ, "channel")
+        sel.register(self._wake_r, selectors.EVENT_READ, "submitted")
         open_streams = {"bridge", "stdout", "stderr"}
         paused_bridge = False
         next_beat = time.monotonic() + self.heartbeat_every
@@ -199,6 +220,8 @@ class Session:
                     elif key.data == "channel":
                         for message in self.channel.drain():
                             self._on_channel(message)
+                    elif key.data == "submitted":
+                        self._on_submitted()
                     if self.ended is not None:
                         break
                 if "bridge" in open_streams:
@@ -298,7 +321,7 @@ class Session:
             self.calls += 1
             if self.calls > self.limits.max_tool_calls:
                 self._end("failed", "ResourceLimit", f"tool-call limit of {self.limits.max_tool_calls} per job reached")
-            elif len(self.in_flight) >= self.limits.max_parallel_tool_calls:
+            elif self._busy() >= self.limits.max_parallel_tool_calls:
                 self.waiting.append(message)  # waits for a free slot; it does not fail
             else:
                 self._dispatch(message)
@@ -309,32 +332,63 @@ class Session:
         else:
             self._end("failed", "BridgeError", f"the sandbox sent an unknown bridge frame (op={op!r})")
 
+    def _busy(self) -> int:
+        return len(self.in_flight) + self.submitting
+
     def _dispatch(self, message: dict[str, Any]) -> None:
         toolset, tool = message.get("toolset"), message.get("tool")
         if not isinstance(toolset, str) or not isinstance(tool, str):
             self._end("failed", "BridgeError", "the sandbox sent a call frame without toolset and tool names")
             return
-        request_id = message["id"]
+        self.submitting += 1
+        self.submitter.submit(self._submit, message["id"], toolset, tool, message.get("args"))
+
+    def _submit(self, request_id: int, toolset: str, tool: str, arguments: Any) -> None:
+        """On a submit thread: hand the call to the router, then wake the loop with the outcome."""
+        submitted: Dispatched | Refused | None = None
         try:
-            submitted = self.router.submit(toolset=toolset, tool=tool, arguments=message.get("args"))
+            submitted = self.router.submit(toolset=toolset, tool=tool, arguments=arguments)
         except Exception:  # a failure here is this call's, never the job's or the worker's
             logger.exception("could not submit a tool call")
-            error = {"code": "internal_error", "message": "the call could not be recorded; see the worker's log"}
-            self._send({"id": request_id, "ok": False, "call_id": "", "error": error})
-            return
-        if isinstance(submitted, Refused):
-            self._send({"id": request_id, "ok": False, "call_id": submitted.call_id, "error": submitted.error})
-            return
-        deadline = time.monotonic() + submitted.timeout + CALL_GRACE_SECONDS
-        self.in_flight[submitted.call_id] = _InFlight(request_id, deadline)
+        self.submitted.put((request_id, submitted))
+        os.write(self._wake_w, b"\0")
+
+    def _on_submitted(self) -> None:
+        try:
+            while os.read(self._wake_r, 4096):
+                pass
+        except BlockingIOError:
+            pass
+        while True:
+            try:
+                request_id, submitted = self.submitted.get_nowait()
+            except queue.Empty:
+                break
+            self.submitting -= 1
+            if submitted is None:
+                error = {"code": "internal_error", "message": "the call could not be recorded; see the worker's log"}
+                self._send({"id": request_id, "ok": False, "call_id": "", "error": error})
+            elif isinstance(submitted, Refused):
+                self._send({"id": request_id, "ok": False, "call_id": submitted.call_id, "error": submitted.error})
+            elif submitted.call_id in self.early:  # the tool was faster than this loop
+                self._send({"id": request_id, "call_id": submitted.call_id, **self.early.pop(submitted.call_id)})
+            else:
+                deadline = time.monotonic() + submitted.timeout + CALL_GRACE_SECONDS
+                self.in_flight[submitted.call_id] = _InFlight(request_id, deadline)
+        self._fill_slots()
+
+    def _fill_slots(self) -> None:
+        while self.waiting and self._busy() < self.limits.max_parallel_tool_calls and self.ended is None:
+            self._dispatch(self.waiting.popleft())
 
     def _reply(self, call_id: str, reply: dict[str, Any]) -> None:
         call = self.in_flight.pop(call_id, None)
         if call is None:
-            return  # a late or repeated hand-off for a call already answered
+            if self.submitting and len(self.early) < MAX_EARLY_RESULTS:
+                self.early[call_id] = reply  # its submission's outcome is still on its way to this loop
+            return  # otherwise a late or repeated hand-off for a call already answered
         self._send({"id": call.request_id, "call_id": call_id, **reply})
-        while self.waiting and len(self.in_flight) < self.limits.max_parallel_tool_calls and self.ended is None:
-            self._dispatch(self.waiting.popleft())
+        self._fill_slots()
 
     def _send(self, message: dict[str, Any]) -> None:
         self.outbox += encode(message)
