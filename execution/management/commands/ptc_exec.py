@@ -38,6 +38,7 @@ class Progress:
         self.console = console
         self.live = live
         self.running: dict[str, dict[str, Any]] = {}
+        self.saw_output = False
 
     def render(self) -> Group:
         return Group(*(Spinner("dots", text=Text(_call_label(d), style="cyan")) for d in self.running.values()))
@@ -45,6 +46,7 @@ class Progress:
     def on_event(self, event: Event) -> None:
         data = event.data
         if event.event in ("stdout", "stderr"):
+            self.saw_output = True
             style = "" if event.event == "stdout" else "red"
             self.console.print(Text(data["text"].rstrip("\n"), style=style), highlight=False)
         elif event.event == "tool_call_start":
@@ -92,6 +94,10 @@ class Command(BaseCommand):
         console.print(f"job {job.call_id} submitted")
         progress = Progress(console, live=interactive)
         final = asyncio.run(self._follow(job.pk, progress, interactive))
+        if not progress.saw_output:  # no live chunks (the embedded setup): the final output, once
+            for stream, style in (("stdout", ""), ("stderr", "red")):
+                if final.get(stream):
+                    console.print(Text(final[stream].rstrip("\n"), style=style), highlight=False)
         self._summary(console, job, final, time.monotonic() - started)
         if final.get("status") != "completed":
             sys.exit(1)
