@@ -90,8 +90,7 @@ def running_stack() -> Iterator[tuple[Stack, httpx.Client]]:
             .stdout.strip()
             .splitlines()[-1]
         )
-        for process in (stack.exec_worker, stack.tools_worker, stack.web):
-            process.start()
+        stack.start(beat=False)
         client = httpx.Client(base_url=stack.base_url, headers={"Authorization": f"Bearer {key}"}, timeout=120)
         yield stack, client
     finally:

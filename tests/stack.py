@@ -65,7 +65,9 @@ class Process:
 
 
 class Stack:
-    def __init__(self, env: dict[str, str]) -> None:
+    """The processes of one deployment. ``name`` tells apart the logs of several stacks in one run."""
+
+    def __init__(self, env: dict[str, str], name: str = "") -> None:
         self.env = env
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
@@ -95,10 +97,15 @@ class Stack:
             ready="Uvicorn running",
         )
         self.processes = [self.exec_worker, self.tools_worker, self.beat, self.web]
-
-    def start(self) -> None:
         for process in self.processes:
-            process.start()
+            if name:
+                process.name = f"{name}-{process.name}"
+                process.log = process.log.with_name(f"{process.name}.log")
+
+    def start(self, beat: bool = True) -> None:
+        for process in self.processes:
+            if beat or process is not self.beat:
+                process.start()
 
     def stop(self) -> None:
         for process in reversed(self.processes):

@@ -14,8 +14,9 @@ from billing.models import CreditAccount, CreditUsage, Discount, LedgerEntry, Pl
 from billing.selectors import ledger_mismatches
 from billing.services import account_get, credits_reserve, price_quote, reservations_repair
 from execution import services as execution_services
-from execution.models import ExecJob, ToolCall
+from execution.models import ToolCall
 from tests.conftest import Api
+from tests.factories import demo_call, running_job
 from tools.models import Tool, Toolset
 
 
@@ -113,20 +114,9 @@ def test_a_plan_with_free_tools_records_the_price_and_charges_nothing(api: Api) 
 
 def test_a_redelivered_tools_task_charges_once(api: Api) -> None:
     user = get_user_model().objects.get(username=api.username)
-    job = ExecJob.objects.create(user=user, code="", toolsets=["demo"], timeout_seconds=30, status="running")
-    tool = Tool.objects.select_related("toolset").get(toolset__key="demo", toolset__owner=None, name="add")
-    call = ToolCall.objects.create(
-        call_id=f"ptc_{uuid.uuid4().hex}",
-        type="ptc",
-        exec_job=job,
-        ptc_call_id=job.call_id,
-        user=user,
-        toolset_key="demo",
-        tool_name="add",
-        tool=tool,
-        input={"a": 1, "b": 1},
-        started_at=timezone.now(),
-    )
+    job = running_job(user=user)
+    call = demo_call(user=user, job=job, input={"a": 1, "b": 1})
+    tool = call.tool
     credits_reserve(
         user=user, tool_call_id=call.call_id, quote=price_quote(user=user, toolset=tool.toolset, tool=tool), exec_job=job
     )
@@ -145,18 +135,7 @@ def test_the_reaper_settles_or_releases_what_a_dead_worker_left_held(api: Api) -
     quote = price_quote(user=user, toolset=tool.toolset, tool=tool)
     made = {}
     for outcome in ("completed", "failed"):
-        call = ToolCall.objects.create(
-            call_id=f"ptc_{uuid.uuid4().hex}",
-            type="standalone",
-            user=user,
-            toolset_key="demo",
-            tool_name="add",
-            tool=tool,
-            input={},
-            started_at=timezone.now(),
-            status=outcome,
-            output=2 if outcome == "completed" else None,
-        )
+        call = demo_call(user=user, status=outcome, output=2 if outcome == "completed" else None)
         credits_reserve(user=user, tool_call_id=call.call_id, quote=quote)
         made[outcome] = call.call_id
     Reservation.objects.filter(tool_call_id__in=made.values()).update(created_at=timezone.now() - timedelta(minutes=5))

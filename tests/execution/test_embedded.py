@@ -26,11 +26,8 @@ def embedded(tmp_path_factory: pytest.TempPathFactory, stack_env: dict[str, str]
         capture_output=True,
         text=True,
     ).stdout.splitlines()[-1]
-    stack = Stack(env)
-    for process in (stack.exec_worker, stack.tools_worker, stack.web):
-        process.name = f"embedded-{process.name}"
-        process.log = process.log.with_name(f"{process.name}.log")
-        process.start()
+    stack = Stack(env, name="embedded")
+    stack.start(beat=False)
     try:
         yield stack, key
     finally:

@@ -61,11 +61,8 @@ def redis_stack(stack_env: dict[str, str], tmp_path: Path) -> Iterator[tuple[Red
     redis = RedisServer(tmp_path)
     redis.start()
     env = {**stack_env, "CELERY_BROKER_URL": redis.url, "REDIS_URL": redis.url}
-    stack = Stack(env)
-    for process in (stack.exec_worker, stack.tools_worker, stack.web):
-        process.name = f"redis-restart-{process.name}"
-        process.log = process.log.with_name(f"{process.name}.log")
-        process.start()
+    stack = Stack(env, name="redis-restart")
+    stack.start(beat=False)
     try:
         yield redis, stack
     finally:

@@ -9,25 +9,13 @@ from django.utils import timezone
 
 from execution import services
 from execution.models import ExecJob, ToolCall
-from tools.models import Tool
+from tests.factories import demo_call, running_job
 
 
 @pytest.fixture
 def running_call() -> ToolCall:
     user = get_user_model().objects.create_user(username=f"idem-{uuid.uuid4().hex[:6]}")
-    job = ExecJob.objects.create(user=user, code="", toolsets=["demo"], timeout_seconds=30, status="running")
-    return ToolCall.objects.create(
-        call_id=f"ptc_{uuid.uuid4().hex}",
-        type="ptc",
-        exec_job=job,
-        ptc_call_id=job.call_id,
-        user=user,
-        toolset_key="demo",
-        tool_name="add",
-        tool=Tool.objects.get(toolset__key="demo", name="add"),
-        input={"a": 1, "b": 2},
-        started_at=timezone.now(),
-    )
+    return demo_call(user=user, job=running_job(user=user))
 
 
 @pytest.fixture

@@ -1,0 +1,31 @@
+"""Rows the tests make directly, when a test is about what a worker does with them."""
+
+import uuid
+from typing import Any
+
+from django.contrib.auth.models import AbstractBaseUser
+from django.utils import timezone
+
+from execution.models import ExecJob, ToolCall
+from tools.models import Tool
+
+
+def running_job(*, user: AbstractBaseUser, **fields: Any) -> ExecJob:
+    return ExecJob.objects.create(user=user, code="", toolsets=["demo"], timeout_seconds=30, status="running", **fields)
+
+
+def demo_call(*, user: AbstractBaseUser, job: ExecJob | None = None, tool: str = "add", **fields: Any) -> ToolCall:
+    """A call of the demo toolset's ``tool`` as a bridge would have recorded it: executing, unclaimed."""
+    values: dict[str, Any] = {
+        "call_id": f"ptc_{uuid.uuid4().hex}",
+        "type": "ptc" if job else "standalone",
+        "exec_job": job,
+        "ptc_call_id": job.call_id if job else "",
+        "user": user,
+        "toolset_key": "demo",
+        "tool_name": tool,
+        "tool": Tool.objects.select_related("toolset").get(toolset__key="demo", toolset__owner=None, name=tool),
+        "input": {"a": 1, "b": 2},
+        "started_at": timezone.now(),
+    }
+    return ToolCall.objects.create(**{**values, **fields})
