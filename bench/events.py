@@ -1,5 +1,6 @@
-"""Event latency: from a tool call's finish (its record's finished_at) to its SSE frame at a client. Run it with `make bench`
-(or `python bench/events.py` with TEST_DATABASE_URL and REDIS_URL set).
+"""Event latency: from a tool call's finish (its record's finished_at) to its SSE frame at a client.
+
+Run it with `make bench`, or `python bench/events.py` with TEST_DATABASE_URL and REDIS_URL set.
 """
 
 import json

@@ -1,6 +1,6 @@
 """The spine's figures: sandbox start, per-call overhead, fan-out, submit → result.
 
-make bench            (or: python bench/spine.py, with TEST_DATABASE_URL and REDIS_URL set)
+Run it with `make bench`, or `python bench/spine.py` with TEST_DATABASE_URL and REDIS_URL set.
 """
 
 import json
