@@ -46,7 +46,9 @@ class Tool(models.Model):
 
     id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
     toolset = models.ForeignKey(Toolset, on_delete=models.CASCADE, related_name="tools")
-    name = models.CharField(max_length=128)
+    name = models.CharField(max_length=128, help_text="A Python identifier: the SDK method's name.")
+    # The server's own name for an MCP tool whose name Python can't spell (``get-issue`` → ``get_issue``).
+    remote_name = models.CharField(max_length=256, blank=True, help_text="The MCP server's name, when it differs.")
     description = models.TextField(blank=True)
     input_schema = models.JSONField(default=dict)
     output_schema = models.JSONField(null=True, blank=True)
