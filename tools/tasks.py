@@ -1,8 +1,12 @@
+from typing import Any
+
 from celery import shared_task
+from celery.signals import worker_process_shutdown, worker_shutdown
 from django.db import OperationalError
 
 from execution.services import tool_call_abort, tool_call_execute
 from ptcproject import queues
+from tools.kinds import mcp
 
 
 @shared_task(
@@ -24,3 +28,11 @@ def execute_tool(call_id: str) -> None:
         # A bug must not leave the code waiting for a result that never comes: fail the call now.
         tool_call_abort(call_id=call_id)
         raise
+
+
+@worker_shutdown.connect
+@worker_process_shutdown.connect
+def _close_mcp_sessions(**_: Any) -> None:
+    # A tools worker holds one session per MCP toolset, and a stdio server process behind each:
+    # stop them with the worker, not with the interpreter (atexit backs this up).
+    mcp.sessions_close()

@@ -3,10 +3,10 @@
 from typing import Any
 
 from tools.errors import ToolFailure
-from tools.kinds import builtin
+from tools.kinds import builtin, http, mcp
 from tools.models import Tool, Toolset
 
-_RUNNERS = {Toolset.Kind.BUILTIN: builtin.run}
+_RUNNERS = {Toolset.Kind.BUILTIN: builtin.run, Toolset.Kind.HTTP: http.run, Toolset.Kind.MCP: mcp.run}
 
 
 def tool_run(*, toolset: Toolset, tool: Tool, arguments: dict[str, Any], timeout: float) -> Any:
@@ -14,6 +14,6 @@ def tool_run(*, toolset: Toolset, tool: Tool, arguments: dict[str, Any], timeout
     runner = _RUNNERS.get(toolset.kind)
     if runner is None:
         raise ToolFailure(
-            "kind_unsupported", f"Toolset '{toolset.key}' is of kind '{toolset.kind}', which this server cannot run yet."
+            "kind_unsupported", f"Toolset '{toolset.key}' is of kind '{toolset.kind}', which this server cannot run."
         )
     return runner(toolset=toolset, tool=tool, arguments=arguments, timeout=timeout)

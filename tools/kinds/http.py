@@ -1,0 +1,129 @@
+"""The ``http`` kind: one HTTP request per call, from the toolset's config and the tool's ``http`` spec.
+
+Config: ``{"base_url", "headers": {name: value with {{secrets.NAME}}}, "timeout"}``.
+Tool spec: ``{"method", "path": "/items/{id}", "query": ["limit"]}``. Arguments named by the path
+fill it in; those named by ``query`` go in the query string; the rest go in the JSON body for POST,
+PUT and PATCH, and in the query string for the other methods, which have no body.
+"""
+
+import json
+import logging
+import re
+import threading
+from typing import Any
+from urllib.parse import quote
+
+import httpx
+
+from tools.errors import ToolFailure
+from tools.models import Tool, Toolset
+from tools.secret_refs import MissingSecret, secrets_redact, secrets_redact_value, secrets_render_map
+
+logger = logging.getLogger("ptc.tools")
+
+METHODS = ("GET", "POST", "PUT", "PATCH", "DELETE")
+BODY_METHODS = ("POST", "PUT", "PATCH")
+PATH_PARAM = re.compile(r"\{([^{}]*)\}")
+EXCERPT_CHARS = 300
+
+# One client per tools-worker thread: connections to the same API are reused across calls, and no
+# client is shared between threads.
+_local = threading.local()
+
+
+def _client() -> httpx.Client:
+    client = getattr(_local, "client", None)
+    if client is None:
+        # Redirects are not followed: a redirect elsewhere would carry the secret headers with it.
+        client = _local.client = httpx.Client(follow_redirects=False)
+    return client
+
+
+def path_params(path: str) -> list[str]:
+    """Return the ``{param}`` names in an HTTP spec's path, in order."""
+    return PATH_PARAM.findall(path)
+
+
+def _excerpt(text: str, secrets: list[str]) -> str:
+    text = " ".join(secrets_redact(text, secrets).split())
+    return text if len(text) <= EXCERPT_CHARS else text[:EXCERPT_CHARS] + "…"
+
+
+def _scalar(value: Any) -> str:
+    # Booleans as JSON spells them: most HTTP APIs expect ``true``, not Python's ``True``.
+    return json.dumps(value) if isinstance(value, bool) else str(value)
+
+
+def request_parts(spec: dict[str, Any], arguments: dict[str, Any]) -> tuple[str, str, dict[str, Any], Any]:
+    """Return ``(method, path, query, json_body)`` for a call. Raise ToolFailure for a missing path argument."""
+    method = str(spec.get("method", "GET")).upper()
+    template = str(spec.get("path", "/"))
+    used = set()
+
+    def fill(match: re.Match[str]) -> str:
+        name = match.group(1)
+        if arguments.get(name) is None:
+            raise ToolFailure("invalid_arguments", f"'{name}' is required: the request path needs it")
+        used.add(name)
+        return quote(_scalar(arguments[name]), safe="")
+
+    path = PATH_PARAM.sub(fill, template)
+    query_names = set(spec.get("query") or [])
+    rest = {k: v for k, v in arguments.items() if k not in used and k not in query_names}
+    query = {k: v for k, v in arguments.items() if k in query_names and v is not None}
+    body = None
+    if method in BODY_METHODS:
+        body = rest
+    else:
+        query.update({k: v for k, v in rest.items() if v is not None})
+    query = {k: [_scalar(x) for x in v] if isinstance(v, list) else _scalar(v) for k, v in query.items()}
+    return method, path, query, body
+
+
+def run(*, toolset: Toolset, tool: Tool, arguments: dict[str, Any], timeout: float) -> Any:
+    """Send the request and return the decoded JSON body (None when it is empty), secrets redacted.
+
+    Raise ToolFailure: ``http_error`` for a non-2xx status, ``http_timeout``, ``http_connection_error``,
+    ``http_invalid_json`` for a body that is not JSON. Each message names the status and quotes the
+    start of the body, with the toolset's secret values redacted.
+    """
+    config = toolset.config or {}
+    secrets = [str(v) for v in (toolset.secrets or {}).values()]
+    spec = tool.http or {}
+    method, path, query, body = request_parts(spec, arguments)
+    try:
+        headers = secrets_render_map(config.get("headers"), toolset.secrets or {})
+    except MissingSecret as missing:
+        raise ToolFailure(
+            "secret_missing", f"the toolset's headers use the secret '{missing.name}', which is not set; an admin must set it"
+        ) from None
+    # A toolset-wide timeout applies when the tool sets none; the bridge never waits longer than ``timeout``.
+    limit = tool.timeout or min(float(config.get("timeout") or timeout), timeout)
+    url = str(config.get("base_url", "")).rstrip("/") + "/" + path.lstrip("/")
+    where = f"{method} {path}"
+    try:
+        response = _client().request(
+            method, url, params=query, json=body, headers={"Accept": "application/json", **headers}, timeout=limit
+        )
+    except httpx.TimeoutException:
+        raise ToolFailure("http_timeout", f"{where} got no answer within {limit:g} s") from None
+    except httpx.HTTPError as exc:
+        message = _excerpt(f"{type(exc).__name__}: {exc}", secrets)
+        raise ToolFailure("http_connection_error", f"{where} could not reach the server: {message}") from None
+    text = response.text
+    if not response.is_success:
+        raise ToolFailure(
+            "http_error", f"{where} answered HTTP {response.status_code} {response.reason_phrase}: {_excerpt(text, secrets)}"
+        )
+    if not text.strip():
+        return None
+    try:
+        output = json.loads(text)
+    except ValueError:
+        kind = response.headers.get("content-type", "no content type").split(";")[0]
+        raise ToolFailure(
+            "http_invalid_json",
+            f"{where} answered HTTP {response.status_code} with {kind}, not JSON: {_excerpt(text, secrets)}",
+        ) from None
+    # An API that echoes a header back must not carry the secret into the sandbox.
+    return secrets_redact_value(output, secrets)

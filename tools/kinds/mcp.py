@@ -1,0 +1,494 @@
+"""The ``mcp`` kind: tools of an MCP server over stdio or streamable HTTP, with the official ``mcp`` SDK.
+
+Config, one of:
+- ``{"transport": "stdio", "command": "...", "args": [...], "env": {...}, "init_timeout": 10}``
+- ``{"transport": "streamable_http", "url": "...", "headers": {...}, "init_timeout": 10}``
+Values in ``env`` and ``headers`` may use ``{{secrets.NAME}}``.
+
+Sessions are pooled per process. A tools worker runs calls on many threads (Celery's threads pool),
+but the SDK is asyncio: one event loop runs in a daemon thread and owns every session; a call is a
+coroutine submitted to it with ``run_coroutine_threadsafe``. One session per toolset serves every
+thread at once (MCP multiplexes requests by id), so a stdio server is started once per worker
+process, not once per call. Each session has an owner task that opened it and is the only one to
+close it: the SDK's transports are anyio task groups, which must be exited by the task that entered
+them. ``sessions_close`` ends them all; the tools worker calls it at shutdown, and ``atexit`` backs
+it up. Closing a stdio session closes the server's stdin, then terminates its process group.
+"""
+
+import asyncio
+import atexit
+import concurrent.futures
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from tools.errors import ToolFailure
+from tools.models import Tool, Toolset
+from tools.secret_refs import MissingSecret, secrets_redact, secrets_redact_value, secrets_render_map
+
+logger = logging.getLogger("ptc.tools")
+
+TRANSPORTS = ("stdio", "streamable_http")
+DEFAULT_INIT_TIMEOUT = 10.0
+# A session nobody called for this long is closed: a stdio server is a process held for nothing.
+IDLE_SECONDS = 600.0
+_REAP_EVERY = 30.0
+# Closing waits for each server to exit: the SDK gives it 2 s after stdin closes, then 2 s after SIGTERM.
+_CLOSE_SECONDS = 10.0
+_STDERR_TAIL_BYTES = 4000
+_EXCERPT_CHARS = 300
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Server:
+    """How to reach one toolset's MCP server, with its secrets filled in. Never logged or stored."""
+
+    transport: str
+    toolset_key: str = ""
+    command: str = ""
+    args: tuple[str, ...] = ()
+    env: tuple[tuple[str, str], ...] = ()
+    url: str = ""
+    headers: tuple[tuple[str, str], ...] = ()
+    init_timeout: float = DEFAULT_INIT_TIMEOUT
+    secrets: tuple[str, ...] = field(default=(), repr=False)
+
+    @property
+    def fingerprint(self) -> str:
+        """A digest of everything that makes a session: an edited config or secret gets a new one."""
+        parts = [self.transport, self.command, self.args, self.env, self.url, self.headers, self.init_timeout]
+        return hashlib.sha256(json.dumps(parts, default=list).encode()).hexdigest()
+
+    def describe(self) -> str:
+        where = f" at {self.url}" if self.transport == "streamable_http" else ""
+        return f"of toolset '{self.toolset_key}'{where}"
+
+
+def server_for(toolset: Toolset) -> Server:
+    """Return how to reach ``toolset``'s server. Raise ToolFailure if its config can't say."""
+    config = toolset.config or {}
+    secrets = toolset.secrets or {}
+    transport = config.get("transport", "stdio")
+    init_timeout = float(config.get("init_timeout") or DEFAULT_INIT_TIMEOUT)
+    try:
+        if transport == "stdio" and config.get("command"):
+            return Server(
+                transport=transport,
+                toolset_key=toolset.key,
+                command=str(config["command"]),
+                args=tuple(str(a) for a in config.get("args") or ()),
+                env=tuple(sorted(secrets_render_map(config.get("env"), secrets).items())),
+                init_timeout=init_timeout,
+                secrets=tuple(str(v) for v in secrets.values()),
+            )
+        if transport == "streamable_http" and config.get("url"):
+            return Server(
+                transport=transport,
+                toolset_key=toolset.key,
+                url=str(config["url"]),
+                headers=tuple(sorted(secrets_render_map(config.get("headers"), secrets).items())),
+                init_timeout=init_timeout,
+                secrets=tuple(str(v) for v in secrets.values()),
+            )
+    except MissingSecret as missing:
+        raise ToolFailure("secret_missing", f"the toolset's config uses the secret '{missing.name}', which is not set") from None
+    raise ToolFailure(
+        "mcp_config_invalid",
+        f'toolset \'{toolset.key}\' needs config {{"transport": "stdio", "command": ...}} '
+        'or {"transport": "streamable_http", "url": ...}',
+    )
+
+
+def _leaf(exc: BaseException) -> BaseException:
+    """Return the first real error inside the SDK's (nested) exception groups."""
+    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
+        exc = exc.exceptions[0]
+    return exc
+
+
+def _excerpt(text: str, server: Server) -> str:
+    text = " ".join(secrets_redact(text, server.secrets).split())
+    return text if len(text) <= _EXCERPT_CHARS else "…" + text[-_EXCERPT_CHARS:]
+
+
+class _StderrTail:
+    """A stdio server's stderr: a pipe whose last few KB are kept, to say why a server failed.
+
+    Read by the event loop, so nothing blocks on a chatty server, and nothing of it is logged: a
+    server may print its own configuration, secrets included.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._read_fd, write_fd = os.pipe()
+        os.set_blocking(self._read_fd, False)
+        self.writer = os.fdopen(write_fd, "w")
+        self._tail = bytearray()
+        self._open = True
+        loop.add_reader(self._read_fd, self._drain)
+
+    def spawned(self) -> None:
+        """Drop our copy of the write end once the child has its own, so EOF arrives when it exits."""
+        if not self.writer.closed:
+            self.writer.close()
+
+    def _drain(self) -> None:
+        while self._open:
+            try:
+                data = os.read(self._read_fd, 65536)
+            except BlockingIOError:
+                return
+            except OSError:
+                data = b""
+            if not data:
+                self.close()
+                return
+            self._tail += data
+            del self._tail[:-_STDERR_TAIL_BYTES]
+
+    def text(self) -> str:
+        self._drain()
+        return self._tail.decode(errors="replace")
+
+    def close(self) -> None:
+        self.spawned()
+        if self._open:
+            self._open = False
+            self._loop.remove_reader(self._read_fd)
+            os.close(self._read_fd)
+
+
+class _Session:
+    """One live connection to one server, opened and closed by its own owner task."""
+
+    def __init__(self, server: Server, loop: asyncio.AbstractEventLoop) -> None:
+        self.server = server
+        self.loop = loop
+        self.ready: asyncio.Future[Any] = loop.create_future()
+        self.closing = asyncio.Event()
+        self.session: Any = None
+        self.broken: str | None = None
+        self.last_used = time.monotonic()
+        self.inflight: set[Any] = set()  # anyio cancel scopes of calls waiting on this session
+        self.stderr: _StderrTail | None = None
+        self._init_scope: Any = None
+        self.task: asyncio.Task[None] = loop.create_task(self._own())
+
+    def close(self) -> None:
+        self.broken = self.broken or "closed"
+        self.closing.set()
+
+    async def _open(self, stack: contextlib.AsyncExitStack) -> tuple[Any, Any]:
+        from mcp import StdioServerParameters, stdio_client
+        from mcp.client.streamable_http import streamable_http_client
+        from mcp.shared._httpx_utils import create_mcp_http_client
+
+        if self.server.transport == "stdio":
+            self.stderr = _StderrTail(self.loop)
+            params = StdioServerParameters(command=self.server.command, args=list(self.server.args), env=dict(self.server.env))
+            try:
+                streams = await stack.enter_async_context(stdio_client(params, errlog=self.stderr.writer))
+            finally:
+                self.stderr.spawned()
+            return streams
+        client = await stack.enter_async_context(create_mcp_http_client(headers=dict(self.server.headers)))
+        return await stack.enter_async_context(streamable_http_client(self.server.url, http_client=client))
+
+    async def _on_message(self, message: Any) -> None:
+        """The SDK hands us what it could not parse; the session can't be trusted after that."""
+        if not isinstance(message, Exception):
+            return
+        self.broken = f"the server sent something that is not MCP ({type(message).__name__})"
+        logger.warning("mcp server sent an unparseable message; closing its session: %s", self.server.describe())
+        if self._init_scope is not None:
+            self._init_scope.cancel()
+        for scope in list(self.inflight):
+            scope.cancel()
+        self.closing.set()
+
+    async def _own(self) -> None:
+        import anyio
+        from mcp import ClientSession
+
+        try:
+            async with contextlib.AsyncExitStack() as stack:
+                read, write = await self._open(stack)
+                session = await stack.enter_async_context(ClientSession(read, write, message_handler=self._on_message))
+                initialized = False
+                with anyio.move_on_after(self.server.init_timeout) as scope:
+                    self._init_scope = scope
+                    await session.initialize()
+                    initialized = True
+                self._init_scope = None
+                if not initialized:
+                    raise self._init_failure()
+                self.session = session
+                self.ready.set_result(self)
+                await self.closing.wait()
+        except BaseException as exc:
+            if not self.ready.done():
+                self.ready.set_exception(self._start_failure(exc))
+            elif not self.closing.is_set():
+                logger.warning("mcp session ended: %s: %s", self.server.describe(), type(_leaf(exc)).__name__)
+        finally:
+            self.broken = self.broken or "the session ended"
+            if self.stderr is not None:
+                self.stderr.close()
+
+    def _init_failure(self) -> ToolFailure:
+        if self.broken:
+            return ToolFailure("mcp_bad_response", f"the MCP server {self.server.describe()} answered initialize with garbage")
+        return ToolFailure(
+            "mcp_init_timeout",
+            f"the MCP server {self.server.describe()} did not finish initializing within {self.server.init_timeout:g} s"
+            + self._stderr_note(),
+        )
+
+    def _stderr_note(self) -> str:
+        text = self.stderr.text().strip() if self.stderr is not None else ""
+        return f"; its stderr ends: {_excerpt(text, self.server)}" if text else ""
+
+    def _start_failure(self, exc: BaseException) -> ToolFailure:
+        from mcp import MCPError
+
+        leaf = _leaf(exc)
+        if isinstance(leaf, ToolFailure):
+            return leaf
+        where = self.server.describe()
+        if isinstance(leaf, OSError) and self.server.transport == "stdio":
+            return ToolFailure(
+                "mcp_start_failed", f"the MCP server {where} could not be started: {_excerpt(str(leaf), self.server)}"
+            )
+        if isinstance(leaf, MCPError) and self.server.transport == "stdio":
+            return ToolFailure("mcp_start_failed", f"the MCP server {where} exited while starting" + self._stderr_note())
+        if isinstance(leaf, asyncio.CancelledError):
+            return ToolFailure("mcp_start_failed", f"the MCP server {where} was shut down while starting")
+        return ToolFailure(
+            "mcp_start_failed",
+            f"could not connect to the MCP server {where}: {type(leaf).__name__}: {_excerpt(str(leaf), self.server)}",
+        )
+
+    async def call(self, name: str, arguments: dict[str, Any], timeout: float) -> Any:
+        """Return the output of one ``tools/call``, or raise ToolFailure."""
+        import anyio
+        from mcp import MCPError
+        from mcp_types import CONNECTION_CLOSED, REQUEST_TIMEOUT
+
+        self.last_used = time.monotonic()
+        where = f"MCP tool '{name}'"
+        with anyio.CancelScope() as scope:
+            self.inflight.add(scope)
+            try:
+                result = await self.session.call_tool(name, arguments, read_timeout_seconds=timeout)
+            except MCPError as exc:
+                if exc.error.code == REQUEST_TIMEOUT:
+                    raise ToolFailure("mcp_timeout", f"{where} did not answer within {timeout:g} s") from None
+                if exc.error.code == CONNECTION_CLOSED:
+                    self.close()
+                    raise ToolFailure("mcp_connection_lost", f"the connection to the server of {where} closed") from None
+                raise ToolFailure("mcp_error", f"{where}: {_excerpt(exc.error.message, self.server)}") from None
+            except (anyio.ClosedResourceError, anyio.BrokenResourceError, anyio.EndOfStream):
+                self.close()
+                raise ToolFailure("mcp_connection_lost", f"the connection to the server of {where} closed") from None
+            except RuntimeError as exc:  # structured content that does not match the tool's output schema
+                raise ToolFailure("mcp_invalid_output", _excerpt(str(exc), self.server)) from None
+            except ValueError as exc:  # pydantic: a result that is not a CallToolResult
+                self.close()
+                raise ToolFailure(
+                    "mcp_bad_response", f"{where} answered with something that is not MCP: {type(exc).__name__}"
+                ) from None
+            finally:
+                self.inflight.discard(scope)
+                self.last_used = time.monotonic()
+        if scope.cancelled_caught:
+            raise ToolFailure("mcp_bad_response", f"{where}: {self.broken or 'the session was closed'}")
+        return secrets_redact_value(result_output(result, where), self.server.secrets)
+
+
+def result_output(result: Any, where: str) -> Any:
+    """Return a CallToolResult as JSON: structured content, else JSON text decoded, else the text.
+
+    Raise ToolFailure ``mcp_tool_error`` for an ``isError`` result, with its text as the message.
+    """
+    texts = [block.text for block in result.content if getattr(block, "type", "") == "text"]
+    if result.is_error:
+        raise ToolFailure("mcp_tool_error", "\n".join(texts).strip()[:2000] or f"{where} reported an error")
+    if result.structured_content is not None:
+        return result.structured_content
+    if len(texts) == len(result.content) == 1:
+        text = texts[0]
+        if text.lstrip()[:1] in ("{", "["):
+            # Most servers return JSON as text; code is better served by the value than by the string.
+            with contextlib.suppress(ValueError):
+                return json.loads(text)
+        return text
+    if len(texts) == len(result.content):
+        return "\n".join(texts)
+    return [block.model_dump(mode="json", exclude_none=True) for block in result.content]
+
+
+class _Pool:
+    """The sessions of one process, on one event loop in a daemon thread. Started on first use."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._sessions: dict[str, _Session] = {}  # touched only on the loop's thread
+        self._retired: set[asyncio.Task[None]] = set()
+        self._reaper: asyncio.Task[None] | None = None
+
+    def _running_loop(self) -> asyncio.AbstractEventLoop:
+        with self._lock:
+            if self._loop is None or self._thread is None or not self._thread.is_alive():
+                loop = asyncio.new_event_loop()
+                thread = threading.Thread(target=loop.run_forever, name="ptc-mcp", daemon=True)
+                thread.start()
+                self._loop, self._thread, self._sessions, self._reaper = loop, thread, {}, None
+            return self._loop
+
+    def run(self, make: Callable[[], Awaitable[T]], timeout: float) -> T:
+        """Run a coroutine on the loop from any thread; give up after ``timeout`` seconds."""
+        future = asyncio.run_coroutine_threadsafe(_awaited(make), self._running_loop())
+        try:
+            return future.result(timeout)
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            raise ToolFailure("mcp_timeout", f"no answer from the MCP server within {timeout:g} s") from None
+
+    async def session(self, key: str, server: Server) -> _Session:
+        """Return the live session for ``key``, opening one if there is none or its config changed."""
+        if self._reaper is None:
+            self._reaper = asyncio.get_running_loop().create_task(self._reap_idle())
+        current = self._sessions.get(key)
+        if current is None or current.broken or current.server.fingerprint != server.fingerprint:
+            if current is not None:
+                self._retire(current)
+            current = self._sessions[key] = _Session(server, asyncio.get_running_loop())
+        try:
+            # Shielded: a caller that gives up must not cancel the start the other callers wait on.
+            return await asyncio.shield(current.ready)
+        except ToolFailure:
+            if self._sessions.get(key) is current:
+                del self._sessions[key]
+            raise
+
+    def _retire(self, session: _Session) -> None:
+        session.close()
+        self._retired.add(session.task)
+        session.task.add_done_callback(self._retired.discard)
+
+    async def _reap_idle(self) -> None:
+        while True:
+            await asyncio.sleep(_REAP_EVERY)
+            now = time.monotonic()
+            for key, session in list(self._sessions.items()):
+                if session.ready.done() and not session.inflight and now - session.last_used > IDLE_SECONDS:
+                    del self._sessions[key]
+                    self._retire(session)
+
+    async def _close_all(self) -> None:
+        if self._reaper is not None:
+            self._reaper.cancel()
+        for session in self._sessions.values():
+            self._retire(session)
+        self._sessions.clear()
+        tasks = list(self._retired)
+        if tasks:
+            _, pending = await asyncio.wait(tasks, timeout=_CLOSE_SECONDS)
+            for task in pending:
+                task.cancel()
+
+    def close(self) -> None:
+        """Close every session (stopping stdio servers) and stop the loop. Safe to call twice."""
+        with self._lock:
+            loop, thread = self._loop, self._thread
+            self._loop = self._thread = None
+        if loop is None or thread is None or not thread.is_alive():
+            return
+        try:
+            asyncio.run_coroutine_threadsafe(self._close_all(), loop).result(_CLOSE_SECONDS + 5)
+        except Exception:  # shutting down: log it, and still stop the loop
+            logger.exception("closing MCP sessions failed")
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)
+
+
+async def _awaited(make: Callable[[], Awaitable[T]]) -> T:
+    return await make()
+
+
+_pool = _Pool()
+atexit.register(_pool.close)
+
+
+def sessions_close() -> None:
+    """Close every pooled session of this process. Called when the tools worker shuts down."""
+    _pool.close()
+
+
+def _key(toolset: Toolset) -> str:
+    return str(toolset.pk)
+
+
+def run(*, toolset: Toolset, tool: Tool, arguments: dict[str, Any], timeout: float) -> Any:
+    """Call ``tool`` on its toolset's server, through this process's pooled session."""
+    server = server_for(toolset)
+    name = tool.remote_name or tool.name
+
+    async def call() -> Any:
+        session = await _pool.session(_key(toolset), server)
+        return await session.call(name, arguments, timeout)
+
+    return _pool.run(call, server.init_timeout + timeout + 5)
+
+
+@dataclass(frozen=True)
+class ListedTool:
+    name: str
+    description: str
+    input_schema: dict[str, Any]
+    output_schema: dict[str, Any] | None
+    read_only: bool
+
+
+def tools_list(*, toolset: Toolset) -> list[ListedTool]:
+    """Return the server's tools, from a session opened for this and closed after (not pooled)."""
+    server = server_for(toolset)
+
+    async def listing() -> list[ListedTool]:
+        session = _Session(server, asyncio.get_running_loop())
+        try:
+            await asyncio.shield(session.ready)
+            found, cursor = [], None
+            while True:
+                from mcp_types import PaginatedRequestParams
+
+                page = await session.session.list_tools(params=PaginatedRequestParams(cursor=cursor) if cursor else None)
+                found += page.tools
+                cursor = page.next_cursor
+                if not cursor or len(found) > 10_000:
+                    break
+            return [
+                ListedTool(
+                    name=t.name,
+                    description=t.description or "",
+                    input_schema=t.input_schema,
+                    output_schema=t.output_schema,
+                    read_only=bool(t.annotations and t.annotations.read_only_hint),
+                )
+                for t in found
+            ]
+        finally:
+            session.close()
+            await asyncio.wait([session.task], timeout=_CLOSE_SECONDS)
+
+    return _pool.run(listing, server.init_timeout + 60)

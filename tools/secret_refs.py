@@ -1,0 +1,78 @@
+"""``{{secrets.NAME}}`` references in a toolset's config, and keeping secret values out of text.
+
+A toolset's secrets are write-only (PRODUCT.md). Config values name them; only the tools worker
+(and the web process, for an MCP sync) fills them in, right before a request, and every message
+built from a response goes through ``secrets_redact`` before it is stored, logged or shown.
+"""
+
+import re
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+SECRET_REF = re.compile(r"\{\{\s*secrets\.([A-Za-z_][A-Za-z0-9_]*)\s*\}\}")
+REDACTED = "[redacted]"
+# Shorter values would redact ordinary words and digits out of every message.
+_MIN_REDACT_LENGTH = 4
+
+
+class MissingSecret(KeyError):
+    """A config value names a secret the toolset does not have."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.name = name
+
+
+def secret_names_used(value: Any) -> set[str]:
+    """Return the secret names referenced anywhere in ``value`` (strings, lists, dict values)."""
+    if isinstance(value, str):
+        return set(SECRET_REF.findall(value))
+    if isinstance(value, Mapping):
+        return set().union(*(secret_names_used(v) for v in value.values())) if value else set()
+    if isinstance(value, list | tuple):
+        return set().union(*(secret_names_used(v) for v in value)) if value else set()
+    return set()
+
+
+def secrets_render(value: str, secrets: Mapping[str, str]) -> str:
+    """Return ``value`` with each ``{{secrets.NAME}}`` replaced by its value. Raise MissingSecret."""
+
+    def fill(match: re.Match[str]) -> str:
+        name = match.group(1)
+        if name not in secrets:
+            raise MissingSecret(name)
+        return str(secrets[name])
+
+    return SECRET_REF.sub(fill, value)
+
+
+def secrets_render_map(values: Mapping[str, Any] | None, secrets: Mapping[str, str]) -> dict[str, str]:
+    """Return a str → str map (headers, env) with its secret references filled in."""
+    return {str(k): secrets_render(str(v), secrets) for k, v in (values or {}).items()}
+
+
+def secrets_redact(text: str, secrets: Iterable[str]) -> str:
+    """Return ``text`` with every secret value replaced by ``[redacted]``, longest first.
+
+    Longest first, so a secret that contains another is redacted whole.
+    """
+    for value in sorted({str(s) for s in secrets if s and len(str(s)) >= _MIN_REDACT_LENGTH}, key=len, reverse=True):
+        text = text.replace(value, REDACTED)
+    return text
+
+
+def secrets_redact_value(value: Any, secrets: Iterable[str]) -> Any:
+    """Return a JSON value with ``secrets_redact`` applied to every string in it.
+
+    A server that echoes a header or its environment back must not carry a secret into the sandbox.
+    """
+    secrets = [s for s in secrets if s and len(s) >= _MIN_REDACT_LENGTH]
+    if not secrets:
+        return value
+    if isinstance(value, str):
+        return secrets_redact(value, secrets)
+    if isinstance(value, list):
+        return [secrets_redact_value(v, secrets) for v in value]
+    if isinstance(value, dict):
+        return {secrets_redact(str(k), secrets): secrets_redact_value(v, secrets) for k, v in value.items()}
+    return value
