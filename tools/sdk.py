@@ -9,9 +9,11 @@ import hashlib
 import json
 import keyword
 import os
+import re
 import shutil
 import tempfile
 import textwrap
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,7 +23,7 @@ from django.conf import settings
 from tools.models import Tool, Toolset
 from tools.selectors import direct_only_tools, tool_is_ptc
 
-GENERATOR_VERSION = "1"
+GENERATOR_VERSION = "2"
 _RUNTIME_DIR = Path(__file__).parent / "sdk_runtime"
 _JSON_TYPES = {
     "string": "str",
@@ -37,11 +39,13 @@ _INIT = '''"""Tools you can call from code. Each toolset is a module: ``from ptc
 
 Call a tool with keyword arguments: ``Demo.add(a=1, b=2)``; from asyncio: ``await Demo.add.aio(a=1, b=2)``.
 A failed call raises ``ToolError`` with ``.tool``, ``.code``, ``.call_id`` and ``.message``.
+Look tools up from code: ``print(describe("demo.add"))``, ``search("product catalog")``.
 """
 
+from ptc_tools._discovery import describe, search
 from ptc_tools._runtime import ToolError
 
-__all__ = ["ToolError"]
+__all__ = ["ToolError", "describe", "search"]
 '''
 
 
@@ -98,32 +102,120 @@ def tool_signature(tool: Tool) -> str:
     return f"{tool.name}({', '.join(params)}) -> {returns}"
 
 
-def _docstring(tool: Tool) -> str:
+def summary(description: str, limit: int = 80) -> str:
+    """Return the first sentence of ``description``, cut at a word to at most ``limit`` characters."""
+    text = " ".join(description.strip().split("\n\n")[0].split())
+    text = re.split(r"(?<=[.!?])\s", text, maxsplit=1)[0].rstrip(".")
+    if len(text) > limit:
+        cut = text[: limit - 1]
+        if text[limit - 1] != " ":  # mid-word: drop the partial word
+            cut = cut.rsplit(" ", 1)[0]
+        text = cut.rstrip(" ,;:") + "…"
+    return text
+
+
+def shape(schema: Any, depth: int = 0) -> str:
+    """Return the compact shape of a JSON value: ``list[{id: str, price?: float}]``."""
+    if not isinstance(schema, dict) or depth > 4:
+        return "Any"
+    kinds = schema.get("type")
+    if isinstance(kinds, list):
+        return " | ".join(shape({**schema, "type": k}, depth) for k in kinds) or "Any"
+    for key in ("anyOf", "oneOf"):
+        if isinstance(schema.get(key), list) and schema[key]:
+            return " | ".join(dict.fromkeys(shape(option, depth + 1) for option in schema[key]))
+    if kinds == "array":
+        return f"list[{shape(schema.get('items'), depth + 1)}]" if isinstance(schema.get("items"), dict) else "list"
+    properties = schema.get("properties")
+    if (kinds == "object" or kinds is None) and isinstance(properties, dict) and properties:
+        required = set(schema.get("required") or [])
+        fields = [f"{k}{'' if k in required else '?'}: {shape(properties[k], depth + 1)}" for k in sorted(properties)]
+        return "{" + ", ".join(fields) + "}"
+    return _json_type_label(schema) if kinds else "Any"
+
+
+class _TypeDefs:
+    """The TypedDicts one module's typed returns need, named after their tools (``SleepResult``)."""
+
+    def __init__(self, reserved: set[str]) -> None:
+        self.lines: list[str] = []
+        self._taken = set(reserved) | {"Any", "Required", "TypedDict"}
+
+    def _name(self, hint: str) -> str:
+        name, n = hint, 2
+        while name in self._taken:
+            name, n = f"{hint}{n}", n + 1
+        self._taken.add(name)
+        return name
+
+    def annotation(self, schema: Any, hint: str, depth: int = 0) -> str:
+        """Return a Python annotation for ``schema``, defining the TypedDicts it needs first."""
+        if not isinstance(schema, dict) or depth > 6:
+            return "Any"
+        kinds = schema.get("type")
+        if isinstance(kinds, list):
+            options = [self.annotation({**schema, "type": k}, hint, depth) for k in kinds if k != "null"]
+            if len(options) != 1 or options[0] == "Any":
+                return "Any"
+            return f"{options[0]} | None" if "null" in kinds else options[0]
+        for key in ("anyOf", "oneOf"):
+            if isinstance(schema.get(key), list) and schema[key]:
+                options = list(dict.fromkeys(self.annotation(o, hint, depth + 1) for o in schema[key]))
+                return "Any" if "Any" in options else " | ".join(options)
+        if kinds == "array":
+            return f"list[{self.annotation(schema.get('items'), hint + 'Item', depth + 1)}]"
+        properties = schema.get("properties")
+        if kinds == "object" or (kinds is None and isinstance(properties, dict)):
+            if not isinstance(properties, dict) or not properties:
+                return "dict[str, Any]"
+            name = self._name(hint)
+            required = set(schema.get("required") or [])
+            fields = []
+            for key in sorted(properties):
+                sub = self.annotation(properties[key], name + class_name(re.sub(r"\W", "_", key)), depth + 1)
+                fields.append(f"{json.dumps(key)}: {f'Required[{sub}]' if key in required else sub}")
+            self.lines.append(f"{name} = TypedDict({json.dumps(name)}, {{{', '.join(fields)}}}, total=False)")
+            return name
+        return _JSON_TYPES.get(kinds, "Any") if isinstance(kinds, str) else "Any"
+
+
+def _doc_literal(text: str) -> str:
+    """Return ``text`` safe inside a triple-quoted string: it comes from admins and MCP servers."""
+    return text.replace("\\", "\\\\").replace('"""', '\\"\\"\\"')
+
+
+def parameter_docs(tool: Tool) -> list[str]:
+    """Return one line per parameter: ``limit (int; optional; default 10): how many``."""
     required, optional, properties = parameters(tool.input_schema)
+    lines = []
+    for name in required + optional:
+        prop = properties[name] if isinstance(properties[name], dict) else {}
+        bits = [_json_type_label(prop), "required" if name in required else "optional"]
+        if "enum" in prop:
+            bits.append("one of " + ", ".join(json.dumps(v) for v in prop["enum"]))
+        if "default" in prop:
+            bits.append(f"default {json.dumps(prop['default'])}")
+        desc = f": {' '.join(str(prop['description']).split())}" if prop.get("description") else ""
+        lines.append(f"{name} ({'; '.join(bits)}){desc}")
+    return lines
+
+
+def _docstring(tool: Tool) -> str:
     lines = [tool_signature(tool), ""]
     if tool.description:
         lines += [tool.description.strip(), ""]
-    if properties:
-        lines.append("Args:")
-        for name in required + optional:
-            prop = properties[name] if isinstance(properties[name], dict) else {}
-            bits = [_json_type_label(prop), "required" if name in required else "optional"]
-            if "enum" in prop:
-                bits.append("one of " + ", ".join(json.dumps(v) for v in prop["enum"]))
-            if "default" in prop:
-                bits.append(f"default {json.dumps(prop['default'])}")
-            desc = f": {prop['description']}" if prop.get("description") else ""
-            lines.append(f"    {name} ({'; '.join(bits)}){desc}")
+    params = parameter_docs(tool)
+    if params:
+        lines += ["Args:", *(f"    {line}" for line in params)]
     if tool.output_schema:
-        lines += ["", "Returns:", f"    {json.dumps(tool.output_schema, sort_keys=True)}"]
-    text = "\n".join(lines).replace("\\", "\\\\").replace('"""', '\\"\\"\\"')
-    return textwrap.indent(text, "    ").strip()
+        lines += ["", "Returns:", f"    {shape(tool.output_schema)}"]
+    return textwrap.indent(_doc_literal("\n".join(lines)), "    ").strip()
 
 
-def _tool_source(toolset_key: str, tool: Tool) -> str:
+def _tool_source(toolset_key: str, tool: Tool, types: _TypeDefs) -> str:
     required, optional, properties = parameters(tool.input_schema)
     names_ok = all(n.isidentifier() and not keyword.iskeyword(n) and not n.startswith("_") for n in properties)
-    returns = json_type(tool.output_schema)
+    returns = types.annotation(tool.output_schema, class_name(tool.name) + "Result") if tool.output_schema else "Any"
     fn = f"_{tool.name}"
     if names_ok:
         params = [f"{n}: {json_type(properties[n])}" for n in required]
@@ -145,12 +237,15 @@ def _tool_source(toolset_key: str, tool: Tool) -> str:
 
 def _module_source(toolset: Toolset, tools: list[Tool]) -> str:
     cls = class_name(toolset.key)
-    header = f'"""{toolset.name}: {toolset.description}"""'.replace("\\", "\\\\")
-    parts = [header, "", "from typing import Any", "", "from ptc_tools import _runtime as _rt", "", ""]
-    parts += [_tool_source(toolset.key, t) + "\n" for t in tools]
+    types = _TypeDefs(reserved={cls})
+    functions = [_tool_source(toolset.key, t, types) + "\n" for t in tools]
+    header = f'"""{_doc_literal(toolset.name)}: {_doc_literal(toolset.description)}"""'
+    parts = [header, "", "from typing import Any, Required, TypedDict", "", "from ptc_tools import _runtime as _rt", "", ""]
+    if types.lines:
+        parts += ["# The shapes of the tools' results, from their output schemas.", *types.lines, "", ""]
+    parts += functions
     members = "\n".join(f"    {t.name} = staticmethod(_{t.name})" for t in tools) or "    pass"
-    doc = (toolset.description or toolset.name).replace('"""', "'''").replace("\\", "\\\\")
-    parts.append(f'class {cls}:\n    """{doc}"""\n\n{members}\n')
+    parts.append(f'class {cls}:\n    """{_doc_literal(toolset.description or toolset.name)}"""\n\n{members}\n')
     parts.append(f'\n__all__ = ["{cls}"]\n')
     return "\n".join(parts)
 
@@ -161,9 +256,36 @@ def _toolset_doc(toolset: Toolset, tools: list[Tool]) -> str:
     if toolset.description:
         lines += [toolset.description, ""]
     for tool in tools:
-        summary = tool.description.strip().splitlines()[0] if tool.description.strip() else ""
-        lines.append(f"- `{cls}.{tool_signature(tool)}`: {summary}")
+        returns = f" Returns `{shape(tool.output_schema)}`." if tool.output_schema else ""
+        effect = "read-only" if tool.read_only else "side effects"
+        text = summary(tool.description)
+        lines.append(f"- `{cls}.{tool_signature(tool)}` ({effect}){f': {text}.' if text else ''}{returns}")
     return "\n".join(lines) + "\n"
+
+
+def _catalog(per_toolset: list[tuple[Toolset, list[Tool]]]) -> str:
+    """Return ``_catalog.json``: what ``ptc_tools.describe`` and ``search`` read in the sandbox.
+
+    Definitions only: no config, no secrets, no prices.
+    """
+    tools = [
+        {
+            "toolset": toolset.key,
+            "class": class_name(toolset.key),
+            "name": tool.name,
+            "signature": tool_signature(tool),
+            "summary": summary(tool.description),
+            "description": tool.description,
+            "parameters": parameter_docs(tool),
+            "returns": shape(tool.output_schema) if tool.output_schema else "Any",
+            "read_only": tool.read_only,
+            "input_schema": tool.input_schema,
+            "output_schema": tool.output_schema,
+        }
+        for toolset, tools in per_toolset
+        for tool in tools
+    ]
+    return json.dumps({"tools": tools}, sort_keys=True, ensure_ascii=False)
 
 
 @functools.cache
@@ -171,26 +293,28 @@ def _runtime_files() -> dict[str, str]:
     return {
         "ptc_tools/_runtime.py": (_RUNTIME_DIR / "runtime.py").read_text(),
         "ptc_tools/_protocol.py": (_RUNTIME_DIR / "protocol.py").read_text(),
+        "ptc_tools/_discovery.py": (_RUNTIME_DIR / "discovery.py").read_text(),
     }
 
 
-def _ptc_tools(toolsets: list[Toolset]) -> list[tuple[Toolset, list[Tool]]]:
-    direct_only = direct_only_tools()
+def ptc_tools_of(toolsets: list[Toolset], direct_only: frozenset[str] | None = None) -> list[tuple[Toolset, list[Tool]]]:
+    """Return each toolset (tools prefetched) with its enabled PTC tools, both sorted: the SDK's input."""
+    direct_only = direct_only_tools() if direct_only is None else direct_only
     return [
-        (
-            toolset,
-            sorted(
-                (t for t in toolset.tools.all() if t.enabled and tool_is_ptc(tool=t, toolset=toolset, direct_only=direct_only)),
-                key=lambda t: t.name,
-            ),
-        )
+        (toolset, ptc_tools_in(toolset=toolset, tools=list(toolset.tools.all()), direct_only=direct_only))
         for toolset in sorted(toolsets, key=lambda t: t.key)
     ]
 
 
+def ptc_tools_in(*, toolset: Toolset, tools: list[Tool], direct_only: frozenset[str]) -> list[Tool]:
+    """Return the enabled PTC tools among ``tools``, by name. Direct tools never enter the SDK."""
+    found = (t for t in tools if t.enabled and tool_is_ptc(tool=t, toolset=toolset, direct_only=direct_only))
+    return sorted(found, key=lambda t: t.name)
+
+
 def _hash(per_toolset: list[tuple[Toolset, list[Tool]]]) -> str:
     definitions = [
-        [ts.key, ts.name, ts.description, [[t.name, t.description, t.input_schema, t.output_schema] for t in tools]]
+        [ts.key, ts.name, ts.description, [[t.name, t.description, t.input_schema, t.output_schema, t.read_only] for t in tools]]
         for ts, tools in per_toolset
     ]
     digest = hashlib.sha256(GENERATOR_VERSION.encode())
@@ -202,18 +326,50 @@ def _hash(per_toolset: list[tuple[Toolset, list[Tool]]]) -> str:
 
 def sdk_hash(*, toolsets: list[Toolset]) -> str:
     """Return the content hash of the SDK for ``toolsets`` without generating it."""
-    return _hash(_ptc_tools(toolsets))
+    return sdk_hash_of(ptc_tools_of(toolsets))
+
+
+def sdk_hash_of(per_toolset: list[tuple[Toolset, list[Tool]]]) -> str:
+    """Return the content hash of the SDK for ``ptc_tools_of``'s answer."""
+    return _hash(per_toolset)
 
 
 def sdk_build(*, toolsets: list[Toolset]) -> Sdk:
     """Return the SDK for ``toolsets`` (with their tools prefetched). Direct tools are left out."""
-    per_toolset = _ptc_tools(toolsets)
-    files = {"ptc_tools/__init__.py": _INIT, **_runtime_files()}
+    return sdk_build_of(ptc_tools_of(toolsets))
+
+
+def sdk_build_of(per_toolset: list[tuple[Toolset, list[Tool]]]) -> Sdk:
+    """Return the SDK for ``ptc_tools_of``'s answer: works on unsaved rows too (the benchmark's)."""
+    files = {"ptc_tools/__init__.py": _INIT, **_runtime_files(), "ptc_tools/_catalog.json": _catalog(per_toolset)}
     docs = {}
     for toolset, tools in per_toolset:
         files[f"ptc_tools/{toolset.key}.py"] = _module_source(toolset, tools)
         docs[toolset.key] = _toolset_doc(toolset, tools)
     return Sdk(hash=_hash(per_toolset), files=files, docs=docs)
+
+
+# Builds by hash, for GET /sdk: the same definitions are asked for again and again, and a build of a
+# large toolset (GitHub's 114 tools) costs tens of milliseconds.
+_BUILDS: dict[str, Sdk] = {}
+_BUILDS_KEPT = 32
+_builds_lock = threading.Lock()
+
+
+def sdk_cached(*, toolsets: list[Toolset]) -> Sdk:
+    """Return the SDK for ``toolsets``, built only if its hash is new to this process."""
+    per_toolset = ptc_tools_of(toolsets)
+    digest = sdk_hash_of(per_toolset)
+    with _builds_lock:
+        hit = _BUILDS.get(digest)
+    if hit is not None:
+        return hit
+    sdk = sdk_build_of(per_toolset)
+    with _builds_lock:
+        if len(_BUILDS) >= _BUILDS_KEPT:
+            _BUILDS.pop(next(iter(_BUILDS)))
+        _BUILDS[digest] = sdk
+    return sdk
 
 
 def sdk_prepare(*, toolsets: list[Toolset]) -> tuple[str, Path]:
