@@ -13,6 +13,7 @@ urlpatterns = [
     path("api/v1/", include("execution.urls")),
     path("api/v1/", include("ptcproject.policy.urls")),
     path("api/v1/", include("billing.urls")),
+    path("api/v1/", include("tools.urls")),
 ]
 
 handler404 = "ptcproject.api.not_found"

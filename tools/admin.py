@@ -1,11 +1,17 @@
 import json
+from typing import Any
 
 from django import forms
-from django.contrib import admin
+from django.contrib import admin, messages
+from django.db.models import JSONField, QuerySet
+from django.http import HttpRequest
 from django.utils.html import format_html
 
+from ptcproject.errors import ApplicationError
 from tools.models import Tool, Toolset
 from tools.sdk import tool_signature
+from tools.services import mcp_toolset_sync
+from tools.validation import FieldError, config_errors, identifier_problem, tool_errors
 
 
 class PrettyJSONWidget(forms.Textarea):
@@ -16,11 +22,45 @@ class PrettyJSONWidget(forms.Textarea):
             return str(value)
 
 
+# Schemas and configs are edited as pretty-printed JSON, so they are readable.
+_PRETTY = {JSONField: {"widget": PrettyJSONWidget(attrs={"rows": 10, "cols": 90})}}
+
+
+def _add_errors(form: forms.BaseForm, errors: list[FieldError], prefix: str = "") -> None:
+    for error in errors:
+        field = error.path.removeprefix(prefix).split(".")[0].split("[")[0]
+        form.add_error(field if field in form.fields else None, f"{error.path}: {error.message} [{error.code}]")
+
+
+class ToolForm(forms.ModelForm):
+    class Meta:
+        model = Tool
+        fields = "__all__"
+
+    def clean(self) -> dict[str, Any]:
+        data = super().clean()
+        toolset = data.get("toolset") or (self.instance.toolset if self.instance.toolset_id else None)
+        kind = getattr(self, "parent_kind", None) or (toolset.kind if toolset else Toolset.Kind.BUILTIN)
+        _add_errors(self, tool_errors(data, kind=kind, path="tool"), prefix="tool.")
+        return data
+
+
+class ToolFormSet(forms.BaseInlineFormSet):
+    def _construct_form(self, i: int, **kwargs: Any) -> forms.Form:
+        form = super()._construct_form(i, **kwargs)
+        # The toolset form has been applied to self.instance already: its kind is the one being saved.
+        form.parent_kind = self.instance.kind  # type: ignore[attr-defined]
+        return form
+
+
 class ToolInline(admin.StackedInline):
     model = Tool
+    form = ToolForm
+    formset = ToolFormSet
     extra = 0
     fields = (
         "name",
+        "remote_name",
         "description",
         "input_schema",
         "output_schema",
@@ -32,27 +72,87 @@ class ToolInline(admin.StackedInline):
         "enabled",
         "http",
     )
-    formfield_overrides = {
-        # JSONField's form field; pretty-printed so a schema is readable when edited.
-        Tool._meta.get_field("input_schema").__class__: {"widget": PrettyJSONWidget(attrs={"rows": 12, "cols": 80})},
-    }
+    formfield_overrides = _PRETTY
+
+
+class ToolsetForm(forms.ModelForm):
+    set_secrets = forms.JSONField(
+        required=False,
+        widget=forms.Textarea(attrs={"rows": 3, "cols": 90}),
+        help_text='Write-only. A JSON object {"NAME": "value"}: sets those secrets; null removes one. '
+        "Left empty, the secrets stay as they are. Reference them in config as {{secrets.NAME}}.",
+    )
+
+    class Meta:
+        model = Toolset
+        exclude = ("secrets",)  # never rendered: secrets are write-only here too
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        names = sorted(self.instance.secrets or {}) if self.instance.pk else []
+        self.fields["set_secrets"].help_text += f" Set now: {', '.join(names) if names else 'none'}."
+
+    def clean_set_secrets(self) -> dict[str, Any]:
+        value = self.cleaned_data.get("set_secrets") or {}
+        if not isinstance(value, dict) or not all(isinstance(v, str | None) for v in value.values()):
+            raise forms.ValidationError('must be a JSON object of strings: {"NAME": "value"}')
+        return value
+
+    def clean(self) -> dict[str, Any]:
+        data = super().clean()
+        problem = identifier_problem(data.get("key"))
+        if problem:
+            self.add_error("key", problem)
+        secrets = {**(self.instance.secrets or {}), **(data.get("set_secrets") or {})}
+        names = [n for n, v in secrets.items() if v is not None]
+        if data.get("kind") in (Toolset.Kind.HTTP, Toolset.Kind.MCP):
+            _add_errors(self, config_errors(data.get("config") or {}, kind=data["kind"], secret_names=names))
+        return data
+
+    def save(self, commit: bool = True) -> Toolset:
+        toolset = super().save(commit=False)
+        merged = {**(toolset.secrets or {}), **(self.cleaned_data.get("set_secrets") or {})}
+        toolset.secrets = {k: v for k, v in merged.items() if v is not None}
+        if commit:
+            toolset.save()
+        return toolset
 
 
 @admin.register(Toolset)
 class ToolsetAdmin(admin.ModelAdmin):
+    form = ToolsetForm
     list_display = ("key", "name", "kind", "owner", "is_global", "enabled", "price", "billing_free")
     list_filter = ("kind", "is_global", "enabled", "billing_free")
     search_fields = ("key", "name", "description")
     inlines = [ToolInline]
-    exclude = ("secrets",)  # write-only; edited through the API until the catalog issue adds a form
+    formfield_overrides = _PRETTY
+    actions = ["sync_mcp_tools"]
+
+    @admin.action(description="Sync tools from the MCP server")
+    def sync_mcp_tools(self, request: HttpRequest, queryset: QuerySet[Toolset]) -> None:
+        for toolset in queryset:
+            try:
+                result = mcp_toolset_sync(toolset=toolset)
+            except ApplicationError as exc:
+                self.message_user(request, f"Could not sync '{toolset.key}' [{exc.code}]: {exc.message}", messages.ERROR)
+                continue
+            skipped = f", skipped {len(result.skipped)}" if result.skipped else ""
+            self.message_user(
+                request,
+                f"Synced '{toolset.key}': added {len(result.added)}, updated {len(result.updated)}, "
+                f"disabled {len(result.disabled)}{skipped}.",
+                messages.SUCCESS,
+            )
 
 
 @admin.register(Tool)
 class ToolAdmin(admin.ModelAdmin):
+    form = ToolForm
     list_display = ("name", "toolset", "signature", "read_only", "enabled", "price")
     list_filter = ("toolset", "read_only", "enabled")
     search_fields = ("name", "description", "toolset__key")
     readonly_fields = ("signature", "schema_pretty")
+    formfield_overrides = _PRETTY
 
     @admin.display(description="signature")
     def signature(self, tool: Tool) -> str:

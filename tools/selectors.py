@@ -2,19 +2,18 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-from django.conf import settings
 from django.contrib.auth.models import AbstractBaseUser
 from django.db.models import Prefetch, Q, QuerySet
 
 from tools.builtin import builtin_callable_from_code
 from tools.models import Tool, Toolset
 
-DEFAULT_DIRECT_ONLY_TOOLS = ("complete", "fail", "onboarding_handoff")
-
 
 def direct_only_tools() -> frozenset[str]:
-    """Return the tool names that are always direct (the policy's ``direct_only_tools``)."""
-    return frozenset(getattr(settings, "PTC_DIRECT_ONLY_TOOLS", DEFAULT_DIRECT_ONLY_TOOLS))
+    """Return the tool names that are always direct: the policy's ``direct_only_tools``, read fresh."""
+    from ptcproject.policy.selectors import policy_get
+
+    return frozenset(policy_get().direct_only_tools)
 
 
 def tool_is_ptc(*, tool: Tool, toolset: Toolset, direct_only: frozenset[str]) -> bool:
@@ -34,15 +33,40 @@ def tool_is_ptc(*, tool: Tool, toolset: Toolset, direct_only: frozenset[str]) ->
     return Tool.Caller.CODE_EXECUTION in callers
 
 
-def toolsets_visible(*, user: AbstractBaseUser) -> QuerySet[Toolset]:
-    """Return the enabled toolsets ``user`` may use: their own, plus global ones they don't shadow."""
+def toolsets_visible(*, user: AbstractBaseUser, include_disabled: bool = False) -> QuerySet[Toolset]:
+    """Return the enabled toolsets ``user`` may use: their own, plus global ones they don't shadow.
+
+    With ``include_disabled`` (staff, who manage them), disabled toolsets are in it too.
+    """
     own_keys = Toolset.objects.filter(owner=user).values("key")
+    toolsets = Toolset.objects.all() if include_disabled else Toolset.objects.filter(enabled=True)
     return (
-        Toolset.objects.filter(enabled=True)
-        .filter(Q(owner=user) | (Q(owner__isnull=True) & ~Q(key__in=own_keys)))
+        toolsets.filter(Q(owner=user) | (Q(owner__isnull=True) & ~Q(key__in=own_keys)))
         .prefetch_related(Prefetch("tools", queryset=Tool.objects.filter(enabled=True).order_by("name")))
         .order_by("key")
     )
+
+
+def toolsets_listed(*, user: AbstractBaseUser) -> QuerySet[Toolset]:
+    """Return the toolsets ``GET /toolsets`` shows ``user``: the visible ones; for staff, disabled ones too."""
+    return toolsets_visible(user=user, include_disabled=bool(getattr(user, "is_staff", False)))
+
+
+def toolset_listed(*, user: AbstractBaseUser, key: str) -> Toolset | None:
+    """Return the toolset ``key`` as ``user`` sees it (their own shadows a global one), or None."""
+    return toolsets_listed(user=user).filter(key=key).first()
+
+
+def tools_split(
+    *, toolsets: list[Toolset], direct_only: frozenset[str]
+) -> tuple[list[tuple[Toolset, Tool]], list[tuple[Toolset, list[Tool]]]]:
+    """Return the toolsets' enabled direct tools, and their PTC tools per toolset (``ptc_tools_of``)."""
+    from tools.sdk import ptc_tools_of
+
+    per_toolset = ptc_tools_of(toolsets, direct_only)
+    ptc = {t.pk for _, tools in per_toolset for t in tools}
+    direct = [(ts, t) for ts in sorted(toolsets, key=lambda t: t.key) for t in ts.tools.all() if t.enabled and t.pk not in ptc]
+    return direct, per_toolset
 
 
 def toolsets_resolve(*, user: AbstractBaseUser, keys: Iterable[str]) -> tuple[list[Toolset], list[str]]:

@@ -1,7 +1,47 @@
+"""Writes for toolsets and tools: builtin rows from code, staff edits, and MCP sync."""
+
+import keyword
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from django.contrib.auth.models import AbstractBaseUser
 from django.db import transaction
 
+from ptcproject.errors import ApplicationError
 from tools.builtin import registry
+from tools.errors import ToolFailure
+from tools.kinds import mcp
 from tools.models import Tool, Toolset
+from tools.validation import FieldError, schema_errors, toolset_errors
+
+# The toolset fields a write may set; ``secrets`` and ``tools`` are handled on their own.
+TOOLSET_FIELDS = ("key", "name", "description", "kind", "is_global", "enabled", "price", "billing_free", "config")
+TOOL_FIELDS = (
+    "description",
+    "input_schema",
+    "output_schema",
+    "allowed_callers",
+    "read_only",
+    "timeout",
+    "price",
+    "billing_free",
+    "enabled",
+    "http",
+)
+TOOL_DEFAULTS: dict[str, Any] = {
+    "description": "",
+    "input_schema": {"type": "object", "properties": {}},
+    "output_schema": None,
+    "allowed_callers": [],
+    "read_only": False,
+    "timeout": None,
+    "price": None,
+    "billing_free": False,
+    "enabled": True,
+    "http": None,
+}
 
 
 @transaction.atomic
@@ -40,3 +80,228 @@ def builtin_toolsets_sync() -> None:
                 },
             )
         toolset.tools.exclude(name__in=[t.name for t in spec.tools]).update(enabled=False)
+
+
+def _invalid(errors: list[FieldError]) -> ApplicationError:
+    """Return one 400 for every problem: the first one's code, and each field's messages in details."""
+    first = errors[0]
+    more = f" ({len(errors) - 1} more problem{'s' if len(errors) > 2 else ''} in details)" if len(errors) > 1 else ""
+    details: dict[str, list[str]] = {}
+    for error in errors:
+        details.setdefault(error.path, []).append(error.message)
+    return ApplicationError(first.code, f"{first.path}: {first.message}.{more} Nothing was saved.", details=details)
+
+
+def _owner_for(*, is_global: bool, actor: AbstractBaseUser) -> AbstractBaseUser | None:
+    # A global toolset has no owner; any other belongs to the staff member who wrote it, and
+    # shadows a global one with the same key for them alone.
+    return None if is_global else actor
+
+
+def _check_key_free(*, key: str, owner: AbstractBaseUser | None, exclude: Toolset | None = None) -> None:
+    taken = Toolset.objects.filter(key=key, owner=owner)
+    if exclude is not None:
+        taken = taken.exclude(pk=exclude.pk)
+    if taken.exists():
+        whose = "A global toolset" if owner is None else "Your own toolset"
+        raise ApplicationError(
+            "toolset_exists", f"{whose} with key '{key}' already exists. Change that one, or pick another key.", status=409
+        )
+
+
+def _secrets_after(current: Mapping[str, str], given: Mapping[str, str | None] | None, *, partial: bool) -> dict[str, str]:
+    """Return the secrets a write leaves: a PUT replaces them, a PATCH merges (null removes one).
+
+    Either way, a write that leaves ``secrets`` out keeps them: they can't be read back to resend.
+    """
+    if given is None:
+        return dict(current)
+    merged = dict(current) if partial else {}
+    for name, value in given.items():
+        if value is None:
+            merged.pop(name, None)
+        else:
+            merged[name] = value
+    return merged
+
+
+def _tools_write(*, toolset: Toolset, tools: list[dict[str, Any]]) -> None:
+    """Make ``tools`` the toolset's tools: create or update each by name, disable the rest.
+
+    Disabled, not deleted: calls already recorded keep pointing at the row.
+    """
+    for tool in tools:
+        values = {name: tool.get(name, TOOL_DEFAULTS[name]) for name in TOOL_FIELDS}
+        Tool.objects.update_or_create(toolset=toolset, name=tool["name"], defaults={**values, "remote_name": ""})
+    toolset.tools.exclude(name__in=[t["name"] for t in tools]).update(enabled=False)
+
+
+def _builtin_guard(*, toolset: Toolset, data: Mapping[str, Any]) -> None:
+    # Builtin rows are rewritten from code by `migrate`: an edit other than enabling would not last.
+    changed = [n for n in TOOLSET_FIELDS if n in data and n != "enabled" and data[n] != getattr(toolset, n)]
+    if "tools" in data or "secrets" in data:
+        changed.append("tools" if "tools" in data else "secrets")
+    if changed:
+        raise ApplicationError(
+            "builtin_toolset",
+            f"'{toolset.key}' is a builtin toolset, defined in code: only 'enabled' can change here, not {', '.join(changed)}.",
+            details={name: ["builtin toolsets are defined in code"] for name in changed},
+        )
+
+
+@transaction.atomic
+def toolset_create(*, actor: AbstractBaseUser, data: Mapping[str, Any]) -> Toolset:
+    """Create a toolset with its tools, all or nothing. Raise ApplicationError (400, 409) if it can't be."""
+    if data["kind"] == Toolset.Kind.BUILTIN:
+        raise ApplicationError(
+            "builtin_toolset",
+            "Builtin toolsets are defined in code and created by `migrate`; create an http or mcp toolset here.",
+            details={"kind": ["builtin toolsets are defined in code"]},
+        )
+    secrets = _secrets_after({}, data.get("secrets"), partial=False)
+    tools = list(data.get("tools") or [])
+    config = data.get("config") or {}
+    errors = toolset_errors(key=data["key"], kind=data["kind"], config=config, secret_names=secrets, tools=tools)
+    if errors:
+        raise _invalid(errors)
+    owner = _owner_for(is_global=data.get("is_global", True), actor=actor)
+    _check_key_free(key=data["key"], owner=owner)
+    toolset = Toolset.objects.create(
+        owner=owner, secrets=secrets, **{n: data[n] for n in TOOLSET_FIELDS if n in data and n != "config"}, config=config
+    )
+    _tools_write(toolset=toolset, tools=tools)
+    return toolset
+
+
+@transaction.atomic
+def toolset_update(*, toolset: Toolset, actor: AbstractBaseUser, data: Mapping[str, Any], partial: bool) -> Toolset:
+    """Change a toolset (PUT when not ``partial``, PATCH otherwise), all or nothing.
+
+    With ``tools`` given, they become the toolset's tools (see ``_tools_write``). Changing
+    ``is_global`` moves it between the global keys and the actor's own. Raise ApplicationError.
+    """
+    toolset = Toolset.objects.select_for_update().get(pk=toolset.pk)
+    if toolset.kind == Toolset.Kind.BUILTIN:
+        _builtin_guard(toolset=toolset, data=data)
+    elif data.get("kind") == Toolset.Kind.BUILTIN:
+        raise ApplicationError("builtin_toolset", "A toolset can't become builtin: builtins are defined in code.")
+    if "key" in data and data["key"] != toolset.key:
+        raise ApplicationError(
+            "key_mismatch",
+            f"The body's key '{data['key']}' differs from '{toolset.key}' in the URL; a key can't be changed.",
+            details={"key": ["must match the URL"]},
+        )
+    values = {n: data[n] if n in data else getattr(toolset, n) for n in TOOLSET_FIELDS}
+    secrets = _secrets_after(toolset.secrets or {}, data.get("secrets"), partial=partial)
+    if "tools" in data:
+        tools = list(data["tools"] or [])
+    else:
+        tools = [{"name": t.name, **{n: getattr(t, n) for n in TOOL_FIELDS}} for t in toolset.tools.filter(enabled=True)]
+    if toolset.kind != Toolset.Kind.BUILTIN:
+        errors = toolset_errors(key=toolset.key, kind=values["kind"], config=values["config"], secret_names=secrets, tools=tools)
+        if errors:
+            raise _invalid(errors)
+    owner = toolset.owner
+    if values["is_global"] != toolset.is_global:
+        owner = _owner_for(is_global=values["is_global"], actor=actor)
+        _check_key_free(key=toolset.key, owner=owner, exclude=toolset)
+    for name, value in values.items():
+        setattr(toolset, name, value)
+    toolset.owner = owner
+    toolset.secrets = secrets
+    toolset.save()
+    if "tools" in data:
+        _tools_write(toolset=toolset, tools=tools)
+    return toolset
+
+
+def toolset_delete(*, toolset: Toolset) -> None:
+    """Delete a toolset and its tools. Recorded calls keep their toolset key and tool name."""
+    if toolset.kind == Toolset.Kind.BUILTIN:
+        raise ApplicationError(
+            "builtin_toolset", f"'{toolset.key}' is a builtin toolset; `migrate` would bring it back. Disable it instead."
+        )
+    toolset.delete()
+
+
+_NOT_NAME_CHARS = re.compile(r"\W", re.ASCII)
+
+
+def python_name(remote: str, taken: set[str]) -> str:
+    """Return a Python method name for an MCP tool name: ``get-issue`` → ``get_issue``; unique in ``taken``."""
+    name = _NOT_NAME_CHARS.sub("_", remote).lstrip("_") or "tool"
+    if name[0].isdigit():
+        name = f"t_{name}"
+    if keyword.iskeyword(name):
+        name += "_"
+    candidate, n = name, 2
+    while candidate in taken:
+        candidate, n = f"{name}_{n}", n + 1
+    return candidate
+
+
+@dataclass
+class McpSync:
+    added: list[str] = field(default_factory=list)
+    updated: list[str] = field(default_factory=list)
+    disabled: list[str] = field(default_factory=list)
+    skipped: list[dict[str, str]] = field(default_factory=list)
+
+
+def mcp_toolset_sync(*, toolset: Toolset) -> McpSync:
+    """List the MCP server's tools into the toolset's Tool rows, and return what changed.
+
+    Tools the server no longer lists are disabled, not deleted. A tool whose input schema is not a
+    valid JSON Schema object is skipped and reported. Raise ApplicationError ``not_mcp`` (400), or
+    the failure's own code (``mcp_start_failed``, ``mcp_init_timeout``, ...) as a 502.
+    """
+    if toolset.kind != Toolset.Kind.MCP:
+        raise ApplicationError("not_mcp", f"'{toolset.key}' is a {toolset.kind} toolset; only mcp toolsets are synced.")
+    try:
+        listed = mcp.tools_list(toolset=toolset)
+    except ToolFailure as failure:
+        raise ApplicationError(
+            failure.code,
+            f"Could not list the tools of '{toolset.key}': {failure.message}. Check its config and the server, then sync again.",
+            status=502,
+        ) from None
+    result = McpSync()
+    with transaction.atomic():
+        # One sync at a time per toolset: two would race on the (toolset, name) constraint.
+        toolset = Toolset.objects.select_for_update().get(pk=toolset.pk)
+        existing = {t.remote_name or t.name: t for t in toolset.tools.all()}
+        taken = {t.name for t in existing.values()}
+        kept = []
+        for item in listed:
+            problems = schema_errors(item.input_schema, path="inputSchema", object_root=True)
+            if item.output_schema is not None:
+                problems += schema_errors(item.output_schema, path="outputSchema", object_root=False)
+            if problems:
+                result.skipped.append({"name": item.name, "reason": f"{problems[0].path}: {problems[0].message}"})
+                continue
+            tool = existing.get(item.name)
+            if tool is None:
+                name = python_name(item.name, taken)
+                taken.add(name)
+                tool = Tool(toolset=toolset, name=name)
+                result.added.append(name)
+            elif not tool.enabled or (tool.description, tool.input_schema, tool.output_schema, tool.read_only) != (
+                item.description,
+                item.input_schema,
+                item.output_schema,
+                item.read_only,
+            ):
+                result.updated.append(tool.name)
+            tool.remote_name = "" if tool.name == item.name else item.name
+            tool.description = item.description
+            tool.input_schema = item.input_schema
+            tool.output_schema = item.output_schema
+            tool.read_only = item.read_only
+            tool.enabled = True
+            tool.save()
+            kept.append(tool.pk)
+        gone = toolset.tools.filter(enabled=True).exclude(pk__in=kept)
+        result.disabled = sorted(gone.values_list("name", flat=True))
+        gone.update(enabled=False)
+        toolset.save(update_fields=["updated_at"])
+    return result

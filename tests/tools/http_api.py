@@ -1,0 +1,69 @@
+"""A small HTTP API for the http-kind tests, served from a thread of the test process.
+
+The tools worker (another process) calls it on 127.0.0.1. It answers JSON, a 500 whose body echoes
+the request's ``X-Key`` header (a secret, which must come back redacted), HTML, or nothing in time.
+"""
+
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+from urllib.parse import parse_qs, unquote, urlsplit
+
+
+class _Handler(BaseHTTPRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:  # quiet test output
+        pass
+
+    def _send(self, status: int, body: str, content_type: str = "application/json") -> None:
+        data = body.encode()
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _route(self) -> None:
+        url = urlsplit(self.path)
+        query = {k: v if len(v) > 1 else v[0] for k, v in parse_qs(url.query).items()}
+        length = int(self.headers.get("Content-Length") or 0)
+        body = json.loads(self.rfile.read(length)) if length else None
+        key = self.headers.get("X-Key", "")
+        parts = [unquote(part) for part in url.path.strip("/").split("/")]
+        if parts[0] == "forecast" and len(parts) == 2:
+            self._send(200, json.dumps({"city": parts[1], "query": query, "authorized": key == self.server.expected_key}))  # type: ignore[attr-defined]
+        elif parts[0] == "items":
+            self._send(201, json.dumps({"method": self.command, "path": url.path, "query": query, "body": body}))
+        elif parts[0] == "whoami":
+            self._send(200, json.dumps({"you_sent": key}))
+        elif parts[0] == "explode":
+            self._send(500, f"Internal error: upstream refused key {key} for this request")
+        elif parts[0] == "html":
+            self._send(200, "<html><head><title>Login</title></head><body>Please sign in</body></html>", "text/html")
+        elif parts[0] == "slow":
+            time.sleep(float(query.get("seconds", 5)))
+            self._send(200, "{}")
+        elif parts[0] == "empty":
+            self._send(204, "")
+        else:
+            self._send(404, json.dumps({"error": "no such route"}))
+
+    do_GET = do_POST = do_PUT = do_PATCH = do_DELETE = _route
+
+
+class HttpApi:
+    def __init__(self, expected_key: str) -> None:
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
+        self.server.daemon_threads = True
+        self.server.expected_key = expected_key  # type: ignore[attr-defined]
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def __enter__(self) -> "HttpApi":
+        self.thread.start()
+        return self
+
+    def __exit__(self, *_: Any) -> None:
+        self.server.shutdown()
+        self.server.server_close()

@@ -1,0 +1,92 @@
+"""The toolset admin: the same checks as the API, write-only secrets, pretty schemas, and the sync action."""
+
+import json
+import uuid
+from typing import Any
+
+import pytest
+from django.contrib.auth import get_user_model
+from django.test import Client
+
+from tests.tools.conftest import mcp_stdio_config, unique_key
+from tools.kinds import mcp
+from tools.models import Toolset
+
+
+@pytest.fixture
+def admin_client() -> Client:
+    staff = get_user_model().objects.create_user(username=f"admin-{uuid.uuid4().hex[:6]}", is_staff=True, is_superuser=True)
+    client = Client()
+    client.force_login(staff)
+    return client
+
+
+def _form(key: str, tool_name: str, secrets: str) -> dict[str, Any]:
+    return {
+        "key": key,
+        "name": "Weather",
+        "description": "",
+        "kind": "http",
+        "is_global": "on",
+        "enabled": "on",
+        "price": "0",
+        "config": json.dumps({"base_url": "http://127.0.0.1:9", "headers": {"X-Key": "{{secrets.KEY}}"}}),
+        "set_secrets": secrets,
+        "tools-TOTAL_FORMS": "1",
+        "tools-INITIAL_FORMS": "0",
+        "tools-MIN_NUM_FORMS": "0",
+        "tools-MAX_NUM_FORMS": "1000",
+        "tools-0-name": tool_name,
+        "tools-0-remote_name": "",
+        "tools-0-description": "",
+        "tools-0-input_schema": json.dumps({"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}),
+        "tools-0-output_schema": "",
+        "tools-0-allowed_callers": "[]",
+        "tools-0-timeout": "",
+        "tools-0-price": "",
+        "tools-0-enabled": "on",
+        "tools-0-http": json.dumps({"method": "GET", "path": "/forecast/{city}", "query": []}),
+    }
+
+
+def test_admin_checks_a_toolset_like_the_api(admin_client: Client) -> None:
+    key = unique_key("adminbad")
+    page = admin_client.post("/admin/tools/toolset/add/", _form(key, "not-a-name", '{"KEY": "v4lue-1"}'))
+    assert page.status_code == 200  # the form again, with the problem named
+    assert "invalid_tool_name" in page.content.decode()
+    assert not Toolset.objects.filter(key=key).exists()
+    page = admin_client.post("/admin/tools/toolset/add/", _form(key, "forecast", ""))
+    assert "unknown_secret" in page.content.decode()
+    assert not Toolset.objects.filter(key=key).exists()
+
+
+def test_admin_secrets_are_write_only(admin_client: Client) -> None:
+    key = unique_key("adminok")
+    secret = f"v-{uuid.uuid4().hex}"
+    response = admin_client.post("/admin/tools/toolset/add/", _form(key, "forecast", json.dumps({"KEY": secret})))
+    assert response.status_code == 302, response.content.decode()[:2000]
+    toolset = Toolset.objects.get(key=key)
+    assert toolset.secrets == {"KEY": secret}
+    page = admin_client.get(f"/admin/tools/toolset/{toolset.pk}/change/").content.decode()
+    assert secret not in page and "Set now: KEY." in page
+    assert "&quot;type&quot;: &quot;object&quot;" in page and "\n  &quot;properties&quot;" in page  # pretty-printed
+    # Saving the form again with the secrets field left empty keeps them.
+    form = _form(key, "forecast", "")
+    form.update({"tools-INITIAL_FORMS": "1", "tools-0-id": str(toolset.tools.get().pk), "tools-0-toolset": str(toolset.pk)})
+    assert admin_client.post(f"/admin/tools/toolset/{toolset.pk}/change/", form).status_code == 302
+    toolset.refresh_from_db()
+    assert toolset.secrets == {"KEY": secret}
+    toolset.delete()
+
+
+def test_admin_sync_action(admin_client: Client) -> None:
+    marker = uuid.uuid4().hex
+    toolset = Toolset.objects.create(key=unique_key("adminsync"), name="MCP", kind="mcp", config=mcp_stdio_config(marker))
+    response = admin_client.post(
+        "/admin/tools/toolset/", {"action": "sync_mcp_tools", "_selected_action": [str(toolset.pk)]}, follow=True
+    )
+    assert response.status_code == 200
+    assert f"Synced &#x27;{toolset.key}&#x27;: added 6, updated 0, disabled 0." in response.content.decode()
+    assert toolset.tools.filter(name="get_thing", remote_name="get-thing").exists()
+    mcp.sessions_close()
+    toolset.delete()

@@ -1,0 +1,176 @@
+"""The catalog's pure parts, without a stack: names, secrets, HTTP requests, MCP results, checks,
+typed returns and the compact reference."""
+
+import json
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from tools.context import LEVELS, Level, compact_reference, provider_tools, ptc_context_build
+from tools.errors import ToolFailure
+from tools.kinds.http import request_parts
+from tools.kinds.mcp import result_output
+from tools.models import Tool, Toolset
+from tools.sdk import _TypeDefs, shape, summary
+from tools.secret_refs import MissingSecret, secret_names_used, secrets_redact, secrets_redact_value, secrets_render
+from tools.services import python_name
+from tools.validation import toolset_errors
+
+
+def test_python_names_for_mcp_tools() -> None:
+    assert python_name("get-issue", set()) == "get_issue"
+    assert python_name("repo.search", set()) == "repo_search"
+    assert python_name("2fa", set()) == "t_2fa"
+    assert python_name("class", set()) == "class_"
+    assert python_name("get-issue", {"get_issue"}) == "get_issue_2"
+    assert python_name("__init__", set()) == "init__"
+
+
+def test_secret_references() -> None:
+    secrets = {"KEY": "abcd1234", "LONGER": "abcd1234-and-more"}
+    assert secrets_render("Bearer {{secrets.KEY}}", secrets) == "Bearer abcd1234"
+    assert secrets_render("{{ secrets.KEY }}", secrets) == "abcd1234"
+    with pytest.raises(MissingSecret):
+        secrets_render("{{secrets.NOPE}}", secrets)
+    assert secret_names_used({"headers": {"A": "{{secrets.KEY}}", "B": ["{{secrets.X}}"]}}) == {"KEY", "X"}
+    # The longer secret is redacted whole, not as the shorter one plus a tail.
+    assert secrets_redact("got abcd1234-and-more and abcd1234", secrets.values()) == "got [redacted] and [redacted]"
+    assert secrets_redact_value({"abcd1234": ["x abcd1234", 1]}, ["abcd1234"]) == {"[redacted]": ["x [redacted]", 1]}
+    assert secrets_redact("a b", ["a"]) == "a b"  # too short to redact without mangling text
+
+
+def test_http_request_parts() -> None:
+    spec = {"method": "GET", "path": "/forecast/{city}", "query": ["days"]}
+    assert request_parts(spec, {"city": "São Paulo/x", "days": 3, "metric": True}) == (
+        "GET",
+        "/forecast/S%C3%A3o%20Paulo%2Fx",
+        {"days": "3", "metric": "true"},
+        None,
+    )
+    post = {"method": "post", "path": "/items/{id}", "query": ["dry_run"]}
+    assert request_parts(post, {"id": 7, "dry_run": False, "name": "n", "tags": ["a"]}) == (
+        "POST",
+        "/items/7",
+        {"dry_run": "false"},
+        {"name": "n", "tags": ["a"]},
+    )
+    with pytest.raises(ToolFailure) as missing:
+        request_parts(spec, {"days": 1})
+    assert missing.value.code == "invalid_arguments"
+
+
+def _text(text: str) -> Any:
+    return SimpleNamespace(type="text", text=text, model_dump=lambda **_: {"type": "text", "text": text})
+
+
+def _result(*content: Any, structured: Any = None, error: bool = False) -> Any:
+    return SimpleNamespace(content=list(content), structured_content=structured, is_error=error)
+
+
+def test_mcp_results_become_outputs() -> None:
+    assert result_output(_result(_text("{}"), structured={"a": 1}), "t") == {"a": 1}
+    assert result_output(_result(_text('[1, {"b": 2}]')), "t") == [1, {"b": 2}]
+    assert result_output(_result(_text("plain words")), "t") == "plain words"
+    assert result_output(_result(_text("{not json")), "t") == "{not json"
+    assert result_output(_result(_text("one"), _text("two")), "t") == "one\ntwo"
+    image = SimpleNamespace(type="image", model_dump=lambda **_: {"type": "image", "data": "AAA=", "mimeType": "image/png"})
+    assert result_output(_result(_text("caption"), image), "t")[1]["type"] == "image"
+    with pytest.raises(ToolFailure) as failed:
+        result_output(_result(_text("rate limited"), error=True), "t")
+    assert (failed.value.code, failed.value.message) == ("mcp_tool_error", "rate limited")
+
+
+def _tool(**fields: Any) -> dict[str, Any]:
+    return {"name": "t", "input_schema": {"type": "object", "properties": {"a": {"type": "string"}}}, **fields}
+
+
+@pytest.mark.parametrize(
+    ("kind", "config", "tool", "code"),
+    [
+        ("http", {"base_url": "ftp://x"}, _tool(http={"method": "GET", "path": "/"}), "invalid_config"),
+        ("http", {"base_url": "http://x"}, _tool(), "invalid_http_spec"),
+        ("http", {"base_url": "http://x"}, _tool(http={"method": "TRACE", "path": "/"}), "invalid_http_spec"),
+        ("http", {"base_url": "http://x"}, _tool(http={"method": "GET", "path": "/", "query": ["b"]}), "unknown_http_parameter"),
+        ("http", {"base_url": "http://x"}, _tool(http={"method": "GET", "path": "/{a}"}), "unknown_http_parameter"),
+        ("mcp", {"transport": "carrier_pigeon"}, _tool(), "invalid_config"),
+        ("mcp", {"transport": "stdio"}, _tool(), "invalid_config"),
+        (
+            "mcp",
+            {"transport": "streamable_http", "url": "http://x/mcp"},
+            _tool(input_schema={"type": "array"}),
+            "invalid_json_schema",
+        ),
+        ("mcp", {"transport": "stdio", "command": "x"}, _tool(output_schema={"type": 5}), "invalid_json_schema"),
+        ("mcp", {"transport": "stdio", "command": "x"}, _tool(name="class"), "invalid_tool_name"),
+        ("mcp", {"transport": "stdio", "command": "x"}, _tool(allowed_callers=["robots"]), "invalid_allowed_callers"),
+        ("mcp", {"transport": "stdio", "command": "x", "env": {"T": "{{secrets.T}}"}}, _tool(), "unknown_secret"),
+    ],
+)
+def test_definition_checks(kind: str, config: dict[str, Any], tool: dict[str, Any], code: str) -> None:
+    errors = toolset_errors(key="ok", kind=kind, config=config, secret_names=[], tools=[tool])
+    assert [e.code for e in errors][:1] == [code], errors
+
+
+def test_key_and_duplicate_checks() -> None:
+    config = {"transport": "stdio", "command": "x"}
+    assert toolset_errors(key="search", kind="mcp", config=config, secret_names=[], tools=[])[0].code == "invalid_key"
+    assert toolset_errors(key="_x", kind="mcp", config=config, secret_names=[], tools=[])[0].code == "invalid_key"
+    twice = toolset_errors(key="ok", kind="mcp", config=config, secret_names=[], tools=[_tool(), _tool()])
+    assert [e.code for e in twice] == ["duplicate_tool_name"]
+    assert toolset_errors(key="ok", kind="mcp", config=config, secret_names=[], tools=[_tool()]) == []
+
+
+def test_typed_returns_and_shapes() -> None:
+    schema = {
+        "type": "object",
+        "properties": {
+            "items": {
+                "type": "array",
+                "items": {"type": "object", "properties": {"id": {"type": "integer"}}, "required": ["id"]},
+            },
+            "next": {"type": ["string", "null"]},
+            "meta": {"type": "object"},
+        },
+        "required": ["items"],
+    }
+    types = _TypeDefs(reserved={"Github"})
+    assert types.annotation(schema, "ListIssuesResult") == "ListIssuesResult"
+    assert types.lines == [
+        'ListIssuesResultItemsItem = TypedDict("ListIssuesResultItemsItem", {"id": Required[int]}, total=False)',
+        'ListIssuesResult = TypedDict("ListIssuesResult", {"items": Required[list[ListIssuesResultItemsItem]], '
+        '"meta": dict[str, Any], "next": str | None}, total=False)',
+    ]
+    namespace: dict[str, Any] = {}
+    exec("from typing import Any, Required, TypedDict\n" + "\n".join(types.lines), namespace)
+    assert namespace["ListIssuesResult"].__required_keys__ == frozenset({"items"})
+    assert shape(schema) == "{items: list[{id: int}], meta?: dict, next?: str | None}"
+    assert summary("Add two numbers. Then more.\n\nDetails.") == "Add two numbers"
+    assert summary("word " * 30, 20) == "word word word word…"
+
+
+def _toolset(key: str, n: int) -> tuple[Toolset, list[Tool]]:
+    toolset = Toolset(key=key, name=key.title(), kind="mcp")
+    schema = {"type": "object", "properties": {"owner": {"type": "string"}, "page": {"type": "integer"}}, "required": ["owner"]}
+    tools = [Tool(toolset=toolset, name=f"tool_{i}", description=f"Does thing {i}. More.", input_schema=schema) for i in range(n)]
+    return toolset, tools
+
+
+def test_the_reference_is_as_detailed_as_its_budget_allows() -> None:
+    small = [_toolset("small", 3)]
+    context = ptc_context_build(fmt="anthropic", enabled=True, sequential=False, discovery=False, direct=[], per_toolset=small)
+    assert "tool_0(owner: str, page?: int) - Does thing 0" in context["tools"][-1]["description"]
+    big = [_toolset("big", 400)]
+    context = ptc_context_build(fmt="anthropic", enabled=True, sequential=False, discovery=False, direct=[], per_toolset=big)
+    reference = context["tools"][-1]["description"]
+    # Schemas this small can't be cut to 10%: the tersest level is used, names and required parameters still there.
+    assert context["stats"]["compact_chars"] > 0.10 * context["stats"]["schema_chars"]
+    assert "\ntool_399(owner, …)\n" in reference + "\n"
+    assert compact_reference(big, LEVELS[0]).count("\n") == compact_reference(big, Level(True, "ellipsis", 0)).count("\n")
+
+
+def test_provider_names_are_qualified_only_when_two_toolsets_share_one() -> None:
+    (a, [a0, _, _]), (b, [b0]) = _toolset("alpha", 3), _toolset("beta", 1)
+    named = provider_tools("openai", [(a, a0), (b, b0)])
+    assert [t["name"] for t in named] == ["alpha__tool_0", "beta__tool_0"]
+    assert json.dumps(named[0]).startswith('{"type": "function", "name": "alpha__tool_0"')

@@ -1,0 +1,113 @@
+"""The http kind, end to end: a job's code calls a local HTTP API through the tools worker. Errors come
+back as ToolErrors with the status and an excerpt, secrets redacted, and the job carries on."""
+
+import json
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from tests.conftest import Api
+from tests.stack import ARTIFACTS
+from tests.tools.conftest import unique_key
+from tests.tools.http_api import HttpApi
+from tools.sdk import class_name
+
+SECRET = f"key-{uuid.uuid4().hex}"
+
+
+@pytest.fixture(scope="module")
+def http_api() -> Iterator[HttpApi]:
+    with HttpApi(expected_key=SECRET) as server:
+        yield server
+
+
+def _tool(
+    name: str, method: str, path: str, properties: dict[str, Any], required: list[str], query: list[str], **extra: Any
+) -> dict[str, Any]:
+    schema = {"type": "object", "properties": properties, "required": required}
+    return {"name": name, "input_schema": schema, "http": {"method": method, "path": path, "query": query}, **extra}
+
+
+@pytest.fixture
+def weather(http_api: HttpApi, create_toolset: Callable[..., dict[str, Any]]) -> str:
+    key = unique_key("weather")
+    city = {"city": {"type": "string"}, "days": {"type": "integer"}, "metric": {"type": "boolean"}}
+    create_toolset(
+        {
+            "key": key,
+            "name": "Weather",
+            "kind": "http",
+            "config": {"base_url": http_api.url, "headers": {"X-Key": "{{secrets.WEATHER_KEY}}"}, "timeout": 10},
+            "secrets": {"WEATHER_KEY": SECRET},
+            "tools": [
+                _tool("forecast", "GET", "/forecast/{city}", city, ["city"], ["days"], read_only=True),
+                _tool("add_item", "POST", "/items/{city}", {**city, "note": {"type": "string"}}, ["city"], ["days"]),
+                _tool("whoami", "GET", "/whoami", {}, [], []),
+                _tool("explode", "GET", "/explode", {}, [], []),
+                _tool("html", "GET", "/html", {}, [], []),
+                _tool("slow", "GET", "/slow", {"seconds": {"type": "number"}}, [], ["seconds"], timeout=1),
+                _tool("empty", "DELETE", "/empty", {}, [], []),
+            ],
+        }
+    )
+    return key
+
+
+def test_calls_fill_path_query_body_and_secret_headers(api: Api, weather: str) -> None:
+    cls = class_name(weather)
+    code = f"""
+from ptc_tools.{weather} import {cls} as W
+print(W.forecast(city="São Paulo", days=3, metric=True))
+print(W.add_item(city="oslo", days=2, note="hello"))
+print(W.whoami())
+W.empty()
+"""
+    job = api.run(code, toolsets=[weather])
+    assert job["status"] == "completed", job["error"]
+    lines = job["stdout"].splitlines()
+    forecast = eval(lines[0])
+    assert forecast == {"city": "São Paulo", "query": {"days": "3", "metric": "true"}, "authorized": True}
+    item = eval(lines[1])
+    assert item == {"method": "POST", "path": "/items/oslo", "query": {"days": "2"}, "body": {"note": "hello"}}
+    # The API echoed the secret header back: the value the code sees is redacted.
+    assert eval(lines[2]) == {"you_sent": "[redacted]"}
+    assert job["return_value"] is None
+    assert SECRET not in json.dumps(job)
+
+
+def test_errors_are_tool_errors_with_status_and_redacted_excerpt(api: Api, weather: str) -> None:
+    cls = class_name(weather)
+    code = f"""
+from ptc_tools import ToolError
+from ptc_tools.{weather} import {cls} as W
+for call in (W.explode, W.html, lambda: W.slow(seconds=5)):
+    try:
+        call()
+    except ToolError as e:
+        print(e.code, "|", e.message)
+print("still running")
+"""
+    job = api.run(code, toolsets=[weather])
+    assert job["status"] == "completed", job["error"]
+    explode, html, slow, tail = job["stdout"].splitlines()
+    assert explode.startswith("http_error | GET /explode answered HTTP 500 Internal Server Error: Internal error")
+    assert "upstream refused key [redacted] for this request" in explode
+    assert html.startswith("http_invalid_json | GET /html answered HTTP 200 with text/html, not JSON: <html>")
+    assert slow == "http_timeout | GET /slow got no answer within 1 s"
+    assert tail == "still running"
+    codes = [c["error"]["code"] for c in job["tool_calls"]]
+    assert codes == ["http_error", "http_invalid_json", "http_timeout"]
+    assert SECRET not in json.dumps(job)
+    # Nor in the tools worker's log.
+    assert SECRET not in (ARTIFACTS / "tools-worker.log").read_text(errors="replace")
+
+
+def test_a_missing_path_argument_is_refused_before_the_request(api: Api, weather: str) -> None:
+    job = api.run(
+        f"from ptc_tools.{weather} import {class_name(weather)} as W\nW.forecast(days=1)",
+        toolsets=[weather],
+    )
+    assert job["status"] == "failed"
+    assert "city" in job["error"]["message"]

@@ -1,0 +1,184 @@
+"""Toolsets, their definitions and SDK, and the prompt context (API.md, "Tools" and "The PTC decision")."""
+
+from django.http import Http404
+from drf_spectacular.utils import OpenApiResponse, extend_schema
+from rest_framework import permissions, status
+from rest_framework.request import Request
+from rest_framework.response import Response
+from rest_framework.views import APIView
+
+from ptcproject.errors import ApplicationError
+from ptcproject.policy.selectors import policy_get, ptc_decision
+from tools.context import ptc_context_build
+from tools.models import Toolset
+from tools.sdk import sdk_cached, sdk_hash_of
+from tools.selectors import tools_split, toolset_listed, toolsets_listed, toolsets_resolve, toolsets_visible
+from tools.serializers import (
+    ContextRequestSerializer,
+    ContextSerializer,
+    DefinitionsSerializer,
+    McpSyncSerializer,
+    SdkSerializer,
+    ToolsetKeysQuerySerializer,
+    ToolsetSerializer,
+    ToolsetWriteSerializer,
+)
+from tools.services import mcp_toolset_sync, toolset_create, toolset_delete, toolset_update
+
+
+class StaffWrites(permissions.BasePermission):
+    message = "Only staff may change toolsets; anyone signed in may read them."
+
+    def has_permission(self, request: Request, view: object) -> bool:
+        return request.method in permissions.SAFE_METHODS or bool(request.user and request.user.is_staff)
+
+
+def _toolset_or_404(request: Request, key: str) -> Toolset:
+    toolset = toolset_listed(user=request.user, key=key)
+    if toolset is None:
+        raise Http404
+    return toolset
+
+
+def _resolve(request: Request, keys: list[str] | None) -> list[Toolset]:
+    """Return the caller's toolsets named by ``keys`` (all visible ones if None); 400 for unknown keys."""
+    if keys is None:
+        return list(toolsets_visible(user=request.user))
+    found, missing = toolsets_resolve(user=request.user, keys=keys)
+    if missing:
+        raise ApplicationError(
+            "unknown_toolset",
+            f"Unknown toolset(s): {', '.join(missing)}. GET /api/v1/toolsets lists the ones you can use.",
+            details={"toolsets": missing},
+        )
+    return found
+
+
+class ToolsetListCreateApi(APIView):
+    permission_classes = [permissions.IsAuthenticated, StaffWrites]
+
+    @extend_schema(responses=ToolsetSerializer(many=True))
+    def get(self, request: Request) -> Response:
+        return Response(ToolsetSerializer(toolsets_listed(user=request.user), many=True).data)
+
+    @extend_schema(request=ToolsetWriteSerializer, responses={201: ToolsetSerializer})
+    def post(self, request: Request) -> Response:
+        body = ToolsetWriteSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        toolset = toolset_create(actor=request.user, data=body.validated_data)
+        return Response(
+            ToolsetSerializer(_toolset_or_404(request, toolset.key)).data,
+            status=status.HTTP_201_CREATED,
+            headers={"Location": f"/api/v1/toolsets/{toolset.key}"},
+        )
+
+
+class ToolsetDetailApi(APIView):
+    permission_classes = [permissions.IsAuthenticated, StaffWrites]
+
+    @extend_schema(responses=ToolsetSerializer)
+    def get(self, request: Request, key: str) -> Response:
+        return Response(ToolsetSerializer(_toolset_or_404(request, key)).data)
+
+    def _update(self, request: Request, key: str, partial: bool) -> Response:
+        toolset = _toolset_or_404(request, key)
+        body = ToolsetWriteSerializer(data=request.data, partial=partial)
+        body.is_valid(raise_exception=True)
+        toolset = toolset_update(toolset=toolset, actor=request.user, data=body.validated_data, partial=partial)
+        return Response(ToolsetSerializer(_toolset_or_404(request, toolset.key)).data)
+
+    @extend_schema(request=ToolsetWriteSerializer, responses=ToolsetSerializer)
+    def put(self, request: Request, key: str) -> Response:
+        return self._update(request, key, partial=False)
+
+    @extend_schema(request=ToolsetWriteSerializer, responses=ToolsetSerializer)
+    def patch(self, request: Request, key: str) -> Response:
+        return self._update(request, key, partial=True)
+
+    @extend_schema(responses={204: OpenApiResponse(description="Deleted.")})
+    def delete(self, request: Request, key: str) -> Response:
+        toolset_delete(toolset=_toolset_or_404(request, key))
+        return Response(status=status.HTTP_204_NO_CONTENT)
+
+
+class ToolsetSyncApi(APIView):
+    permission_classes = [permissions.IsAdminUser]
+
+    @extend_schema(request=None, responses=McpSyncSerializer)
+    def post(self, request: Request, key: str) -> Response:
+        toolset = _toolset_or_404(request, key)
+        result = mcp_toolset_sync(toolset=toolset)
+        return Response(McpSyncSerializer({**result.__dict__, "toolset": _toolset_or_404(request, key)}).data)
+
+
+class ToolsetDefinitionsApi(APIView):
+    @extend_schema(parameters=[ToolsetKeysQuerySerializer], responses=DefinitionsSerializer)
+    def get(self, request: Request) -> Response:
+        query = ToolsetKeysQuerySerializer(data=request.query_params)
+        query.is_valid(raise_exception=True)
+        toolsets = _resolve(request, query.keys())
+        body = {
+            "toolsets": [
+                {
+                    "key": ts.key,
+                    "name": ts.name,
+                    "tools": [
+                        {
+                            "name": t.name,
+                            "description": t.description,
+                            "input_schema": t.input_schema,
+                            "output_schema": t.output_schema,
+                        }
+                        for t in ts.tools.all()
+                    ],
+                }
+                for ts in toolsets
+            ]
+        }
+        return Response(DefinitionsSerializer(body).data)
+
+
+class SdkApi(APIView):
+    @extend_schema(parameters=[ToolsetKeysQuerySerializer], responses=SdkSerializer)
+    def get(self, request: Request) -> Response:
+        query = ToolsetKeysQuerySerializer(data=request.query_params)
+        query.is_valid(raise_exception=True)
+        sdk = sdk_cached(toolsets=_resolve(request, query.keys()))
+        return Response(SdkSerializer({"hash": sdk.hash, "files": sdk.files, "docs": sdk.docs}).data)
+
+
+class PtcContextApi(APIView):
+    @extend_schema(request=ContextRequestSerializer, responses=ContextSerializer)
+    def post(self, request: Request) -> Response:
+        body = ContextRequestSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        data = body.validated_data
+        policy = policy_get()
+        keys = data.get("toolsets")
+        if keys is None:
+            # As for an exec job: every visible toolset the policy's lists admit.
+            allowed = set(policy.toolset_allowlist)
+            keys = [
+                ts.key
+                for ts in toolsets_visible(user=request.user)
+                if ts.key not in policy.toolset_blocklist and (not allowed or ts.key in allowed)
+            ]
+        toolsets = _resolve(request, keys)
+        decision = ptc_decision(policy=policy, user=request.user, toolsets=[ts.key for ts in toolsets], title=data["title"])
+        direct, per_toolset = tools_split(toolsets=toolsets, direct_only=frozenset(policy.direct_only_tools))
+        context = ptc_context_build(
+            fmt=data["format"],
+            enabled=decision.enabled,
+            sequential=policy.sequential,
+            discovery=data["discovery"],
+            direct=direct,
+            per_toolset=per_toolset,
+        )
+        answer = {
+            "ptc_enabled": decision.enabled,
+            "reason": decision.reason,
+            "sequential": policy.sequential,
+            "sdk_hash": sdk_hash_of(per_toolset),
+            **context,
+        }
+        return Response(ContextSerializer(answer).data)

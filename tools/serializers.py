@@ -1,0 +1,183 @@
+"""Input and output shapes of the toolset, SDK and context endpoints (API.md, "Tools")."""
+
+from typing import Any
+
+from rest_framework import serializers
+
+from tools.context import FORMATS
+from tools.models import Tool, Toolset
+from tools.sdk import tool_signature
+from tools.selectors import direct_only_tools, tool_is_ptc
+
+
+# -- Output --------------------------------------------------------------------------------------
+class ToolSerializer(serializers.ModelSerializer):
+    signature = serializers.SerializerMethodField(help_text="The compact one-line form: add(a: number, b: number) -> number")
+    ptc = serializers.SerializerMethodField(help_text="True if code may call it; false for a direct tool.")
+    input_schema = serializers.JSONField()
+    output_schema = serializers.JSONField(allow_null=True)
+    allowed_callers = serializers.ListField(child=serializers.CharField())
+    http = serializers.JSONField(allow_null=True)
+
+    class Meta:
+        model = Tool
+        fields = [
+            "name",
+            "signature",
+            "description",
+            "input_schema",
+            "output_schema",
+            "allowed_callers",
+            "ptc",
+            "read_only",
+            "timeout",
+            "price",
+            "billing_free",
+            "http",
+        ]
+
+    def get_signature(self, tool: Tool) -> str:
+        return tool_signature(tool)
+
+    def get_ptc(self, tool: Tool) -> bool:
+        direct_only = self.context.get("direct_only")
+        if direct_only is None:
+            direct_only = self.context["direct_only"] = direct_only_tools()
+        return tool_is_ptc(tool=tool, toolset=tool.toolset, direct_only=direct_only)
+
+
+class ToolsetSerializer(serializers.ModelSerializer):
+    """A toolset as the API shows it: never its secrets' values, only their names."""
+
+    config = serializers.JSONField()
+    secret_names = serializers.SerializerMethodField(help_text="The names of the secrets set; values are write-only.")
+    tools = ToolSerializer(many=True)
+
+    class Meta:
+        model = Toolset
+        fields = [
+            "key",
+            "name",
+            "description",
+            "kind",
+            "is_global",
+            "enabled",
+            "price",
+            "billing_free",
+            "config",
+            "secret_names",
+            "tools",
+            "created_at",
+            "updated_at",
+        ]
+
+    def get_secret_names(self, toolset: Toolset) -> list[str]:
+        return sorted(toolset.secrets or {})
+
+
+class McpSyncSerializer(serializers.Serializer):
+    added = serializers.ListField(child=serializers.CharField())
+    updated = serializers.ListField(child=serializers.CharField())
+    disabled = serializers.ListField(child=serializers.CharField(), help_text="No longer listed by the server: kept, disabled.")
+    skipped = serializers.ListField(child=serializers.DictField(child=serializers.CharField()))
+    toolset = ToolsetSerializer()
+
+
+class DefinitionToolSerializer(serializers.Serializer):
+    name = serializers.CharField()
+    description = serializers.CharField()
+    input_schema = serializers.JSONField()
+    output_schema = serializers.JSONField(allow_null=True)
+
+
+class DefinitionToolsetSerializer(serializers.Serializer):
+    key = serializers.CharField()
+    name = serializers.CharField()
+    tools = DefinitionToolSerializer(many=True)
+
+
+class DefinitionsSerializer(serializers.Serializer):
+    toolsets = DefinitionToolsetSerializer(many=True)
+
+
+class SdkSerializer(serializers.Serializer):
+    hash = serializers.CharField()
+    files = serializers.DictField(child=serializers.CharField(), help_text="Path → content of each file of ptc_tools.")
+    docs = serializers.DictField(child=serializers.CharField(), help_text="Toolset key → markdown.")
+
+
+class ContextStatsSerializer(serializers.Serializer):
+    schema_chars = serializers.IntegerField(help_text="Every tool with its full JSON schema, as the provider tool list.")
+    compact_chars = serializers.IntegerField(help_text="What this context sends: its tool list plus the system prompt.")
+
+
+class ContextSerializer(serializers.Serializer):
+    ptc_enabled = serializers.BooleanField()
+    reason = serializers.CharField()
+    sequential = serializers.BooleanField()
+    tools = serializers.ListField(child=serializers.DictField(), help_text="In the requested provider's tool format.")
+    system_prompt = serializers.CharField(allow_blank=True)
+    sdk_hash = serializers.CharField()
+    stats = ContextStatsSerializer()
+
+
+# -- Input ---------------------------------------------------------------------------------------
+class ToolWriteSerializer(serializers.Serializer):
+    # Names, schemas and http specs are checked in tools.validation, which gives each problem its own code.
+    name = serializers.CharField(max_length=128)
+    description = serializers.CharField(required=False, allow_blank=True, default="")
+    input_schema = serializers.JSONField(required=False, default=dict)
+    output_schema = serializers.JSONField(required=False, allow_null=True, default=None)
+    allowed_callers = serializers.ListField(child=serializers.CharField(), required=False, default=list)
+    read_only = serializers.BooleanField(required=False, default=False)
+    timeout = serializers.FloatField(required=False, allow_null=True, default=None, min_value=0.1)
+    price = serializers.IntegerField(required=False, allow_null=True, default=None, min_value=0)
+    billing_free = serializers.BooleanField(required=False, default=False)
+    enabled = serializers.BooleanField(required=False, default=True)
+    http = serializers.JSONField(required=False, allow_null=True, default=None)
+
+    def validate_input_schema(self, value: Any) -> Any:
+        return value if value != {} else {"type": "object", "properties": {}}
+
+
+class ToolsetWriteSerializer(serializers.Serializer):
+    key = serializers.CharField(max_length=64)
+    name = serializers.CharField(max_length=200)
+    description = serializers.CharField(required=False, allow_blank=True)
+    kind = serializers.ChoiceField(choices=Toolset.Kind.choices)
+    is_global = serializers.BooleanField(required=False)
+    enabled = serializers.BooleanField(required=False)
+    price = serializers.IntegerField(required=False, min_value=0)
+    billing_free = serializers.BooleanField(required=False)
+    config = serializers.JSONField(required=False)
+    secrets = serializers.DictField(
+        child=serializers.CharField(allow_null=True, allow_blank=False, trim_whitespace=False),
+        required=False,
+        write_only=True,
+        help_text="Write-only. PUT replaces them, PATCH merges them (null removes one); left out, they are kept.",
+    )
+    tools = ToolWriteSerializer(many=True, required=False)
+
+    def validate_config(self, value: Any) -> Any:
+        if not isinstance(value, dict):
+            raise serializers.ValidationError("must be an object")
+        return value
+
+
+class ToolsetKeysQuerySerializer(serializers.Serializer):
+    toolset_keys = serializers.CharField(
+        required=False, allow_blank=True, help_text="Comma-separated toolset keys; all visible toolsets when left out."
+    )
+
+    def keys(self) -> list[str] | None:
+        raw = self.validated_data.get("toolset_keys")
+        return None if raw is None else [k.strip() for k in raw.split(",") if k.strip()]
+
+
+class ContextRequestSerializer(serializers.Serializer):
+    toolsets = serializers.ListField(child=serializers.CharField(max_length=64), required=False, allow_null=True)
+    title = serializers.CharField(required=False, allow_blank=True, default="", max_length=500)
+    format = serializers.ChoiceField(choices=FORMATS, required=False, default="anthropic")
+    discovery = serializers.BooleanField(
+        required=False, default=False, help_text="Tool names only in the prompt; code reads schemas with ptc_tools.describe()."
+    )
