@@ -132,7 +132,8 @@ def _tools_write(*, toolset: Toolset, tools: list[dict[str, Any]]) -> None:
     """
     for tool in tools:
         values = {name: tool.get(name, TOOL_DEFAULTS[name]) for name in TOOL_FIELDS}
-        Tool.objects.update_or_create(toolset=toolset, name=tool["name"], defaults={**values, "remote_name": ""})
+        # remote_name is left alone: it is the MCP server's name for a synced tool, which edits keep.
+        Tool.objects.update_or_create(toolset=toolset, name=tool["name"], defaults=values)
     toolset.tools.exclude(name__in=[t["name"] for t in tools]).update(enabled=False)
 
 

@@ -130,6 +130,29 @@ sorted(set(found))
     assert not alive(job["return_value"][0])
 
 
+def test_a_call_that_outlives_its_timeout(api: Api, staff: Api, stdio_toolset: tuple[str, str]) -> None:
+    key, _ = stdio_toolset
+    # An edit through the API (a tool's timeout) keeps the server's own name of a renamed tool.
+    tools = staff.get(f"/api/v1/toolsets/{key}").json()["tools"]
+    for tool in tools:
+        tool.pop("signature"), tool.pop("ptc")
+        if tool["name"] == "slow":
+            tool["timeout"] = 1
+    assert staff.http.patch(f"/api/v1/toolsets/{key}", json={"tools": tools}).status_code == 200
+    code = f"""
+from ptc_tools import ToolError
+from ptc_tools.{key} import {class_name(key)} as M
+try:
+    M.slow(seconds=5)
+except ToolError as e:
+    print(e.code, "|", e.message)
+print(M.get_thing(thing_id="after"))
+"""
+    job = api.run(code, toolsets=[key])
+    assert job["status"] == "completed", job["error"]
+    assert job["stdout"] == "mcp_timeout | MCP tool 'slow' did not answer within 1 s\nthing after\n"
+
+
 def test_a_tool_the_server_drops_is_disabled_not_deleted(api: Api, staff: Api, stdio_toolset: tuple[str, str]) -> None:
     key, marker = stdio_toolset
     job = api.run(f"from ptc_tools.{key} import {class_name(key)} as M\nM.extra()", toolsets=[key])
