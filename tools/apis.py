@@ -7,12 +7,9 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from ptcproject.errors import ApplicationError
-from ptcproject.policy.selectors import policy_get, ptc_decision
-from tools.context import ptc_context_build
 from tools.models import Toolset
-from tools.sdk import sdk_cached, sdk_hash_of
-from tools.selectors import tools_split, toolset_listed, toolsets_listed, toolsets_resolve, toolsets_visible
+from tools.sdk import sdk_cached
+from tools.selectors import ptc_context, toolset_listed, toolsets_listed, toolsets_named
 from tools.serializers import (
     ContextRequestSerializer,
     ContextSerializer,
@@ -38,20 +35,6 @@ def _toolset_or_404(request: Request, key: str) -> Toolset:
     if toolset is None:
         raise Http404
     return toolset
-
-
-def _resolve(request: Request, keys: list[str] | None) -> list[Toolset]:
-    """Return the caller's toolsets named by ``keys`` (all visible ones if None); 400 for unknown keys."""
-    if keys is None:
-        return list(toolsets_visible(user=request.user))
-    found, missing = toolsets_resolve(user=request.user, keys=keys)
-    if missing:
-        raise ApplicationError(
-            "unknown_toolset",
-            f"Unknown toolset(s): {', '.join(missing)}. GET /api/v1/toolsets lists the ones you can use.",
-            details={"toolsets": missing},
-        )
-    return found
 
 
 class ToolsetListCreateApi(APIView):
@@ -116,26 +99,8 @@ class ToolsetDefinitionsApi(APIView):
     def get(self, request: Request) -> Response:
         query = ToolsetKeysQuerySerializer(data=request.query_params)
         query.is_valid(raise_exception=True)
-        toolsets = _resolve(request, query.keys())
-        body = {
-            "toolsets": [
-                {
-                    "key": ts.key,
-                    "name": ts.name,
-                    "tools": [
-                        {
-                            "name": t.name,
-                            "description": t.description,
-                            "input_schema": t.input_schema,
-                            "output_schema": t.output_schema,
-                        }
-                        for t in ts.tools.all()
-                    ],
-                }
-                for ts in toolsets
-            ]
-        }
-        return Response(DefinitionsSerializer(body).data)
+        toolsets = toolsets_named(user=request.user, keys=query.keys())
+        return Response(DefinitionsSerializer({"toolsets": toolsets}).data)
 
 
 class SdkApi(APIView):
@@ -143,8 +108,8 @@ class SdkApi(APIView):
     def get(self, request: Request) -> Response:
         query = ToolsetKeysQuerySerializer(data=request.query_params)
         query.is_valid(raise_exception=True)
-        sdk = sdk_cached(toolsets=_resolve(request, query.keys()))
-        return Response(SdkSerializer({"hash": sdk.hash, "files": sdk.files, "docs": sdk.docs}).data)
+        sdk = sdk_cached(toolsets=toolsets_named(user=request.user, keys=query.keys()))
+        return Response(SdkSerializer(sdk).data)
 
 
 class PtcContextApi(APIView):
@@ -153,32 +118,7 @@ class PtcContextApi(APIView):
         body = ContextRequestSerializer(data=request.data)
         body.is_valid(raise_exception=True)
         data = body.validated_data
-        policy = policy_get()
-        keys = data.get("toolsets")
-        if keys is None:
-            # As for an exec job: every visible toolset the policy's lists admit.
-            allowed = set(policy.toolset_allowlist)
-            keys = [
-                ts.key
-                for ts in toolsets_visible(user=request.user)
-                if ts.key not in policy.toolset_blocklist and (not allowed or ts.key in allowed)
-            ]
-        toolsets = _resolve(request, keys)
-        decision = ptc_decision(policy=policy, user=request.user, toolsets=[ts.key for ts in toolsets], title=data["title"])
-        direct, per_toolset = tools_split(toolsets=toolsets, direct_only=frozenset(policy.direct_only_tools))
-        context = ptc_context_build(
-            fmt=data["format"],
-            enabled=decision.enabled,
-            sequential=policy.sequential,
-            discovery=data["discovery"],
-            direct=direct,
-            per_toolset=per_toolset,
+        context = ptc_context(
+            user=request.user, keys=data.get("toolsets"), title=data["title"], fmt=data["format"], discovery=data["discovery"]
         )
-        answer = {
-            "ptc_enabled": decision.enabled,
-            "reason": decision.reason,
-            "sequential": policy.sequential,
-            "sdk_hash": sdk_hash_of(per_toolset),
-            **context,
-        }
-        return Response(ContextSerializer(answer).data)
+        return Response(ContextSerializer(context).data)

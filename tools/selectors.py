@@ -5,14 +5,14 @@ from typing import Any
 from django.contrib.auth.models import AbstractBaseUser
 from django.db.models import Prefetch, Q, QuerySet
 
+from ptcproject.errors import ApplicationError
+from ptcproject.policy.selectors import policy_get, ptc_decision
 from tools.builtin import builtin_callable_from_code
 from tools.models import Tool, Toolset
 
 
 def direct_only_tools() -> frozenset[str]:
     """Return the tool names that are always direct: the policy's ``direct_only_tools``, read fresh."""
-    from ptcproject.policy.selectors import policy_get
-
     return frozenset(policy_get().direct_only_tools)
 
 
@@ -74,6 +74,60 @@ def toolsets_resolve(*, user: AbstractBaseUser, keys: Iterable[str]) -> tuple[li
     wanted = list(dict.fromkeys(keys))
     found = {ts.key: ts for ts in toolsets_visible(user=user).filter(key__in=wanted)}
     return [found[k] for k in wanted if k in found], [k for k in wanted if k not in found]
+
+
+def toolsets_named(*, user: AbstractBaseUser, keys: Iterable[str] | None) -> list[Toolset]:
+    """Return the visible toolsets named by ``keys`` (every visible one if None).
+
+    Raise ApplicationError ``unknown_toolset`` (400) naming the keys that matched none.
+    """
+    if keys is None:
+        return list(toolsets_visible(user=user))
+    found, missing = toolsets_resolve(user=user, keys=keys)
+    if missing:
+        raise ApplicationError(
+            "unknown_toolset",
+            f"Unknown toolset(s): {', '.join(missing)}. GET /api/v1/toolsets lists the ones you can use.",
+            details={"toolsets": missing},
+        )
+    return found
+
+
+def toolset_keys_for_ptc(*, user: AbstractBaseUser, allowlist: Iterable[str], blocklist: Iterable[str]) -> list[str]:
+    """Return the keys of every toolset ``user`` may use with PTC: the visible ones the policy's lists admit."""
+    allowed, blocked = set(allowlist), set(blocklist)
+    return [ts.key for ts in toolsets_visible(user=user) if ts.key not in blocked and (not allowed or ts.key in allowed)]
+
+
+def ptc_context(*, user: AbstractBaseUser, keys: list[str] | None, title: str, fmt: str, discovery: bool) -> dict[str, Any]:
+    """Return the prompt context of a turn (API.md): the policy's decision, the tools, the prompt, stats.
+
+    ``keys`` None means every toolset the user may use with PTC. Raise ApplicationError for unknown keys.
+    """
+    from tools.context import ptc_context_build  # tools.context needs tools.sdk, which needs this module
+    from tools.sdk import sdk_hash_of
+
+    policy = policy_get()
+    if keys is None:
+        keys = toolset_keys_for_ptc(user=user, allowlist=policy.toolset_allowlist, blocklist=policy.toolset_blocklist)
+    toolsets = toolsets_named(user=user, keys=keys)
+    decision = ptc_decision(policy=policy, user=user, toolsets=[ts.key for ts in toolsets], title=title)
+    direct, per_toolset = tools_split(toolsets=toolsets, direct_only=frozenset(policy.direct_only_tools))
+    built = ptc_context_build(
+        fmt=fmt,
+        enabled=decision.enabled,
+        sequential=policy.sequential,
+        discovery=discovery,
+        direct=direct,
+        per_toolset=per_toolset,
+    )
+    return {
+        "ptc_enabled": decision.enabled,
+        "reason": decision.reason,
+        "sequential": policy.sequential,
+        "sdk_hash": sdk_hash_of(per_toolset),
+        **built,
+    }
 
 
 # Tool definitions change rarely and every call needs one: a tools worker keeps each for a moment
