@@ -42,7 +42,7 @@ from tools.errors import ToolFailure
 from tools.kinds import tool_run
 from tools.models import Tool, Toolset
 from tools.sdk import sdk_prepare
-from tools.selectors import tool_for_call, tool_is_ptc, toolsets_resolve, toolsets_visible
+from tools.selectors import tool_for_call, tool_is_ptc, toolset_keys_for_ptc, toolsets_resolve
 
 logger = logging.getLogger("ptc.execution")
 Status = ExecJob.Status
@@ -98,11 +98,7 @@ def exec_job_create(
         )
     if toolsets is None:
         # Every toolset the user may use with PTC: the policy's lists narrow what they can see.
-        keys = [
-            ts.key
-            for ts in toolsets_visible(user=user)
-            if ts.key not in policy.toolset_blocklist and (not policy.toolset_allowlist or ts.key in policy.toolset_allowlist)
-        ]
+        keys = toolset_keys_for_ptc(user=user, allowlist=policy.toolset_allowlist, blocklist=policy.toolset_blocklist)
     else:
         found, missing = toolsets_resolve(user=user, keys=toolsets)
         if missing:
