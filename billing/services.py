@@ -4,6 +4,7 @@ Every balance change happens inside ``transaction.atomic()`` with the account ro
 writes a ledger entry in the same transaction: the balance always equals the sum of the ledger.
 """
 
+import json
 import logging
 import math
 from dataclasses import dataclass
@@ -11,7 +12,7 @@ from datetime import timedelta
 from typing import Any
 
 from django.contrib.auth.models import AbstractBaseUser
-from django.db import transaction
+from django.db import connection, transaction
 from django.db.models import F, Max, Sum
 from django.utils import timezone
 
@@ -35,6 +36,7 @@ class Quote:
     amount: int  # what the call will cost
     due_amount: int  # its list price
     meta: dict[str, str]
+    account_id: int  # whose credits pay for it
 
 
 def account_get(*, user: AbstractBaseUser) -> CreditAccount:
@@ -63,7 +65,7 @@ def price_quote(*, user: AbstractBaseUser, toolset: Toolset, tool: Tool) -> Quot
     now = timezone.now()
     plan_active = account.plan is not None and (account.plan_expires_at is None or account.plan_expires_at > now)
     if plan_active and account.plan.free_tool_access:  # type: ignore[union-attr]
-        return Quote(amount=0, due_amount=due, meta=meta)
+        return Quote(amount=0, due_amount=due, meta=meta, account_id=account.pk)
     discounts = Discount.objects.filter(toolset=toolset)
     if plan_active:
         discounts = discounts | Discount.objects.filter(plan=account.plan)
@@ -71,7 +73,7 @@ def price_quote(*, user: AbstractBaseUser, toolset: Toolset, tool: Tool) -> Quot
     amount = math.ceil(due * (100 - percent) / 100)
     if due > 0:
         amount = max(amount, 1)
-    return Quote(amount=amount, due_amount=due, meta=meta)
+    return Quote(amount=amount, due_amount=due, meta=meta, account_id=account.pk)
 
 
 def credits_reserve(
@@ -82,32 +84,75 @@ def credits_reserve(
     The account row is locked, so parallel calls are serialised here: the held total can never
     exceed the balance, and a job's calls can never exceed its budget.
     """
-    account_id = account_get(user=user).pk
+    account_id = quote.account_id
+    if max_credits is None or exec_job is None:
+        _hold(account_id=account_id, tool_call_id=tool_call_id, quote=quote, exec_job=exec_job)
+        return
     with transaction.atomic():
-        if max_credits is not None and exec_job is not None:
-            CreditAccount.objects.select_for_update().filter(pk=account_id).first()  # serialise the budget check
-            spent = (
-                Reservation.objects.filter(exec_job=exec_job)
-                .exclude(status=Reservation.Status.RELEASED)
-                .aggregate(total=Sum("amount"))["total"]
-                or 0
-            )
-            if spent + quote.amount > max_credits:
-                raise CreditsRefused(
-                    "budget_exceeded",
-                    f"this call costs {quote.amount} credits and the job has {max_credits - spent} of its "
-                    f"{max_credits}-credit budget left",
-                )
-        # One conditional UPDATE takes the row lock and checks the balance: parallel calls queue on
-        # the lock, and each sees what the ones before it held.
-        held = CreditAccount.objects.filter(pk=account_id, balance__gte=F("reserved") + quote.amount).update(
-            reserved=F("reserved") + quote.amount, updated_at=timezone.now()
+        CreditAccount.objects.select_for_update().filter(pk=account_id).first()  # one budget check at a time
+        spent = (
+            Reservation.objects.filter(exec_job=exec_job)
+            .exclude(status=Reservation.Status.RELEASED)
+            .aggregate(total=Sum("amount"))["total"]
+            or 0
         )
-        if not held:
-            available = CreditAccount.objects.filter(pk=account_id).values_list(F("balance") - F("reserved"), flat=True)[0]
+        if spent + quote.amount > max_credits:
             raise CreditsRefused(
-                "insufficient_credits", f"this call costs {quote.amount} credits and {max(available, 0)} are available"
+                "budget_exceeded",
+                f"this call costs {quote.amount} credits and the job has {max_credits - spent} of its "
+                f"{max_credits}-credit budget left",
             )
+        _hold(account_id=account_id, tool_call_id=tool_call_id, quote=quote, exec_job=exec_job)
+
+
+def _hold(*, account_id: int, tool_call_id: str, quote: Quote, exec_job: Any) -> None:
+    if connection.vendor == "postgresql":
+        held = _reserve_in_one_statement(account_id=account_id, tool_call_id=tool_call_id, quote=quote, exec_job=exec_job)
+    else:
+        with transaction.atomic():
+            held = _reserve_in_two(account_id=account_id, tool_call_id=tool_call_id, quote=quote, exec_job=exec_job)
+    if not held:
+        available = CreditAccount.objects.filter(pk=account_id).values_list(F("balance") - F("reserved"), flat=True)[0]
+        raise CreditsRefused(
+            "insufficient_credits", f"this call costs {quote.amount} credits and {max(available, 0)} are available"
+        )
+
+
+# The account's row lock is the one every call of a user queues on, from the bridge (reserve) and
+# from the tools workers (settle). On PostgreSQL the hold and the reservation are one statement, so
+# the lock lasts microseconds, never a client round trip; elsewhere (SQLite, which has no
+# data-modifying CTE and takes a database lock anyway) they are two, in the caller's transaction.
+_RESERVE_SQL = """
+WITH held AS (
+    UPDATE billing_creditaccount SET reserved = reserved + %(amount)s, updated_at = now()
+    WHERE id = %(account)s AND balance >= reserved + %(amount)s
+    RETURNING id
+)
+INSERT INTO billing_reservation (account_id, tool_call_id, exec_job_id, amount, due_amount, meta, status, created_at)
+SELECT id, %(call)s, %(job)s, %(amount)s, %(due)s, %(meta)s, 'held', now() FROM held
+RETURNING id
+"""
+
+
+def _reserve_in_one_statement(*, account_id: int, tool_call_id: str, quote: Quote, exec_job: Any) -> bool:
+    params = {
+        "account": account_id,
+        "amount": quote.amount,
+        "call": tool_call_id,
+        "due": quote.due_amount,
+        "job": getattr(exec_job, "pk", None),
+        "meta": json.dumps(quote.meta),
+    }
+    with connection.cursor() as cursor:
+        cursor.execute(_RESERVE_SQL, params)
+        return cursor.fetchone() is not None
+
+
+def _reserve_in_two(*, account_id: int, tool_call_id: str, quote: Quote, exec_job: Any) -> bool:
+    held = CreditAccount.objects.filter(pk=account_id, balance__gte=F("reserved") + quote.amount).update(
+        reserved=F("reserved") + quote.amount, updated_at=timezone.now()
+    )
+    if held:
         Reservation.objects.create(
             account_id=account_id,
             tool_call_id=tool_call_id,
@@ -116,23 +161,23 @@ def credits_reserve(
             due_amount=quote.due_amount,
             meta=quote.meta,
         )
+    return bool(held)
 
 
 def credits_settle(*, tool_call_id: str) -> int:
     """Turn the call's held reservation into a charge: usage row, ledger row, balance. Return the
     amount charged (0 when nothing was held). Call it inside the transaction that marks the call
     completed; a second call for the same call charges nothing."""
-    reservation = Reservation.objects.filter(tool_call_id=tool_call_id, status=Reservation.Status.HELD).first()
+    reservation = (
+        Reservation.objects.select_related("account").filter(tool_call_id=tool_call_id, status=Reservation.Status.HELD).first()
+    )
     if reservation is None:
         return 0
-    account = CreditAccount.objects.select_for_update().get(pk=reservation.account_id)
     if not Reservation.objects.filter(pk=reservation.pk, status=Reservation.Status.HELD).update(
         status=Reservation.Status.SETTLED, closed_at=timezone.now()
     ):
         return 0
-    account.reserved -= reservation.amount
-    account.balance -= reservation.amount
-    account.save(update_fields=["reserved", "balance", "updated_at"])
+    account = reservation.account
     CreditUsage.objects.create(
         user_id=account.user_id,
         exec_job_id=reservation.exec_job_id,
@@ -149,6 +194,11 @@ def credits_settle(*, tool_call_id: str) -> int:
             tool_call_id=tool_call_id,
             reason=f"{reservation.meta.get('toolsetKey')}.{reservation.meta.get('toolName')} call {tool_call_id}",
         )
+    # Last, so the account's row lock (which every call of this user queues on) is held only to the
+    # commit: one UPDATE moves the hold into the charge.
+    CreditAccount.objects.filter(pk=reservation.account_id).update(
+        reserved=F("reserved") - reservation.amount, balance=F("balance") - reservation.amount, updated_at=timezone.now()
+    )
     return reservation.amount
 
 

@@ -8,6 +8,7 @@ stdout). The embedded setup wakes readers through the job's channel instead.
 """
 
 import asyncio
+import functools
 import json
 import logging
 import time
@@ -64,12 +65,24 @@ def event_publish(*, job_call_id: str, event: str, data: dict[str, Any]) -> None
         logger.warning("could not publish an event", extra={"job_id": job_call_id, "event": event}, exc_info=True)
 
 
-def tool_call_event(call: ToolCall) -> tuple[str, dict[str, Any]]:
-    """Return the event name and payload for a call's current state."""
+@functools.cache
+def _call_serializer() -> Any:
+    """One serializer, its fields built once: building them is most of what serialising costs, on
+    every tool call's hot path. ``to_representation`` keeps no state, so threads may share it."""
     from execution.serializers import ToolCallSerializer
 
+    return ToolCallSerializer()
+
+
+def tool_call_payload(call: ToolCall) -> dict[str, Any]:
+    """The ToolCall as the API shows it, plus ``"ptc": true``: what every tool event carries."""
+    return {**_call_serializer().to_representation(call), "ptc": True}
+
+
+def tool_call_event(call: ToolCall) -> tuple[str, dict[str, Any]]:
+    """Return the event name and payload for a call's current state."""
     name = {"executing": "tool_call_start", "completed": "tool_call_end"}.get(call.status, "tool_call_error")
-    return name, {**ToolCallSerializer(call).data, "ptc": True}
+    return name, tool_call_payload(call)
 
 
 def job_end_payload(job: ExecJob) -> dict[str, Any]:
@@ -100,10 +113,8 @@ def events_from_records(job_id: Any) -> tuple[list[Event], bool]:
     timed: list[tuple[float, int, str, dict[str, Any]]] = []
     if job.started_at:
         timed.append((job.started_at.timestamp(), 0, "exec_start", job_start_payload(job)))
-    from execution.serializers import ToolCallSerializer
-
     for order, call in enumerate(job.tool_calls.order_by("started_at", "id")):
-        payload = {**ToolCallSerializer(call).data, "ptc": True}
+        payload = tool_call_payload(call)
         timed.append((call.started_at.timestamp(), 1 + 2 * order, "tool_call_start", payload))
         if call.finished_at:
             name, _ = tool_call_event(call)

@@ -14,9 +14,11 @@ import jsonschema
 from django.conf import settings
 from django.contrib.auth.models import AbstractBaseUser
 from django.db import DatabaseError, connection, transaction
-from django.db.models import Q
+from django.db.models import OuterRef, Q, Subquery
+from django.db.models.functions import Coalesce
 from django.utils import timezone
 
+from billing.models import Reservation
 from billing.services import (
     CreditsRefused,
     billable,
@@ -27,11 +29,10 @@ from billing.services import (
     reservations_repair,
 )
 from execution import channels
-from execution.events import event_publish, job_end_payload, job_start_payload, tool_call_event
+from execution.events import event_publish, job_end_payload, job_start_payload, tool_call_event, tool_call_payload
 from execution.models import ExecJob, ToolCall
 from execution.sandbox.limits import Limits
 from execution.sandbox.session import CALL_GRACE_SECONDS, Dispatched, Outcome, Refused, Session
-from execution.serializers import ToolCallSerializer
 from ptcproject.accounts.models import ApiKey
 from ptcproject.accounts.services import api_key_create, job_keys_revoke
 from ptcproject.errors import ApplicationError
@@ -389,7 +390,7 @@ def _tool_call_record(
         finished_at=now if error else None,
     )
     if job is not None:
-        event_publish(job_call_id=job.call_id, event="tool_call_start", data={**ToolCallSerializer(call).data, "ptc": True})
+        event_publish(job_call_id=job.call_id, event="tool_call_start", data=tool_call_payload(call))
         if error:
             _tool_call_event(call)
     return call
@@ -524,25 +525,30 @@ def _reply(call: ToolCall) -> dict[str, Any]:
     return {"ok": False, "error": call.error or {"code": "tool_error", "message": "the call failed"}}
 
 
-def _tool_call_finish(*, call_id: str, output: Any = None, error: dict[str, str] | None = None, billed: bool = True) -> bool:
+def _tool_call_finish(
+    *, call_id: str, output: Any = None, error: dict[str, str] | None = None, billed: bool = True, event: bool = True
+) -> bool:
     """Move an executing call to completed or failed, settling or releasing its credits in the same
-    transaction, and publish its event. Return False if it had already finished (a redelivery:
-    nothing changes). ``billed=False`` says the tool is never billed, which skips the books."""
+    transaction, and publish its event (unless ``event=False``: the caller does, later). Return
+    False if it had already finished (a redelivery: nothing changes). ``billed=False`` says the tool
+    is never billed, which skips the books."""
     fields = {
         "status": ToolCall.Status.FAILED if error else ToolCall.Status.COMPLETED,
         "output": None if error else storable(output),
         "error": storable(error),
         "finished_at": timezone.now(),
     }
+    if billed and not error:
+        # What it costs is what was held for it: recorded in the same UPDATE, settled right after.
+        held = Reservation.objects.filter(tool_call_id=OuterRef("call_id"), status=Reservation.Status.HELD)
+        fields["credits"] = Coalesce(Subquery(held.values("amount")[:1]), 0)
     with transaction.atomic() if billed and not error else nullcontext():
         finished = ToolCall.objects.filter(call_id=call_id, status=ToolCall.Status.EXECUTING).update(**fields)
         if finished and billed and not error:
-            charged = credits_settle(tool_call_id=call_id)
-            if charged:
-                ToolCall.objects.filter(call_id=call_id).update(credits=charged)
+            credits_settle(tool_call_id=call_id)
     if finished and billed and error:
         credits_release(tool_call_id=call_id)
-    if finished:
+    if finished and event:
         _tool_call_event(ToolCall.objects.get(call_id=call_id))
     return bool(finished)
 
@@ -601,6 +607,8 @@ def tool_call_execute(*, call_id: str) -> None:
     else:
         reply = _tool_call_fail(call_id, "job_ended", "the job ended before this call started; it was not run")
     channels.publish(_result_channel(call_id, call["ptc_call_id"]), {"kind": "result", "call_id": call_id, **reply})
+    if claimed and call["ptc_call_id"]:  # the code has its result; now tell the watchers
+        _tool_call_event(ToolCall.objects.get(call_id=call_id))
 
 
 def _result_channel(call_id: str, ptc_call_id: str) -> str:
@@ -643,8 +651,13 @@ def _tool_call_run(*, call_id: str, tool: Tool, arguments: dict[str, Any]) -> di
         reply = {"ok": False, "error": {"code": "invalid_output", "message": f"the tool's output is not JSON: {exc}"}}
     else:
         reply = {"ok": True, "result": output}
+    # The event goes out after the result is pushed to the waiting code (tool_call_execute).
     finished = _tool_call_finish(
-        call_id=call_id, output=reply.get("result"), error=reply.get("error"), billed=billable(toolset=tool.toolset, tool=tool)
+        call_id=call_id,
+        output=reply.get("result"),
+        error=reply.get("error"),
+        billed=billable(toolset=tool.toolset, tool=tool),
+        event=False,
     )
     logger.info(
         "tool call ran",

@@ -84,7 +84,10 @@ elif DATABASES["default"]["ENGINE"] == "django.db.backends.postgresql":
     # A pool per process: Celery's Django fixup closes the connection around every task, which
     # without a pool costs a fresh PostgreSQL connection (~5 ms) on every tool call.
     DATABASES["default"]["CONN_MAX_AGE"] = 0
-    DATABASES["default"].setdefault("OPTIONS", {})["pool"] = {
+    # Parameters travel apart from the SQL (server-side binding): psycopg need not build each query
+    # string in Python, and repeated statements are prepared once per connection.
+    DATABASES["default"].setdefault("OPTIONS", {})["server_side_binding"] = True
+    DATABASES["default"]["OPTIONS"]["pool"] = {
         "min_size": env.int("PTC_DB_POOL_MIN", default=2),
         "max_size": env.int("PTC_DB_POOL_MAX", default=20),
         "timeout": 30,
@@ -167,9 +170,9 @@ CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 # Exec tasks wait on sandboxes and tools tasks wait on I/O: threads, not processes, fit both.
 # The number of threads is set per queue in ptcproject/celery.py unless -c is given.
 CELERY_WORKER_POOL = "threads"
-# Task events feed `celery events` and flower: observable by default (STYLE.md §14).
+# Task events feed `celery events` and flower: observable by default (STYLE.md §14). Workers send
+# them; the "sent" event is left off, as it would add a publish to every tool call's hot path.
 CELERY_WORKER_SEND_TASK_EVENTS = True
-CELERY_TASK_SEND_SENT_EVENT = True
 # Don't let the worker hijack the root logger; our own handlers stay.
 CELERY_WORKER_HIJACK_ROOT_LOGGER = False
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
