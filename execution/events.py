@@ -51,18 +51,27 @@ def _order(event_id: str) -> tuple[int, int]:
 # -- Publishing (workers) ------------------------------------------------------------------------
 def event_publish(*, job_call_id: str, event: str, data: dict[str, Any]) -> None:
     """Append an event to the job's stream. Never raises: a lost event must not fail the job."""
+    events_publish(job_call_id=job_call_id, events=[(event, data)])
+
+
+def events_publish(*, job_call_id: str, events: list[tuple[str, dict[str, Any]]]) -> None:
+    """Append events to the job's stream in one round trip, in order. Never raises."""
+    if not events:
+        return
     try:
         if settings.REDIS_URL:
-            client = channels.redis_client()
             key = _stream_key(job_call_id)
-            payload = json.dumps(data, separators=(",", ":"), default=str)
-            client.xadd(key, {"event": event, "data": payload}, maxlen=STREAM_MAXLEN, approximate=True)
-            if event == "exec_end":
-                client.expire(key, settings.PTC_EVENTS_RETENTION_SECONDS)
+            pipe = channels.redis_client().pipeline(transaction=False)
+            for event, data in events:
+                payload = json.dumps(data, separators=(",", ":"), default=str)
+                pipe.xadd(key, {"event": event, "data": payload}, maxlen=STREAM_MAXLEN, approximate=True)
+                if event == "exec_end":
+                    pipe.expire(key, settings.PTC_EVENTS_RETENTION_SECONDS)
+            pipe.execute()
         else:  # embedded: readers rebuild from the records; wake them
             channels.publish(channels.job_channel(job_call_id), {"kind": "event"})
     except Exception:  # the records stay the truth; a reader rebuilds from them
-        logger.warning("could not publish an event", extra={"job_id": job_call_id, "event": event}, exc_info=True)
+        logger.warning("could not publish events", extra={"job_id": job_call_id}, exc_info=True)
 
 
 @functools.cache

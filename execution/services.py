@@ -29,7 +29,14 @@ from billing.services import (
     reservations_repair,
 )
 from execution import channels
-from execution.events import event_publish, job_end_payload, job_start_payload, tool_call_event, tool_call_payload
+from execution.events import (
+    event_publish,
+    events_publish,
+    job_end_payload,
+    job_start_payload,
+    tool_call_event,
+    tool_call_payload,
+)
 from execution.models import ExecJob, ToolCall
 from execution.sandbox.limits import Limits
 from execution.sandbox.session import CALL_GRACE_SECONDS, Dispatched, Outcome, Refused, Session
@@ -361,7 +368,7 @@ class CallChecker:
         return tool
 
 
-def _tool_call_record(
+def _tool_call_build(
     *,
     call_id: str,
     user: AbstractBaseUser,
@@ -372,9 +379,9 @@ def _tool_call_record(
     found: Tool | None,
     error: dict[str, str] | None = None,
 ) -> ToolCall:
-    """Write the call's record before it runs: ``executing``, or ``failed`` already if it was refused."""
+    """Return the call's record, unsaved: ``executing``, or ``failed`` already if it was refused."""
     now = timezone.now()
-    call = ToolCall.objects.create(
+    return ToolCall(
         call_id=call_id,
         type=ToolCall.Type.PTC if job else ToolCall.Type.STANDALONE,
         exec_job=job,
@@ -389,10 +396,26 @@ def _tool_call_record(
         started_at=now,
         finished_at=now if error else None,
     )
-    if job is not None:
-        event_publish(job_call_id=job.call_id, event="tool_call_start", data=tool_call_payload(call))
-        if error:
-            _tool_call_event(call)
+
+
+def _tool_calls_record(calls: list[ToolCall]) -> None:
+    """Write records before their calls run, in one INSERT, and publish their start events (and the
+    errors of refused ones) in one round trip."""
+    ToolCall.objects.bulk_create(calls)
+    by_job: dict[str, list[tuple[str, dict[str, Any]]]] = {}
+    for call in calls:
+        if call.ptc_call_id:
+            events = by_job.setdefault(call.ptc_call_id, [])
+            events.append(("tool_call_start", tool_call_payload(call)))
+            if call.status == ToolCall.Status.FAILED:
+                events.append(tool_call_event(call))
+    for job_call_id, events in by_job.items():
+        events_publish(job_call_id=job_call_id, events=events)
+
+
+def _tool_call_record(**fields: Any) -> ToolCall:
+    call = _tool_call_build(**fields)
+    _tool_calls_record([call])
     return call
 
 
@@ -402,18 +425,28 @@ def _tool_call_event(call: ToolCall) -> None:
         event_publish(job_call_id=call.ptc_call_id, event=name, data=data)
 
 
-def _tool_call_enqueue(*, call_id: str) -> dict[str, str] | None:
-    """Send the call to the tools queue. Return the error it failed with, if the broker is down."""
+def _tool_calls_enqueue(call_ids: list[str]) -> dict[str, dict[str, str]]:
+    """Send calls to the tools queue through one producer. Return the errors of those that failed
+    (their records are failed too): the broker was down even after Celery's own retries."""
     from tools.tasks import execute_tool
 
-    try:
-        execute_tool.delay(call_id)
-    except Exception as exc:  # the broker is down even after Celery's own retries
-        logger.exception("could not enqueue a tool call", extra={"call_id": call_id})
-        error = {"code": "broker_unavailable", "message": f"the call could not be queued ({type(exc).__name__}); retry"}
-        _tool_call_finish(call_id=call_id, error=error)
-        return error
-    return None
+    errors = {}
+    with execute_tool.app.producer_or_acquire() as producer:
+        for call_id in call_ids:
+            try:
+                execute_tool.apply_async((call_id,), producer=producer)
+            except Exception as exc:  # this call's failure; the others may still go
+                logger.exception("could not enqueue a tool call", extra={"call_id": call_id})
+                errors[call_id] = {
+                    "code": "broker_unavailable",
+                    "message": f"the call could not be queued ({type(exc).__name__}); retry",
+                }
+                _tool_call_finish(call_id=call_id, error=errors[call_id])
+    return errors
+
+
+def _tool_call_enqueue(*, call_id: str) -> dict[str, str] | None:
+    return _tool_calls_enqueue([call_id]).get(call_id)
 
 
 class JobCallRouter:
@@ -425,34 +458,46 @@ class JobCallRouter:
         self.checker = CallChecker(user=job.user, toolsets=granted, direct_only=direct_only, ptc_only=True)
         self.quotes: dict[Any, Any] = {}
 
-    def submit(self, *, toolset: str, tool: str, arguments: Any) -> Dispatched | Refused:
+    def submit_many(self, requests: list[tuple[str, str, Any]]) -> list[Dispatched | Refused]:
+        """Check, record, reserve and enqueue a burst of calls ``(toolset, tool, arguments)``: one
+        INSERT, one round trip of events, one producer. Return each one's outcome, in order."""
         try:
-            return self._submit(toolset=toolset, tool=tool, arguments=arguments)
+            return self._submit_many(requests)
         finally:
             connection.close()  # this runs on a session's submit thread: give its connection back to the pool
 
-    def _submit(self, *, toolset: str, tool: str, arguments: Any) -> Dispatched | Refused:
-        call_id = f"ptc_{uuid.uuid4().hex}"
-        record = {
-            "call_id": call_id,
-            "user": self.job.user,
-            "job": self.job,
-            "toolset": toolset,
-            "tool": tool,
-            "arguments": arguments,
-        }
-        try:
-            found = self.checker.check(toolset, tool, arguments)
-        except ToolFailure as failure:
-            _tool_call_record(**record, found=None, error=failure.as_dict())
-            return Refused(call_id=call_id, error=failure.as_dict())
-        _tool_call_record(**record, found=found)
-        error = _tool_call_reserve(
-            call_id=call_id, user=self.job.user, tool=found, job=self.job, quotes=self.quotes
-        ) or _tool_call_enqueue(call_id=call_id)
-        if error:
-            return Refused(call_id=call_id, error=error)
-        return Dispatched(call_id=call_id, timeout=found.timeout or settings.PTC_DEFAULT_TOOL_TIMEOUT)
+    def _submit_many(self, requests: list[tuple[str, str, Any]]) -> list[Dispatched | Refused]:
+        calls, found_tools, outcomes = [], [], []
+        for toolset, tool, arguments in requests:
+            fields = {
+                "call_id": f"ptc_{uuid.uuid4().hex}",
+                "user": self.job.user,
+                "job": self.job,
+                "toolset": toolset,
+                "tool": tool,
+                "arguments": arguments,
+            }
+            try:
+                found = self.checker.check(toolset, tool, arguments)
+                calls.append(_tool_call_build(**fields, found=found))
+            except ToolFailure as failure:
+                found = None
+                calls.append(_tool_call_build(**fields, found=None, error=failure.as_dict()))
+            found_tools.append(found)
+        _tool_calls_record(calls)
+        accepted = []
+        for call, found in zip(calls, found_tools, strict=True):
+            if found is None:
+                outcomes.append(Refused(call_id=call.call_id, error=call.error))
+                continue
+            error = _tool_call_reserve(call_id=call.call_id, user=self.job.user, tool=found, job=self.job, quotes=self.quotes)
+            if error:
+                outcomes.append(Refused(call_id=call.call_id, error=error))
+            else:
+                outcomes.append(Dispatched(call_id=call.call_id, timeout=found.timeout or settings.PTC_DEFAULT_TOOL_TIMEOUT))
+                accepted.append(call.call_id)
+        errors = _tool_calls_enqueue(accepted)
+        return [Refused(call_id=o.call_id, error=errors[o.call_id]) if o.call_id in errors else o for o in outcomes]
 
     def lookup(self, *, call_id: str) -> dict[str, Any] | None:
         """Return the reply for a call that has finished, from its record; None while it runs."""

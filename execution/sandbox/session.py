@@ -69,8 +69,9 @@ class Refused:
 class CallRouter(Protocol):
     """What the session needs from the rest of the system to run a tool call."""
 
-    def submit(self, *, toolset: str, tool: str, arguments: Any) -> Dispatched | Refused:
-        """Check, record and enqueue one call. Called on the session's submit threads."""
+    def submit_many(self, requests: list[tuple[str, str, Any]]) -> list[Dispatched | Refused]:
+        """Check, record and enqueue calls ``(toolset, tool, arguments)``; return each one's outcome,
+        in order. Called on the session's submit threads."""
         ...
 
     def lookup(self, *, call_id: str) -> dict[str, Any] | None:
@@ -132,6 +133,7 @@ class Session:
         self.outbox = bytearray()
         self.in_flight: dict[str, _InFlight] = {}
         self.submitting = 0
+        self.to_submit: list[tuple[int, str, str, Any]] = []
         self.submitted: queue.SimpleQueue[tuple[int, Dispatched | Refused | None]] = queue.SimpleQueue()
         self.early: dict[str, dict[str, Any]] = {}
         self.waiting: deque[dict[str, Any]] = deque()
@@ -224,6 +226,20 @@ class Session:
                         self._on_submitted()
                     if self.ended is not None:
                         break
+                now = time.monotonic()
+                for name, since in list(self.chunk_since.items()):
+                    if now >= since + OUTPUT_CHUNK_SECONDS:
+                        self._flush_chunk(name)
+                if now >= deadline and self.ended is None:
+                    self._end("timeout", "Timeout", f"the code ran past its {self.limits.timeout:g} s timeout")
+                if now >= next_beat:
+                    self.heartbeat()
+                    next_beat = now + self.heartbeat_every
+                for call_id, call in list(self.in_flight.items()):
+                    if now >= call.deadline and call_id in self.in_flight:
+                        self._reply(call_id, self.router.overdue(call_id=call_id))
+                # Last: what this wake-up dispatched goes out in one go, and replies are written.
+                self._flush_submits()
                 if "bridge" in open_streams:
                     reading = selectors.EVENT_READ if len(self.waiting) < MAX_WAITING_CALLS else 0
                     events = reading | (selectors.EVENT_WRITE if self.outbox else 0)
@@ -237,18 +253,6 @@ class Session:
                     sel.register(sock, selectors.EVENT_READ | selectors.EVENT_WRITE, "bridge")
                     open_streams.add("bridge")
                     paused_bridge = False
-                now = time.monotonic()
-                for name, since in list(self.chunk_since.items()):
-                    if now >= since + OUTPUT_CHUNK_SECONDS:
-                        self._flush_chunk(name)
-                if now >= deadline and self.ended is None:
-                    self._end("timeout", "Timeout", f"the code ran past its {self.limits.timeout:g} s timeout")
-                if now >= next_beat:
-                    self.heartbeat()
-                    next_beat = now + self.heartbeat_every
-                for call_id, call in list(self.in_flight.items()):
-                    if now >= call.deadline and call_id in self.in_flight:
-                        self._reply(call_id, self.router.overdue(call_id=call_id))
         finally:
             sel.close()
             for name in list(self.chunk_since):
@@ -341,16 +345,28 @@ class Session:
             self._end("failed", "BridgeError", "the sandbox sent a call frame without toolset and tool names")
             return
         self.submitting += 1
-        self.submitter.submit(self._submit, message["id"], toolset, tool, message.get("args"))
+        self.to_submit.append((message["id"], toolset, tool, message.get("args")))
 
-    def _submit(self, request_id: int, toolset: str, tool: str, arguments: Any) -> None:
-        """On a submit thread: hand the call to the router, then wake the loop with the outcome."""
-        submitted: Dispatched | Refused | None = None
+    def _flush_submits(self) -> None:
+        """Hand what was dispatched since the last wake-up to the submit threads, a burst split into
+        one batch per thread: a batch costs about as much as one call."""
+        if not self.to_submit:
+            return
+        pending, self.to_submit = self.to_submit, []
+        size = -(-len(pending) // SUBMIT_THREADS)
+        for start in range(0, len(pending), size):
+            self.submitter.submit(self._submit, pending[start : start + size])
+
+    def _submit(self, batch: list[tuple[int, str, str, Any]]) -> None:
+        """On a submit thread: hand a batch to the router, then wake the loop with the outcomes."""
+        outcomes: list[Dispatched | Refused | None]
         try:
-            submitted = self.router.submit(toolset=toolset, tool=tool, arguments=arguments)
-        except Exception:  # a failure here is this call's, never the job's or the worker's
-            logger.exception("could not submit a tool call")
-        self.submitted.put((request_id, submitted))
+            outcomes = list(self.router.submit_many([(toolset, tool, args) for _, toolset, tool, args in batch]))
+        except Exception:  # a failure here is these calls', never the job's or the worker's
+            logger.exception("could not submit tool calls")
+            outcomes = [None] * len(batch)
+        for (request_id, *_), outcome in zip(batch, outcomes, strict=True):
+            self.submitted.put((request_id, outcome))
         os.write(self._wake_w, b"\0")
 
     def _on_submitted(self) -> None:
