@@ -236,3 +236,49 @@ def test_usage_is_private(make_api: Callable[..., Api]) -> None:
 def test_zz_the_ledger_invariant_holds_after_everything() -> None:
     assert ledger_mismatches() == []
     call_command("check_ledger")
+
+
+@pytest.mark.parametrize("where", ["toolset", "tool"])
+def test_negative_prices_get_a_field_error_and_save_nothing(make_api: Callable[..., Api], where: str) -> None:
+    staff = make_api(staff=True)
+    key = f"neg_{uuid.uuid4().hex[:6]}"
+    tool = {
+        "name": "x",
+        "input_schema": {"type": "object"},
+        "http": {"method": "GET", "path": "/x"},
+        "price": -3 if where == "tool" else None,
+    }
+    body = {
+        "key": key,
+        "name": "Neg",
+        "kind": "http",
+        "price": -1 if where == "toolset" else 1,
+        "config": {"base_url": "http://127.0.0.1:9"},
+        "tools": [tool],
+    }
+    entries = LedgerEntry.objects.count()
+    response = staff.post("/api/v1/toolsets", json=body)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["details"]
+    assert not Toolset.objects.filter(key=key).exists()
+    assert LedgerEntry.objects.count() == entries
+
+
+def test_create_api_key_grants_credits_through_the_ledger(stack_env: dict[str, str]) -> None:
+    import subprocess
+    import sys
+
+    from tests.stack import ROOT
+
+    username = f"granted-{uuid.uuid4().hex[:6]}"
+    subprocess.run(
+        [sys.executable, "manage.py", "create_api_key", username, "--create-user", "--credits", "42"],
+        cwd=ROOT,
+        env=stack_env,
+        check=True,
+        capture_output=True,
+    )
+    account = CreditAccount.objects.get(user__username=username)
+    assert account.balance == 42
+    [entry] = LedgerEntry.objects.filter(account=account)
+    assert (entry.kind, entry.delta) == ("grant", 42)

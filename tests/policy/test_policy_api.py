@@ -159,3 +159,57 @@ def test_the_admin_try_a_decision_form(staff: Api) -> None:
     assert "toolset &#x27;demo&#x27; is on the blocklist" in page.content.decode()
     assert client.get("/admin/policy/policy/1/change/").status_code == 200
     assert "toolset_blocklist" in client.get("/admin/policy/policy/1/change/").content.decode()
+
+
+@pytest.mark.parametrize(
+    ("variable", "value"),
+    [
+        ("PTC_MODE", "sometimes"),
+        ("PTC_ROLLOUT_PERCENT", "150"),
+        ("PTC_DEBUG", "maybe"),
+        ("PTC_MAX_TOOL_CALLS", "-1"),
+        ("PTC_SEQUENTIAL", "perhaps"),
+        ("PTC_TIMEOUT", "ten"),
+    ],
+)
+def test_a_bad_seed_value_stops_start_up_naming_the_variable(stack_env: dict[str, str], variable: str, value: str) -> None:
+    import subprocess
+    import sys
+
+    from tests.stack import ROOT
+
+    result = subprocess.run(
+        [sys.executable, "manage.py", "check"], cwd=ROOT, env={**stack_env, variable: value}, capture_output=True, text=True
+    )
+    assert result.returncode != 0
+    assert "ImproperlyConfigured" in result.stderr
+    assert variable in result.stderr.splitlines()[-1]
+
+
+def test_the_admin_creates_a_key_and_shows_it_once(staff: Api) -> None:
+    from django.contrib.auth import get_user_model
+    from django.test import Client
+
+    from ptcproject.accounts.models import ApiKey
+
+    superuser = get_user_model().objects.create_user(username=f"su-{uuid.uuid4().hex[:6]}", is_staff=True, is_superuser=True)
+    owner = get_user_model().objects.get(username=staff.username)
+    client = Client()
+    client.force_login(superuser)
+    page = client.post(
+        "/admin/accounts/apikey/add/",
+        {"user": owner.pk, "name": "from the admin", "expires_at_0": "", "expires_at_1": ""},
+        follow=True,
+    )
+    assert page.status_code == 200
+    text = page.content.decode()
+    plaintext = text.split("shown only this once: ")[1].split("<")[0].strip()
+    key = ApiKey.objects.get(user=owner, name="from the admin")
+    assert plaintext.startswith(f"ptc_{key.prefix}_")
+    import hashlib
+
+    assert key.key_hash == hashlib.sha256(plaintext.encode()).hexdigest()
+    assert plaintext not in client.get(f"/admin/accounts/apikey/{key.pk}/change/").content.decode()
+    client.post("/admin/accounts/apikey/", {"action": "revoke", "_selected_action": [key.pk]})
+    key.refresh_from_db()
+    assert key.revoked_at is not None
