@@ -10,7 +10,7 @@ from django.utils.html import format_html
 from ptcproject.errors import ApplicationError
 from tools.models import Tool, Toolset
 from tools.sdk import tool_signature
-from tools.services import mcp_toolset_sync
+from tools.services import TOOL_FIELDS, mcp_toolset_sync
 from tools.validation import FieldError, config_errors, identifier_problem, tool_errors
 
 
@@ -58,20 +58,7 @@ class ToolInline(admin.StackedInline):
     form = ToolForm
     formset = ToolFormSet
     extra = 0
-    fields = (
-        "name",
-        "remote_name",
-        "description",
-        "input_schema",
-        "output_schema",
-        "allowed_callers",
-        "read_only",
-        "timeout",
-        "price",
-        "billing_free",
-        "enabled",
-        "http",
-    )
+    fields = ("name", "remote_name", *TOOL_FIELDS)  # what the API writes, in the same order
     formfield_overrides = _PRETTY
 
 
