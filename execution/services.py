@@ -39,6 +39,7 @@ from execution.events import (
 )
 from execution.models import ExecJob, ToolCall
 from execution.sandbox.limits import Limits
+from execution.sandbox.process import SandboxUnavailable
 from execution.sandbox.session import CALL_GRACE_SECONDS, Dispatched, Outcome, Refused, Session
 from ptcproject.accounts.models import ApiKey
 from ptcproject.accounts.services import api_key_create, job_keys_revoke
@@ -201,6 +202,9 @@ def exec_job_run(*, job_id: str, worker: str) -> None:
         )
         try:
             outcome = session.run()
+        except SandboxUnavailable as exc:
+            logger.error("this host cannot run sandboxes: %s", exc, extra={"job_id": job_id})
+            outcome = Outcome(status="failed", error={"type": "SandboxCrashed", "message": str(exc), "traceback": ""})
         except Exception as exc:  # the worker survives anything a sandbox does; the job records it
             logger.exception("sandbox failed", extra={"job_id": job_id})
             outcome = Outcome(status="failed", error={"type": "SandboxCrashed", "message": str(exc), "traceback": ""})

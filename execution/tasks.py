@@ -1,11 +1,15 @@
+import logging
 from typing import Any
 
 from celery import shared_task
 from celery.signals import worker_ready
 from django.conf import settings
 
+from execution.sandbox import process
 from execution.services import exec_job_run, exec_jobs_reap, worker_name
 from ptcproject import queues
+
+logger = logging.getLogger("ptc.execution")
 
 
 @shared_task(
@@ -30,3 +34,7 @@ def _reap_on_start(sender: Any = None, **_: Any) -> None:
     consumer_queues = {q.name for q in getattr(getattr(sender, "task_consumer", None), "queues", [])}
     if not consumer_queues or queues.EXEC in consumer_queues:
         reap_jobs.delay()
+        try:
+            process.check()
+        except process.SandboxUnavailable as exc:  # said at start, not first at a user's job
+            logger.error("this exec worker cannot run sandboxes: %s", exc)

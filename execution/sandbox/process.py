@@ -120,8 +120,10 @@ def _guest_dir() -> Path:
     return target
 
 
+@functools.cache
 def check() -> None:
-    """Raise SandboxUnavailable, saying what to install, if a sandbox cannot start here."""
+    """Raise SandboxUnavailable, saying what to install, if a sandbox cannot start here. Once a
+    process found everything, it doesn't look again."""
     for path, package in ((settings.PTC_BWRAP, "bubblewrap"), (settings.PTC_SANDBOX_PYTHON, "python3")):
         if not os.access(path, os.X_OK):
             raise SandboxUnavailable(f"{path} is missing: install Debian's '{package}' package.")
@@ -173,7 +175,11 @@ def command(*, limits: Limits, sdk_dir: Path, bridge_fd: int, seccomp_fd: int) -
 
 
 def spawn(*, limits: Limits, sdk_dir: Path, bridge_fd: int) -> subprocess.Popen[bytes]:
-    """Start the sandbox. The caller owns the returned process and must ``kill`` and ``wait`` it."""
+    """Start the sandbox. The caller owns the returned process and must ``kill`` and ``wait`` it.
+
+    Raise SandboxUnavailable, saying what to install, when this host can't run one.
+    """
+    check()
     seccomp_fd = _program_fd()
     try:
         as_root = os.geteuid() == 0
