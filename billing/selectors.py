@@ -5,7 +5,7 @@ from django.db.models import F, QuerySet, Sum
 from django.db.models.functions import TruncDate
 from django.utils import timezone
 
-from billing.models import CreditAccount, CreditUsage, LedgerEntry
+from billing.models import CreditAccount, CreditUsage
 
 
 def usage_for(*, user: AbstractBaseUser) -> QuerySet[CreditUsage]:
@@ -47,7 +47,3 @@ def usage_by_day(*, days: int = 30, group: str = "toolset") -> tuple[list[str], 
         values = series.setdefault(str(row["series"]), [0] * days)
         values[dates.index(row["day"].isoformat())] += row["total"]
     return dates, series
-
-
-def ledger_for(*, user: AbstractBaseUser) -> QuerySet[LedgerEntry]:
-    return LedgerEntry.objects.filter(account__user=user)

@@ -11,7 +11,6 @@ import asyncio
 import functools
 import json
 import logging
-import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -226,7 +225,3 @@ async def event_stream(*, job_id: Any, last_event_id: str | None = None) -> Asyn
                     return
     finally:
         await client.aclose()
-
-
-def now_ms() -> float:
-    return time.time() * 1000
