@@ -247,3 +247,55 @@ def reservations_repair(*, older_than_seconds: int) -> int:
             continue
         repaired += 1
     return repaired
+
+
+def call_complete_and_settle(*, tool_call_id: str, output: Any, finished_at: Any) -> bool:
+    """PostgreSQL only: mark the call completed and settle what was held for it, in one statement.
+
+    Every settlement of a user updates that user's account row. Done as separate statements, each
+    transaction holds the row's lock from its UPDATE to its COMMIT, and under load the client's
+    COMMIT waits for a busy worker's GIL while every other call of the user waits for the lock.
+    Done as one statement, the lock lasts as long as PostgreSQL takes to run it. Return False if
+    the call had already finished (a redelivery: nothing changes).
+    """
+    from execution.models import ToolCall
+
+    tables = {
+        "call": ToolCall._meta.db_table,
+        "reservation": Reservation._meta.db_table,
+        "usage": CreditUsage._meta.db_table,
+        "ledger": LedgerEntry._meta.db_table,
+        "account": CreditAccount._meta.db_table,
+    }
+    sql = """
+    WITH held AS (
+        SELECT id, account_id, exec_job_id, amount, due_amount, meta FROM {reservation}
+        WHERE tool_call_id = %(call)s AND status = 'held'
+    ), done AS (
+        UPDATE {call} SET status = 'completed', output = %(output)s::jsonb, error = NULL, finished_at = %(now)s,
+               credits = COALESCE((SELECT amount FROM held), 0)
+        WHERE call_id = %(call)s AND status = 'executing'
+        RETURNING call_id
+    ), settled AS (
+        UPDATE {reservation} r SET status = 'settled', closed_at = %(now)s
+        FROM held WHERE r.id = held.id AND EXISTS (SELECT 1 FROM done)
+        RETURNING r.account_id, r.exec_job_id, r.amount, r.due_amount, r.meta
+    ), usage AS (
+        INSERT INTO {usage} (user_id, exec_job_id, tool_call_id, usage_type, tool_call_meta, amount, due_amount, created_at)
+        SELECT a.user_id, s.exec_job_id, %(call)s, 'tool_call', s.meta, s.amount, s.due_amount, %(now)s
+        FROM settled s JOIN {account} a ON a.id = s.account_id
+    ), ledger AS (
+        INSERT INTO {ledger} (account_id, kind, delta, reason, tool_call_id, created_by_id, created_at)
+        SELECT s.account_id, 'charge', -s.amount,
+               (s.meta ->> 'toolsetKey') || '.' || (s.meta ->> 'toolName') || ' call ' || %(call)s, %(call)s, NULL, %(now)s
+        FROM settled s WHERE s.amount > 0
+    ), charged AS (
+        UPDATE {account} a SET reserved = a.reserved - s.amount, balance = a.balance - s.amount, updated_at = %(now)s
+        FROM settled s WHERE a.id = s.account_id
+    )
+    SELECT count(*) FROM done
+    """.format(**tables)  # noqa: S608 - table names from the models, values as parameters
+    params = {"call": tool_call_id, "output": json.dumps(output), "now": finished_at}
+    with connection.cursor() as cursor:
+        cursor.execute(sql, params)
+        return bool(cursor.fetchone()[0])

@@ -22,6 +22,7 @@ from billing.models import Reservation
 from billing.services import (
     CreditsRefused,
     billable,
+    call_complete_and_settle,
     credits_release,
     credits_reserve,
     credits_settle,
@@ -587,6 +588,11 @@ def _tool_call_finish(
         "error": storable(error),
         "finished_at": timezone.now(),
     }
+    if billed and not error and connection.vendor == "postgresql":
+        finished = call_complete_and_settle(tool_call_id=call_id, output=fields["output"], finished_at=fields["finished_at"])
+        if finished and event:
+            _tool_call_event(ToolCall.objects.get(call_id=call_id))
+        return finished
     if billed and not error:
         # What it costs is what was held for it: recorded in the same UPDATE, settled right after.
         held = Reservation.objects.filter(tool_call_id=OuterRef("call_id"), status=Reservation.Status.HELD)
