@@ -249,14 +249,14 @@ def reservations_repair(*, older_than_seconds: int) -> int:
     return repaired
 
 
-def call_complete_and_settle(*, tool_call_id: str, output: Any, finished_at: Any) -> bool:
+def call_complete_and_settle(*, tool_call_id: str, output: Any, finished_at: Any) -> int | None:
     """PostgreSQL only: mark the call completed and settle what was held for it, in one statement.
 
     Every settlement of a user updates that user's account row. Done as separate statements, each
     transaction holds the row's lock from its UPDATE to its COMMIT, and under load the client's
     COMMIT waits for a busy worker's GIL while every other call of the user waits for the lock.
-    Done as one statement, the lock lasts as long as PostgreSQL takes to run it. Return False if
-    the call had already finished (a redelivery: nothing changes).
+    Done as one statement, the lock lasts as long as PostgreSQL takes to run it. Return the credits
+    charged, or None if the call had already finished (a redelivery: nothing changes).
     """
     from execution.models import ToolCall
 
@@ -293,9 +293,10 @@ def call_complete_and_settle(*, tool_call_id: str, output: Any, finished_at: Any
         UPDATE {account} a SET reserved = a.reserved - s.amount, balance = a.balance - s.amount, updated_at = %(now)s
         FROM settled s WHERE a.id = s.account_id
     )
-    SELECT count(*) FROM done
+    SELECT (SELECT count(*) FROM done), COALESCE((SELECT amount FROM held), 0)
     """.format(**tables)  # noqa: S608 - table names from the models, values as parameters
     params = {"call": tool_call_id, "output": json.dumps(output), "now": finished_at}
     with connection.cursor() as cursor:
         cursor.execute(sql, params)
-        return bool(cursor.fetchone()[0])
+        finished, credits = cursor.fetchone()
+    return credits if finished else None

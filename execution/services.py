@@ -576,36 +576,45 @@ def _reply(call: ToolCall) -> dict[str, Any]:
 
 
 def _tool_call_finish(
-    *, call_id: str, output: Any = None, error: dict[str, str] | None = None, billed: bool = True, event: bool = True
+    *,
+    call_id: str,
+    output: Any = None,
+    error: dict[str, str] | None = None,
+    billed: bool = True,
+    event: bool = True,
+    record: ToolCall | None = None,
 ) -> bool:
     """Move an executing call to completed or failed, settling or releasing its credits in the same
     transaction, and publish its event (unless ``event=False``: the caller does, later). Return
     False if it had already finished (a redelivery: nothing changes). ``billed=False`` says the tool
-    is never billed, which skips the books."""
-    fields = {
+    is never billed, which skips the books. ``record``, the call's row, is brought up to date."""
+    fields: dict[str, Any] = {
         "status": ToolCall.Status.FAILED if error else ToolCall.Status.COMPLETED,
         "output": None if error else storable(output),
         "error": storable(error),
         "finished_at": timezone.now(),
     }
+    credits = 0
     if billed and not error and connection.vendor == "postgresql":
-        finished = call_complete_and_settle(tool_call_id=call_id, output=fields["output"], finished_at=fields["finished_at"])
-        if finished and event:
-            _tool_call_event(ToolCall.objects.get(call_id=call_id))
-        return finished
-    if billed and not error:
-        # What it costs is what was held for it: recorded in the same UPDATE, settled right after.
-        held = Reservation.objects.filter(tool_call_id=OuterRef("call_id"), status=Reservation.Status.HELD)
-        fields["credits"] = Coalesce(Subquery(held.values("amount")[:1]), 0)
-    with transaction.atomic() if billed and not error else nullcontext():
-        finished = ToolCall.objects.filter(call_id=call_id, status=ToolCall.Status.EXECUTING).update(**fields)
-        if finished and billed and not error:
-            credits_settle(tool_call_id=call_id)
-    if finished and billed and error:
-        credits_release(tool_call_id=call_id)
+        charged = call_complete_and_settle(tool_call_id=call_id, output=fields["output"], finished_at=fields["finished_at"])
+        finished, credits = charged is not None, charged or 0
+    else:
+        if billed and not error:
+            # What it costs is what was held for it: recorded in the same UPDATE, settled right after.
+            held = Reservation.objects.filter(tool_call_id=OuterRef("call_id"), status=Reservation.Status.HELD)
+            fields["credits"] = Coalesce(Subquery(held.values("amount")[:1]), 0)
+        with transaction.atomic() if billed and not error else nullcontext():
+            finished = bool(ToolCall.objects.filter(call_id=call_id, status=ToolCall.Status.EXECUTING).update(**fields))
+            if finished and billed and not error:
+                credits = credits_settle(tool_call_id=call_id)
+        if finished and billed and error:
+            credits_release(tool_call_id=call_id)
+    if finished and record is not None:
+        for name, value in {**fields, "credits": credits}.items():
+            setattr(record, name, value)
     if finished and event:
-        _tool_call_event(ToolCall.objects.get(call_id=call_id))
-    return bool(finished)
+        _tool_call_event(record if record is not None else ToolCall.objects.get(call_id=call_id))
+    return finished
 
 
 def _tool_call_reserve(
@@ -645,25 +654,26 @@ def tool_call_execute(*, call_id: str) -> None:
         .filter(Q(exec_job__isnull=True) | Q(exec_job__status=Status.RUNNING))
         .update(claimed_at=timezone.now())
     )
-    call = ToolCall.objects.filter(call_id=call_id).values("tool_id", "input", "ptc_call_id", "status", "claimed_at").first()
+    call = ToolCall.objects.filter(call_id=call_id).first()
     if call is None:
         logger.warning("tool call not found", extra={"call_id": call_id})
         return
+    tool = None
     if claimed:
-        tool = tool_for_call(tool_id=call["tool_id"]) if call["tool_id"] else None
+        tool = tool_for_call(tool_id=call.tool_id) if call.tool_id else None
         if tool is None:
             reply = _tool_call_fail(call_id, "unknown_tool", "the tool no longer exists")
         else:
-            reply = _tool_call_run(call_id=call_id, tool=tool, arguments=call["input"])
-    elif call["status"] != ToolCall.Status.EXECUTING:
-        reply = _reply(ToolCall.objects.get(call_id=call_id))
-    elif call["claimed_at"] is not None:
+            reply = _tool_call_run(call=call, tool=tool)
+    elif call.status != ToolCall.Status.EXECUTING:
+        reply = _reply(call)
+    elif call.claimed_at is not None:
         reply = _tool_call_fail(call_id, "worker_lost", "the tools worker running this call stopped; it was not run again")
     else:
         reply = _tool_call_fail(call_id, "job_ended", "the job ended before this call started; it was not run")
-    channels.publish(_result_channel(call_id, call["ptc_call_id"]), {"kind": "result", "call_id": call_id, **reply})
-    if claimed and call["ptc_call_id"]:  # the code has its result; now tell the watchers
-        _tool_call_event(ToolCall.objects.get(call_id=call_id))
+    channels.publish(_result_channel(call_id, call.ptc_call_id), {"kind": "result", "call_id": call_id, **reply})
+    if claimed and tool is not None and call.ptc_call_id:  # the code has its result; now tell the watchers
+        _tool_call_event(call)
 
 
 def _result_channel(call_id: str, ptc_call_id: str) -> str:
@@ -686,8 +696,9 @@ def _tool_call_fail(call_id: str, code: str, message: str) -> dict[str, Any]:
     return _reply(ToolCall.objects.get(call_id=call_id))
 
 
-def _tool_call_run(*, call_id: str, tool: Tool, arguments: dict[str, Any]) -> dict[str, Any]:
-    """Run the tool and record the outcome. Return the reply for the waiting code."""
+def _tool_call_run(*, call: ToolCall, tool: Tool) -> dict[str, Any]:
+    """Run the tool and record the outcome on ``call``. Return the reply for the waiting code."""
+    call_id, arguments = call.call_id, call.input
     started = time.monotonic()
     # Hand the database connection back to the pool while the tool runs: a slow tool must not hold
     # one of the pool's few connections idle while other calls wait for it.
@@ -713,6 +724,7 @@ def _tool_call_run(*, call_id: str, tool: Tool, arguments: dict[str, Any]) -> di
         error=reply.get("error"),
         billed=billable(toolset=tool.toolset, tool=tool),
         event=False,
+        record=call,
     )
     logger.info(
         "tool call ran",

@@ -31,8 +31,14 @@ def _size_pool_for_queue(conf: Any = None, options: dict[str, Any] | None = None
     from django.conf import settings
 
     wanted = set((options or {}).get("queues") or [])
-    if conf is not None and conf.worker_concurrency is None:
+    if conf is None:
+        return
+    if conf.worker_concurrency is None:
         if wanted == {queues.TOOLS}:
             conf.worker_concurrency = settings.PTC_TOOLS_CONCURRENCY
         else:
             conf.worker_concurrency = settings.PTC_EXEC_CONCURRENCY
+    if wanted == {queues.TOOLS} and not settings.PTC_TOOLS_TASK_EVENTS:
+        # Three event publishes per task on the consumer's one thread are what a tools worker
+        # spends most on between calls; each call already has its record and its live events.
+        conf.worker_send_task_events = False

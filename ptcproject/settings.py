@@ -170,9 +170,12 @@ CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 # Exec tasks wait on sandboxes and tools tasks wait on I/O: threads, not processes, fit both.
 # The number of threads is set per queue in ptcproject/celery.py unless -c is given.
 CELERY_WORKER_POOL = "threads"
-# Task events feed `celery events` and flower: observable by default (STYLE.md §14). Workers send
-# them; the "sent" event is left off, as it would add a publish to every tool call's hot path.
+# Task events feed `celery events` and flower: observable by default (STYLE.md §14). Exec workers
+# send them; tools workers only with PTC_TOOLS_TASK_EVENTS (every call already has its record and
+# its live events, and three publishes per task cost a busy tools worker more than anything else).
+# The "sent" event is left off: it would add a publish to every tool call's hot path.
 CELERY_WORKER_SEND_TASK_EVENTS = True
+PTC_TOOLS_TASK_EVENTS = env.bool("PTC_TOOLS_TASK_EVENTS", default=False)
 # Don't let the worker hijack the root logger; our own handlers stay.
 CELERY_WORKER_HIJACK_ROOT_LOGGER = False
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
