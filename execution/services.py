@@ -14,7 +14,7 @@ import jsonschema
 from django.conf import settings
 from django.contrib.auth.models import AbstractBaseUser
 from django.db import DatabaseError, connection, transaction
-from django.db.models import OuterRef, Q, Subquery
+from django.db.models import OuterRef, Subquery
 from django.db.models.functions import Coalesce
 from django.utils import timezone
 
@@ -641,6 +641,16 @@ def _tool_call_reserve(
     return None
 
 
+# The claim and the read of the row in one statement (PostgreSQL and SQLite both have RETURNING):
+# executing, unclaimed, and its job (if any) still running.
+_CLAIM_SQL = f"""
+UPDATE {ToolCall._meta.db_table} SET claimed_at = %s
+WHERE call_id = %s AND status = 'executing' AND claimed_at IS NULL
+  AND (exec_job_id IS NULL OR exec_job_id IN (SELECT id FROM {ExecJob._meta.db_table} WHERE status = 'running'))
+RETURNING *
+"""  # noqa: S608 - table names from the models, values as parameters
+
+
 def tool_call_execute(*, call_id: str) -> None:
     """Run one recorded call, once: claim it, run it, record the result, push it to the job.
 
@@ -649,12 +659,9 @@ def tool_call_execute(*, call_id: str) -> None:
     pushed again (the bridge ignores repeats); if it never finished, the worker that ran it died,
     and it fails as ``worker_lost`` rather than run twice.
     """
-    claimed = (
-        ToolCall.objects.filter(call_id=call_id, status=ToolCall.Status.EXECUTING, claimed_at__isnull=True)
-        .filter(Q(exec_job__isnull=True) | Q(exec_job__status=Status.RUNNING))
-        .update(claimed_at=timezone.now())
-    )
-    call = ToolCall.objects.filter(call_id=call_id).first()
+    claimed_rows = list(ToolCall.objects.raw(_CLAIM_SQL, [timezone.now(), call_id]))
+    claimed = bool(claimed_rows)
+    call = claimed_rows[0] if claimed else ToolCall.objects.filter(call_id=call_id).first()
     if call is None:
         logger.warning("tool call not found", extra={"call_id": call_id})
         return
