@@ -1,4 +1,11 @@
-"""kombu's Redis transport, with one defect worked around.
+"""kombu's transports, with two defects worked around.
+
+Filesystem (the embedded default): kombu writes a message into its final file name, so a consumer
+listing the folder can take the file before its content is written, read nothing, and die on the
+JSON (Celery calls that unrecoverable). Here a message is written under another name and renamed
+into place: a rename is atomic, so a consumer sees a whole message or none.
+
+Redis:
 
 When a worker loses its broker connection while it holds an unacknowledged message (an exec job
 runs for its whole life with ``acks_late``), kombu closes the channel, then tries to restore that
@@ -10,9 +17,13 @@ tasks find their record already claimed, so a restore never runs anything twice.
 """
 
 import logging
+import os
+import uuid
+from time import monotonic
 from typing import Any
 
-from kombu.transport import redis
+from kombu.transport import filesystem, redis
+from kombu.utils.json import dumps
 
 logger = logging.getLogger("ptc.broker")
 
@@ -44,3 +55,17 @@ class Channel(redis.Channel):
 
 class Transport(redis.Transport):
     Channel = Channel
+
+
+class FilesystemChannel(filesystem.Channel):
+    def _put(self, queue: str, payload: Any, **kwargs: Any) -> None:
+        name = f"{round(monotonic() * 1000)}_{uuid.uuid4()}.{queue}.msg"
+        final = os.path.join(self.data_folder_out, name)
+        partial = f"{final}.part"  # not "<queue>.msg": no consumer takes it
+        with open(partial, "wb") as handle:
+            handle.write(dumps(payload).encode())
+        os.replace(partial, final)
+
+
+class FilesystemTransport(filesystem.Transport):
+    Channel = FilesystemChannel

@@ -180,6 +180,8 @@ PTC_TOOLS_TASK_EVENTS = env.bool("PTC_TOOLS_TASK_EVENTS", default=False)
 CELERY_WORKER_HIJACK_ROOT_LOGGER = False
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 if EMBEDDED:
+    # kombu's filesystem transport with atomic message writes (ptcproject/broker.py).
+    CELERY_BROKER_TRANSPORT = "ptcproject.broker:FilesystemTransport"
     _broker_dir = DATA_DIR / "broker"
     for _folder in ("queue", "processed", "control"):
         (_broker_dir / _folder).mkdir(parents=True, exist_ok=True)
