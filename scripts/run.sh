@@ -28,16 +28,24 @@ fi
 $py manage.py migrate --no-input -v0
 
 pids=()
-stop() {
-    trap - EXIT INT TERM
-    [ ${#pids[@]} -gt 0 ] && kill "${pids[@]}" 2>/dev/null
+stop() {  # TERM, then KILL what is still up after 20 s: nothing outlives the quickstart
+    trap - EXIT INT TERM HUP
+    [ ${#pids[@]} -gt 0 ] || return 0
+    kill -TERM "${pids[@]}" 2>/dev/null || true
+    for _ in $(seq 200); do
+        kill -0 "${pids[@]}" 2>/dev/null || break
+        sleep 0.1
+    done
+    kill -KILL "${pids[@]}" 2>/dev/null || true
     wait 2>/dev/null || true
 }
-trap stop EXIT INT TERM
+trap stop EXIT INT TERM HUP
 
 start() {  # name, then the command
     local name=$1; shift
-    "$@" >"$logs/$name.log" 2>&1 &
+    # Its own session: the terminal's Ctrl-C and hang-up reach this script only, never the workers
+    # directly (Celery restarts itself on SIGHUP), and this script stops them in order.
+    setsid "$@" >"$logs/$name.log" 2>&1 &
     pids+=($!)
 }
 start web .venv/bin/uvicorn ptcproject.asgi:application --host 127.0.0.1 --port "$port"
