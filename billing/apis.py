@@ -1,14 +1,19 @@
+from typing import Any
+
 from django.contrib.auth import get_user_model
+from django.db.models import QuerySet
 from drf_spectacular.utils import extend_schema
-from rest_framework import generics, status
+from rest_framework import status
 from rest_framework.permissions import IsAdminUser
 from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from billing.models import CreditUsage
 from billing.selectors import usage_for
 from billing.serializers import BalanceSerializer, CreditsSerializer, LedgerEntrySerializer, UsageQuerySerializer, UsageSerializer
 from billing.services import account_get, credits_adjust
+from ptcproject.lists import FilteredListApi
 
 
 class BalanceApi(APIView):
@@ -24,16 +29,15 @@ class BalanceApi(APIView):
         return Response(BalanceSerializer(body).data)
 
 
-class UsageListApi(generics.ListAPIView):
+class UsageListApi(FilteredListApi):
     serializer_class = UsageSerializer
+    query_serializer = UsageQuerySerializer
 
-    def get_queryset(self):  # type: ignore[no-untyped-def]
-        query = UsageQuerySerializer(data=self.request.query_params)
-        query.is_valid(raise_exception=True)
-        rows = usage_for(user=self.request.user)
-        if "exec" in query.validated_data:
-            rows = rows.filter(exec_job_id=query.validated_data["exec"])
-        return rows
+    def rows(self) -> QuerySet[CreditUsage]:
+        return usage_for(user=self.request.user)
+
+    def filter_rows(self, rows: QuerySet[CreditUsage], query: dict[str, Any]) -> QuerySet[CreditUsage]:
+        return rows.filter(exec_job_id=query["exec"]) if "exec" in query else rows
 
     @extend_schema(parameters=[UsageQuerySerializer])
     def get(self, request: Request) -> Response:

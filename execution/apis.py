@@ -3,15 +3,17 @@ from typing import Any
 from uuid import UUID
 
 from asgiref.sync import sync_to_async
+from django.db.models import QuerySet
 from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
 from django.shortcuts import get_object_or_404
 from drf_spectacular.utils import OpenApiParameter, extend_schema
-from rest_framework import generics, status
+from rest_framework import status
 from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from execution.events import event_stream
+from execution.models import ExecJob, ToolCall
 from execution.selectors import exec_job_wait, exec_jobs_for, tool_calls_for
 from execution.serializers import (
     ExecCreateSerializer,
@@ -24,18 +26,18 @@ from execution.serializers import (
 from execution.services import exec_job_cancel, exec_job_create, tool_call_standalone
 from ptcproject.accounts.models import ApiKey
 from ptcproject.accounts.services import api_key_authenticate
+from ptcproject.lists import FilteredListApi
 
 
-class ExecListCreateApi(generics.ListAPIView):
+class ExecListCreateApi(FilteredListApi):
     serializer_class = ExecJobSerializer
+    query_serializer = ExecListQuerySerializer
 
-    def get_queryset(self):  # type: ignore[no-untyped-def]
-        query = ExecListQuerySerializer(data=self.request.query_params)
-        query.is_valid(raise_exception=True)
-        jobs = exec_jobs_for(user=self.request.user)
-        if "status" in query.validated_data:
-            jobs = jobs.filter(status=query.validated_data["status"])
-        return jobs
+    def rows(self) -> QuerySet[ExecJob]:
+        return exec_jobs_for(user=self.request.user)
+
+    def filter_rows(self, rows: QuerySet[ExecJob], query: dict[str, Any]) -> QuerySet[ExecJob]:
+        return rows.filter(status=query["status"]) if "status" in query else rows
 
     @extend_schema(parameters=[ExecListQuerySerializer], responses=ExecJobSerializer(many=True))
     def get(self, request: Request) -> Response:
@@ -78,16 +80,15 @@ class ExecCancelApi(APIView):
         return Response(ExecJobSerializer(exec_jobs_for(user=request.user).get(pk=job.pk)).data)
 
 
-class ToolCallListApi(generics.ListAPIView):
+class ToolCallListApi(FilteredListApi):
     serializer_class = ToolCallSerializer
+    query_serializer = ToolCallListQuerySerializer
 
-    def get_queryset(self):  # type: ignore[no-untyped-def]
-        query = ToolCallListQuerySerializer(data=self.request.query_params)
-        query.is_valid(raise_exception=True)
-        calls = tool_calls_for(user=self.request.user)
-        if "exec" in query.validated_data:
-            calls = calls.filter(exec_job_id=query.validated_data["exec"])
-        return calls
+    def rows(self) -> QuerySet[ToolCall]:
+        return tool_calls_for(user=self.request.user)
+
+    def filter_rows(self, rows: QuerySet[ToolCall], query: dict[str, Any]) -> QuerySet[ToolCall]:
+        return rows.filter(exec_job_id=query["exec"]) if "exec" in query else rows
 
     @extend_schema(parameters=[OpenApiParameter("exec", str, description="An exec job's id.")])
     def get(self, request: Request) -> Response:

@@ -94,10 +94,11 @@ def tool_call_event(call: ToolCall) -> tuple[str, dict[str, Any]]:
 
 
 def job_end_payload(job: ExecJob) -> dict[str, Any]:
+    """The job as it is now, with its calls, without its code: what ``exec_end`` carries."""
     from execution.selectors import exec_jobs_for
     from execution.serializers import ExecJobSerializer
 
-    fresh = exec_jobs_for(user=job.user).get(pk=job.pk)
+    fresh = exec_jobs_for(user=job.user).select_related("user").get(pk=job.pk)
     data = dict(ExecJobSerializer(fresh).data)
     data.pop("code", None)
     return data

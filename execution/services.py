@@ -250,10 +250,10 @@ def exec_job_finish(*, job: ExecJob, outcome: Outcome) -> None:
 
 def _exec_job_ended(job: ExecJob) -> str:
     """Announce a job's end: its last event, then the channel's ``end`` that wakes ``wait``. Return its status."""
-    final = ExecJob.objects.select_related("user").get(pk=job.pk)
-    event_publish(job_call_id=final.call_id, event="exec_end", data=job_end_payload(final))
-    channels.publish(channels.job_channel(final.call_id), {"kind": "end", "status": final.status})
-    return final.status
+    final = job_end_payload(job)
+    event_publish(job_call_id=job.call_id, event="exec_end", data=final)
+    channels.publish(channels.job_channel(job.call_id), {"kind": "end", "status": final["status"]})
+    return final["status"]
 
 
 def _exec_job_fail_if(*, job_id: str, status: str, kind: str, message: str, stale: bool = False) -> bool:
