@@ -52,7 +52,7 @@ from tools.errors import ToolFailure
 from tools.kinds import tool_run
 from tools.models import Tool, Toolset
 from tools.sdk import sdk_prepare
-from tools.selectors import tool_for_call, tool_is_ptc, toolset_keys_for_ptc, toolsets_resolve
+from tools.selectors import tool_for_call, tool_is_ptc, toolset_keys_for_ptc, toolsets_named, toolsets_resolve
 
 logger = logging.getLogger("ptc.execution")
 Status = ExecJob.Status
@@ -110,14 +110,7 @@ def exec_job_create(
         # Every toolset the user may use with PTC: the policy's lists narrow what they can see.
         keys = toolset_keys_for_ptc(user=user, allowlist=policy.toolset_allowlist, blocklist=policy.toolset_blocklist)
     else:
-        found, missing = toolsets_resolve(user=user, keys=toolsets)
-        if missing:
-            raise ApplicationError(
-                "unknown_toolset",
-                f"Unknown toolset(s): {', '.join(missing)}. GET /api/v1/toolsets lists the ones you can use.",
-                details={"toolsets": missing},
-            )
-        keys = [ts.key for ts in found]
+        keys = [ts.key for ts in toolsets_named(user=user, keys=toolsets)]  # unknown_toolset (400) if any is not
     decision = ptc_decision(policy=policy, user=user, toolsets=keys, title=title)
     if not decision.enabled:
         raise ApplicationError(
