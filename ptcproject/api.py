@@ -2,6 +2,8 @@
 
 from typing import Any
 
+from django.db import InterfaceError as DbInterfaceError
+from django.db import OperationalError as DbOperationalError
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.views import defaults
 from rest_framework import exceptions
@@ -41,11 +43,44 @@ def _first_message(detail: Any) -> str:
     return str(detail)
 
 
+def outage_error(exc: BaseException) -> ApplicationError | None:
+    """Return the 503 for an exception that means a server we depend on is unreachable, else None.
+
+    The database (connection refused or dropped, the pool's wait ran out) is ``database_unavailable``;
+    the broker or Redis is ``broker_unavailable``. Either way nothing was half done: say so.
+    """
+    from kombu.exceptions import OperationalError as BrokerOperationalError
+    from redis.exceptions import ConnectionError as RedisConnectionError
+    from redis.exceptions import TimeoutError as RedisTimeoutError
+
+    if isinstance(exc, DbOperationalError | DbInterfaceError):
+        return ApplicationError(
+            "database_unavailable",
+            "The database is unreachable right now; nothing was changed. Try again in a few seconds.",
+            status=503,
+        )
+    if isinstance(exc, BrokerOperationalError | RedisConnectionError | RedisTimeoutError):
+        return ApplicationError(
+            "broker_unavailable",
+            "The message broker is unreachable right now; nothing was queued. Try again in a few seconds.",
+            status=503,
+        )
+    return None
+
+
+def error_response(exc: ApplicationError) -> JsonResponse:
+    """The error shape as a plain Django response, for views outside DRF."""
+    body = {"code": exc.code, "message": exc.message, "details": exc.details}
+    return JsonResponse({"error": body}, status=exc.status, headers={"Retry-After": "5"} if exc.status == 503 else None)
+
+
 def exception_handler(exc: Exception, context: dict[str, Any]) -> Response | None:
     """Render every API error as ``{"error": {"code", "message", "details"}}`` (API.md)."""
+    exc = outage_error(exc) or exc
     if isinstance(exc, ApplicationError):
         body = {"code": exc.code, "message": exc.message, "details": exc.details}
-        return Response({"error": body}, status=exc.status)
+        headers = {"Retry-After": "5"} if exc.status == 503 else None
+        return Response({"error": body}, status=exc.status, headers=headers)
     response = drf_exception_handler(exc, context)
     if response is None:
         return None
@@ -105,3 +140,20 @@ def add_event_stream_path(result: dict[str, Any], generator: Any, request: Any, 
         }
     }
     return result
+
+
+class OutageMiddleware:
+    """A view outside DRF (SSE, probes, admin) that hits an unreachable database or broker answers
+    503 in the API's error shape under /api/, rather than a 500 page."""
+
+    def __init__(self, get_response: Any) -> None:
+        self.get_response = get_response
+
+    def __call__(self, request: HttpRequest) -> HttpResponse:
+        return self.get_response(request)
+
+    def process_exception(self, request: HttpRequest, exception: Exception) -> HttpResponse | None:
+        error = outage_error(exception)
+        if error is None or not request.path.startswith("/api/"):
+            return None
+        return error_response(error)
