@@ -1,6 +1,13 @@
-"""Making values fit the database: PostgreSQL text and jsonb hold neither NUL nor lone surrogates."""
+"""Making values fit the database: PostgreSQL text and jsonb hold neither NUL nor lone surrogates,
+and a value nested too deep would overflow the stack of every reader that recurses (json, DRF,
+jsonschema). Both are handled here without recursion, so no value can break the writer itself."""
 
+import math
 from typing import Any
+
+# How deep a stored JSON value (a tool's arguments or output, a job's return value) may nest.
+MAX_JSON_DEPTH = 100
+TOO_DEEP = f"<nested deeper than {MAX_JSON_DEPTH} levels: cut here>"
 
 
 def _text(value: str) -> str:
@@ -11,12 +18,45 @@ def _text(value: str) -> str:
     return value.replace("\x00", "\ufffd") if "\x00" in value else value
 
 
+def json_depth_exceeds(value: Any, limit: int = MAX_JSON_DEPTH) -> bool:
+    """Return True if ``value`` has lists or dicts nested more than ``limit`` deep. Iterative."""
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list | tuple) else None
+        if children is None:
+            continue
+        if depth > limit:
+            return True
+        stack.extend((child, depth + 1) for child in children if isinstance(child, dict | list | tuple))
+    return False
+
+
 def storable(value: Any) -> Any:
-    """Return ``value`` with every string (keys included) safe to store; NUL becomes U+FFFD."""
-    if isinstance(value, str):
-        return _text(value)
-    if isinstance(value, dict):
-        return {_text(str(k)): storable(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [storable(v) for v in value]
-    return value
+    """Return ``value`` safe to store, without recursion: every string (keys included) valid UTF-8
+    without NUL (it becomes U+FFFD), non-finite floats as their names, and any list or dict nested
+    deeper than MAX_JSON_DEPTH replaced by the string TOO_DEEP."""
+    holder: list[Any] = [None]
+    stack: list[tuple[Any, Any, Any, int]] = [(value, holder, 0, 1)]  # (value, parent, key in parent, depth)
+    while stack:
+        item, parent, key, depth = stack.pop()
+        if isinstance(item, str):
+            parent[key] = _text(item)
+        elif isinstance(item, float) and not math.isfinite(item):
+            parent[key] = str(item)
+        elif isinstance(item, dict | list | tuple) and depth > MAX_JSON_DEPTH:
+            parent[key] = TOO_DEEP
+        elif isinstance(item, dict):
+            target: dict[str, Any] = {}
+            parent[key] = target
+            for k, v in item.items():
+                name = _text(str(k))
+                target[name] = None  # keeps the keys' order; filled in from the stack
+                stack.append((v, target, name, depth + 1))
+        elif isinstance(item, list | tuple):
+            items: list[Any] = [None] * len(item)
+            parent[key] = items
+            stack.extend((v, items, i, depth + 1) for i, v in enumerate(item))
+        else:
+            parent[key] = item
+    return holder[0]
