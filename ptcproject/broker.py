@@ -3,7 +3,8 @@
 Filesystem (the embedded default): kombu writes a message into its final file name, so a consumer
 listing the folder can take the file before its content is written, read nothing, and die on the
 JSON (Celery calls that unrecoverable). Here a message is written under another name and renamed
-into place: a rename is atomic, so a consumer sees a whole message or none.
+into place: a rename is atomic, so a consumer sees a whole message or none. And a reader can find
+an exchange table that kombu has created but not yet written (empty): it reads again shortly.
 
 Redis:
 
@@ -18,6 +19,7 @@ tasks find their record already claimed, so a restore never runs anything twice.
 
 import logging
 import os
+import time
 import uuid
 from time import monotonic
 from typing import Any
@@ -26,6 +28,8 @@ from kombu.transport import filesystem, redis
 from kombu.utils.json import dumps
 
 logger = logging.getLogger("ptc.broker")
+# How often a reader tries an exchange table that is still being written (5 ms apart).
+TABLE_READ_TRIES = 200
 
 
 class QoS(redis.QoS):
@@ -65,6 +69,17 @@ class FilesystemChannel(filesystem.Channel):
         with open(partial, "wb") as handle:
             handle.write(dumps(payload).encode())
         os.replace(partial, final)
+
+    def get_table(self, exchange: str) -> Any:
+        # kombu creates a new exchange table with open("wb") before it locks and writes it, so a
+        # reader can lock and read the empty file in between. Empty means "being written": the
+        # writer takes its lock at once, so read again shortly.
+        for _ in range(TABLE_READ_TRIES):
+            try:
+                return super().get_table(exchange)
+            except ValueError:  # JSONDecodeError of the empty file
+                time.sleep(0.005)
+        return super().get_table(exchange)
 
 
 class FilesystemTransport(filesystem.Transport):
