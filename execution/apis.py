@@ -2,7 +2,6 @@ from collections.abc import AsyncIterator
 from typing import Any
 from uuid import UUID
 
-from asgiref.sync import sync_to_async
 from django.db.models import QuerySet
 from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
 from django.shortcuts import get_object_or_404
@@ -12,7 +11,7 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from execution.events import event_stream
+from execution.events import db_read, event_stream, valid_event_id
 from execution.models import ExecJob, ToolCall
 from execution.selectors import exec_job_wait, exec_jobs_for, tool_calls_for
 from execution.serializers import (
@@ -126,16 +125,22 @@ class ToolExecuteApi(APIView):
         return Response(ToolCallSerializer(call).data)
 
 
-async def _authenticate(request: HttpRequest) -> Any:
+@db_read
+def _authenticate(request: HttpRequest) -> Any:
     """The user of a Bearer key (not a job-scoped one) or of an admin session; None if neither."""
     header = request.headers.get("Authorization", "")
     if header.lower().startswith("bearer "):
-        key = await sync_to_async(api_key_authenticate)(plaintext=header[7:].strip())
+        key = api_key_authenticate(plaintext=header[7:].strip())
         if key is None or key.exec_job_id is not None:
             return None
-        return await sync_to_async(lambda: key.user)()
-    user = await request.auser()
+        return key.user
+    user = request.user  # type: ignore[attr-defined]
     return user if user.is_authenticated else None
+
+
+@db_read
+def _job_visible(user: Any, job_id: UUID) -> bool:
+    return exec_jobs_for(user=user).filter(pk=job_id).exists()
 
 
 def _error(status: int, code: str, message: str) -> JsonResponse:
@@ -154,14 +159,20 @@ async def exec_events_api(request: HttpRequest, job_id: UUID) -> HttpResponse:
     user = await _authenticate(request)
     if user is None:
         return _error(401, "not_authenticated", "Send Authorization: Bearer <api key>.")
-    job = await sync_to_async(lambda: exec_jobs_for(user=user).filter(pk=job_id).first())()
-    if job is None:
+    if not await _job_visible(user, job_id):
         return _error(404, "not_found", f"No such endpoint or object: {request.path}")
     last_event_id = request.headers.get("Last-Event-ID") or request.GET.get("last_event_id")
+    if last_event_id is not None and not valid_event_id(last_event_id):
+        return _error(
+            400,
+            "invalid_last_event_id",
+            f"Last-Event-ID {last_event_id[:40]!r} is not an event id: send the id: of an event this stream sent, "
+            "like 1732312345678-0, or none to start from the beginning.",
+        )
 
     async def frames() -> AsyncIterator[str]:
         yield "retry: 1000\n\n"
-        async for item in event_stream(job_id=job.pk, last_event_id=last_event_id):
+        async for item in event_stream(job_id=job_id, last_event_id=last_event_id):
             yield ": heartbeat\n\n" if item is None else item.sse()
 
     response = StreamingHttpResponse(frames(), content_type="text/event-stream")

@@ -13,6 +13,7 @@ that misses one still finds the outcome in the record.
 import functools
 import hashlib
 import json
+import logging
 import os
 import queue
 import select
@@ -26,6 +27,8 @@ from typing import Any
 from django.conf import settings
 
 from tools.sdk_runtime.protocol import FrameDecoder, encode
+
+logger = logging.getLogger("ptc.channels")
 
 
 def job_channel(call_id: str) -> str:
@@ -97,7 +100,8 @@ class Subscription:
 def redis_client() -> Any:
     import redis
 
-    return redis.Redis.from_url(settings.REDIS_URL, health_check_interval=30, socket_keepalive=True)
+    # A Redis that is down is known in seconds, not after the OS's TCP timeout.
+    return redis.Redis.from_url(settings.REDIS_URL, health_check_interval=30, socket_keepalive=True, socket_connect_timeout=2)
 
 
 class _RedisSubscription(Subscription):
@@ -193,9 +197,17 @@ def subscribe(channel: str) -> Subscription:
     return _RedisSubscription(channel) if settings.REDIS_URL else _SocketSubscription(channel)
 
 
-def publish(channel: str, message: dict[str, Any]) -> None:
-    """Push ``message`` to everyone subscribed to ``channel`` now."""
-    if settings.REDIS_URL:
-        redis_client().publish(channel, json.dumps(message, separators=(",", ":")))
-    else:
-        _socket_publish(channel, message)
+def publish(channel: str, message: dict[str, Any]) -> bool:
+    """Push ``message`` to everyone subscribed to ``channel`` now. Return False if it could not be
+    sent (Redis unreachable): never raises, since every push has a fallback on the records (a
+    subscriber resyncs after a reconnect, a call past its deadline is looked up, a running job's
+    heartbeat finds it cancelled, ``wait`` times out and reads the job)."""
+    try:
+        if settings.REDIS_URL:
+            redis_client().publish(channel, json.dumps(message, separators=(",", ":")))
+        else:
+            _socket_publish(channel, message)
+    except Exception:  # see above: the records stay the truth
+        logger.warning("could not publish on %s", channel, exc_info=True)
+        return False
+    return True

@@ -11,18 +11,46 @@ import asyncio
 import functools
 import json
 import logging
-from collections.abc import AsyncIterator
+import re
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 from asgiref.sync import sync_to_async
 from django.conf import settings
+from django.db import DatabaseError, connection
 
 from execution import channels
 from execution.models import ExecJob, ToolCall
 
 logger = logging.getLogger("ptc.events")
 STREAM_MAXLEN = 50_000
+# An event id as Redis Streams and this module write it: "<ms>-<seq>" (or "<ms>").
+EVENT_ID = re.compile(r"\d{1,20}(-\d{1,20})?")
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def valid_event_id(value: str) -> bool:
+    """Return True if ``value`` can be an event id (what ``Last-Event-ID`` may resume after)."""
+    return EVENT_ID.fullmatch(value) is not None and all(int(part) < 2**64 for part in value.split("-"))
+
+
+def db_read(func: Callable[P, R]) -> Callable[P, Awaitable[R]]:
+    """Make a database read awaitable from an async view, handing the connection back to the pool
+    as soon as it is done, however it ends. A stream that lives for minutes, or is cut by its
+    client or by an error, never holds one of the pool's connections."""
+
+    def read(*args: P.args, **kwargs: P.kwargs) -> R:
+        try:
+            return func(*args, **kwargs)
+        finally:
+            try:
+                connection.close()
+            except DatabaseError:
+                pass
+
+    return sync_to_async(read)
 
 
 @dataclass(frozen=True)
@@ -157,7 +185,7 @@ async def _from_records(job_id: Any, after: str | None) -> AsyncIterator[Event |
         while True:
             if subscription is None and not settings.REDIS_URL:
                 subscription = await sync_to_async(channels.subscribe)(channels.job_channel(await _call_id(job_id)))
-            events, ended = await sync_to_async(events_from_records)(job_id)
+            events, ended = await db_read(events_from_records)(job_id)
             for event in events:
                 identity = (event.event, event.data.get("call_id") if event.event.startswith("tool_call") else None)
                 if identity in sent:
@@ -177,12 +205,12 @@ async def _from_records(job_id: Any, after: str | None) -> AsyncIterator[Event |
             subscription.close()
 
 
-@sync_to_async
+@db_read
 def _call_id(job_id: Any) -> str:
     return ExecJob.objects.values_list("call_id", flat=True).get(pk=job_id)
 
 
-@sync_to_async
+@db_read
 def _job_state(job_id: Any) -> tuple[str, bool]:
     job = ExecJob.objects.values("call_id", "status").get(pk=job_id)
     return job["call_id"], job["status"] in ExecJob.FINISHED
@@ -198,9 +226,10 @@ async def event_stream(*, job_id: Any, last_event_id: str | None = None) -> Asyn
             yield item
         return
     import redis.asyncio as aioredis
+    from redis.exceptions import RedisError
 
     call_id, ended = await _job_state(job_id)
-    client = aioredis.Redis.from_url(settings.REDIS_URL)
+    client = aioredis.Redis.from_url(settings.REDIS_URL, socket_connect_timeout=2)
     key = _stream_key(call_id)
     try:
         if ended and not await client.exists(key):  # the stream expired: the records tell it
@@ -224,5 +253,8 @@ async def event_stream(*, job_id: Any, last_event_id: str | None = None) -> Asyn
                 yield Event(cursor, name, json.loads(fields[b"data"]))
                 if name == "exec_end":
                     return
+    except RedisError:
+        # Redis went away mid-stream: end it; the client reconnects with Last-Event-ID and resumes.
+        logger.warning("event stream cut: Redis is unreachable", extra={"job_id": str(job_id)}, exc_info=True)
     finally:
         await client.aclose()

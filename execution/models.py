@@ -94,6 +94,8 @@ class ToolCall(models.Model):
     credits = models.PositiveIntegerField(default=0)
     # Set by the tools task that took the call; a redelivered task finds it set and does not run again.
     claimed_at = models.DateTimeField(null=True, blank=True)
+    # The claiming tools worker renews this while the call runs; a lapsed lease means it died.
+    heartbeat_at = models.DateTimeField(null=True, blank=True)
     started_at = models.DateTimeField()
     finished_at = models.DateTimeField(null=True, blank=True)
 

@@ -1,7 +1,11 @@
+import logging
+
 from django.contrib.auth.models import AbstractBaseUser
 from django.db.models import Prefetch, QuerySet
 
 from execution.models import ExecJob, ToolCall
+
+logger = logging.getLogger("ptc.execution")
 
 
 def exec_jobs_for(*, user: AbstractBaseUser) -> QuerySet[ExecJob]:
@@ -21,20 +25,33 @@ def tool_calls_for(*, user: AbstractBaseUser) -> QuerySet[ToolCall]:
 
 
 def exec_job_wait(*, job: ExecJob, seconds: float) -> None:
-    """Block until ``job`` has finished or ``seconds`` pass. Woken by the job's end, never polled."""
+    """Block until ``job`` has finished or ``seconds`` pass. Woken by the job's end, never polled.
+
+    The database connection goes back to the pool while it waits, so waiting clients can't starve
+    the others of connections. If the channel can't be reached (Redis down), it returns at once:
+    the caller shows the job as it is.
+    """
     import time
+
+    from django.db import connection
 
     from execution import channels
 
     if seconds <= 0:
         return
     deadline = time.monotonic() + seconds
-    with channels.subscribe(channels.job_channel(job.call_id)) as channel:
+    try:
+        subscription = channels.subscribe(channels.job_channel(job.call_id))
+    except Exception:  # no push to wait for; the job is shown as it is now
+        logger.warning("cannot wait for a job: its channel is unreachable", exc_info=True)
+        return
+    with subscription as channel:
         # Subscribed first, then checked: an end published in between is not missed.
         while not ExecJob.objects.filter(pk=job.pk, status__in=ExecJob.FINISHED).exists():
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return
+            connection.close()
             channel.wait(remaining)
             if any(m.get("kind") == "end" for m in channel.drain()):
                 return

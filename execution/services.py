@@ -4,16 +4,18 @@ import json
 import logging
 import os
 import socket
+import threading
 import time
 import uuid
+from collections.abc import Callable
 from contextlib import nullcontext
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import jsonschema
 from django.conf import settings
 from django.contrib.auth.models import AbstractBaseUser
-from django.db import DatabaseError, connection, transaction
+from django.db import DatabaseError, InterfaceError, OperationalError, connection, transaction
 from django.db.models import OuterRef, Subquery
 from django.db.models.functions import Coalesce
 from django.utils import timezone
@@ -47,7 +49,7 @@ from ptcproject.accounts.services import api_key_create, job_keys_revoke
 from ptcproject.errors import ApplicationError
 from ptcproject.policy.models import Policy
 from ptcproject.policy.selectors import policy_get, ptc_decision
-from ptcproject.storage import storable
+from ptcproject.storage import MAX_JSON_DEPTH, json_depth_exceeds, storable
 from tools.errors import ToolFailure
 from tools.kinds import tool_run
 from tools.models import Tool, Toolset
@@ -56,6 +58,7 @@ from tools.selectors import tool_for_call, tool_is_ptc, toolset_keys_for_ptc, to
 
 logger = logging.getLogger("ptc.execution")
 Status = ExecJob.Status
+T = TypeVar("T")
 
 
 def job_limits(*, policy: Policy, timeout: float) -> Limits:
@@ -85,10 +88,9 @@ def exec_job_create(
     """Check the request against the policy, record the job as ``queued``, and enqueue it once committed.
 
     Raise ApplicationError: ``code_too_large`` (413), ``validation_error`` for a timeout above the
-    policy's maximum (400; never clamped), ``unknown_toolset`` (400), ``ptc_disabled`` (403).
+    policy's maximum (400; never clamped), ``unknown_toolset`` (400), ``ptc_disabled`` (403),
+    ``broker_unavailable`` (503, and the job is not created).
     """
-    from execution.tasks import run_exec
-
     size = len(code.encode())
     if size > settings.PTC_MAX_CODE_BYTES:
         raise ApplicationError(
@@ -127,13 +129,62 @@ def exec_job_create(
             sequential=policy.sequential,
             max_credits=max_credits,
         )
-        transaction.on_commit(lambda: run_exec.delay(str(job.id)))
+        transaction.on_commit(lambda: _exec_job_enqueue(job=job))
     logger.info("job queued", extra={"job_id": str(job.id)})
     return job
 
 
+def _exec_job_enqueue(*, job: ExecJob) -> None:
+    """Send a committed job to the exec queue. If the broker can't take it, the job is withdrawn
+    and ApplicationError ``broker_unavailable`` (503) raised: a client is never told a job failed
+    while it waits queued for ever."""
+    from execution.tasks import run_exec
+
+    try:
+        run_exec.delay(str(job.pk))
+    except Exception as exc:  # the broker is unreachable even after Celery's own retries
+        logger.warning("could not enqueue a job; withdrawn", extra={"job_id": str(job.pk)}, exc_info=True)
+        withdrawn, _ = ExecJob.objects.filter(pk=job.pk, status=Status.QUEUED).delete()
+        if withdrawn:
+            raise ApplicationError(
+                "broker_unavailable",
+                "The job could not be queued: the message broker is unreachable. Nothing was run; try again.",
+                status=503,
+            ) from exc
+        # It was taken after all: the message went out before the error.
+
+
+def _db_reset() -> None:
+    """Drop this thread's database connection, broken or not: the next query takes a fresh one."""
+    try:
+        connection.close()
+    except DatabaseError:
+        pass
+
+
+def _db_retry(work: Callable[[], T], *, what: str, job_id: Any) -> T:
+    """Run ``work``; while the database is unreachable, retry it on a fresh connection with backoff,
+    for up to PTC_DB_RETRY_SECONDS. Raise the last error after that."""
+    deadline = time.monotonic() + settings.PTC_DB_RETRY_SECONDS
+    delay = 0.2
+    while True:
+        try:
+            return work()
+        except (OperationalError, InterfaceError):
+            if time.monotonic() + delay > deadline:
+                raise
+            logger.warning("database unreachable while %s; retrying in %.1f s", what, delay, extra={"job_id": str(job_id)})
+            _db_reset()
+            time.sleep(delay)
+            delay = min(delay * 2, 5.0)
+
+
 def exec_job_run(*, job_id: str, worker: str) -> None:
-    """Run a queued job in a sandbox to its end. A redelivered job that was running fails as WorkerLost."""
+    """Run a queued job in a sandbox to its end. A redelivered job that was running fails as WorkerLost.
+
+    Only the claim may raise (a database error: the task retries it). Whatever happens after the
+    claim, the job's end is recorded.
+    """
     now = timezone.now()
     claimed = ExecJob.objects.filter(pk=job_id, status=Status.QUEUED).update(
         status=Status.RUNNING, started_at=now, heartbeat_at=now, worker=worker
@@ -150,22 +201,29 @@ def exec_job_run(*, job_id: str, worker: str) -> None:
             stale=True,
         )
         return
+    try:
+        outcome = _exec_job_sandbox(job_id=job_id)
+    except Exception as exc:  # the job must end, never stay running
+        logger.exception("the job's run failed", extra={"job_id": job_id})
+        outcome = Outcome(status="failed", error=_error("InternalError", f"the worker failed while running the job: {exc}"))
+    exec_job_finish(job_id=job_id, outcome=outcome)
+
+
+def _error(kind: str, message: str) -> dict[str, str]:
+    return {"type": kind, "message": message, "traceback": ""}
+
+
+def _exec_job_sandbox(*, job_id: str) -> Outcome:
+    """Run a claimed job's code in a sandbox and return what happened."""
     job = ExecJob.objects.select_related("user").get(pk=job_id)
     event_publish(job_call_id=job.call_id, event="exec_start", data=job_start_payload(job))
     policy = policy_get()
     toolsets, _ = toolsets_resolve(user=job.user, keys=job.toolsets)
     try:
         sdk_hash, sdk_dir = sdk_prepare(toolsets=toolsets)
-    except Exception as exc:  # the job must end, never stay running
+    except Exception as exc:  # said in the job's error
         logger.exception("sdk generation failed", extra={"job_id": job_id})
-        exec_job_finish(
-            job=job,
-            outcome=Outcome(
-                status="failed",
-                error={"type": "SandboxCrashed", "message": f"the SDK could not be generated: {exc}", "traceback": ""},
-            ),
-        )
-        return
+        return Outcome(status="failed", error=_error("SandboxCrashed", f"the SDK could not be generated: {exc}"))
     ExecJob.objects.filter(pk=job.pk).update(sdk_hash=sdk_hash)
     limits = Limits.from_dict(job.limits)
     router = JobCallRouter(job=job, toolsets=toolsets, direct_only=frozenset(policy.direct_only_tools))
@@ -179,15 +237,14 @@ def exec_job_run(*, job_id: str, worker: str) -> None:
     with channels.subscribe(channels.job_channel(job.call_id)) as channel:
         # A cancel that landed between the claim and the subscription would otherwise be missed.
         if ExecJob.objects.filter(pk=job.pk, status=Status.CANCELLED).exists():
-            exec_job_finish(job=job, outcome=Outcome(status="cancelled"))
-            return
+            return Outcome(status="cancelled")
         session = Session(
             code=job.code,
             limits=limits,
             sdk_dir=sdk_dir,
             router=router,
             channel=channel,
-            heartbeat=lambda: ExecJob.objects.filter(pk=job.pk).update(heartbeat_at=timezone.now()),
+            heartbeat=lambda: _exec_job_heartbeat(job_id=job.pk),
             heartbeat_every=settings.PTC_JOB_HEARTBEAT_SECONDS,
             max_frame=settings.PTC_MAX_FRAME_BYTES,
             max_buffered=settings.PTC_MAX_BUFFERED_BYTES,
@@ -198,20 +255,37 @@ def exec_job_run(*, job_id: str, worker: str) -> None:
             outcome = session.run()
         except SandboxUnavailable as exc:
             logger.error("this host cannot run sandboxes: %s", exc, extra={"job_id": job_id})
-            outcome = Outcome(status="failed", error={"type": "SandboxCrashed", "message": str(exc), "traceback": ""})
+            outcome = Outcome(status="failed", error=_error("SandboxCrashed", str(exc)))
         except Exception as exc:  # the worker survives anything a sandbox does; the job records it
             logger.exception("sandbox failed", extra={"job_id": job_id})
-            outcome = Outcome(status="failed", error={"type": "SandboxCrashed", "message": str(exc), "traceback": ""})
+            outcome = Outcome(status="failed", error=_error("SandboxCrashed", str(exc)))
     outcome.timings["queue_ms"] = round((job.started_at - job.created_at).total_seconds() * 1000, 2)
-    exec_job_finish(job=job, outcome=outcome)
+    return outcome
 
 
-def exec_job_finish(*, job: ExecJob, outcome: Outcome) -> None:
-    """Record the outcome of a running job and announce its end. A cancelled job stays cancelled.
+def _exec_job_heartbeat(*, job_id: Any) -> bool:
+    """Renew a running job's lease. Return False if the job is no longer running (cancelled, or
+    reaped while its worker stalled): its sandbox must stop. A database outage is not the job's end:
+    the lease outlasts a short one, so this says go on."""
+    try:
+        return bool(ExecJob.objects.filter(pk=job_id, status=Status.RUNNING).update(heartbeat_at=timezone.now()))
+    except (OperationalError, InterfaceError):
+        logger.warning("could not renew the job's lease: the database is unreachable", extra={"job_id": str(job_id)})
+        _db_reset()
+        return True
 
-    Whatever the code produced is made storable first; if the record still can't be written, the
-    job ends failed with a short error rather than stay running.
+
+def exec_job_finish(*, job_id: Any, outcome: Outcome) -> None:
+    """Record the outcome of a running job, close it and announce its end. A cancelled job stays
+    cancelled, with what the code printed.
+
+    While the database is unreachable it retries (PTC_DB_RETRY_SECONDS); a value it cannot store
+    ends the job failed with a short error. If the database stays away longer, the job's lease
+    lapses and the reaper ends it once it is back: it never stays running.
     """
+    if json_depth_exceeds(outcome.return_value):  # the sandbox's runner checks too; this is the guard
+        outcome.status, outcome.return_value = "failed", None
+        outcome.error = _error("ResourceLimit", f"the return value nests deeper than {MAX_JSON_DEPTH} levels")
     now = timezone.now()
     output = {
         "stdout": storable(outcome.stdout),
@@ -221,24 +295,42 @@ def exec_job_finish(*, job: ExecJob, outcome: Outcome) -> None:
         "timings": outcome.timings,
     }
     result = {"status": outcome.status, "return_value": storable(outcome.return_value), "error": storable(outcome.error)}
+
+    def store() -> None:
+        try:
+            with transaction.atomic():
+                if not ExecJob.objects.filter(pk=job_id, status=Status.RUNNING).update(finished_at=now, **result, **output):
+                    # Cancelled while it ran: keep that status, but keep what the code printed too.
+                    ExecJob.objects.filter(pk=job_id, status=Status.CANCELLED).update(**output)
+        except (OperationalError, InterfaceError):
+            raise
+        except DatabaseError:  # the value itself can't be stored: the job still ends, and says why
+            logger.exception("could not store a job's outcome", extra={"job_id": str(job_id)})
+            error = _error("InternalError", "the job's output could not be stored")
+            ExecJob.objects.filter(pk=job_id, status=Status.RUNNING).update(status=Status.FAILED, error=error, finished_at=now)
+
     try:
-        updated = ExecJob.objects.filter(pk=job.pk, status=Status.RUNNING).update(finished_at=now, **result, **output)
-        if not updated:
-            # Cancelled while it ran: keep that status, but keep what the code printed too.
-            ExecJob.objects.filter(pk=job.pk, status=Status.CANCELLED).update(**output)
+        _db_retry(store, what="storing a job's outcome", job_id=job_id)
+        job = _db_retry(lambda: _exec_job_close(job_id=job_id), what="closing a job", job_id=job_id)
     except DatabaseError:
-        logger.exception("could not store a job's outcome", extra={"job_id": str(job.pk)})
-        error = {"type": "InternalError", "message": "the job's output could not be stored", "traceback": ""}
-        ExecJob.objects.filter(pk=job.pk, status=Status.RUNNING).update(status=Status.FAILED, error=error, finished_at=now)
+        logger.exception("could not record a job's end; the reaper will", extra={"job_id": str(job_id)})
+        return
+    logger.info("job finished", extra={"job_id": str(job_id), "status": job.status, **outcome.timings})
+
+
+def _exec_job_close(*, job_id: Any) -> ExecJob:
+    """What follows every job's end, however it ended: its job key is revoked, its calls still
+    queued fail as never run (a tools worker that claimed one finishes it), and its end is
+    announced. Idempotent. Return the job."""
+    job = ExecJob.objects.select_related("user").get(pk=job_id)
     job_keys_revoke(exec_job_id=job.pk)
-    # Calls still queued for the job never run; a tools worker that claimed one finishes it.
     ToolCall.objects.filter(exec_job=job, status=ToolCall.Status.EXECUTING, claimed_at__isnull=True).update(
         status=ToolCall.Status.FAILED,
         error={"code": "job_ended", "message": "the job ended before this call started; it was not run"},
-        finished_at=now,
+        finished_at=timezone.now(),
     )
-    status = _exec_job_ended(job)
-    logger.info("job finished", extra={"job_id": str(job.pk), "status": status, **outcome.timings})
+    _exec_job_ended(job)
+    return job
 
 
 def _exec_job_ended(job: ExecJob) -> str:
@@ -251,20 +343,12 @@ def _exec_job_ended(job: ExecJob) -> str:
 
 def _exec_job_fail_if(*, job_id: str, status: str, kind: str, message: str, stale: bool = False) -> bool:
     """Fail the job if it is still in ``status`` (and, with ``stale``, its heartbeat has lapsed)."""
-    job = ExecJob.objects.filter(pk=job_id).first()
-    if job is None:
-        return False
     jobs = ExecJob.objects.filter(pk=job_id, status=status)
     if stale:
         jobs = jobs.filter(heartbeat_at__lt=timezone.now() - timedelta(seconds=settings.PTC_JOB_LEASE_SECONDS))
-    updated = jobs.update(
-        status=Status.FAILED,
-        finished_at=timezone.now(),
-        error={"type": kind, "message": message, "traceback": ""},
-    )
+    updated = jobs.update(status=Status.FAILED, finished_at=timezone.now(), error=_error(kind, message))
     if updated:
-        job_keys_revoke(exec_job_id=job.pk)
-        _exec_job_ended(job)
+        _exec_job_close(job_id=job_id)
     return bool(updated)
 
 
@@ -283,20 +367,30 @@ def exec_job_cancel(*, job: ExecJob) -> ExecJob:
     job.refresh_from_db()
     if not (was_queued or was_running):
         raise ApplicationError("job_finished", f"The job has already finished with status '{job.status}'.", status=409)
-    job_keys_revoke(exec_job_id=job.pk)
     if was_queued:
-        _exec_job_ended(job)  # no worker will: it never started
+        _exec_job_close(job_id=job.pk)  # no worker will: it never started
     else:
-        channels.publish(channels.job_channel(job.call_id), {"kind": "cancel"})  # its worker kills it and ends it
+        job_keys_revoke(exec_job_id=job.pk)
+        # Its worker kills the sandbox and ends the job; if this push is lost, its next heartbeat
+        # finds the job cancelled.
+        channels.publish(channels.job_channel(job.call_id), {"kind": "cancel"})
     return job
 
 
 def exec_jobs_reap() -> int:
-    """Fail running jobs whose worker stopped sending heartbeats, and calls abandoned by dead
-    tools workers. Return how many jobs were failed."""
+    """Fail running jobs whose worker stopped renewing their lease, calls whose tools worker did
+    the same, and calls abandoned otherwise. Return how many jobs were failed."""
     # Reservations of calls whose worker died between running and settling: the record decides.
     reservations_repair(older_than_seconds=settings.PTC_JOB_LEASE_SECONDS)
     stale = timezone.now() - timedelta(seconds=settings.PTC_JOB_LEASE_SECONDS)
+    lapsed = (
+        ToolCall.objects.filter(status=ToolCall.Status.EXECUTING, claimed_at__isnull=False)
+        .annotate(lease=Coalesce("heartbeat_at", "claimed_at"))
+        .filter(lease__lt=stale)
+    )
+    for call_id, ptc_call_id in lapsed.values_list("call_id", "ptc_call_id"):
+        reply = _tool_call_fail(call_id, "worker_lost", "the tools worker running this call stopped; it was not run again")
+        channels.publish(_result_channel(call_id, ptc_call_id), {"kind": "result", "call_id": call_id, **reply})
     abandoned = timezone.now() - timedelta(seconds=settings.PTC_DEFAULT_TOOL_TIMEOUT * 2 + settings.PTC_JOB_LEASE_SECONDS)
     ToolCall.objects.filter(status=ToolCall.Status.EXECUTING, started_at__lt=abandoned).exclude(
         exec_job__status=Status.RUNNING
@@ -320,7 +414,7 @@ def exec_jobs_reap() -> int:
             stale=True,
             status=Status.RUNNING,
             kind="WorkerLost",
-            message="the worker running this job stopped sending heartbeats; the job was ended",
+            message="the worker running this job stopped renewing its lease; the job was ended",
         )
     return reaped
 
@@ -355,6 +449,8 @@ class CallChecker:
             raise ToolFailure("tool_not_ptc", f"'{toolset_key}.{tool_name}' is a direct tool and cannot be called from code")
         if not isinstance(arguments, dict):
             raise ToolFailure("invalid_arguments", "arguments must be a JSON object of keyword arguments")
+        if json_depth_exceeds(arguments):  # before the schema: its validator recurses
+            raise ToolFailure("invalid_arguments", f"arguments nest deeper than {MAX_JSON_DEPTH} levels")
         validator = self.validators.get(tool.pk)
         if validator is None:
             cls = jsonschema.validators.validator_for(tool.input_schema)
@@ -498,15 +594,27 @@ class JobCallRouter:
         return [Refused(call_id=o.call_id, error=errors[o.call_id]) if o.call_id in errors else o for o in outcomes]
 
     def lookup(self, *, call_id: str) -> dict[str, Any] | None:
-        """Return the reply for a call that has finished, from its record; None while it runs."""
-        call = ToolCall.objects.filter(call_id=call_id).exclude(status=ToolCall.Status.EXECUTING).first()
+        """Return the reply for a call that has finished, from its record; None while it runs (or
+        while the database can't say: the call's deadline still holds)."""
+        try:
+            call = ToolCall.objects.filter(call_id=call_id).exclude(status=ToolCall.Status.EXECUTING).first()
+        except (OperationalError, InterfaceError):
+            _db_reset()
+            return None
         return None if call is None else _reply(call)
 
     def overdue(self, *, call_id: str) -> dict[str, Any]:
         # The hand-off was lost or the call is stuck: the record decides. A late tools worker
         # finds the call failed and its result is dropped.
-        _tool_call_finish(call_id=call_id, error={"code": "tool_timeout", "message": CALL_TIMEOUT_MESSAGE})
-        return _reply(ToolCall.objects.get(call_id=call_id))
+        error = {"code": "tool_timeout", "message": CALL_TIMEOUT_MESSAGE}
+        try:
+            _tool_call_finish(call_id=call_id, error=error)
+            return _reply(ToolCall.objects.get(call_id=call_id))
+        except (OperationalError, InterfaceError):
+            # The code gets its answer now; the record, still executing, is failed by the reaper.
+            logger.warning("could not record an overdue call: the database is unreachable", extra={"call_id": call_id})
+            _db_reset()
+            return {"ok": False, "error": error}
 
 
 def tool_call_standalone(
@@ -555,6 +663,7 @@ def tool_call_standalone(
                 if remaining <= 0:
                     _tool_call_finish(call_id=call_id, error={"code": "tool_timeout", "message": CALL_TIMEOUT_MESSAGE})
                     break
+                connection.close()  # not held while the tool runs: the pool is for requests that query
                 subscription.wait(remaining)
     return ToolCall.objects.get(call_id=call_id)
 
@@ -644,6 +753,20 @@ RETURNING *
 """  # noqa: S608 - table names from the models, values as parameters
 
 
+# The calls this process is running, whose leases tool_calls_heartbeat renews.
+_running_calls: set[str] = set()
+_running_lock = threading.Lock()
+
+
+def tool_calls_heartbeat() -> int:
+    """Renew the lease of every call this tools worker is running. Return how many were renewed."""
+    with _running_lock:
+        running = list(_running_calls)
+    if not running:
+        return 0
+    return ToolCall.objects.filter(call_id__in=running, status=ToolCall.Status.EXECUTING).update(heartbeat_at=timezone.now())
+
+
 def tool_call_execute(*, call_id: str) -> None:
     """Run one recorded call, once: claim it, run it, record the result, push it to the job.
 
@@ -664,7 +787,13 @@ def tool_call_execute(*, call_id: str) -> None:
         if tool is None:
             reply = _tool_call_fail(call_id, "unknown_tool", "the tool no longer exists")
         else:
-            reply = _tool_call_run(call=call, tool=tool)
+            with _running_lock:
+                _running_calls.add(call_id)
+            try:
+                reply = _tool_call_run(call=call, tool=tool)
+            finally:
+                with _running_lock:
+                    _running_calls.discard(call_id)
     elif call.status != ToolCall.Status.EXECUTING:
         reply = _reply(call)
     elif call.claimed_at is not None:

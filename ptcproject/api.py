@@ -135,6 +135,8 @@ def add_event_stream_path(result: dict[str, Any], generator: Any, request: Any, 
             "security": [{"ApiKeyAuth": []}],
             "responses": {
                 "200": {"description": "An event stream", "content": {"text/event-stream": {"schema": {"type": "string"}}}},
+                "400": {"description": "invalid_last_event_id: Last-Event-ID is not an event id"},
+                "401": {"description": "No or bad key"},
                 "404": {"description": "No such job, or another user's"},
             },
         }

@@ -1,36 +1,63 @@
 """Liveness and readiness probes, outside the API's auth."""
 
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+
 from django.conf import settings
-from django.db import connection
+from django.db import DatabaseError, connection
 from django.http import HttpRequest, JsonResponse
+
+# A probe answers within this, whatever is down: an orchestrator must not wait on a hung server.
+READY_TIMEOUT_SECONDS = 1.5
+_checks = ThreadPoolExecutor(max_workers=6, thread_name_prefix="readyz")
 
 
 def healthz(request: HttpRequest) -> JsonResponse:
     return JsonResponse({"status": "ok"})
 
 
-def readyz(request: HttpRequest) -> JsonResponse:
-    """200 when the database and the broker answer; 503 naming the part that does not."""
-    failures = {}
+def _database() -> None:
     try:
         with connection.cursor() as cursor:
             cursor.execute("SELECT 1")
-    except Exception as exc:  # any failure to reach the database makes us unready
-        failures["database"] = str(exc)
-    try:
-        from ptcproject.celery import app
-
-        with app.connection_for_write() as conn:
-            conn.ensure_connection(max_retries=1, timeout=2)
-    except Exception as exc:  # any failure to reach the broker makes us unready
-        failures["broker"] = str(exc)
-    if settings.REDIS_URL:
+    finally:
         try:
-            from execution.channels import redis_client
+            connection.close()  # this thread's connection goes back to the pool
+        except DatabaseError:
+            pass
 
-            redis_client().ping()
-        except Exception as exc:  # the channel store is needed for every tool result
-            failures["redis"] = str(exc)
+
+def _broker() -> None:
+    from ptcproject.celery import app
+
+    with app.connection_for_write() as conn:
+        conn.ensure_connection(max_retries=1, timeout=READY_TIMEOUT_SECONDS)
+
+
+def _redis() -> None:
+    from execution.channels import redis_client
+
+    redis_client().ping()
+
+
+def readyz(request: HttpRequest) -> JsonResponse:
+    """200 when the database and the broker answer; 503 naming the part that does not, within
+    READY_TIMEOUT_SECONDS: the parts are checked side by side, and one that hangs counts as down."""
+    parts: dict[str, Callable[[], None]] = {"database": _database, "broker": _broker}
+    if settings.REDIS_URL:
+        parts["redis"] = _redis  # the channel store is needed for every tool result
+    deadline = time.monotonic() + READY_TIMEOUT_SECONDS
+    running = {name: _checks.submit(check) for name, check in parts.items()}
+    failures = {}
+    for name, future in running.items():
+        try:
+            future.result(timeout=max(0.0, deadline - time.monotonic()))
+        except FutureTimeout:
+            failures[name] = f"no answer within {READY_TIMEOUT_SECONDS} s"
+        except Exception as exc:  # any failure to reach a part makes us unready
+            failures[name] = str(exc)
     if failures:
         return JsonResponse(
             {"error": {"code": "not_ready", "message": f"Not ready: {', '.join(failures)} unreachable.", "details": failures}},

@@ -88,11 +88,19 @@ elif DATABASES["default"]["ENGINE"] == "django.db.backends.postgresql":
     # Parameters travel apart from the SQL (server-side binding): psycopg need not build each query
     # string in Python, and repeated statements are prepared once per connection.
     DATABASES["default"].setdefault("OPTIONS", {})["server_side_binding"] = True
+    # A server that is down or unreachable is known within seconds, not after the OS's TCP timeout.
+    DATABASES["default"]["OPTIONS"]["connect_timeout"] = env.int("PTC_DB_CONNECT_TIMEOUT", default=2)
     DATABASES["default"]["OPTIONS"]["pool"] = {
         "min_size": env.int("PTC_DB_POOL_MIN", default=2),
         "max_size": env.int("PTC_DB_POOL_MAX", default=20),
-        "timeout": 30,
+        # How long a request waits for a connection: while PostgreSQL is down the API answers 503
+        # database_unavailable after this, rather than hold the client. No view holds a
+        # connection while it waits on something else, so a healthy pool hands one out in ms.
+        "timeout": env.float("PTC_DB_POOL_TIMEOUT", default=3.0),
     }
+    # A connection that PostgreSQL dropped (a restart) is found and replaced when taken from the
+    # pool (Django passes psycopg's check_connection to the pool), not handed to a query that fails.
+    DATABASES["default"]["CONN_HEALTH_CHECKS"] = True
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 LANGUAGE_CODE = "en-us"
@@ -240,6 +248,9 @@ PTC_QUEUED_MAX_SECONDS = env.int("PTC_QUEUED_MAX_SECONDS", default=1800)
 # A running job refreshes its lease this often; the reaper fails jobs whose lease has run out.
 PTC_JOB_HEARTBEAT_SECONDS = env.int("PTC_JOB_HEARTBEAT_SECONDS", default=10)
 PTC_JOB_LEASE_SECONDS = env.int("PTC_JOB_LEASE_SECONDS", default=45)
+# How long a worker keeps trying to record a job's end while the database is unreachable; after
+# that the job's lease lapses and the reaper ends it once the database is back.
+PTC_DB_RETRY_SECONDS = env.float("PTC_DB_RETRY_SECONDS", default=60.0)
 PTC_DEFAULT_TOOL_TIMEOUT = env.int("PTC_DEFAULT_TOOL_TIMEOUT", default=60)
 # How long a finished job's event stream stays in Redis; after that it is rebuilt from the records.
 PTC_EVENTS_RETENTION_SECONDS = env.int("PTC_EVENTS_RETENTION_SECONDS", default=3600)

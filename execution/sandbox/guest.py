@@ -9,6 +9,7 @@ can never raise them again), takes the job from the first bridge frame, runs it,
 
 import ast
 import builtins
+import collections
 import errno
 import json
 import os
@@ -21,6 +22,10 @@ from typing import Any
 
 CODE_NAME = "<exec_code>"
 THREAD_STACK_BYTES = 1 << 20
+# A traceback keeps the outermost and the innermost frames of the code: one raised from a million
+# frames deep is reported at once, not after formatting a million lines.
+TRACEBACK_HEAD = 10
+TRACEBACK_TAIL = 40
 
 
 def _set_limits(limits: dict[str, int]) -> None:
@@ -43,6 +48,23 @@ def _set_limits(limits: dict[str, int]) -> None:
     threading.stack_size(THREAD_STACK_BYTES)
 
 
+def _too_deep(value: Any, limit: int) -> bool:
+    """Return True if lists or dicts in ``value`` nest more than ``limit`` deep. Iterative."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            children = list(item.values())
+        elif isinstance(item, list | tuple):
+            children = list(item)
+        else:
+            continue
+        if depth > limit:
+            return True
+        stack.extend((child, depth + 1) for child in children)
+    return False
+
+
 def _jsonable(value: Any) -> Any:
     """Return ``value`` if it is strict JSON, else its repr (or a placeholder if even that fails)."""
     try:
@@ -63,11 +85,28 @@ def _describe(exc: BaseException) -> str:
         return f"<{type(exc).__name__} whose message could not be read>"
 
 
+def _frames(tb: Any) -> str:
+    """The code's own frames of ``tb``, formatted: the first TRACEBACK_HEAD and the last
+    TRACEBACK_TAIL, with a line saying how many were left out between them."""
+    head: list[tuple[Any, int]] = []
+    tail: collections.deque[tuple[Any, int]] = collections.deque(maxlen=TRACEBACK_TAIL)
+    total = 0
+    for frame, lineno in traceback.walk_tb(tb):
+        if frame.f_code.co_filename != CODE_NAME:
+            continue
+        total += 1
+        (head if len(head) < TRACEBACK_HEAD else tail).append((frame, lineno))
+    summary = traceback.StackSummary.extract(iter(head + list(tail)), lookup_lines=False)
+    lines = summary.format()
+    if total > len(head) + len(tail):
+        lines.insert(len(head), f"  [... {total - len(head) - len(tail)} more frames ...]\n")
+    return "".join(lines)
+
+
 def _error(exc: BaseException, limits: dict[str, int]) -> dict[str, Any]:
     from ptc_tools import ToolError
 
-    frames = [f for f in traceback.extract_tb(exc.__traceback__) if f.filename == CODE_NAME]
-    trace = "Traceback (most recent call last):\n" + "".join(traceback.format_list(frames))
+    trace = "Traceback (most recent call last):\n" + _frames(exc.__traceback__)
     try:
         trace += "".join(traceback.format_exception_only(type(exc), exc))
     except BaseException:  # see _describe
@@ -113,8 +152,6 @@ def main() -> None:
     _runtime.job_info = job.get("job", {})  # type: ignore[attr-defined]
     limits = job["limits"]
     _set_limits(limits)
-    # Line by line, so what the code printed before a timeout or a kill is not lost in a buffer.
-    sys.stdout.reconfigure(line_buffering=True)
     namespace: dict[str, Any] = {"__name__": "__main__", "__builtins__": builtins}
     result: dict[str, Any] = {"op": "done", "return_value": None, "error": None}
     try:
@@ -124,7 +161,13 @@ def main() -> None:
             import asyncio
 
             asyncio.run(value)
-        if has_value:
+        if has_value and _too_deep(namespace.get("__ptc_result__"), job["max_depth"]):
+            result["error"] = {
+                "type": "ResourceLimit",
+                "message": f"the return value nests deeper than {job['max_depth']} levels: return a flatter value",
+                "traceback": "",
+            }
+        elif has_value:
             result["return_value"] = _jsonable(namespace.get("__ptc_result__"))
     except SystemExit as exc:
         if exc.code not in (None, 0):

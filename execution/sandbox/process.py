@@ -170,7 +170,8 @@ def command(*, limits: Limits, sdk_dir: Path, bridge_fd: int, seccomp_fd: int) -
         ("--chdir", "/work"),
         ("--seccomp", str(seccomp_fd)),
     ]
-    guest = (settings.PTC_SANDBOX_PYTHON, "-I", "-S", "-B", f"{MOUNT_BIN}/guest.py", str(bridge_fd), MOUNT_SDK)
+    # -u: what the code prints reaches the worker as it is printed, with or without a newline or flush.
+    guest = (settings.PTC_SANDBOX_PYTHON, "-I", "-S", "-B", "-u", f"{MOUNT_BIN}/guest.py", str(bridge_fd), MOUNT_SDK)
     return [settings.PTC_BWRAP, *itertools.chain.from_iterable(options), "--", *guest]
 
 

@@ -24,6 +24,7 @@ from typing import Any, Protocol
 from execution.sandbox import process
 from execution.sandbox.limits import Limits
 from execution.sandbox.output import CappedOutput
+from ptcproject.storage import MAX_JSON_DEPTH
 from tools.sdk_runtime.protocol import FrameDecoder, FrameError, encode
 
 logger = logging.getLogger("ptc.sandbox")
@@ -104,7 +105,7 @@ class Session:
         sdk_dir: Path,
         router: CallRouter,
         channel: Subscription,
-        heartbeat: Callable[[], None],
+        heartbeat: Callable[[], bool],
         heartbeat_every: float,
         max_frame: int,
         max_buffered: int,
@@ -185,6 +186,7 @@ class Session:
             "code": self.code,
             "limits": self.limits.guest(),
             "max_frame": self.max_frame,
+            "max_depth": MAX_JSON_DEPTH,
             "job": self.job_info,
         }
         self.outbox += encode(start)
@@ -233,7 +235,8 @@ class Session:
                 if now >= deadline and self.ended is None:
                     self._end("timeout", "Timeout", f"the code ran past its {self.limits.timeout:g} s timeout")
                 if now >= next_beat:
-                    self.heartbeat()
+                    if not self.heartbeat():  # the job was ended elsewhere: a cancel whose push was lost
+                        self._end("cancelled", "Cancelled", "the job was ended while it ran")
                     next_beat = now + self.heartbeat_every
                 for call_id, call in list(self.in_flight.items()):
                     if now >= call.deadline and call_id in self.in_flight:

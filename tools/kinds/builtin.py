@@ -1,4 +1,5 @@
 import logging
+import threading
 from typing import Any
 
 from tools.builtin import registry
@@ -9,15 +10,38 @@ logger = logging.getLogger("ptc.tools")
 
 
 def run(*, toolset: Toolset, tool: Tool, arguments: dict[str, Any], timeout: float) -> Any:
-    """Call the builtin's Python function. The arguments were validated against its schema."""
+    """Call the builtin's Python function, at most ``timeout`` seconds. The arguments were validated
+    against its schema.
+
+    The function runs on a thread of its own while the task's thread waits for it: one that hangs
+    ends the call as ``tool_timeout`` at its timeout and frees the worker's thread. Python can't
+    stop a thread, so the hung function is left to finish on its own (a daemon thread: it never
+    holds up the worker's exit).
+    """
     spec = registry().get(toolset.key)
     func = next((t.func for t in spec.tools if t.name == tool.name), None) if spec else None
     if func is None:
         raise ToolFailure("tool_not_found", f"Builtin tool '{toolset.key}.{tool.name}' is not in this server's code.")
-    try:
-        return func(**arguments)
-    except ToolFailure:
-        raise
-    except Exception as exc:  # a builtin's bug is the call's failure, never the worker's
-        logger.exception("builtin tool %s.%s raised", toolset.key, tool.name)
-        raise ToolFailure("tool_exception", f"{type(exc).__name__}: {exc}") from exc
+    outcome: list[tuple[bool, Any]] = []
+    done = threading.Event()
+
+    def call() -> None:
+        try:
+            outcome.append((True, func(**arguments)))
+        except BaseException as exc:  # handed to the waiting thread, which decides
+            outcome.append((False, exc))
+        finally:
+            done.set()
+
+    threading.Thread(target=call, name=f"builtin-{toolset.key}.{tool.name}", daemon=True).start()
+    if not done.wait(timeout):
+        logger.warning("builtin tool %s.%s ran past its %g s timeout", toolset.key, tool.name, timeout)
+        raise ToolFailure("tool_timeout", f"'{toolset.key}.{tool.name}' did not finish within its {timeout:g} s timeout")
+    ok, value = outcome[0]
+    if ok:
+        return value
+    if isinstance(value, ToolFailure):
+        raise value
+    # A builtin's bug is the call's failure, never the worker's.
+    logger.error("builtin tool %s.%s raised", toolset.key, tool.name, exc_info=value)
+    raise ToolFailure("tool_exception", f"{type(value).__name__}: {value}") from value

@@ -53,6 +53,8 @@ class FrameDecoder:
                 message = json.loads(body, parse_constant=_reject_constant)
             except (ValueError, UnicodeDecodeError) as exc:
                 raise FrameError(f"frame is not valid JSON: {exc}") from None
+            except RecursionError:
+                raise FrameError("frame's JSON is nested too deep to read") from None
             if not isinstance(message, dict):
                 raise FrameError("frame is not a JSON object")
             messages.append(message)
