@@ -96,7 +96,7 @@ elif DATABASES["default"]["ENGINE"] == "django.db.backends.postgresql":
         # How long a request waits for a connection: while PostgreSQL is down the API answers 503
         # database_unavailable after this, rather than hold the client. No view holds a
         # connection while it waits on something else, so a healthy pool hands one out in ms.
-        "timeout": env.float("PTC_DB_POOL_TIMEOUT", default=3.0),
+        "timeout": env.float("PTC_DB_POOL_TIMEOUT", default=2.0),
     }
     # A connection that PostgreSQL dropped (a restart) is found and replaced when taken from the
     # pool (Django passes psycopg's check_connection to the pool), not handed to a query that fails.

@@ -3,8 +3,6 @@
 This test runs its own Redis server and its own stack on it, so it can restart Redis freely.
 """
 
-import shutil
-import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,51 +11,12 @@ import httpx
 import pytest
 
 from ptcproject.accounts.services import user_with_key_create
+from tests.servers import RedisServer
 from tests.stack import Stack, free_port
-
-
-class RedisServer:
-    def __init__(self, directory: Path) -> None:
-        self.port = free_port()
-        self.directory = directory
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self) -> None:
-        self.proc = subprocess.Popen(
-            [
-                "redis-server",
-                "--port",
-                str(self.port),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-                "--dir",
-                str(self.directory),
-            ],
-            stdout=subprocess.DEVNULL,
-        )
-        deadline = time.monotonic() + 10
-        while subprocess.run(["redis-cli", "-p", str(self.port), "ping"], capture_output=True).stdout != b"PONG\n":
-            assert time.monotonic() < deadline, "redis-server did not start"
-            time.sleep(0.05)
-
-    def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
 
 
 @pytest.fixture
 def redis_stack(stack_env: dict[str, str], tmp_path: Path) -> Iterator[tuple[RedisServer, Stack]]:
-    if not shutil.which("redis-server"):
-        pytest.fail("redis-server is needed for this test: apt-get install redis-server")
     redis = RedisServer(tmp_path)
     redis.start()
     env = {**stack_env, "CELERY_BROKER_URL": redis.url, "REDIS_URL": redis.url}
@@ -101,3 +60,32 @@ second = Demo.add(a=2, b=2)
     # And the stack takes new work on the new Redis.
     again = http.post("/api/v1/exec", json={"code": "'ok'", "toolsets": ["demo"], "wait": 30}).json()
     assert again["return_value"] == "ok"
+
+
+def test_while_redis_is_down_a_job_is_refused_not_orphaned(redis_stack: tuple[RedisServer, Stack]) -> None:
+    from execution.models import ExecJob
+
+    redis, stack = redis_stack
+    username = f"redis-down-{free_port()}"
+    _, key = user_with_key_create(username=username, create_user=True, staff=False, credits=100)
+    http = httpx.Client(base_url=stack.base_url, headers={"Authorization": f"Bearer {key}"}, timeout=30)
+    redis.stop()
+    started = time.monotonic()
+    refused = http.post("/api/v1/exec", json={"code": "print(1)", "toolsets": ["demo"], "wait": 5})
+    assert time.monotonic() - started < 5
+    assert refused.status_code == 503, refused.text
+    assert refused.json()["error"]["code"] == "broker_unavailable"
+    assert refused.headers["Retry-After"]
+    # The client was told no, and no job waits queued for ever behind that answer.
+    assert ExecJob.objects.filter(user__username=username).count() == 0
+    started = time.monotonic()
+    ready = httpx.get(f"{stack.base_url}/readyz", timeout=10)
+    assert time.monotonic() - started < 2.5
+    assert ready.status_code == 503
+    assert "broker" in ready.json()["error"]["details"]
+    redis.start()
+    deadline = time.monotonic() + 30
+    while (again := http.post("/api/v1/exec", json={"code": "'ok'", "toolsets": ["demo"], "wait": 20})).status_code != 201:
+        assert time.monotonic() < deadline, again.text
+        time.sleep(0.5)
+    assert again.json()["return_value"] == "ok"

@@ -1,0 +1,133 @@
+"""PostgreSQL going away under a running stack: jobs end, nothing is left running, the API says 503.
+
+These tests run their own PostgreSQL and their own stack on it, so they can stop it at will.
+"""
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.conftest import REDIS_PREFIX
+from tests.servers import PostgresServer, api_key, migrated_database
+from tests.stack import Stack
+
+
+@pytest.fixture(scope="module")
+def pg() -> Iterator[PostgresServer]:
+    server = PostgresServer()
+    server.start()
+    try:
+        yield server
+    finally:
+        server.remove()
+
+
+@pytest.fixture(scope="module")
+def pg_stack(pg: PostgresServer, stack_env: dict[str, str]) -> Iterator[Stack]:
+    # Its own queues and channels on the shared Redis: the suite's workers must not take its jobs.
+    env = {**stack_env, "PTC_REDIS_PREFIX": f"{REDIS_PREFIX}pg:", "PTC_DB_RETRY_SECONDS": "60"}
+    env["DATABASE_URL"] = migrated_database(pg, env)
+    stack = Stack(env, name="pg-outage")
+    stack.start(beat=False)  # the exec worker's own reaper is enough
+    try:
+        yield stack
+    finally:
+        stack.stop()
+
+
+@pytest.fixture(scope="module")
+def http(pg_stack: Stack) -> httpx.Client:
+    key = api_key(pg_stack.env, "outage")
+    return httpx.Client(base_url=pg_stack.base_url, headers={"Authorization": f"Bearer {key}"}, timeout=60)
+
+
+def _final(http: httpx.Client, job_id: str, seconds: float) -> dict[str, Any]:
+    deadline = time.monotonic() + seconds
+    while True:
+        response = http.get(f"/api/v1/exec/{job_id}")
+        if response.status_code == 200 and response.json()["status"] not in ("queued", "running"):
+            return response.json()
+        assert time.monotonic() < deadline, f"the job did not end within {seconds} s: {response.text}"
+        time.sleep(0.2)
+
+
+def _wait_running(http: httpx.Client, job_id: str) -> None:
+    deadline = time.monotonic() + 15
+    while http.get(f"/api/v1/exec/{job_id}").json()["status"] != "running":
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+
+
+def test_a_restart_mid_job_is_survived(pg: PostgresServer, http: httpx.Client) -> None:
+    code = """
+import time
+from ptc_tools.demo import Demo
+print("before", Demo.add(a=1, b=1))
+time.sleep(5)
+print("after")
+Demo.add(a=2, b=2)
+"""
+    job = http.post("/api/v1/exec", json={"code": code, "toolsets": ["demo"]}).json()
+    _wait_running(http, job["id"])
+    time.sleep(1)
+    pg.stop()
+    time.sleep(2)
+    pg.start()
+    final = _final(http, job["id"], 60)
+    assert final["status"] == "completed", final["error"]
+    assert final["return_value"] == 4
+    assert final["stdout"] == "before 2\nafter\n"
+    assert [c["status"] for c in final["tool_calls"]] == ["completed", "completed"]
+
+
+def test_a_job_that_ends_while_postgres_is_down_is_recorded_when_it_is_back(pg: PostgresServer, http: httpx.Client) -> None:
+    job = http.post("/api/v1/exec", json={"code": "import time\nprint('kept')\ntime.sleep(1)\n'done'"}).json()
+    _wait_running(http, job["id"])
+    pg.stop()
+    time.sleep(5)  # the job ends meanwhile; its worker keeps trying to record that
+    pg.start()
+    final = _final(http, job["id"], 60)
+    assert final["status"] == "completed", final["error"]
+    assert final["stdout"] == "kept\n"
+    assert final["return_value"] == "done"
+
+
+def test_a_job_accepted_before_an_outage_runs_when_postgres_is_back(
+    pg: PostgresServer, pg_stack: Stack, http: httpx.Client
+) -> None:
+    pg_stack.exec_worker.stop()
+    job = http.post("/api/v1/exec", json={"code": "'ran'", "toolsets": ["demo"]}).json()
+    assert job["status"] == "queued"
+    pg.stop()
+    pg_stack.exec_worker.start()  # takes the message; its claim can't reach the database
+    time.sleep(3)
+    pg.start()
+    final = _final(http, job["id"], 60)
+    assert final["status"] == "completed", final["error"]
+    assert final["return_value"] == "ran"
+
+
+def test_while_postgres_is_down_the_api_answers_503_at_once(pg: PostgresServer, pg_stack: Stack, http: httpx.Client) -> None:
+    pg.stop()
+    try:
+        for method, path, body in [("GET", "/api/v1/exec", None), ("POST", "/api/v1/exec", {"code": "1"})]:
+            started = time.monotonic()
+            response = http.request(method, path, json=body)
+            assert time.monotonic() - started < 4, f"{method} {path} took too long"
+            assert response.status_code == 503, response.text
+            assert response.json()["error"]["code"] == "database_unavailable"
+        started = time.monotonic()
+        ready = httpx.get(f"{pg_stack.base_url}/readyz", timeout=10)
+        assert time.monotonic() - started < 2.5
+        assert ready.status_code == 503
+        assert "database" in ready.json()["error"]["details"]
+    finally:
+        pg.start()
+    deadline = time.monotonic() + 30
+    while (again := http.post("/api/v1/exec", json={"code": "'back'", "wait": 20})).status_code != 201:
+        assert time.monotonic() < deadline, again.text
+        time.sleep(0.5)
+    assert again.json()["return_value"] == "back"

@@ -1,0 +1,112 @@
+"""Throwaway servers a test can stop and start at will: its own Redis, its own PostgreSQL.
+
+Outage tests run a stack on these, never on the servers the rest of the suite shares.
+"""
+
+import glob
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.stack import ROOT, free_port
+
+
+class RedisServer:
+    def __init__(self, directory: Path) -> None:
+        if not shutil.which("redis-server"):
+            pytest.fail("redis-server is needed for this test: apt-get install redis-server")
+        self.port = free_port()
+        self.directory = directory
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+            + ["--dir", str(self.directory)],
+            stdout=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + 10
+        while subprocess.run(["redis-cli", "-p", str(self.port), "ping"], capture_output=True).stdout != b"PONG\n":
+            assert time.monotonic() < deadline, "redis-server did not start"
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+class PostgresServer:
+    """A PostgreSQL cluster in a temp dir, run as ``nobody`` when the tests run as root."""
+
+    def __init__(self) -> None:
+        found = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"))
+        if not found:
+            pytest.fail("PostgreSQL's server binaries are needed for this test: apt-get install postgresql")
+        self.bindir = Path(found[-1]).parent
+        self.port = free_port()
+        self.directory = Path(tempfile.mkdtemp(prefix="ptc-test-pg-"))
+        self.data = self.directory / "data"
+        self.as_user = ["runuser", "-u", "nobody", "--"] if os.geteuid() == 0 else []
+        if self.as_user:
+            shutil.chown(self.directory, "nobody")
+        self._run("initdb", "-D", str(self.data), "-U", "postgres", "-A", "trust", "-E", "UTF8", "--locale=C", "-N")
+        with (self.data / "postgresql.conf").open("a") as conf:
+            conf.write(f"\nlisten_addresses = '127.0.0.1'\nport = {self.port}\nunix_socket_directories = '{self.directory}'\n")
+
+    def url(self, database: str = "postgres") -> str:
+        return f"postgres://postgres@127.0.0.1:{self.port}/{database}"
+
+    def _run(self, program: str, *args: str) -> None:
+        subprocess.run([*self.as_user, str(self.bindir / program), *args], check=True, capture_output=True, cwd="/")
+
+    def start(self) -> None:
+        self._run("pg_ctl", "-D", str(self.data), "-l", str(self.directory / "log"), "-w", "-t", "30", "start")
+
+    def stop(self) -> None:
+        """Stop it as a restart would: every session is cut, committed work is kept."""
+        self._run("pg_ctl", "-D", str(self.data), "-m", "fast", "-w", "stop")
+
+    def remove(self) -> None:
+        if (self.data / "postmaster.pid").exists():
+            self.stop()
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def migrated_database(server: PostgresServer, env: dict[str, str]) -> str:
+    """Create and migrate a database on ``server`` with the project's own command; return its URL."""
+    import psycopg
+
+    with psycopg.connect(server.url(), autocommit=True) as conn:
+        conn.execute('CREATE DATABASE "ptc"')
+    url = server.url("ptc")
+    subprocess.run(
+        [str(Path(os.sys.executable)), "manage.py", "migrate", "-v", "0"],
+        cwd=ROOT,
+        env={**env, "DATABASE_URL": url},
+        check=True,
+        capture_output=True,
+    )
+    return url
+
+
+def api_key(env: dict[str, str], username: str, credits: int = 1000) -> str:
+    """Create ``username`` with a key on the stack ``env`` points at, as an operator would."""
+    done = subprocess.run(
+        [str(Path(os.sys.executable)), "manage.py", "create_api_key", username, "--create-user", "--credits", str(credits)],
+        cwd=ROOT,
+        env=env,
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    return done.stdout.strip().splitlines()[-1]
