@@ -29,10 +29,15 @@ class RedisServer:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self) -> None:
+        options = {
+            "--port": str(self.port),
+            "--bind": "127.0.0.1",
+            "--save": "",
+            "--appendonly": "no",
+            "--dir": str(self.directory),
+        }
         self.proc = subprocess.Popen(
-            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
-            + ["--dir", str(self.directory)],
-            stdout=subprocess.DEVNULL,
+            ["redis-server", *(part for pair in options.items() for part in pair)], stdout=subprocess.DEVNULL
         )
         deadline = time.monotonic() + 10
         while subprocess.run(["redis-cli", "-p", str(self.port), "ping"], capture_output=True).stdout != b"PONG\n":
