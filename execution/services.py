@@ -389,6 +389,7 @@ def exec_jobs_reap() -> int:
         .filter(lease__lt=stale)
     )
     for call_id, ptc_call_id in lapsed.values_list("call_id", "ptc_call_id"):
+        logger.warning("a tools worker stopped renewing a call's lease; failing it", extra={"call_id": call_id})
         reply = _tool_call_fail(call_id, "worker_lost", "the tools worker running this call stopped; it was not run again")
         channels.publish(_result_channel(call_id, ptc_call_id), {"kind": "result", "call_id": call_id, **reply})
     abandoned = timezone.now() - timedelta(seconds=settings.PTC_DEFAULT_TOOL_TIMEOUT * 2 + settings.PTC_JOB_LEASE_SECONDS)

@@ -96,11 +96,13 @@ def _frames(tb: Any) -> str:
             continue
         total += 1
         (head if len(head) < TRACEBACK_HEAD else tail).append((frame, lineno))
-    summary = traceback.StackSummary.extract(iter(head + list(tail)), lookup_lines=False)
-    lines = summary.format()
-    if total > len(head) + len(tail):
-        lines.insert(len(head), f"  [... {total - len(head) - len(tail)} more frames ...]\n")
-    return "".join(lines)
+    left_out = total - len(head) - len(tail)
+    gap = f"  [... {left_out} more frames ...]\n" if left_out else ""
+    return _format(head) + gap + _format(list(tail))
+
+
+def _format(frames: list[tuple[Any, int]]) -> str:
+    return "".join(traceback.StackSummary.extract(iter(frames), lookup_lines=False).format())
 
 
 def _error(exc: BaseException, limits: dict[str, int]) -> dict[str, Any]:

@@ -31,8 +31,8 @@ def pg_stack(pg: PostgresServer, stack_env: dict[str, str]) -> Iterator[Stack]:
     env = {**stack_env, "PTC_REDIS_PREFIX": f"{REDIS_PREFIX}pg:", "PTC_DB_RETRY_SECONDS": "60"}
     env["DATABASE_URL"] = migrated_database(pg, env)
     stack = Stack(env, name="pg-outage")
-    stack.start(beat=False)  # the exec worker's own reaper is enough
     try:
+        stack.start(beat=False)  # the exec worker's own reaper is enough
         yield stack
     finally:
         stack.stop()

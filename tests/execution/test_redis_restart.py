@@ -21,8 +21,8 @@ def redis_stack(stack_env: dict[str, str], tmp_path: Path) -> Iterator[tuple[Red
     redis.start()
     env = {**stack_env, "CELERY_BROKER_URL": redis.url, "REDIS_URL": redis.url}
     stack = Stack(env, name="redis-restart")
-    stack.start(beat=False)
     try:
+        stack.start(beat=False)
         yield redis, stack
     finally:
         stack.stop()
