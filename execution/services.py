@@ -10,6 +10,7 @@ import uuid
 from collections.abc import Callable
 from contextlib import nullcontext
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, TypeVar
 
 import jsonschema
@@ -215,25 +216,13 @@ def _error(kind: str, message: str) -> dict[str, str]:
 
 def _exec_job_sandbox(*, job_id: str) -> Outcome:
     """Run a claimed job's code in a sandbox and return what happened."""
-    job = ExecJob.objects.select_related("user").get(pk=job_id)
+    # Nothing has run yet: a database that drops meanwhile (a restart) is waited for, not the job's end.
+    prepared = _db_retry(lambda: _exec_job_prepare(job_id=job_id), what="preparing a job", job_id=job_id)
+    if isinstance(prepared, Outcome):
+        return prepared
+    job, router, sdk_dir, job_key = prepared
     event_publish(job_call_id=job.call_id, event="exec_start", data=job_start_payload(job))
-    policy = policy_get()
-    toolsets, _ = toolsets_resolve(user=job.user, keys=job.toolsets)
-    try:
-        sdk_hash, sdk_dir = sdk_prepare(toolsets=toolsets)
-    except Exception as exc:  # said in the job's error
-        logger.exception("sdk generation failed", extra={"job_id": job_id})
-        return Outcome(status="failed", error=_error("SandboxCrashed", f"the SDK could not be generated: {exc}"))
-    ExecJob.objects.filter(pk=job.pk).update(sdk_hash=sdk_hash)
     limits = Limits.from_dict(job.limits)
-    router = JobCallRouter(job=job, toolsets=toolsets, direct_only=frozenset(policy.direct_only_tools))
-    # What a sandbox on another host would call back with (POST /api/v1/tools/execute); it dies with the job.
-    _, job_key = api_key_create(
-        user=job.user,
-        name=f"job {job.call_id}",
-        exec_job=job,
-        expires_at=timezone.now() + timedelta(seconds=job.timeout_seconds + 60),
-    )
     with channels.subscribe(channels.job_channel(job.call_id)) as channel:
         # A cancel that landed between the claim and the subscription would otherwise be missed.
         if ExecJob.objects.filter(pk=job.pk, status=Status.CANCELLED).exists():
@@ -261,6 +250,31 @@ def _exec_job_sandbox(*, job_id: str) -> Outcome:
             outcome = Outcome(status="failed", error=_error("SandboxCrashed", str(exc)))
     outcome.timings["queue_ms"] = round((job.started_at - job.created_at).total_seconds() * 1000, 2)
     return outcome
+
+
+def _exec_job_prepare(*, job_id: str) -> "tuple[ExecJob, JobCallRouter, Path, str] | Outcome":
+    """Load a claimed job, build its SDK, its call router and its job-scoped key. Return those, or
+    the Outcome that ends the job if its SDK can't be built. Safe to run again."""
+    job = ExecJob.objects.select_related("user").get(pk=job_id)
+    policy = policy_get()
+    toolsets, _ = toolsets_resolve(user=job.user, keys=job.toolsets)
+    try:
+        sdk_hash, sdk_dir = sdk_prepare(toolsets=toolsets)
+    except (OperationalError, InterfaceError):
+        raise
+    except Exception as exc:  # said in the job's error
+        logger.exception("sdk generation failed", extra={"job_id": job_id})
+        return Outcome(status="failed", error=_error("SandboxCrashed", f"the SDK could not be generated: {exc}"))
+    ExecJob.objects.filter(pk=job.pk).update(sdk_hash=sdk_hash)
+    router = JobCallRouter(job=job, toolsets=toolsets, direct_only=frozenset(policy.direct_only_tools))
+    # What a sandbox on another host would call back with (POST /api/v1/tools/execute); it dies with the job.
+    _, job_key = api_key_create(
+        user=job.user,
+        name=f"job {job.call_id}",
+        exec_job=job,
+        expires_at=timezone.now() + timedelta(seconds=job.timeout_seconds + 60),
+    )
+    return job, router, sdk_dir, job_key
 
 
 def _exec_job_heartbeat(*, job_id: Any) -> bool:

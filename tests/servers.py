@@ -87,13 +87,17 @@ class PostgresServer:
         shutil.rmtree(self.directory, ignore_errors=True)
 
 
-def migrated_database(server: PostgresServer, env: dict[str, str]) -> str:
-    """Create and migrate a database on ``server`` with the project's own command; return its URL."""
+def migrated_database(admin_url: str, env: dict[str, str]) -> str:
+    """Create a database on the server of ``admin_url`` and migrate it with the project's own
+    command; return its URL. A stack of its own needs one: two deployments never share a database."""
+    import uuid
+
     import psycopg
 
-    with psycopg.connect(server.url(), autocommit=True) as conn:
-        conn.execute('CREATE DATABASE "ptc"')
-    url = server.url("ptc")
+    name = f"ptc_test_{uuid.uuid4().hex[:10]}"
+    with psycopg.connect(admin_url, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    url = f"{admin_url.rsplit('/', 1)[0]}/{name}"
     subprocess.run(
         [str(Path(os.sys.executable)), "manage.py", "migrate", "-v", "0"],
         cwd=ROOT,
@@ -102,6 +106,14 @@ def migrated_database(server: PostgresServer, env: dict[str, str]) -> str:
         capture_output=True,
     )
     return url
+
+
+def database_drop(url: str) -> None:
+    import psycopg
+
+    admin_url, name = url.rsplit("/", 1)
+    with psycopg.connect(f"{admin_url}/postgres", autocommit=True) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
 def api_key(env: dict[str, str], username: str, credits: int = 1000) -> str:

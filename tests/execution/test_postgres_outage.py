@@ -29,7 +29,7 @@ def pg() -> Iterator[PostgresServer]:
 def pg_stack(pg: PostgresServer, stack_env: dict[str, str]) -> Iterator[Stack]:
     # Its own queues and channels on the shared Redis: the suite's workers must not take its jobs.
     env = {**stack_env, "PTC_REDIS_PREFIX": f"{REDIS_PREFIX}pg:", "PTC_DB_RETRY_SECONDS": "60"}
-    env["DATABASE_URL"] = migrated_database(pg, env)
+    env["DATABASE_URL"] = migrated_database(pg.url(), env)
     stack = Stack(env, name="pg-outage")
     try:
         stack.start(beat=False)  # the exec worker's own reaper is enough
