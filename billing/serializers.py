@@ -2,6 +2,7 @@ from django.contrib.auth import get_user_model
 from rest_framework import serializers
 
 from billing.models import CreditUsage
+from ptcproject.storage import BIGINT_MAX
 
 
 class BalanceSerializer(serializers.Serializer):
@@ -26,7 +27,8 @@ class UsageQuerySerializer(serializers.Serializer):
 
 class CreditsSerializer(serializers.Serializer):
     username = serializers.CharField(max_length=150)
-    amount = serializers.IntegerField()
+    # Within the balance column's range; credits_adjust also refuses one that would take the balance out of it.
+    amount = serializers.IntegerField(min_value=-BIGINT_MAX, max_value=BIGINT_MAX)
     reason = serializers.CharField(max_length=300)
 
     def validate_username(self, value: str) -> str:

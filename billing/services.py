@@ -17,6 +17,8 @@ from django.db.models import F, Max, Sum
 from django.utils import timezone
 
 from billing.models import CreditAccount, CreditUsage, Discount, LedgerEntry, Reservation
+from ptcproject.errors import ApplicationError
+from ptcproject.storage import BIGINT_MAX, BIGINT_MIN
 from tools.models import Tool, Toolset
 
 logger = logging.getLogger("ptc.billing")
@@ -219,10 +221,21 @@ def credits_release(*, tool_call_id: str) -> None:
 def credits_adjust(
     *, user: AbstractBaseUser, amount: int, reason: str, created_by: AbstractBaseUser | None = None
 ) -> LedgerEntry:
-    """Add (or with a negative amount, remove) credits, with a ledger entry. Return the entry."""
+    """Add (or with a negative amount, remove) credits, with a ledger entry. Return the entry.
+
+    Raise ApplicationError ``validation_error`` (400), and change nothing, if the balance would leave
+    the range its column holds.
+    """
     kind = LedgerEntry.Kind.GRANT if created_by is None and amount >= 0 else LedgerEntry.Kind.ADJUSTMENT
     with transaction.atomic():
         account = CreditAccount.objects.select_for_update().get(pk=account_get(user=user).pk)
+        if not BIGINT_MIN <= account.balance + amount <= BIGINT_MAX:
+            raise ApplicationError(
+                "validation_error",
+                f"Invalid input. amount: the balance ({account.balance}) would leave the range "
+                f"{BIGINT_MIN}..{BIGINT_MAX}; send a smaller amount.",
+                details={"amount": [f"The balance would leave the range {BIGINT_MIN}..{BIGINT_MAX}."]},
+            )
         account.balance += amount
         account.save(update_fields=["balance", "updated_at"])
         return LedgerEntry.objects.create(account=account, kind=kind, delta=amount, reason=reason, created_by=created_by)

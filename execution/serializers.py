@@ -5,6 +5,9 @@ from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
 from execution.models import ExecJob, ToolCall
+from ptcproject.errors import ApplicationError
+from ptcproject.fields import JsonValueField, NumberField
+from ptcproject.storage import MAX_JSON_DEPTH, POSITIVE_INT_MAX, json_depth_exceeds
 
 
 class ToolCallSerializer(serializers.ModelSerializer):
@@ -89,18 +92,33 @@ class ExecJobSerializer(serializers.ModelSerializer):
 class ToolExecuteSerializer(serializers.Serializer):
     toolset = serializers.CharField(max_length=64)
     tool = serializers.CharField(max_length=128)
-    arguments = serializers.JSONField(default=dict)
+    arguments = JsonValueField(default=dict, help_text=f"The tool's keyword arguments, nested at most {MAX_JSON_DEPTH} levels.")
+
+    def to_internal_value(self, data: Any) -> Any:
+        # Before any field walks them, and as the code a failed call's arguments get: nothing is recorded.
+        arguments = data.get("arguments") if isinstance(data, dict) else None
+        if json_depth_exceeds(arguments):
+            raise ApplicationError(
+                "invalid_arguments",
+                f"The arguments nest deeper than {MAX_JSON_DEPTH} levels; send a flatter value.",
+                details={"limit": MAX_JSON_DEPTH},
+            )
+        return super().to_internal_value(data)
 
 
 class ExecCreateSerializer(serializers.Serializer):
     # The size limit is checked in the service, which answers 413 rather than a field error.
     code = serializers.CharField(trim_whitespace=False, allow_blank=True)
     toolsets = serializers.ListField(child=serializers.CharField(max_length=64), required=False, allow_null=True)
-    timeout = serializers.FloatField(required=False, allow_null=True, min_value=0.1)
-    wait = serializers.FloatField(required=False, default=0, min_value=0, max_value=settings.PTC_MAX_WAIT)
+    timeout = NumberField(required=False, allow_null=True, min_value=0.1)
+    wait = NumberField(required=False, default=0, min_value=0, max_value=settings.PTC_MAX_WAIT)
     title = serializers.CharField(required=False, allow_blank=True, default="", max_length=500)
     max_credits = serializers.IntegerField(
-        required=False, allow_null=True, min_value=0, help_text="The most credits this job's tool calls may cost."
+        required=False,
+        allow_null=True,
+        min_value=0,
+        max_value=POSITIVE_INT_MAX,
+        help_text="The most credits this job's tool calls may cost.",
     )
 
 

@@ -9,6 +9,11 @@ from typing import Any
 MAX_JSON_DEPTH = 100
 TOO_DEEP = f"<nested deeper than {MAX_JSON_DEPTH} levels: cut here>"
 
+# The integer columns' ranges on PostgreSQL. A value outside them is refused as input: sent to the
+# database, it would be an error there (a 500), not a field error.
+POSITIVE_INT_MAX = 2**31 - 1  # PositiveIntegerField: integer with a CHECK >= 0
+BIGINT_MIN, BIGINT_MAX = -(2**63), 2**63 - 1  # BigIntegerField
+
 
 def _text(value: str) -> str:
     try:

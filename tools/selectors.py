@@ -54,6 +54,8 @@ def toolsets_listed(*, user: AbstractBaseUser) -> QuerySet[Toolset]:
 
 def toolset_listed(*, user: AbstractBaseUser, key: str) -> Toolset | None:
     """Return the toolset ``key`` as ``user`` sees it (their own shadows a global one), or None."""
+    if not key.isidentifier():  # no toolset has such a key; and PostgreSQL refuses one with a NUL
+        return None
     return toolsets_listed(user=user).filter(key=key).first()
 
 

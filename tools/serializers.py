@@ -2,8 +2,11 @@
 
 from typing import Any
 
+from django.conf import settings
 from rest_framework import serializers
 
+from ptcproject.fields import JsonValueField, NumberField
+from ptcproject.storage import POSITIVE_INT_MAX
 from tools.context import FORMATS
 from tools.models import Tool, Toolset
 from tools.sdk import tool_signature
@@ -126,15 +129,16 @@ class ToolWriteSerializer(serializers.Serializer):
     # Names, schemas and http specs are checked in tools.validation, which gives each problem its own code.
     name = serializers.CharField(max_length=128)
     description = serializers.CharField(required=False, allow_blank=True, default="")
-    input_schema = serializers.JSONField(required=False, default=dict)
-    output_schema = serializers.JSONField(required=False, allow_null=True, default=None)
+    input_schema = JsonValueField(required=False, default=dict)
+    output_schema = JsonValueField(required=False, allow_null=True, default=None)
     allowed_callers = serializers.ListField(child=serializers.CharField(), required=False, default=list)
     read_only = serializers.BooleanField(required=False, default=False)
-    timeout = serializers.FloatField(required=False, allow_null=True, default=None, min_value=0.1)
-    price = serializers.IntegerField(required=False, allow_null=True, default=None, min_value=0)
+    # No call outlives the longest job, so no tool's timeout needs to.
+    timeout = NumberField(required=False, allow_null=True, default=None, min_value=0.1, max_value=settings.PTC_TIMEOUT_CEILING)
+    price = serializers.IntegerField(required=False, allow_null=True, default=None, min_value=0, max_value=POSITIVE_INT_MAX)
     billing_free = serializers.BooleanField(required=False, default=False)
     enabled = serializers.BooleanField(required=False, default=True)
-    http = serializers.JSONField(required=False, allow_null=True, default=None)
+    http = JsonValueField(required=False, allow_null=True, default=None)
 
     def validate_input_schema(self, value: Any) -> Any:
         return value if value != {} else {"type": "object", "properties": {}}
@@ -147,9 +151,9 @@ class ToolsetWriteSerializer(serializers.Serializer):
     kind = serializers.ChoiceField(choices=Toolset.Kind.choices)
     is_global = serializers.BooleanField(required=False)
     enabled = serializers.BooleanField(required=False)
-    price = serializers.IntegerField(required=False, min_value=0)
+    price = serializers.IntegerField(required=False, min_value=0, max_value=POSITIVE_INT_MAX)
     billing_free = serializers.BooleanField(required=False)
-    config = serializers.JSONField(required=False)
+    config = JsonValueField(required=False)
     secrets = serializers.DictField(
         child=serializers.CharField(allow_null=True, allow_blank=False, trim_whitespace=False),
         required=False,

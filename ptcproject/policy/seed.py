@@ -12,9 +12,20 @@ from django.core.exceptions import ImproperlyConfigured
 MODES = ("off", "on", "partial")
 DEBUG_VALUES = {"": "", "false": "", "off": "", "opt-in": "opt-in", "true": "opt-in", "opt-out": "opt-out"}
 DEFAULT_DIRECT_ONLY_TOOLS = ["complete", "fail", "onboarding_handoff"]
+# The least and most each whole-number policy field may be, here and in PATCH /api/v1/policy.
+# The timeouts' most is PTC_TIMEOUT_CEILING. The others are far above any real use and far below
+# the columns' range, and each is something a worker can hold: a count of calls in its memory,
+# output it keeps, memory it asks the kernel for.
+BOUNDS = {
+    "rollout_percent": (0, 100),
+    "max_tool_calls": (1, 1_000_000),
+    "max_parallel_tool_calls": (1, 1024),
+    "max_output_bytes": (1, 64 * 1024 * 1024),
+    "memory_limit_mb": (32, 64 * 1024),
+}
 
 
-def _int(env: Mapping[str, str], name: str, default: int, low: int, high: int | None = None) -> int:
+def _int(env: Mapping[str, str], name: str, default: int, low: int, high: int) -> int:
     raw = env.get(name, "").strip()
     if not raw:
         return default
@@ -22,9 +33,8 @@ def _int(env: Mapping[str, str], name: str, default: int, low: int, high: int | 
         value = int(raw)
     except ValueError:
         raise ImproperlyConfigured(f"{name} must be a whole number; got {raw!r}.") from None
-    if value < low or (high is not None and value > high):
-        bounds = f"between {low} and {high}" if high is not None else f"at least {low}"
-        raise ImproperlyConfigured(f"{name} must be {bounds}; got {value}.")
+    if not low <= value <= high:
+        raise ImproperlyConfigured(f"{name} must be between {low} and {high}; got {value}.")
     return value
 
 
@@ -58,14 +68,14 @@ def policy_seed(env: Mapping[str, str], *, timeout_ceiling: int) -> dict[str, An
         "user_allowlist": _list(env, "PTC_USER_ALLOWLIST"),
         "toolset_allowlist": _list(env, "PTC_TOOLSET_ALLOWLIST"),
         "toolset_blocklist": _list(env, "PTC_TOOLSET_BLOCKLIST"),
-        "rollout_percent": _int(env, "PTC_ROLLOUT_PERCENT", 100, 0, 100),
+        "rollout_percent": _int(env, "PTC_ROLLOUT_PERCENT", 100, *BOUNDS["rollout_percent"]),
         "debug": DEBUG_VALUES[debug],
         "sequential": _bool(env, "PTC_SEQUENTIAL"),
         "default_timeout": _int(env, "PTC_TIMEOUT", min(120, max_timeout), 1, max_timeout),
         "max_timeout": max_timeout,
         "direct_only_tools": _list(env, "PTC_DIRECT_ONLY_TOOLS", DEFAULT_DIRECT_ONLY_TOOLS),
-        "max_tool_calls": _int(env, "PTC_MAX_TOOL_CALLS", 1000, 1),
-        "max_parallel_tool_calls": _int(env, "PTC_MAX_PARALLEL_TOOL_CALLS", 16, 1),
-        "max_output_bytes": _int(env, "PTC_MAX_OUTPUT_BYTES", 1_000_000, 1),
-        "memory_limit_mb": _int(env, "PTC_MEMORY_LIMIT_MB", 512, 32),
+        "max_tool_calls": _int(env, "PTC_MAX_TOOL_CALLS", 1000, *BOUNDS["max_tool_calls"]),
+        "max_parallel_tool_calls": _int(env, "PTC_MAX_PARALLEL_TOOL_CALLS", 16, *BOUNDS["max_parallel_tool_calls"]),
+        "max_output_bytes": _int(env, "PTC_MAX_OUTPUT_BYTES", 1_000_000, *BOUNDS["max_output_bytes"]),
+        "memory_limit_mb": _int(env, "PTC_MEMORY_LIMIT_MB", 512, *BOUNDS["memory_limit_mb"]),
     }

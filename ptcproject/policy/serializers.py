@@ -5,6 +5,7 @@ from django.contrib.auth import get_user_model
 from rest_framework import serializers
 
 from ptcproject.policy.models import Policy
+from ptcproject.policy.seed import BOUNDS
 from tools.models import Toolset
 
 
@@ -22,19 +23,24 @@ class DebugField(serializers.ChoiceField):
         return super().to_internal_value(data)
 
 
+def _bounded(name: str) -> serializers.IntegerField:
+    low, high = BOUNDS[name]
+    return serializers.IntegerField(min_value=low, max_value=high, required=False)
+
+
 class PolicySerializer(serializers.ModelSerializer):
     user_allowlist = serializers.ListField(child=serializers.CharField(max_length=150), required=False)
     toolset_allowlist = serializers.ListField(child=serializers.CharField(max_length=64), required=False)
     toolset_blocklist = serializers.ListField(child=serializers.CharField(max_length=64), required=False)
     direct_only_tools = serializers.ListField(child=serializers.CharField(max_length=128), required=False)
-    rollout_percent = serializers.IntegerField(min_value=0, max_value=100, required=False)
+    rollout_percent = _bounded("rollout_percent")
     debug = DebugField(required=False, allow_blank=True)
-    default_timeout = serializers.IntegerField(min_value=1, required=False)
+    default_timeout = serializers.IntegerField(min_value=1, max_value=settings.PTC_TIMEOUT_CEILING, required=False)
     max_timeout = serializers.IntegerField(min_value=1, max_value=settings.PTC_TIMEOUT_CEILING, required=False)
-    max_tool_calls = serializers.IntegerField(min_value=1, required=False)
-    max_parallel_tool_calls = serializers.IntegerField(min_value=1, required=False)
-    max_output_bytes = serializers.IntegerField(min_value=1, required=False)
-    memory_limit_mb = serializers.IntegerField(min_value=32, required=False)
+    max_tool_calls = _bounded("max_tool_calls")
+    max_parallel_tool_calls = _bounded("max_parallel_tool_calls")
+    max_output_bytes = _bounded("max_output_bytes")
+    memory_limit_mb = _bounded("memory_limit_mb")
 
     class Meta:
         model = Policy

@@ -4,6 +4,7 @@ import uuid
 from collections.abc import Callable
 from datetime import timedelta
 
+import httpx
 import pytest
 from django.contrib.auth import get_user_model
 from django.core.management import call_command
@@ -196,6 +197,10 @@ def test_staff_grant_credits_through_the_ledger(make_api: Callable[..., Api], ap
         ({"username": "{me}", "amount": 1.5, "reason": "x"}, "amount"),
         ({"username": "{me}", "amount": "lots", "reason": "x"}, "amount"),
         ({"username": "{me}", "amount": 5}, "reason"),
+        ({"username": "{me}", "amount": 10**30, "reason": "x"}, "amount"),
+        ({"username": "{me}", "amount": 2**63, "reason": "x"}, "amount"),
+        ({"username": "{me}", "amount": -(2**63), "reason": "x"}, "amount"),
+        ({"username": "{me}", "amount": True, "reason": "x"}, "amount"),
     ],
 )
 def test_bad_adjustments_get_a_field_error_and_write_nothing(make_api: Callable[..., Api], body: dict, field: str) -> None:
@@ -206,6 +211,28 @@ def test_bad_adjustments_get_a_field_error_and_write_nothing(make_api: Callable[
     assert response.status_code == 400
     assert field in response.json()["error"]["details"]
     assert LedgerEntry.objects.count() == entries
+
+
+def test_an_adjustment_that_would_take_the_balance_out_of_range_is_refused(make_api: Callable[..., Api], api: Api) -> None:
+    staff = make_api(staff=True)
+
+    def adjust(amount: int) -> httpx.Response:
+        return staff.post("/api/v1/billing/credits", json={"username": api.username, "amount": amount, "reason": "x"})
+
+    top = 2**63 - 1  # the balance column's most
+    assert adjust(top - balance(api)).status_code == 201
+    entries = LedgerEntry.objects.filter(account__user__username=api.username).count()
+    over = adjust(1)
+    assert over.status_code == 400, over.text
+    assert over.json()["error"]["code"] == "validation_error"
+    assert "amount" in over.json()["error"]["details"]
+    assert balance(api) == top
+    assert LedgerEntry.objects.filter(account__user__username=api.username).count() == entries
+    # And at the bottom: two of the largest removals take it past the column's least.
+    assert adjust(-top).status_code == 201
+    assert adjust(-top).status_code == 201
+    assert adjust(-top).status_code == 400
+    assert balance(api) == -top
 
 
 def test_the_usage_chart_is_drawn_server_side(api: Api) -> None:

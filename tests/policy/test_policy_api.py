@@ -56,6 +56,20 @@ def test_a_change_is_recorded_who_when_old_to_new(staff: Api) -> None:
         ({"max_parallel_tool_calls": 0}, "max_parallel_tool_calls"),
         ({"memory_limit_mb": -1}, "memory_limit_mb"),
         ({"default_timeout": 10**6}, "default_timeout"),
+        # Past the columns' range: each was a 500 from PostgreSQL before it had a bound.
+        ({"max_output_bytes": 2**63}, "max_output_bytes"),
+        ({"max_tool_calls": 2**31}, "max_tool_calls"),
+        ({"max_parallel_tool_calls": 2**63}, "max_parallel_tool_calls"),
+        ({"memory_limit_mb": 10**30}, "memory_limit_mb"),
+        ({"default_timeout": 2**63}, "default_timeout"),
+        ({"max_timeout": 2**63}, "max_timeout"),
+        ({"rollout_percent": 2**63}, "rollout_percent"),
+        # Within the columns' range but past what a worker can hold.
+        ({"max_output_bytes": 64 * 1024 * 1024 + 1}, "max_output_bytes"),
+        ({"max_tool_calls": 1_000_001}, "max_tool_calls"),
+        ({"max_parallel_tool_calls": 1025}, "max_parallel_tool_calls"),
+        ({"memory_limit_mb": 64 * 1024 + 1}, "memory_limit_mb"),
+        ({"max_tool_calls": True}, "max_tool_calls"),
     ],
 )
 def test_bad_values_get_a_field_error_and_change_nothing(staff: Api, values: dict, field: str) -> None:
@@ -170,6 +184,7 @@ def test_the_admin_try_a_decision_form(staff: Api) -> None:
         ("PTC_MAX_TOOL_CALLS", "-1"),
         ("PTC_SEQUENTIAL", "perhaps"),
         ("PTC_TIMEOUT", "ten"),
+        ("PTC_MAX_OUTPUT_BYTES", str(2**63)),  # the same bounds as PATCH /api/v1/policy
     ],
 )
 def test_a_bad_seed_value_stops_start_up_naming_the_variable(stack_env: dict[str, str], variable: str, value: str) -> None:

@@ -131,6 +131,49 @@ def test_a_bad_definition_is_refused_whole(staff: Api, code: str) -> None:
     staff.http.delete(f"/api/v1/toolsets/{key}")
 
 
+def _nested(depth: int) -> str:
+    return "[" * (depth - 1) + "{}" + "]" * (depth - 1)
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ('"price": 2147483648', "price"),  # past the column's range: was a 500 from PostgreSQL
+        ('"price": 1e30', "price"),
+        ('"tools": [{"name": "t", "price": 2147483648}]', "tools"),
+        ('"tools": [{"name": "t", "timeout": true}]', "tools"),  # a boolean is not 1 second
+        ('"tools": [{"name": "t", "timeout": 1e30}]', "tools"),
+        ('"config": ' + _nested(101), "config"),  # readers of a value this deep recurse
+        ('"tools": [{"name": "t", "input_schema": ' + _nested(900) + "}]", "tools"),
+    ],
+)
+def test_numbers_out_of_range_and_values_nested_too_deep_are_field_errors(staff: Api, change: str, field: str) -> None:
+    key = unique_key("bounds")
+    body = '{"key": "' + key + '", "name": "B", "kind": "http", ' + change + "}"
+    response = staff.post("/api/v1/toolsets", content=body, headers={"Content-Type": "application/json"})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["code"] == "validation_error"
+    assert set(error["details"]) == {field}
+    assert not Toolset.objects.filter(key=key).exists()
+
+
+@pytest.mark.parametrize(
+    ("path", "status"),
+    [
+        ("/api/v1/toolsets/%00", 404),  # PostgreSQL refuses a NUL: this was a 500
+        ("/api/v1/toolsets/de%00mo", 404),
+        ("/api/v1/toolsets/%00/sync", 404),
+        ("/api/v1/toolsets/export-definitions?toolset_keys=%00", 400),
+        ("/api/v1/sdk?toolset_keys=demo,%00", 400),
+    ],
+)
+def test_a_nul_in_a_path_or_query_is_refused_not_a_500(staff: Api, path: str, status: int) -> None:
+    response = staff.get(path) if not path.endswith("sync") else staff.post(path)
+    assert response.status_code == status, response.text
+    assert response.json()["error"]["code"] == ("not_found" if status == 404 else "validation_error")
+
+
 def test_config_must_name_secrets_it_has(staff: Api) -> None:
     body = weather_body(unique_key("nosecret"))
     body["secrets"] = {}

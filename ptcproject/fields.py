@@ -1,0 +1,29 @@
+"""Serializer fields every app's input shares: numbers that are numbers, and JSON values that readers
+can walk without running out of stack."""
+
+from typing import Any
+
+from rest_framework import serializers
+
+from ptcproject.storage import MAX_JSON_DEPTH, json_depth_exceeds
+
+
+class NumberField(serializers.FloatField):
+    """A float that must be sent as a number (or a numeric string): ``true`` is not 1."""
+
+    def to_internal_value(self, data: Any) -> float:
+        if isinstance(data, bool):
+            self.fail("invalid")
+        return super().to_internal_value(data)
+
+
+class JsonValueField(serializers.JSONField):
+    """Any JSON value nested at most MAX_JSON_DEPTH levels: deeper ones would overflow the stack of
+    the code that reads them (json, jsonschema), so they are refused before anything walks them."""
+
+    default_error_messages = {"too_deep": f"Nested deeper than {MAX_JSON_DEPTH} levels; send a flatter value."}
+
+    def to_internal_value(self, data: Any) -> Any:
+        if json_depth_exceeds(data):
+            self.fail("too_deep")
+        return super().to_internal_value(data)
