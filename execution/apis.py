@@ -5,7 +5,7 @@ from uuid import UUID
 from django.db.models import QuerySet
 from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
 from django.shortcuts import get_object_or_404
-from drf_spectacular.utils import OpenApiParameter, extend_schema
+from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema
 from rest_framework import status
 from rest_framework.request import Request
 from rest_framework.response import Response
@@ -72,7 +72,10 @@ class ExecDetailApi(APIView):
 
 
 class ExecCancelApi(APIView):
-    @extend_schema(request=None, responses=ExecJobSerializer)
+    @extend_schema(
+        request=None,
+        responses={200: ExecJobSerializer, 409: OpenApiResponse(description="job_finished: the job has already finished.")},
+    )
     def post(self, request: Request, job_id: str) -> Response:
         job = get_object_or_404(exec_jobs_for(user=request.user), pk=job_id)
         exec_job_cancel(job=job)

@@ -1,7 +1,10 @@
-"""What every endpoint shares: the error shape, pagination and the error type services raise."""
+"""What every endpoint shares: the error shape, pagination, the error responses every operation
+documents, and the error type services raise."""
 
 from typing import Any
 
+from django.conf import settings
+from django.core.exceptions import RequestDataTooBig
 from django.db import InterfaceError as DbInterfaceError
 from django.db import OperationalError as DbOperationalError
 from django.http import HttpRequest, HttpResponse, JsonResponse
@@ -74,9 +77,21 @@ def error_response(exc: ApplicationError) -> JsonResponse:
     return JsonResponse({"error": body}, status=exc.status, headers={"Retry-After": "5"} if exc.status == 503 else None)
 
 
+def body_too_large_error() -> ApplicationError:
+    """The 413 for a body over DATA_UPLOAD_MAX_MEMORY_SIZE, which Django raises as RequestDataTooBig
+    when DRF reads the body (and would render as its HTML 400 page)."""
+    limit = settings.DATA_UPLOAD_MAX_MEMORY_SIZE
+    return ApplicationError(
+        "code_too_large",
+        f"The request body is over {limit} bytes, the most this API reads. Send less code or smaller values.",
+        status=413,
+        details={"limit": limit},
+    )
+
+
 def exception_handler(exc: Exception, context: dict[str, Any]) -> Response | None:
     """Render every API error as ``{"error": {"code", "message", "details"}}`` (API.md)."""
-    exc = outage_error(exc) or exc
+    exc = outage_error(exc) or (body_too_large_error() if isinstance(exc, RequestDataTooBig) else exc)
     if isinstance(exc, ApplicationError):
         body = {"code": exc.code, "message": exc.message, "details": exc.details}
         headers = {"Retry-After": "5"} if exc.status == 503 else None
@@ -117,6 +132,82 @@ def server_error(request: HttpRequest) -> HttpResponse:
     return defaults.server_error(request)
 
 
+# The body of every 4xx and 5xx (API.md, "Errors"), as an OpenAPI component.
+ERROR_SCHEMA_NAME = "ApiError"
+ERROR_SCHEMA = {
+    "type": "object",
+    "description": 'Every 4xx and 5xx answer: {"error": {"code", "message", "details"}}.',
+    "properties": {
+        "error": {
+            "type": "object",
+            "properties": {
+                "code": {"type": "string", "description": "Stable and snake_case: what went wrong, for code to act on."},
+                "message": {"type": "string", "description": "A sentence for a human: what happened and what to do."},
+                "details": {
+                    "type": "object",
+                    "additionalProperties": {},
+                    "description": "For validation_error, each field's errors; otherwise what the code names.",
+                },
+            },
+            "required": ["code", "message", "details"],
+        }
+    },
+    "required": ["error"],
+}
+ERROR_CONTENT = {"application/json": {"schema": {"$ref": f"#/components/schemas/{ERROR_SCHEMA_NAME}"}}}
+
+# What each shared status means; an operation's own codes (409 job_finished, 502 from an MCP
+# server, ...) are declared on its view with a description, and get the error body here too.
+_ERROR_DESCRIPTIONS = {
+    "400": "validation_error (field errors in details), parse_error, or the operation's own code.",
+    "401": "not_authenticated or authentication_failed: no key, or an unknown, expired or revoked one.",
+    "403": "permission_denied (not staff; a job-scoped key outside POST /api/v1/tools/execute) or the operation's own code.",
+    "404": "not_found: no such object or page, or another user's.",
+    "413": "code_too_large: the body, or the code in it, is over the limit.",
+    "415": "unsupported_media_type: the body is not application/json.",
+    "503": "database_unavailable or broker_unavailable: nothing was done; retry after Retry-After seconds.",
+}
+_RETRY_AFTER = {"Retry-After": {"schema": {"type": "integer"}, "description": "Seconds to wait before retrying."}}
+_METHODS = ("get", "put", "post", "patch", "delete")
+
+
+def _error_statuses(operation: dict[str, Any]) -> list[str]:
+    """The shared error statuses ``operation`` can answer (see _ERROR_DESCRIPTIONS)."""
+    parameters = operation.get("parameters", [])
+    statuses = ["503"]
+    if operation.get("requestBody") or any(p["in"] != "path" for p in parameters):
+        statuses.append("400")  # a path parameter's own 400s (none is free text) are declared on its view
+    if operation.get("security"):
+        # DRF authenticates every view: a job-scoped key gets 403 on all but POST /tools/execute.
+        statuses += ["401", "403"]
+    if any(p["in"] == "path" or p["name"] == "page" for p in parameters):
+        statuses.append("404")  # an unknown object, or a page past the end
+    if operation.get("requestBody"):
+        statuses += ["413", "415"]
+    return statuses
+
+
+def document_error_responses(result: dict[str, Any], generator: Any, request: Any, public: bool) -> dict[str, Any]:
+    """Give every operation the error responses it can answer, each with the ApiError body: the
+    shared ones by what the operation takes (input, auth, a path or page), and its own declared ones."""
+    result.setdefault("components", {}).setdefault("schemas", {})[ERROR_SCHEMA_NAME] = ERROR_SCHEMA
+    for operations in result.get("paths", {}).values():
+        for method in _METHODS:
+            operation = operations.get(method)
+            if operation is None:
+                continue
+            responses = operation.setdefault("responses", {})
+            for status in _error_statuses(operation):
+                responses.setdefault(status, {"description": _ERROR_DESCRIPTIONS[status]})
+            for status, response in responses.items():
+                if status[0] in "45":
+                    response.setdefault("content", ERROR_CONTENT)
+                    if status == "503":
+                        response.setdefault("headers", _RETRY_AFTER)
+            operation["responses"] = dict(sorted(responses.items()))
+    return result
+
+
 def add_event_stream_path(result: dict[str, Any], generator: Any, request: Any, public: bool) -> dict[str, Any]:
     """Document GET /api/v1/exec/{id}/events, an async Django view that DRF's schema can't see."""
     result.setdefault("paths", {})["/api/v1/exec/{job_id}/events"] = {
@@ -135,9 +226,10 @@ def add_event_stream_path(result: dict[str, Any], generator: Any, request: Any, 
             "security": [{"ApiKeyAuth": []}],
             "responses": {
                 "200": {"description": "An event stream", "content": {"text/event-stream": {"schema": {"type": "string"}}}},
-                "400": {"description": "invalid_last_event_id: Last-Event-ID is not an event id"},
-                "401": {"description": "No or bad key"},
-                "404": {"description": "No such job, or another user's"},
+                "400": {"description": "invalid_last_event_id: Last-Event-ID is not an event id", "content": ERROR_CONTENT},
+                "401": {"description": "No or bad key", "content": ERROR_CONTENT},
+                "404": {"description": "No such job, or another user's", "content": ERROR_CONTENT},
+                "503": {"description": _ERROR_DESCRIPTIONS["503"], "content": ERROR_CONTENT, "headers": _RETRY_AFTER},
             },
         }
     }

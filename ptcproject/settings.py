@@ -132,6 +132,8 @@ REST_FRAMEWORK = {
     ],
     "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
+    # JSON in and out (API.md); a body nested too deep for the decoder is a 400, not a 500.
+    "DEFAULT_PARSER_CLASSES": ["ptcproject.parsers.JsonParser"],
     "DEFAULT_PAGINATION_CLASS": "ptcproject.api.Pagination",
     "PAGE_SIZE": 50,
     "EXCEPTION_HANDLER": "ptcproject.api.exception_handler",
@@ -149,6 +151,7 @@ SPECTACULAR_SETTINGS = {
     "COMPONENT_SPLIT_REQUEST": True,
     "POSTPROCESSING_HOOKS": [
         "drf_spectacular.hooks.postprocess_schema_enums",
+        "ptcproject.api.document_error_responses",
         "ptcproject.api.add_event_stream_path",
     ],
 }
@@ -241,6 +244,10 @@ PTC_MAX_OPEN_FILES = env.int("PTC_MAX_OPEN_FILES", default=256)
 # A tool's arguments and its output are each held to this; a bridge frame carries one of them.
 PTC_MAX_TOOL_OUTPUT_BYTES = env.int("PTC_MAX_TOOL_OUTPUT_BYTES", default=1024 * 1024)
 PTC_MAX_FRAME_BYTES = PTC_MAX_TOOL_OUTPUT_BYTES + 64 * 1024
+# The largest request body read: room for code at PTC_MAX_CODE_BYTES even if JSON escapes every byte
+# (\u00XX is six), or for a tool call's arguments at their limit. Over it the API answers 413
+# code_too_large (ptcproject.api); under it, a service checks the code's own size.
+DATA_UPLOAD_MAX_MEMORY_SIZE = max(6 * PTC_MAX_CODE_BYTES, PTC_MAX_TOOL_OUTPUT_BYTES) + 64 * 1024
 # What the worker buffers for one job (replies the code has not read, calls waiting for a slot).
 PTC_MAX_BUFFERED_BYTES = env.int("PTC_MAX_BUFFERED_BYTES", default=32 * 1024 * 1024)
 # A job still queued after this long lost its queue message: the reaper fails it.

@@ -20,3 +20,20 @@ def test_openapi_schema_and_docs_are_served_offline(stack: Stack) -> None:
     assert "cdn" not in docs.text.lower()
     asset = docs.text.split('src="')[1].split('"')[0]
     assert httpx.get(f"{stack.base_url}{asset}").status_code == 200
+
+
+def test_every_operation_documents_its_errors_with_the_error_body(stack: Stack) -> None:
+    schema = httpx.get(f"{stack.base_url}/api/schema/", headers={"Accept": "application/json"}).json()
+    error = {"$ref": "#/components/schemas/ApiError"}
+    assert schema["components"]["schemas"]["ApiError"]["required"] == ["error"]
+    for path, operations in schema["paths"].items():
+        for method, operation in operations.items():
+            responses = operation["responses"]
+            assert {"401", "503"} <= set(responses), (method, path)
+            if "{" in path:
+                assert "404" in responses, (method, path)
+            if "requestBody" in operation:
+                assert {"400", "413"} <= set(responses), (method, path)
+            for status, response in responses.items():
+                if status[0] in "45":
+                    assert response["content"]["application/json"]["schema"] == error, (method, path, status)

@@ -22,6 +22,11 @@ from tools.serializers import (
 )
 from tools.services import mcp_toolset_sync, toolset_create, toolset_delete, toolset_update
 
+# Each error body is ApiError (ptcproject.api.document_error_responses).
+TOOLSET_EXISTS = OpenApiResponse(
+    description="toolset_exists: a toolset with that key exists already (a global one, or your own)."
+)
+
 
 class StaffWrites(permissions.BasePermission):
     message = "Only staff may change toolsets; anyone signed in may read them."
@@ -44,7 +49,7 @@ class ToolsetListCreateApi(APIView):
     def get(self, request: Request) -> Response:
         return Response(ToolsetSerializer(toolsets_listed(user=request.user), many=True).data)
 
-    @extend_schema(request=ToolsetWriteSerializer, responses={201: ToolsetSerializer})
+    @extend_schema(request=ToolsetWriteSerializer, responses={201: ToolsetSerializer, 409: TOOLSET_EXISTS})
     def post(self, request: Request) -> Response:
         body = ToolsetWriteSerializer(data=request.data)
         body.is_valid(raise_exception=True)
@@ -70,11 +75,11 @@ class ToolsetDetailApi(APIView):
         toolset = toolset_update(toolset=toolset, actor=request.user, data=body.validated_data, partial=partial)
         return Response(ToolsetSerializer(_toolset_or_404(request, toolset.key)).data)
 
-    @extend_schema(request=ToolsetWriteSerializer, responses=ToolsetSerializer)
+    @extend_schema(request=ToolsetWriteSerializer, responses={200: ToolsetSerializer, 409: TOOLSET_EXISTS})
     def put(self, request: Request, key: str) -> Response:
         return self._update(request, key, partial=False)
 
-    @extend_schema(request=ToolsetWriteSerializer, responses=ToolsetSerializer)
+    @extend_schema(request=ToolsetWriteSerializer, responses={200: ToolsetSerializer, 409: TOOLSET_EXISTS})
     def patch(self, request: Request, key: str) -> Response:
         return self._update(request, key, partial=True)
 
@@ -87,7 +92,14 @@ class ToolsetDetailApi(APIView):
 class ToolsetSyncApi(APIView):
     permission_classes = [permissions.IsAdminUser]
 
-    @extend_schema(request=None, responses=McpSyncSerializer)
+    @extend_schema(
+        request=None,
+        responses={
+            200: McpSyncSerializer,
+            400: OpenApiResponse(description="not_mcp: only an mcp toolset is synced."),
+            502: OpenApiResponse(description="The MCP server could not be started or listed (mcp_start_failed, ...)."),
+        },
+    )
     def post(self, request: Request, key: str) -> Response:
         toolset = _toolset_or_404(request, key)
         result = mcp_toolset_sync(toolset=toolset)

@@ -137,6 +137,63 @@ def test_invalid_request_body_is_a_field_error(api: Api) -> None:
     assert set(error["details"]) == {"code", "toolsets", "wait"}
 
 
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ({"max_credits": 2**31}, "max_credits"),  # past the column's range: was a 500 from PostgreSQL
+        ({"max_credits": 10**30}, "max_credits"),
+        ({"timeout": True}, "timeout"),  # a boolean is not a number, not 1 second
+        ({"wait": True}, "wait"),
+        ({"timeout": "nan"}, "timeout"),
+    ],
+)
+def test_numbers_out_of_range_or_not_numbers_are_field_errors(api: Api, body: dict, field: str) -> None:
+    response = api.post("/api/v1/exec", json={"code": "1", "toolsets": ["demo"], **body})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["code"] == "validation_error"
+    assert set(error["details"]) == {field}
+
+
+def test_a_body_over_the_upload_limit_is_413_in_json(api: Api) -> None:
+    from django.conf import settings
+
+    body = '{"code": "' + "#" * settings.DATA_UPLOAD_MAX_MEMORY_SIZE + '"}'
+    response = api.post("/api/v1/exec", content=body, headers={"Content-Type": "application/json"})
+    assert response.status_code == 413
+    assert response.headers["Content-Type"] == "application/json"
+    assert response.json()["error"]["code"] == "code_too_large"
+    assert response.json()["error"]["details"] == {"limit": settings.DATA_UPLOAD_MAX_MEMORY_SIZE}
+
+
+def test_code_at_the_limit_fits_in_the_body_even_escaped(api: Api) -> None:
+    # A comment of control characters, each sent as \u0001 (six bytes): the body is six times the
+    # code, yet under the body limit, so the answer is about the code, never about the body.
+    code = "#" + "\x01" * (256 * 1024 - 1)
+    response = api.post("/api/v1/exec", json={"code": code, "toolsets": ["demo"]})
+    assert response.status_code == 201, response.text[:300]
+
+
+def test_a_body_nested_too_deep_to_parse_is_a_parse_error(api: Api) -> None:
+    response = api.post("/api/v1/exec", content="[" * 100_000 + "]" * 100_000, headers={"Content-Type": "application/json"})
+    assert response.status_code == 400
+    assert response.json()["error"]["code"] == "parse_error"
+
+
+@pytest.mark.parametrize(
+    ("path", "status"),
+    [
+        ("/api/v1/exec?status=%00", 400),
+        ("/api/v1/tool-calls?exec=%00", 400),
+        ("/api/v1/exec/%00", 404),
+    ],
+)
+def test_a_nul_in_a_path_or_query_is_refused_not_a_500(api: Api, path: str, status: int) -> None:
+    response = api.get(path)
+    assert response.status_code == status
+    assert response.json()["error"]["code"] == ("not_found" if status == 404 else "validation_error")
+
+
 def test_timeout_above_the_maximum_is_refused_not_clamped(api: Api) -> None:
     response = api.post("/api/v1/exec", json={"code": "1", "timeout": 10**6})
     assert response.status_code == 400

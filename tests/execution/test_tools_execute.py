@@ -113,3 +113,34 @@ def test_the_job_scoped_key_lifecycle(api: Api, make_api) -> None:  # type: igno
     finished = api.get(f"/api/v1/exec/{job['id']}").json()
     assert [c["tool"] for c in finished["tool_calls"]] == ["echo", "add"]
     outside.delete()
+
+
+def _nested_call(depth: int) -> str:
+    """The body of a demo.echo call whose arguments nest ``depth`` levels: the object, then lists.
+    Written out by hand: json.dumps of it would itself recurse that deep."""
+    lists = depth - 1
+    return '{"toolset": "demo", "tool": "echo", "arguments": {"value": ' + "[" * lists + "0" + "]" * lists + "}}"
+
+
+@pytest.mark.parametrize("depth", [101, 900])
+def test_arguments_nested_past_the_limit_are_400_and_nothing_is_recorded(api: Api, depth: int) -> None:
+    response = api.post("/api/v1/tools/execute", content=_nested_call(depth), headers={"Content-Type": "application/json"})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["code"] == "invalid_arguments"
+    assert error["details"] == {"limit": 100}
+    assert api.get("/api/v1/tool-calls").json()["count"] == 0
+
+
+def test_arguments_nested_to_the_limit_run(api: Api) -> None:
+    response = api.post("/api/v1/tools/execute", content=_nested_call(100), headers={"Content-Type": "application/json"})
+    assert response.status_code == 200, response.text
+    assert response.json()["status"] == "completed"
+
+
+def test_a_body_nested_too_deep_to_parse_is_a_parse_error(api: Api) -> None:
+    body = '{"toolset": "demo", "tool": "echo", "arguments": {"value": ' + "[" * 100_000 + "]" * 100_000 + "}}"
+    response = api.post("/api/v1/tools/execute", content=body, headers={"Content-Type": "application/json"})
+    assert response.status_code == 400
+    assert response.json()["error"]["code"] == "parse_error"
+    assert api.get("/api/v1/tool-calls").json()["count"] == 0
