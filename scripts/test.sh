@@ -5,6 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
 scripts/browser-deps.sh
+scripts/outage-deps.sh
 
 services=$(scripts/test-services.sh)
 eval "$services"
