@@ -101,6 +101,24 @@ def events_publish(*, job_call_id: str, events: list[tuple[str, dict[str, Any]]]
         logger.warning("could not publish events", extra={"job_id": job_call_id}, exc_info=True)
 
 
+def output_from_stream(*, job_call_id: str) -> dict[str, str]:
+    """Return what a job printed (``stdout``, ``stderr``) as its live events carried it: for a job
+    whose worker died before it could store the output. Empty without Redis or its stream."""
+    if not settings.REDIS_URL:
+        return {}
+    try:
+        entries = channels.redis_client().xrange(_stream_key(job_call_id))
+    except Exception:  # the output is a courtesy here; the job's end is what matters
+        logger.warning("could not read a job's output back from its events", extra={"job_id": job_call_id}, exc_info=True)
+        return {}
+    parts: dict[str, list[str]] = {"stdout": [], "stderr": []}
+    for _, fields in entries:
+        name = fields[b"event"].decode()
+        if name in parts:
+            parts[name].append(json.loads(fields[b"data"])["text"])
+    return {name: "".join(texts) for name, texts in parts.items() if texts}
+
+
 @functools.cache
 def _call_serializer() -> Any:
     """One serializer, its fields built once: building them is most of what serialising costs, on

@@ -38,6 +38,7 @@ from execution.events import (
     events_publish,
     job_end_payload,
     job_start_payload,
+    output_from_stream,
     tool_call_event,
     tool_call_payload,
 )
@@ -361,6 +362,12 @@ def _exec_job_fail_if(*, job_id: str, status: str, kind: str, message: str, stal
     if stale:
         jobs = jobs.filter(heartbeat_at__lt=timezone.now() - timedelta(seconds=settings.PTC_JOB_LEASE_SECONDS))
     updated = jobs.update(status=Status.FAILED, finished_at=timezone.now(), error=_error(kind, message))
+    if updated and status == Status.RUNNING:
+        # Its worker died holding the output in memory; what the code printed went out as events.
+        call_id = ExecJob.objects.values_list("call_id", flat=True).get(pk=job_id)
+        output = {name: storable(text) for name, text in output_from_stream(job_call_id=call_id).items()}
+        if output:
+            ExecJob.objects.filter(pk=job_id).update(**output)
     if updated:
         _exec_job_close(job_id=job_id)
     return bool(updated)

@@ -4,6 +4,7 @@ The test command (README) provides ``TEST_DATABASE_URL`` and ``REDIS_URL``. Noth
 Celery eagerly: every job goes through the broker to a worker process.
 """
 
+import json
 import os
 import uuid
 from collections.abc import Callable, Iterator
@@ -117,6 +118,17 @@ class Api:
         response = self.http.post("/api/v1/exec", json=payload)
         assert response.status_code == 201, response.text
         return response.json()
+
+    def until_printed(self, job_id: str, seconds: float = 15) -> str:
+        """Follow the job's events until its first output; return that text."""
+        with self.http.stream("GET", f"/api/v1/exec/{job_id}/events", timeout=seconds) as response:
+            event = ""
+            for line in response.iter_lines():
+                if line.startswith("event: "):
+                    event = line[7:]
+                elif line.startswith("data: ") and event in ("stdout", "stderr"):
+                    return json.loads(line[6:])["text"]
+        raise AssertionError("the job's stream ended before it printed anything")
 
     def get(self, path: str, **kwargs: Any) -> httpx.Response:
         return self.http.get(path, **kwargs)

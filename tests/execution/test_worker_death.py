@@ -28,7 +28,7 @@ def _wait_for(api: Api, job_id: str, statuses: set[str], seconds: float) -> dict
 def test_job_of_a_killed_worker_ends_as_worker_lost(api: Api, stack: Stack) -> None:
     code = "import time\nprint('working', flush=True)\ntime.sleep(120)"
     job = api.run(code, toolsets=["demo"], wait=0, timeout=200)
-    assert _wait_for(api, job["id"], {"running"}, 15)["status"] == "running"
+    assert api.until_printed(job["id"]) == "working\n"
     assert stack.exec_worker.proc is not None
     worker_pid = str(stack.exec_worker.proc.pid)
     deadline = time.monotonic() + 10
@@ -43,5 +43,6 @@ def test_job_of_a_killed_worker_ends_as_worker_lost(api: Api, stack: Stack) -> N
     final = _wait_for(api, job["id"], {"failed"}, 20)
     assert final["status"] == "failed"
     assert final["error"]["type"] == "WorkerLost"
+    assert final["stdout"] == "working\n"  # printed before the kill: kept, from the job's events
     assert final["finished_at"] is not None
     assert api.run("'back'", toolsets=["demo"])["return_value"] == "back"
