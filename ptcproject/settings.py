@@ -10,6 +10,7 @@ from pathlib import Path
 
 import environ
 
+from ptcproject.crypto import secrets_keys
 from ptcproject.policy.seed import policy_seed
 
 BASE_DIR = Path(__file__).resolve().parent.parent
@@ -23,6 +24,11 @@ DATA_DIR.mkdir(parents=True, exist_ok=True)
 DEBUG = env.bool("DJANGO_DEBUG", default=False)
 # The default key is for the embedded quickstart only; a deployment sets its own.
 SECRET_KEY = env.str("DJANGO_SECRET_KEY", default="ptc-insecure-quickstart-key-change-me-0123456789")
+# Fernet keys for toolset secrets at rest, comma-separated: the first encrypts, all decrypt. To rotate,
+# put a new key first, keep the old after it, and run `manage.py ptc_rotate_secrets`. Unset, one key is
+# derived from SECRET_KEY, for the quickstart (ptcproject/crypto.py). A bad key stops start-up, naming
+# the variable.
+PTC_SECRETS_KEYS = secrets_keys(env.str("PTC_SECRETS_KEYS", default=""), secret_key=SECRET_KEY)
 ALLOWED_HOSTS = env.list("DJANGO_ALLOWED_HOSTS", default=["127.0.0.1", "localhost", "[::1]", "testserver"])
 CSRF_TRUSTED_ORIGINS = env.list("DJANGO_CSRF_TRUSTED_ORIGINS", default=[])
 

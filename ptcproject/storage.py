@@ -5,6 +5,8 @@ jsonschema). Both are handled here without recursion, so no value can break the 
 import math
 from typing import Any
 
+from tools.sdk_runtime.protocol import nests_deeper
+
 # How deep a stored JSON value (a tool's arguments or output, a job's return value) may nest.
 MAX_JSON_DEPTH = 100
 TOO_DEEP = f"<nested deeper than {MAX_JSON_DEPTH} levels: cut here>"
@@ -25,16 +27,7 @@ def _text(value: str) -> str:
 
 def json_depth_exceeds(value: Any, limit: int = MAX_JSON_DEPTH) -> bool:
     """Return True if ``value`` has lists or dicts nested more than ``limit`` deep. Iterative."""
-    stack: list[tuple[Any, int]] = [(value, 1)]
-    while stack:
-        item, depth = stack.pop()
-        children = item.values() if isinstance(item, dict) else item if isinstance(item, list | tuple) else None
-        if children is None:
-            continue
-        if depth > limit:
-            return True
-        stack.extend((child, depth + 1) for child in children if isinstance(child, dict | list | tuple))
-    return False
+    return nests_deeper(value, limit)
 
 
 def storable(value: Any) -> Any:

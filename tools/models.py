@@ -4,6 +4,8 @@ from django.conf import settings
 from django.db import models
 from django.db.models import Q
 
+from ptcproject.encrypted_field import EncryptedJSONField
+
 
 class Toolset(models.Model):
     class Kind(models.TextChoices):
@@ -23,8 +25,9 @@ class Toolset(models.Model):
     price = models.PositiveIntegerField(default=0, help_text="Credits per successful call.")
     billing_free = models.BooleanField(default=False)
     config = models.JSONField(default=dict, blank=True)
-    # Write-only: never serialised, exported, sent to a sandbox or logged.
-    secrets = models.JSONField(default=dict, blank=True)
+    # Write-only: never serialised, exported, sent to a sandbox or logged. Encrypted at rest
+    # (PTC_SECRETS_KEYS); a dict in Python.
+    secrets = EncryptedJSONField(default=dict, blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
 

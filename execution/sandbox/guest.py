@@ -48,23 +48,6 @@ def _set_limits(limits: dict[str, int]) -> None:
     threading.stack_size(THREAD_STACK_BYTES)
 
 
-def _too_deep(value: Any, limit: int) -> bool:
-    """Return True if lists or dicts in ``value`` nest more than ``limit`` deep. Iterative."""
-    stack = [(value, 1)]
-    while stack:
-        item, depth = stack.pop()
-        if isinstance(item, dict):
-            children = list(item.values())
-        elif isinstance(item, list | tuple):
-            children = list(item)
-        else:
-            continue
-        if depth > limit:
-            return True
-        stack.extend((child, depth + 1) for child in children)
-    return False
-
-
 def _jsonable(value: Any) -> Any:
     """Return ``value`` if it is strict JSON, else its repr (or a placeholder if even that fails)."""
     try:
@@ -163,7 +146,7 @@ def main() -> None:
             import asyncio
 
             asyncio.run(value)
-        if has_value and _too_deep(namespace.get("__ptc_result__"), job["max_depth"]):
+        if has_value and _protocol.nests_deeper(namespace.get("__ptc_result__"), job["max_depth"]):
             result["error"] = {
                 "type": "ResourceLimit",
                 "message": f"the return value nests deeper than {job['max_depth']} levels: return a flatter value",

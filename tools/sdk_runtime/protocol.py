@@ -14,6 +14,21 @@ HEADER = struct.Struct(">I")
 DEFAULT_MAX_FRAME = 8 * 1024 * 1024
 
 
+def nests_deeper(value: Any, limit: int) -> bool:
+    """Return True if lists or dicts in ``value`` nest more than ``limit`` deep. Iterative: a value
+    too deep for json, DRF or jsonschema (which recurse) is found without recursing."""
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list | tuple) else None
+        if children is None:
+            continue
+        if depth > limit:
+            return True
+        stack.extend((child, depth + 1) for child in children if isinstance(child, dict | list | tuple))
+    return False
+
+
 class FrameError(Exception):
     """The peer sent something that is not a valid frame. The connection cannot be trusted after."""
 
