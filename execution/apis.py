@@ -22,7 +22,8 @@ from execution.serializers import (
     ToolCallSerializer,
     ToolExecuteSerializer,
 )
-from execution.services import exec_job_cancel, exec_job_create, tool_call_standalone
+from execution.services.calls import tool_call_standalone
+from execution.services.jobs import exec_job_cancel, exec_job_create
 from ptcproject.accounts.models import ApiKey
 from ptcproject.accounts.services import api_key_authenticate
 from ptcproject.lists import FilteredListApi

@@ -1,3 +1,9 @@
+"""The tasks of both queues. Each is thin: it takes ids, calls one service and decides on retries.
+
+exec:  run_exec (one job in its sandbox), reap_jobs (beat's reaper)
+tools: execute_tool (one tool call)
+"""
+
 import logging
 from typing import Any
 
@@ -7,7 +13,8 @@ from django.conf import settings
 from django.db import InterfaceError, OperationalError
 
 from execution.sandbox import process
-from execution.services import exec_job_run, exec_jobs_reap, worker_name
+from execution.services.calls import tool_call_abort, tool_call_execute, tool_calls_heartbeat
+from execution.services.jobs import exec_job_run, exec_jobs_reap, worker_name
 from ptcproject import queues
 from ptcproject.periodic import run_every
 
@@ -37,14 +44,43 @@ def reap_jobs() -> int:
     return exec_jobs_reap()
 
 
+# No soft or hard time limit: the threads pool can't enforce them. Each kind holds a call to its
+# tool's timeout (builtin: a watched thread; http: httpx's; mcp: the session's read timeout).
+@shared_task(
+    queue=queues.TOOLS,
+    acks_late=True,
+    # Only a database that is briefly unreachable is worth a retry; the claim makes a retry safe.
+    autoretry_for=(OperationalError, InterfaceError),
+    retry_backoff=True,
+    max_retries=3,
+)
+def execute_tool(call_id: str) -> None:
+    try:
+        tool_call_execute(call_id=call_id)
+    except (OperationalError, InterfaceError):
+        raise
+    except Exception:
+        # A bug must not leave the code waiting for a result that never comes: fail the call now.
+        tool_call_abort(call_id=call_id)
+        raise
+
+
+def _consumes(sender: Any, queue: str) -> bool:
+    """Whether the worker that sent worker_ready consumes ``queue`` (or says nothing of its queues)."""
+    names = {q.name for q in getattr(getattr(sender, "task_consumer", None), "queues", [])}
+    return not names or queue in names
+
+
 @worker_ready.connect
-def _reap_while_up(sender: Any = None, **_: Any) -> None:
+def _leases_while_up(sender: Any = None, **_: Any) -> None:
     """An exec worker fails the jobs and calls whose worker died, at start and then every
-    PTC_REAP_EVERY seconds: leases are enforced while any exec worker runs, with or without beat."""
-    consumer_queues = {q.name for q in getattr(getattr(sender, "task_consumer", None), "queues", [])}
-    if not consumer_queues or queues.EXEC in consumer_queues:
+    PTC_REAP_EVERY seconds: leases are enforced while any exec worker runs, with or without beat.
+    A tools worker renews the lease of every call it runs, so the reaper can tell when it died."""
+    if _consumes(sender, queues.EXEC):
         run_every("ptc-reaper", settings.PTC_REAP_EVERY, exec_jobs_reap, now=True)
         try:
             process.check()
         except process.SandboxUnavailable as exc:  # said at start, not first at a user's job
             logger.error("this exec worker cannot run sandboxes: %s", exc)
+    if _consumes(sender, queues.TOOLS):
+        run_every("ptc-call-leases", settings.PTC_JOB_HEARTBEAT_SECONDS, tool_calls_heartbeat)

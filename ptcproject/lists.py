@@ -11,7 +11,6 @@ from rest_framework import generics, serializers
 # ``filter_rows`` applies to ``rows()``, the rows the caller may see. (A comment, not a docstring:
 # drf-spectacular would publish a docstring as every subclass's description.)
 class FilteredListApi(generics.ListAPIView):
-
     query_serializer: type[serializers.Serializer]
 
     def rows(self) -> QuerySet[Any]:

@@ -7,5 +7,5 @@ MAINTENANCE = "exec"  # the reaper runs beside the jobs it watches
 TASK_ROUTES = {
     "execution.tasks.run_exec": {"queue": EXEC},
     "execution.tasks.reap_jobs": {"queue": MAINTENANCE},
-    "tools.tasks.execute_tool": {"queue": TOOLS},
+    "execution.tasks.execute_tool": {"queue": TOOLS},
 }

@@ -14,8 +14,8 @@ from django.utils import timezone
 from billing.models import CreditAccount, CreditUsage, Discount, LedgerEntry, Plan, Reservation
 from billing.selectors import ledger_mismatches
 from billing.services import account_get, credits_reserve, price_quote, reservations_repair
-from execution import services as execution_services
 from execution.models import ToolCall
+from execution.services import calls as execution_services
 from tests.conftest import Api
 from tests.factories import demo_call, running_job
 from tools.models import Tool, Toolset

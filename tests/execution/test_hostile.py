@@ -7,7 +7,7 @@ from django.contrib.auth import get_user_model
 from django.utils import timezone
 
 from execution.models import ExecJob
-from execution.services import exec_jobs_reap
+from execution.services.jobs import exec_jobs_reap
 from tests.conftest import Api
 
 

@@ -7,8 +7,8 @@ import pytest
 from django.contrib.auth import get_user_model
 from django.utils import timezone
 
-from execution import services
 from execution.models import ExecJob, ToolCall
+from execution.services import calls as services
 from tests.factories import demo_call, running_job
 
 

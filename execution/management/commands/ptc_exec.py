@@ -20,7 +20,7 @@ from rich.spinner import Spinner
 from rich.text import Text
 
 from execution.events import Event, event_stream
-from execution.services import exec_job_create
+from execution.services.jobs import exec_job_create
 from ptcproject.errors import ApplicationError
 
 

@@ -1,0 +1,430 @@
+"""Writes for tool calls, from birth to charge: check, record, reserve, enqueue, claim, run,
+finish (settling or releasing the credits held), and the reaper of calls whose worker died."""
+
+import json
+import logging
+import threading
+import time
+import uuid
+from contextlib import nullcontext
+from datetime import timedelta
+from typing import Any
+
+import jsonschema
+from django.conf import settings
+from django.contrib.auth.models import AbstractBaseUser
+from django.db import connection, transaction
+from django.db.models import OuterRef, Subquery
+from django.db.models.functions import Coalesce
+from django.utils import timezone
+
+from billing.models import Reservation
+from billing.services import (
+    CreditsRefused,
+    billable,
+    call_complete_and_settle,
+    credits_release,
+    credits_reserve,
+    credits_settle,
+    price_quote,
+)
+from execution import channels
+from execution.events import (
+    event_publish,
+    events_publish,
+    tool_call_event,
+    tool_call_payload,
+)
+from execution.models import ExecJob, ToolCall
+from execution.sandbox.session import CALL_GRACE_SECONDS
+from ptcproject.accounts.models import ApiKey
+from ptcproject.errors import ApplicationError
+from ptcproject.policy.selectors import policy_get
+from ptcproject.storage import MAX_JSON_DEPTH, json_depth_exceeds, storable
+from tools.errors import ToolFailure
+from tools.kinds import tool_run
+from tools.models import Tool, Toolset
+from tools.selectors import tool_for_call, tool_is_ptc, toolsets_resolve
+
+logger = logging.getLogger("ptc.execution")
+
+
+# -- Tool calls ----------------------------------------------------------------------------------
+class CallChecker:
+    """Checks one tool call before it runs: toolset granted, tool known (and callable from code when
+    ``ptc_only``), arguments valid against the tool's JSON Schema. Validators are kept per tool."""
+
+    def __init__(self, *, user: AbstractBaseUser, toolsets: list[Toolset], direct_only: frozenset[str], ptc_only: bool) -> None:
+        self.user = user
+        self.toolsets = {ts.key: ts for ts in toolsets}
+        self.direct_only = direct_only
+        self.ptc_only = ptc_only
+        self.validators: dict[Any, Any] = {}
+
+    def check(self, toolset_key: str, tool_name: str, arguments: Any) -> Tool:
+        """Return the tool to run, or raise ToolFailure with a stable code."""
+        toolset = self.toolsets.get(toolset_key)
+        if toolset is None:
+            if toolsets_resolve(user=self.user, keys=[toolset_key])[0]:
+                raise ToolFailure("toolset_not_granted", f"toolset '{toolset_key}' was not granted to this job")
+            raise ToolFailure("unknown_toolset", f"there is no toolset '{toolset_key}'")
+        tool = next((t for t in toolset.tools.all() if t.name == tool_name), None)
+        if tool is None:
+            raise ToolFailure("unknown_tool", f"toolset '{toolset_key}' has no tool '{tool_name}'")
+        if self.ptc_only and not tool_is_ptc(tool=tool, toolset=toolset, direct_only=self.direct_only):
+            raise ToolFailure("tool_not_ptc", f"'{toolset_key}.{tool_name}' is a direct tool and cannot be called from code")
+        if not isinstance(arguments, dict):
+            raise ToolFailure("invalid_arguments", "arguments must be a JSON object of keyword arguments")
+        if json_depth_exceeds(arguments):  # before the schema: its validator recurses
+            raise ToolFailure("invalid_arguments", f"arguments nest deeper than {MAX_JSON_DEPTH} levels")
+        validator = self.validators.get(tool.pk)
+        if validator is None:
+            cls = jsonschema.validators.validator_for(tool.input_schema)
+            validator = self.validators[tool.pk] = cls(tool.input_schema, format_checker=cls.FORMAT_CHECKER)
+        error = jsonschema.exceptions.best_match(validator.iter_errors(arguments))
+        if error is not None:
+            where = "/".join(str(p) for p in error.absolute_path) or "arguments"
+            raise ToolFailure("invalid_arguments", f"{where}: {error.message}")
+        return tool
+
+
+def tool_call_build(
+    *,
+    call_id: str,
+    user: AbstractBaseUser,
+    job: ExecJob | None,
+    toolset: str,
+    tool: str,
+    arguments: Any,
+    found: Tool | None,
+    error: dict[str, str] | None = None,
+) -> ToolCall:
+    """Return the call's record, unsaved: ``executing``, or ``failed`` already if it was refused."""
+    now = timezone.now()
+    return ToolCall(
+        call_id=call_id,
+        type=ToolCall.Type.PTC if job else ToolCall.Type.STANDALONE,
+        exec_job=job,
+        ptc_call_id=job.call_id if job else "",
+        user=user,
+        toolset_key=toolset[:64],
+        tool_name=tool[:128],
+        tool=found,
+        input=storable(arguments if isinstance(arguments, dict) else {"value": arguments}),
+        status=ToolCall.Status.FAILED if error else ToolCall.Status.EXECUTING,
+        error=error,
+        started_at=now,
+        finished_at=now if error else None,
+    )
+
+
+def tool_calls_record(calls: list[ToolCall]) -> None:
+    """Write records before their calls run, in one INSERT, and publish their start events (and the
+    errors of refused ones) in one round trip."""
+    ToolCall.objects.bulk_create(calls)
+    by_job: dict[str, list[tuple[str, dict[str, Any]]]] = {}
+    for call in calls:
+        if call.ptc_call_id:
+            events = by_job.setdefault(call.ptc_call_id, [])
+            events.append(("tool_call_start", tool_call_payload(call)))
+            if call.status == ToolCall.Status.FAILED:
+                events.append(tool_call_event(call))
+    for job_call_id, events in by_job.items():
+        events_publish(job_call_id=job_call_id, events=events)
+
+
+def tool_call_record(**fields: Any) -> ToolCall:
+    call = tool_call_build(**fields)
+    tool_calls_record([call])
+    return call
+
+
+def tool_call_event_publish(call: ToolCall) -> None:
+    if call.ptc_call_id:
+        name, data = tool_call_event(call)
+        event_publish(job_call_id=call.ptc_call_id, event=name, data=data)
+
+
+def tool_calls_enqueue(call_ids: list[str]) -> dict[str, dict[str, str]]:
+    """Send calls to the tools queue through one producer. Return the errors of those that failed
+    (their records are failed too): the broker was down even after Celery's own retries."""
+    from execution.tasks import execute_tool
+
+    errors = {}
+    with execute_tool.app.producer_or_acquire() as producer:
+        for call_id in call_ids:
+            try:
+                execute_tool.apply_async((call_id,), producer=producer)
+            except Exception as exc:  # this call's failure; the others may still go
+                logger.exception("could not enqueue a tool call", extra={"call_id": call_id})
+                errors[call_id] = {
+                    "code": "broker_unavailable",
+                    "message": f"the call could not be queued ({type(exc).__name__}); retry",
+                }
+                tool_call_finish(call_id=call_id, error=errors[call_id])
+    return errors
+
+
+def tool_call_enqueue(*, call_id: str) -> dict[str, str] | None:
+    return tool_calls_enqueue([call_id]).get(call_id)
+
+
+def tool_call_standalone(
+    *, user: AbstractBaseUser, key: ApiKey | None, toolset: str, tool: str, arguments: Any, job_call_id: str = ""
+) -> ToolCall:
+    """Run one call outside any sandbox (POST /api/v1/tools/execute) and return its finished record.
+
+    With a user key it is a ``standalone`` call. With a job-scoped key and the job's call_id, it is
+    a ``ptc`` call of that job, held to the job's toolsets. A tool that fails still returns its
+    record (``failed``); a request that names no such toolset or tool raises ApplicationError.
+    """
+    job = None
+    if key is not None and key.exec_job_id is not None:
+        job = ExecJob.objects.select_related("user").get(pk=key.exec_job_id)
+        if job_call_id != job.call_id:
+            raise ApplicationError(
+                "call_id_mismatch", "x-ptc-call-id must be the call_id of the job this key belongs to.", status=403
+            )
+        if toolset not in job.toolsets:
+            raise ApplicationError(
+                "toolset_not_granted", f"Toolset '{toolset}' was not granted to job {job.call_id}.", status=403
+            )
+    found_toolsets, _ = toolsets_resolve(user=user, keys=[toolset])
+    policy = policy_get()
+    checker = CallChecker(
+        user=user, toolsets=found_toolsets, direct_only=frozenset(policy.direct_only_tools), ptc_only=job is not None
+    )
+    call_id = f"ptc_{uuid.uuid4().hex}" if job else f"standalone_{uuid.uuid4().hex}"
+    record = {"call_id": call_id, "user": user, "job": job, "toolset": toolset, "tool": tool, "arguments": arguments}
+    try:
+        found = checker.check(toolset, tool, arguments)
+    except ToolFailure as failure:
+        if failure.code in ("unknown_toolset", "unknown_tool"):
+            raise ApplicationError(failure.code, f"{failure.message[:1].upper()}{failure.message[1:]}.") from None
+        if failure.code == "tool_not_ptc":
+            raise ApplicationError(failure.code, f"{failure.message[:1].upper()}{failure.message[1:]}.", status=403) from None
+        return tool_call_record(**record, found=None, error=failure.as_dict())
+    channel = channels.job_channel(job.call_id) if job else channels.call_channel(call_id)
+    with channels.subscribe(channel) as subscription:  # before the enqueue: the result can't be missed
+        tool_call_record(**record, found=found)
+        refused = tool_call_reserve(call_id=call_id, user=user, tool=found, job=job)
+        if refused is None and tool_call_enqueue(call_id=call_id) is None:
+            deadline = time.monotonic() + (found.timeout or settings.PTC_DEFAULT_TOOL_TIMEOUT) + CALL_GRACE_SECONDS
+            while not any(m.get("call_id") == call_id for m in subscription.drain()):
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    tool_call_finish(call_id=call_id, error={"code": "tool_timeout", "message": CALL_TIMEOUT_MESSAGE})
+                    break
+                connection.close()  # not held while the tool runs: the pool is for requests that query
+                subscription.wait(remaining)
+    return ToolCall.objects.get(call_id=call_id)
+
+
+CALL_TIMEOUT_MESSAGE = "no result arrived in time: the tools workers may be down or overloaded"
+
+
+def tool_call_reply(call: ToolCall) -> dict[str, Any]:
+    if call.status == ToolCall.Status.COMPLETED:
+        return {"ok": True, "result": call.output}
+    return {"ok": False, "error": call.error or {"code": "tool_error", "message": "the call failed"}}
+
+
+def tool_call_finish(
+    *,
+    call_id: str,
+    output: Any = None,
+    error: dict[str, str] | None = None,
+    billed: bool = True,
+    event: bool = True,
+    record: ToolCall | None = None,
+) -> bool:
+    """Move an executing call to completed or failed, settling or releasing its credits in the same
+    transaction, and publish its event (unless ``event=False``: the caller does, later). Return
+    False if it had already finished (a redelivery: nothing changes). ``billed=False`` says the tool
+    is never billed, which skips the books. ``record``, the call's row, is brought up to date."""
+    fields: dict[str, Any] = {
+        "status": ToolCall.Status.FAILED if error else ToolCall.Status.COMPLETED,
+        "output": None if error else storable(output),
+        "error": storable(error),
+        "finished_at": timezone.now(),
+    }
+    credits = 0
+    if billed and not error and connection.vendor == "postgresql":
+        charged = call_complete_and_settle(tool_call_id=call_id, output=fields["output"], finished_at=fields["finished_at"])
+        finished, credits = charged is not None, charged or 0
+    else:
+        if billed and not error:
+            # What it costs is what was held for it: recorded in the same UPDATE, settled right after.
+            held = Reservation.objects.filter(tool_call_id=OuterRef("call_id"), status=Reservation.Status.HELD)
+            fields["credits"] = Coalesce(Subquery(held.values("amount")[:1]), 0)
+        with transaction.atomic() if billed and not error else nullcontext():
+            finished = bool(ToolCall.objects.filter(call_id=call_id, status=ToolCall.Status.EXECUTING).update(**fields))
+            if finished and billed and not error:
+                credits = credits_settle(tool_call_id=call_id)
+        if finished and billed and error:
+            credits_release(tool_call_id=call_id)
+    if finished and record is not None:
+        for name, value in {**fields, "credits": credits}.items():
+            setattr(record, name, value)
+    if finished and event:
+        tool_call_event_publish(record if record is not None else ToolCall.objects.get(call_id=call_id))
+    return finished
+
+
+def tool_call_reserve(
+    *, call_id: str, user: AbstractBaseUser, tool: Tool, job: ExecJob | None, quotes: dict[Any, Any] | None = None
+) -> dict[str, str] | None:
+    """Hold the call's price before it runs. Return the error that refused it, after failing its record.
+
+    ``quotes`` keeps a job's prices for its life, so its calls don't price the same tool again.
+    """
+    if quotes is not None and tool.pk in quotes:
+        quote = quotes[tool.pk]
+    else:
+        quote = price_quote(user=user, toolset=tool.toolset, tool=tool)
+        if quotes is not None:
+            quotes[tool.pk] = quote
+    if quote is None:
+        return None
+    try:
+        credits_reserve(user=user, tool_call_id=call_id, quote=quote, exec_job=job, max_credits=job.max_credits if job else None)
+    except CreditsRefused as refused:
+        error = {"code": refused.code, "message": refused.message}
+        tool_call_finish(call_id=call_id, error=error)
+        return error
+    return None
+
+
+# The claim and the read of the row in one statement (PostgreSQL and SQLite both have RETURNING):
+# executing, unclaimed, and its job (if any) still running.
+_CLAIM_SQL = f"""
+UPDATE {ToolCall._meta.db_table} SET claimed_at = %s
+WHERE call_id = %s AND status = 'executing' AND claimed_at IS NULL
+  AND (exec_job_id IS NULL OR exec_job_id IN (SELECT id FROM {ExecJob._meta.db_table} WHERE status = 'running'))
+RETURNING *
+"""  # noqa: S608 - table names from the models, values as parameters
+
+
+# The calls this process is running, whose leases tool_calls_heartbeat renews.
+_running_calls: set[str] = set()
+_running_lock = threading.Lock()
+
+
+def tool_calls_heartbeat() -> int:
+    """Renew the lease of every call this tools worker is running. Return how many were renewed."""
+    with _running_lock:
+        running = list(_running_calls)
+    if not running:
+        return 0
+    return ToolCall.objects.filter(call_id__in=running, status=ToolCall.Status.EXECUTING).update(heartbeat_at=timezone.now())
+
+
+def tool_call_execute(*, call_id: str) -> None:
+    """Run one recorded call, once: claim it, run it, record the result, push it to the job.
+
+    The claim is one conditional UPDATE: the call must still be executing, unclaimed, and its job
+    still running. A redelivered task finds the claim taken: if the call finished, its result is
+    pushed again (the bridge ignores repeats); if it never finished, the worker that ran it died,
+    and it fails as ``worker_lost`` rather than run twice.
+    """
+    claimed_rows = list(ToolCall.objects.raw(_CLAIM_SQL, [timezone.now(), call_id]))
+    claimed = bool(claimed_rows)
+    call = claimed_rows[0] if claimed else ToolCall.objects.filter(call_id=call_id).first()
+    if call is None:
+        logger.warning("tool call not found", extra={"call_id": call_id})
+        return
+    tool = None
+    if claimed:
+        tool = tool_for_call(tool_id=call.tool_id) if call.tool_id else None
+        if tool is None:
+            reply = tool_call_fail(call_id, "unknown_tool", "the tool no longer exists")
+        else:
+            with _running_lock:
+                _running_calls.add(call_id)
+            try:
+                reply = tool_call_run(call=call, tool=tool)
+            finally:
+                with _running_lock:
+                    _running_calls.discard(call_id)
+    elif call.status != ToolCall.Status.EXECUTING:
+        reply = tool_call_reply(call)
+    elif call.claimed_at is not None:
+        reply = tool_call_fail(call_id, "worker_lost", "the tools worker running this call stopped; it was not run again")
+    else:
+        reply = tool_call_fail(call_id, "job_ended", "the job ended before this call started; it was not run")
+    channels.publish(_result_channel(call_id, call.ptc_call_id), {"kind": "result", "call_id": call_id, **reply})
+    if claimed and tool is not None and call.ptc_call_id:  # the code has its result; now tell the watchers
+        tool_call_event_publish(call)
+
+
+def _result_channel(call_id: str, ptc_call_id: str) -> str:
+    """A job's calls report on the job's channel; a standalone call on its own."""
+    return channels.job_channel(ptc_call_id) if ptc_call_id else channels.call_channel(call_id)
+
+
+def tool_call_abort(*, call_id: str) -> None:
+    """Fail a call whose task crashed, and push that to its job, so the code gets a ToolError now."""
+    reply = tool_call_fail(call_id, "internal_error", "the tools worker failed while running this call; see its log")
+    ptc_call_id = ToolCall.objects.filter(call_id=call_id).values_list("ptc_call_id", flat=True).first()
+    if ptc_call_id is not None:
+        channels.publish(_result_channel(call_id, ptc_call_id), {"kind": "result", "call_id": call_id, **reply})
+
+
+def tool_call_fail(call_id: str, code: str, message: str) -> dict[str, Any]:
+    error = {"code": code, "message": message}
+    if tool_call_finish(call_id=call_id, error=error):
+        return {"ok": False, "error": error}
+    return tool_call_reply(ToolCall.objects.get(call_id=call_id))
+
+
+def tool_call_run(*, call: ToolCall, tool: Tool) -> dict[str, Any]:
+    """Run the tool and record the outcome on ``call``. Return the reply for the waiting code."""
+    call_id, arguments = call.call_id, call.input
+    started = time.monotonic()
+    # Hand the database connection back to the pool while the tool runs: a slow tool must not hold
+    # one of the pool's few connections idle while other calls wait for it.
+    connection.close()
+    try:
+        output = tool_run(
+            toolset=tool.toolset, tool=tool, arguments=arguments, timeout=tool.timeout or settings.PTC_DEFAULT_TOOL_TIMEOUT
+        )
+        size = len(json.dumps(output, allow_nan=False))
+        limit = settings.PTC_MAX_TOOL_OUTPUT_BYTES
+        if size > limit:
+            raise ToolFailure("output_too_large", f"the tool returned {size} bytes of JSON; the limit is {limit}")
+    except ToolFailure as failure:
+        reply: dict[str, Any] = {"ok": False, "error": failure.as_dict()}
+    except (TypeError, ValueError) as exc:
+        reply = {"ok": False, "error": {"code": "invalid_output", "message": f"the tool's output is not JSON: {exc}"}}
+    else:
+        reply = {"ok": True, "result": output}
+    # The event goes out after the result is pushed to the waiting code (tool_call_execute).
+    finished = tool_call_finish(
+        call_id=call_id,
+        output=reply.get("result"),
+        error=reply.get("error"),
+        billed=billable(toolset=tool.toolset, tool=tool),
+        event=False,
+        record=call,
+    )
+    logger.info(
+        "tool call ran",
+        extra={"call_id": call_id, "tool": str(tool), "ok": reply["ok"], "ms": round((time.monotonic() - started) * 1000, 2)},
+    )
+    # Not finished by us means the bridge gave up on it meanwhile: the record's word is final.
+    return reply if finished else tool_call_reply(ToolCall.objects.get(call_id=call_id))
+
+
+def tool_calls_reap() -> None:
+    """Fail the calls whose tools worker stopped renewing their lease (it died), and tell their
+    code at once: ``worker_lost``, never run again."""
+    stale = timezone.now() - timedelta(seconds=settings.PTC_JOB_LEASE_SECONDS)
+    lapsed = (
+        ToolCall.objects.filter(status=ToolCall.Status.EXECUTING, claimed_at__isnull=False)
+        .annotate(lease=Coalesce("heartbeat_at", "claimed_at"))
+        .filter(lease__lt=stale)
+    )
+    for call_id, ptc_call_id in lapsed.values_list("call_id", "ptc_call_id"):
+        logger.warning("a tools worker stopped renewing a call's lease; failing it", extra={"call_id": call_id})
+        reply = tool_call_fail(call_id, "worker_lost", "the tools worker running this call stopped; it was not run again")
+        channels.publish(_result_channel(call_id, ptc_call_id), {"kind": "result", "call_id": call_id, **reply})

@@ -1,0 +1,390 @@
+"""Writes for exec jobs: create, run (in a sandbox), finish, cancel, reap."""
+
+import logging
+import os
+import socket
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from django.conf import settings
+from django.contrib.auth.models import AbstractBaseUser
+from django.db import DatabaseError, InterfaceError, OperationalError, transaction
+from django.utils import timezone
+
+from billing.services import (
+    reservations_repair,
+)
+from execution import channels
+from execution.events import (
+    event_publish,
+    job_end_payload,
+    job_start_payload,
+    output_from_stream,
+)
+from execution.models import ExecJob, ToolCall
+from execution.sandbox.limits import Limits
+from execution.sandbox.process import SandboxUnavailable
+from execution.sandbox.session import Outcome, Session
+from execution.services.calls import tool_calls_reap
+from execution.services.router import JobCallRouter
+from ptcproject.accounts.services import api_key_create, job_keys_revoke
+from ptcproject.db import db_reset, db_retry
+from ptcproject.errors import ApplicationError
+from ptcproject.policy.models import Policy
+from ptcproject.policy.selectors import policy_get, ptc_decision
+from ptcproject.storage import MAX_JSON_DEPTH, json_depth_exceeds, storable
+from tools.sdk import sdk_prepare
+from tools.selectors import toolset_keys_for_ptc, toolsets_named, toolsets_resolve
+
+logger = logging.getLogger("ptc.execution")
+Status = ExecJob.Status
+
+
+def job_limits(*, policy: Policy, timeout: float) -> Limits:
+    """Return the limits a new job runs under: the policy's, one call at a time if it is sequential."""
+    return Limits(
+        timeout=timeout,
+        memory_mb=policy.memory_limit_mb,
+        max_output_bytes=policy.max_output_bytes,
+        max_tool_calls=policy.max_tool_calls,
+        max_parallel_tool_calls=1 if policy.sequential else policy.max_parallel_tool_calls,
+        max_processes=settings.PTC_MAX_PROCESSES,
+        max_file_mb=settings.PTC_MAX_FILE_MB,
+        max_open_files=settings.PTC_MAX_OPEN_FILES,
+    )
+
+
+# -- Jobs ----------------------------------------------------------------------------------------
+def exec_job_create(
+    *,
+    user: AbstractBaseUser,
+    code: str,
+    toolsets: list[str] | None,
+    timeout: float | None,
+    title: str = "",
+    max_credits: int | None = None,
+) -> ExecJob:
+    """Check the request against the policy, record the job as ``queued``, and enqueue it once committed.
+
+    Raise ApplicationError: ``code_too_large`` (413), ``validation_error`` for a timeout above the
+    policy's maximum (400; never clamped), ``unknown_toolset`` (400), ``ptc_disabled`` (403),
+    ``broker_unavailable`` (503, and the job is not created).
+    """
+    size = len(code.encode())
+    if size > settings.PTC_MAX_CODE_BYTES:
+        raise ApplicationError(
+            "code_too_large",
+            f"The code is {size} bytes; the limit is {settings.PTC_MAX_CODE_BYTES}. Send less code.",
+            status=413,
+            details={"size": size, "limit": settings.PTC_MAX_CODE_BYTES},
+        )
+    policy = policy_get()
+    if timeout is None:
+        timeout = policy.default_timeout
+    if timeout > policy.max_timeout:
+        raise ApplicationError(
+            "validation_error",
+            f"timeout {timeout:g} s is above the maximum of {policy.max_timeout} s.",
+            details={"timeout": [f"Ensure this value is less than or equal to {policy.max_timeout}."]},
+        )
+    if toolsets is None:
+        # Every toolset the user may use with PTC: the policy's lists narrow what they can see.
+        keys = toolset_keys_for_ptc(user=user, allowlist=policy.toolset_allowlist, blocklist=policy.toolset_blocklist)
+    else:
+        keys = [ts.key for ts in toolsets_named(user=user, keys=toolsets)]  # unknown_toolset (400) if any is not
+    decision = ptc_decision(policy=policy, user=user, toolsets=keys, title=title)
+    if not decision.enabled:
+        raise ApplicationError(
+            "ptc_disabled", f"PTC is disabled here: {decision.reason}.", status=403, details={"reason": decision.reason}
+        )
+    with transaction.atomic():
+        job = ExecJob.objects.create(
+            user=user,
+            code=code,
+            toolsets=keys,
+            title=title,
+            timeout_seconds=timeout,
+            limits=job_limits(policy=policy, timeout=timeout).as_dict(),
+            sequential=policy.sequential,
+            max_credits=max_credits,
+        )
+        transaction.on_commit(lambda: _exec_job_enqueue(job=job))
+    logger.info("job queued", extra={"job_id": str(job.id)})
+    return job
+
+
+def _exec_job_enqueue(*, job: ExecJob) -> None:
+    """Send a committed job to the exec queue. If the broker can't take it, the job is withdrawn
+    and ApplicationError ``broker_unavailable`` (503) raised: a client is never told a job failed
+    while it waits queued for ever."""
+    from execution.tasks import run_exec
+
+    try:
+        run_exec.delay(str(job.pk))
+    except Exception as exc:  # the broker is unreachable even after Celery's own retries
+        logger.warning("could not enqueue a job; withdrawn", extra={"job_id": str(job.pk)}, exc_info=True)
+        withdrawn, _ = ExecJob.objects.filter(pk=job.pk, status=Status.QUEUED).delete()
+        if withdrawn:
+            raise ApplicationError(
+                "broker_unavailable",
+                "The job could not be queued: the message broker is unreachable. Nothing was run; try again.",
+                status=503,
+            ) from exc
+        # It was taken after all: the message went out before the error.
+
+
+def exec_job_run(*, job_id: str, worker: str) -> None:
+    """Run a queued job in a sandbox to its end. A redelivered job that was running fails as WorkerLost.
+
+    Only the claim may raise (a database error: the task retries it). Whatever happens after the
+    claim, the job's end is recorded.
+    """
+    now = timezone.now()
+    claimed = ExecJob.objects.filter(pk=job_id, status=Status.QUEUED).update(
+        status=Status.RUNNING, started_at=now, heartbeat_at=now, worker=worker
+    )
+    if not claimed:
+        # Running with a stale heartbeat means the worker that took it died and the broker
+        # redelivered it: the code may have had effects, so it is not run twice. A fresh heartbeat
+        # means its worker is alive, and this delivery is a duplicate to drop.
+        _exec_job_fail_if(
+            job_id=job_id,
+            status=Status.RUNNING,
+            kind="WorkerLost",
+            message="the worker running this job stopped; it was not run again",
+            stale=True,
+        )
+        return
+    try:
+        outcome = _exec_job_sandbox(job_id=job_id)
+    except Exception as exc:  # the job must end, never stay running
+        logger.exception("the job's run failed", extra={"job_id": job_id})
+        outcome = Outcome(status="failed", error=_error("InternalError", f"the worker failed while running the job: {exc}"))
+    exec_job_finish(job_id=job_id, outcome=outcome)
+
+
+def _error(kind: str, message: str) -> dict[str, str]:
+    return {"type": kind, "message": message, "traceback": ""}
+
+
+def _exec_job_sandbox(*, job_id: str) -> Outcome:
+    """Run a claimed job's code in a sandbox and return what happened."""
+    # Nothing has run yet: a database that drops meanwhile (a restart) is waited for, not the job's end.
+    prepared = db_retry(lambda: _exec_job_prepare(job_id=job_id), what="preparing a job", job_id=job_id)
+    if isinstance(prepared, Outcome):
+        return prepared
+    job, router, sdk_dir, job_key = prepared
+    event_publish(job_call_id=job.call_id, event="exec_start", data=job_start_payload(job))
+    limits = Limits.from_dict(job.limits)
+    with channels.subscribe(channels.job_channel(job.call_id)) as channel:
+        # A cancel that landed between the claim and the subscription would otherwise be missed.
+        if ExecJob.objects.filter(pk=job.pk, status=Status.CANCELLED).exists():
+            return Outcome(status="cancelled")
+        session = Session(
+            code=job.code,
+            limits=limits,
+            sdk_dir=sdk_dir,
+            router=router,
+            channel=channel,
+            heartbeat=lambda: _exec_job_heartbeat(job_id=job.pk),
+            heartbeat_every=settings.PTC_JOB_HEARTBEAT_SECONDS,
+            max_frame=settings.PTC_MAX_FRAME_BYTES,
+            max_buffered=settings.PTC_MAX_BUFFERED_BYTES,
+            job_info={"call_id": job.call_id, "key": job_key},
+            on_output=lambda stream, text: event_publish(job_call_id=job.call_id, event=stream, data={"text": text}),
+        )
+        try:
+            outcome = session.run()
+        except SandboxUnavailable as exc:
+            logger.error("this host cannot run sandboxes: %s", exc, extra={"job_id": job_id})
+            outcome = Outcome(status="failed", error=_error("SandboxCrashed", str(exc)))
+        except Exception as exc:  # the worker survives anything a sandbox does; the job records it
+            logger.exception("sandbox failed", extra={"job_id": job_id})
+            outcome = Outcome(status="failed", error=_error("SandboxCrashed", str(exc)))
+    outcome.timings["queue_ms"] = round((job.started_at - job.created_at).total_seconds() * 1000, 2)
+    return outcome
+
+
+def _exec_job_prepare(*, job_id: str) -> "tuple[ExecJob, JobCallRouter, Path, str] | Outcome":
+    """Load a claimed job, build its SDK, its call router and its job-scoped key. Return those, or
+    the Outcome that ends the job if its SDK can't be built. Safe to run again."""
+    job = ExecJob.objects.select_related("user").get(pk=job_id)
+    policy = policy_get()
+    toolsets, _ = toolsets_resolve(user=job.user, keys=job.toolsets)
+    try:
+        sdk_hash, sdk_dir = sdk_prepare(toolsets=toolsets)
+    except (OperationalError, InterfaceError):
+        raise
+    except Exception as exc:  # said in the job's error
+        logger.exception("sdk generation failed", extra={"job_id": job_id})
+        return Outcome(status="failed", error=_error("SandboxCrashed", f"the SDK could not be generated: {exc}"))
+    ExecJob.objects.filter(pk=job.pk).update(sdk_hash=sdk_hash)
+    router = JobCallRouter(job=job, toolsets=toolsets, direct_only=frozenset(policy.direct_only_tools))
+    # What a sandbox on another host would call back with (POST /api/v1/tools/execute); it dies with the job.
+    _, job_key = api_key_create(
+        user=job.user,
+        name=f"job {job.call_id}",
+        exec_job=job,
+        expires_at=timezone.now() + timedelta(seconds=job.timeout_seconds + 60),
+    )
+    return job, router, sdk_dir, job_key
+
+
+def _exec_job_heartbeat(*, job_id: Any) -> bool:
+    """Renew a running job's lease. Return False if the job is no longer running (cancelled, or
+    reaped while its worker stalled): its sandbox must stop. A database outage is not the job's end:
+    the lease outlasts a short one, so this says go on."""
+    try:
+        return bool(ExecJob.objects.filter(pk=job_id, status=Status.RUNNING).update(heartbeat_at=timezone.now()))
+    except (OperationalError, InterfaceError):
+        logger.warning("could not renew the job's lease: the database is unreachable", extra={"job_id": str(job_id)})
+        db_reset()
+        return True
+
+
+def exec_job_finish(*, job_id: Any, outcome: Outcome) -> None:
+    """Record the outcome of a running job, close it and announce its end. A cancelled job stays
+    cancelled, with what the code printed.
+
+    While the database is unreachable it retries (PTC_DB_RETRY_SECONDS); a value it cannot store
+    ends the job failed with a short error. If the database stays away longer, the job's lease
+    lapses and the reaper ends it once it is back: it never stays running.
+    """
+    if json_depth_exceeds(outcome.return_value):  # the sandbox's runner checks too; this is the guard
+        outcome.status, outcome.return_value = "failed", None
+        outcome.error = _error("ResourceLimit", f"the return value nests deeper than {MAX_JSON_DEPTH} levels")
+    now = timezone.now()
+    output = {
+        "stdout": storable(outcome.stdout),
+        "stderr": storable(outcome.stderr),
+        "stdout_truncated": outcome.stdout_truncated,
+        "stderr_truncated": outcome.stderr_truncated,
+        "timings": outcome.timings,
+    }
+    result = {"status": outcome.status, "return_value": storable(outcome.return_value), "error": storable(outcome.error)}
+
+    def store() -> None:
+        try:
+            with transaction.atomic():
+                if not ExecJob.objects.filter(pk=job_id, status=Status.RUNNING).update(finished_at=now, **result, **output):
+                    # Cancelled while it ran: keep that status, but keep what the code printed too.
+                    ExecJob.objects.filter(pk=job_id, status=Status.CANCELLED).update(**output)
+        except (OperationalError, InterfaceError):
+            raise
+        except DatabaseError:  # the value itself can't be stored: the job still ends, and says why
+            logger.exception("could not store a job's outcome", extra={"job_id": str(job_id)})
+            error = _error("InternalError", "the job's output could not be stored")
+            ExecJob.objects.filter(pk=job_id, status=Status.RUNNING).update(status=Status.FAILED, error=error, finished_at=now)
+
+    try:
+        db_retry(store, what="storing a job's outcome", job_id=job_id)
+        job = db_retry(lambda: _exec_job_close(job_id=job_id), what="closing a job", job_id=job_id)
+    except DatabaseError:
+        logger.exception("could not record a job's end; the reaper will", extra={"job_id": str(job_id)})
+        return
+    logger.info("job finished", extra={"job_id": str(job_id), "status": job.status, **outcome.timings})
+
+
+def _exec_job_close(*, job_id: Any) -> ExecJob:
+    """What follows every job's end, however it ended: its job key is revoked, its calls still
+    queued fail as never run (a tools worker that claimed one finishes it), and its end is
+    announced. Idempotent. Return the job."""
+    job = ExecJob.objects.select_related("user").get(pk=job_id)
+    job_keys_revoke(exec_job_id=job.pk)
+    ToolCall.objects.filter(exec_job=job, status=ToolCall.Status.EXECUTING, claimed_at__isnull=True).update(
+        status=ToolCall.Status.FAILED,
+        error={"code": "job_ended", "message": "the job ended before this call started; it was not run"},
+        finished_at=timezone.now(),
+    )
+    _exec_job_ended(job)
+    return job
+
+
+def _exec_job_ended(job: ExecJob) -> str:
+    """Announce a job's end: its last event, then the channel's ``end`` that wakes ``wait``. Return its status."""
+    final = job_end_payload(job)
+    event_publish(job_call_id=job.call_id, event="exec_end", data=final)
+    channels.publish(channels.job_channel(job.call_id), {"kind": "end", "status": final["status"]})
+    return final["status"]
+
+
+def _exec_job_fail_if(*, job_id: str, status: str, kind: str, message: str, stale: bool = False) -> bool:
+    """Fail the job if it is still in ``status`` (and, with ``stale``, its heartbeat has lapsed)."""
+    jobs = ExecJob.objects.filter(pk=job_id, status=status)
+    if stale:
+        jobs = jobs.filter(heartbeat_at__lt=timezone.now() - timedelta(seconds=settings.PTC_JOB_LEASE_SECONDS))
+    updated = jobs.update(status=Status.FAILED, finished_at=timezone.now(), error=_error(kind, message))
+    if updated and status == Status.RUNNING:
+        # Its worker died holding the output in memory; what the code printed went out as events.
+        call_id = ExecJob.objects.values_list("call_id", flat=True).get(pk=job_id)
+        output = {name: storable(text) for name, text in output_from_stream(job_call_id=call_id).items()}
+        if output:
+            ExecJob.objects.filter(pk=job_id).update(**output)
+    if updated:
+        _exec_job_close(job_id=job_id)
+    return bool(updated)
+
+
+def exec_job_cancel(*, job: ExecJob) -> ExecJob:
+    """Cancel a queued or running job: its sandbox is killed and its unstarted tool calls never run.
+
+    Raise ApplicationError ``job_finished`` (409) if it has already ended.
+    """
+    cancelled = {
+        "status": Status.CANCELLED,
+        "finished_at": timezone.now(),
+        "error": {"type": "Cancelled", "message": "the job was cancelled", "traceback": ""},
+    }
+    was_queued = ExecJob.objects.filter(pk=job.pk, status=Status.QUEUED).update(**cancelled)
+    was_running = not was_queued and ExecJob.objects.filter(pk=job.pk, status=Status.RUNNING).update(**cancelled)
+    job.refresh_from_db()
+    if not (was_queued or was_running):
+        raise ApplicationError("job_finished", f"The job has already finished with status '{job.status}'.", status=409)
+    if was_queued:
+        _exec_job_close(job_id=job.pk)  # no worker will: it never started
+    else:
+        job_keys_revoke(exec_job_id=job.pk)
+        # Its worker kills the sandbox and ends the job; if this push is lost, its next heartbeat
+        # finds the job cancelled.
+        channels.publish(channels.job_channel(job.call_id), {"kind": "cancel"})
+    return job
+
+
+def exec_jobs_reap() -> int:
+    """Fail running jobs whose worker stopped renewing their lease, calls whose tools worker did
+    the same, and calls abandoned otherwise. Return how many jobs were failed."""
+    # Reservations of calls whose worker died between running and settling: the record decides.
+    reservations_repair(older_than_seconds=settings.PTC_JOB_LEASE_SECONDS)
+    stale = timezone.now() - timedelta(seconds=settings.PTC_JOB_LEASE_SECONDS)
+    tool_calls_reap()
+    abandoned = timezone.now() - timedelta(seconds=settings.PTC_DEFAULT_TOOL_TIMEOUT * 2 + settings.PTC_JOB_LEASE_SECONDS)
+    ToolCall.objects.filter(status=ToolCall.Status.EXECUTING, started_at__lt=abandoned).exclude(
+        exec_job__status=Status.RUNNING
+    ).update(
+        status=ToolCall.Status.FAILED,
+        error={"code": "worker_lost", "message": "no tools worker finished this call; it was abandoned"},
+        finished_at=timezone.now(),
+    )
+    lost = timezone.now() - timedelta(seconds=settings.PTC_QUEUED_MAX_SECONDS)
+    for job_id in ExecJob.objects.filter(status=Status.QUEUED, created_at__lt=lost).values_list("pk", flat=True):
+        _exec_job_fail_if(
+            job_id=str(job_id),
+            status=Status.QUEUED,
+            kind="WorkerLost",
+            message=f"no exec worker took the job within {settings.PTC_QUEUED_MAX_SECONDS} s; its queue message was lost",
+        )
+    reaped = 0
+    for job_id in ExecJob.objects.filter(status=Status.RUNNING, heartbeat_at__lt=stale).values_list("pk", flat=True):
+        reaped += _exec_job_fail_if(
+            job_id=str(job_id),
+            stale=True,
+            status=Status.RUNNING,
+            kind="WorkerLost",
+            message="the worker running this job stopped renewing its lease; the job was ended",
+        )
+    return reaped
+
+
+def worker_name() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}"

@@ -1,0 +1,101 @@
+"""The bridge adapter: what a job's sandbox session calls to check, record and dispatch its tool
+calls, and to read their outcome from the records when a push was lost."""
+
+import logging
+import uuid
+from typing import Any
+
+from django.conf import settings
+from django.db import InterfaceError, OperationalError, connection
+
+from execution.models import ExecJob, ToolCall
+from execution.sandbox.session import Dispatched, Refused
+from execution.services.calls import (
+    CALL_TIMEOUT_MESSAGE,
+    CallChecker,
+    tool_call_build,
+    tool_call_finish,
+    tool_call_reply,
+    tool_call_reserve,
+    tool_calls_enqueue,
+    tool_calls_record,
+)
+from ptcproject.db import db_reset
+from tools.errors import ToolFailure
+from tools.models import Toolset
+
+logger = logging.getLogger("ptc.execution")
+
+
+class JobCallRouter:
+    """Checks and dispatches one job's tool calls from its sandbox: check, record, enqueue."""
+
+    def __init__(self, *, job: ExecJob, toolsets: list[Toolset], direct_only: frozenset[str]) -> None:
+        self.job = job
+        granted = [ts for ts in toolsets if ts.key in job.toolsets]
+        self.checker = CallChecker(user=job.user, toolsets=granted, direct_only=direct_only, ptc_only=True)
+        self.quotes: dict[Any, Any] = {}
+
+    def submit_many(self, requests: list[tuple[str, str, Any]]) -> list[Dispatched | Refused]:
+        """Check, record, reserve and enqueue a burst of calls ``(toolset, tool, arguments)``: one
+        INSERT, one round trip of events, one producer. Return each one's outcome, in order."""
+        try:
+            return self._submit_many(requests)
+        finally:
+            connection.close()  # this runs on a session's submit thread: give its connection back to the pool
+
+    def _submit_many(self, requests: list[tuple[str, str, Any]]) -> list[Dispatched | Refused]:
+        calls, found_tools, outcomes = [], [], []
+        for toolset, tool, arguments in requests:
+            fields = {
+                "call_id": f"ptc_{uuid.uuid4().hex}",
+                "user": self.job.user,
+                "job": self.job,
+                "toolset": toolset,
+                "tool": tool,
+                "arguments": arguments,
+            }
+            try:
+                found = self.checker.check(toolset, tool, arguments)
+                calls.append(tool_call_build(**fields, found=found))
+            except ToolFailure as failure:
+                found = None
+                calls.append(tool_call_build(**fields, found=None, error=failure.as_dict()))
+            found_tools.append(found)
+        tool_calls_record(calls)
+        accepted = []
+        for call, found in zip(calls, found_tools, strict=True):
+            if found is None:
+                outcomes.append(Refused(call_id=call.call_id, error=call.error))
+                continue
+            error = tool_call_reserve(call_id=call.call_id, user=self.job.user, tool=found, job=self.job, quotes=self.quotes)
+            if error:
+                outcomes.append(Refused(call_id=call.call_id, error=error))
+            else:
+                outcomes.append(Dispatched(call_id=call.call_id, timeout=found.timeout or settings.PTC_DEFAULT_TOOL_TIMEOUT))
+                accepted.append(call.call_id)
+        errors = tool_calls_enqueue(accepted)
+        return [Refused(call_id=o.call_id, error=errors[o.call_id]) if o.call_id in errors else o for o in outcomes]
+
+    def lookup(self, *, call_id: str) -> dict[str, Any] | None:
+        """Return the reply for a call that has finished, from its record; None while it runs (or
+        while the database can't say: the call's deadline still holds)."""
+        try:
+            call = ToolCall.objects.filter(call_id=call_id).exclude(status=ToolCall.Status.EXECUTING).first()
+        except (OperationalError, InterfaceError):
+            db_reset()
+            return None
+        return None if call is None else tool_call_reply(call)
+
+    def overdue(self, *, call_id: str) -> dict[str, Any]:
+        # The hand-off was lost or the call is stuck: the record decides. A late tools worker
+        # finds the call failed and its result is dropped.
+        error = {"code": "tool_timeout", "message": CALL_TIMEOUT_MESSAGE}
+        try:
+            tool_call_finish(call_id=call_id, error=error)
+            return tool_call_reply(ToolCall.objects.get(call_id=call_id))
+        except (OperationalError, InterfaceError):
+            # The code gets its answer now; the record, still executing, is failed by the reaper.
+            logger.warning("could not record an overdue call: the database is unreachable", extra={"call_id": call_id})
+            db_reset()
+            return {"ok": False, "error": error}

@@ -1,0 +1,37 @@
+"""Working through a database that may drop away for a while (a restart)."""
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from django.conf import settings
+from django.db import DatabaseError, InterfaceError, OperationalError, connection
+
+logger = logging.getLogger("ptc.db")
+T = TypeVar("T")
+
+
+def db_reset() -> None:
+    """Drop this thread's database connection, broken or not: the next query takes a fresh one."""
+    try:
+        connection.close()
+    except DatabaseError:
+        pass
+
+
+def db_retry(work: Callable[[], T], *, what: str, job_id: Any) -> T:
+    """Run ``work``; while the database is unreachable, retry it on a fresh connection with backoff,
+    for up to PTC_DB_RETRY_SECONDS. Raise the last error after that."""
+    deadline = time.monotonic() + settings.PTC_DB_RETRY_SECONDS
+    delay = 0.2
+    while True:
+        try:
+            return work()
+        except (OperationalError, InterfaceError):
+            if time.monotonic() + delay > deadline:
+                raise
+            logger.warning("database unreachable while %s; retrying in %.1f s", what, delay, extra={"job_id": str(job_id)})
+            db_reset()
+            time.sleep(delay)
+            delay = min(delay * 2, 5.0)
