@@ -133,13 +133,13 @@ def tool_calls_record(calls: list[ToolCall]) -> None:
         events_publish(job_call_id=job_call_id, events=events)
 
 
-def tool_call_record(**fields: Any) -> ToolCall:
+def _tool_call_record(**fields: Any) -> ToolCall:
     call = tool_call_build(**fields)
     tool_calls_record([call])
     return call
 
 
-def tool_call_event_publish(call: ToolCall) -> None:
+def _tool_call_event_publish(call: ToolCall) -> None:
     if call.ptc_call_id:
         name, data = tool_call_event(call)
         event_publish(job_call_id=call.ptc_call_id, event=name, data=data)
@@ -165,7 +165,7 @@ def tool_calls_enqueue(call_ids: list[str]) -> dict[str, dict[str, str]]:
     return errors
 
 
-def tool_call_enqueue(*, call_id: str) -> dict[str, str] | None:
+def _tool_call_enqueue(*, call_id: str) -> dict[str, str] | None:
     return tool_calls_enqueue([call_id]).get(call_id)
 
 
@@ -203,12 +203,12 @@ def tool_call_standalone(
             raise ApplicationError(failure.code, f"{failure.message[:1].upper()}{failure.message[1:]}.") from None
         if failure.code == "tool_not_ptc":
             raise ApplicationError(failure.code, f"{failure.message[:1].upper()}{failure.message[1:]}.", status=403) from None
-        return tool_call_record(**record, found=None, error=failure.as_dict())
+        return _tool_call_record(**record, found=None, error=failure.as_dict())
     channel = channels.job_channel(job.call_id) if job else channels.call_channel(call_id)
     with channels.subscribe(channel) as subscription:  # before the enqueue: the result can't be missed
-        tool_call_record(**record, found=found)
+        _tool_call_record(**record, found=found)
         refused = tool_call_reserve(call_id=call_id, user=user, tool=found, job=job)
-        if refused is None and tool_call_enqueue(call_id=call_id) is None:
+        if refused is None and _tool_call_enqueue(call_id=call_id) is None:
             deadline = time.monotonic() + (found.timeout or settings.PTC_DEFAULT_TOOL_TIMEOUT) + CALL_GRACE_SECONDS
             while not any(m.get("call_id") == call_id for m in subscription.drain()):
                 remaining = deadline - time.monotonic()
@@ -267,7 +267,7 @@ def tool_call_finish(
         for name, value in {**fields, "credits": credits}.items():
             setattr(record, name, value)
     if finished and event:
-        tool_call_event_publish(record if record is not None else ToolCall.objects.get(call_id=call_id))
+        _tool_call_event_publish(record if record is not None else ToolCall.objects.get(call_id=call_id))
     return finished
 
 
@@ -337,24 +337,24 @@ def tool_call_execute(*, call_id: str) -> None:
     if claimed:
         tool = tool_for_call(tool_id=call.tool_id) if call.tool_id else None
         if tool is None:
-            reply = tool_call_fail(call_id, "unknown_tool", "the tool no longer exists")
+            reply = _tool_call_fail(call_id, "unknown_tool", "the tool no longer exists")
         else:
             with _running_lock:
                 _running_calls.add(call_id)
             try:
-                reply = tool_call_run(call=call, tool=tool)
+                reply = _tool_call_run(call=call, tool=tool)
             finally:
                 with _running_lock:
                     _running_calls.discard(call_id)
     elif call.status != ToolCall.Status.EXECUTING:
         reply = tool_call_reply(call)
     elif call.claimed_at is not None:
-        reply = tool_call_fail(call_id, "worker_lost", "the tools worker running this call stopped; it was not run again")
+        reply = _tool_call_fail(call_id, "worker_lost", "the tools worker running this call stopped; it was not run again")
     else:
-        reply = tool_call_fail(call_id, "job_ended", "the job ended before this call started; it was not run")
+        reply = _tool_call_fail(call_id, "job_ended", "the job ended before this call started; it was not run")
     channels.publish(_result_channel(call_id, call.ptc_call_id), {"kind": "result", "call_id": call_id, **reply})
     if claimed and tool is not None and call.ptc_call_id:  # the code has its result; now tell the watchers
-        tool_call_event_publish(call)
+        _tool_call_event_publish(call)
 
 
 def _result_channel(call_id: str, ptc_call_id: str) -> str:
@@ -364,20 +364,20 @@ def _result_channel(call_id: str, ptc_call_id: str) -> str:
 
 def tool_call_abort(*, call_id: str) -> None:
     """Fail a call whose task crashed, and push that to its job, so the code gets a ToolError now."""
-    reply = tool_call_fail(call_id, "internal_error", "the tools worker failed while running this call; see its log")
+    reply = _tool_call_fail(call_id, "internal_error", "the tools worker failed while running this call; see its log")
     ptc_call_id = ToolCall.objects.filter(call_id=call_id).values_list("ptc_call_id", flat=True).first()
     if ptc_call_id is not None:
         channels.publish(_result_channel(call_id, ptc_call_id), {"kind": "result", "call_id": call_id, **reply})
 
 
-def tool_call_fail(call_id: str, code: str, message: str) -> dict[str, Any]:
+def _tool_call_fail(call_id: str, code: str, message: str) -> dict[str, Any]:
     error = {"code": code, "message": message}
     if tool_call_finish(call_id=call_id, error=error):
         return {"ok": False, "error": error}
     return tool_call_reply(ToolCall.objects.get(call_id=call_id))
 
 
-def tool_call_run(*, call: ToolCall, tool: Tool) -> dict[str, Any]:
+def _tool_call_run(*, call: ToolCall, tool: Tool) -> dict[str, Any]:
     """Run the tool and record the outcome on ``call``. Return the reply for the waiting code."""
     call_id, arguments = call.call_id, call.input
     started = time.monotonic()
@@ -426,5 +426,5 @@ def tool_calls_reap() -> None:
     )
     for call_id, ptc_call_id in lapsed.values_list("call_id", "ptc_call_id"):
         logger.warning("a tools worker stopped renewing a call's lease; failing it", extra={"call_id": call_id})
-        reply = tool_call_fail(call_id, "worker_lost", "the tools worker running this call stopped; it was not run again")
+        reply = _tool_call_fail(call_id, "worker_lost", "the tools worker running this call stopped; it was not run again")
         channels.publish(_result_channel(call_id, ptc_call_id), {"kind": "result", "call_id": call_id, **reply})
