@@ -314,13 +314,15 @@ def _exec_job_fail_if(*, job_id: str, status: str, kind: str, message: str, stal
     jobs = ExecJob.objects.filter(pk=job_id, status=status)
     if stale:
         jobs = jobs.filter(heartbeat_at__lt=timezone.now() - timedelta(seconds=settings.PTC_JOB_LEASE_SECONDS))
-    updated = jobs.update(status=Status.FAILED, finished_at=timezone.now(), error=_error(kind, message))
-    if updated and status == Status.RUNNING:
+    fields: dict[str, Any] = {"status": Status.FAILED, "finished_at": timezone.now(), "error": _error(kind, message)}
+    if status == Status.RUNNING:
         # Its worker died holding the output in memory; what the code printed went out as events.
-        call_id = ExecJob.objects.values_list("call_id", flat=True).get(pk=job_id)
-        output = {name: storable(text) for name, text in output_from_stream(job_call_id=call_id).items()}
-        if output:
-            ExecJob.objects.filter(pk=job_id).update(**output)
+        # Stored with the status, in one UPDATE: whoever sees the job failed sees its output too.
+        call_id = jobs.values_list("call_id", flat=True).first()
+        if call_id is None:
+            return False
+        fields.update({name: storable(text) for name, text in output_from_stream(job_call_id=call_id).items()})
+    updated = jobs.update(**fields)
     if updated:
         _exec_job_close(job_id=job_id)
     return bool(updated)
