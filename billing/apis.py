@@ -13,13 +13,14 @@ from billing.models import CreditUsage
 from billing.selectors import usage_for
 from billing.serializers import BalanceSerializer, CreditsSerializer, LedgerEntrySerializer, UsageQuerySerializer, UsageSerializer
 from billing.services import account_get, credits_adjust
+from ptcproject.accounts.authentication import signed_in_user
 from ptcproject.lists import FilteredListApi
 
 
 class BalanceApi(APIView):
     @extend_schema(responses=BalanceSerializer)
     def get(self, request: Request) -> Response:
-        account = account_get(user=request.user)
+        account = account_get(user=signed_in_user(request))
         body = {
             "balance": account.balance,
             "reserved": account.reserved,
@@ -34,7 +35,7 @@ class UsageListApi(FilteredListApi):
     query_serializer = UsageQuerySerializer
 
     def rows(self) -> QuerySet[CreditUsage]:
-        return usage_for(user=self.request.user)
+        return usage_for(user=signed_in_user(self.request))
 
     def filter_rows(self, rows: QuerySet[CreditUsage], query: dict[str, Any]) -> QuerySet[CreditUsage]:
         return rows.filter(exec_job_id=query["exec"]) if "exec" in query else rows
@@ -53,7 +54,10 @@ class CreditsApi(APIView):
         body.is_valid(raise_exception=True)
         user = get_user_model().objects.get(username=body.validated_data["username"])
         entry = credits_adjust(
-            user=user, amount=body.validated_data["amount"], reason=body.validated_data["reason"], created_by=request.user
+            user=user,
+            amount=body.validated_data["amount"],
+            reason=body.validated_data["reason"],
+            created_by=signed_in_user(request),
         )
         data = {
             "id": entry.pk,

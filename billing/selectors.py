@@ -1,6 +1,6 @@
 from datetime import timedelta
 
-from django.contrib.auth.models import AbstractBaseUser
+from django.contrib.auth.models import User
 from django.db.models import F, QuerySet, Sum
 from django.db.models.functions import TruncDate
 from django.utils import timezone
@@ -8,7 +8,7 @@ from django.utils import timezone
 from billing.models import CreditAccount, CreditUsage
 
 
-def usage_for(*, user: AbstractBaseUser) -> QuerySet[CreditUsage]:
+def usage_for(*, user: User) -> QuerySet[CreditUsage]:
     """Return the usage rows ``user`` may see: their own, all of them for staff."""
     rows = CreditUsage.objects.all()
     return rows if user.is_staff else rows.filter(user=user)
@@ -20,10 +20,10 @@ def ledger_mismatches() -> list[tuple[CreditAccount, int, int]]:
     Also every account whose ``reserved`` is not the sum of its held reservations, as (account,
     reserved, held sum).
     """
-    bad = []
-    for account in CreditAccount.objects.annotate(ledger_sum=Sum("ledger__delta")):
-        if account.balance != (account.ledger_sum or 0):
-            bad.append((account, account.balance, account.ledger_sum or 0))
+    bad: list[tuple[CreditAccount, int, int]] = []
+    for summed in CreditAccount.objects.annotate(ledger_sum=Sum("ledger__delta")):
+        if summed.balance != (summed.ledger_sum or 0):
+            bad.append((summed, summed.balance, summed.ledger_sum or 0))
     for account in CreditAccount.objects.all():
         held = account.reservations.filter(status="held").aggregate(total=Sum("amount"))["total"] or 0
         if account.reserved != held:

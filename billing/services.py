@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from django.contrib.auth.models import AbstractBaseUser
+from django.contrib.auth.models import User
 from django.db import connection, transaction
 from django.db.models import F, Max, Sum
 from django.utils import timezone
@@ -41,7 +41,7 @@ class Quote:
     account_id: int  # whose credits pay for it
 
 
-def account_get(*, user: AbstractBaseUser) -> CreditAccount:
+def account_get(*, user: User) -> CreditAccount:
     account, _ = CreditAccount.objects.get_or_create(user=user)
     return account
 
@@ -51,7 +51,7 @@ def billable(*, toolset: Toolset, tool: Tool) -> bool:
     return toolset.is_global and not toolset.billing_free and not tool.billing_free
 
 
-def price_quote(*, user: AbstractBaseUser, toolset: Toolset, tool: Tool) -> Quote | None:
+def price_quote(*, user: User, toolset: Toolset, tool: Tool) -> Quote | None:
     """Return what a successful call costs ``user``, or None when it is never billed.
 
     Billed only for global toolsets that are not free and whose tool is not free. The tool's
@@ -65,12 +65,14 @@ def price_quote(*, user: AbstractBaseUser, toolset: Toolset, tool: Tool) -> Quot
     meta = {"toolName": tool.name, "toolsetKey": toolset.key}
     account = account_get(user=user)
     now = timezone.now()
-    plan_active = account.plan is not None and (account.plan_expires_at is None or account.plan_expires_at > now)
-    if plan_active and account.plan.free_tool_access:  # type: ignore[union-attr]
+    plan = account.plan
+    if plan is not None and account.plan_expires_at is not None and account.plan_expires_at <= now:
+        plan = None  # expired: neither free access nor the plan's discounts
+    if plan is not None and plan.free_tool_access:
         return Quote(amount=0, due_amount=due, meta=meta, account_id=account.pk)
     discounts = Discount.objects.filter(toolset=toolset)
-    if plan_active:
-        discounts = discounts | Discount.objects.filter(plan=account.plan)
+    if plan is not None:
+        discounts = discounts | Discount.objects.filter(plan=plan)
     percent = discounts.aggregate(best=Max("percent"))["best"] or 0
     amount = math.ceil(due * (100 - percent) / 100)
     if due > 0:
@@ -78,9 +80,7 @@ def price_quote(*, user: AbstractBaseUser, toolset: Toolset, tool: Tool) -> Quot
     return Quote(amount=amount, due_amount=due, meta=meta, account_id=account.pk)
 
 
-def credits_reserve(
-    *, user: AbstractBaseUser, tool_call_id: str, quote: Quote, exec_job: Any = None, max_credits: int | None = None
-) -> None:
+def credits_reserve(*, user: User, tool_call_id: str, quote: Quote, exec_job: Any = None, max_credits: int | None = None) -> None:
     """Hold ``quote.amount`` for the call before it runs, or raise CreditsRefused.
 
     The account row is locked, so parallel calls are serialised here: the held total can never
@@ -218,9 +218,7 @@ def credits_release(*, tool_call_id: str) -> None:
             account.save(update_fields=["reserved", "updated_at"])
 
 
-def credits_adjust(
-    *, user: AbstractBaseUser, amount: int, reason: str, created_by: AbstractBaseUser | None = None
-) -> LedgerEntry:
+def credits_adjust(*, user: User, amount: int, reason: str, created_by: User | None = None) -> LedgerEntry:
     """Add (or with a negative amount, remove) credits, with a ledger entry. Return the entry.
 
     Raise ApplicationError ``validation_error`` (400), and change nothing, if the balance would leave

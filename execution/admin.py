@@ -10,6 +10,7 @@ from django.utils.html import format_html, format_html_join
 from execution.models import ExecJob, ToolCall
 from execution.selectors import tool_calls_for
 from execution.timeline import timeline_build
+from ptcproject.accounts.authentication import signed_in_user
 
 
 def _pre(value: Any) -> str:
@@ -36,7 +37,12 @@ class ExecJobAdmin(admin.ModelAdmin):
         ("Job", {"fields": ("id", "call_id", "user", "title", "toolsets", "sdk_hash", "worker", "timeout_seconds", "limits")}),
         ("Timings", {"fields": ("created_at", "started_at", "finished_at", "execution_time_seconds", "timings_pre")}),
     )
-    readonly_fields = tuple(name for _, options in fieldsets for name in options["fields"])
+    readonly_fields = tuple(
+        name
+        for _, options in fieldsets
+        for entry in options["fields"]
+        for name in ((entry,) if isinstance(entry, str) else entry)  # a tuple entry is fields on one line
+    )
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[ExecJob]:
         return super().get_queryset(request).select_related("user")
@@ -53,7 +59,7 @@ class ExecJobAdmin(admin.ModelAdmin):
         if obj is not None:
             calls_url = reverse("admin:execution_toolcall_changelist")
             # One query for all the calls, however many; nothing below touches a related row.
-            calls = tool_calls_for(user=request.user).filter(exec_job=obj)
+            calls = tool_calls_for(user=signed_in_user(request)).filter(exec_job=obj)
             context["timeline"] = timeline_build(job=obj, calls=calls, call_url=lambda call: f"{calls_url}{call.pk}/change/")
             context["timeline_calls_url"] = f"{calls_url}?exec_job={obj.pk}"
         return super().render_change_form(request, context, add=add, change=change, form_url=form_url, obj=obj)

@@ -3,7 +3,8 @@ from typing import Any
 from uuid import UUID
 
 from django.db.models import QuerySet
-from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
+from django.http import HttpRequest, JsonResponse, StreamingHttpResponse
+from django.http.response import HttpResponseBase
 from django.shortcuts import get_object_or_404
 from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema
 from rest_framework import status
@@ -24,6 +25,7 @@ from execution.serializers import (
 )
 from execution.services.calls import tool_call_standalone
 from execution.services.jobs import exec_job_cancel, exec_job_create
+from ptcproject.accounts.authentication import signed_in_user
 from ptcproject.accounts.models import ApiKey
 from ptcproject.accounts.services import api_key_authenticate
 from ptcproject.lists import FilteredListApi
@@ -34,7 +36,7 @@ class ExecListCreateApi(FilteredListApi):
     query_serializer = ExecListQuerySerializer
 
     def rows(self) -> QuerySet[ExecJob]:
-        return exec_jobs_for(user=self.request.user)
+        return exec_jobs_for(user=signed_in_user(self.request))
 
     def filter_rows(self, rows: QuerySet[ExecJob], query: dict[str, Any]) -> QuerySet[ExecJob]:
         return rows.filter(status=query["status"]) if "status" in query else rows
@@ -49,7 +51,7 @@ class ExecListCreateApi(FilteredListApi):
         body.is_valid(raise_exception=True)
         data = body.validated_data
         job = exec_job_create(
-            user=request.user,
+            user=signed_in_user(request),
             code=data["code"],
             toolsets=data.get("toolsets"),
             timeout=data.get("timeout"),
@@ -57,7 +59,7 @@ class ExecListCreateApi(FilteredListApi):
             max_credits=data.get("max_credits"),
         )
         exec_job_wait(job=job, seconds=data["wait"])
-        job = exec_jobs_for(user=request.user).get(pk=job.pk)
+        job = exec_jobs_for(user=signed_in_user(request)).get(pk=job.pk)
         return Response(
             ExecJobSerializer(job).data,
             status=status.HTTP_201_CREATED,
@@ -68,7 +70,7 @@ class ExecListCreateApi(FilteredListApi):
 class ExecDetailApi(APIView):
     @extend_schema(responses=ExecJobSerializer)
     def get(self, request: Request, job_id: str) -> Response:
-        job = get_object_or_404(exec_jobs_for(user=request.user), pk=job_id)
+        job = get_object_or_404(exec_jobs_for(user=signed_in_user(request)), pk=job_id)
         return Response(ExecJobSerializer(job).data)
 
 
@@ -78,9 +80,9 @@ class ExecCancelApi(APIView):
         responses={200: ExecJobSerializer, 409: OpenApiResponse(description="job_finished: the job has already finished.")},
     )
     def post(self, request: Request, job_id: str) -> Response:
-        job = get_object_or_404(exec_jobs_for(user=request.user), pk=job_id)
+        job = get_object_or_404(exec_jobs_for(user=signed_in_user(request)), pk=job_id)
         exec_job_cancel(job=job)
-        return Response(ExecJobSerializer(exec_jobs_for(user=request.user).get(pk=job.pk)).data)
+        return Response(ExecJobSerializer(exec_jobs_for(user=signed_in_user(request)).get(pk=job.pk)).data)
 
 
 class ToolCallListApi(FilteredListApi):
@@ -88,7 +90,7 @@ class ToolCallListApi(FilteredListApi):
     query_serializer = ToolCallListQuerySerializer
 
     def rows(self) -> QuerySet[ToolCall]:
-        return tool_calls_for(user=self.request.user)
+        return tool_calls_for(user=signed_in_user(self.request))
 
     def filter_rows(self, rows: QuerySet[ToolCall], query: dict[str, Any]) -> QuerySet[ToolCall]:
         return rows.filter(exec_job_id=query["exec"]) if "exec" in query else rows
@@ -119,7 +121,7 @@ class ToolExecuteApi(APIView):
         body = ToolExecuteSerializer(data=request.data)
         body.is_valid(raise_exception=True)
         call = tool_call_standalone(
-            user=request.user,
+            user=signed_in_user(request),
             key=request.auth if isinstance(request.auth, ApiKey) else None,
             toolset=body.validated_data["toolset"],
             tool=body.validated_data["tool"],
@@ -138,7 +140,7 @@ def _authenticate(request: HttpRequest) -> Any:
         if key is None or key.exec_job_id is not None:
             return None
         return key.user
-    user = request.user  # type: ignore[attr-defined]
+    user = request.user
     return user if user.is_authenticated else None
 
 
@@ -151,7 +153,7 @@ def _error(status: int, code: str, message: str) -> JsonResponse:
     return JsonResponse({"error": {"code": code, "message": message, "details": {}}}, status=status)
 
 
-async def exec_events_api(request: HttpRequest, job_id: UUID) -> HttpResponse:
+async def exec_events_api(request: HttpRequest, job_id: UUID) -> HttpResponseBase:
     """GET /api/v1/exec/{id}/events: the job's events as Server-Sent Events, pushed as they happen.
 
     An async view (not DRF): a slow client holds a coroutine, not a worker thread. ``Last-Event-ID``

@@ -265,6 +265,9 @@ async def event_stream(*, job_id: Any, last_event_id: str | None = None) -> Asyn
                     return
                 yield None
                 continue
+            # RESP2, this client's protocol, answers as a list: [[key, [(id, {field: value}), ...]]], in
+            # bytes. redis-py's type is the union with RESP3's dict, which only protocol=3 gives.
+            assert isinstance(reply, list), "XREAD over RESP2 answers with a list"
             for raw_id, fields in reply[0][1]:
                 cursor = raw_id.decode()
                 name = fields[b"event"].decode()

@@ -1,6 +1,6 @@
 import logging
 
-from django.contrib.auth.models import AbstractBaseUser
+from django.contrib.auth.models import User
 from django.db.models import Prefetch, QuerySet
 
 from execution.models import ExecJob, ToolCall
@@ -8,7 +8,7 @@ from execution.models import ExecJob, ToolCall
 logger = logging.getLogger("ptc.execution")
 
 
-def exec_jobs_for(*, user: AbstractBaseUser) -> QuerySet[ExecJob]:
+def exec_jobs_for(*, user: User) -> QuerySet[ExecJob]:
     """Return the jobs ``user`` may see: their own, or all of them for staff."""
     jobs = ExecJob.objects.all()
     if not user.is_staff:
@@ -16,7 +16,7 @@ def exec_jobs_for(*, user: AbstractBaseUser) -> QuerySet[ExecJob]:
     return jobs.prefetch_related(Prefetch("tool_calls", queryset=ToolCall.objects.order_by("started_at", "id")))
 
 
-def tool_calls_for(*, user: AbstractBaseUser) -> QuerySet[ToolCall]:
+def tool_calls_for(*, user: User) -> QuerySet[ToolCall]:
     """Return the tool calls ``user`` may see, in start order."""
     calls = ToolCall.objects.all()
     if not user.is_staff:

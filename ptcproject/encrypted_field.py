@@ -6,7 +6,7 @@ included, shows only tokens. The token changes on every save, so the field can't
 """
 
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from django.db import models
 from django.db.backends.base.base import BaseDatabaseWrapper
@@ -17,6 +17,12 @@ from ptcproject.crypto import secrets_decrypt, secrets_encrypt
 
 class EncryptedJSONField(models.TextField):
     description = "A JSON value, encrypted at rest with PTC_SECRETS_KEYS"
+
+    if TYPE_CHECKING:
+        # For the django-stubs plugin: the model attribute holds the decoded JSON value (any JSON,
+        # as django-stubs types JSONField), not the str that TextField's column would give.
+        _pyi_private_set_type: Any
+        _pyi_private_get_type: Any
 
     def from_db_value(self, value: str | None, expression: Expression, connection: BaseDatabaseWrapper) -> Any:
         """Return the decrypted value. Raise SecretsUndecryptable when no configured key opens it,

@@ -1,6 +1,7 @@
 """The API's one parser. Apart from ptcproject.api: DRF's settings import it while APIView is being
 defined, so it must not import rest_framework.views."""
 
+from collections.abc import Mapping
 from typing import Any
 
 from rest_framework import exceptions
@@ -11,7 +12,7 @@ class JsonParser(JSONParser):
     """DRF's JSON parser, but a body nested too deep for the decoder is a 400 ``parse_error``: the
     decoder raises RecursionError, which DRF's parser lets through as a 500."""
 
-    def parse(self, stream: Any, media_type: str | None = None, parser_context: dict[str, Any] | None = None) -> Any:
+    def parse(self, stream: Any, media_type: str | None = None, parser_context: Mapping[str, Any] | None = None) -> Any:
         try:
             return super().parse(stream, media_type, parser_context)
         except RecursionError:

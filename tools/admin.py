@@ -3,7 +3,7 @@ from typing import Any
 
 from django import forms
 from django.contrib import admin, messages
-from django.db.models import JSONField, QuerySet
+from django.db.models import Field, JSONField, QuerySet
 from django.http import HttpRequest
 from django.utils.html import format_html
 
@@ -23,7 +23,7 @@ class PrettyJSONWidget(forms.Textarea):
 
 
 # Schemas and configs are edited as pretty-printed JSON, so they are readable.
-_PRETTY = {JSONField: {"widget": PrettyJSONWidget(attrs={"rows": 10, "cols": 90})}}
+_PRETTY: dict[type[Field], dict[str, Any]] = {JSONField: {"widget": PrettyJSONWidget(attrs={"rows": 10, "cols": 90})}}
 
 
 def _add_errors(form: forms.BaseForm, errors: list[FieldError], prefix: str = "") -> None:
@@ -38,7 +38,8 @@ class ToolForm(forms.ModelForm):
         fields = "__all__"
 
     def clean(self) -> dict[str, Any]:
-        data = super().clean()
+        super().clean()
+        data = self.cleaned_data  # what super().clean() returns for a ModelForm, typed as a dict
         toolset = data.get("toolset") or (self.instance.toolset if self.instance.toolset_id else None)
         kind = getattr(self, "parent_kind", None) or (toolset.kind if toolset else Toolset.Kind.BUILTIN)
         _add_errors(self, tool_errors(data, kind=kind, path="tool"), prefix="tool.")
@@ -47,9 +48,9 @@ class ToolForm(forms.ModelForm):
 
 class ToolFormSet(forms.BaseInlineFormSet):
     def _construct_form(self, i: int, **kwargs: Any) -> forms.Form:
-        form = super()._construct_form(i, **kwargs)
+        form = super()._construct_form(i, **kwargs)  # type: ignore[misc]  # private Django API, absent from django-stubs
         # The toolset form has been applied to self.instance already: its kind is the one being saved.
-        form.parent_kind = self.instance.kind  # type: ignore[attr-defined]
+        form.parent_kind = self.instance.kind
         return form
 
 
@@ -86,7 +87,8 @@ class ToolsetForm(forms.ModelForm):
         return value
 
     def clean(self) -> dict[str, Any]:
-        data = super().clean()
+        super().clean()
+        data = self.cleaned_data  # what super().clean() returns for a ModelForm, typed as a dict
         problem = identifier_problem(data.get("key"))
         if problem:
             self.add_error("key", problem)

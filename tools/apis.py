@@ -7,6 +7,7 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from ptcproject.accounts.authentication import signed_in_user
 from tools.models import Toolset
 from tools.sdk import sdk_cached
 from tools.selectors import ptc_context, toolset_listed, toolsets_listed, toolsets_named
@@ -36,7 +37,7 @@ class StaffWrites(permissions.BasePermission):
 
 
 def _toolset_or_404(request: Request, key: str) -> Toolset:
-    toolset = toolset_listed(user=request.user, key=key)
+    toolset = toolset_listed(user=signed_in_user(request), key=key)
     if toolset is None:
         raise Http404
     return toolset
@@ -47,13 +48,13 @@ class ToolsetListCreateApi(APIView):
 
     @extend_schema(responses=ToolsetSerializer(many=True))
     def get(self, request: Request) -> Response:
-        return Response(ToolsetSerializer(toolsets_listed(user=request.user), many=True).data)
+        return Response(ToolsetSerializer(toolsets_listed(user=signed_in_user(request)), many=True).data)
 
     @extend_schema(request=ToolsetWriteSerializer, responses={201: ToolsetSerializer, 409: TOOLSET_EXISTS})
     def post(self, request: Request) -> Response:
         body = ToolsetWriteSerializer(data=request.data)
         body.is_valid(raise_exception=True)
-        toolset = toolset_create(actor=request.user, data=body.validated_data)
+        toolset = toolset_create(actor=signed_in_user(request), data=body.validated_data)
         return Response(
             ToolsetSerializer(_toolset_or_404(request, toolset.key)).data,
             status=status.HTTP_201_CREATED,
@@ -72,7 +73,7 @@ class ToolsetDetailApi(APIView):
         toolset = _toolset_or_404(request, key)
         body = ToolsetWriteSerializer(data=request.data, partial=partial)
         body.is_valid(raise_exception=True)
-        toolset = toolset_update(toolset=toolset, actor=request.user, data=body.validated_data, partial=partial)
+        toolset = toolset_update(toolset=toolset, actor=signed_in_user(request), data=body.validated_data, partial=partial)
         return Response(ToolsetSerializer(_toolset_or_404(request, toolset.key)).data)
 
     @extend_schema(request=ToolsetWriteSerializer, responses={200: ToolsetSerializer, 409: TOOLSET_EXISTS})
@@ -111,7 +112,7 @@ class ToolsetDefinitionsApi(APIView):
     def get(self, request: Request) -> Response:
         query = ToolsetKeysQuerySerializer(data=request.query_params)
         query.is_valid(raise_exception=True)
-        toolsets = toolsets_named(user=request.user, keys=query.keys())
+        toolsets = toolsets_named(user=signed_in_user(request), keys=query.keys())
         return Response(DefinitionsSerializer({"toolsets": toolsets}).data)
 
 
@@ -120,7 +121,7 @@ class SdkApi(APIView):
     def get(self, request: Request) -> Response:
         query = ToolsetKeysQuerySerializer(data=request.query_params)
         query.is_valid(raise_exception=True)
-        sdk = sdk_cached(toolsets=toolsets_named(user=request.user, keys=query.keys()))
+        sdk = sdk_cached(toolsets=toolsets_named(user=signed_in_user(request), keys=query.keys()))
         return Response(SdkSerializer(sdk).data)
 
 
@@ -131,6 +132,10 @@ class PtcContextApi(APIView):
         body.is_valid(raise_exception=True)
         data = body.validated_data
         context = ptc_context(
-            user=request.user, keys=data.get("toolsets"), title=data["title"], fmt=data["format"], discovery=data["discovery"]
+            user=signed_in_user(request),
+            keys=data.get("toolsets"),
+            title=data["title"],
+            fmt=data["format"],
+            discovery=data["discovery"],
         )
         return Response(ContextSerializer(context).data)

@@ -2,7 +2,7 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-from django.contrib.auth.models import AbstractBaseUser
+from django.contrib.auth.models import User
 from django.db.models import Prefetch, Q, QuerySet
 
 from ptcproject.errors import ApplicationError
@@ -33,7 +33,7 @@ def tool_is_ptc(*, tool: Tool, toolset: Toolset, direct_only: frozenset[str]) ->
     return Tool.Caller.CODE_EXECUTION in callers
 
 
-def toolsets_visible(*, user: AbstractBaseUser, include_disabled: bool = False) -> QuerySet[Toolset]:
+def toolsets_visible(*, user: User, include_disabled: bool = False) -> QuerySet[Toolset]:
     """Return the enabled toolsets ``user`` may use: their own, plus global ones they don't shadow.
 
     With ``include_disabled`` (staff, who manage them), disabled toolsets are in it too.
@@ -47,12 +47,12 @@ def toolsets_visible(*, user: AbstractBaseUser, include_disabled: bool = False) 
     )
 
 
-def toolsets_listed(*, user: AbstractBaseUser) -> QuerySet[Toolset]:
+def toolsets_listed(*, user: User) -> QuerySet[Toolset]:
     """Return the toolsets ``GET /toolsets`` shows ``user``: the visible ones; for staff, disabled ones too."""
     return toolsets_visible(user=user, include_disabled=bool(getattr(user, "is_staff", False)))
 
 
-def toolset_listed(*, user: AbstractBaseUser, key: str) -> Toolset | None:
+def toolset_listed(*, user: User, key: str) -> Toolset | None:
     """Return the toolset ``key`` as ``user`` sees it (their own shadows a global one), or None."""
     if not key.isidentifier():  # no toolset has such a key; and PostgreSQL refuses one with a NUL
         return None
@@ -71,14 +71,14 @@ def tools_split(
     return direct, per_toolset
 
 
-def toolsets_resolve(*, user: AbstractBaseUser, keys: Iterable[str]) -> tuple[list[Toolset], list[str]]:
+def toolsets_resolve(*, user: User, keys: Iterable[str]) -> tuple[list[Toolset], list[str]]:
     """Return the visible toolsets named by ``keys`` in that order, and the keys that matched none."""
     wanted = list(dict.fromkeys(keys))
     found = {ts.key: ts for ts in toolsets_visible(user=user).filter(key__in=wanted)}
     return [found[k] for k in wanted if k in found], [k for k in wanted if k not in found]
 
 
-def toolsets_named(*, user: AbstractBaseUser, keys: Iterable[str] | None) -> list[Toolset]:
+def toolsets_named(*, user: User, keys: Iterable[str] | None) -> list[Toolset]:
     """Return the visible toolsets named by ``keys`` (every visible one if None).
 
     Raise ApplicationError ``unknown_toolset`` (400) naming the keys that matched none.
@@ -95,13 +95,13 @@ def toolsets_named(*, user: AbstractBaseUser, keys: Iterable[str] | None) -> lis
     return found
 
 
-def toolset_keys_for_ptc(*, user: AbstractBaseUser, allowlist: Iterable[str], blocklist: Iterable[str]) -> list[str]:
+def toolset_keys_for_ptc(*, user: User, allowlist: Iterable[str], blocklist: Iterable[str]) -> list[str]:
     """Return the keys of every toolset ``user`` may use with PTC: the visible ones the policy's lists admit."""
     allowed, blocked = set(allowlist), set(blocklist)
     return [ts.key for ts in toolsets_visible(user=user) if ts.key not in blocked and (not allowed or ts.key in allowed)]
 
 
-def ptc_context(*, user: AbstractBaseUser, keys: list[str] | None, title: str, fmt: str, discovery: bool) -> dict[str, Any]:
+def ptc_context(*, user: User, keys: list[str] | None, title: str, fmt: str, discovery: bool) -> dict[str, Any]:
     """Return the prompt context of a turn (API.md): the policy's decision, the tools, the prompt, stats.
 
     ``keys`` None means every toolset the user may use with PTC. Raise ApplicationError for unknown keys.

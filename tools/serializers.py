@@ -45,7 +45,9 @@ class ToolSerializer(serializers.ModelSerializer):
     def get_ptc(self, tool: Tool) -> bool:
         direct_only = self.context.get("direct_only")
         if direct_only is None:
-            direct_only = self.context["direct_only"] = direct_only_tools()
+            # DRF's context is the root serializer's dict, shared by the whole tree: a cache for one
+            # serialisation. drf-stubs type it as a read-only Mapping.
+            direct_only = self.context["direct_only"] = direct_only_tools()  # type: ignore[index]
         return tool_is_ptc(tool=tool, toolset=tool.toolset, direct_only=direct_only)
 
 
@@ -132,7 +134,8 @@ class ToolWriteSerializer(serializers.Serializer):
     input_schema = JsonValueField(required=False, default=dict)
     output_schema = JsonValueField(required=False, allow_null=True, default=None)
     allowed_callers = serializers.ListField(child=serializers.CharField(), required=False, default=list)
-    read_only = serializers.BooleanField(required=False, default=False)
+    # A declared field, which DRF's metaclass takes out of the class body: it never shadows Field.read_only.
+    read_only = serializers.BooleanField(required=False, default=False)  # type: ignore[assignment]
     # No call outlives the longest job, so no tool's timeout needs to.
     timeout = NumberField(required=False, allow_null=True, default=None, min_value=0.1, max_value=settings.PTC_TIMEOUT_CEILING)
     price = serializers.IntegerField(required=False, allow_null=True, default=None, min_value=0, max_value=POSITIVE_INT_MAX)

@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from django.contrib.auth.models import AbstractBaseUser
+from django.contrib.auth.models import User
 from django.db import transaction
 
 from ptcproject.errors import ApplicationError
@@ -92,13 +92,13 @@ def _invalid(errors: list[FieldError]) -> ApplicationError:
     return ApplicationError(first.code, f"{first.path}: {first.message}.{more} Nothing was saved.", details=details)
 
 
-def _owner_for(*, is_global: bool, actor: AbstractBaseUser) -> AbstractBaseUser | None:
+def _owner_for(*, is_global: bool, actor: User) -> User | None:
     # A global toolset has no owner; any other belongs to the staff member who wrote it, and
     # shadows a global one with the same key for them alone.
     return None if is_global else actor
 
 
-def _check_key_free(*, key: str, owner: AbstractBaseUser | None, exclude: Toolset | None = None) -> None:
+def _check_key_free(*, key: str, owner: User | None, exclude: Toolset | None = None) -> None:
     taken = Toolset.objects.filter(key=key, owner=owner)
     if exclude is not None:
         taken = taken.exclude(pk=exclude.pk)
@@ -151,7 +151,7 @@ def _builtin_guard(*, toolset: Toolset, data: Mapping[str, Any]) -> None:
 
 
 @transaction.atomic
-def toolset_create(*, actor: AbstractBaseUser, data: Mapping[str, Any]) -> Toolset:
+def toolset_create(*, actor: User, data: Mapping[str, Any]) -> Toolset:
     """Create a toolset with its tools, all or nothing. Raise ApplicationError (400, 409) if it can't be."""
     if data["kind"] == Toolset.Kind.BUILTIN:
         raise ApplicationError(
@@ -175,7 +175,7 @@ def toolset_create(*, actor: AbstractBaseUser, data: Mapping[str, Any]) -> Tools
 
 
 @transaction.atomic
-def toolset_update(*, toolset: Toolset, actor: AbstractBaseUser, data: Mapping[str, Any], partial: bool) -> Toolset:
+def toolset_update(*, toolset: Toolset, actor: User, data: Mapping[str, Any], partial: bool) -> Toolset:
     """Change a toolset (PUT when not ``partial``, PATCH otherwise), all or nothing.
 
     With ``tools`` given, they become the toolset's tools (see ``_tools_write``). Changing

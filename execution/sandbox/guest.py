@@ -118,9 +118,9 @@ def _compile(source: str) -> tuple[Any, bool]:
     Return the code object and whether the last statement was an expression.
     """
     tree = ast.parse(source, CODE_NAME, "exec")
-    has_value = bool(tree.body) and isinstance(tree.body[-1], ast.Expr)
-    if has_value:
-        last = tree.body[-1]
+    last = tree.body[-1] if tree.body else None
+    has_value = isinstance(last, ast.Expr)
+    if isinstance(last, ast.Expr):
         assign = ast.Assign(targets=[ast.Name("__ptc_result__", ast.Store())], value=last.value)
         tree.body[-1] = ast.copy_location(assign, last)
         ast.fix_missing_locations(tree)
@@ -134,7 +134,7 @@ def main() -> None:
 
     job = _runtime.connect(bridge_fd)
     # The job's call_id and its job-scoped key: what a sandbox elsewhere would call back with.
-    _runtime.job_info = job.get("job", {})  # type: ignore[attr-defined]
+    _runtime.job_info = job.get("job", {})
     limits = job["limits"]
     _set_limits(limits)
     namespace: dict[str, Any] = {"__name__": "__main__", "__builtins__": builtins}

@@ -12,7 +12,7 @@ from typing import Any
 
 import jsonschema
 from django.conf import settings
-from django.contrib.auth.models import AbstractBaseUser
+from django.contrib.auth.models import User
 from django.db import connection, transaction
 from django.db.models import OuterRef, Subquery
 from django.db.models.functions import Coalesce
@@ -54,7 +54,7 @@ class CallChecker:
     """Checks one tool call before it runs: toolset granted, tool known (and callable from code when
     ``ptc_only``), arguments valid against the tool's JSON Schema. Validators are kept per tool."""
 
-    def __init__(self, *, user: AbstractBaseUser, toolsets: list[Toolset], direct_only: frozenset[str], ptc_only: bool) -> None:
+    def __init__(self, *, user: User, toolsets: list[Toolset], direct_only: frozenset[str], ptc_only: bool) -> None:
         self.user = user
         self.toolsets = {ts.key: ts for ts in toolsets}
         self.direct_only = direct_only
@@ -91,7 +91,7 @@ class CallChecker:
 def tool_call_build(
     *,
     call_id: str,
-    user: AbstractBaseUser,
+    user: User,
     job: ExecJob | None,
     toolset: str,
     tool: str,
@@ -170,7 +170,7 @@ def _tool_call_enqueue(*, call_id: str) -> dict[str, str] | None:
 
 
 def tool_call_standalone(
-    *, user: AbstractBaseUser, key: ApiKey | None, toolset: str, tool: str, arguments: Any, job_call_id: str = ""
+    *, user: User, key: ApiKey | None, toolset: str, tool: str, arguments: Any, job_call_id: str = ""
 ) -> ToolCall:
     """Run one call outside any sandbox (POST /api/v1/tools/execute) and return its finished record.
 
@@ -272,7 +272,7 @@ def tool_call_finish(
 
 
 def tool_call_reserve(
-    *, call_id: str, user: AbstractBaseUser, tool: Tool, job: ExecJob | None, quotes: dict[Any, Any] | None = None
+    *, call_id: str, user: User, tool: Tool, job: ExecJob | None, quotes: dict[Any, Any] | None = None
 ) -> dict[str, str] | None:
     """Hold the call's price before it runs. Return the error that refused it, after failing its record.
 

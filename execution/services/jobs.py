@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from django.conf import settings
-from django.contrib.auth.models import AbstractBaseUser
+from django.contrib.auth.models import User
 from django.db import DatabaseError, InterfaceError, OperationalError, transaction
 from django.utils import timezone
 
@@ -58,7 +58,7 @@ def job_limits(*, policy: Policy, timeout: float) -> Limits:
 # -- Jobs ----------------------------------------------------------------------------------------
 def exec_job_create(
     *,
-    user: AbstractBaseUser,
+    user: User,
     code: str,
     toolsets: list[str] | None,
     timeout: float | None,
@@ -202,6 +202,7 @@ def _exec_job_sandbox(*, job_id: str) -> Outcome:
         except Exception as exc:  # the worker survives anything a sandbox does; the job records it
             logger.exception("sandbox failed", extra={"job_id": job_id})
             outcome = Outcome(status="failed", error=_error("SandboxCrashed", str(exc)))
+    assert job.started_at is not None, "the job was loaded after exec_job_run's claim set started_at"
     outcome.timings["queue_ms"] = round((job.started_at - job.created_at).total_seconds() * 1000, 2)
     return outcome
 

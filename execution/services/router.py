@@ -22,7 +22,7 @@ from execution.services.calls import (
 )
 from ptcproject.db import db_reset
 from tools.errors import ToolFailure
-from tools.models import Toolset
+from tools.models import Tool, Toolset
 
 logger = logging.getLogger("ptc.execution")
 
@@ -45,7 +45,9 @@ class JobCallRouter:
             connection.close()  # this runs on a session's submit thread: give its connection back to the pool
 
     def _submit_many(self, requests: list[tuple[str, str, Any]]) -> list[Dispatched | Refused]:
-        calls, found_tools, outcomes = [], [], []
+        calls: list[ToolCall] = []
+        found_tools: list[Tool | None] = []
+        outcomes: list[Dispatched | Refused] = []
         for toolset, tool, arguments in requests:
             fields = {
                 "call_id": f"ptc_{uuid.uuid4().hex}",
@@ -66,6 +68,7 @@ class JobCallRouter:
         accepted = []
         for call, found in zip(calls, found_tools, strict=True):
             if found is None:
+                assert call.error is not None, "a call the checker refused was built with the failure as its error"
                 outcomes.append(Refused(call_id=call.call_id, error=call.error))
                 continue
             error = tool_call_reserve(call_id=call.call_id, user=self.job.user, tool=found, job=self.job, quotes=self.quotes)

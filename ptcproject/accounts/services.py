@@ -5,7 +5,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from django.contrib.auth import get_user_model
-from django.contrib.auth.models import AbstractUser
+from django.contrib.auth.models import User
 from django.db import transaction
 from django.utils import timezone
 
@@ -20,9 +20,7 @@ def _hash(secret: str) -> str:
     return hashlib.sha256(secret.encode()).hexdigest()
 
 
-def api_key_create(
-    *, user: AbstractUser, name: str = "", expires_at: datetime | None = None, exec_job: Any = None
-) -> tuple[ApiKey, str]:
+def api_key_create(*, user: User, name: str = "", expires_at: datetime | None = None, exec_job: Any = None) -> tuple[ApiKey, str]:
     """Create a key for ``user`` (job-scoped if ``exec_job`` is given).
 
     Return the row and the plaintext key, which is never stored.
@@ -61,9 +59,7 @@ def api_key_authenticate(*, plaintext: str) -> ApiKey | None:
 
 
 @transaction.atomic
-def user_with_key_create(
-    *, username: str, create_user: bool, staff: bool, name: str = "", credits: int = 0
-) -> tuple[AbstractUser, str]:
+def user_with_key_create(*, username: str, create_user: bool, staff: bool, name: str = "", credits: int = 0) -> tuple[User, str]:
     """Find (or with ``create_user``, create) ``username`` and give it a new key.
 
     Raises ``LookupError`` when the user does not exist and ``create_user`` is false.

@@ -7,6 +7,7 @@ from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
 from django.template.response import TemplateResponse
 from django.urls import URLPattern, path, reverse
 
+from ptcproject.accounts.authentication import signed_in_user
 from ptcproject.policy.models import Policy, PolicyChange
 from ptcproject.policy.selectors import POLICY_PK, policy_get, ptc_decision
 from ptcproject.policy.serializers import PolicySerializer
@@ -21,7 +22,8 @@ class PolicyForm(forms.ModelForm):
 
     def clean(self) -> dict[str, Any]:
         """Check with the API's own rules, so the admin and PATCH /api/v1/policy accept the same values."""
-        data = super().clean()
+        super().clean()
+        data = self.cleaned_data  # what super().clean() returns for a ModelForm, typed as a dict
         values = {k: v for k, v in data.items() if k in PolicySerializer.Meta.fields}
         checked = PolicySerializer(self.instance, data=values, partial=True)
         if not checked.is_valid():
@@ -70,7 +72,7 @@ class PolicyAdmin(admin.ModelAdmin):
 
     def save_model(self, request: HttpRequest, obj: Policy, form: forms.ModelForm, change: bool) -> None:
         values = {field: form.cleaned_data[field] for field in form.changed_data}
-        policy_update(changed_by=request.user, values=values)  # records who changed what
+        policy_update(changed_by=signed_in_user(request), values=values)  # records who changed what
 
     def get_urls(self) -> list[URLPattern]:
         return [

@@ -4,6 +4,7 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from ptcproject.accounts.authentication import signed_in_user
 from ptcproject.policy.selectors import policy_get
 from ptcproject.policy.serializers import PolicySerializer
 from ptcproject.policy.services import policy_update
@@ -20,5 +21,5 @@ class PolicyApi(APIView):
     def patch(self, request: Request) -> Response:
         body = PolicySerializer(policy_get(), data=request.data, partial=True)
         body.is_valid(raise_exception=True)
-        policy = policy_update(changed_by=request.user, values=dict(body.validated_data))
+        policy = policy_update(changed_by=signed_in_user(request), values=dict(body.validated_data))
         return Response(PolicySerializer(policy).data)

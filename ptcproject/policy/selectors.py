@@ -5,7 +5,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from django.conf import settings
-from django.contrib.auth.models import AbstractBaseUser
+from django.contrib.auth.models import User
 from django.db import IntegrityError, transaction
 
 from ptcproject.policy.models import Policy
@@ -40,7 +40,7 @@ def rollout_bucket(*, user_id: int, salt: str) -> int:
     return int(hashlib.sha256(f"{user_id}{salt}".encode()).hexdigest(), 16) % 100
 
 
-def ptc_decision(*, policy: Policy, user: AbstractBaseUser, toolsets: Sequence[str], title: str = "") -> Decision:
+def ptc_decision(*, policy: Policy, user: User, toolsets: Sequence[str], title: str = "") -> Decision:
     """Decide whether PTC is on for this user, toolsets and node title, and say which rule decided.
 
     The rules apply in the order of PRODUCT.md: mode, rollout percent, toolsets, then debug.

@@ -1,6 +1,6 @@
 from typing import Any
 
-from django.contrib.auth.models import AbstractBaseUser
+from django.contrib.auth.models import User
 from django.db import transaction
 
 from ptcproject.policy.models import Policy, PolicyChange
@@ -8,7 +8,7 @@ from ptcproject.policy.selectors import POLICY_PK, policy_get
 
 
 @transaction.atomic
-def policy_update(*, changed_by: AbstractBaseUser | None, values: dict[str, Any]) -> Policy:
+def policy_update(*, changed_by: User | None, values: dict[str, Any]) -> Policy:
     """Apply validated ``values`` to the policy and record who changed what, old → new.
 
     A value equal to the current one is not a change and is not recorded.

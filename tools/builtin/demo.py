@@ -22,7 +22,7 @@ _NOUNS = {
 
 def _build_catalog() -> list[dict[str, Any]]:
     rng = random.Random(20261121)  # fixed seed: the catalog is the same in every process
-    products = []
+    products: list[dict[str, Any]] = []
     for category in CATEGORIES:
         for adjective in _ADJECTIVES:
             for noun in _NOUNS[category][:4]:

@@ -75,7 +75,7 @@ class Server:
 def server_for(toolset: Toolset) -> Server:
     """Return how to reach ``toolset``'s server. Raise ToolFailure if its config can't say."""
     config = toolset.config or {}
-    secrets = toolset.secrets or {}
+    secrets: dict[str, str] = toolset.secrets or {}
     transport = config.get("transport", "stdio")
     init_timeout = float(config.get("init_timeout") or DEFAULT_INIT_TIMEOUT)
     try:

@@ -23,7 +23,7 @@ def _tools() -> list[dict[str, Any]]:
     return _catalog
 
 
-class ToolDoc(dict):  # type: ignore[type-arg]
+class ToolDoc(dict):
     """One tool's definition: a dict (``doc["input_schema"]``) that prints as readable docs."""
 
     def __str__(self) -> str:

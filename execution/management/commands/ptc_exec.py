@@ -89,7 +89,8 @@ class Command(BaseCommand):
             )
         except ApplicationError as exc:
             raise CommandError(f"{exc.code}: {exc.message}") from exc
-        console = Console(file=self.stdout._out, highlight=False, soft_wrap=True)  # type: ignore[attr-defined]
+        # OutputWrapper._out is the stream it wraps; django-stubs lacks it, so its __getattr__ calls it a callable.
+        console = Console(file=self.stdout._out, highlight=False, soft_wrap=True)  # type: ignore[arg-type]
         interactive = console.is_terminal
         console.print(f"job {job.call_id} submitted")
         progress = Progress(console, live=interactive)

@@ -18,7 +18,9 @@ class Command(BaseCommand):
         # whichever key fits and seals it with the first, keeping the token's timestamp.
         quote = connection.ops.quote_name
         table = quote(Toolset._meta.db_table)
-        column = quote(Toolset._meta.get_field("secrets").column)
+        field = Toolset._meta.get_field("secrets")
+        assert field.column is not None, "a concrete field always has a column"
+        column = quote(field.column)
         rewritten = 0
         # All or nothing: a row no key opens stops the run with every row as it was.
         with transaction.atomic(), connection.cursor() as cursor:
