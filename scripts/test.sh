@@ -17,6 +17,8 @@ export DATABASE_URL="$TEST_DATABASE_URL" CELERY_BROKER_URL="$REDIS_URL"
 
 echo "== ruff"
 .venv/bin/ruff check .
+echo "== mypy"
+.venv/bin/mypy ptcproject tools execution billing
 echo "== OpenAPI schema"
 .venv/bin/python manage.py spectacular --validate --fail-on-warn --file /dev/null
 echo "== pytest"
