@@ -20,11 +20,10 @@ from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.db import DatabaseError, connection
 
-from execution import channels
+from execution.backplane import RedisBackplane, backplane, job_channel
 from execution.models import ExecJob, ToolCall
 
 logger = logging.getLogger("ptc.events")
-STREAM_MAXLEN = 50_000
 # An event id as Redis Streams and this module write it: "<ms>-<seq>" (or "<ms>").
 EVENT_ID = re.compile(r"\d{1,20}(-\d{1,20})?")
 P = ParamSpec("P")
@@ -63,10 +62,6 @@ class Event:
         return f"id: {self.id}\nevent: {self.event}\ndata: {json.dumps(self.data, separators=(',', ':'))}\n\n"
 
 
-def _stream_key(job_call_id: str) -> str:
-    return f"{settings.PTC_REDIS_PREFIX}ptc:events:{job_call_id}"
-
-
 def _order(event_id: str) -> tuple[int, int]:
     ms, _, seq = event_id.partition("-")
     try:
@@ -82,40 +77,17 @@ def event_publish(*, job_call_id: str, event: str, data: dict[str, Any]) -> None
 
 
 def events_publish(*, job_call_id: str, events: list[tuple[str, dict[str, Any]]]) -> None:
-    """Append events to the job's stream in one round trip, in order. Never raises."""
-    if not events:
-        return
-    try:
-        if settings.REDIS_URL:
-            key = _stream_key(job_call_id)
-            pipe = channels.redis_client().pipeline(transaction=False)
-            for event, data in events:
-                payload = json.dumps(data, separators=(",", ":"), default=str)
-                pipe.xadd(key, {"event": event, "data": payload}, maxlen=STREAM_MAXLEN, approximate=True)
-                if event == "exec_end":
-                    pipe.expire(key, settings.PTC_EVENTS_RETENTION_SECONDS)
-            pipe.execute()
-        else:  # embedded: readers rebuild from the records; wake them
-            channels.publish(channels.job_channel(job_call_id), {"kind": "event"})
-    except Exception:  # the records stay the truth; a reader rebuilds from them
-        logger.warning("could not publish events", extra={"job_id": job_call_id}, exc_info=True)
+    """Append events to the job's log in one round trip, in order. Never raises."""
+    backplane().events_append(job_call_id, events)
 
 
 def output_from_stream(*, job_call_id: str) -> dict[str, str]:
     """Return what a job printed (``stdout``, ``stderr``) as its live events carried it: for a job
-    whose worker died before it could store the output. Empty without Redis or its stream."""
-    if not settings.REDIS_URL:
-        return {}
-    try:
-        entries = channels.redis_client().xrange(_stream_key(job_call_id))
-    except Exception:  # the output is a courtesy here; the job's end is what matters
-        logger.warning("could not read a job's output back from its events", extra={"job_id": job_call_id}, exc_info=True)
-        return {}
+    whose worker died before it could store the output. Empty without an event log."""
     parts: dict[str, list[str]] = {"stdout": [], "stderr": []}
-    for _, fields in entries:
-        name = fields[b"event"].decode()
+    for _, name, data in backplane().events_read(job_call_id):
         if name in parts:
-            parts[name].append(json.loads(fields[b"data"])["text"])
+            parts[name].append(data["text"])
     return {name: "".join(texts) for name, texts in parts.items() if texts}
 
 
@@ -201,8 +173,8 @@ async def _from_records(job_id: Any, after: str | None) -> AsyncIterator[Event |
     subscription = None
     try:
         while True:
-            if subscription is None and not settings.REDIS_URL:
-                subscription = await sync_to_async(channels.subscribe)(channels.job_channel(await _call_id(job_id)))
+            if subscription is None and not backplane().keeps_events:
+                subscription = await sync_to_async(backplane().subscribe)(job_channel(await _call_id(job_id)))
             events, ended = await db_read(events_from_records)(job_id)
             for event in events:
                 identity = (event.event, event.data.get("call_id") if event.event.startswith("tool_call") else None)
@@ -239,16 +211,16 @@ async def event_stream(*, job_id: Any, last_event_id: str | None = None) -> Asyn
 
     ``None`` is a heartbeat: nothing happened for PTC_EVENTS_HEARTBEAT_SECONDS.
     """
-    if not settings.REDIS_URL:
+    plane = backplane()
+    if not isinstance(plane, RedisBackplane):  # no event log: the records tell it
         async for item in _from_records(job_id, last_event_id):
             yield item
         return
-    import redis.asyncio as aioredis
     from redis.exceptions import RedisError
 
     call_id, ended = await _job_state(job_id)
-    client = aioredis.Redis.from_url(settings.REDIS_URL, socket_connect_timeout=2)
-    key = _stream_key(call_id)
+    client = plane.async_client()
+    key = plane.stream_key(call_id)
     try:
         if ended and not await client.exists(key):  # the stream expired: the records tell it
             async for item in _from_records(job_id, last_event_id):

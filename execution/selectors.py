@@ -25,33 +25,19 @@ def tool_calls_for(*, user: User) -> QuerySet[ToolCall]:
 
 
 def exec_job_wait(*, job: ExecJob, seconds: float) -> None:
-    """Block until ``job`` has finished or ``seconds`` pass. Woken by the job's end, never polled.
-
-    The database connection goes back to the pool while it waits, so waiting clients can't starve
-    the others of connections. If the channel can't be reached (Redis down), it returns at once:
-    the caller shows the job as it is.
-    """
-    import time
-
-    from django.db import connection
-
-    from execution import channels
+    """Block until ``job`` has finished or ``seconds`` pass. Woken by the job's end, never polled;
+    no database connection is held while it waits. If the backplane can't be reached, it returns
+    at once: the caller shows the job as it is."""
+    from execution.backplane import End, backplane, job_channel
 
     if seconds <= 0:
         return
-    deadline = time.monotonic() + seconds
     try:
-        subscription = channels.subscribe(channels.job_channel(job.call_id))
+        backplane().wait_for(
+            job_channel(job.call_id),
+            done=lambda: ExecJob.objects.filter(pk=job.pk, status__in=ExecJob.FINISHED).exists(),
+            match=lambda message: isinstance(message, End),
+            timeout=seconds,
+        )
     except Exception:  # no push to wait for; the job is shown as it is now
         logger.warning("cannot wait for a job: its channel is unreachable", exc_info=True)
-        return
-    with subscription as channel:
-        # Subscribed first, then checked: an end published in between is not missed.
-        while not ExecJob.objects.filter(pk=job.pk, status__in=ExecJob.FINISHED).exists():
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return
-            connection.close()
-            channel.wait(remaining)
-            if any(m.get("kind") == "end" for m in channel.drain()):
-                return

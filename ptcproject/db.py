@@ -34,4 +34,6 @@ def db_retry(work: Callable[[], T], *, what: str, job_id: Any) -> T:
             logger.warning("database unreachable while %s; retrying in %.1f s", what, delay, extra={"job_id": str(job_id)})
             db_reset()
             time.sleep(delay)
-            delay = min(delay * 2, 5.0)
+            # At most a second apart: once the database is back, the work is done within a second,
+            # before any reaper stops trusting the leases that lapsed meanwhile.
+            delay = min(delay * 2, 1.0)

@@ -36,18 +36,14 @@ def _broker() -> None:
         conn.ensure_connection(max_retries=1, timeout=READY_TIMEOUT_SECONDS)
 
 
-def _redis() -> None:
-    from execution.channels import redis_client
-
-    redis_client().ping()
-
-
 def readyz(request: HttpRequest) -> JsonResponse:
     """200 when the database and the broker answer; 503 naming the part that does not, within
     READY_TIMEOUT_SECONDS: the parts are checked side by side, and one that hangs counts as down."""
+    from execution.backplane import backplane
+
     parts: dict[str, Callable[[], None]] = {"database": _database, "broker": _broker}
     if settings.REDIS_URL:
-        parts["redis"] = _redis  # the channel store is needed for every tool result
+        parts["redis"] = backplane().ping  # the backplane carries every tool result
     deadline = time.monotonic() + READY_TIMEOUT_SECONDS
     running = {name: _checks.submit(check) for name, check in parts.items()}
     failures = {}

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from execution.backplane import Cancel, Message, Result, Resync
 from execution.sandbox import process
 from execution.sandbox.limits import Limits
 from execution.sandbox.output import CappedOutput
@@ -87,7 +88,7 @@ class CallRouter(Protocol):
 class Subscription(Protocol):
     def fileno(self) -> int: ...
 
-    def drain(self) -> list[dict[str, Any]]: ...
+    def drain(self) -> list[Message]: ...
 
 
 @dataclass
@@ -416,13 +417,12 @@ class Session:
             self.outbox.clear()
             self._end("failed", "ResourceLimit", f"the code left over {self.max_buffered} bytes of tool results unread")
 
-    def _on_channel(self, message: dict[str, Any]) -> None:
-        kind = message.get("kind")
-        if kind == "result":
-            self._reply(str(message.get("call_id")), {k: message.get(k) for k in ("ok", "result", "error")})
-        elif kind == "cancel":
+    def _on_channel(self, message: Message) -> None:
+        if isinstance(message, Result):
+            self._reply(message.call_id, message.reply())
+        elif isinstance(message, Cancel):
             self._end("cancelled", "Cancelled", "the job was cancelled")
-        elif kind == "resync":
+        elif isinstance(message, Resync):
             # The channel reconnected: results pushed while it was down are lost; the records are not.
             for call_id in list(self.in_flight):
                 reply = self.router.lookup(call_id=call_id)

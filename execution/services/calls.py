@@ -28,7 +28,7 @@ from billing.services import (
     credits_settle,
     price_quote,
 )
-from execution import channels
+from execution.backplane import Result, backplane, call_channel, job_channel
 from execution.events import (
     event_publish,
     events_publish,
@@ -204,19 +204,18 @@ def tool_call_standalone(
         if failure.code == "tool_not_ptc":
             raise ApplicationError(failure.code, f"{failure.message[:1].upper()}{failure.message[1:]}.", status=403) from None
         return _tool_call_record(**record, found=None, error=failure.as_dict())
-    channel = channels.job_channel(job.call_id) if job else channels.call_channel(call_id)
-    with channels.subscribe(channel) as subscription:  # before the enqueue: the result can't be missed
-        _tool_call_record(**record, found=found)
-        refused = tool_call_reserve(call_id=call_id, user=user, tool=found, job=job)
-        if refused is None and _tool_call_enqueue(call_id=call_id) is None:
-            deadline = time.monotonic() + (found.timeout or settings.PTC_DEFAULT_TOOL_TIMEOUT) + CALL_GRACE_SECONDS
-            while not any(m.get("call_id") == call_id for m in subscription.drain()):
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    tool_call_finish(call_id=call_id, error={"code": "tool_timeout", "message": CALL_TIMEOUT_MESSAGE})
-                    break
-                connection.close()  # not held while the tool runs: the pool is for requests that query
-                subscription.wait(remaining)
+    _tool_call_record(**record, found=found)
+    refused = tool_call_reserve(call_id=call_id, user=user, tool=found, job=job)
+    if refused is None and _tool_call_enqueue(call_id=call_id) is None:
+        timeout = (found.timeout or settings.PTC_DEFAULT_TOOL_TIMEOUT) + CALL_GRACE_SECONDS
+        finished = backplane().wait_for(
+            _result_channel(call_id, job.call_id if job else ""),
+            done=lambda: ToolCall.objects.filter(call_id=call_id).exclude(status=ToolCall.Status.EXECUTING).exists(),
+            match=lambda message: isinstance(message, Result) and message.call_id == call_id,
+            timeout=timeout,
+        )
+        if not finished:
+            tool_call_finish(call_id=call_id, error={"code": "tool_timeout", "message": CALL_TIMEOUT_MESSAGE})
     return ToolCall.objects.get(call_id=call_id)
 
 
@@ -352,14 +351,14 @@ def tool_call_execute(*, call_id: str) -> None:
         reply = _tool_call_fail(call_id, "worker_lost", "the tools worker running this call stopped; it was not run again")
     else:
         reply = _tool_call_fail(call_id, "job_ended", "the job ended before this call started; it was not run")
-    channels.publish(_result_channel(call_id, call.ptc_call_id), {"kind": "result", "call_id": call_id, **reply})
+    backplane().publish(_result_channel(call_id, call.ptc_call_id), Result(call_id=call_id, **reply))
     if claimed and tool is not None and call.ptc_call_id:  # the code has its result; now tell the watchers
         _tool_call_event_publish(call)
 
 
 def _result_channel(call_id: str, ptc_call_id: str) -> str:
     """A job's calls report on the job's channel; a standalone call on its own."""
-    return channels.job_channel(ptc_call_id) if ptc_call_id else channels.call_channel(call_id)
+    return job_channel(ptc_call_id) if ptc_call_id else call_channel(call_id)
 
 
 def tool_call_abort(*, call_id: str) -> None:
@@ -367,7 +366,7 @@ def tool_call_abort(*, call_id: str) -> None:
     reply = _tool_call_fail(call_id, "internal_error", "the tools worker failed while running this call; see its log")
     ptc_call_id = ToolCall.objects.filter(call_id=call_id).values_list("ptc_call_id", flat=True).first()
     if ptc_call_id is not None:
-        channels.publish(_result_channel(call_id, ptc_call_id), {"kind": "result", "call_id": call_id, **reply})
+        backplane().publish(_result_channel(call_id, ptc_call_id), Result(call_id=call_id, **reply))
 
 
 def _tool_call_fail(call_id: str, code: str, message: str) -> dict[str, Any]:
@@ -427,4 +426,4 @@ def tool_calls_reap() -> None:
     for call_id, ptc_call_id in lapsed.values_list("call_id", "ptc_call_id"):
         logger.warning("a tools worker stopped renewing a call's lease; failing it", extra={"call_id": call_id})
         reply = _tool_call_fail(call_id, "worker_lost", "the tools worker running this call stopped; it was not run again")
-        channels.publish(_result_channel(call_id, ptc_call_id), {"kind": "result", "call_id": call_id, **reply})
+        backplane().publish(_result_channel(call_id, ptc_call_id), Result(call_id=call_id, **reply))

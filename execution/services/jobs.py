@@ -3,6 +3,7 @@
 import logging
 import os
 import socket
+import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -15,7 +16,7 @@ from django.utils import timezone
 from billing.services import (
     reservations_repair,
 )
-from execution import channels
+from execution.backplane import Cancel, End, backplane, job_channel
 from execution.events import (
     event_publish,
     job_end_payload,
@@ -177,7 +178,7 @@ def _exec_job_sandbox(*, job_id: str) -> Outcome:
     job, router, sdk_dir, job_key = prepared
     event_publish(job_call_id=job.call_id, event="exec_start", data=job_start_payload(job))
     limits = Limits.from_dict(job.limits)
-    with channels.subscribe(channels.job_channel(job.call_id)) as channel:
+    with backplane().subscribe(job_channel(job.call_id)) as channel:
         # A cancel that landed between the claim and the subscription would otherwise be missed.
         if ExecJob.objects.filter(pk=job.pk, status=Status.CANCELLED).exists():
             return Outcome(status="cancelled")
@@ -306,7 +307,7 @@ def _exec_job_ended(job: ExecJob) -> str:
     """Announce a job's end: its last event, then the channel's ``end`` that wakes ``wait``. Return its status."""
     final = job_end_payload(job)
     event_publish(job_call_id=job.call_id, event="exec_end", data=final)
-    channels.publish(channels.job_channel(job.call_id), {"kind": "end", "status": final["status"]})
+    backplane().publish(job_channel(job.call_id), End(status=final["status"]))
     return final["status"]
 
 
@@ -350,15 +351,27 @@ def exec_job_cancel(*, job: ExecJob) -> ExecJob:
         job_keys_revoke(exec_job_id=job.pk)
         # Its worker kills the sandbox and ends the job; if this push is lost, its next heartbeat
         # finds the job cancelled.
-        channels.publish(channels.job_channel(job.call_id), {"kind": "cancel"})
+        backplane().publish(job_channel(job.call_id), Cancel())
     return job
+
+
+# Until when this process's reaper trusts no lapsed lease: after it found the database unreachable,
+# every lease lapsed for all alike, and live workers need a heartbeat's time to renew theirs.
+_reaper_blind_until = 0.0
 
 
 def exec_jobs_reap() -> int:
     """Fail running jobs whose worker stopped renewing their lease, calls whose tools worker did
     the same, and calls abandoned otherwise. Return how many jobs were failed."""
-    # Reservations of calls whose worker died between running and settling: the record decides.
-    reservations_repair(older_than_seconds=settings.PTC_JOB_LEASE_SECONDS)
+    global _reaper_blind_until
+    try:
+        # Reservations of calls whose worker died between running and settling: the record decides.
+        reservations_repair(older_than_seconds=settings.PTC_JOB_LEASE_SECONDS)
+    except (OperationalError, InterfaceError):
+        _reaper_blind_until = time.monotonic() + 2 * settings.PTC_JOB_HEARTBEAT_SECONDS
+        raise
+    if time.monotonic() < _reaper_blind_until:
+        return 0
     stale = timezone.now() - timedelta(seconds=settings.PTC_JOB_LEASE_SECONDS)
     tool_calls_reap()
     abandoned = timezone.now() - timedelta(seconds=settings.PTC_DEFAULT_TOOL_TIMEOUT * 2 + settings.PTC_JOB_LEASE_SECONDS)

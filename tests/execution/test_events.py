@@ -9,7 +9,7 @@ from typing import Any
 import httpx
 import redis
 
-from execution.events import _stream_key
+from execution.backplane import RedisBackplane
 from tests.conftest import REDIS_URL, Api
 from tests.stack import ROOT
 
@@ -104,7 +104,7 @@ def test_a_late_client_gets_the_whole_history_then_the_end(api: Api) -> None:
 def test_history_is_rebuilt_from_the_records_after_the_stream_expired(api: Api) -> None:
     job = api.run(JOB, toolsets=["demo"])
     live, _ = read_events(api, job["id"])
-    redis.Redis.from_url(REDIS_URL).delete(_stream_key(job["call_id"]))  # as if it had expired
+    redis.Redis.from_url(REDIS_URL).delete(RedisBackplane.stream_key(job["call_id"]))  # as if it had expired
     rebuilt, _ = read_events(api, job["id"])
     _check_sequence(rebuilt, job, with_output=False)
     # The same events (calls that end within a millisecond of each other may swap places).

@@ -1,0 +1,377 @@
+"""The backplane: how the processes push to each other, behind one interface picked once.
+
+It carries two things (ARCHITECTURE.md, "pushed, not polled"):
+- **messages on a channel**: a job's channel carries its tool results, its cancel and its end; a
+  standalone call's channel carries its result. Typed: ``Result``, ``Cancel``, ``End`` (and
+  ``Resync``, ``Changed`` from the backplane itself);
+- **a job's event log**: what the SSE stream and the CLI read, in order, resumable by id.
+
+Two adapters:
+- ``RedisBackplane`` (``REDIS_URL`` set): pub/sub for messages, a Redis Stream per job for events;
+- ``LocalBackplane`` (the embedded default, no server): unix sockets in a directory for messages;
+  no event log, so readers rebuild events from the records, woken by ``Changed``.
+
+A subscriber is a file descriptor that turns readable when messages arrive, so a waiter blocks in
+``select``/``epoll`` and is woken by the publisher. A message reaches the subscribers present when
+it is published; the database stays the source of truth, so one that misses a push still finds
+the outcome in the records.
+"""
+
+import functools
+import hashlib
+import json
+import logging
+import os
+import queue
+import select
+import socket
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from django.conf import settings
+
+from tools.sdk_runtime.protocol import FrameDecoder, encode
+
+logger = logging.getLogger("ptc.backplane")
+# A job's event log holds at most this many events (Redis trims the oldest beyond it).
+STREAM_MAXLEN = 50_000
+
+
+# -- Messages ------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Result:
+    """A tool call's outcome, for the code waiting on it."""
+
+    call_id: str
+    ok: bool
+    result: Any = None
+    error: dict[str, Any] | None = None
+
+    def reply(self) -> dict[str, Any]:
+        return {"ok": True, "result": self.result} if self.ok else {"ok": False, "error": self.error}
+
+
+@dataclass(frozen=True)
+class Cancel:
+    """The job was cancelled: its worker kills the sandbox."""
+
+
+@dataclass(frozen=True)
+class End:
+    """The job ended with ``status``: wakes whoever waits for it."""
+
+    status: str
+
+
+@dataclass(frozen=True)
+class Resync:
+    """The subscription reconnected: what was pushed meanwhile is lost; read the records."""
+
+
+@dataclass(frozen=True)
+class Changed:
+    """The job's records changed (the local backplane's stand-in for its event log)."""
+
+
+Message = Result | Cancel | End | Resync | Changed
+_KINDS: dict[str, type[Message]] = {cls.__name__.lower(): cls for cls in (Result, Cancel, End, Resync, Changed)}  # type: ignore[misc]
+
+
+def _to_wire(message: Message) -> dict[str, Any]:
+    return {"kind": type(message).__name__.lower(), **asdict(message)}
+
+
+def _from_wire(data: dict[str, Any]) -> Message | None:
+    """The message ``data`` carries, or None if it is none we know (a newer or older peer)."""
+    cls = _KINDS.get(str(data.pop("kind", "")))
+    try:
+        return cls(**data) if cls is not None else None
+    except TypeError:
+        return None
+
+
+def job_channel(call_id: str) -> str:
+    """A job's channel: its tool results, cancel, and its end."""
+    return f"{settings.PTC_REDIS_PREFIX}ptc:job:{call_id}"
+
+
+def call_channel(call_id: str) -> str:
+    """A standalone call's channel: its result."""
+    return f"{settings.PTC_REDIS_PREFIX}ptc:call:{call_id}"
+
+
+class Subscription:
+    """Messages of one channel, queued by a reader thread; ``fileno()`` is readable while any wait."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[Message] = queue.SimpleQueue()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        self._closed = threading.Event()
+
+    def fileno(self) -> int:
+        return self._wake_r
+
+    def _put(self, message: Message) -> None:
+        self._queue.put(message)
+        try:
+            os.write(self._wake_w, b"\0")
+        except OSError:
+            pass
+
+    def drain(self) -> list[Message]:
+        """Return every queued message without blocking."""
+        try:
+            while os.read(self._wake_r, 4096):
+                pass
+        except (BlockingIOError, OSError):
+            pass
+        messages = []
+        while True:
+            try:
+                messages.append(self._queue.get_nowait())
+            except queue.Empty:
+                return messages
+
+    def wait(self, timeout: float) -> None:
+        """Block until a message is queued or ``timeout`` passes; ``drain`` then returns what came."""
+        select.select([self._wake_r], [], [], max(0.0, timeout))
+
+    def close(self) -> None:
+        if not self._closed.is_set():
+            self._closed.set()
+            self._stop()
+            os.close(self._wake_r)
+            os.close(self._wake_w)
+
+    def _stop(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> "Subscription":
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+
+class _RedisSubscription(Subscription):
+    def __init__(self, client: Any, channel: str) -> None:
+        super().__init__()
+        self._pubsub = client.pubsub(ignore_subscribe_messages=True)
+        self._pubsub.subscribe(channel)  # subscribed before it returns: nothing published after is missed
+        self._thread = threading.Thread(target=self._listen, name=f"sub-{channel}", daemon=True)
+        self._thread.start()
+
+    def _listen(self) -> None:
+        broken = False
+        while not self._closed.is_set():
+            try:
+                message = self._pubsub.get_message(timeout=1.0)  # blocks on the socket; wakes on a push
+            except Exception:  # Redis went away; redis-py resubscribes when it reconnects
+                broken = True
+                if self._closed.wait(0.5):
+                    return
+                continue
+            if broken:
+                broken = False
+                self._put(Resync())  # what was pushed meanwhile is lost: look at the records
+            if message and message.get("type") == "message":
+                if (decoded := _from_wire(json.loads(message["data"]))) is not None:
+                    self._put(decoded)
+
+    def _stop(self) -> None:
+        try:
+            self._pubsub.close()
+        except Exception:  # closing a broken connection must not raise out of cleanup
+            pass
+
+
+def _socket_dir(channel: str) -> Path:
+    # Unix socket paths are limited to 108 bytes: keep them short and under the temp dir.
+    base = hashlib.sha256(str(settings.DATA_DIR).encode()).hexdigest()[:10]
+    return Path(tempfile.gettempdir()) / f"ptc-ch-{base}" / hashlib.sha256(channel.encode()).hexdigest()[:20]
+
+
+class _SocketSubscription(Subscription):
+    def __init__(self, channel: str) -> None:
+        super().__init__()
+        directory = _socket_dir(channel)
+        directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self._path = directory / f"{uuid.uuid4().hex[:12]}.sock"
+        self._server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._server.bind(str(self._path))
+        self._server.listen(64)
+        self._thread = threading.Thread(target=self._accept, name=f"sub-{channel}", daemon=True)
+        self._thread.start()
+
+    def _accept(self) -> None:
+        while not self._closed.is_set():
+            try:
+                conn, _ = self._server.accept()
+            except OSError:
+                return
+            with conn:
+                decoder = FrameDecoder()
+                while chunk := conn.recv(1 << 16):
+                    for message in decoder.feed(chunk):
+                        if (decoded := _from_wire(message)) is not None:
+                            self._put(decoded)
+
+    def _stop(self) -> None:
+        try:
+            self._path.unlink()
+        except FileNotFoundError:
+            pass
+        self._server.close()
+
+
+def _socket_publish(channel: str, message: dict[str, Any]) -> None:
+    directory = _socket_dir(channel)
+    if not directory.is_dir():
+        return
+    frame = encode(message)
+    for path in directory.glob("*.sock"):
+        try:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+                conn.settimeout(5)
+                conn.connect(str(path))
+                conn.sendall(frame)
+        except (ConnectionRefusedError, FileNotFoundError):
+            path.unlink(missing_ok=True)  # its subscriber died without cleaning up
+        except OSError:
+            continue
+
+
+# -- The interface -------------------------------------------------------------------------------
+class Backplane:
+    """Messages on channels and each job's event log. ``keeps_events`` says whether the log exists;
+    without it, readers rebuild a job's events from its records."""
+
+    keeps_events = False
+
+    def subscribe(self, channel: str) -> Subscription:
+        """Start receiving ``channel``'s messages. Close the subscription when done."""
+        raise NotImplementedError
+
+    def _publish(self, channel: str, data: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    def publish(self, channel: str, message: Message) -> bool:
+        """Push ``message`` to everyone subscribed to ``channel`` now. Return False if it could not
+        be sent: never raises, since every push has a fallback on the records (a subscriber
+        resyncs after a reconnect, a call past its deadline is looked up, a running job's heartbeat
+        finds it cancelled, a waiter times out and reads the record)."""
+        try:
+            self._publish(channel, _to_wire(message))
+        except Exception:  # see above: the records stay the truth
+            logger.warning("could not publish on %s", channel, exc_info=True)
+            return False
+        return True
+
+    def wait_for(self, channel: str, *, done: Callable[[], bool], match: Callable[[Message], bool], timeout: float) -> bool:
+        """Block until ``done()`` is true or a message on ``channel`` satisfies ``match``, at most
+        ``timeout`` seconds. Return whether it happened. Subscribed before ``done()`` is first
+        asked, so a push in between is never missed; ``done`` is asked again after every wake-up,
+        so a lost push costs the timeout at worst, never the outcome. Raises if the channel
+        can't be reached at all."""
+        from django.db import connection
+
+        deadline = time.monotonic() + timeout
+        with self.subscribe(channel) as subscription:
+            while not done():
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                connection.close()  # not held while blocked: the pool is for those who query
+                subscription.wait(remaining)
+                if any(match(message) for message in subscription.drain()):
+                    return True
+            return True
+
+    def ping(self) -> None:
+        """Raise if the backplane's server can't be reached (nothing to reach without one)."""
+
+    def events_append(self, job_call_id: str, events: list[tuple[str, dict[str, Any]]]) -> None:
+        """Append events to the job's log in one round trip, in order. Never raises: a lost event
+        must not fail the job (the records stay the truth)."""
+
+    def events_read(self, job_call_id: str) -> list[tuple[str, str, dict[str, Any]]]:
+        """Return the job's logged events ``(id, name, data)``, oldest first; empty without a log."""
+        return []
+
+
+class RedisBackplane(Backplane):
+    keeps_events = True
+
+    @functools.cached_property
+    def client(self) -> Any:
+        import redis
+
+        # A Redis that is down is known in seconds, not after the OS's TCP timeout.
+        return redis.Redis.from_url(settings.REDIS_URL, health_check_interval=30, socket_keepalive=True, socket_connect_timeout=2)
+
+    def subscribe(self, channel: str) -> Subscription:
+        return _RedisSubscription(self.client, channel)
+
+    def ping(self) -> None:
+        self.client.ping()
+
+    def _publish(self, channel: str, data: dict[str, Any]) -> None:
+        self.client.publish(channel, json.dumps(data, separators=(",", ":")))
+
+    @staticmethod
+    def stream_key(job_call_id: str) -> str:
+        return f"{settings.PTC_REDIS_PREFIX}ptc:events:{job_call_id}"
+
+    def events_append(self, job_call_id: str, events: list[tuple[str, dict[str, Any]]]) -> None:
+        if not events:
+            return
+        key = self.stream_key(job_call_id)
+        try:
+            pipe = self.client.pipeline(transaction=False)
+            for event, data in events:
+                payload = json.dumps(data, separators=(",", ":"), default=str)
+                pipe.xadd(key, {"event": event, "data": payload}, maxlen=STREAM_MAXLEN, approximate=True)
+                if event == "exec_end":
+                    pipe.expire(key, settings.PTC_EVENTS_RETENTION_SECONDS)
+            pipe.execute()
+        except Exception:  # the records stay the truth; a reader rebuilds from them
+            logger.warning("could not append events", extra={"job_id": job_call_id}, exc_info=True)
+
+    def events_read(self, job_call_id: str) -> list[tuple[str, str, dict[str, Any]]]:
+        try:
+            entries = self.client.xrange(self.stream_key(job_call_id))
+        except Exception:  # a reader falls back on the records
+            logger.warning("could not read a job's events", extra={"job_id": job_call_id}, exc_info=True)
+            return []
+        return [(raw_id.decode(), f[b"event"].decode(), json.loads(f[b"data"])) for raw_id, f in entries]
+
+    def async_client(self) -> Any:
+        """A new asyncio client, for one reader that follows a job's log with a blocking XREAD."""
+        import redis.asyncio as aioredis
+
+        return aioredis.Redis.from_url(settings.REDIS_URL, socket_connect_timeout=2)
+
+
+class LocalBackplane(Backplane):
+    def subscribe(self, channel: str) -> Subscription:
+        return _SocketSubscription(channel)
+
+    def _publish(self, channel: str, data: dict[str, Any]) -> None:
+        _socket_publish(channel, data)
+
+    def events_append(self, job_call_id: str, events: list[tuple[str, dict[str, Any]]]) -> None:
+        if events:  # no log: readers rebuild from the records; wake them
+            self.publish(job_channel(job_call_id), Changed())
+
+
+@functools.cache
+def backplane() -> Backplane:
+    """The backplane of this deployment, chosen once: Redis when ``REDIS_URL`` is set."""
+    return RedisBackplane() if settings.REDIS_URL else LocalBackplane()
