@@ -80,7 +80,7 @@ class Changed:
 
 
 Message = Result | Cancel | End | Resync | Changed
-_KINDS: dict[str, type[Message]] = {cls.__name__.lower(): cls for cls in (Result, Cancel, End, Resync, Changed)}  # type: ignore[misc]
+_KINDS: dict[str, type[Message]] = {cls.__name__.lower(): cls for cls in (Result, Cancel, End, Resync, Changed)}
 
 
 def _to_wire(message: Message) -> dict[str, Any]:
