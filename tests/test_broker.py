@@ -29,6 +29,10 @@ def test_filesystem_messages_are_whole_or_absent(tmp_path: Path) -> None:
                 received.append(message.payload)
                 message.ack()
 
+    # Bound once before the race: kombu keeps bindings per process, so a thread that finds the
+    # binding known would publish before the exchange table is written, and to no queue.
+    with Connection(transport=transport, transport_options=options) as conn:
+        conn.SimpleQueue("race").close()
     consumer = threading.Thread(target=consume)
     consumer.start()
     with Connection(transport=transport, transport_options=options) as conn:

@@ -180,7 +180,8 @@ def _exec_job_sandbox(*, job_id: str) -> Outcome:
     limits = Limits.from_dict(job.limits)
     with backplane().subscribe(job_channel(job.call_id)) as channel:
         # A cancel that landed between the claim and the subscription would otherwise be missed.
-        if ExecJob.objects.filter(pk=job.pk, status=Status.CANCELLED).exists():
+        cancelled = ExecJob.objects.filter(pk=job.pk, status=Status.CANCELLED)
+        if db_retry(cancelled.exists, what="checking for a cancel", job_id=job_id):
             return Outcome(status="cancelled")
         session = Session(
             code=job.code,
