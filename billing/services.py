@@ -4,7 +4,6 @@ Every balance change happens inside ``transaction.atomic()`` with the account ro
 writes a ledger entry in the same transaction: the balance always equals the sum of the ledger.
 """
 
-import json
 import logging
 import math
 from dataclasses import dataclass
@@ -12,11 +11,12 @@ from datetime import timedelta
 from typing import Any
 
 from django.contrib.auth.models import User
-from django.db import connection, transaction
+from django.db import transaction
 from django.db.models import F, Max, Sum
 from django.utils import timezone
 
-from billing.models import CreditAccount, CreditUsage, Discount, LedgerEntry, Reservation
+from billing.ledger import ledger
+from billing.models import CreditAccount, Discount, LedgerEntry, Reservation
 from ptcproject.errors import ApplicationError
 from ptcproject.storage import BIGINT_MAX, BIGINT_MIN
 from tools.models import Tool, Toolset
@@ -108,11 +108,14 @@ def credits_reserve(*, user: User, tool_call_id: str, quote: Quote, exec_job: An
 
 
 def _hold(*, account_id: int, tool_call_id: str, quote: Quote, exec_job: Any) -> None:
-    if connection.vendor == "postgresql":
-        held = _reserve_in_one_statement(account_id=account_id, tool_call_id=tool_call_id, quote=quote, exec_job=exec_job)
-    else:
-        with transaction.atomic():
-            held = _reserve_in_two(account_id=account_id, tool_call_id=tool_call_id, quote=quote, exec_job=exec_job)
+    held = ledger().reserve(
+        account_id=account_id,
+        tool_call_id=tool_call_id,
+        amount=quote.amount,
+        due_amount=quote.due_amount,
+        meta=quote.meta,
+        exec_job_id=getattr(exec_job, "pk", None),
+    )
     if not held:
         available = CreditAccount.objects.filter(pk=account_id).values_list(F("balance") - F("reserved"), flat=True)[0]
         raise CreditsRefused(
@@ -120,102 +123,25 @@ def _hold(*, account_id: int, tool_call_id: str, quote: Quote, exec_job: Any) ->
         )
 
 
-# The account's row lock is the one every call of a user queues on, from the bridge (reserve) and
-# from the tools workers (settle). On PostgreSQL the hold and the reservation are one statement, so
-# the lock lasts microseconds, never a client round trip; elsewhere (SQLite, which has no
-# data-modifying CTE and takes a database lock anyway) they are two, in the caller's transaction.
-_RESERVE_SQL = """
-WITH held AS (
-    UPDATE billing_creditaccount SET reserved = reserved + %(amount)s, updated_at = now()
-    WHERE id = %(account)s AND balance >= reserved + %(amount)s
-    RETURNING id
-)
-INSERT INTO billing_reservation (account_id, tool_call_id, exec_job_id, amount, due_amount, meta, status, created_at)
-SELECT id, %(call)s, %(job)s, %(amount)s, %(due)s, %(meta)s, 'held', now() FROM held
-RETURNING id
-"""
-
-
-def _reserve_in_one_statement(*, account_id: int, tool_call_id: str, quote: Quote, exec_job: Any) -> bool:
-    params = {
-        "account": account_id,
-        "amount": quote.amount,
-        "call": tool_call_id,
-        "due": quote.due_amount,
-        "job": getattr(exec_job, "pk", None),
-        "meta": json.dumps(quote.meta),
-    }
-    with connection.cursor() as cursor:
-        cursor.execute(_RESERVE_SQL, params)
-        return cursor.fetchone() is not None
-
-
-def _reserve_in_two(*, account_id: int, tool_call_id: str, quote: Quote, exec_job: Any) -> bool:
-    held = CreditAccount.objects.filter(pk=account_id, balance__gte=F("reserved") + quote.amount).update(
-        reserved=F("reserved") + quote.amount, updated_at=timezone.now()
-    )
-    if held:
-        Reservation.objects.create(
-            account_id=account_id,
-            tool_call_id=tool_call_id,
-            exec_job=exec_job,
-            amount=quote.amount,
-            due_amount=quote.due_amount,
-            meta=quote.meta,
-        )
-    return bool(held)
-
-
 def credits_settle(*, tool_call_id: str) -> int:
-    """Turn the call's held reservation into a charge: usage row, ledger row, balance. Return the
-    amount charged (0 when nothing was held). Call it inside the transaction that marks the call
-    completed; a second call for the same call charges nothing."""
-    reservation = (
-        Reservation.objects.select_related("account").filter(tool_call_id=tool_call_id, status=Reservation.Status.HELD).first()
-    )
-    if reservation is None:
-        return 0
-    if not Reservation.objects.filter(pk=reservation.pk, status=Reservation.Status.HELD).update(
-        status=Reservation.Status.SETTLED, closed_at=timezone.now()
-    ):
-        return 0
-    account = reservation.account
-    CreditUsage.objects.create(
-        user_id=account.user_id,
-        exec_job_id=reservation.exec_job_id,
-        tool_call_id=tool_call_id,
-        tool_call_meta=reservation.meta,
-        amount=reservation.amount,
-        due_amount=reservation.due_amount,
-    )
-    if reservation.amount:
-        LedgerEntry.objects.create(
-            account=account,
-            kind=LedgerEntry.Kind.CHARGE,
-            delta=-reservation.amount,
-            tool_call_id=tool_call_id,
-            reason=f"{reservation.meta.get('toolsetKey')}.{reservation.meta.get('toolName')} call {tool_call_id}",
-        )
-    # Last, so the account's row lock (which every call of this user queues on) is held only to the
-    # commit: one UPDATE moves the hold into the charge.
-    CreditAccount.objects.filter(pk=reservation.account_id).update(
-        reserved=F("reserved") - reservation.amount, balance=F("balance") - reservation.amount, updated_at=timezone.now()
-    )
-    return reservation.amount
+    """Turn the call's held reservation into a charge. Return the amount charged (0 when nothing
+    was held). Call it inside the transaction that marks the call completed, after that UPDATE; a
+    second settle charges nothing."""
+    return ledger().settle(tool_call_id=tool_call_id)
 
 
 def credits_release(*, tool_call_id: str) -> None:
     """Give back what was held for a call that did not succeed. A second release does nothing."""
-    with transaction.atomic():
-        reservation = Reservation.objects.filter(tool_call_id=tool_call_id, status=Reservation.Status.HELD).first()
-        if reservation is None:
-            return
-        account = CreditAccount.objects.select_for_update().get(pk=reservation.account_id)
-        if Reservation.objects.filter(pk=reservation.pk, status=Reservation.Status.HELD).update(
-            status=Reservation.Status.RELEASED, closed_at=timezone.now()
-        ):
-            account.reserved -= reservation.amount
-            account.save(update_fields=["reserved", "updated_at"])
+    ledger().release(tool_call_id=tool_call_id)
+
+
+def reservations_held(*, older_than_seconds: int) -> list[str]:
+    """Return the calls whose credits have been held longer than ``older_than_seconds``: the
+    reaper asks execution how each ended, and settles or releases them."""
+    cutoff = timezone.now() - timedelta(seconds=older_than_seconds)
+    return list(
+        Reservation.objects.filter(status=Reservation.Status.HELD, created_at__lt=cutoff).values_list("tool_call_id", flat=True)
+    )
 
 
 def credits_adjust(*, user: User, amount: int, reason: str, created_by: User | None = None) -> LedgerEntry:
@@ -237,77 +163,3 @@ def credits_adjust(*, user: User, amount: int, reason: str, created_by: User | N
         account.balance += amount
         account.save(update_fields=["balance", "updated_at"])
         return LedgerEntry.objects.create(account=account, kind=kind, delta=amount, reason=reason, created_by=created_by)
-
-
-def reservations_repair(*, older_than_seconds: int) -> int:
-    """Close reservations whose call has ended but whose worker died between running and settling:
-    settled if the record says completed, released otherwise. Return how many were closed."""
-    from execution.models import ToolCall
-
-    cutoff = timezone.now() - timedelta(seconds=older_than_seconds)
-    repaired = 0
-    for reservation in Reservation.objects.filter(status=Reservation.Status.HELD, created_at__lt=cutoff):
-        status = ToolCall.objects.filter(call_id=reservation.tool_call_id).values_list("status", flat=True).first()
-        if status == ToolCall.Status.COMPLETED:
-            with transaction.atomic():
-                amount = credits_settle(tool_call_id=reservation.tool_call_id)
-                ToolCall.objects.filter(call_id=reservation.tool_call_id).update(credits=amount)
-        elif status != ToolCall.Status.EXECUTING:
-            credits_release(tool_call_id=reservation.tool_call_id)
-        else:
-            continue
-        repaired += 1
-    return repaired
-
-
-def call_complete_and_settle(*, tool_call_id: str, output: Any, finished_at: Any) -> int | None:
-    """PostgreSQL only: mark the call completed and settle what was held for it, in one statement.
-
-    Every settlement of a user updates that user's account row. Done as separate statements, each
-    transaction holds the row's lock from its UPDATE to its COMMIT, and under load the client's
-    COMMIT waits for a busy worker's GIL while every other call of the user waits for the lock.
-    Done as one statement, the lock lasts as long as PostgreSQL takes to run it. Return the credits
-    charged, or None if the call had already finished (a redelivery: nothing changes).
-    """
-    from execution.models import ToolCall
-
-    tables = {
-        "call": ToolCall._meta.db_table,
-        "reservation": Reservation._meta.db_table,
-        "usage": CreditUsage._meta.db_table,
-        "ledger": LedgerEntry._meta.db_table,
-        "account": CreditAccount._meta.db_table,
-    }
-    sql = """
-    WITH held AS (
-        SELECT id, account_id, exec_job_id, amount, due_amount, meta FROM {reservation}
-        WHERE tool_call_id = %(call)s AND status = 'held'
-    ), done AS (
-        UPDATE {call} SET status = 'completed', output = %(output)s::jsonb, error = NULL, finished_at = %(now)s,
-               credits = COALESCE((SELECT amount FROM held), 0)
-        WHERE call_id = %(call)s AND status = 'executing'
-        RETURNING call_id
-    ), settled AS (
-        UPDATE {reservation} r SET status = 'settled', closed_at = %(now)s
-        FROM held WHERE r.id = held.id AND EXISTS (SELECT 1 FROM done)
-        RETURNING r.account_id, r.exec_job_id, r.amount, r.due_amount, r.meta
-    ), usage AS (
-        INSERT INTO {usage} (user_id, exec_job_id, tool_call_id, usage_type, tool_call_meta, amount, due_amount, created_at)
-        SELECT a.user_id, s.exec_job_id, %(call)s, 'tool_call', s.meta, s.amount, s.due_amount, %(now)s
-        FROM settled s JOIN {account} a ON a.id = s.account_id
-    ), ledger AS (
-        INSERT INTO {ledger} (account_id, kind, delta, reason, tool_call_id, created_by_id, created_at)
-        SELECT s.account_id, 'charge', -s.amount,
-               (s.meta ->> 'toolsetKey') || '.' || (s.meta ->> 'toolName') || ' call ' || %(call)s, %(call)s, NULL, %(now)s
-        FROM settled s WHERE s.amount > 0
-    ), charged AS (
-        UPDATE {account} a SET reserved = a.reserved - s.amount, balance = a.balance - s.amount, updated_at = %(now)s
-        FROM settled s WHERE a.id = s.account_id
-    )
-    SELECT (SELECT count(*) FROM done), COALESCE((SELECT amount FROM held), 0)
-    """.format(**tables)  # noqa: S608 - table names from the models, values as parameters
-    params = {"call": tool_call_id, "output": json.dumps(output), "now": finished_at}
-    with connection.cursor() as cursor:
-        cursor.execute(sql, params)
-        finished, credits = cursor.fetchone()
-    return credits if finished else None

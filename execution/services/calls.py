@@ -22,11 +22,11 @@ from billing.models import Reservation
 from billing.services import (
     CreditsRefused,
     billable,
-    call_complete_and_settle,
     credits_release,
     credits_reserve,
     credits_settle,
     price_quote,
+    reservations_held,
 )
 from execution.backplane import Result, backplane, call_channel, job_channel
 from execution.events import (
@@ -248,20 +248,19 @@ def tool_call_finish(
         "finished_at": timezone.now(),
     }
     credits = 0
-    if billed and not error and connection.vendor == "postgresql":
-        charged = call_complete_and_settle(tool_call_id=call_id, output=fields["output"], finished_at=fields["finished_at"])
-        finished, credits = charged is not None, charged or 0
-    else:
-        if billed and not error:
-            # What it costs is what was held for it: recorded in the same UPDATE, settled right after.
-            held = Reservation.objects.filter(tool_call_id=OuterRef("call_id"), status=Reservation.Status.HELD)
-            fields["credits"] = Coalesce(Subquery(held.values("amount")[:1]), 0)
-        with transaction.atomic() if billed and not error else nullcontext():
-            finished = bool(ToolCall.objects.filter(call_id=call_id, status=ToolCall.Status.EXECUTING).update(**fields))
-            if finished and billed and not error:
-                credits = credits_settle(tool_call_id=call_id)
-        if finished and billed and error:
-            credits_release(tool_call_id=call_id)
+    settles = billed and not error
+    if settles:
+        # What it costs is what was held for it: recorded in the same UPDATE, settled right after.
+        held = Reservation.objects.filter(tool_call_id=OuterRef("call_id"), status=Reservation.Status.HELD)
+        fields["credits"] = Coalesce(Subquery(held.values("amount")[:1]), 0)
+    # The call's row first (a redelivery finds it finished and charges nothing), the ledger last:
+    # the account's row lock is held from its statement to the commit only.
+    with transaction.atomic() if settles else nullcontext():
+        finished = bool(ToolCall.objects.filter(call_id=call_id, status=ToolCall.Status.EXECUTING).update(**fields))
+        if finished and settles:
+            credits = credits_settle(tool_call_id=call_id)
+    if finished and billed and error:
+        credits_release(tool_call_id=call_id)
     if finished and record is not None:
         for name, value in {**fields, "credits": credits}.items():
             setattr(record, name, value)
@@ -412,6 +411,17 @@ def _tool_call_run(*, call: ToolCall, tool: Tool) -> dict[str, Any]:
     )
     # Not finished by us means the bridge gave up on it meanwhile: the record's word is final.
     return reply if finished else tool_call_reply(ToolCall.objects.get(call_id=call_id))
+
+
+def tool_calls_close_held() -> None:
+    """Settle or release the credits a dead worker left held, by how each call ended."""
+    for call_id in reservations_held(older_than_seconds=settings.PTC_JOB_LEASE_SECONDS):
+        status = ToolCall.objects.filter(call_id=call_id).values_list("status", flat=True).first()
+        if status == ToolCall.Status.COMPLETED:
+            with transaction.atomic():
+                ToolCall.objects.filter(call_id=call_id).update(credits=credits_settle(tool_call_id=call_id))
+        elif status != ToolCall.Status.EXECUTING:
+            credits_release(tool_call_id=call_id)
 
 
 def tool_calls_reap() -> None:

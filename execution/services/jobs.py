@@ -13,9 +13,6 @@ from django.contrib.auth.models import User
 from django.db import DatabaseError, InterfaceError, OperationalError, transaction
 from django.utils import timezone
 
-from billing.services import (
-    reservations_repair,
-)
 from execution.backplane import Cancel, End, backplane, job_channel
 from execution.events import (
     event_publish,
@@ -27,7 +24,7 @@ from execution.models import ExecJob, ToolCall
 from execution.sandbox.limits import Limits
 from execution.sandbox.process import SandboxUnavailable
 from execution.sandbox.session import Outcome, Session
-from execution.services.calls import tool_calls_reap
+from execution.services.calls import tool_calls_close_held, tool_calls_reap
 from execution.services.router import JobCallRouter
 from ptcproject.accounts.services import api_key_create, job_keys_revoke
 from ptcproject.db import db_reset, db_retry
@@ -366,15 +363,15 @@ def exec_jobs_reap() -> int:
     the same, and calls abandoned otherwise. Return how many jobs were failed."""
     global _reaper_blind_until
     try:
-        # Reservations of calls whose worker died between running and settling: the record decides.
-        reservations_repair(older_than_seconds=settings.PTC_JOB_LEASE_SECONDS)
+        # Credits that dead workers left held: how each call ended decides.
+        tool_calls_close_held()
     except (OperationalError, InterfaceError):
         _reaper_blind_until = time.monotonic() + 2 * settings.PTC_JOB_HEARTBEAT_SECONDS
         raise
     if time.monotonic() < _reaper_blind_until:
         return 0
-    stale = timezone.now() - timedelta(seconds=settings.PTC_JOB_LEASE_SECONDS)
     tool_calls_reap()
+    stale = timezone.now() - timedelta(seconds=settings.PTC_JOB_LEASE_SECONDS)
     abandoned = timezone.now() - timedelta(seconds=settings.PTC_DEFAULT_TOOL_TIMEOUT * 2 + settings.PTC_JOB_LEASE_SECONDS)
     ToolCall.objects.filter(status=ToolCall.Status.EXECUTING, started_at__lt=abandoned).exclude(
         exec_job__status=Status.RUNNING

@@ -13,7 +13,7 @@ from django.utils import timezone
 
 from billing.models import CreditAccount, CreditUsage, Discount, LedgerEntry, Plan, Reservation
 from billing.selectors import ledger_mismatches
-from billing.services import account_get, credits_reserve, price_quote, reservations_repair
+from billing.services import account_get, credits_reserve, price_quote
 from execution.models import ToolCall
 from execution.services import calls as execution_services
 from tests.conftest import Api
@@ -141,7 +141,7 @@ def test_the_reaper_settles_or_releases_what_a_dead_worker_left_held(api: Api) -
         made[outcome] = call.call_id
     Reservation.objects.filter(tool_call_id__in=made.values()).update(created_at=timezone.now() - timedelta(minutes=5))
     before = CreditAccount.objects.get(user=user)
-    assert reservations_repair(older_than_seconds=60) == 2
+    execution_services.tool_calls_close_held()
     after = CreditAccount.objects.get(user=user)
     assert after.balance == before.balance - 1
     assert after.reserved == before.reserved - 2

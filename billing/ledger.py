@@ -1,0 +1,187 @@
+"""The ledger's three moves on a call's credits: reserve before it runs, settle when it completed,
+release when it did not. They touch billing's tables only, and run inside the caller's
+transaction: execution flips its call's row, then settles, in one ``atomic()``.
+
+Two backends behind one interface, chosen once by the database:
+- ``PostgresLedger``: each move is one statement (data-modifying CTEs). Every call of a user
+  updates that user's account row; as one statement, the row's lock lasts as long as PostgreSQL
+  takes to run it, never a client round trip (a busy worker's GIL must not hold every other call of
+  the user). Settle runs last in its transaction, so the lock is held from it to the COMMIT only.
+- ``OrmLedger``: the same moves through the ORM, for SQLite (no data-modifying CTEs; it takes a
+  database-wide lock anyway).
+"""
+
+import functools
+import json
+from typing import Any
+
+from django.db import connection, transaction
+from django.db.models import F
+from django.utils import timezone
+
+from billing.models import CreditAccount, CreditUsage, LedgerEntry, Reservation
+
+_TABLES = {
+    "account": CreditAccount._meta.db_table,
+    "reservation": Reservation._meta.db_table,
+    "usage": CreditUsage._meta.db_table,
+    "ledger": LedgerEntry._meta.db_table,
+}
+
+
+class Ledger:
+    def reserve(
+        self, *, account_id: int, tool_call_id: str, amount: int, due_amount: int, meta: dict[str, Any], exec_job_id: Any
+    ) -> bool:
+        """Hold ``amount`` for the call if the account has it available. Return whether it was held."""
+        raise NotImplementedError
+
+    def settle(self, *, tool_call_id: str) -> int:
+        """Turn the call's held reservation into a charge: usage row, ledger row, balance. Return
+        the amount charged (0 when nothing was held). A second settle charges nothing."""
+        raise NotImplementedError
+
+    def release(self, *, tool_call_id: str) -> None:
+        """Give back what was held for the call. A second release does nothing."""
+        raise NotImplementedError
+
+
+class PostgresLedger(Ledger):
+    RESERVE = """
+    WITH held AS (
+        UPDATE {account} SET reserved = reserved + %(amount)s, updated_at = now()
+        WHERE id = %(account_id)s AND balance >= reserved + %(amount)s
+        RETURNING id
+    )
+    INSERT INTO {reservation} (account_id, tool_call_id, exec_job_id, amount, due_amount, meta, status, created_at)
+    SELECT id, %(call)s, %(job)s, %(amount)s, %(due)s, %(meta)s, 'held', now() FROM held
+    RETURNING id
+    """.format(**_TABLES)  # noqa: S608 - table names from the models, values as parameters
+    SETTLE = """
+    WITH settled AS (
+        UPDATE {reservation} SET status = 'settled', closed_at = now()
+        WHERE tool_call_id = %(call)s AND status = 'held'
+        RETURNING account_id, exec_job_id, amount, due_amount, meta
+    ), usage AS (
+        INSERT INTO {usage} (user_id, exec_job_id, tool_call_id, usage_type, tool_call_meta, amount, due_amount, created_at)
+        SELECT a.user_id, s.exec_job_id, %(call)s, 'tool_call', s.meta, s.amount, s.due_amount, now()
+        FROM settled s JOIN {account} a ON a.id = s.account_id
+    ), ledger AS (
+        INSERT INTO {ledger} (account_id, kind, delta, reason, tool_call_id, created_by_id, created_at)
+        SELECT s.account_id, 'charge', -s.amount,
+               (s.meta ->> 'toolsetKey') || '.' || (s.meta ->> 'toolName') || ' call ' || %(call)s, %(call)s, NULL, now()
+        FROM settled s WHERE s.amount > 0
+    ), charged AS (
+        UPDATE {account} a SET reserved = a.reserved - s.amount, balance = a.balance - s.amount, updated_at = now()
+        FROM settled s WHERE a.id = s.account_id
+    )
+    SELECT COALESCE((SELECT amount FROM settled), 0)
+    """.format(**_TABLES)  # noqa: S608
+    RELEASE = """
+    WITH released AS (
+        UPDATE {reservation} SET status = 'released', closed_at = now()
+        WHERE tool_call_id = %(call)s AND status = 'held'
+        RETURNING account_id, amount
+    )
+    UPDATE {account} a SET reserved = a.reserved - r.amount, updated_at = now()
+    FROM released r WHERE a.id = r.account_id
+    """.format(**_TABLES)  # noqa: S608
+
+    def reserve(
+        self, *, account_id: int, tool_call_id: str, amount: int, due_amount: int, meta: dict[str, Any], exec_job_id: Any
+    ) -> bool:
+        params = {
+            "account_id": account_id,
+            "amount": amount,
+            "call": tool_call_id,
+            "due": due_amount,
+            "job": exec_job_id,
+            "meta": json.dumps(meta),
+        }
+        with connection.cursor() as cursor:
+            cursor.execute(self.RESERVE, params)
+            return cursor.fetchone() is not None
+
+    def settle(self, *, tool_call_id: str) -> int:
+        with connection.cursor() as cursor:
+            cursor.execute(self.SETTLE, {"call": tool_call_id})
+            row = cursor.fetchone()
+        return int(row[0]) if row else 0
+
+    def release(self, *, tool_call_id: str) -> None:
+        with connection.cursor() as cursor:
+            cursor.execute(self.RELEASE, {"call": tool_call_id})
+
+
+class OrmLedger(Ledger):
+    def reserve(
+        self, *, account_id: int, tool_call_id: str, amount: int, due_amount: int, meta: dict[str, Any], exec_job_id: Any
+    ) -> bool:
+        with transaction.atomic():
+            held = CreditAccount.objects.filter(pk=account_id, balance__gte=F("reserved") + amount).update(
+                reserved=F("reserved") + amount, updated_at=timezone.now()
+            )
+            if held:
+                Reservation.objects.create(
+                    account_id=account_id,
+                    tool_call_id=tool_call_id,
+                    exec_job_id=exec_job_id,
+                    amount=amount,
+                    due_amount=due_amount,
+                    meta=meta,
+                )
+        return bool(held)
+
+    def settle(self, *, tool_call_id: str) -> int:
+        reservation = (
+            Reservation.objects.select_related("account")
+            .filter(tool_call_id=tool_call_id, status=Reservation.Status.HELD)
+            .first()
+        )
+        if reservation is None:
+            return 0
+        if not Reservation.objects.filter(pk=reservation.pk, status=Reservation.Status.HELD).update(
+            status=Reservation.Status.SETTLED, closed_at=timezone.now()
+        ):
+            return 0
+        account = reservation.account
+        CreditUsage.objects.create(
+            user_id=account.user_id,
+            exec_job_id=reservation.exec_job_id,
+            tool_call_id=tool_call_id,
+            tool_call_meta=reservation.meta,
+            amount=reservation.amount,
+            due_amount=reservation.due_amount,
+        )
+        if reservation.amount:
+            LedgerEntry.objects.create(
+                account=account,
+                kind=LedgerEntry.Kind.CHARGE,
+                delta=-reservation.amount,
+                tool_call_id=tool_call_id,
+                reason=f"{reservation.meta.get('toolsetKey')}.{reservation.meta.get('toolName')} call {tool_call_id}",
+            )
+        # Last, so the account's row lock (which every call of this user queues on) is held only
+        # to the commit: one UPDATE moves the hold into the charge.
+        CreditAccount.objects.filter(pk=reservation.account_id).update(
+            reserved=F("reserved") - reservation.amount, balance=F("balance") - reservation.amount, updated_at=timezone.now()
+        )
+        return reservation.amount
+
+    def release(self, *, tool_call_id: str) -> None:
+        with transaction.atomic():
+            reservation = Reservation.objects.filter(tool_call_id=tool_call_id, status=Reservation.Status.HELD).first()
+            if reservation is None:
+                return
+            account = CreditAccount.objects.select_for_update().get(pk=reservation.account_id)
+            if Reservation.objects.filter(pk=reservation.pk, status=Reservation.Status.HELD).update(
+                status=Reservation.Status.RELEASED, closed_at=timezone.now()
+            ):
+                account.reserved -= reservation.amount
+                account.save(update_fields=["reserved", "updated_at"])
+
+
+@functools.cache
+def ledger() -> Ledger:
+    """The ledger of this deployment's database, chosen once."""
+    return PostgresLedger() if connection.vendor == "postgresql" else OrmLedger()
