@@ -24,13 +24,8 @@ from tools.models import Tool, Toolset
 logger = logging.getLogger("ptc.billing")
 
 
-class CreditsRefused(Exception):
+class CreditsRefused(ApplicationError):
     """A call can't be paid for: ``code`` is ``insufficient_credits`` or ``budget_exceeded``."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,7 @@ from execution.services.jobs import exec_job_cancel, exec_job_create
 from ptcproject.accounts.authentication import signed_in_user
 from ptcproject.accounts.models import ApiKey
 from ptcproject.accounts.services import api_key_authenticate
+from ptcproject.errors import error_body
 from ptcproject.lists import FilteredListApi
 
 
@@ -150,7 +151,7 @@ def _job_visible(user: Any, job_id: UUID) -> bool:
 
 
 def _error(status: int, code: str, message: str) -> JsonResponse:
-    return JsonResponse({"error": {"code": code, "message": message, "details": {}}}, status=status)
+    return JsonResponse(error_body(code, message), status=status)
 
 
 async def exec_events_api(request: HttpRequest, job_id: UUID) -> HttpResponseBase:

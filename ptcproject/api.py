@@ -14,7 +14,7 @@ from rest_framework.pagination import PageNumberPagination
 from rest_framework.response import Response
 from rest_framework.views import exception_handler as drf_exception_handler
 
-from ptcproject.errors import ApplicationError
+from ptcproject.errors import ApplicationError, error_body
 
 
 class Pagination(PageNumberPagination):
@@ -73,8 +73,11 @@ def outage_error(exc: BaseException) -> ApplicationError | None:
 
 def error_response(exc: ApplicationError) -> JsonResponse:
     """The error shape as a plain Django response, for views outside DRF."""
-    body = {"code": exc.code, "message": exc.message, "details": exc.details}
-    return JsonResponse({"error": body}, status=exc.status, headers={"Retry-After": "5"} if exc.status == 503 else None)
+    return JsonResponse(
+        error_body(exc.code, exc.message, exc.details),
+        status=exc.status,
+        headers={"Retry-After": "5"} if exc.status == 503 else None,
+    )
 
 
 def body_too_large_error() -> ApplicationError:
@@ -119,16 +122,14 @@ def exception_handler(exc: Exception, context: dict[str, Any]) -> Response | Non
 def not_found(request: HttpRequest, exception: Exception) -> HttpResponse:
     """404 outside any view: the API's error shape under /api/, Django's page elsewhere."""
     if request.path.startswith("/api/"):
-        body = {"code": "not_found", "message": f"No such endpoint or object: {request.path}", "details": {}}
-        return JsonResponse({"error": body}, status=404)
+        return JsonResponse(error_body("not_found", f"No such endpoint or object: {request.path}"), status=404)
     return defaults.page_not_found(request, exception)
 
 
 def server_error(request: HttpRequest) -> HttpResponse:
     """500: the API's error shape under /api/; the traceback is in the log, never in the answer."""
     if request.path.startswith("/api/"):
-        body = {"code": "internal_error", "message": "The server failed on this request; it is logged.", "details": {}}
-        return JsonResponse({"error": body}, status=500)
+        return JsonResponse(error_body("internal_error", "The server failed on this request; it is logged."), status=500)
     return defaults.server_error(request)
 
 

@@ -1,15 +1,132 @@
+"""The one error vocabulary. Every error a user or an agent sees has a stable ``code`` from CODES,
+a sentence for a person that says what happened and what to do, and, at the API, an HTTP status.
+
+- A request that fails answers ``{"error": {"code", "message", "details"}}`` (``error_body``).
+- A tool call that fails records ``{"code", "message"}`` on the call (``call_error``); the code in
+  the sandbox gets it as ``ToolError(code=...)``.
+- A job that fails records ``{"type", "message", "traceback"}`` (``job_error``): ``type`` is the
+  Python exception's name, or one of JOB_ERROR_TYPES.
+
+``tests/test_error_codes.py`` checks that every code the code base uses is in CODES, and that the
+README's table of codes lists each of them.
+"""
+
 from typing import Any
+
+# code -> (HTTP status when a request fails with it, what it means). Calls' codes carry the status
+# their request would have had; a call's own failure is recorded with the call, not answered.
+CODES: dict[str, tuple[int, str]] = {
+    # Any request
+    "validation_error": (400, "the input is invalid; `details` has the errors per field"),
+    "parse_error": (400, "the body is not JSON, or nested too deep to read"),
+    "not_authenticated": (401, "no API key was sent"),
+    "authentication_failed": (401, "the key is unknown, expired or revoked"),
+    "permission_denied": (403, "not allowed: not staff, or a job-scoped key outside its one endpoint"),
+    "not_found": (404, "no such endpoint or object, or another user's"),
+    "method_not_allowed": (405, "the endpoint does not take this method"),
+    "not_acceptable": (406, "the response can't be given in the format asked for"),
+    "conflict": (409, "the request conflicts with the object's state"),
+    "code_too_large": (413, "the code, or the whole body, is over its limit"),
+    "unsupported_media_type": (415, "the body is not application/json"),
+    "throttled": (429, "too many requests; wait as Retry-After says"),
+    "internal_error": (500, "the server failed; it is logged (as a call's code: the worker failed running it)"),
+    "database_unavailable": (503, "the database is unreachable; nothing was changed; retry"),
+    "broker_unavailable": (503, "the broker is unreachable; nothing was queued; retry"),
+    "not_ready": (503, "/readyz: a part the service needs is unreachable"),
+    # Jobs
+    "ptc_disabled": (403, "the rollout policy says no; the message gives its reason"),
+    "job_finished": (409, "the job has already finished"),
+    "invalid_last_event_id": (400, "Last-Event-ID is not an event id"),
+    # Toolsets
+    "toolset_exists": (409, "a toolset with this key exists"),
+    "key_mismatch": (400, "the body's key differs from the URL's"),
+    "builtin_toolset": (400, "builtin toolsets are defined in code"),
+    "not_mcp": (400, "only an MCP toolset can be synced"),
+    # Tool calls: refused before they run
+    "unknown_toolset": (400, "there is no such toolset"),
+    "unknown_tool": (400, "the toolset has no such tool"),
+    "toolset_not_granted": (403, "the toolset was not granted to the job"),
+    "tool_not_ptc": (403, "a direct tool can't be called from code"),
+    "call_id_mismatch": (403, "x-ptc-call-id is not the call_id of the key's job"),
+    "invalid_arguments": (400, "the arguments don't match the tool's input schema, or nest too deep"),
+    "insufficient_credits": (400, "the call costs more than the balance has available"),
+    "budget_exceeded": (400, "the call would take the job past its max_credits"),
+    # Tool calls: failed while or after running
+    "job_ended": (409, "the job ended before the call started; it was not run"),
+    "worker_lost": (500, "the tools worker running the call died; it was not run again"),
+    "tool_timeout": (504, "no result within the tool's timeout"),
+    "tool_error": (500, "the call failed"),
+    "tool_failed": (500, "the tool itself reported a failure"),
+    "tool_exception": (500, "the builtin tool raised"),
+    "tool_not_found": (500, "the builtin tool is not in this server's code"),
+    "kind_unsupported": (500, "this server can't run the toolset's kind"),
+    "output_too_large": (500, "the tool's output is over the size limit"),
+    "invalid_output": (500, "the tool's output is not JSON"),
+    "secret_missing": (500, "the toolset's config names a secret it does not have"),
+    "http_error": (502, "the HTTP tool answered a non-2xx status"),
+    "http_invalid_json": (502, "the HTTP tool answered something that is not JSON"),
+    "http_timeout": (504, "the HTTP tool did not answer in time"),
+    "http_connection_error": (502, "the HTTP tool could not be reached"),
+    "mcp_config_invalid": (500, "the MCP toolset's config is invalid"),
+    "mcp_start_failed": (502, "the MCP server could not be started or reached"),
+    "mcp_init_timeout": (504, "the MCP server did not finish initializing in time"),
+    "mcp_timeout": (504, "the MCP server did not answer in time"),
+    "mcp_connection_lost": (502, "the MCP server went away during the call"),
+    "mcp_bad_response": (502, "the MCP server answered something invalid"),
+    "mcp_error": (502, "the MCP server answered with a protocol error"),
+    "mcp_tool_error": (502, "the MCP tool reported an error"),
+    "mcp_invalid_output": (502, "the MCP tool's output is not what its schema says"),
+    "bridge_closed": (500, "(in the sandbox) the bridge to the worker closed before the result came"),
+}
+
+# A failed job's ``error.type``, when it is not the Python exception the code raised.
+JOB_ERROR_TYPES = {
+    "Timeout": "the code ran past its timeout",
+    "Cancelled": "the job was cancelled",
+    "ResourceLimit": "memory, processes, file size, tool-call count, output or return value over its limit",
+    "SandboxCrashed": "the sandbox died or could not start (the message says why)",
+    "ToolError": "a tool call failed and the code did not catch it",
+    "WorkerLost": "the worker running the job died, or no worker took it",
+    "BridgeError": "the sandbox sent a malformed bridge frame",
+    "InternalError": "the worker failed around the job (see its log)",
+    "SystemExit": "the code exited with a non-zero status",
+}
+
+
+def status_of(code: str) -> int:
+    """The HTTP status a request that fails with ``code`` answers (400 for an unknown code)."""
+    return CODES.get(code, (400, ""))[0]
 
 
 class ApplicationError(Exception):
     """An error a user or agent sees: a stable ``code``, a sentence that says what to do, details.
 
-    Services raise it; the API renders it as ``{"error": {...}}`` with ``status``.
+    Services raise it; the API renders it as ``{"error": {...}}`` with ``status`` (by default the
+    code's, from CODES).
     """
 
-    def __init__(self, code: str, message: str, *, status: int = 400, details: dict[str, Any] | None = None) -> None:
+    def __init__(self, code: str, message: str, *, status: int | None = None, details: dict[str, Any] | None = None) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
-        self.status = status
+        self.status = status if status is not None else status_of(code)
         self.details = details or {}
+
+    def as_dict(self) -> dict[str, str]:
+        """The error as a tool call records it."""
+        return call_error(self.code, self.message)
+
+
+def call_error(code: str, message: str) -> dict[str, str]:
+    """A tool call's recorded error."""
+    return {"code": code, "message": message}
+
+
+def job_error(kind: str, message: str, traceback: str = "") -> dict[str, str]:
+    """A job's recorded error: ``kind`` is an exception's name or one of JOB_ERROR_TYPES."""
+    return {"type": kind, "message": message, "traceback": traceback}
+
+
+def error_body(code: str, message: str, details: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The body of a failed request (API.md)."""
+    return {"error": {"code": code, "message": message, "details": details or {}}}

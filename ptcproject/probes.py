@@ -9,6 +9,8 @@ from django.conf import settings
 from django.db import DatabaseError, connection
 from django.http import HttpRequest, JsonResponse
 
+from ptcproject.errors import error_body
+
 # A probe answers within this, whatever is down: an orchestrator must not wait on a hung server.
 READY_TIMEOUT_SECONDS = 1.5
 _checks = ThreadPoolExecutor(max_workers=6, thread_name_prefix="readyz")
@@ -56,7 +58,7 @@ def readyz(request: HttpRequest) -> JsonResponse:
             failures[name] = str(exc)
     if failures:
         return JsonResponse(
-            {"error": {"code": "not_ready", "message": f"Not ready: {', '.join(failures)} unreachable.", "details": failures}},
+            error_body("not_ready", f"Not ready: {', '.join(failures)} unreachable.", failures),
             status=503,
         )
     return JsonResponse({"status": "ready"})

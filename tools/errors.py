@@ -1,10 +1,6 @@
-class ToolFailure(Exception):
-    """A tool call that did not succeed. ``code`` is stable; ``message`` is for a person."""
+from ptcproject.errors import ApplicationError
 
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
 
-    def as_dict(self) -> dict[str, str]:
-        return {"code": self.code, "message": self.message}
+class ToolFailure(ApplicationError):
+    """A tool call that did not succeed: recorded on the call (``as_dict``), raised in the code as
+    ``ToolError``. Its ``code`` is one of ptcproject.errors.CODES."""

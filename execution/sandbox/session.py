@@ -25,6 +25,7 @@ from execution.backplane import Cancel, Message, Result, Resync
 from execution.sandbox import process
 from execution.sandbox.limits import Limits
 from execution.sandbox.output import CappedOutput
+from ptcproject.errors import call_error, job_error
 from ptcproject.storage import MAX_JSON_DEPTH
 from tools.sdk_runtime.protocol import FrameDecoder, FrameError, encode
 
@@ -386,7 +387,7 @@ class Session:
                 break
             self.submitting -= 1
             if submitted is None:
-                error = {"code": "internal_error", "message": "the call could not be recorded; see the worker's log"}
+                error = call_error("internal_error", "the call could not be recorded; see the worker's log")
                 self._send({"id": request_id, "ok": False, "call_id": "", "error": error})
             elif isinstance(submitted, Refused):
                 self._send({"id": request_id, "ok": False, "call_id": submitted.call_id, "error": submitted.error})
@@ -431,7 +432,7 @@ class Session:
 
     def _end(self, status: str, kind: str, message: str) -> None:
         if self.ended is None:
-            self.ended = Outcome(status=status, error={"type": kind, "message": message, "traceback": ""})
+            self.ended = Outcome(status=status, error=job_error(kind, message))
 
     # -- the result ------------------------------------------------------------------------------
     def _outcome(self, returncode: int) -> Outcome:
@@ -451,7 +452,7 @@ class Session:
         else:
             kind = "SandboxCrashed"
             text = f"the code exited with status {returncode} before finishing (os._exit, or a crash)"
-        return Outcome(status="failed", error={"type": kind, "message": text, "traceback": ""})
+        return Outcome(status="failed", error=job_error(kind, text))
 
 
 def _signal_name(signum: int) -> str:

@@ -38,7 +38,7 @@ from execution.events import (
 from execution.models import ExecJob, ToolCall
 from execution.sandbox.session import CALL_GRACE_SECONDS
 from ptcproject.accounts.models import ApiKey
-from ptcproject.errors import ApplicationError
+from ptcproject.errors import ApplicationError, call_error
 from ptcproject.policy.selectors import policy_get
 from ptcproject.storage import MAX_JSON_DEPTH, json_depth_exceeds, storable
 from tools.errors import ToolFailure
@@ -157,10 +157,7 @@ def tool_calls_enqueue(call_ids: list[str]) -> dict[str, dict[str, str]]:
                 execute_tool.apply_async((call_id,), producer=producer)
             except Exception as exc:  # this call's failure; the others may still go
                 logger.exception("could not enqueue a tool call", extra={"call_id": call_id})
-                errors[call_id] = {
-                    "code": "broker_unavailable",
-                    "message": f"the call could not be queued ({type(exc).__name__}); retry",
-                }
+                errors[call_id] = call_error("broker_unavailable", f"the call could not be queued ({type(exc).__name__}); retry")
                 tool_call_finish(call_id=call_id, error=errors[call_id])
     return errors
 
@@ -215,7 +212,7 @@ def tool_call_standalone(
             timeout=timeout,
         )
         if not finished:
-            tool_call_finish(call_id=call_id, error={"code": "tool_timeout", "message": CALL_TIMEOUT_MESSAGE})
+            tool_call_finish(call_id=call_id, error=call_error("tool_timeout", CALL_TIMEOUT_MESSAGE))
     return ToolCall.objects.get(call_id=call_id)
 
 
@@ -225,7 +222,7 @@ CALL_TIMEOUT_MESSAGE = "no result arrived in time: the tools workers may be down
 def tool_call_reply(call: ToolCall) -> dict[str, Any]:
     if call.status == ToolCall.Status.COMPLETED:
         return {"ok": True, "result": call.output}
-    return {"ok": False, "error": call.error or {"code": "tool_error", "message": "the call failed"}}
+    return {"ok": False, "error": call.error or call_error("tool_error", "the call failed")}
 
 
 def tool_call_finish(
@@ -287,7 +284,7 @@ def tool_call_reserve(
     try:
         credits_reserve(user=user, tool_call_id=call_id, quote=quote, exec_job=job, max_credits=job.max_credits if job else None)
     except CreditsRefused as refused:
-        error = {"code": refused.code, "message": refused.message}
+        error = refused.as_dict()
         tool_call_finish(call_id=call_id, error=error)
         return error
     return None
@@ -369,7 +366,7 @@ def tool_call_abort(*, call_id: str) -> None:
 
 
 def _tool_call_fail(call_id: str, code: str, message: str) -> dict[str, Any]:
-    error = {"code": code, "message": message}
+    error = call_error(code, message)
     if tool_call_finish(call_id=call_id, error=error):
         return {"ok": False, "error": error}
     return tool_call_reply(ToolCall.objects.get(call_id=call_id))
@@ -393,7 +390,7 @@ def _tool_call_run(*, call: ToolCall, tool: Tool) -> dict[str, Any]:
     except ToolFailure as failure:
         reply: dict[str, Any] = {"ok": False, "error": failure.as_dict()}
     except (TypeError, ValueError) as exc:
-        reply = {"ok": False, "error": {"code": "invalid_output", "message": f"the tool's output is not JSON: {exc}"}}
+        reply = {"ok": False, "error": call_error("invalid_output", f"the tool's output is not JSON: {exc}")}
     else:
         reply = {"ok": True, "result": output}
     # The event goes out after the result is pushed to the waiting code (tool_call_execute).

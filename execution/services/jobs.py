@@ -28,7 +28,7 @@ from execution.services.calls import tool_calls_close_held, tool_calls_reap
 from execution.services.router import JobCallRouter
 from ptcproject.accounts.services import api_key_create, job_keys_revoke
 from ptcproject.db import db_reset, db_retry
-from ptcproject.errors import ApplicationError
+from ptcproject.errors import ApplicationError, call_error, job_error
 from ptcproject.policy.models import Policy
 from ptcproject.policy.selectors import policy_get, ptc_decision
 from ptcproject.storage import MAX_JSON_DEPTH, json_depth_exceeds, storable
@@ -158,12 +158,8 @@ def exec_job_run(*, job_id: str, worker: str) -> None:
         outcome = _exec_job_sandbox(job_id=job_id)
     except Exception as exc:  # the job must end, never stay running
         logger.exception("the job's run failed", extra={"job_id": job_id})
-        outcome = Outcome(status="failed", error=_error("InternalError", f"the worker failed while running the job: {exc}"))
+        outcome = Outcome(status="failed", error=job_error("InternalError", f"the worker failed while running the job: {exc}"))
     exec_job_finish(job_id=job_id, outcome=outcome)
-
-
-def _error(kind: str, message: str) -> dict[str, str]:
-    return {"type": kind, "message": message, "traceback": ""}
 
 
 def _exec_job_sandbox(*, job_id: str) -> Outcome:
@@ -197,10 +193,10 @@ def _exec_job_sandbox(*, job_id: str) -> Outcome:
             outcome = session.run()
         except SandboxUnavailable as exc:
             logger.error("this host cannot run sandboxes: %s", exc, extra={"job_id": job_id})
-            outcome = Outcome(status="failed", error=_error("SandboxCrashed", str(exc)))
+            outcome = Outcome(status="failed", error=job_error("SandboxCrashed", str(exc)))
         except Exception as exc:  # the worker survives anything a sandbox does; the job records it
             logger.exception("sandbox failed", extra={"job_id": job_id})
-            outcome = Outcome(status="failed", error=_error("SandboxCrashed", str(exc)))
+            outcome = Outcome(status="failed", error=job_error("SandboxCrashed", str(exc)))
     assert job.started_at is not None, "the job was loaded after exec_job_run's claim set started_at"
     outcome.timings["queue_ms"] = round((job.started_at - job.created_at).total_seconds() * 1000, 2)
     return outcome
@@ -218,7 +214,7 @@ def _exec_job_prepare(*, job_id: str) -> "tuple[ExecJob, JobCallRouter, Path, st
         raise
     except Exception as exc:  # said in the job's error
         logger.exception("sdk generation failed", extra={"job_id": job_id})
-        return Outcome(status="failed", error=_error("SandboxCrashed", f"the SDK could not be generated: {exc}"))
+        return Outcome(status="failed", error=job_error("SandboxCrashed", f"the SDK could not be generated: {exc}"))
     ExecJob.objects.filter(pk=job.pk).update(sdk_hash=sdk_hash)
     router = JobCallRouter(job=job, toolsets=toolsets, direct_only=frozenset(policy.direct_only_tools))
     # What a sandbox on another host would call back with (POST /api/v1/tools/execute); it dies with the job.
@@ -253,7 +249,7 @@ def exec_job_finish(*, job_id: Any, outcome: Outcome) -> None:
     """
     if json_depth_exceeds(outcome.return_value):  # the sandbox's runner checks too; this is the guard
         outcome.status, outcome.return_value = "failed", None
-        outcome.error = _error("ResourceLimit", f"the return value nests deeper than {MAX_JSON_DEPTH} levels")
+        outcome.error = job_error("ResourceLimit", f"the return value nests deeper than {MAX_JSON_DEPTH} levels")
     now = timezone.now()
     output = {
         "stdout": storable(outcome.stdout),
@@ -274,7 +270,7 @@ def exec_job_finish(*, job_id: Any, outcome: Outcome) -> None:
             raise
         except DatabaseError:  # the value itself can't be stored: the job still ends, and says why
             logger.exception("could not store a job's outcome", extra={"job_id": str(job_id)})
-            error = _error("InternalError", "the job's output could not be stored")
+            error = job_error("InternalError", "the job's output could not be stored")
             ExecJob.objects.filter(pk=job_id, status=Status.RUNNING).update(status=Status.FAILED, error=error, finished_at=now)
 
     try:
@@ -294,7 +290,7 @@ def _exec_job_close(*, job_id: Any) -> ExecJob:
     job_keys_revoke(exec_job_id=job.pk)
     ToolCall.objects.filter(exec_job=job, status=ToolCall.Status.EXECUTING, claimed_at__isnull=True).update(
         status=ToolCall.Status.FAILED,
-        error={"code": "job_ended", "message": "the job ended before this call started; it was not run"},
+        error=call_error("job_ended", "the job ended before this call started; it was not run"),
         finished_at=timezone.now(),
     )
     _exec_job_ended(job)
@@ -314,7 +310,7 @@ def _exec_job_fail_if(*, job_id: str, status: str, kind: str, message: str, stal
     jobs = ExecJob.objects.filter(pk=job_id, status=status)
     if stale:
         jobs = jobs.filter(heartbeat_at__lt=timezone.now() - timedelta(seconds=settings.PTC_JOB_LEASE_SECONDS))
-    fields: dict[str, Any] = {"status": Status.FAILED, "finished_at": timezone.now(), "error": _error(kind, message)}
+    fields: dict[str, Any] = {"status": Status.FAILED, "finished_at": timezone.now(), "error": job_error(kind, message)}
     if status == Status.RUNNING:
         # Its worker died holding the output in memory; what the code printed went out as events.
         # Stored with the status, in one UPDATE: whoever sees the job failed sees its output too.
@@ -377,7 +373,7 @@ def exec_jobs_reap() -> int:
         exec_job__status=Status.RUNNING
     ).update(
         status=ToolCall.Status.FAILED,
-        error={"code": "worker_lost", "message": "no tools worker finished this call; it was abandoned"},
+        error=call_error("worker_lost", "no tools worker finished this call; it was abandoned"),
         finished_at=timezone.now(),
     )
     lost = timezone.now() - timedelta(seconds=settings.PTC_QUEUED_MAX_SECONDS)

@@ -21,6 +21,7 @@ from execution.services.calls import (
     tool_calls_record,
 )
 from ptcproject.db import db_reset
+from ptcproject.errors import call_error
 from tools.errors import ToolFailure
 from tools.models import Tool, Toolset
 
@@ -93,7 +94,7 @@ class JobCallRouter:
     def overdue(self, *, call_id: str) -> dict[str, Any]:
         # The hand-off was lost or the call is stuck: the record decides. A late tools worker
         # finds the call failed and its result is dropped.
-        error = {"code": "tool_timeout", "message": CALL_TIMEOUT_MESSAGE}
+        error = call_error("tool_timeout", CALL_TIMEOUT_MESSAGE)
         try:
             tool_call_finish(call_id=call_id, error=error)
             return tool_call_reply(ToolCall.objects.get(call_id=call_id))
