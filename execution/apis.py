@@ -14,7 +14,7 @@ from rest_framework.views import APIView
 
 from execution.events import db_read, event_stream, valid_event_id
 from execution.models import ExecJob, ToolCall
-from execution.selectors import exec_job_wait, exec_jobs_for, tool_calls_for
+from execution.selectors import exec_jobs_for, tool_calls_for
 from execution.serializers import (
     ExecCreateSerializer,
     ExecJobSerializer,
@@ -24,7 +24,7 @@ from execution.serializers import (
     ToolExecuteSerializer,
 )
 from execution.services.calls import tool_call_standalone
-from execution.services.jobs import exec_job_cancel, exec_job_create
+from execution.services.jobs import exec_job_cancel, exec_job_create, exec_job_wait
 from ptcproject.accounts.authentication import signed_in_user
 from ptcproject.accounts.models import ApiKey
 from ptcproject.accounts.services import api_key_authenticate

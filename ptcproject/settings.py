@@ -5,7 +5,6 @@ transport, under ``var/``. Give ``DATABASE_URL`` and ``CELERY_BROKER_URL``/``RED
 PostgreSQL and Redis.
 """
 
-import os
 from pathlib import Path
 
 import environ
@@ -242,7 +241,7 @@ PTC_MAX_CODE_BYTES = 256 * 1024
 PTC_MAX_WAIT = 60
 # The rollout policy's first values (PTC_MODE, PTC_TIMEOUT, PTC_MAX_TOOL_CALLS, ...); see
 # ptcproject/policy/seed.py. After the row exists, the admin and PATCH /api/v1/policy own it.
-PTC_POLICY_SEED = policy_seed(os.environ, timeout_ceiling=PTC_TIMEOUT_CEILING)
+PTC_POLICY_SEED = policy_seed(env, timeout_ceiling=PTC_TIMEOUT_CEILING)
 # Counts threads as well as processes (RLIMIT_NPROC): room for a pool of 100 threads calling tools.
 PTC_MAX_PROCESSES = env.int("PTC_MAX_PROCESSES", default=256)
 PTC_MAX_FILE_MB = env.int("PTC_MAX_FILE_MB", default=64)

@@ -8,7 +8,14 @@ from tests.stack import ROOT
 
 APPS = ("ptcproject", "tools", "execution", "billing")
 # Calls that take an error code first (``_tool_call_fail`` takes the call's id first, then the code).
-ERROR_CALLS = {"ApplicationError": 0, "ToolFailure": 0, "CreditsRefused": 0, "call_error": 0, "error_body": 0, "_tool_call_fail": 1}
+ERROR_CALLS = {
+    "ApplicationError": 0,
+    "ToolFailure": 0,
+    "CreditsRefused": 0,
+    "call_error": 0,
+    "error_body": 0,
+    "_tool_call_fail": 1,
+}
 
 
 def _codes_used() -> dict[str, set[str]]:
@@ -25,7 +32,11 @@ def _codes_used() -> dict[str, set[str]]:
                     if name in ERROR_CALLS and len(node.args) > ERROR_CALLS[name]:
                         found.append(node.args[ERROR_CALLS[name]])
                 elif isinstance(node, ast.Dict):  # {"code": "...", ...}: a hand-built error
-                    found += [v for k, v in zip(node.keys, node.values, strict=True) if isinstance(k, ast.Constant) and k.value == "code"]
+                    found += [
+                        v
+                        for k, v in zip(node.keys, node.values, strict=True)
+                        if isinstance(k, ast.Constant) and k.value == "code"
+                    ]
                 for value in found:
                     if isinstance(value, ast.Constant) and isinstance(value.value, str):
                         used.setdefault(value.value, set()).add(str(path.relative_to(ROOT)))

@@ -8,9 +8,10 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from ptcproject.accounts.authentication import signed_in_user
+from tools.context import ptc_context
 from tools.models import Toolset
 from tools.sdk import sdk_cached
-from tools.selectors import ptc_context, toolset_listed, toolsets_listed, toolsets_named
+from tools.selectors import toolset_listed, toolsets_listed, toolsets_named
 from tools.serializers import (
     ContextRequestSerializer,
     ContextSerializer,

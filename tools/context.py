@@ -15,8 +15,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from django.contrib.auth.models import User
+
+from ptcproject.policy.selectors import policy_get, ptc_decision
 from tools.models import Tool, Toolset
-from tools.sdk import class_name, parameters, summary
+from tools.sdk import class_name, parameters, ptc_tools_of, sdk_hash_of, summary
+from tools.selectors import toolset_keys_for_ptc, toolsets_named
 
 EXEC_CODE = "exec_code"
 FORMATS = ("anthropic", "openai")
@@ -255,4 +259,42 @@ def ptc_context_build(
         "tools": tools,
         "system_prompt": prompt,
         "stats": {"schema_chars": schema_chars, "compact_chars": _chars(tools, prompt)},
+    }
+
+
+def tools_split(
+    *, toolsets: list[Toolset], direct_only: frozenset[str]
+) -> tuple[list[tuple[Toolset, Tool]], list[tuple[Toolset, list[Tool]]]]:
+    """Return the toolsets' enabled direct tools, and their PTC tools per toolset (``ptc_tools_of``)."""
+    per_toolset = ptc_tools_of(toolsets, direct_only)
+    ptc = {t.pk for _, tools in per_toolset for t in tools}
+    direct = [(ts, t) for ts in sorted(toolsets, key=lambda t: t.key) for t in ts.tools.all() if t.enabled and t.pk not in ptc]
+    return direct, per_toolset
+
+
+def ptc_context(*, user: User, keys: list[str] | None, title: str, fmt: str, discovery: bool) -> dict[str, Any]:
+    """Return the prompt context of a turn (API.md): the policy's decision, the tools, the prompt, stats.
+
+    ``keys`` None means every toolset the user may use with PTC. Raise ApplicationError for unknown keys.
+    """
+    policy = policy_get()
+    if keys is None:
+        keys = toolset_keys_for_ptc(user=user, allowlist=policy.toolset_allowlist, blocklist=policy.toolset_blocklist)
+    toolsets = toolsets_named(user=user, keys=keys)
+    decision = ptc_decision(policy=policy, user=user, toolsets=[ts.key for ts in toolsets], title=title)
+    direct, per_toolset = tools_split(toolsets=toolsets, direct_only=frozenset(policy.direct_only_tools))
+    built = ptc_context_build(
+        fmt=fmt,
+        enabled=decision.enabled,
+        sequential=policy.sequential,
+        discovery=discovery,
+        direct=direct,
+        per_toolset=per_toolset,
+    )
+    return {
+        "ptc_enabled": decision.enabled,
+        "reason": decision.reason,
+        "sequential": policy.sequential,
+        "sdk_hash": sdk_hash_of(per_toolset),
+        **built,
     }

@@ -20,8 +20,8 @@ from typing import Any
 
 from django.conf import settings
 
+from tools.classification import direct_only_tools, tool_is_ptc
 from tools.models import Tool, Toolset
-from tools.selectors import direct_only_tools, tool_is_ptc
 
 GENERATOR_VERSION = "2"
 _RUNTIME_DIR = Path(__file__).parent / "sdk_runtime"

@@ -7,10 +7,10 @@ from rest_framework import serializers
 
 from ptcproject.fields import JsonValueField, NumberField
 from ptcproject.storage import POSITIVE_INT_MAX
+from tools.classification import direct_only_tools, tool_is_ptc
 from tools.context import FORMATS
 from tools.models import Tool, Toolset
 from tools.sdk import tool_signature
-from tools.selectors import direct_only_tools, tool_is_ptc
 
 
 # -- Output --------------------------------------------------------------------------------------

@@ -41,10 +41,11 @@ from ptcproject.accounts.models import ApiKey
 from ptcproject.errors import ApplicationError, call_error
 from ptcproject.policy.selectors import policy_get
 from ptcproject.storage import MAX_JSON_DEPTH, json_depth_exceeds, storable
+from tools.classification import tool_is_ptc
 from tools.errors import ToolFailure
 from tools.kinds import tool_run
 from tools.models import Tool, Toolset
-from tools.selectors import tool_for_call, tool_is_ptc, toolsets_resolve
+from tools.selectors import tool_for_call, toolsets_resolve
 
 logger = logging.getLogger("ptc.execution")
 

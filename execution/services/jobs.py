@@ -324,6 +324,23 @@ def _exec_job_fail_if(*, job_id: str, status: str, kind: str, message: str, stal
     return bool(updated)
 
 
+def exec_job_wait(*, job: ExecJob, seconds: float) -> None:
+    """Block until ``job`` has finished or ``seconds`` pass. Woken by the job's end, never polled;
+    no database connection is held while it waits. If the backplane can't be reached, it returns
+    at once: the caller shows the job as it is."""
+    if seconds <= 0:
+        return
+    try:
+        backplane().wait_for(
+            job_channel(job.call_id),
+            done=lambda: ExecJob.objects.filter(pk=job.pk, status__in=ExecJob.FINISHED).exists(),
+            match=lambda message: isinstance(message, End),
+            timeout=seconds,
+        )
+    except Exception:  # no push to wait for; the job is shown as it is now
+        logger.warning("cannot wait for a job: its channel is unreachable", exc_info=True)
+
+
 def exec_job_cancel(*, job: ExecJob) -> ExecJob:
     """Cancel a queued or running job: its sandbox is killed and its unstarted tool calls never run.
 

@@ -11,7 +11,7 @@ from ptcproject.accounts.authentication import signed_in_user
 from ptcproject.policy.models import Policy, PolicyChange
 from ptcproject.policy.selectors import POLICY_PK, policy_get, ptc_decision
 from ptcproject.policy.serializers import PolicySerializer
-from ptcproject.policy.services import policy_update
+from ptcproject.policy.services import policy_ensure, policy_update
 from tools.models import Toolset
 
 
@@ -67,7 +67,7 @@ class PolicyAdmin(admin.ModelAdmin):
         return False
 
     def changelist_view(self, request: HttpRequest, extra_context: dict[str, Any] | None = None) -> HttpResponse:
-        policy_get()
+        policy_ensure()  # the one row's page, whether or not migrate made it yet
         return HttpResponseRedirect(reverse("admin:policy_policy_change", args=[POLICY_PK]))
 
     def save_model(self, request: HttpRequest, obj: Policy, form: forms.ModelForm, change: bool) -> None:

@@ -4,9 +4,9 @@ Read by settings at start-up, so a bad value stops every process at once, naming
 The row they seed is created once; after that the admin owns it and these are not read again.
 """
 
-from collections.abc import Mapping
 from typing import Any
 
+import environ
 from django.core.exceptions import ImproperlyConfigured
 
 MODES = ("off", "on", "partial")
@@ -25,8 +25,8 @@ BOUNDS = {
 }
 
 
-def _int(env: Mapping[str, str], name: str, default: int, low: int, high: int) -> int:
-    raw = env.get(name, "").strip()
+def _int(env: environ.Env, name: str, default: int, low: int, high: int) -> int:
+    raw = env.str(name, default="").strip()
     if not raw:
         return default
     try:
@@ -38,15 +38,15 @@ def _int(env: Mapping[str, str], name: str, default: int, low: int, high: int) -
     return value
 
 
-def _list(env: Mapping[str, str], name: str, default: list[str] | None = None) -> list[str]:
-    raw = env.get(name)
+def _list(env: environ.Env, name: str, default: list[str] | None = None) -> list[str]:
+    raw = env.str(name, default=None)
     if raw is None:
         return list(default or [])
     return [item.strip() for item in raw.split(",") if item.strip()]
 
 
-def _bool(env: Mapping[str, str], name: str) -> bool:
-    raw = env.get(name, "").strip().lower()
+def _bool(env: environ.Env, name: str) -> bool:
+    raw = env.str(name, default="").strip().lower()
     if raw in ("", "0", "false", "no", "off"):
         return False
     if raw in ("1", "true", "yes", "on"):
@@ -54,12 +54,12 @@ def _bool(env: Mapping[str, str], name: str) -> bool:
     raise ImproperlyConfigured(f"{name} must be true or false; got {raw!r}.")
 
 
-def policy_seed(env: Mapping[str, str], *, timeout_ceiling: int) -> dict[str, Any]:
+def policy_seed(env: environ.Env, *, timeout_ceiling: int) -> dict[str, Any]:
     """Return the policy's initial field values. Raise ImproperlyConfigured naming a bad variable."""
-    mode = env.get("PTC_MODE", "on").strip().lower() or "on"
+    mode = env.str("PTC_MODE", default="on").strip().lower() or "on"
     if mode not in MODES:
         raise ImproperlyConfigured(f"PTC_MODE must be one of {', '.join(MODES)}; got {mode!r}.")
-    debug = env.get("PTC_DEBUG", "").strip().lower()
+    debug = env.str("PTC_DEBUG", default="").strip().lower()
     if debug not in DEBUG_VALUES:
         raise ImproperlyConfigured(f"PTC_DEBUG must be one of '', opt-in, opt-out (or legacy true); got {debug!r}.")
     max_timeout = _int(env, "PTC_MAX_TIMEOUT", min(600, timeout_ceiling), 1, timeout_ceiling)

@@ -6,7 +6,6 @@ from dataclasses import dataclass
 
 from django.conf import settings
 from django.contrib.auth.models import User
-from django.db import IntegrityError, transaction
 
 from ptcproject.policy.models import Policy
 
@@ -14,19 +13,13 @@ POLICY_PK = 1
 
 
 def policy_get() -> Policy:
-    """Return the policy row, creating it from the PTC_* seed the first time.
+    """Return the policy row. Before it exists (``migrate`` creates it from the PTC_* seed), the
+    seed's values, unsaved. Never writes.
 
     It is read fresh on every call: one primary-key lookup buys a change that every process sees
     on its very next request, with no cache to invalidate.
     """
-    policy = Policy.objects.filter(pk=POLICY_PK).first()
-    if policy is not None:
-        return policy
-    try:
-        with transaction.atomic():
-            return Policy.objects.create(pk=POLICY_PK, **settings.PTC_POLICY_SEED)
-    except IntegrityError:  # another process created it first
-        return Policy.objects.get(pk=POLICY_PK)
+    return Policy.objects.filter(pk=POLICY_PK).first() or Policy(pk=POLICY_PK, **settings.PTC_POLICY_SEED)
 
 
 @dataclass(frozen=True)
