@@ -367,7 +367,8 @@ def exec_job_cancel(*, job: ExecJob) -> ExecJob:
 
 
 # Until when this process's reaper trusts no lapsed lease: after it found the database unreachable,
-# every lease lapsed for all alike, and live workers need a heartbeat's time to renew theirs.
+# every lease lapsed for all alike, and live workers (and finishers retrying their record) need
+# time to renew theirs. A whole lease: after an outage, a dead worker is found one lease later.
 _reaper_blind_until = 0.0
 
 
@@ -379,7 +380,7 @@ def exec_jobs_reap() -> int:
         # Credits that dead workers left held: how each call ended decides.
         tool_calls_close_held()
     except (OperationalError, InterfaceError):
-        _reaper_blind_until = time.monotonic() + 2 * settings.PTC_JOB_HEARTBEAT_SECONDS
+        _reaper_blind_until = time.monotonic() + settings.PTC_JOB_LEASE_SECONDS
         raise
     if time.monotonic() < _reaper_blind_until:
         return 0
