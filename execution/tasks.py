@@ -8,11 +8,12 @@ import logging
 from typing import Any
 
 from celery import shared_task
-from celery.signals import worker_ready
+from celery.signals import worker_ready, worker_shutdown
 from django.conf import settings
 from django.db import InterfaceError, OperationalError
 
 from execution.sandbox import process
+from execution.sandbox.pool import warm_pool
 from execution.services.calls import tool_call_abort, tool_call_execute, tool_calls_heartbeat
 from execution.services.jobs import exec_job_run, exec_jobs_reap, worker_name
 from ptcproject import queues
@@ -82,5 +83,13 @@ def _leases_while_up(sender: Any = None, **_: Any) -> None:
             process.check()
         except process.SandboxUnavailable as exc:  # said at start, not first at a user's job
             logger.error("this exec worker cannot run sandboxes: %s", exc)
+        else:
+            warm_pool().start()
     if _consumes(sender, queues.TOOLS):
         run_every("ptc-call-leases", settings.PTC_JOB_HEARTBEAT_SECONDS, tool_calls_heartbeat)
+
+
+@worker_shutdown.connect
+def _pool_down(**_: Any) -> None:
+    """Warm sandboxes that no job took are killed with their worker, never left behind."""
+    warm_pool().close()

@@ -237,6 +237,9 @@ PTC_SANDBOX_PYTHON = env.str("PTC_SANDBOX_PYTHON", default="/usr/bin/python3")
 PTC_BWRAP = env.str("PTC_BWRAP", default="/usr/bin/bwrap")
 # Where generated SDKs and the runner are staged for bind-mounting; readable by the sandbox uid.
 PTC_SANDBOX_DIR = Path(env.str("PTC_SANDBOX_DIR", default="/tmp/ptc-sandbox"))
+# Sandboxes each exec worker keeps started and waiting for a job (each is used once): a job does
+# not wait for bubblewrap and an interpreter to start. 0 starts each one when its job comes.
+PTC_SANDBOX_POOL_SIZE = env.int("PTC_SANDBOX_POOL_SIZE", default=2)
 PTC_MAX_CODE_BYTES = 256 * 1024
 PTC_MAX_WAIT = 60
 # The rollout policy's first values (PTC_MODE, PTC_TIMEOUT, PTC_MAX_TOOL_CALLS, ...); see

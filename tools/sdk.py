@@ -1,24 +1,20 @@
 """The generated ``ptc_tools`` package: one module per toolset, one class per module.
 
 ``sdk_build`` turns toolset definitions into files plus a content hash; the same definitions give
-the same hash. ``sdk_materialize`` writes a build to disk once per hash, for the sandbox to mount.
+the same hash. ``sdk_cached`` keeps recent builds by hash; a job's build travels to its sandbox with
+the job.
 """
 
 import functools
 import hashlib
 import json
 import keyword
-import os
 import re
-import shutil
-import tempfile
 import textwrap
 import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-from django.conf import settings
 
 from tools.classification import direct_only_tools, tool_is_ptc
 from tools.models import Tool, Toolset
@@ -289,12 +285,21 @@ def _catalog(per_toolset: list[tuple[Toolset, list[Tool]]]) -> str:
 
 
 @functools.cache
-def _runtime_files() -> dict[str, str]:
+def sdk_base_files() -> dict[str, str]:
+    """Return the part of every SDK that no toolset changes: the package and its runtime. A warm
+    sandbox has it imported before its job comes; the job brings the rest (``sdk_job_files``)."""
     return {
+        "ptc_tools/__init__.py": _INIT,
         "ptc_tools/_runtime.py": (_RUNTIME_DIR / "runtime.py").read_text(),
         "ptc_tools/_protocol.py": (_RUNTIME_DIR / "protocol.py").read_text(),
         "ptc_tools/_discovery.py": (_RUNTIME_DIR / "discovery.py").read_text(),
     }
+
+
+def sdk_job_files(sdk: Sdk) -> dict[str, str]:
+    """Return the files of ``sdk`` that its toolsets make: what travels to the sandbox with a job."""
+    base = sdk_base_files()
+    return {name: content for name, content in sdk.files.items() if name not in base}
 
 
 def ptc_tools_of(toolsets: list[Toolset], direct_only: frozenset[str] | None = None) -> list[tuple[Toolset, list[Tool]]]:
@@ -319,7 +324,7 @@ def _hash(per_toolset: list[tuple[Toolset, list[Tool]]]) -> str:
     ]
     digest = hashlib.sha256(GENERATOR_VERSION.encode())
     digest.update(json.dumps(definitions, sort_keys=True, separators=(",", ":")).encode())
-    for name, content in sorted(_runtime_files().items()):
+    for name, content in sorted(sdk_base_files().items()):
         digest.update(name.encode() + content.encode())
     return digest.hexdigest()
 
@@ -341,7 +346,7 @@ def sdk_build(*, toolsets: list[Toolset]) -> Sdk:
 
 def sdk_build_of(per_toolset: list[tuple[Toolset, list[Tool]]]) -> Sdk:
     """Return the SDK for ``ptc_tools_of``'s answer: works on unsaved rows too (the benchmark's)."""
-    files = {"ptc_tools/__init__.py": _INIT, **_runtime_files(), "ptc_tools/_catalog.json": _catalog(per_toolset)}
+    files = {**sdk_base_files(), "ptc_tools/_catalog.json": _catalog(per_toolset)}
     docs = {}
     for toolset, tools in per_toolset:
         files[f"ptc_tools/{toolset.key}.py"] = _module_source(toolset, tools)
@@ -370,44 +375,3 @@ def sdk_cached(*, toolsets: list[Toolset]) -> Sdk:
             _BUILDS.pop(next(iter(_BUILDS)))
         _BUILDS[digest] = sdk
     return sdk
-
-
-def sdk_prepare(*, toolsets: list[Toolset]) -> tuple[str, Path]:
-    """Return the hash and on-disk directory of the SDK for ``toolsets``, generating it only if new."""
-    digest = sdk_hash(toolsets=toolsets)
-    target = sdk_root() / digest
-    if target.is_dir():
-        return digest, target
-    return digest, sdk_materialize(sdk=sdk_build(toolsets=toolsets))
-
-
-def sdk_root() -> Path:
-    """Return the directory SDK builds are staged in, created readable by the sandbox's uid."""
-    root = Path(settings.PTC_SANDBOX_DIR) / "sdk"
-    root.mkdir(parents=True, exist_ok=True, mode=0o755)
-    return root
-
-
-def sdk_materialize(*, sdk: Sdk) -> Path:
-    """Return the directory holding ``sdk``'s files, writing them only if this hash is new."""
-    target = sdk_root() / sdk.hash
-    if target.is_dir():
-        return target
-    staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=sdk_root()))
-    try:
-        for name, content in sdk.files.items():
-            path = staging / name
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(content)
-        for dirpath, _dirnames, filenames in os.walk(staging):
-            os.chmod(dirpath, 0o755)
-            for filename in filenames:
-                os.chmod(os.path.join(dirpath, filename), 0o644)
-        try:
-            staging.rename(target)  # atomic: a sandbox never sees a half-written SDK
-        except OSError:
-            if not target.is_dir():
-                raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return target

@@ -2,9 +2,12 @@
 
     python3 -I -S -B guest.py BRIDGE_FD SDK_DIR
 
-It sets its own resource limits before any user code runs (it has no capabilities, so the code
-can never raise them again), takes the job from the first bridge frame, runs it, and sends one
-``done`` frame with the value of the last expression or the error.
+It may start long before its job (a warm sandbox): it imports the SDK's base package and waits
+for the job, the first bridge frame, which carries the code, the limits and the modules of the
+job's toolsets, written to SDK_DIR (a tmpfs of this sandbox's own). It sets its own resource
+limits before any user code runs (it has no capabilities, so the code can never raise them
+again), runs the code, and sends one ``done`` frame with the value of the last expression or the
+error.
 """
 
 import ast
@@ -15,6 +18,7 @@ import json
 import os
 import resource
 import signal
+import socket
 import sys
 import threading
 import traceback
@@ -26,6 +30,8 @@ THREAD_STACK_BYTES = 1 << 20
 # frames deep is reported at once, not after formatting a million lines.
 TRACEBACK_HEAD = 10
 TRACEBACK_TAIL = 40
+# The job's frame carries its SDK: a catalog of thousands of tools is megabytes of source.
+MAX_JOB_FRAME = 64 << 20
 
 
 def _set_limits(limits: dict[str, int]) -> None:
@@ -127,12 +133,50 @@ def _compile(source: str) -> tuple[Any, bool]:
     return compile(tree, CODE_NAME, "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT, dont_inherit=True), has_value
 
 
+def _read_job(bridge_fd: int, protocol: Any) -> dict[str, Any]:
+    """Wait for the job: the bridge's first frame. A warm sandbox waits here, before anything of a
+    job is in it, until its worker hands it one."""
+    sock = socket.socket(fileno=bridge_fd)
+    decoder = protocol.FrameDecoder(MAX_JOB_FRAME)
+    try:
+        while True:
+            data = sock.recv(1 << 16)
+            if not data:
+                os._exit(0)  # the worker let this sandbox go unused (a warm one, at shutdown)
+            messages = decoder.feed(data)
+            if messages:
+                # The worker sends nothing else before the code has run and called a tool.
+                if len(messages) > 1 or decoder.pending_bytes:
+                    raise SystemExit("ptc: the worker sent more than the job before the code started")
+                return messages[0]
+    finally:
+        sock.detach()  # the fd stays open: the SDK's runtime takes it over
+
+
+def _install_sdk(files: dict[str, str], sdk_dir: str) -> None:
+    """Write the job's generated ``ptc_tools`` package, sent with the job, where it is imported from."""
+    root = os.path.realpath(sdk_dir)
+    for name, content in files.items():
+        path = os.path.realpath(os.path.join(root, name))
+        if not path.startswith(root + os.sep):
+            raise SystemExit(f"ptc: the SDK file {name!r} is outside the SDK")
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(content)
+
+
 def main() -> None:
     bridge_fd, sdk_dir = int(sys.argv[1]), sys.argv[2]
-    sys.path.insert(0, sdk_dir)
+    # The SDK's base package is staged beside this runner: imported before the job comes, it costs
+    # the job nothing. The job brings its toolsets' modules, which join the package.
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import ptc_tools
     from ptc_tools import _protocol, _runtime
 
-    job = _runtime.connect(bridge_fd)
+    job = _read_job(bridge_fd, _protocol)
+    _install_sdk(job.pop("sdk", {}), sdk_dir)
+    ptc_tools.__path__.append(os.path.join(sdk_dir, "ptc_tools"))
+    _runtime.connect(bridge_fd, job)
     # The job's call_id and its job-scoped key: what a sandbox elsewhere would call back with.
     _runtime.job_info = job.get("job", {})
     limits = job["limits"]

@@ -19,13 +19,14 @@ from pathlib import Path
 
 from django.conf import settings
 
-from execution.sandbox.limits import Limits
+from tools.sdk import sdk_base_files
 
 GUEST = Path(__file__).with_name("guest.py")
 SANDBOX_UID = 65534  # nobody: used only when the worker runs as root
 MOUNT_SDK = "/opt/ptc/sdk"
 MOUNT_BIN = "/opt/ptc/bin"
 SCRATCH_MB = 64
+SDK_MB = 64  # the job's generated SDK is written here; as large as the job's frame may be
 SHM_MB = 16
 
 
@@ -102,21 +103,26 @@ def _program_fd() -> int:
 
 @functools.cache
 def _guest_dir() -> Path:
-    """Stage the runner where the sandbox's unprivileged uid can read it, under its content hash.
+    """Stage the runner and the SDK's base package (imported before a job comes) where the
+    sandbox's unprivileged uid can read them, under their content hash.
 
     By hash, so workers of different versions sharing a host never run each other's runner.
     """
-    content = GUEST.read_bytes()
+    files = {"guest.py": GUEST.read_bytes(), **{name: text.encode() for name, text in sdk_base_files().items()}}
+    digest = hashlib.sha256(b"".join(name.encode() + content for name, content in sorted(files.items())))
     root = Path(settings.PTC_SANDBOX_DIR)
-    target = root / "bin" / hashlib.sha256(content).hexdigest()[:16]
+    target = root / "bin" / digest.hexdigest()[:16]
     if not (target / "guest.py").exists():
         target.mkdir(parents=True, exist_ok=True, mode=0o755)
         for directory in (root, root / "bin", target):
             os.chmod(directory, 0o755)
-        tmp = target / f".guest-{os.getpid()}.py"
-        tmp.write_bytes(content)
-        os.chmod(tmp, 0o644)
-        tmp.rename(target / "guest.py")  # atomic: a sandbox never sees half a runner
+        for name in sorted(files, key=lambda name: name == "guest.py"):  # the runner last: it marks the stage done
+            path = target / name
+            path.parent.mkdir(exist_ok=True, mode=0o755)
+            tmp = path.with_name(f".{path.name}-{os.getpid()}")
+            tmp.write_bytes(files[name])
+            os.chmod(tmp, 0o644)
+            tmp.rename(path)  # atomic: a sandbox never sees half a file
     return target
 
 
@@ -133,8 +139,9 @@ def check() -> None:
         raise SandboxUnavailable(f"cannot build the seccomp filter ({exc}): install 'libseccomp2' and pyseccomp.") from exc
 
 
-def command(*, limits: Limits, sdk_dir: Path, bridge_fd: int, seccomp_fd: int) -> list[str]:
-    """Return the bwrap command line that runs the guest with the bridge on ``bridge_fd``."""
+def command(*, bridge_fd: int, seccomp_fd: int) -> list[str]:
+    """Return the bwrap command line that runs the guest with the bridge on ``bridge_fd``. Nothing
+    in it is a job's: the job, its limits and its SDK come as the bridge's first frame."""
     options: list[tuple[str, ...]] = [
         ("--unshare-all",),
         ("--unshare-user",),
@@ -163,7 +170,7 @@ def command(*, limits: Limits, sdk_dir: Path, bridge_fd: int, seccomp_fd: int) -
         ("--size", str(SHM_MB << 20), "--tmpfs", "/dev/shm"),
         ("--size", str(SCRATCH_MB << 20), "--tmpfs", "/tmp"),
         ("--size", str(SCRATCH_MB << 20), "--tmpfs", "/work"),
-        ("--ro-bind", str(sdk_dir), MOUNT_SDK),
+        ("--size", str(SDK_MB << 20), "--tmpfs", MOUNT_SDK),
         ("--ro-bind", str(_guest_dir()), MOUNT_BIN),
         ("--remount-ro", "/dev"),
         ("--remount-ro", "/"),  # bwrap's root is an unsized tmpfs: read-only, so nothing can fill it
@@ -175,8 +182,9 @@ def command(*, limits: Limits, sdk_dir: Path, bridge_fd: int, seccomp_fd: int) -
     return [settings.PTC_BWRAP, *itertools.chain.from_iterable(options), "--", *guest]
 
 
-def spawn(*, limits: Limits, sdk_dir: Path, bridge_fd: int) -> subprocess.Popen[bytes]:
-    """Start the sandbox. The caller owns the returned process and must ``kill`` and ``wait`` it.
+def spawn(*, bridge_fd: int) -> subprocess.Popen[bytes]:
+    """Start a sandbox that waits for its job on ``bridge_fd``. The caller owns the returned
+    process and must ``kill`` and ``wait`` it.
 
     Raise SandboxUnavailable, saying what to install, when this host can't run one.
     """
@@ -185,7 +193,7 @@ def spawn(*, limits: Limits, sdk_dir: Path, bridge_fd: int) -> subprocess.Popen[
     try:
         as_root = os.geteuid() == 0
         return subprocess.Popen(
-            command(limits=limits, sdk_dir=sdk_dir, bridge_fd=bridge_fd, seccomp_fd=seccomp_fd),
+            command(bridge_fd=bridge_fd, seccomp_fd=seccomp_fd),
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,

@@ -18,13 +18,12 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Protocol
 
 from execution.backplane import Cancel, Message, Result, Resync
-from execution.sandbox import process
 from execution.sandbox.limits import Limits
 from execution.sandbox.output import CappedOutput
+from execution.sandbox.pool import warm_pool
 from ptcproject.errors import call_error, job_error
 from ptcproject.storage import MAX_JSON_DEPTH
 from tools.sdk_runtime.protocol import FrameDecoder, FrameError, encode
@@ -104,7 +103,7 @@ class Session:
         *,
         code: str,
         limits: Limits,
-        sdk_dir: Path,
+        sdk_files: dict[str, str],
         router: CallRouter,
         channel: Subscription,
         heartbeat: Callable[[], bool],
@@ -116,7 +115,7 @@ class Session:
     ) -> None:
         self.code = code
         self.limits = limits
-        self.sdk_dir = sdk_dir
+        self.sdk_files = sdk_files
         self.router = router
         self.channel = channel
         self.heartbeat = heartbeat
@@ -147,11 +146,8 @@ class Session:
     # -- the loop --------------------------------------------------------------------------------
     def run(self) -> Outcome:
         started = time.monotonic()
-        ours, theirs = socket.socketpair()
-        try:
-            proc = process.spawn(limits=self.limits, sdk_dir=self.sdk_dir, bridge_fd=theirs.fileno())
-        finally:
-            theirs.close()
+        sandbox = warm_pool().take()
+        proc, ours = sandbox.proc, sandbox.bridge
         spawned = time.monotonic()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
@@ -176,6 +172,7 @@ class Session:
         finished = time.monotonic()
         outcome.timings = {
             "spawn_ms": round((spawned - started) * 1000, 2),
+            "warm": sandbox.warm,
             "run_ms": round((finished - spawned) * 1000, 2),
             "tool_calls": self.calls,
         }
@@ -190,6 +187,7 @@ class Session:
             "max_frame": self.max_frame,
             "max_depth": MAX_JSON_DEPTH,
             "job": self.job_info,
+            "sdk": self.sdk_files,
         }
         self.outbox += encode(start)
         sel = selectors.DefaultSelector()

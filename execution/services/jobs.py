@@ -5,7 +5,6 @@ import os
 import socket
 import time
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 from django.conf import settings
@@ -32,7 +31,7 @@ from ptcproject.errors import ApplicationError, call_error, job_error
 from ptcproject.policy.models import Policy
 from ptcproject.policy.selectors import policy_get, ptc_decision
 from ptcproject.storage import MAX_JSON_DEPTH, json_depth_exceeds, storable
-from tools.sdk import sdk_prepare
+from tools.sdk import sdk_cached, sdk_job_files
 from tools.selectors import toolset_keys_for_ptc, toolsets_named, toolsets_resolve
 
 logger = logging.getLogger("ptc.execution")
@@ -168,7 +167,7 @@ def _exec_job_sandbox(*, job_id: str) -> Outcome:
     prepared = db_retry(lambda: _exec_job_prepare(job_id=job_id), what="preparing a job", job_id=job_id)
     if isinstance(prepared, Outcome):
         return prepared
-    job, router, sdk_dir, job_key = prepared
+    job, router, sdk_files, job_key = prepared
     event_publish(job_call_id=job.call_id, event="exec_start", data=job_start_payload(job))
     limits = Limits.from_dict(job.limits)
     with backplane().subscribe(job_channel(job.call_id)) as channel:
@@ -179,7 +178,7 @@ def _exec_job_sandbox(*, job_id: str) -> Outcome:
         session = Session(
             code=job.code,
             limits=limits,
-            sdk_dir=sdk_dir,
+            sdk_files=sdk_files,
             router=router,
             channel=channel,
             heartbeat=lambda: _exec_job_heartbeat(job_id=job.pk),
@@ -202,20 +201,20 @@ def _exec_job_sandbox(*, job_id: str) -> Outcome:
     return outcome
 
 
-def _exec_job_prepare(*, job_id: str) -> "tuple[ExecJob, JobCallRouter, Path, str] | Outcome":
+def _exec_job_prepare(*, job_id: str) -> "tuple[ExecJob, JobCallRouter, dict[str, str], str] | Outcome":
     """Load a claimed job, build its SDK, its call router and its job-scoped key. Return those, or
     the Outcome that ends the job if its SDK can't be built. Safe to run again."""
     job = ExecJob.objects.select_related("user").get(pk=job_id)
     policy = policy_get()
     toolsets, _ = toolsets_resolve(user=job.user, keys=job.toolsets)
     try:
-        sdk_hash, sdk_dir = sdk_prepare(toolsets=toolsets)
+        sdk = sdk_cached(toolsets=toolsets)
     except (OperationalError, InterfaceError):
         raise
     except Exception as exc:  # said in the job's error
         logger.exception("sdk generation failed", extra={"job_id": job_id})
         return Outcome(status="failed", error=job_error("SandboxCrashed", f"the SDK could not be generated: {exc}"))
-    ExecJob.objects.filter(pk=job.pk).update(sdk_hash=sdk_hash)
+    ExecJob.objects.filter(pk=job.pk).update(sdk_hash=sdk.hash)
     router = JobCallRouter(job=job, toolsets=toolsets, direct_only=frozenset(policy.direct_only_tools))
     # What a sandbox on another host would call back with (POST /api/v1/tools/execute); it dies with the job.
     _, job_key = api_key_create(
@@ -224,7 +223,7 @@ def _exec_job_prepare(*, job_id: str) -> "tuple[ExecJob, JobCallRouter, Path, st
         exec_job=job,
         expires_at=timezone.now() + timedelta(seconds=job.timeout_seconds + 60),
     )
-    return job, router, sdk_dir, job_key
+    return job, router, sdk_job_files(sdk), job_key
 
 
 def _exec_job_heartbeat(*, job_id: Any) -> bool:

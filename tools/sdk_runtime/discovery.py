@@ -2,7 +2,7 @@
 
 ``describe("github.list_issues")`` returns one tool's full schema and docs; ``search("issue
 comment")`` returns the signatures of the tools that match best. Both read ``_catalog.json``, which
-the SDK generator writes beside this file: the definitions of the job's PTC tools, and nothing
+the SDK generator writes beside the toolsets' modules: the definitions of the job's PTC tools, and nothing
 else (no config, no secrets). No network is needed, and the catalog is read on first use only.
 """
 
@@ -18,8 +18,18 @@ _WORD = re.compile(r"[a-z0-9]+")
 def _tools() -> list[dict[str, Any]]:
     global _catalog
     if _catalog is None:
-        with open(os.path.join(os.path.dirname(__file__), "_catalog.json"), encoding="utf-8") as f:
-            _catalog = json.load(f)["tools"]
+        import ptc_tools
+
+        # Beside the toolsets' modules, which may sit apart from this file (a warm sandbox imports
+        # the package before its job brings them): the package's path has both.
+        for folder in reversed(ptc_tools.__path__):
+            path = os.path.join(folder, "_catalog.json")
+            if os.path.exists(path):
+                with open(path, encoding="utf-8") as f:
+                    _catalog = json.load(f)["tools"]
+                break
+        else:
+            _catalog = []
     return _catalog
 
 

@@ -45,7 +45,7 @@ def args(**kwargs: Any) -> dict[str, Any]:
 
 
 class _Bridge:
-    def __init__(self, fd: int) -> None:
+    def __init__(self, fd: int, start: dict[str, Any]) -> None:
         self._sock = socket.socket(fileno=fd)
         self._send_lock = threading.Lock()
         self._lock = threading.Lock()
@@ -53,22 +53,12 @@ class _Bridge:
         self._next_id = 0
         self._closed: str | None = None
         self._decoder = _protocol.FrameDecoder()
-        self.start_message: dict[str, Any] = self._read_first()
+        self.start_message = start
         threading.Thread(target=self._read_loop, name="ptc-bridge", daemon=True).start()
-
-    def _read_first(self) -> dict[str, Any]:
-        while True:
-            data = self._sock.recv(1 << 16)
-            if not data:
-                raise SystemExit("bridge closed before the job was sent")
-            messages = self._decoder.feed(data)
-            if messages:
-                # The worker sends nothing else before the code has started.
-                return messages[0]
 
     def send(self, message: dict[str, Any]) -> None:
         frame = _protocol.encode(message)
-        limit = self.start_message.get("max_frame") if hasattr(self, "start_message") else None
+        limit = self.start_message.get("max_frame")
         if limit and len(frame) > limit:
             raise ValueError(f"they are {len(frame)} bytes of JSON; the limit is {limit}")
         with self._send_lock:
@@ -163,12 +153,11 @@ def _forked() -> None:
     _bridge = None
 
 
-def connect(fd: int) -> dict[str, Any]:
-    """Open the bridge on ``fd`` and return the job the worker sent as its first frame."""
+def connect(fd: int, start: dict[str, Any]) -> None:
+    """Open the bridge on ``fd``, whose first frame, the job, the runner has read: ``start``."""
     global _bridge
-    _bridge = _Bridge(fd)
+    _bridge = _Bridge(fd, start)
     os.register_at_fork(after_in_child=_forked)
-    return _bridge.start_message
 
 
 def connected() -> bool:

@@ -1,0 +1,142 @@
+"""Warm sandboxes: started before their job, each used for one job only, then killed.
+
+A sandbox's start (bubblewrap, namespaces, seccomp, an interpreter) costs tens of milliseconds;
+a job should not wait for it. Each exec worker keeps ``PTC_SANDBOX_POOL_SIZE`` sandboxes started
+and waiting for their job (``guest.py`` blocks on the bridge's first frame before anything of a job
+is in it: no code, no SDK, no limits). A job takes one and the pool starts another in the
+background. Nothing passes between jobs: a sandbox is never given a second job, and one that was
+not taken is killed with its worker.
+
+One long-lived thread starts them: bubblewrap's ``--die-with-parent`` is tied to the *thread*
+that forked it (SANDBOX-NOTES.md), so a warm sandbox must not be started by a thread that ends.
+"""
+
+import logging
+import socket
+import subprocess
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from execution.sandbox import process
+
+logger = logging.getLogger("ptc.sandbox")
+# After a failed start (a host that can't run sandboxes), wait this long before the next try.
+RETRY_SECONDS = 5.0
+
+
+@dataclass
+class Sandbox:
+    """A started sandbox waiting for its job on ``bridge``, the worker's end of its socketpair."""
+
+    proc: subprocess.Popen[bytes]
+    bridge: socket.socket
+    warm: bool
+
+    def discard(self) -> None:
+        """Kill an unused sandbox and close what the worker holds of it."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+        self.bridge.close()
+        for pipe in (self.proc.stdout, self.proc.stderr):
+            if pipe:
+                pipe.close()
+
+
+def sandbox_start() -> Sandbox:
+    """Start one sandbox now. Raise process.SandboxUnavailable when this host can't."""
+    ours, theirs = socket.socketpair()
+    try:
+        proc = process.spawn(bridge_fd=theirs.fileno())
+    except BaseException:
+        ours.close()
+        raise
+    finally:
+        theirs.close()
+    return Sandbox(proc=proc, bridge=ours, warm=False)
+
+
+class WarmPool:
+    """Keeps ``size`` started sandboxes ready; ``take`` hands one out, or starts one if none is."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._ready: deque[Sandbox] = deque()
+        self._wanted = threading.Condition()
+        self._closed = False
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        """Start the thread that fills the pool. Idempotent; a size of 0 starts nothing."""
+        with self._wanted:
+            if self._thread is not None or self.size <= 0 or self._closed:
+                return
+            self._thread = threading.Thread(target=self._fill, name="ptc-sandbox-pool", daemon=True)
+            self._thread.start()
+
+    def take(self) -> Sandbox:
+        """Return a sandbox for one job: a warm one if the pool has one alive, else a new one."""
+        with self._wanted:
+            while self._ready:
+                sandbox = self._ready.popleft()
+                self._wanted.notify()
+                if sandbox.proc.poll() is None:
+                    return sandbox
+                logger.warning("a warm sandbox had exited (status %s); discarded", sandbox.proc.returncode)
+                sandbox.discard()
+        return sandbox_start()
+
+    def ready(self) -> int:
+        """How many warm sandboxes wait for a job now."""
+        with self._wanted:
+            return len(self._ready)
+
+    def close(self) -> None:
+        """Kill every warm sandbox; ``take`` starts a new one each time from now on."""
+        with self._wanted:
+            self._closed = True
+            ready, self._ready = list(self._ready), deque()
+            self._wanted.notify_all()
+        for sandbox in ready:
+            sandbox.discard()
+
+    def _fill(self) -> None:
+        while True:
+            with self._wanted:
+                while not self._closed and len(self._ready) >= self.size:
+                    self._wanted.wait()
+                if self._closed:
+                    return
+            try:
+                sandbox = sandbox_start()
+            except Exception as exc:  # the worker's start-up check has said why; a job's error will too
+                logger.warning("could not start a warm sandbox: %s", exc)
+                time.sleep(RETRY_SECONDS)
+                continue
+            sandbox.warm = True
+            with self._wanted:
+                if self._closed:
+                    keep = False
+                else:
+                    self._ready.append(sandbox)
+                    keep = True
+            if not keep:
+                sandbox.discard()
+
+
+_pool: WarmPool | None = None
+_pool_lock = threading.Lock()
+
+
+def warm_pool() -> WarmPool:
+    """This process's pool, sized by ``PTC_SANDBOX_POOL_SIZE``. Exec workers start it when ready;
+    until then (or elsewhere) ``take`` starts each sandbox when it is needed."""
+    global _pool
+    from django.conf import settings
+
+    with _pool_lock:
+        if _pool is None:
+            _pool = WarmPool(settings.PTC_SANDBOX_POOL_SIZE)
+        return _pool
