@@ -20,7 +20,7 @@ import psycopg
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tests.stack import Stack  # noqa: E402  (after the path is set)
+from tests.stack import Process, Stack  # noqa: E402  (after the path is set)
 
 
 def p95(values: list[float]) -> float:
@@ -55,8 +55,9 @@ def timed(fn: Callable[[], Any], runs: int) -> list[float]:
 
 
 @contextmanager
-def running_stack() -> Iterator[tuple[Stack, httpx.Client]]:
-    """Start exec and tools workers and the web process on a fresh database; yield an authed client."""
+def running_stack(extra_env: dict[str, str] | None = None, exec_workers: int = 1) -> Iterator[tuple[Stack, httpx.Client]]:
+    """Start ``exec_workers`` exec workers, a tools worker and the web process on a fresh database,
+    with ``extra_env`` (the policy's seed too: it is read at migrate); yield an authed client."""
     server = os.environ["TEST_DATABASE_URL"]
     redis = os.environ["REDIS_URL"]
     name = f"ptc_bench_{uuid.uuid4().hex[:8]}"
@@ -70,9 +71,18 @@ def running_stack() -> Iterator[tuple[Stack, httpx.Client]]:
         "REDIS_URL": redis,
         "DJANGO_SETTINGS_MODULE": "ptcproject.settings",
         "PTC_LOG_LEVEL": "WARNING",
+        **(extra_env or {}),
     }
     os.environ.update(DATABASE_URL=db_url, CELERY_BROKER_URL=redis)  # for Django in this process too
     stack = Stack(env)
+    for n in range(1, exec_workers):
+        extra = Process(
+            f"exec-worker-{n + 1}",
+            [*stack.exec_worker.argv[:-4], "-n", f"exec{n + 1}-{os.getpid()}@%h", "-l", "info"],
+            env,
+            ready=" ready.",
+        )
+        stack.processes.insert(0, extra)
     try:
         import subprocess
 
