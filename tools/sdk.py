@@ -268,24 +268,26 @@ def _catalog(per_toolset: list[tuple[Toolset, list[Tool]]]) -> str:
 
     Definitions only: no config, no secrets, no prices.
     """
-    tools = [
-        {
-            "toolset": toolset.key,
-            "class": class_name(toolset.key),
-            "name": tool.name,
-            "signature": tool_signature(tool),
-            "summary": summary(tool.description),
-            "description": tool.description,
-            "parameters": parameter_docs(tool),
-            "returns": shape(tool.output_schema) if tool.output_schema else "Any",
-            "read_only": tool.read_only,
-            "input_schema": tool.input_schema,
-            "output_schema": tool.output_schema,
-        }
-        for toolset, tools in per_toolset
-        for tool in tools
-    ]
+    tools = [catalog_entry(toolset, tool) for toolset, tools in per_toolset for tool in tools]
     return json.dumps({"tools": tools}, sort_keys=True, ensure_ascii=False)
+
+
+def catalog_entry(toolset: Toolset, tool: Tool) -> dict[str, Any]:
+    """Return one tool's definition and docs, as ``ptc_tools.describe`` gives them in the sandbox
+    (and the MCP server's ``describe_tool`` outside it). Definitions only: no config, no secrets, no prices."""
+    return {
+        "toolset": toolset.key,
+        "class": class_name(toolset.key),
+        "name": tool.name,
+        "signature": tool_signature(tool),
+        "summary": summary(tool.description),
+        "description": tool.description,
+        "parameters": parameter_docs(tool),
+        "returns": shape(tool.output_schema) if tool.output_schema else "Any",
+        "read_only": tool.read_only,
+        "input_schema": tool.input_schema,
+        "output_schema": tool.output_schema,
+    }
 
 
 @functools.cache
