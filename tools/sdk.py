@@ -23,7 +23,7 @@ from django.conf import settings
 from tools.classification import direct_only_tools, tool_is_ptc
 from tools.models import Tool, Toolset
 
-GENERATOR_VERSION = "2"
+GENERATOR_VERSION = "3"  # 3: ptc_tools.tools, the flat style
 _RUNTIME_DIR = Path(__file__).parent / "sdk_runtime"
 _JSON_TYPES = {
     "string": "str",
@@ -40,12 +40,14 @@ _INIT = '''"""Tools you can call from code. Each toolset is a module: ``from ptc
 Call a tool with keyword arguments: ``Demo.add(a=1, b=2)``; from asyncio: ``await Demo.add.aio(a=1, b=2)``.
 A failed call raises ``ToolError`` with ``.tool``, ``.code``, ``.call_id`` and ``.message``.
 Look tools up from code: ``print(describe("demo.add"))``, ``search("product catalog")``.
+Or by bare name, whatever the toolset: ``tools.add(a=1, b=2)`` (the seed's flat style).
 """
 
 from ptc_tools._discovery import describe, search
+from ptc_tools._flat import tools
 from ptc_tools._runtime import ToolError
 
-__all__ = ["ToolError", "describe", "search"]
+__all__ = ["ToolError", "describe", "search", "tools"]
 '''
 
 
@@ -296,6 +298,7 @@ def _runtime_files() -> dict[str, str]:
         "ptc_tools/_runtime.py": (_RUNTIME_DIR / "runtime.py").read_text(),
         "ptc_tools/_protocol.py": (_RUNTIME_DIR / "protocol.py").read_text(),
         "ptc_tools/_discovery.py": (_RUNTIME_DIR / "discovery.py").read_text(),
+        "ptc_tools/_flat.py": (_RUNTIME_DIR / "flat.py").read_text(),
     }
 
 
