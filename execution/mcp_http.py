@@ -84,8 +84,13 @@ class McpHttp:
         # No DNS-rebinding allowlist: every request must carry an API key, which a page a browser
         # was tricked into loading does not have.
         self.manager = StreamableHTTPSessionManager(app=mcp_server_build())
+        self.running = False  # the lifespan entered the manager's run(); False with --lifespan off
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if not self.running:
+            message = "The MCP server needs the ASGI lifespan, which this server was started without (uvicorn --lifespan off)."
+            await _refuse(send, ApplicationError("not_ready", message))
+            return
         try:
             key = await _authenticate(scope)
         except ApplicationError as exc:
@@ -124,8 +129,10 @@ class Router:
         await receive()  # lifespan.startup
         try:
             async with self.mcp.manager.run():
+                self.mcp.running = True
                 await send({"type": "lifespan.startup.complete"})
                 await receive()  # lifespan.shutdown
+                self.mcp.running = False
         except Exception as exc:
             await send({"type": "lifespan.startup.failed", "message": f"the MCP session manager failed: {exc}"})
             raise

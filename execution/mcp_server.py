@@ -21,6 +21,7 @@ requests with progress notifications; ``GET /api/v1/exec/{id}`` still serves any
 import json
 import logging
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import anyio
@@ -57,12 +58,12 @@ _CODE = {"type": "string", "description": "Python 3 source. The value of the las
 _TIMEOUT = {"type": "number", "exclusiveMinimum": 0, "description": "Seconds; at most the policy's maximum."}
 
 
+@dataclass(frozen=True)
 class McpUser:
     """Who a request runs as, and whether its exec_code description names tools only (discovery)."""
 
-    def __init__(self, user_id: int, discovery: bool) -> None:
-        self.user_id = user_id
-        self.discovery = discovery
+    user_id: int
+    discovery: bool = False
 
 
 # -- Reads and writes, each on a pooled connection handed back at once (db_read) ------------------
@@ -248,6 +249,7 @@ async def job_run(ctx: ServerRequestContext[Any, Any], *, user_id: int, body: Ma
                     continue
                 last_event_id = event.id
                 if event.event == "exec_end":
+                    logger.info("mcp job ended", extra={"job_id": str(job_id), "status": event.data.get("status")})
                     return await _job_get(user_id, job_id)
                 message = _progress_message(event.event, event.data)
                 if message is not None:

@@ -20,7 +20,7 @@ from mcp.client.streamable_http import streamable_http_client
 
 from ptcproject.accounts.services import api_key_create
 from tests.conftest import Api
-from tests.stack import ROOT, Stack
+from tests.stack import BIN, ROOT, Process, Stack, free_port
 
 SEED_KEYS = {
     "success",
@@ -391,3 +391,22 @@ def test_list_toolsets_and_describe_tool(stack: Stack, api: Api) -> None:
     discovery = next(t for t in tools if t.name == "exec_code").description or ""
     assert "demo.Demo: add, catalog_search, echo, fail, sleep" in discovery
     assert "add(a: number" not in discovery
+
+
+def test_without_the_lifespan_mcp_says_why_and_django_is_unchanged(stack_env: dict[str, str], api: Api) -> None:
+    port = free_port()
+    web = Process(
+        "web-no-lifespan",
+        [str(BIN / "uvicorn"), "ptcproject.asgi:application", "--port", str(port), "--lifespan", "off"],
+        stack_env,
+        ready="Uvicorn running",
+    )
+    web.start()
+    try:
+        base = f"http://127.0.0.1:{port}"
+        refused = httpx.post(f"{base}/mcp", json={}, headers={"Authorization": f"Bearer {api.key}"})
+        assert (refused.status_code, refused.json()["error"]["code"]) == (503, "not_ready")
+        assert httpx.get(f"{base}/healthz").status_code == 200
+        assert httpx.get(f"{base}/api/v1/exec", headers={"Authorization": f"Bearer {api.key}"}).status_code == 200
+    finally:
+        web.stop()
