@@ -196,6 +196,25 @@ def test_http_refuses_a_missing_bad_or_job_scoped_key(stack: Stack, api: Api) ->
     assert api.get("/api/v1/exec").status_code == 200
 
 
+def test_a_session_is_bound_to_the_key_that_opened_it(stack: Stack, make_api: Callable[..., Api]) -> None:
+    alice, mallory = make_api(), make_api()
+    headers = {"Accept": "application/json, text/event-stream", "Content-Type": "application/json"}
+    initialize = {
+        "jsonrpc": "2.0",
+        "id": 1,
+        "method": "initialize",
+        "params": {"protocolVersion": "2025-11-25", "capabilities": {}, "clientInfo": {"name": "test", "version": "1"}},
+    }
+    opened = httpx.post(f"{stack.base_url}/mcp", json=initialize, headers={**headers, "Authorization": f"Bearer {alice.key}"})
+    assert opened.status_code == 200, opened.text
+    session = {**headers, "Mcp-Session-Id": opened.headers["mcp-session-id"], "MCP-Protocol-Version": "2025-11-25"}
+    listing = {"jsonrpc": "2.0", "id": 2, "method": "tools/list"}
+    stolen = httpx.post(f"{stack.base_url}/mcp", json=listing, headers={**session, "Authorization": f"Bearer {mallory.key}"})
+    assert stolen.status_code == 404  # as if the session did not exist
+    own = httpx.post(f"{stack.base_url}/mcp", json=listing, headers={**session, "Authorization": f"Bearer {alice.key}"})
+    assert own.status_code == 200 and "exec_code" in own.text
+
+
 def test_a_user_for_whom_ptc_is_disabled_gets_the_policys_reason(stack: Stack, staff: Api, api: Api) -> None:
     assert staff.http.patch("/api/v1/policy", json={"mode": "partial", "user_allowlist": []}).status_code == 200
     jobs_before = api.get("/api/v1/exec").json()["count"]
