@@ -45,6 +45,7 @@ CODES: dict[str, tuple[int, str]] = {
     # Tool calls: refused before they run
     "unknown_toolset": (400, "there is no such toolset"),
     "unknown_tool": (400, "the toolset has no such tool"),
+    "ambiguous_tool": (400, "`tools.<name>` or describe_tool names a tool several granted toolsets have; name its toolset"),
     "toolset_not_granted": (403, "the toolset was not granted to the job"),
     "tool_not_ptc": (403, "a direct tool can't be called from code"),
     "call_id_mismatch": (403, "x-ptc-call-id is not the call_id of the key's job"),

@@ -19,7 +19,7 @@ from typing import Any
 from tools.classification import direct_only_tools, tool_is_ptc
 from tools.models import Tool, Toolset
 
-GENERATOR_VERSION = "2"
+GENERATOR_VERSION = "3"  # 3: ptc_tools.tools, the flat style
 _RUNTIME_DIR = Path(__file__).parent / "sdk_runtime"
 _JSON_TYPES = {
     "string": "str",
@@ -36,12 +36,14 @@ _INIT = '''"""Tools you can call from code. Each toolset is a module: ``from ptc
 Call a tool with keyword arguments: ``Demo.add(a=1, b=2)``; from asyncio: ``await Demo.add.aio(a=1, b=2)``.
 A failed call raises ``ToolError`` with ``.tool``, ``.code``, ``.call_id`` and ``.message``.
 Look tools up from code: ``print(describe("demo.add"))``, ``search("product catalog")``.
+Or by bare name, whatever the toolset: ``tools.add(a=1, b=2)`` (the seed's flat style).
 """
 
 from ptc_tools._discovery import describe, search
+from ptc_tools._flat import tools
 from ptc_tools._runtime import ToolError
 
-__all__ = ["ToolError", "describe", "search"]
+__all__ = ["ToolError", "describe", "search", "tools"]
 '''
 
 
@@ -264,24 +266,26 @@ def _catalog(per_toolset: list[tuple[Toolset, list[Tool]]]) -> str:
 
     Definitions only: no config, no secrets, no prices.
     """
-    tools = [
-        {
-            "toolset": toolset.key,
-            "class": class_name(toolset.key),
-            "name": tool.name,
-            "signature": tool_signature(tool),
-            "summary": summary(tool.description),
-            "description": tool.description,
-            "parameters": parameter_docs(tool),
-            "returns": shape(tool.output_schema) if tool.output_schema else "Any",
-            "read_only": tool.read_only,
-            "input_schema": tool.input_schema,
-            "output_schema": tool.output_schema,
-        }
-        for toolset, tools in per_toolset
-        for tool in tools
-    ]
+    tools = [catalog_entry(toolset, tool) for toolset, tools in per_toolset for tool in tools]
     return json.dumps({"tools": tools}, sort_keys=True, ensure_ascii=False)
+
+
+def catalog_entry(toolset: Toolset, tool: Tool) -> dict[str, Any]:
+    """Return one tool's definition and docs, as ``ptc_tools.describe`` gives them in the sandbox
+    (and the MCP server's ``describe_tool`` outside it). Definitions only: no config, no secrets, no prices."""
+    return {
+        "toolset": toolset.key,
+        "class": class_name(toolset.key),
+        "name": tool.name,
+        "signature": tool_signature(tool),
+        "summary": summary(tool.description),
+        "description": tool.description,
+        "parameters": parameter_docs(tool),
+        "returns": shape(tool.output_schema) if tool.output_schema else "Any",
+        "read_only": tool.read_only,
+        "input_schema": tool.input_schema,
+        "output_schema": tool.output_schema,
+    }
 
 
 @functools.cache
@@ -293,6 +297,7 @@ def sdk_base_files() -> dict[str, str]:
         "ptc_tools/_runtime.py": (_RUNTIME_DIR / "runtime.py").read_text(),
         "ptc_tools/_protocol.py": (_RUNTIME_DIR / "protocol.py").read_text(),
         "ptc_tools/_discovery.py": (_RUNTIME_DIR / "discovery.py").read_text(),
+        "ptc_tools/_flat.py": (_RUNTIME_DIR / "flat.py").read_text(),
     }
 
 

@@ -181,7 +181,10 @@ def main() -> None:
     _runtime.job_info = job.get("job", {})
     limits = job["limits"]
     _set_limits(limits)
-    namespace: dict[str, Any] = {"__name__": "__main__", "__builtins__": builtins}
+    from ptc_tools import tools
+
+    # The seed's flat style: ``tools.list_files(path=".")`` without an import.
+    namespace: dict[str, Any] = {"__name__": "__main__", "__builtins__": builtins, "tools": tools}
     result: dict[str, Any] = {"op": "done", "return_value": None, "error": None}
     try:
         code, has_value = _compile(job["code"])

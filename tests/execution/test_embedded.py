@@ -51,3 +51,27 @@ def test_embedded_jobs_and_events_from_the_records(embedded: tuple[Stack, str]) 
     assert job["credits_charged"] == 4
     _check_sequence(events, job, with_output=False)
     assert Path(stack.env["PTC_DATA_DIR"], "db.sqlite3").exists()
+
+
+def test_embedded_serves_mcp_over_http_and_stdio(embedded: tuple[Stack, str]) -> None:
+    """/mcp and ptc_mcp on the embedded default: progress comes from the records, woken by the job's channel."""
+    from tests.execution.test_mcp_server import call, http_client, run, stdio_client
+
+    stack, key = embedded
+    code = "from ptc_tools.demo import Demo\nDemo.add(a=1, b=2)"
+    progress: list[str] = []
+
+    async def on_progress(value: float, total: float | None, message: str | None) -> None:
+        progress.append(message or "")
+
+    async def main() -> tuple[dict, dict]:
+        async with http_client(stack, key) as client:
+            over_http = await call(client, "exec_code", {"code": code, "toolsets": ["demo"]}, progress_callback=on_progress)
+        async with stdio_client(stack.env, "embedded") as client:
+            over_stdio = await call(client, "programmatic_tool_calling", {"code": code})
+        return over_http, over_stdio
+
+    over_http, over_stdio = run(main)
+    assert over_http["status"] == "completed" and over_http["return_value"] == 3
+    assert any(m.startswith("tool call finished: demo.add") for m in progress)
+    assert over_stdio["success"] is True and over_stdio["return_value"] == 3
