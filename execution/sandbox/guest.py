@@ -171,7 +171,7 @@ def main() -> None:
     # the job nothing. The job brings its toolsets' modules, which join the package.
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import ptc_tools
-    from ptc_tools import _protocol, _runtime
+    from ptc_tools import _protocol, _runtime, tools
 
     job = _read_job(bridge_fd, _protocol)
     _install_sdk(job.pop("sdk", {}), sdk_dir)
@@ -181,8 +181,6 @@ def main() -> None:
     _runtime.job_info = job.get("job", {})
     limits = job["limits"]
     _set_limits(limits)
-    from ptc_tools import tools
-
     # The seed's flat style: ``tools.list_files(path=".")`` without an import.
     namespace: dict[str, Any] = {"__name__": "__main__", "__builtins__": builtins, "tools": tools}
     result: dict[str, Any] = {"op": "done", "return_value": None, "error": None}
