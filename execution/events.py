@@ -49,7 +49,10 @@ def db_read(func: Callable[P, R]) -> Callable[P, Awaitable[R]]:
             except DatabaseError:
                 pass
 
-    return sync_to_async(read)
+    # Not thread-sensitive: each read opens, uses and closes its own pooled connection, so it may run
+    # on any thread. Thread-sensitive calls made outside a Django request (MCP's, a stream's) would
+    # all queue on one shared thread, and one slow call (a broker retrying) would stall the rest.
+    return sync_to_async(read, thread_sensitive=False)
 
 
 @dataclass(frozen=True)

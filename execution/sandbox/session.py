@@ -42,6 +42,7 @@ MAX_EARLY_RESULTS = 1024
 # Output goes out as events in chunks: every 50 ms or 4 KB, whichever comes first.
 OUTPUT_CHUNK_SECONDS = 0.05
 OUTPUT_CHUNK_BYTES = 4096
+OUTPUT = ("stdout", "stderr")
 
 
 @dataclass
@@ -205,7 +206,11 @@ class Session:
                 now = time.monotonic()
                 flush_at = [t + OUTPUT_CHUNK_SECONDS for t in self.chunk_since.values()]
                 wake = min([deadline, next_beat, *flush_at] + [c.deadline for c in self.in_flight.values()])
-                for key, mask in sel.select(max(0.0, wake - now)):
+                # Output before the bridge: what the code printed before a call was written before
+                # the call was sent, so when both are ready the output is read first, and its
+                # events go out before the call's.
+                ready = sorted(sel.select(max(0.0, wake - now)), key=lambda event: event[0].data not in OUTPUT)
+                for key, mask in ready:
                     if key.data == "bridge":
                         if mask & selectors.EVENT_WRITE and self.outbox:
                             self._flush(sock)
