@@ -104,8 +104,9 @@ elif DATABASES["default"]["ENGINE"] == "django.db.backends.postgresql":
         "timeout": env.float("PTC_DB_POOL_TIMEOUT", default=2.0),
     }
     # A connection that PostgreSQL dropped (a restart) is found and replaced when taken from the
-    # pool (Django passes psycopg's check_connection to the pool), not handed to a query that fails.
-    DATABASES["default"]["CONN_HEALTH_CHECKS"] = True
+    # pool, not handed to a query that fails; one used within the last second is trusted without
+    # the round trip (ptcproject/pgcheck.py, through the backend ptcproject/postgres).
+    DATABASES["default"]["ENGINE"] = "ptcproject.postgres"
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 LANGUAGE_CODE = "en-us"

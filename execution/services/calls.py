@@ -122,7 +122,12 @@ def tool_call_build(
 def tool_calls_record(calls: list[ToolCall]) -> None:
     """Write records before their calls run, in one INSERT, and publish their start events (and the
     errors of refused ones) in one round trip."""
-    ToolCall.objects.bulk_create(calls)
+    if len(calls) == 1:
+        # One row is one INSERT in autocommit; bulk_create would wrap it in BEGIN and COMMIT, two
+        # round trips more on every sequential call's path.
+        calls[0].save(force_insert=True)
+    else:
+        ToolCall.objects.bulk_create(calls)
     by_job: dict[str, list[tuple[str, dict[str, Any]]]] = {}
     for call in calls:
         if call.ptc_call_id:

@@ -1,0 +1,34 @@
+"""The connection pool hands out a connection used a moment ago without a round trip, and checks
+one that sat in the pool a while: after a restart that one is replaced, not given to a query."""
+
+import time
+
+import psycopg
+import pytest
+from django.db import connection
+
+from ptcproject import pgcheck
+
+
+def test_the_pool_uses_our_check(django_db_setup: str) -> None:
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT 1")
+    assert connection.pool._check is pgcheck.check_unless_recent
+
+
+def test_a_connection_idle_a_while_is_checked_a_recent_one_is_trusted(django_db_setup: str) -> None:
+    conn = psycopg.connect(django_db_setup, autocommit=True)
+    try:
+        pgcheck.check_unless_recent(conn)  # new to the pool: checked, and fine
+        with psycopg.connect(django_db_setup, autocommit=True) as admin:
+            admin.execute("SELECT pg_terminate_backend(%s)", [conn.info.backend_pid])
+        # Handed out a moment ago: no round trip, so the dead backend is not noticed here...
+        pgcheck.check_unless_recent(conn)
+        # ...but once it has sat in the pool a while, it is checked, and refused.
+        pgcheck._last_out[conn] = time.monotonic() - 2 * pgcheck.CHECK_AFTER
+        with pytest.raises(psycopg.OperationalError):
+            pgcheck.check_unless_recent(conn)
+        with pytest.raises(ConnectionError):  # known broken now: refused without a round trip
+            pgcheck.check_unless_recent(conn)
+    finally:
+        conn.close()
