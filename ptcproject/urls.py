@@ -14,6 +14,7 @@ urlpatterns = [
     path("api/v1/", include("ptcproject.policy.urls")),
     path("api/v1/", include("billing.urls")),
     path("api/v1/", include("tools.urls")),
+    path("api/v1/", include("ptcproject.accounts.urls")),
 ]
 
 handler404 = "ptcproject.api.not_found"

@@ -37,3 +37,27 @@ class ApiKey(models.Model):
     def is_active(self) -> bool:
         now = timezone.now()
         return self.revoked_at is None and (self.expires_at is None or self.expires_at > now)
+
+
+class ApiKeyEvent(models.Model):
+    """One change to a key: who did what to it, and when. Written with the change, never edited."""
+
+    class Action(models.TextChoices):
+        CREATED = "created"
+        EXPIRY_SET = "expiry_set"
+        REVOKED = "revoked"
+
+    key = models.ForeignKey(ApiKey, on_delete=models.CASCADE, related_name="events")
+    # Null when the system acted (a command, a job's end); kept when the acting user is deleted.
+    actor = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+")
+    action = models.CharField(max_length=16, choices=Action.choices)
+    # What changed: {"expires_at": [old, new]} for an expiry; where it came from (api, admin, cli).
+    details = models.JSONField(default=dict, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["-created_at"]
+        verbose_name = "API key event"
+
+    def __str__(self) -> str:
+        return f"{self.action} ptc_{self.key.prefix}_… by {self.actor or 'system'} at {self.created_at:%Y-%m-%d %H:%M:%S}"
