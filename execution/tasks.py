@@ -1,6 +1,6 @@
 """The tasks of both queues. Each is thin: it takes ids, calls one service and decides on retries.
 
-exec:  run_exec (one job in its sandbox), reap_jobs (beat's reaper)
+exec:  run_exec (one job in its sandbox); maintenance: reap_jobs (beat's reaper), purge_jobs (retention)
 tools: execute_tool (one tool call)
 """
 
@@ -15,6 +15,7 @@ from django.db import InterfaceError, OperationalError
 from execution.sandbox import process
 from execution.services.calls import tool_call_abort, tool_call_execute, tool_calls_heartbeat
 from execution.services.jobs import exec_job_run, exec_jobs_reap, worker_name
+from execution.services.retention import exec_jobs_purge
 from ptcproject import queues
 from ptcproject.periodic import run_every
 
@@ -42,6 +43,13 @@ def run_exec(job_id: str) -> None:
 @shared_task(queue=queues.MAINTENANCE, acks_late=True)
 def reap_jobs() -> int:
     return exec_jobs_reap()
+
+
+# Beat's retention round. Idempotent (a purged job is skipped), so a redelivery or an overlap is
+# harmless; no retry: the next round, PTC_RETENTION_EVERY later, is the retry.
+@shared_task(queue=queues.MAINTENANCE, acks_late=True)
+def purge_jobs() -> int:
+    return exec_jobs_purge()
 
 
 # No soft or hard time limit: the threads pool can't enforce them. Each kind holds a call to its

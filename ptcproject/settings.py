@@ -8,6 +8,7 @@ PostgreSQL and Redis.
 from pathlib import Path
 
 import environ
+from django.core.exceptions import ImproperlyConfigured
 
 from ptcproject.crypto import secrets_keys
 from ptcproject.policy.seed import policy_seed
@@ -223,8 +224,17 @@ else:
     }
 # How often beat runs the reaper that ends jobs whose worker died (ARCHITECTURE.md, "no job stays running").
 PTC_REAP_EVERY = env.float("PTC_REAP_EVERY", default=15.0)
+# Retention: a finished job's code, output, return value and its tool calls' inputs and outputs are
+# emptied this many days after it finished (the rows and every charge stay). Unset: kept forever. A
+# user's own setting (admin, "User settings") overrides it; 0 purges at the next round.
+PTC_RETENTION_DAYS: int | None = env.int("PTC_RETENTION_DAYS", default=None)
+if PTC_RETENTION_DAYS is not None and PTC_RETENTION_DAYS < 0:
+    raise ImproperlyConfigured("PTC_RETENTION_DAYS must be 0 or more days (unset keeps jobs forever).")
+# How often beat runs the purge: the longest a zero-retention user's finished job keeps its data.
+PTC_RETENTION_EVERY = env.float("PTC_RETENTION_EVERY", default=60.0)
 CELERY_BEAT_SCHEDULE = {
     "reap-stuck-jobs": {"task": "execution.tasks.reap_jobs", "schedule": PTC_REAP_EVERY},
+    "purge-old-jobs": {"task": "execution.tasks.purge_jobs", "schedule": PTC_RETENTION_EVERY},
 }
 CELERY_BEAT_SCHEDULE_FILENAME = str(DATA_DIR / "celerybeat-schedule")
 # Threads per worker process when -c is not given on the command line.

@@ -83,6 +83,8 @@ def stack_env(django_db_setup: str) -> dict[str, str]:
         PTC_JOB_HEARTBEAT_SECONDS="1",
         PTC_JOB_LEASE_SECONDS="4",
         PTC_REAP_EVERY="1",
+        # Retention rounds every second: a zero-retention user's job is purged within the test.
+        PTC_RETENTION_EVERY="1",
         PTC_EVENTS_HEARTBEAT_SECONDS="1",
         # Its own keys and channels on a shared Redis: two test runs never take each other's tasks.
         PTC_REDIS_PREFIX=REDIS_PREFIX,

@@ -5,7 +5,7 @@ from django.db.models import QuerySet
 from django.http import HttpRequest
 
 from ptcproject.accounts.authentication import signed_in_user
-from ptcproject.accounts.models import ApiKey, ApiKeyEvent
+from ptcproject.accounts.models import ApiKey, ApiKeyEvent, UserSettings
 from ptcproject.accounts.services import api_key_create, api_key_expire, api_key_revoke
 from ptcproject.errors import ApplicationError
 
@@ -52,3 +52,10 @@ class ApiKeyAdmin(admin.ModelAdmin):
         for key in queryset:
             api_key_revoke(key=key, actor=signed_in_user(request), source="admin")
         messages.success(request, f"Revoked {queryset.count()} key(s).")
+
+
+@admin.register(UserSettings)
+class UserSettingsAdmin(admin.ModelAdmin):
+    list_display = ("user", "retention_days")
+    search_fields = ("user__username",)
+    autocomplete_fields = ("user",)

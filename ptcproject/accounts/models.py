@@ -61,3 +61,24 @@ class ApiKeyEvent(models.Model):
 
     def __str__(self) -> str:
         return f"{self.action} ptc_{self.key.prefix}_… by {self.actor or 'system'} at {self.created_at:%Y-%m-%d %H:%M:%S}"
+
+
+class UserSettings(models.Model):
+    """What an operator sets for one user, over the deployment's defaults (admin: "User settings")."""
+
+    user = models.OneToOneField(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="ptc_settings")
+    retention_days = models.PositiveIntegerField(
+        null=True,
+        blank=True,
+        help_text=(
+            "Days a finished job's code, output, return value and tool-call inputs/outputs are kept. "
+            "0: purged as soon as the job has finished (at the next purge round). Empty: PTC_RETENTION_DAYS."
+        ),
+    )
+
+    class Meta:
+        verbose_name = "user settings"
+        verbose_name_plural = "user settings"
+
+    def __str__(self) -> str:
+        return f"settings of {self.user}"
