@@ -90,5 +90,5 @@ def _leases_while_up(sender: Any = None, **_: Any) -> None:
             process.check()
         except process.SandboxUnavailable as exc:  # said at start, not first at a user's job
             logger.error("this exec worker cannot run sandboxes: %s", exc)
-    if _consumes(sender, queues.TOOLS):
+    if any(_consumes(sender, queue) for queue in queues.tools_queues()):
         run_every("ptc-call-leases", settings.PTC_JOB_HEARTBEAT_SECONDS, tool_calls_heartbeat)

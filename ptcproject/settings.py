@@ -10,6 +10,7 @@ from pathlib import Path
 import environ
 from django.core.exceptions import ImproperlyConfigured
 
+from ptcproject import queues
 from ptcproject.crypto import secrets_keys
 from ptcproject.policy.seed import policy_seed
 
@@ -237,6 +238,11 @@ CELERY_BEAT_SCHEDULE = {
     "purge-old-jobs": {"task": "execution.tasks.purge_jobs", "schedule": PTC_RETENTION_EVERY},
 }
 CELERY_BEAT_SCHEDULE_FILENAME = str(DATA_DIR / "celerybeat-schedule")
+# The queues a toolset may route its calls to (Toolset.queue), each served by its own
+# `celery worker -Q <name>`: "tools" always, plus e.g. "tools.slow" for slow MCP servers.
+PTC_TOOLS_QUEUES: list[str] = env.list("PTC_TOOLS_QUEUES", default=[queues.TOOLS])
+if queues.TOOLS not in PTC_TOOLS_QUEUES or queues.EXEC in PTC_TOOLS_QUEUES:
+    raise ImproperlyConfigured(f"PTC_TOOLS_QUEUES must list '{queues.TOOLS}' and must not list '{queues.EXEC}'.")
 # Threads per worker process when -c is not given on the command line.
 PTC_EXEC_CONCURRENCY = env.int("PTC_EXEC_CONCURRENCY", default=8)
 PTC_TOOLS_CONCURRENCY = env.int("PTC_TOOLS_CONCURRENCY", default=64)

@@ -85,6 +85,8 @@ def stack_env(django_db_setup: str) -> dict[str, str]:
         PTC_REAP_EVERY="1",
         # Retention rounds every second: a zero-retention user's job is purged within the test.
         PTC_RETENTION_EVERY="1",
+        # A second tools queue, for the per-toolset routing test (its worker is started by that test).
+        PTC_TOOLS_QUEUES="tools,tools.slow",
         PTC_EVENTS_HEARTBEAT_SECONDS="1",
         # Its own keys and channels on a shared Redis: two test runs never take each other's tasks.
         PTC_REDIS_PREFIX=REDIS_PREFIX,

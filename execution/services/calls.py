@@ -146,16 +146,17 @@ def _tool_call_event_publish(call: ToolCall) -> None:
         event_publish(job_call_id=call.ptc_call_id, event=name, data=data)
 
 
-def tool_calls_enqueue(call_ids: list[str]) -> dict[str, dict[str, str]]:
-    """Send calls to the tools queue through one producer. Return the errors of those that failed
-    (their records are failed too): the broker was down even after Celery's own retries."""
+def tool_calls_enqueue(calls: list[tuple[str, str]]) -> dict[str, dict[str, str]]:
+    """Send calls ``(call_id, queue)`` to their toolset's tools queue through one producer. Return
+    the errors of those that failed (their records are failed too): the broker was down even after
+    Celery's own retries."""
     from execution.tasks import execute_tool
 
     errors = {}
     with execute_tool.app.producer_or_acquire() as producer:
-        for call_id in call_ids:
+        for call_id, queue in calls:
             try:
-                execute_tool.apply_async((call_id,), producer=producer)
+                execute_tool.apply_async((call_id,), producer=producer, queue=queue)
             except Exception as exc:  # this call's failure; the others may still go
                 logger.exception("could not enqueue a tool call", extra={"call_id": call_id})
                 errors[call_id] = call_error("broker_unavailable", f"the call could not be queued ({type(exc).__name__}); retry")
@@ -163,8 +164,8 @@ def tool_calls_enqueue(call_ids: list[str]) -> dict[str, dict[str, str]]:
     return errors
 
 
-def _tool_call_enqueue(*, call_id: str) -> dict[str, str] | None:
-    return tool_calls_enqueue([call_id]).get(call_id)
+def _tool_call_enqueue(*, call_id: str, queue: str) -> dict[str, str] | None:
+    return tool_calls_enqueue([(call_id, queue)]).get(call_id)
 
 
 def tool_call_standalone(
@@ -204,7 +205,7 @@ def tool_call_standalone(
         return _tool_call_record(**record, found=None, error=failure.as_dict())
     _tool_call_record(**record, found=found)
     refused = tool_call_reserve(call_id=call_id, user=user, tool=found, job=job)
-    if refused is None and _tool_call_enqueue(call_id=call_id) is None:
+    if refused is None and _tool_call_enqueue(call_id=call_id, queue=found.toolset.queue) is None:
         timeout = (found.timeout or settings.PTC_DEFAULT_TOOL_TIMEOUT) + CALL_GRACE_SECONDS
         finished = backplane().wait_for(
             _result_channel(call_id, job.call_id if job else ""),
