@@ -16,7 +16,7 @@ from execution.sandbox import process
 from execution.services.calls import tool_call_abort, tool_call_execute, tool_calls_heartbeat
 from execution.services.jobs import exec_job_run, exec_jobs_reap, worker_name
 from execution.services.retention import exec_jobs_purge
-from ptcproject import queues
+from ptcproject import metrics, queues
 from ptcproject.periodic import run_every
 
 logger = logging.getLogger("ptc.execution")
@@ -73,9 +73,14 @@ def execute_tool(call_id: str) -> None:
         raise
 
 
+def _consumed(sender: Any) -> set[str]:
+    """The queues the worker that sent worker_ready consumes (empty if it says nothing of them)."""
+    return {q.name for q in getattr(getattr(sender, "task_consumer", None), "queues", [])}
+
+
 def _consumes(sender: Any, queue: str) -> bool:
     """Whether the worker that sent worker_ready consumes ``queue`` (or says nothing of its queues)."""
-    names = {q.name for q in getattr(getattr(sender, "task_consumer", None), "queues", [])}
+    names = _consumed(sender)
     return not names or queue in names
 
 
@@ -92,3 +97,9 @@ def _leases_while_up(sender: Any = None, **_: Any) -> None:
             logger.error("this exec worker cannot run sandboxes: %s", exc)
     if any(_consumes(sender, queue) for queue in queues.tools_queues()):
         run_every("ptc-call-leases", settings.PTC_JOB_HEARTBEAT_SECONDS, tool_calls_heartbeat)
+    # For ptc_queue_workers (the "no workers on a queue" alert), and this worker's own metrics.
+    consumed, name = sorted(_consumed(sender)), worker_name()
+    run_every(
+        "ptc-presence", metrics.PRESENCE_EVERY, lambda: metrics.worker_presence_beat(consumed=consumed, name=name), now=True
+    )
+    metrics.worker_metrics_serve()

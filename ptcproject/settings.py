@@ -243,6 +243,11 @@ CELERY_BEAT_SCHEDULE_FILENAME = str(DATA_DIR / "celerybeat-schedule")
 PTC_TOOLS_QUEUES: list[str] = env.list("PTC_TOOLS_QUEUES", default=[queues.TOOLS])
 if queues.TOOLS not in PTC_TOOLS_QUEUES or queues.EXEC in PTC_TOOLS_QUEUES:
     raise ImproperlyConfigured(f"PTC_TOOLS_QUEUES must list '{queues.TOOLS}' and must not list '{queues.EXEC}'.")
+# Metrics (ptcproject/metrics.py). /metrics answers a bearer PTC_METRICS_TOKEN or a staff API key.
+# A worker serves its own on PTC_METRICS_PORT unless PROMETHEUS_MULTIPROC_DIR (read by
+# prometheus_client itself) gathers every process's values for the web's /metrics.
+PTC_METRICS_TOKEN = env.str("PTC_METRICS_TOKEN", default="")
+PTC_METRICS_PORT = env.int("PTC_METRICS_PORT", default=0)
 # Threads per worker process when -c is not given on the command line.
 PTC_EXEC_CONCURRENCY = env.int("PTC_EXEC_CONCURRENCY", default=8)
 PTC_TOOLS_CONCURRENCY = env.int("PTC_TOOLS_CONCURRENCY", default=64)

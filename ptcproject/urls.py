@@ -3,11 +3,13 @@ from django.urls import include, path
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 
 from ptcproject import probes
+from ptcproject.metrics import metrics_view
 
 urlpatterns = [
     path("admin/", admin.site.urls),
     path("healthz", probes.healthz),
     path("readyz", probes.readyz),
+    path("metrics", metrics_view),
     path("api/schema/", SpectacularAPIView.as_view(), name="schema"),
     path("api/docs/", SpectacularSwaggerView.as_view(url_name="schema"), name="docs"),
     path("api/v1/", include("execution.urls")),

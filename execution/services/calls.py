@@ -39,6 +39,7 @@ from execution.models import ExecJob, ToolCall
 from execution.sandbox.session import CALL_GRACE_SECONDS
 from ptcproject.accounts.models import ApiKey
 from ptcproject.errors import ApplicationError, call_error
+from ptcproject.metrics import tool_call_observe
 from ptcproject.policy.selectors import policy_get
 from ptcproject.storage import MAX_JSON_DEPTH, json_depth_exceeds, storable
 from tools.classification import tool_is_ptc
@@ -408,6 +409,7 @@ def _tool_call_run(*, call: ToolCall, tool: Tool) -> dict[str, Any]:
         "tool call ran",
         extra={"call_id": call_id, "tool": str(tool), "ok": reply["ok"], "ms": round((time.monotonic() - started) * 1000, 2)},
     )
+    tool_call_observe(toolset=tool.toolset.key, ok=reply["ok"], seconds=(timezone.now() - call.started_at).total_seconds())
     # Not finished by us means the bridge gave up on it meanwhile: the record's word is final.
     return reply if finished else tool_call_reply(ToolCall.objects.get(call_id=call_id))
 

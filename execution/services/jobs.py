@@ -29,6 +29,7 @@ from execution.services.router import JobCallRouter
 from ptcproject.accounts.services import api_key_create, job_keys_revoke
 from ptcproject.db import db_reset, db_retry
 from ptcproject.errors import ApplicationError, call_error, job_error
+from ptcproject.metrics import job_finished_observe
 from ptcproject.policy.models import Policy
 from ptcproject.policy.selectors import policy_get, ptc_decision
 from ptcproject.storage import MAX_JSON_DEPTH, json_depth_exceeds, storable
@@ -280,6 +281,9 @@ def exec_job_finish(*, job_id: Any, outcome: Outcome) -> None:
         logger.exception("could not record a job's end; the reaper will", extra={"job_id": str(job_id)})
         return
     logger.info("job finished", extra={"job_id": str(job_id), "status": job.status, **outcome.timings})
+    job_finished_observe(
+        status=job.status, toolsets=job.toolsets, seconds=job.execution_time_seconds, spawn_ms=outcome.timings.get("spawn_ms")
+    )
 
 
 def _exec_job_close(*, job_id: Any) -> ExecJob:
