@@ -33,6 +33,7 @@ from ptcproject.metrics import job_finished_observe
 from ptcproject.policy.models import Policy
 from ptcproject.policy.selectors import policy_get, ptc_decision
 from ptcproject.storage import MAX_JSON_DEPTH, json_depth_exceeds, storable
+from ptcproject.tracing import job_trace_export
 from tools.sdk import sdk_prepare
 from tools.selectors import toolset_keys_for_ptc, toolsets_named, toolsets_resolve
 
@@ -284,6 +285,7 @@ def exec_job_finish(*, job_id: Any, outcome: Outcome) -> None:
     job_finished_observe(
         status=job.status, toolsets=job.toolsets, seconds=job.execution_time_seconds, spawn_ms=outcome.timings.get("spawn_ms")
     )
+    job_trace_export(job=job)
 
 
 def _exec_job_close(*, job_id: Any) -> ExecJob:
