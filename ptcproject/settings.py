@@ -195,6 +195,9 @@ CELERY_WORKER_POOL = "threads"
 # The "sent" event is left off: it would add a publish to every tool call's hot path.
 CELERY_WORKER_SEND_TASK_EVENTS = True
 PTC_TOOLS_TASK_EVENTS = env.bool("PTC_TOOLS_TASK_EVENTS", default=False)
+# A cold shutdown (SIGQUIT, or SIGTERM with REMAP_SIGTERM=SIGQUIT) first lets running tasks finish
+# for this long, so a tools pod scaled down mid-call finishes its calls (keep it under the pod's grace).
+CELERY_WORKER_SOFT_SHUTDOWN_TIMEOUT = env.float("PTC_SOFT_SHUTDOWN_SECONDS", default=60.0)
 # Don't let the worker hijack the root logger; our own handlers stay.
 CELERY_WORKER_HIJACK_ROOT_LOGGER = False
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
