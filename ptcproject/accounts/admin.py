@@ -31,6 +31,9 @@ class ApiKeyAdmin(admin.ModelAdmin):
     actions = ("revoke",)
     inlines = (ApiKeyEventInline,)
 
+    def get_inlines(self, request: HttpRequest, obj: ApiKey | None) -> list[Any]:
+        return list(self.inlines) if obj is not None else []  # a key being added has no history yet
+
     def save_model(self, request: HttpRequest, obj: ApiKey, form: Any, change: bool) -> None:
         actor = signed_in_user(request)
         if change:
