@@ -31,6 +31,11 @@ from ptcproject.accounts.services import api_key_authenticate
 from ptcproject.errors import error_body
 from ptcproject.lists import FilteredListApi
 
+RATE_LIMITED = OpenApiResponse(
+    description="rate_limited: past one of your tenant quotas (jobs at once, tool calls in flight, jobs per minute); "
+    "nothing was created. Retry after Retry-After seconds; `details` names the quota and its limit."
+)
+
 
 class ExecListCreateApi(FilteredListApi):
     serializer_class = ExecJobSerializer
@@ -46,7 +51,7 @@ class ExecListCreateApi(FilteredListApi):
     def get(self, request: Request) -> Response:
         return super().get(request)
 
-    @extend_schema(request=ExecCreateSerializer, responses={201: ExecJobSerializer})
+    @extend_schema(request=ExecCreateSerializer, responses={201: ExecJobSerializer, 429: RATE_LIMITED})
     def post(self, request: Request) -> Response:
         body = ExecCreateSerializer(data=request.data)
         body.is_valid(raise_exception=True)

@@ -29,6 +29,10 @@ CODES: dict[str, tuple[int, str]] = {
     "code_too_large": (413, "the code, or the whole body, is over its limit"),
     "unsupported_media_type": (415, "the body is not application/json"),
     "throttled": (429, "too many requests; wait as Retry-After says"),
+    "rate_limited": (
+        429,
+        "past a tenant quota (jobs at once, tool calls in flight, jobs per minute); retry after Retry-After seconds",
+    ),
     "internal_error": (500, "the server failed; it is logged (as a call's code: the worker failed running it)"),
     "database_unavailable": (503, "the database is unreachable; nothing was changed; retry"),
     "broker_unavailable": (503, "the broker is unreachable; nothing was queued; retry"),

@@ -59,6 +59,6 @@ class ApiKeyAdmin(admin.ModelAdmin):
 
 @admin.register(UserSettings)
 class UserSettingsAdmin(admin.ModelAdmin):
-    list_display = ("user", "retention_days")
+    list_display = ("user", "retention_days", "max_concurrent_jobs", "max_concurrent_tool_calls", "max_jobs_per_minute")
     search_fields = ("user__username",)
     autocomplete_fields = ("user",)

@@ -76,6 +76,11 @@ class UserSettings(models.Model):
         ),
     )
 
+    # The user's own quotas over the policy's: empty uses the policy's, 0 means no limit.
+    max_concurrent_jobs = models.PositiveIntegerField(null=True, blank=True, help_text="Empty: the policy's. 0: no limit.")
+    max_concurrent_tool_calls = models.PositiveIntegerField(null=True, blank=True, help_text="Empty: the policy's. 0: no limit.")
+    max_jobs_per_minute = models.PositiveIntegerField(null=True, blank=True, help_text="Empty: the policy's. 0: no limit.")
+
     class Meta:
         verbose_name = "user settings"
         verbose_name_plural = "user settings"
