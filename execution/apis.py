@@ -37,6 +37,13 @@ RATE_LIMITED = OpenApiResponse(
 )
 
 
+JOB_NOT_RUNNING = OpenApiResponse(description="job_ended: with a job-scoped key, the job is no longer running.")
+PARALLEL_LIMIT = OpenApiResponse(
+    description="parallel_limit: with a job-scoped key, the job has its parallel cap of calls in flight (1 when "
+    "sequential); nothing was recorded. Retry after Retry-After seconds. Past max_tool_calls it is 403 tool_call_limit."
+)
+
+
 class ExecListCreateApi(FilteredListApi):
     serializer_class = ExecJobSerializer
     query_serializer = ExecListQuerySerializer
@@ -112,7 +119,7 @@ class ToolExecuteApi(APIView):
 
     @extend_schema(
         request=ToolExecuteSerializer,
-        responses=ToolCallSerializer,
+        responses={200: ToolCallSerializer, 409: JOB_NOT_RUNNING, 429: PARALLEL_LIMIT},
         parameters=[
             OpenApiParameter(
                 "x-ptc-call-id",

@@ -52,6 +52,8 @@ CODES: dict[str, tuple[int, str]] = {
     "toolset_not_granted": (403, "the toolset was not granted to the job"),
     "tool_not_ptc": (403, "a direct tool can't be called from code"),
     "call_id_mismatch": (403, "x-ptc-call-id is not the call_id of the key's job"),
+    "tool_call_limit": (403, "over HTTP: the job has made its max_tool_calls calls; no more can run"),
+    "parallel_limit": (429, "over HTTP: the job has its parallel cap of calls in flight (1 if sequential); retry"),
     "invalid_arguments": (400, "the arguments don't match the tool's input schema, or nest too deep"),
     "insufficient_credits": (400, "the call costs more than the balance has available"),
     "budget_exceeded": (400, "the call would take the job past its max_credits"),
