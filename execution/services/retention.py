@@ -14,7 +14,7 @@ from uuid import UUID
 
 from django.conf import settings
 from django.db import transaction
-from django.db.models import Q
+from django.db.models import Q, QuerySet
 from django.utils import timezone
 
 from execution.backplane import backplane
@@ -23,6 +23,8 @@ from ptcproject.accounts.models import UserSettings
 
 logger = logging.getLogger("ptc.execution")
 PURGE_BATCH = 500
+# What a purged error's message reads.
+PURGED = "(removed by retention)"
 
 
 def _cutoffs(*, now: datetime) -> list[tuple[Q, datetime]]:
@@ -54,11 +56,20 @@ def _exec_jobs_purge_batch(*, ids: list[UUID], now: datetime) -> list[str]:
         if not claimed:
             return []
         for pk, _, error in claimed:
-            # The error's type and message say what happened; its traceback quotes the code.
-            kept = {k: v for k, v in (error or {}).items() if k != "traceback"} if error else None
+            # The error's type says what happened; its message and traceback may quote the code or its data.
+            kept = {"type": error.get("type", ""), "message": PURGED, "traceback": ""} if isinstance(error, dict) else None
             ExecJob.objects.filter(pk=pk).update(code="", stdout="", stderr="", return_value=None, error=kept, purged_at=now)
-        ToolCall.objects.filter(exec_job_id__in=[pk for pk, _, _ in claimed]).update(input={}, output=None)
+        _tool_calls_empty(ToolCall.objects.filter(exec_job_id__in=[pk for pk, _, _ in claimed]))
     return [call_id for _, call_id, _ in claimed]
+
+
+def _tool_calls_empty(calls: QuerySet[ToolCall]) -> int:
+    """Empty the calls' inputs and outputs, and their errors' messages (an HTTP tool's error quotes
+    its answer), keeping each error's code. Return how many calls there were."""
+    for pk, error in calls.filter(error__isnull=False).values_list("pk", "error"):
+        if isinstance(error, dict) and error.get("message") != PURGED:
+            ToolCall.objects.filter(pk=pk).update(error={"code": error.get("code", ""), "message": PURGED})
+    return calls.update(input={}, output=None)
 
 
 def exec_jobs_purge(*, now: datetime | None = None, batch_size: int = PURGE_BATCH) -> int:
@@ -88,7 +99,7 @@ def exec_jobs_purge(*, now: datetime | None = None, batch_size: int = PURGE_BATC
                 logger.warning("could not drop purged jobs' event logs", exc_info=True)
         standalone = holding.filter(users, finished_at__lte=cutoff).order_by("finished_at")
         while call_pks := list(standalone.values_list("pk", flat=True)[:batch_size]):
-            calls += ToolCall.objects.filter(pk__in=call_pks).update(input={}, output=None)
+            calls += _tool_calls_empty(ToolCall.objects.filter(pk__in=call_pks))
     if purged or calls:
         logger.info("retention purged old jobs", extra={"jobs": purged, "standalone_calls": calls})
     return purged

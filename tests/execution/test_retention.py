@@ -96,6 +96,18 @@ def test_the_default_purges_only_jobs_past_it_in_batches_and_twice_is_a_no_op(
     assert _charges(api.username) == charges
     assert exec_jobs_purge() == 0  # idempotent
 
+    # Errors keep their type or code; their messages, which can quote data, go.
+    failed = api.run(
+        'from ptc_tools import ToolError\nfrom ptc_tools.demo import Demo\ntry:\n    Demo.fail(message="private")\nexcept ToolError:\n    pass\nraise ValueError("private too")',
+        toolsets=["demo"],
+    )
+    assert failed["status"] == "failed"
+    ExecJob.objects.filter(pk=failed["id"]).update(finished_at=timezone.now() - timedelta(days=8))
+    assert exec_jobs_purge() == 1
+    job = ExecJob.objects.get(pk=failed["id"])
+    assert job.error == {"type": "ValueError", "message": "(removed by retention)", "traceback": ""}
+    assert ToolCall.objects.get(exec_job_id=failed["id"]).error == {"code": "tool_failed", "message": "(removed by retention)"}
+
     # A user's own longer retention wins over the default.
     patient = make_api()
     UserSettings.objects.create(user=get_user_model().objects.get(username=patient.username), retention_days=30)
