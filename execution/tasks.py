@@ -95,9 +95,17 @@ def _leases_while_up(sender: Any = None, **_: Any) -> None:
             process.check()
         except process.SandboxUnavailable as exc:  # said at start, not first at a user's job
             logger.error("this exec worker cannot run sandboxes: %s", exc)
-    if any(_consumes(sender, queue) for queue in queues.tools_queues()):
+    if _consumes(sender, queues.TOOLS):
         run_every("ptc-call-leases", settings.PTC_JOB_HEARTBEAT_SECONDS, tool_calls_heartbeat)
-    # For ptc_queue_workers (the "no workers on a queue" alert), and this worker's own metrics.
+
+
+@worker_ready.connect
+def _fleet_while_up(sender: Any = None, **_: Any) -> None:
+    """A worker on other tools queues only (-Q tools.slow) renews its calls' leases like a tools
+    worker; every worker says it is alive on its queues (ptc_queue_workers) and serves its own
+    metrics when PTC_METRICS_PORT says so."""
+    if not _consumes(sender, queues.TOOLS) and any(_consumes(sender, queue) for queue in queues.tools_queues()):
+        run_every("ptc-call-leases", settings.PTC_JOB_HEARTBEAT_SECONDS, tool_calls_heartbeat)
     consumed, name = sorted(_consumed(sender)), worker_name()
     run_every(
         "ptc-presence", metrics.PRESENCE_EVERY, lambda: metrics.worker_presence_beat(consumed=consumed, name=name), now=True

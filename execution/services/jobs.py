@@ -27,6 +27,7 @@ from execution.sandbox.session import Outcome, Session
 from execution.services.calls import tool_calls_close_held, tool_calls_reap
 from execution.services.quotas import exec_quota_check
 from execution.services.router import JobCallRouter
+from ptcproject import tracing
 from ptcproject.accounts.services import api_key_create, job_keys_revoke
 from ptcproject.db import db_reset, db_retry
 from ptcproject.errors import ApplicationError, call_error, job_error
@@ -34,7 +35,6 @@ from ptcproject.metrics import job_finished_observe
 from ptcproject.policy.models import Policy
 from ptcproject.policy.selectors import policy_get, ptc_decision, quotas_for
 from ptcproject.storage import MAX_JSON_DEPTH, json_depth_exceeds, storable
-from ptcproject.tracing import job_trace_export
 from tools.sdk import sdk_prepare
 from tools.selectors import toolset_keys_for_ptc, toolsets_named, toolsets_resolve
 
@@ -290,7 +290,7 @@ def exec_job_finish(*, job_id: Any, outcome: Outcome) -> None:
     job_finished_observe(
         status=job.status, toolsets=job.toolsets, seconds=job.execution_time_seconds, spawn_ms=outcome.timings.get("spawn_ms")
     )
-    job_trace_export(job=job)
+    tracing.job_trace_export(job=job)
 
 
 def _exec_job_close(*, job_id: Any) -> ExecJob:
