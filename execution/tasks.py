@@ -85,6 +85,20 @@ def _consumes(sender: Any, queue: str) -> bool:
 
 
 @worker_ready.connect
+def _fleet_while_up(sender: Any = None, **_: Any) -> None:
+    """A worker on other tools queues only (-Q tools.slow) renews its calls' leases like a tools
+    worker; every worker says it is alive on its queues (ptc_queue_workers) and serves its own
+    metrics when PTC_METRICS_PORT says so."""
+    if not _consumes(sender, queues.TOOLS) and any(_consumes(sender, queue) for queue in queues.tools_queues()):
+        run_every("ptc-call-leases", settings.PTC_JOB_HEARTBEAT_SECONDS, tool_calls_heartbeat)
+    consumed, name = sorted(_consumed(sender)), worker_name()
+    run_every(
+        "ptc-presence", metrics.PRESENCE_EVERY, lambda: metrics.worker_presence_beat(consumed=consumed, name=name), now=True
+    )
+    metrics.worker_metrics_serve()
+
+
+@worker_ready.connect
 def _leases_while_up(sender: Any = None, **_: Any) -> None:
     """An exec worker fails the jobs and calls whose worker died, at start and then every
     PTC_REAP_EVERY seconds: leases are enforced while any exec worker runs, with or without beat.
@@ -97,17 +111,3 @@ def _leases_while_up(sender: Any = None, **_: Any) -> None:
             logger.error("this exec worker cannot run sandboxes: %s", exc)
     if _consumes(sender, queues.TOOLS):
         run_every("ptc-call-leases", settings.PTC_JOB_HEARTBEAT_SECONDS, tool_calls_heartbeat)
-
-
-@worker_ready.connect
-def _fleet_while_up(sender: Any = None, **_: Any) -> None:
-    """A worker on other tools queues only (-Q tools.slow) renews its calls' leases like a tools
-    worker; every worker says it is alive on its queues (ptc_queue_workers) and serves its own
-    metrics when PTC_METRICS_PORT says so."""
-    if not _consumes(sender, queues.TOOLS) and any(_consumes(sender, queue) for queue in queues.tools_queues()):
-        run_every("ptc-call-leases", settings.PTC_JOB_HEARTBEAT_SECONDS, tool_calls_heartbeat)
-    consumed, name = sorted(_consumed(sender)), worker_name()
-    run_every(
-        "ptc-presence", metrics.PRESENCE_EVERY, lambda: metrics.worker_presence_beat(consumed=consumed, name=name), now=True
-    )
-    metrics.worker_metrics_serve()
