@@ -114,6 +114,22 @@ def worker_presence_beat(*, consumed: list[str], name: str) -> None:
     pipe.execute()
 
 
+def worker_presence_leave(*, consumed: list[str], name: str) -> None:
+    """Take worker ``name`` off its queues at once when it stops (else it counts for PRESENCE_TTL)."""
+    from execution.backplane import RedisBackplane, backplane
+
+    plane = backplane()
+    if not isinstance(plane, RedisBackplane):
+        return
+    try:
+        pipe = plane.client.pipeline(transaction=False)
+        for queue in consumed:
+            pipe.zrem(_presence_key(queue), name)
+        pipe.execute()
+    except Exception:  # a worker that can't say goodbye is counted until PRESENCE_TTL lapses
+        logger.warning("could not take this worker off its queues", exc_info=True)
+
+
 def worker_metrics_serve() -> None:
     """Serve this worker's own metrics on PTC_METRICS_PORT, when set and not multi-process."""
     port = settings.PTC_METRICS_PORT

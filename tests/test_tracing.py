@@ -27,6 +27,7 @@ def traced(stack_env: dict[str, str], collector: OtlpCollector) -> Iterator[Stac
         "OTEL_EXPORTER_OTLP_ENDPOINT": collector.url,
         "OTEL_SERVICE_NAME": "ptc-test",
         "OTEL_BSP_SCHEDULE_DELAY": "100",  # export within 0.1 s, not the default 5 s
+        "PTC_DB_POOL_MIN": "1",  # PostgreSQL's connections are shared by every process of the run
     }
     env["DATABASE_URL"] = migrated_database(TEST_DATABASE_URL, env)
     stack = Stack(env, name="traced")
