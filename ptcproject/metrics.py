@@ -149,8 +149,19 @@ class FleetCollector:
     """Reads the fleet's state from PostgreSQL and Redis when /metrics is scraped."""
 
     def collect(self) -> Iterator[Metric]:
-        yield from self._database()
-        yield from self._broker()
+        # Each source is read whole or not at all: an outage gives ptc_fleet_up 0 (alertable), not a
+        # failed scrape that hides the process's own metrics too.
+        up = GaugeMetricFamily("ptc_fleet_up", "1 if /metrics could read the fleet's state from the source.", labels=["source"])
+        for source, read in (("database", self._database), ("broker", self._broker)):
+            try:
+                metrics = list(read())
+            except Exception:  # an unreachable database or Redis, for as long as it lasts
+                logger.warning("could not read the fleet's state", extra={"source": source}, exc_info=True)
+                up.add_metric([source], 0)
+                continue
+            up.add_metric([source], 1)
+            yield from metrics
+        yield up
 
     def _database(self) -> Iterator[Metric]:
         from billing.models import Reservation

@@ -67,6 +67,7 @@ def test_job_and_call_metrics_come_from_the_workers(stack: Stack, api: Api) -> N
     assert value(after, "ptc_queue_workers", queue="exec") >= 1
     assert value(after, "ptc_queue_workers", queue="tools") >= 1
     assert ("ptc_queue_depth", (("queue", "exec"),)) in after
+    assert value(after, "ptc_fleet_up", source="database") == value(after, "ptc_fleet_up", source="broker") == 1
 
 
 @pytest.fixture(scope="module")
