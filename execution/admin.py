@@ -35,7 +35,10 @@ class ExecJobAdmin(admin.ModelAdmin):
             {"fields": ("status", "return_value_pre", "error_pre", "stdout_pre", "stderr_pre"), "classes": ("ptc-stacked",)},
         ),
         ("Job", {"fields": ("id", "call_id", "user", "title", "toolsets", "sdk_hash", "worker", "timeout_seconds", "limits")}),
-        ("Timings", {"fields": ("created_at", "started_at", "finished_at", "execution_time_seconds", "timings_pre")}),
+        (
+            "Timings",
+            {"fields": ("created_at", "started_at", "finished_at", "execution_time_seconds", "timings_pre", "purged_at")},
+        ),
     )
     readonly_fields = tuple(
         name

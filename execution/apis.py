@@ -31,6 +31,18 @@ from ptcproject.accounts.services import api_key_authenticate
 from ptcproject.errors import error_body
 from ptcproject.lists import FilteredListApi
 
+RATE_LIMITED = OpenApiResponse(
+    description="rate_limited: past one of your tenant quotas (jobs at once, tool calls in flight, jobs per minute); "
+    "nothing was created. Retry after Retry-After seconds; `details` names the quota and its limit."
+)
+
+
+JOB_NOT_RUNNING = OpenApiResponse(description="job_ended: with a job-scoped key, the job is no longer running.")
+PARALLEL_LIMIT = OpenApiResponse(
+    description="parallel_limit: with a job-scoped key, the job has its parallel cap of calls in flight (1 when "
+    "sequential); nothing was recorded. Retry after Retry-After seconds. Past max_tool_calls it is 403 tool_call_limit."
+)
+
 
 class ExecListCreateApi(FilteredListApi):
     serializer_class = ExecJobSerializer
@@ -46,7 +58,7 @@ class ExecListCreateApi(FilteredListApi):
     def get(self, request: Request) -> Response:
         return super().get(request)
 
-    @extend_schema(request=ExecCreateSerializer, responses={201: ExecJobSerializer})
+    @extend_schema(request=ExecCreateSerializer, responses={201: ExecJobSerializer, 429: RATE_LIMITED})
     def post(self, request: Request) -> Response:
         body = ExecCreateSerializer(data=request.data)
         body.is_valid(raise_exception=True)
@@ -107,7 +119,7 @@ class ToolExecuteApi(APIView):
 
     @extend_schema(
         request=ToolExecuteSerializer,
-        responses=ToolCallSerializer,
+        responses={200: ToolCallSerializer, 409: JOB_NOT_RUNNING, 429: PARALLEL_LIMIT},
         parameters=[
             OpenApiParameter(
                 "x-ptc-call-id",

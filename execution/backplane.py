@@ -305,6 +305,9 @@ class Backplane:
         """Return the job's logged events ``(id, name, data)``, oldest first; empty without a log."""
         return []
 
+    def events_drop(self, job_call_ids: list[str]) -> None:
+        """Delete these jobs' event logs (they hold output and tool I/O), in one round trip."""
+
 
 class RedisBackplane(Backplane):
     keeps_events = True
@@ -351,6 +354,10 @@ class RedisBackplane(Backplane):
             logger.warning("could not read a job's events", extra={"job_id": job_call_id}, exc_info=True)
             return []
         return [(raw_id.decode(), f[b"event"].decode(), json.loads(f[b"data"])) for raw_id, f in entries]
+
+    def events_drop(self, job_call_ids: list[str]) -> None:
+        if job_call_ids:
+            self.client.delete(*[self.stream_key(call_id) for call_id in job_call_ids])
 
     def async_client(self) -> Any:
         """A new asyncio client, for one reader that follows a job's log with a blocking XREAD."""

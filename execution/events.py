@@ -22,6 +22,7 @@ from django.db import DatabaseError, connection
 
 from execution.backplane import RedisBackplane, backplane, job_channel
 from execution.models import ExecJob, ToolCall
+from ptcproject.metrics import event_lag_observe
 
 logger = logging.getLogger("ptc.events")
 # An event id as Redis Streams and this module write it: "<ms>-<seq>" (or "<ms>").
@@ -230,6 +231,7 @@ async def event_stream(*, job_id: Any, last_event_id: str | None = None) -> Asyn
                 yield item
             return
         cursor = last_event_id or "0-0"
+        live = False  # the first read is the backlog: its age is not lag
         while True:
             reply = await client.xread({key: cursor}, block=int(settings.PTC_EVENTS_HEARTBEAT_SECONDS * 1000), count=500)
             if not reply:
@@ -245,10 +247,13 @@ async def event_stream(*, job_id: Any, last_event_id: str | None = None) -> Asyn
             assert isinstance(reply, list), "XREAD over RESP2 answers with a list"
             for raw_id, fields in reply[0][1]:
                 cursor = raw_id.decode()
+                if live:  # a stream entry's id is the Redis time it was written, in ms
+                    event_lag_observe(written_ms=int(cursor.split("-", 1)[0]))
                 name = fields[b"event"].decode()
                 yield Event(cursor, name, json.loads(fields[b"data"]))
                 if name == "exec_end":
                     return
+            live = True
     except RedisError:
         # Redis went away mid-stream: end it; the client reconnects with Last-Event-ID and resumes.
         logger.warning("event stream cut: Redis is unreachable", extra={"job_id": str(job_id)}, exc_info=True)

@@ -47,10 +47,18 @@ class ExecJob(models.Model):
     created_at = models.DateTimeField(auto_now_add=True, db_index=True)
     started_at = models.DateTimeField(null=True, blank=True)
     finished_at = models.DateTimeField(null=True, blank=True)
+    # Set when retention emptied its code, output, return value and its calls' inputs and outputs
+    # (execution/services/retention.py); the rows and their charges stay.
+    purged_at = models.DateTimeField(null=True, blank=True, editable=False)
 
     class Meta:
         ordering = ["-created_at"]
-        indexes = [models.Index(fields=["user", "-created_at"]), models.Index(fields=["status", "heartbeat_at"])]
+        indexes = [
+            models.Index(fields=["user", "-created_at"]),
+            models.Index(fields=["status", "heartbeat_at"]),
+            # Retention's scan: finished jobs not purged yet, oldest first.
+            models.Index(fields=["finished_at"], condition=models.Q(purged_at__isnull=True), name="execjob_unpurged_finished"),
+        ]
 
     def __str__(self) -> str:
         return self.call_id

@@ -1,6 +1,6 @@
 """The tasks of both queues. Each is thin: it takes ids, calls one service and decides on retries.
 
-exec:  run_exec (one job in its sandbox), reap_jobs (beat's reaper)
+exec:  run_exec (one job in its sandbox); maintenance: reap_jobs (beat's reaper), purge_jobs (retention)
 tools: execute_tool (one tool call)
 """
 
@@ -16,7 +16,8 @@ from execution.sandbox import process
 from execution.sandbox.pool import warm_pool
 from execution.services.calls import tool_call_abort, tool_call_execute, tool_calls_heartbeat
 from execution.services.jobs import exec_job_run, exec_jobs_reap, worker_name
-from ptcproject import queues
+from execution.services.retention import exec_jobs_purge
+from ptcproject import metrics, queues
 from ptcproject.periodic import run_every
 
 logger = logging.getLogger("ptc.execution")
@@ -45,6 +46,13 @@ def reap_jobs() -> int:
     return exec_jobs_reap()
 
 
+# Beat's retention round. Idempotent (a purged job is skipped), so a redelivery or an overlap is
+# harmless; no retry: the next round, PTC_RETENTION_EVERY later, is the retry.
+@shared_task(queue=queues.MAINTENANCE, acks_late=True)
+def purge_jobs() -> int:
+    return exec_jobs_purge()
+
+
 # No soft or hard time limit: the threads pool can't enforce them. Each kind holds a call to its
 # tool's timeout (builtin: a watched thread; http: httpx's; mcp: the session's read timeout).
 @shared_task(
@@ -66,10 +74,32 @@ def execute_tool(call_id: str) -> None:
         raise
 
 
+def _consumed(sender: Any) -> set[str]:
+    """The queues the worker that sent worker_ready consumes (empty if it says nothing of them)."""
+    return {q.name for q in getattr(getattr(sender, "task_consumer", None), "queues", [])}
+
+
 def _consumes(sender: Any, queue: str) -> bool:
     """Whether the worker that sent worker_ready consumes ``queue`` (or says nothing of its queues)."""
-    names = {q.name for q in getattr(getattr(sender, "task_consumer", None), "queues", [])}
+    names = _consumed(sender)
     return not names or queue in names
+
+
+@worker_ready.connect
+def _fleet_while_up(sender: Any = None, **_: Any) -> None:
+    """A worker on other tools queues only (-Q tools.slow) renews its calls' leases like a tools
+    worker; every worker says it is alive on its queues (ptc_queue_workers) and serves its own
+    metrics when PTC_METRICS_PORT says so."""
+    if not _consumes(sender, queues.TOOLS) and any(_consumes(sender, queue) for queue in queues.tools_queues()):
+        run_every("ptc-call-leases", settings.PTC_JOB_HEARTBEAT_SECONDS, tool_calls_heartbeat)
+    from celery.signals import worker_shutdown
+
+    consumed, name = sorted(_consumed(sender)), worker_name()
+    run_every(
+        "ptc-presence", metrics.PRESENCE_EVERY, lambda: metrics.worker_presence_beat(consumed=consumed, name=name), now=True
+    )
+    worker_shutdown.connect(lambda **_: metrics.worker_presence_leave(consumed=consumed, name=name), weak=False)
+    metrics.worker_metrics_serve()
 
 
 @worker_ready.connect

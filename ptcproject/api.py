@@ -71,13 +71,18 @@ def outage_error(exc: BaseException) -> ApplicationError | None:
     return None
 
 
+def _retry_after(exc: ApplicationError) -> dict[str, str] | None:
+    """Retry-After for a 503 (5 s) or a 429 (the seconds its details give)."""
+    if exc.status == 503:
+        return {"Retry-After": "5"}
+    if exc.status == 429:
+        return {"Retry-After": str(int(exc.details.get("retry_after", 1)))}
+    return None
+
+
 def error_response(exc: ApplicationError) -> JsonResponse:
     """The error shape as a plain Django response, for views outside DRF."""
-    return JsonResponse(
-        error_body(exc.code, exc.message, exc.details),
-        status=exc.status,
-        headers={"Retry-After": "5"} if exc.status == 503 else None,
-    )
+    return JsonResponse(error_body(exc.code, exc.message, exc.details), status=exc.status, headers=_retry_after(exc))
 
 
 def body_too_large_error() -> ApplicationError:
@@ -97,8 +102,7 @@ def exception_handler(exc: Exception, context: dict[str, Any]) -> Response | Non
     exc = outage_error(exc) or (body_too_large_error() if isinstance(exc, RequestDataTooBig) else exc)
     if isinstance(exc, ApplicationError):
         body = {"code": exc.code, "message": exc.message, "details": exc.details}
-        headers = {"Retry-After": "5"} if exc.status == 503 else None
-        return Response({"error": body}, status=exc.status, headers=headers)
+        return Response({"error": body}, status=exc.status, headers=_retry_after(exc))
     response = drf_exception_handler(exc, context)
     if response is None:
         return None
@@ -203,7 +207,7 @@ def document_error_responses(result: dict[str, Any], generator: Any, request: An
             for status, response in responses.items():
                 if status[0] in "45":
                     response.setdefault("content", ERROR_CONTENT)
-                    if status == "503":
+                    if status in ("429", "503"):
                         response.setdefault("headers", _RETRY_AFTER)
             operation["responses"] = dict(sorted(responses.items()))
     return result

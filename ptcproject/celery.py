@@ -2,6 +2,7 @@
 
 celery -A ptcproject worker -Q exec     # runs sandboxes, bridges their tool calls
 celery -A ptcproject worker -Q tools    # runs one tool call per task
+celery -A ptcproject worker -Q tools.slow  # the same, for toolsets routed there (PTC_TOOLS_QUEUES)
 """
 
 import os
@@ -33,12 +34,14 @@ def _size_pool_for_queue(conf: Any = None, options: dict[str, Any] | None = None
     wanted = set((options or {}).get("queues") or [])
     if conf is None:
         return
+    # A worker on tools queues only (-Q tools, -Q tools.slow, -Q tools,tools.slow) is a tools worker.
+    tools_worker = bool(wanted) and wanted <= set(queues.tools_queues())
     if conf.worker_concurrency is None:
-        if wanted == {queues.TOOLS}:
+        if tools_worker:
             conf.worker_concurrency = settings.PTC_TOOLS_CONCURRENCY
         else:
             conf.worker_concurrency = settings.PTC_EXEC_CONCURRENCY
-    if wanted == {queues.TOOLS} and not settings.PTC_TOOLS_TASK_EVENTS:
+    if tools_worker and not settings.PTC_TOOLS_TASK_EVENTS:
         # Three event publishes per task on the consumer's one thread are what a tools worker
         # spends most on between calls; each call already has its record and its live events.
         conf.worker_send_task_events = False

@@ -8,7 +8,9 @@ PostgreSQL and Redis.
 from pathlib import Path
 
 import environ
+from django.core.exceptions import ImproperlyConfigured
 
+from ptcproject import queues
 from ptcproject.crypto import secrets_keys
 from ptcproject.policy.seed import policy_seed
 
@@ -194,6 +196,9 @@ CELERY_WORKER_POOL = "threads"
 # The "sent" event is left off: it would add a publish to every tool call's hot path.
 CELERY_WORKER_SEND_TASK_EVENTS = True
 PTC_TOOLS_TASK_EVENTS = env.bool("PTC_TOOLS_TASK_EVENTS", default=False)
+# A cold shutdown (SIGQUIT, or SIGTERM with REMAP_SIGTERM=SIGQUIT) first lets running tasks finish
+# for this long, so a tools pod scaled down mid-call finishes its calls (keep it under the pod's grace).
+CELERY_WORKER_SOFT_SHUTDOWN_TIMEOUT = env.float("PTC_SOFT_SHUTDOWN_SECONDS", default=60.0)
 # Don't let the worker hijack the root logger; our own handlers stay.
 CELERY_WORKER_HIJACK_ROOT_LOGGER = False
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
@@ -224,10 +229,29 @@ else:
     }
 # How often beat runs the reaper that ends jobs whose worker died (ARCHITECTURE.md, "no job stays running").
 PTC_REAP_EVERY = env.float("PTC_REAP_EVERY", default=15.0)
+# Retention: a finished job's code, output, return value and its tool calls' inputs and outputs are
+# emptied this many days after it finished (the rows and every charge stay). Unset: kept forever. A
+# user's own setting (admin, "User settings") overrides it; 0 purges at the next round.
+PTC_RETENTION_DAYS: int | None = env.int("PTC_RETENTION_DAYS", default=None)
+if PTC_RETENTION_DAYS is not None and PTC_RETENTION_DAYS < 0:
+    raise ImproperlyConfigured("PTC_RETENTION_DAYS must be 0 or more days (unset keeps jobs forever).")
+# How often beat runs the purge: the longest a zero-retention user's finished job keeps its data.
+PTC_RETENTION_EVERY = env.float("PTC_RETENTION_EVERY", default=60.0)
 CELERY_BEAT_SCHEDULE = {
     "reap-stuck-jobs": {"task": "execution.tasks.reap_jobs", "schedule": PTC_REAP_EVERY},
+    "purge-old-jobs": {"task": "execution.tasks.purge_jobs", "schedule": PTC_RETENTION_EVERY},
 }
 CELERY_BEAT_SCHEDULE_FILENAME = str(DATA_DIR / "celerybeat-schedule")
+# The queues a toolset may route its calls to (Toolset.queue), each served by its own
+# `celery worker -Q <name>`: "tools" always, plus e.g. "tools.slow" for slow MCP servers.
+PTC_TOOLS_QUEUES: list[str] = env.list("PTC_TOOLS_QUEUES", default=[queues.TOOLS])
+if queues.TOOLS not in PTC_TOOLS_QUEUES or queues.EXEC in PTC_TOOLS_QUEUES:
+    raise ImproperlyConfigured(f"PTC_TOOLS_QUEUES must list '{queues.TOOLS}' and must not list '{queues.EXEC}'.")
+# Metrics (ptcproject/metrics.py). /metrics answers a bearer PTC_METRICS_TOKEN or a staff API key.
+# A worker serves its own on PTC_METRICS_PORT unless PROMETHEUS_MULTIPROC_DIR (read by
+# prometheus_client itself) gathers every process's values for the web's /metrics.
+PTC_METRICS_TOKEN = env.str("PTC_METRICS_TOKEN", default="")
+PTC_METRICS_PORT = env.int("PTC_METRICS_PORT", default=0)
 # Threads per worker process when -c is not given on the command line.
 PTC_EXEC_CONCURRENCY = env.int("PTC_EXEC_CONCURRENCY", default=8)
 PTC_TOOLS_CONCURRENCY = env.int("PTC_TOOLS_CONCURRENCY", default=64)

@@ -70,8 +70,11 @@ def _db_access(django_db_setup: str, django_db_blocker: Any) -> Iterator[None]:
         yield
 
 
+METRICS_TOKEN = f"metrics-{uuid.uuid4().hex}"
+
+
 @pytest.fixture(scope="session")
-def stack_env(django_db_setup: str) -> dict[str, str]:
+def stack_env(django_db_setup: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST", "DJANGO_SETTINGS"))}
     env.update(
         DATABASE_URL=django_db_setup,
@@ -83,6 +86,13 @@ def stack_env(django_db_setup: str) -> dict[str, str]:
         PTC_JOB_HEARTBEAT_SECONDS="1",
         PTC_JOB_LEASE_SECONDS="4",
         PTC_REAP_EVERY="1",
+        # Retention rounds every second: a zero-retention user's job is purged within the test.
+        PTC_RETENTION_EVERY="1",
+        # A second tools queue, for the per-toolset routing test (its worker is started by that test).
+        PTC_TOOLS_QUEUES="tools,tools.slow",
+        # Every process of the stack writes its metrics here; the web's /metrics adds them up.
+        PROMETHEUS_MULTIPROC_DIR=str(tmp_path_factory.mktemp("prometheus")),
+        PTC_METRICS_TOKEN=METRICS_TOKEN,
         PTC_EVENTS_HEARTBEAT_SECONDS="1",
         # Its own keys and channels on a shared Redis: two test runs never take each other's tasks.
         PTC_REDIS_PREFIX=REDIS_PREFIX,

@@ -7,7 +7,9 @@ from django.db.models import Field, JSONField, QuerySet
 from django.http import HttpRequest
 from django.utils.html import format_html
 
+from ptcproject import queues
 from ptcproject.errors import ApplicationError
+from ptcproject.queues import tools_queue_problem
 from tools.models import Tool, Toolset
 from tools.sdk import tool_signature
 from tools.services import TOOL_FIELDS, mcp_toolset_sync
@@ -79,6 +81,19 @@ class ToolsetForm(forms.ModelForm):
         super().__init__(*args, **kwargs)
         names = sorted(self.instance.secrets or {}) if self.instance.pk else []
         self.fields["set_secrets"].help_text += f" Set now: {', '.join(names) if names else 'none'}."
+        # A choice of this deployment's tools queues (and the current one, should it have left
+        # PTC_TOOLS_QUEUES: shown, then refused by clean() until it is changed). Empty means tools.
+        current = self.instance.queue or queues.TOOLS
+        choices = dict.fromkeys([*queues.tools_queues(), current])
+        self.fields["queue"] = forms.ChoiceField(
+            choices=[(q, q) for q in choices],
+            required=False,
+            initial=current,
+            help_text=Toolset._meta.get_field("queue").help_text,
+        )
+
+    def clean_queue(self) -> str:
+        return self.cleaned_data.get("queue") or queues.TOOLS
 
     def clean_set_secrets(self) -> dict[str, Any]:
         value = self.cleaned_data.get("set_secrets") or {}
@@ -92,6 +107,9 @@ class ToolsetForm(forms.ModelForm):
         problem = identifier_problem(data.get("key"))
         if problem:
             self.add_error("key", problem)
+        queue_problem = tools_queue_problem(data.get("queue") or "")
+        if queue_problem:
+            self.add_error("queue", queue_problem)
         secrets = {**(self.instance.secrets or {}), **(data.get("set_secrets") or {})}
         names = [n for n, v in secrets.items() if v is not None]
         if data.get("kind") in (Toolset.Kind.HTTP, Toolset.Kind.MCP):
@@ -110,8 +128,8 @@ class ToolsetForm(forms.ModelForm):
 @admin.register(Toolset)
 class ToolsetAdmin(admin.ModelAdmin):
     form = ToolsetForm
-    list_display = ("key", "name", "kind", "owner", "is_global", "enabled", "price", "billing_free")
-    list_filter = ("kind", "is_global", "enabled", "billing_free")
+    list_display = ("key", "name", "kind", "owner", "is_global", "enabled", "price", "billing_free", "queue")
+    list_filter = ("kind", "is_global", "enabled", "billing_free", "queue")
     search_fields = ("key", "name", "description")
     inlines = [ToolInline]
     formfield_overrides = _PRETTY

@@ -24,6 +24,11 @@ class Toolset(models.Model):
     enabled = models.BooleanField(default=True)
     price = models.PositiveIntegerField(default=0, help_text="Credits per successful call.")
     billing_free = models.BooleanField(default=False)
+    # The Celery queue its calls go to; one of PTC_TOOLS_QUEUES, checked where it is written (the
+    # API's serializer, the admin's form), so a deployment can add queues without a migration.
+    queue = models.CharField(
+        max_length=64, default="tools", help_text="The tools queue its calls run on, e.g. tools.slow (PTC_TOOLS_QUEUES)."
+    )
     config = models.JSONField(default=dict, blank=True)
     # Write-only: never serialised, exported, sent to a sandbox or logged. Encrypted at rest
     # (PTC_SECRETS_KEYS); a dict in Python.

@@ -6,6 +6,7 @@ from django.conf import settings
 from rest_framework import serializers
 
 from ptcproject.fields import JsonValueField, NumberField
+from ptcproject.queues import tools_queue_problem
 from ptcproject.storage import POSITIVE_INT_MAX
 from tools.classification import direct_only_tools, tool_is_ptc
 from tools.context import FORMATS
@@ -69,6 +70,7 @@ class ToolsetSerializer(serializers.ModelSerializer):
             "enabled",
             "price",
             "billing_free",
+            "queue",
             "config",
             "secret_names",
             "tools",
@@ -156,6 +158,9 @@ class ToolsetWriteSerializer(serializers.Serializer):
     enabled = serializers.BooleanField(required=False)
     price = serializers.IntegerField(required=False, min_value=0, max_value=POSITIVE_INT_MAX)
     billing_free = serializers.BooleanField(required=False)
+    queue = serializers.CharField(
+        required=False, max_length=64, help_text="The tools queue its calls run on (default tools); one of PTC_TOOLS_QUEUES."
+    )
     config = JsonValueField(required=False)
     secrets = serializers.DictField(
         child=serializers.CharField(allow_null=True, allow_blank=False, trim_whitespace=False),
@@ -164,6 +169,12 @@ class ToolsetWriteSerializer(serializers.Serializer):
         help_text="Write-only. PUT replaces them, PATCH merges them (null removes one); left out, they are kept.",
     )
     tools = ToolWriteSerializer(many=True, required=False)
+
+    def validate_queue(self, value: str) -> str:
+        problem = tools_queue_problem(value)
+        if problem:
+            raise serializers.ValidationError(problem)
+        return value
 
     def validate_config(self, value: Any) -> Any:
         if not isinstance(value, dict):

@@ -17,7 +17,7 @@ from tools.models import Tool, Toolset
 from tools.validation import FieldError, schema_errors, toolset_errors
 
 # The toolset fields a write may set; ``secrets`` and ``tools`` are handled on their own.
-TOOLSET_FIELDS = ("key", "name", "description", "kind", "is_global", "enabled", "price", "billing_free", "config")
+TOOLSET_FIELDS = ("key", "name", "description", "kind", "is_global", "enabled", "price", "billing_free", "queue", "config")
 TOOL_FIELDS = (
     "description",
     "input_schema",
@@ -138,14 +138,15 @@ def _tools_write(*, toolset: Toolset, tools: list[dict[str, Any]]) -> None:
 
 
 def _builtin_guard(*, toolset: Toolset, data: Mapping[str, Any]) -> None:
-    # Builtin rows are rewritten from code by `migrate`: an edit other than enabling would not last.
-    changed = [n for n in TOOLSET_FIELDS if n in data and n != "enabled" and data[n] != getattr(toolset, n)]
+    # Builtin rows are rewritten from code by `migrate`: an edit other than enabling or routing would not last.
+    changed = [n for n in TOOLSET_FIELDS if n in data and n not in ("enabled", "queue") and data[n] != getattr(toolset, n)]
     if "tools" in data or "secrets" in data:
         changed.append("tools" if "tools" in data else "secrets")
     if changed:
         raise ApplicationError(
             "builtin_toolset",
-            f"'{toolset.key}' is a builtin toolset, defined in code: only 'enabled' can change here, not {', '.join(changed)}.",
+            f"'{toolset.key}' is a builtin toolset, defined in code: only 'enabled' and 'queue' can change here, "
+            f"not {', '.join(changed)}.",
             details={name: ["builtin toolsets are defined in code"] for name in changed},
         )
 

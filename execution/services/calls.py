@@ -39,6 +39,7 @@ from execution.models import ExecJob, ToolCall
 from execution.sandbox.session import CALL_GRACE_SECONDS
 from ptcproject.accounts.models import ApiKey
 from ptcproject.errors import ApplicationError, call_error
+from ptcproject.metrics import tool_call_observe
 from ptcproject.policy.selectors import policy_get
 from ptcproject.storage import MAX_JSON_DEPTH, json_depth_exceeds, storable
 from tools.classification import tool_is_ptc
@@ -151,16 +152,17 @@ def _tool_call_event_publish(call: ToolCall) -> None:
         event_publish(job_call_id=call.ptc_call_id, event=name, data=data)
 
 
-def tool_calls_enqueue(call_ids: list[str]) -> dict[str, dict[str, str]]:
-    """Send calls to the tools queue through one producer. Return the errors of those that failed
-    (their records are failed too): the broker was down even after Celery's own retries."""
+def tool_calls_enqueue(calls: list[tuple[str, str]]) -> dict[str, dict[str, str]]:
+    """Send calls ``(call_id, queue)`` to their toolset's tools queue through one producer. Return
+    the errors of those that failed (their records are failed too): the broker was down even after
+    Celery's own retries."""
     from execution.tasks import execute_tool
 
     errors = {}
     with execute_tool.app.producer_or_acquire() as producer:
-        for call_id in call_ids:
+        for call_id, queue in calls:
             try:
-                execute_tool.apply_async((call_id,), producer=producer)
+                execute_tool.apply_async((call_id,), producer=producer, queue=queue)
             except Exception as exc:  # this call's failure; the others may still go
                 logger.exception("could not enqueue a tool call", extra={"call_id": call_id})
                 errors[call_id] = call_error("broker_unavailable", f"the call could not be queued ({type(exc).__name__}); retry")
@@ -168,8 +170,8 @@ def tool_calls_enqueue(call_ids: list[str]) -> dict[str, dict[str, str]]:
     return errors
 
 
-def _tool_call_enqueue(*, call_id: str) -> dict[str, str] | None:
-    return tool_calls_enqueue([call_id]).get(call_id)
+def _tool_call_enqueue(*, call_id: str, queue: str) -> dict[str, str] | None:
+    return tool_calls_enqueue([(call_id, queue)]).get(call_id)
 
 
 def tool_call_standalone(
@@ -199,17 +201,25 @@ def tool_call_standalone(
     )
     call_id = f"ptc_{uuid.uuid4().hex}" if job else f"standalone_{uuid.uuid4().hex}"
     record = {"call_id": call_id, "user": user, "job": job, "toolset": toolset, "tool": tool, "arguments": arguments}
+    error = None
     try:
-        found = checker.check(toolset, tool, arguments)
+        found: Tool | None = checker.check(toolset, tool, arguments)
     except ToolFailure as failure:
         if failure.code in ("unknown_toolset", "unknown_tool"):
             raise ApplicationError(failure.code, f"{failure.message[:1].upper()}{failure.message[1:]}.") from None
         if failure.code == "tool_not_ptc":
             raise ApplicationError(failure.code, f"{failure.message[:1].upper()}{failure.message[1:]}.", status=403) from None
-        return _tool_call_record(**record, found=None, error=failure.as_dict())
-    _tool_call_record(**record, found=found)
+        found, error = None, failure.as_dict()
+    # A job's call over HTTP is held to the job's limits as the bridge holds its calls: admitted and
+    # recorded under the job row's lock, so calls at once from many threads are counted one by one.
+    with transaction.atomic() if job is not None else nullcontext():
+        if job is not None:
+            _job_call_admit(job=job)
+        call = _tool_call_record(**record, found=found, error=error)
+    if found is None:
+        return call
     refused = tool_call_reserve(call_id=call_id, user=user, tool=found, job=job)
-    if refused is None and _tool_call_enqueue(call_id=call_id) is None:
+    if refused is None and _tool_call_enqueue(call_id=call_id, queue=found.toolset.queue) is None:
         timeout = (found.timeout or settings.PTC_DEFAULT_TOOL_TIMEOUT) + CALL_GRACE_SECONDS
         finished = backplane().wait_for(
             _result_channel(call_id, job.call_id if job else ""),
@@ -223,6 +233,34 @@ def tool_call_standalone(
 
 
 CALL_TIMEOUT_MESSAGE = "no result arrived in time: the tools workers may be down or overloaded"
+
+
+def _job_call_admit(*, job: ExecJob) -> None:
+    """Admit one more call of ``job`` made over HTTP, or raise ApplicationError: ``job_ended`` (409)
+    when it is not running, ``tool_call_limit`` (403) past its max_tool_calls, ``parallel_limit``
+    (429, retry) with its parallel cap in flight (1 when sequential). Locks the job's row until the
+    caller's transaction ends: call it in the transaction that records the call."""
+    status = ExecJob.objects.select_for_update().filter(pk=job.pk).values_list("status", flat=True).first()
+    if status != ExecJob.Status.RUNNING:
+        raise ApplicationError("job_ended", f"Job {job.call_id} is not running (it is {status}); no call can start.", status=409)
+    limits = job.limits or {}
+    calls = ToolCall.objects.filter(exec_job=job)
+    most = int(limits.get("max_tool_calls") or 0)
+    if most and calls.count() >= most:
+        raise ApplicationError(
+            "tool_call_limit",
+            f"Job {job.call_id} has made its {most} tool calls, the most it may; no more can run.",
+            status=403,
+            details={"limit": most},
+        )
+    cap = 1 if job.sequential else int(limits.get("max_parallel_tool_calls") or 0)
+    if cap and calls.filter(status=ToolCall.Status.EXECUTING).count() >= cap:
+        raise ApplicationError(
+            "parallel_limit",
+            f"Job {job.call_id} has {cap} tool calls in flight, the most it may at once; retry when one has finished.",
+            status=429,
+            details={"limit": cap, "retry_after": 1},
+        )
 
 
 def tool_call_reply(call: ToolCall) -> dict[str, Any]:
@@ -412,6 +450,7 @@ def _tool_call_run(*, call: ToolCall, tool: Tool) -> dict[str, Any]:
         "tool call ran",
         extra={"call_id": call_id, "tool": str(tool), "ok": reply["ok"], "ms": round((time.monotonic() - started) * 1000, 2)},
     )
+    tool_call_observe(toolset=tool.toolset.key, ok=reply["ok"], seconds=(timezone.now() - call.started_at).total_seconds())
     # Not finished by us means the bridge gave up on it meanwhile: the record's word is final.
     return reply if finished else tool_call_reply(ToolCall.objects.get(call_id=call_id))
 

@@ -24,12 +24,15 @@ from execution.sandbox.limits import Limits
 from execution.sandbox.process import SandboxUnavailable
 from execution.sandbox.session import Outcome, Session
 from execution.services.calls import tool_calls_close_held, tool_calls_reap
+from execution.services.quotas import exec_quota_check
 from execution.services.router import JobCallRouter
+from ptcproject import tracing
 from ptcproject.accounts.services import api_key_create, job_keys_revoke
 from ptcproject.db import db_reset, db_retry
 from ptcproject.errors import ApplicationError, call_error, job_error
+from ptcproject.metrics import job_finished_observe
 from ptcproject.policy.models import Policy
-from ptcproject.policy.selectors import policy_get, ptc_decision
+from ptcproject.policy.selectors import policy_get, ptc_decision, quotas_for
 from ptcproject.storage import MAX_JSON_DEPTH, json_depth_exceeds, storable
 from tools.sdk import sdk_cached, sdk_job_files
 from tools.selectors import toolset_keys_for_ptc, toolsets_named, toolsets_resolve
@@ -38,14 +41,16 @@ logger = logging.getLogger("ptc.execution")
 Status = ExecJob.Status
 
 
-def job_limits(*, policy: Policy, timeout: float) -> Limits:
-    """Return the limits a new job runs under: the policy's, one call at a time if it is sequential."""
+def job_limits(*, policy: Policy, timeout: float, parallel_cap: int = 0) -> Limits:
+    """Return the limits a new job runs under: the policy's, one call at a time if it is sequential,
+    and no more parallel calls than ``parallel_cap`` (the user's tool-call quota; 0: none)."""
+    parallel = 1 if policy.sequential else policy.max_parallel_tool_calls
     return Limits(
         timeout=timeout,
         memory_mb=policy.memory_limit_mb,
         max_output_bytes=policy.max_output_bytes,
         max_tool_calls=policy.max_tool_calls,
-        max_parallel_tool_calls=1 if policy.sequential else policy.max_parallel_tool_calls,
+        max_parallel_tool_calls=min(parallel, parallel_cap) if parallel_cap else parallel,
         max_processes=settings.PTC_MAX_PROCESSES,
         max_file_mb=settings.PTC_MAX_FILE_MB,
         max_open_files=settings.PTC_MAX_OPEN_FILES,
@@ -66,7 +71,7 @@ def exec_job_create(
 
     Raise ApplicationError: ``code_too_large`` (413), ``validation_error`` for a timeout above the
     policy's maximum (400; never clamped), ``unknown_toolset`` (400), ``ptc_disabled`` (403),
-    ``broker_unavailable`` (503, and the job is not created).
+    ``rate_limited`` (429: past a tenant quota), ``broker_unavailable`` (503, and the job is not created).
     """
     size = len(code.encode())
     if size > settings.PTC_MAX_CODE_BYTES:
@@ -95,14 +100,16 @@ def exec_job_create(
         raise ApplicationError(
             "ptc_disabled", f"PTC is disabled here: {decision.reason}.", status=403, details={"reason": decision.reason}
         )
+    quotas = quotas_for(policy=policy, user=user)
     with transaction.atomic():
+        exec_quota_check(user=user, quotas=quotas)  # rate_limited (429); locks the user's row till commit
         job = ExecJob.objects.create(
             user=user,
             code=code,
             toolsets=keys,
             title=title,
             timeout_seconds=timeout,
-            limits=job_limits(policy=policy, timeout=timeout).as_dict(),
+            limits=job_limits(policy=policy, timeout=timeout, parallel_cap=quotas.parallel_cap()).as_dict(),
             sequential=policy.sequential,
             max_credits=max_credits,
         )
@@ -279,6 +286,10 @@ def exec_job_finish(*, job_id: Any, outcome: Outcome) -> None:
         logger.exception("could not record a job's end; the reaper will", extra={"job_id": str(job_id)})
         return
     logger.info("job finished", extra={"job_id": str(job_id), "status": job.status, **outcome.timings})
+    job_finished_observe(
+        status=job.status, toolsets=job.toolsets, seconds=job.execution_time_seconds, spawn_ms=outcome.timings.get("spawn_ms")
+    )
+    tracing.job_trace_export(job=job)
 
 
 def _exec_job_close(*, job_id: Any) -> ExecJob:

@@ -77,7 +77,8 @@ class JobCallRouter:
                 outcomes.append(Refused(call_id=call.call_id, error=error))
             else:
                 outcomes.append(Dispatched(call_id=call.call_id, timeout=found.timeout or settings.PTC_DEFAULT_TOOL_TIMEOUT))
-                accepted.append(call.call_id)
+                # found.toolset is the checker's own row (prefetched with its tools): no query here.
+                accepted.append((call.call_id, found.toolset.queue))
         errors = tool_calls_enqueue(accepted)
         return [Refused(call_id=o.call_id, error=errors[o.call_id]) if o.call_id in errors else o for o in outcomes]
 

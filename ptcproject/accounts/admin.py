@@ -1,9 +1,24 @@
+from typing import Any
+
 from django.contrib import admin, messages
 from django.db.models import QuerySet
 from django.http import HttpRequest
 
-from ptcproject.accounts.models import ApiKey
-from ptcproject.accounts.services import api_key_create, api_key_revoke
+from ptcproject.accounts.authentication import signed_in_user
+from ptcproject.accounts.models import ApiKey, ApiKeyEvent, UserSettings
+from ptcproject.accounts.services import api_key_create, api_key_expire, api_key_revoke
+from ptcproject.errors import ApplicationError
+
+
+class ApiKeyEventInline(admin.TabularInline):
+    model = ApiKeyEvent
+    fields = ("created_at", "action", "actor", "details")
+    readonly_fields = fields
+    extra = 0
+    can_delete = False
+
+    def has_add_permission(self, request: HttpRequest, obj: object = None) -> bool:
+        return False
 
 
 @admin.register(ApiKey)
@@ -14,17 +29,36 @@ class ApiKeyAdmin(admin.ModelAdmin):
     readonly_fields = ("prefix", "exec_job", "created_at", "last_used_at", "revoked_at")
     fields = ("user", "name", "expires_at", "prefix", "exec_job", "created_at", "last_used_at", "revoked_at")
     actions = ("revoke",)
+    inlines = (ApiKeyEventInline,)
 
-    def save_model(self, request: HttpRequest, obj: ApiKey, form: object, change: bool) -> None:
+    def get_inlines(self, request: HttpRequest, obj: ApiKey | None) -> list[Any]:
+        return list(self.inlines) if obj is not None else []  # a key being added has no history yet
+
+    def save_model(self, request: HttpRequest, obj: ApiKey, form: Any, change: bool) -> None:
+        actor = signed_in_user(request)
         if change:
-            super().save_model(request, obj, form, change)
+            # The expiry goes through its service, so the change is audited like one made over the API.
+            if "expires_at" in form.changed_data:
+                try:
+                    api_key_expire(key=obj, expires_at=obj.expires_at, actor=actor, source="admin")
+                except ApplicationError as error:
+                    messages.error(request, error.message)
+                    return
+            ApiKey.objects.filter(pk=obj.pk).update(user=obj.user, name=obj.name)
             return
-        key, plaintext = api_key_create(user=obj.user, name=obj.name, expires_at=obj.expires_at)
+        key, plaintext = api_key_create(user=obj.user, name=obj.name, expires_at=obj.expires_at, actor=actor, source="admin")
         obj.pk, obj.prefix, obj.key_hash = key.pk, key.prefix, key.key_hash
         messages.warning(request, f"The new key, shown only this once: {plaintext}")
 
     @admin.action(description="Revoke the selected keys")
     def revoke(self, request: HttpRequest, queryset: QuerySet[ApiKey]) -> None:
         for key in queryset:
-            api_key_revoke(key=key)
+            api_key_revoke(key=key, actor=signed_in_user(request), source="admin")
         messages.success(request, f"Revoked {queryset.count()} key(s).")
+
+
+@admin.register(UserSettings)
+class UserSettingsAdmin(admin.ModelAdmin):
+    list_display = ("user", "retention_days", "max_concurrent_jobs", "max_concurrent_tool_calls", "max_jobs_per_minute")
+    search_fields = ("user__username",)
+    autocomplete_fields = ("user",)

@@ -37,3 +37,53 @@ class ApiKey(models.Model):
     def is_active(self) -> bool:
         now = timezone.now()
         return self.revoked_at is None and (self.expires_at is None or self.expires_at > now)
+
+
+class ApiKeyEvent(models.Model):
+    """One change to a key: who did what to it, and when. Written with the change, never edited."""
+
+    class Action(models.TextChoices):
+        CREATED = "created"
+        EXPIRY_SET = "expiry_set"
+        REVOKED = "revoked"
+
+    key = models.ForeignKey(ApiKey, on_delete=models.CASCADE, related_name="events")
+    # Null when the system acted (a command, a job's end); kept when the acting user is deleted.
+    actor = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+")
+    action = models.CharField(max_length=16, choices=Action.choices)
+    # What changed: {"expires_at": [old, new]} for an expiry; where it came from (api, admin, cli).
+    details = models.JSONField(default=dict, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["-created_at"]
+        verbose_name = "API key event"
+
+    def __str__(self) -> str:
+        return f"{self.action} ptc_{self.key.prefix}_… by {self.actor or 'system'} at {self.created_at:%Y-%m-%d %H:%M:%S}"
+
+
+class UserSettings(models.Model):
+    """What an operator sets for one user, over the deployment's defaults (admin: "User settings")."""
+
+    user = models.OneToOneField(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="ptc_settings")
+    retention_days = models.PositiveIntegerField(
+        null=True,
+        blank=True,
+        help_text=(
+            "Days a finished job's code, output, return value and tool-call inputs/outputs are kept. "
+            "0: purged as soon as the job has finished (at the next purge round). Empty: PTC_RETENTION_DAYS."
+        ),
+    )
+
+    # The user's own quotas over the policy's: empty uses the policy's, 0 means no limit.
+    max_concurrent_jobs = models.PositiveIntegerField(null=True, blank=True, help_text="Empty: the policy's. 0: no limit.")
+    max_concurrent_tool_calls = models.PositiveIntegerField(null=True, blank=True, help_text="Empty: the policy's. 0: no limit.")
+    max_jobs_per_minute = models.PositiveIntegerField(null=True, blank=True, help_text="Empty: the policy's. 0: no limit.")
+
+    class Meta:
+        verbose_name = "user settings"
+        verbose_name_plural = "user settings"
+
+    def __str__(self) -> str:
+        return f"settings of {self.user}"

@@ -1,5 +1,6 @@
 import hashlib
 import hmac
+import logging
 import secrets
 from datetime import datetime, timedelta
 from typing import Any
@@ -9,8 +10,10 @@ from django.contrib.auth.models import User
 from django.db import transaction
 from django.utils import timezone
 
-from ptcproject.accounts.models import ApiKey
+from ptcproject.accounts.models import ApiKey, ApiKeyEvent
+from ptcproject.errors import ApplicationError
 
+logger = logging.getLogger("ptc.accounts")
 KEY_PREFIX = "ptc_"
 # Writing last_used_at on every request would turn each read into a write; once a minute is enough.
 LAST_USED_RESOLUTION = timedelta(seconds=60)
@@ -20,16 +23,38 @@ def _hash(secret: str) -> str:
     return hashlib.sha256(secret.encode()).hexdigest()
 
 
-def api_key_create(*, user: User, name: str = "", expires_at: datetime | None = None, exec_job: Any = None) -> tuple[ApiKey, str]:
+def _audit(*, key: ApiKey, actor: User | None, action: str, source: str, details: dict[str, Any] | None = None) -> None:
+    """Record a change to a user's key (who, when, what) as a row and a log line; never the secret."""
+    details = {"source": source, **(details or {})}
+    ApiKeyEvent.objects.create(key=key, actor=actor, action=action, details=details)
+    actor_id = actor.pk if actor else None
+    extra = {"key_id": str(key.pk), "prefix": key.prefix, "owner_id": key.user_id, "actor_id": actor_id, "details": details}
+    logger.info("api key %s", action, extra=extra)
+
+
+def api_key_create(
+    *,
+    user: User,
+    name: str = "",
+    expires_at: datetime | None = None,
+    exec_job: Any = None,
+    actor: User | None = None,
+    source: str = "system",
+) -> tuple[ApiKey, str]:
     """Create a key for ``user`` (job-scoped if ``exec_job`` is given).
 
-    Return the row and the plaintext key, which is never stored.
+    Return the row and the plaintext key, which is never stored. A user's own key is audited; a
+    job-scoped one is not (one per job, revoked with it, and never listed).
     """
     prefix = secrets.token_hex(6)
     plaintext = f"{KEY_PREFIX}{prefix}_{secrets.token_urlsafe(32)}"
-    key = ApiKey.objects.create(
-        user=user, name=name, prefix=prefix, key_hash=_hash(plaintext), expires_at=expires_at, exec_job=exec_job
-    )
+    with transaction.atomic():
+        key = ApiKey.objects.create(
+            user=user, name=name, prefix=prefix, key_hash=_hash(plaintext), expires_at=expires_at, exec_job=exec_job
+        )
+        if exec_job is None:
+            details = {"name": name, "expires_at": expires_at.isoformat() if expires_at else None}
+            _audit(key=key, actor=actor, action=ApiKeyEvent.Action.CREATED, source=source, details=details)
     return key, plaintext
 
 
@@ -38,8 +63,38 @@ def job_keys_revoke(*, exec_job_id: Any) -> None:
     ApiKey.objects.filter(exec_job_id=exec_job_id, revoked_at__isnull=True).update(revoked_at=timezone.now())
 
 
-def api_key_revoke(*, key: ApiKey) -> None:
-    ApiKey.objects.filter(pk=key.pk, revoked_at__isnull=True).update(revoked_at=timezone.now())
+def api_key_revoke(*, key: ApiKey, actor: User | None = None, source: str = "system") -> ApiKey:
+    """Revoke ``key`` if it is not already (revoking twice changes nothing and records nothing).
+
+    Return the key as stored afterwards.
+    """
+    with transaction.atomic():
+        changed = ApiKey.objects.filter(pk=key.pk, revoked_at__isnull=True).update(revoked_at=timezone.now())
+        key.refresh_from_db()
+        if changed and key.exec_job_id is None:
+            _audit(key=key, actor=actor, action=ApiKeyEvent.Action.REVOKED, source=source)
+    return key
+
+
+def api_key_expire(*, key: ApiKey, expires_at: datetime | None, actor: User | None = None, source: str = "system") -> ApiKey:
+    """Set when ``key`` stops working (a time in the past ends it now; None: never). Return the key as stored.
+
+    A revoked key stays revoked: changing its expiry is refused with ``conflict``, so nobody reads
+    a new expiry as the key being usable again.
+    """
+    with transaction.atomic():
+        locked = ApiKey.objects.select_for_update().get(pk=key.pk)
+        if locked.revoked_at is not None:
+            raise ApplicationError(
+                "conflict", "This key is revoked; a revoked key can't be given a new expiry. Create a new key."
+            )
+        old = locked.expires_at
+        locked.expires_at = expires_at
+        locked.save(update_fields=["expires_at"])
+        if locked.exec_job_id is None:
+            change = [old.isoformat() if old else None, expires_at.isoformat() if expires_at else None]
+            _audit(key=locked, actor=actor, action=ApiKeyEvent.Action.EXPIRY_SET, source=source, details={"expires_at": change})
+    return locked
 
 
 def api_key_authenticate(*, plaintext: str) -> ApiKey | None:
@@ -73,7 +128,7 @@ def user_with_key_create(*, username: str, create_user: bool, staff: bool, name:
     if staff and not user.is_staff:
         user.is_staff = True
         user.save(update_fields=["is_staff"])
-    _, plaintext = api_key_create(user=user, name=name)
+    _, plaintext = api_key_create(user=user, name=name, source="cli")
     if credits:
         from billing.services import credits_adjust
 

@@ -30,6 +30,15 @@ class Policy(models.Model):
     max_parallel_tool_calls = models.PositiveIntegerField()
     max_output_bytes = models.PositiveIntegerField()
     memory_limit_mb = models.PositiveIntegerField()
+    # Tenant quotas: each user's default (a user's own settings override it); 0 means no limit.
+    # Past one, POST /exec answers 429 rate_limited with Retry-After.
+    max_concurrent_jobs = models.PositiveIntegerField(
+        default=0, help_text="Jobs one user may have queued or running; 0: no limit."
+    )
+    max_concurrent_tool_calls = models.PositiveIntegerField(
+        default=0, help_text="Tool calls one user may have in flight; 0: no limit. Also caps each job's parallel calls."
+    )
+    max_jobs_per_minute = models.PositiveIntegerField(default=0, help_text="Jobs one user may submit in any 60 s; 0: no limit.")
     updated_at = models.DateTimeField(auto_now=True)
 
     class Meta:

@@ -22,6 +22,9 @@ BOUNDS = {
     "max_parallel_tool_calls": (1, 1024),
     "max_output_bytes": (1, 64 * 1024 * 1024),
     "memory_limit_mb": (32, 64 * 1024),
+    "max_concurrent_jobs": (0, 1_000_000),
+    "max_concurrent_tool_calls": (0, 1_000_000),
+    "max_jobs_per_minute": (0, 1_000_000),
 }
 
 
@@ -78,4 +81,7 @@ def policy_seed(env: environ.Env, *, timeout_ceiling: int) -> dict[str, Any]:
         "max_parallel_tool_calls": _int(env, "PTC_MAX_PARALLEL_TOOL_CALLS", 16, *BOUNDS["max_parallel_tool_calls"]),
         "max_output_bytes": _int(env, "PTC_MAX_OUTPUT_BYTES", 1_000_000, *BOUNDS["max_output_bytes"]),
         "memory_limit_mb": _int(env, "PTC_MEMORY_LIMIT_MB", 512, *BOUNDS["memory_limit_mb"]),
+        "max_concurrent_jobs": _int(env, "PTC_MAX_CONCURRENT_JOBS", 0, *BOUNDS["max_concurrent_jobs"]),
+        "max_concurrent_tool_calls": _int(env, "PTC_MAX_CONCURRENT_TOOL_CALLS", 0, *BOUNDS["max_concurrent_tool_calls"]),
+        "max_jobs_per_minute": _int(env, "PTC_MAX_JOBS_PER_MINUTE", 0, *BOUNDS["max_jobs_per_minute"]),
     }

@@ -66,3 +66,40 @@ def ptc_decision(*, policy: Policy, user: User, toolsets: Sequence[str], title: 
         if "nonptc" in lowered:
             return Decision(False, "debug is opt-out and the title contains 'nonptc'")
     return Decision(True, "; ".join(notes))
+
+
+@dataclass(frozen=True)
+class Quotas:
+    """A user's tenant quotas in force; 0 means no limit."""
+
+    concurrent_jobs: int
+    concurrent_tool_calls: int
+    jobs_per_minute: int
+
+    @property
+    def any(self) -> bool:
+        return bool(self.concurrent_jobs or self.concurrent_tool_calls or self.jobs_per_minute)
+
+    def parallel_cap(self) -> int:
+        """The most parallel calls one job of this user may make so that all of its jobs at once stay
+        within concurrent_tool_calls (0: no cap from the quotas)."""
+        if not self.concurrent_tool_calls:
+            return 0
+        return max(1, self.concurrent_tool_calls // (self.concurrent_jobs or 1))
+
+
+def quotas_for(*, policy: Policy, user: User) -> Quotas:
+    """Return ``user``'s quotas: their own settings where set (admin, "User settings"), else the policy's."""
+    from ptcproject.accounts.models import UserSettings
+
+    own = UserSettings.objects.filter(user=user).first()
+
+    def pick(name: str) -> int:
+        value = getattr(own, name) if own is not None else None
+        return int(value if value is not None else getattr(policy, name))
+
+    return Quotas(
+        concurrent_jobs=pick("max_concurrent_jobs"),
+        concurrent_tool_calls=pick("max_concurrent_tool_calls"),
+        jobs_per_minute=pick("max_jobs_per_minute"),
+    )

@@ -41,6 +41,9 @@ class PolicySerializer(serializers.ModelSerializer):
     max_parallel_tool_calls = _bounded("max_parallel_tool_calls")
     max_output_bytes = _bounded("max_output_bytes")
     memory_limit_mb = _bounded("memory_limit_mb")
+    max_concurrent_jobs = _bounded("max_concurrent_jobs")
+    max_concurrent_tool_calls = _bounded("max_concurrent_tool_calls")
+    max_jobs_per_minute = _bounded("max_jobs_per_minute")
 
     class Meta:
         model = Policy
@@ -60,6 +63,9 @@ class PolicySerializer(serializers.ModelSerializer):
             "max_parallel_tool_calls",
             "max_output_bytes",
             "memory_limit_mb",
+            "max_concurrent_jobs",
+            "max_concurrent_tool_calls",
+            "max_jobs_per_minute",
             "updated_at",
         ]
         read_only_fields = ["updated_at"]

@@ -1,4 +1,5 @@
 """The sandbox side of the bridge, shipped as ``ptc_tools/_runtime.py``. Standard library only.
+Without a bridge (a sandbox on another host), calls go over HTTP with the job-scoped key (``_Http``).
 
 Each tool call sends ``{"op": "call", "id", "toolset", "tool", "args"}`` and waits for the frame
 with the same ``id``. Calls from many threads, or many asyncio tasks, are in flight at once; one
@@ -174,6 +175,9 @@ def send(message: dict[str, Any]) -> None:
 def call(toolset: str, tool: str, arguments: dict[str, Any]) -> Any:
     """Call ``toolset.tool`` and return its result, or raise ToolError."""
     if _bridge is None:
+        http = _http()
+        if http is not None:
+            return http.call(toolset, tool, arguments)
         raise ToolError(_NO_BRIDGE, tool=f"{toolset}.{tool}", code="no_bridge")
     return _bridge.call(toolset, tool, arguments)
 
@@ -181,5 +185,76 @@ def call(toolset: str, tool: str, arguments: dict[str, Any]) -> Any:
 async def acall(toolset: str, tool: str, arguments: dict[str, Any]) -> Any:
     """The asyncio form of ``call``."""
     if _bridge is None:
+        http = _http()
+        if http is not None:
+            import asyncio
+
+            return await asyncio.to_thread(http.call, toolset, tool, arguments)
         raise ToolError(_NO_BRIDGE, tool=f"{toolset}.{tool}", code="no_bridge")
     return await _bridge.acall(toolset, tool, arguments)
+
+
+class _Http:
+    """Tool calls over HTTP, for a sandbox on a host without the bridge: POST /api/v1/tools/execute
+    with the job-scoped key and the job's call_id. The server holds them to the job's limits as the
+    bridge would: past its parallel cap it answers 429 parallel_limit and the call waits here."""
+
+    def __init__(self, url: str, key: str, call_id: str) -> None:
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"PTC_API_URL must be an http(s) URL; got {url!r}")
+        self.url = url.rstrip("/") + "/api/v1/tools/execute"
+        self.headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json", "x-ptc-call-id": call_id}
+
+    def call(self, toolset: str, tool: str, arguments: dict[str, Any]) -> Any:
+        import json
+        import time
+        import urllib.error
+        import urllib.request
+
+        name = f"{toolset}.{tool}"
+        body = json.dumps({"toolset": toolset, "tool": tool, "arguments": arguments}).encode()
+        pause = 0.02
+        while True:
+            # The scheme was checked in __init__: http or https only.
+            request = urllib.request.Request(self.url, data=body, headers=self.headers, method="POST")  # noqa: S310
+            try:
+                with urllib.request.urlopen(request, timeout=3600) as response:  # noqa: S310  # the server bounds the call
+                    record = json.load(response)
+                break
+            except urllib.error.HTTPError as exc:
+                try:
+                    error = json.loads(exc.read() or b"{}").get("error") or {}
+                except ValueError:
+                    error = {}
+                if exc.code == 429 and error.get("code") == "parallel_limit":
+                    time.sleep(pause)  # a slot frees when one of this job's calls ends
+                    pause = min(pause * 2, 0.5)
+                    continue
+                raise ToolError(error.get("message", str(exc)), tool=name, code=error.get("code", "tool_error")) from None
+            except OSError as exc:
+                raise ToolError(f"the API could not be reached: {exc}", tool=name, code="bridge_closed") from None
+        if record.get("status") == "completed":
+            return record.get("output")
+        error = record.get("error") or {}
+        raise ToolError(
+            error.get("message", "the tool call failed"),
+            tool=name,
+            call_id=record.get("call_id", ""),
+            code=error.get("code", "tool_error"),
+        )
+
+
+_http_client: _Http | None = None
+
+
+def connect_http(url: str, key: str, call_id: str) -> None:
+    """Make tool calls over HTTP to the API at ``url`` (a sandbox without the bridge)."""
+    global _http_client
+    _http_client = _Http(url, key, call_id)
+
+
+def _http() -> _Http | None:
+    """The HTTP client: set by connect_http, or from PTC_API_URL, PTC_JOB_KEY and PTC_JOB_CALL_ID."""
+    if _http_client is None and all(os.environ.get(n) for n in ("PTC_API_URL", "PTC_JOB_KEY", "PTC_JOB_CALL_ID")):
+        connect_http(os.environ["PTC_API_URL"], os.environ["PTC_JOB_KEY"], os.environ["PTC_JOB_CALL_ID"])
+    return _http_client

@@ -1,0 +1,73 @@
+"""Tenant quotas: how much of the fleet one user may hold at once, checked when a job is submitted.
+
+A user past a quota gets 429 ``rate_limited`` with ``Retry-After``, and nothing is created. The
+tool-call quota is also held per job, through its parallel cap (``Quotas.parallel_cap``), so it
+costs the tool calls' path nothing.
+"""
+
+import math
+from datetime import timedelta
+
+from django.contrib.auth import get_user_model
+from django.contrib.auth.models import User
+from django.utils import timezone
+
+from execution.models import ExecJob, ToolCall
+from ptcproject.errors import ApplicationError
+from ptcproject.policy.selectors import Quotas
+
+# What a client waits before trying again when its own jobs or calls must end first: they free a
+# slot at an unknown moment, so a short wait, not the worst case.
+BUSY_RETRY_SECONDS = 2
+
+
+def _limited(message: str, *, quota: str, limit: int, retry_after: int) -> ApplicationError:
+    return ApplicationError(
+        "rate_limited", message, status=429, details={"quota": quota, "limit": limit, "retry_after": max(1, retry_after)}
+    )
+
+
+def exec_quota_check(*, user: User, quotas: Quotas) -> None:
+    """Raise ApplicationError ``rate_limited`` (429) if a new job would take ``user`` past a quota.
+
+    Call it inside the transaction that creates the job: it locks the user's row, so two requests
+    of one user at once are counted one after the other (other users are not held up).
+    """
+    if not quotas.any:
+        return
+    list(get_user_model().objects.select_for_update().filter(pk=user.pk).values_list("pk"))
+    jobs = ExecJob.objects.filter(user=user)
+    if quotas.concurrent_jobs:
+        active = jobs.filter(status__in=(ExecJob.Status.QUEUED, ExecJob.Status.RUNNING)).count()
+        if active >= quotas.concurrent_jobs:
+            raise _limited(
+                f"You have {active} jobs queued or running; your quota is {quotas.concurrent_jobs} at once. "
+                "Submit this one when one of them has finished.",
+                quota="concurrent_jobs",
+                limit=quotas.concurrent_jobs,
+                retry_after=BUSY_RETRY_SECONDS,
+            )
+    if quotas.concurrent_tool_calls:
+        in_flight = ToolCall.objects.filter(user=user, status=ToolCall.Status.EXECUTING).count()
+        if in_flight >= quotas.concurrent_tool_calls:
+            raise _limited(
+                f"You have {in_flight} tool calls in flight; your quota is {quotas.concurrent_tool_calls}. "
+                "Submit this job when some have finished.",
+                quota="concurrent_tool_calls",
+                limit=quotas.concurrent_tool_calls,
+                retry_after=BUSY_RETRY_SECONDS,
+            )
+    if quotas.jobs_per_minute:
+        now = timezone.now()
+        window = list(
+            jobs.filter(created_at__gt=now - timedelta(seconds=60)).order_by("created_at").values_list("created_at", flat=True)
+        )
+        if len(window) >= quotas.jobs_per_minute:
+            # A slot frees when the oldest job that keeps the window full leaves it.
+            leaves = window[len(window) - quotas.jobs_per_minute] + timedelta(seconds=60)
+            raise _limited(
+                f"You submitted {len(window)} jobs in the last minute; your quota is {quotas.jobs_per_minute} a minute.",
+                quota="jobs_per_minute",
+                limit=quotas.jobs_per_minute,
+                retry_after=math.ceil((leaves - now).total_seconds()),
+            )

@@ -1,0 +1,105 @@
+"""Retention: empty what old finished jobs carried (code, output, return value, tool-call inputs and
+outputs), keep every record of what they did and cost.
+
+The charges stay whole: ToolCall rows (with their credits, status, toolset, tool, times and error
+code), CreditUsage rows, reservations and the ledger are never touched. Run by beat
+(``execution.tasks.purge_jobs``); safe to run twice or on two workers at once: a job is purged by a
+conditional update on ``purged_at IS NULL``, and emptying twice gives the same row.
+"""
+
+import logging
+from collections import defaultdict
+from datetime import datetime, timedelta
+from uuid import UUID
+
+from django.conf import settings
+from django.db import transaction
+from django.db.models import Q, QuerySet
+from django.utils import timezone
+
+from execution.backplane import backplane
+from execution.models import ExecJob, ToolCall
+from ptcproject.accounts.models import UserSettings
+
+logger = logging.getLogger("ptc.execution")
+PURGE_BATCH = 500
+# What a purged error's message reads.
+PURGED = "(removed by retention)"
+
+
+def _cutoffs(*, now: datetime) -> list[tuple[Q, datetime]]:
+    """Whose rows finished before when are past retention: one (users, cutoff) per retention in force.
+
+    Users with their own ``retention_days`` (grouped by it), then everyone else at
+    PTC_RETENTION_DAYS, unless it is unset (kept forever).
+    """
+    overrides = UserSettings.objects.filter(retention_days__isnull=False)
+    by_days: dict[int, list[int]] = defaultdict(list)
+    for user_id, days in overrides.values_list("user_id", "retention_days"):
+        if days is not None:  # the filter says so; mypy can't see it
+            by_days[days].append(user_id)
+    cutoffs = [(Q(user_id__in=users), now - timedelta(days=days)) for days, users in by_days.items()]
+    if settings.PTC_RETENTION_DAYS is not None:
+        cutoffs.append((~Q(user_id__in=overrides.values("user_id")), now - timedelta(days=settings.PTC_RETENTION_DAYS)))
+    return cutoffs
+
+
+def _exec_jobs_purge_batch(*, ids: list[UUID], now: datetime) -> list[str]:
+    """Empty these jobs and their calls in one transaction; return the call_ids of those this run purged."""
+    with transaction.atomic():
+        # The lock and the purged_at condition make two purges at once empty each job once.
+        claimed = list(
+            ExecJob.objects.select_for_update(skip_locked=True)
+            .filter(pk__in=ids, purged_at__isnull=True)
+            .values_list("pk", "call_id", "error")
+        )
+        if not claimed:
+            return []
+        for pk, _, error in claimed:
+            # The error's type says what happened; its message and traceback may quote the code or its data.
+            kept = {"type": error.get("type", ""), "message": PURGED, "traceback": ""} if isinstance(error, dict) else None
+            ExecJob.objects.filter(pk=pk).update(code="", stdout="", stderr="", return_value=None, error=kept, purged_at=now)
+        _tool_calls_empty(ToolCall.objects.filter(exec_job_id__in=[pk for pk, _, _ in claimed]))
+    return [call_id for _, call_id, _ in claimed]
+
+
+def _tool_calls_empty(calls: QuerySet[ToolCall]) -> int:
+    """Empty the calls' inputs and outputs, and their errors' messages (an HTTP tool's error quotes
+    its answer), keeping each error's code. Return how many calls there were."""
+    for pk, error in calls.filter(error__isnull=False).values_list("pk", "error"):
+        if isinstance(error, dict) and error.get("message") != PURGED:
+            ToolCall.objects.filter(pk=pk).update(error={"code": error.get("code", ""), "message": PURGED})
+    return calls.update(input={}, output=None)
+
+
+def exec_jobs_purge(*, now: datetime | None = None, batch_size: int = PURGE_BATCH) -> int:
+    """Purge every finished job past its owner's retention (UserSettings.retention_days, else
+    PTC_RETENTION_DAYS; neither: kept forever), ``batch_size`` jobs per transaction, and the
+    standalone tool calls past it too.
+
+    Return how many jobs this run purged (0 when run again at once).
+    """
+    now = now or timezone.now()
+    unpurged = ExecJob.objects.filter(status__in=ExecJob.FINISHED, purged_at__isnull=True, finished_at__isnull=False)
+    holding = ToolCall.objects.filter(exec_job__isnull=True, finished_at__isnull=False).filter(
+        ~Q(input={}) | Q(output__isnull=False)
+    )
+    purged = calls = 0
+    for users, cutoff in _cutoffs(now=now):
+        jobs = unpurged.filter(users, finished_at__lte=cutoff).order_by("finished_at")
+        while ids := list(jobs.values_list("pk", flat=True)[:batch_size]):
+            call_ids = _exec_jobs_purge_batch(ids=ids, now=now)
+            if not call_ids:
+                break  # all locked by a purge running beside this one: it will finish them
+            purged += len(call_ids)
+            # The job's live event log repeats its output and tool I/O: it goes too.
+            try:
+                backplane().events_drop(call_ids)
+            except Exception:  # the log expires on its own (PTC_EVENTS_RETENTION_SECONDS)
+                logger.warning("could not drop purged jobs' event logs", exc_info=True)
+        standalone = holding.filter(users, finished_at__lte=cutoff).order_by("finished_at")
+        while call_pks := list(standalone.values_list("pk", flat=True)[:batch_size]):
+            calls += _tool_calls_empty(ToolCall.objects.filter(pk__in=call_pks))
+    if purged or calls:
+        logger.info("retention purged old jobs", extra={"jobs": purged, "standalone_calls": calls})
+    return purged

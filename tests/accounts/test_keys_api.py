@@ -1,0 +1,134 @@
+"""/api/v1/keys: a user creates, lists, expires and revokes their own keys, over the real API."""
+
+from collections.abc import Callable
+from datetime import timedelta
+
+import httpx
+from django.utils import timezone
+
+from ptcproject.accounts.models import ApiKey, ApiKeyEvent
+from tests.conftest import Api
+from tests.execution.test_tools_execute import JOB, _job_key
+
+
+def _client(api: Api, key: str) -> httpx.Client:
+    return httpx.Client(base_url=api.http.base_url, headers={"Authorization": f"Bearer {key}"}, timeout=30)
+
+
+def test_a_key_is_shown_once_then_listed_without_its_secret(api: Api) -> None:
+    expires = (timezone.now() + timedelta(days=30)).replace(microsecond=0)
+    created = api.post("/api/v1/keys", json={"name": "ci runner", "expires_at": expires.isoformat()})
+    assert created.status_code == 201, created.text
+    body = created.json()
+    secret = body["key"]
+    assert secret.startswith(f"ptc_{body['prefix']}_")
+    assert (body["name"], body["active"], body["revoked_at"]) == ("ci runner", True, None)
+    # The new key works at once.
+    new = _client(api, secret)
+    assert new.get("/api/v1/exec").status_code == 200
+
+    listed = api.get("/api/v1/keys")
+    assert listed.status_code == 200
+    rows = listed.json()["results"]
+    first = ApiKey.objects.get(user__username=api.username, name="")  # the fixture's key
+    assert {row["prefix"] for row in rows} == {body["prefix"], first.prefix}
+    assert secret not in listed.text
+    assert "key_hash" not in listed.text
+    mine = next(row for row in rows if row["id"] == body["id"])
+    assert set(mine) == {"id", "prefix", "name", "created_at", "expires_at", "last_used_at", "revoked_at", "active"}
+    assert mine["last_used_at"] is not None  # it was used just above
+    detail = api.get(f"/api/v1/keys/{body['id']}").json()
+    assert detail == {**mine, "last_used_at": detail["last_used_at"]}
+    assert "key" not in detail
+
+    event = ApiKeyEvent.objects.get(key_id=body["id"])
+    assert (event.action, event.actor.username, event.details["source"]) == ("created", api.username, "api")
+
+
+def test_expire_and_revoke_stop_the_key_and_are_audited(api: Api) -> None:
+    body = api.post("/api/v1/keys", json={"name": "short-lived"}).json()
+    other = _client(api, body["key"])
+    assert other.get("/api/v1/billing/balance").status_code == 200
+
+    later = timezone.now() + timedelta(hours=1)
+    patched = api.http.patch(f"/api/v1/keys/{body['id']}", json={"expires_at": later.isoformat()})
+    assert patched.status_code == 200, patched.text
+    assert patched.json()["active"] is True
+    assert other.get("/api/v1/billing/balance").status_code == 200
+
+    now = api.http.patch(f"/api/v1/keys/{body['id']}", json={"expires_at": timezone.now().isoformat()})
+    assert now.json()["active"] is False
+    assert other.get("/api/v1/billing/balance").status_code == 401
+    unexpired = api.http.patch(f"/api/v1/keys/{body['id']}", json={"expires_at": None})
+    assert unexpired.json()["active"] is True
+    assert other.get("/api/v1/billing/balance").status_code == 200
+
+    revoked = api.post(f"/api/v1/keys/{body['id']}/revoke")
+    assert revoked.status_code == 200
+    assert revoked.json()["revoked_at"] is not None and revoked.json()["active"] is False
+    assert other.get("/api/v1/billing/balance").status_code == 401
+    again = api.post(f"/api/v1/keys/{body['id']}/revoke")
+    assert again.status_code == 200 and again.json()["revoked_at"] == revoked.json()["revoked_at"]
+    refused = api.http.patch(f"/api/v1/keys/{body['id']}", json={"expires_at": None})
+    assert refused.status_code == 409
+    assert refused.json()["error"]["code"] == "conflict"
+    assert other.get("/api/v1/billing/balance").status_code == 401
+
+    actions = list(ApiKeyEvent.objects.filter(key_id=body["id"]).order_by("created_at").values_list("action", flat=True))
+    assert actions == ["created", "expiry_set", "expiry_set", "expiry_set", "revoked"]  # the refused one and the repeat left none
+    assert all(e.actor is not None and e.actor.username == api.username for e in ApiKeyEvent.objects.filter(key_id=body["id"]))
+
+    bad = api.http.patch(f"/api/v1/keys/{body['id']}", json={"expires_at": "tomorrow"})
+    assert bad.status_code == 400 and bad.json()["error"]["code"] == "validation_error"
+
+
+def test_another_users_key_is_404(api: Api, make_api: Callable[..., Api]) -> None:
+    mine = api.post("/api/v1/keys", json={"name": "mine"}).json()
+    intruder = make_api()
+    for response in (
+        intruder.get(f"/api/v1/keys/{mine['id']}"),
+        intruder.http.patch(f"/api/v1/keys/{mine['id']}", json={"expires_at": timezone.now().isoformat()}),
+        intruder.post(f"/api/v1/keys/{mine['id']}/revoke"),
+    ):
+        assert response.status_code == 404
+        assert response.json()["error"]["code"] == "not_found"
+    assert mine["id"] not in intruder.get("/api/v1/keys").text
+    assert _client(api, mine["key"]).get("/api/v1/exec").status_code == 200  # untouched
+
+
+def test_a_job_scoped_key_is_not_listed_and_cannot_use_the_keys_api(api: Api) -> None:
+    job = api.run(JOB, toolsets=["demo"], wait=0)
+    job_key = _job_key(api, job["id"])
+    stored = ApiKey.objects.get(exec_job_id=job["id"])
+    assert str(stored.pk) not in api.get("/api/v1/keys").text
+    assert api.get(f"/api/v1/keys/{stored.pk}").status_code == 404
+    scoped = _client(api, job_key)
+    for response in (scoped.get("/api/v1/keys"), scoped.post("/api/v1/keys", json={"name": "escape"})):
+        assert response.status_code == 403
+        assert response.json()["error"]["code"] == "permission_denied"
+    assert not ApiKey.objects.filter(user=stored.user, name="escape").exists()
+
+
+def test_the_admin_audits_what_it_does_to_keys(api: Api) -> None:
+    from django.contrib.auth import get_user_model
+    from django.test import Client
+
+    staff = get_user_model().objects.create_user(username=f"admin-{api.username}", is_staff=True, is_superuser=True)
+    owner = get_user_model().objects.get(username=api.username)
+    client = Client()
+    client.force_login(staff)
+    inline = {"events-TOTAL_FORMS": 0, "events-INITIAL_FORMS": 0}  # the read-only events inline's formset
+    added = client.post("/admin/accounts/apikey/add/", {"user": owner.pk, "name": "from admin"})
+    assert added.status_code == 302, added.content[:2000]
+    key = ApiKey.objects.get(user=owner, name="from admin")
+    change = f"/admin/accounts/apikey/{key.pk}/change/"
+    assert client.get(change).status_code == 200
+    expiry = {"user": owner.pk, "name": "from admin", "expires_at_0": "2030-01-01", "expires_at_1": "00:00:00"}
+    assert client.post(change, {**expiry, **inline}).status_code == 302
+    client.post("/admin/accounts/apikey/", {"action": "revoke", "_selected_action": [str(key.pk)]})
+    events = ApiKeyEvent.objects.filter(key=key).order_by("created_at")
+    assert [(e.action, e.actor, e.details["source"]) for e in events] == [
+        ("created", staff, "admin"),
+        ("expiry_set", staff, "admin"),
+        ("revoked", staff, "admin"),
+    ]

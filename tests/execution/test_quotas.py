@@ -1,0 +1,113 @@
+"""Tenant quotas on the real stack: past a quota POST /exec answers 429 rate_limited with
+Retry-After and creates nothing, and one user flooding the fleet does not starve another."""
+
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import httpx
+from django.contrib.auth import get_user_model
+
+from execution.models import ExecJob
+from ptcproject.accounts.models import UserSettings
+from ptcproject.policy.selectors import policy_get, quotas_for
+from tests.conftest import Api
+
+SLEEP = "import time\ntime.sleep(4)"
+
+
+def _quota(api: Api, **fields: int) -> None:
+    UserSettings.objects.create(user=get_user_model().objects.get(username=api.username), **fields)
+
+
+def _flood(api: Api, count: int, code: str = SLEEP) -> list[httpx.Response]:
+    """Submit ``count`` jobs at once, from as many threads."""
+    with ThreadPoolExecutor(count) as pool:
+        return list(pool.map(lambda _: api.post("/api/v1/exec", json={"code": code, "wait": 0}), range(count)))
+
+
+def _queue_ms(api: Api) -> float:
+    """Run a short job for ``api`` and return how long it waited for an exec worker."""
+    job = api.run("print('hi')", wait=60)
+    assert job["status"] == "completed"
+    return float(ExecJob.objects.get(pk=job["id"]).timings["queue_ms"])
+
+
+def _wait_idle(apis: list[Api], seconds: float = 30) -> None:
+    deadline = time.monotonic() + seconds
+    users = [a.username for a in apis]
+    while ExecJob.objects.filter(user__username__in=users, status__in=("queued", "running")).exists():
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+
+
+def test_a_flooding_user_gets_429_and_does_not_starve_another(make_api: Callable[..., Api]) -> None:
+    flooder, victim = make_api(), make_api()
+    _quota(flooder, max_concurrent_jobs=2)
+    answers = _flood(flooder, 10)
+    accepted = [r for r in answers if r.status_code == 201]
+    refused = [r for r in answers if r.status_code != 201]
+    assert len(accepted) == 2, [r.status_code for r in answers]  # counted under the user's lock
+    for response in refused:
+        assert response.status_code == 429
+        body = response.json()["error"]
+        assert body["code"] == "rate_limited"
+        assert body["details"]["quota"] == "concurrent_jobs" and body["details"]["limit"] == 2
+        assert int(response.headers["Retry-After"]) >= 1
+    assert ExecJob.objects.filter(user__username=flooder.username).count() == 2  # nothing half-made
+    # The flooder holds 2 of the exec worker's 6 threads: the other user's job starts at once.
+    assert _queue_ms(victim) < 2000
+    _wait_idle([flooder])
+    assert flooder.post("/api/v1/exec", json={"code": "1", "wait": 0}).status_code == 201  # a slot again
+
+
+def test_without_a_quota_the_same_flood_makes_others_wait(make_api: Callable[..., Api]) -> None:
+    """The control: the flood that the quota above absorbs holds every exec thread without it."""
+    flooder, victim = make_api(), make_api()
+    answers = _flood(flooder, 10)
+    assert all(r.status_code == 201 for r in answers)
+    time.sleep(1)  # the worker has taken its 6
+    assert _queue_ms(victim) > 1000
+    _wait_idle([flooder], seconds=60)
+
+
+def test_jobs_per_minute_says_when_to_retry(make_api: Callable[..., Api]) -> None:
+    api = make_api()
+    _quota(api, max_jobs_per_minute=3)
+    for _ in range(3):
+        assert api.post("/api/v1/exec", json={"code": "1", "wait": 0}).status_code == 201
+    refused = api.post("/api/v1/exec", json={"code": "1", "wait": 0})
+    assert refused.status_code == 429
+    assert refused.json()["error"]["details"]["quota"] == "jobs_per_minute"
+    assert 50 <= int(refused.headers["Retry-After"]) <= 60  # when the first of the three leaves the minute
+
+
+def test_tool_calls_in_flight_are_capped_per_job_and_at_submission(make_api: Callable[..., Api]) -> None:
+    api = make_api()
+    _quota(api, max_concurrent_tool_calls=1)
+    job = api.run("from ptc_tools.demo import Demo\nDemo.sleep(ms=3000)", toolsets=["demo"], wait=0)
+    assert ExecJob.objects.get(pk=job["id"]).limits["max_parallel_tool_calls"] == 1
+    deadline = time.monotonic() + 20
+    while True:
+        refused = api.post("/api/v1/exec", json={"code": "1", "wait": 0})
+        if refused.status_code == 429:
+            break
+        assert refused.status_code == 201
+        assert time.monotonic() < deadline, "the call in flight never counted"
+        time.sleep(0.1)
+    assert refused.json()["error"]["details"]["quota"] == "concurrent_tool_calls"
+    _wait_idle([api])
+    assert api.post("/api/v1/exec", json={"code": "1", "wait": 0}).status_code == 201
+
+
+def test_a_users_own_quota_overrides_the_policys(api: Api) -> None:
+    user = get_user_model().objects.get(username=api.username)
+    policy: Any = policy_get()
+    policy.max_concurrent_jobs, policy.max_concurrent_tool_calls, policy.max_jobs_per_minute = 5, 40, 0
+    assert quotas_for(policy=policy, user=user).concurrent_jobs == 5
+    assert quotas_for(policy=policy, user=user).parallel_cap() == 8  # 5 jobs x 8 calls stay within 40
+    UserSettings.objects.create(user=user, max_concurrent_jobs=0, max_jobs_per_minute=7)
+    quotas = quotas_for(policy=policy, user=user)
+    assert (quotas.concurrent_jobs, quotas.concurrent_tool_calls, quotas.jobs_per_minute) == (0, 40, 7)
+    assert quotas.parallel_cap() == 40

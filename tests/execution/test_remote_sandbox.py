@@ -1,0 +1,114 @@
+"""Remote sandboxes: the SDK, with no bridge, calls tools over HTTP with the job-scoped key, and
+that path holds the job to the same max_tool_calls, parallel cap and sequential as the bridge."""
+
+import json
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+from django.conf import settings
+
+from execution.models import ExecJob, ToolCall
+from tests.conftest import Api
+from tests.execution.test_tools_execute import _job_key
+
+HOLDER = """
+import time
+from ptc_tools import _runtime
+from ptc_tools.demo import Demo
+Demo.echo(value=_runtime.job_info["key"])  # hands the test this job's key through the call record
+time.sleep(60)
+"""
+
+REMOTE = """
+import json, sys, threading, time
+from ptc_tools import ToolError
+from ptc_tools.demo import Demo
+
+out = {"add": Demo.add(a=1, b=2)}
+started = time.monotonic()
+threads = [threading.Thread(target=Demo.sleep, kwargs={"ms": 400}) for _ in range(int(sys.argv[1]))]
+for thread in threads:
+    thread.start()
+for thread in threads:
+    thread.join()
+out["sleeps_s"] = time.monotonic() - started
+try:
+    for i in range(int(sys.argv[2])):
+        Demo.add(a=i, b=0)
+except ToolError as exc:
+    out["refused"] = [exc.code, i]
+print(json.dumps(out))
+"""
+
+
+def _most_at_once(calls: list[ToolCall]) -> int:
+    """The most of ``calls`` whose [recorded, finished] spans overlap at one moment."""
+    edges = sorted([(c.started_at, 1) for c in calls] + [(c.finished_at, -1) for c in calls], key=lambda e: (e[0], e[1]))
+    most = now = 0
+    for _, step in edges:
+        now += step
+        most = max(most, now)
+    return most
+
+
+def _remote(api: Api, sdk_dir: Path, key: str, call_id: str, *args: int) -> dict[str, Any]:
+    """Run the SDK on "another host": a plain interpreter with no bridge, only the API's URL and the key."""
+    env = {"PTC_API_URL": str(api.http.base_url), "PTC_JOB_KEY": key, "PTC_JOB_CALL_ID": call_id, "PYTHONPATH": str(sdk_dir)}
+    done = subprocess.run(
+        [settings.PTC_SANDBOX_PYTHON, "-c", REMOTE, *map(str, args)], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+def test_the_sdk_calls_over_http_within_the_jobs_limits(api: Api, tmp_path: Path) -> None:
+    job = api.run(HOLDER, toolsets=["demo"], wait=0)
+    key = _job_key(api, job["id"])
+    sdk = api.get("/api/v1/sdk", params={"toolset_keys": "demo"}).json()
+    for name, text in sdk["files"].items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    stored = ExecJob.objects.get(pk=job["id"])
+    # The limits this job runs under, made small for the test (the HTTP path reads them from the record).
+    ExecJob.objects.filter(pk=job["id"]).update(limits={**stored.limits, "max_tool_calls": 10, "max_parallel_tool_calls": 2})
+    try:
+        out = _remote(api, tmp_path, key, job["call_id"], 6, 5)
+        assert out["add"] == 3
+        # 1 echo + 1 add + 6 sleeps + 2 adds = 10: the third add is refused, as the bridge would.
+        assert out["refused"] == ["tool_call_limit", 2]
+        sleeps = list(ToolCall.objects.filter(exec_job_id=job["id"], tool_name="sleep"))
+        assert len(sleeps) == 6 and all(c.status == "completed" for c in sleeps)
+        assert all(c.type == "ptc" and c.ptc_call_id == job["call_id"] for c in sleeps)
+        assert _most_at_once(sleeps) == 2  # the parallel cap: the others waited their turn
+        assert out["sleeps_s"] >= 1.1  # three rounds of 0.4 s
+        assert ToolCall.objects.filter(exec_job_id=job["id"]).count() == 10
+
+        # Sequential: one call at a time, whatever the code asks.
+        ExecJob.objects.filter(pk=job["id"]).update(sequential=True, limits={**stored.limits, "max_tool_calls": 100})
+        out = _remote(api, tmp_path, key, job["call_id"], 3, 0)
+        sleeps = list(ToolCall.objects.filter(exec_job_id=job["id"], tool_name="sleep").order_by("started_at")[6:])
+        assert len(sleeps) == 3 and _most_at_once(sleeps) == 1
+        assert out["sleeps_s"] >= 1.1
+    finally:
+        assert api.post(f"/api/v1/exec/{job['id']}/cancel").status_code == 200
+    # The job has ended: its key is revoked and the remote SDK's calls fail.
+    time.sleep(0.5)
+    done = subprocess.run(
+        [
+            settings.PTC_SANDBOX_PYTHON,
+            "-c",
+            "from ptc_tools.demo import Demo\ntry:\n    Demo.add(a=1, b=1)\nexcept Exception as e:\n    print(e.code)",
+        ],
+        env={
+            "PTC_API_URL": str(api.http.base_url),
+            "PTC_JOB_KEY": key,
+            "PTC_JOB_CALL_ID": job["call_id"],
+            "PYTHONPATH": str(tmp_path),
+        },
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.stdout.strip() == "authentication_failed", done.stderr

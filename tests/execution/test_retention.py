@@ -1,0 +1,117 @@
+"""Retention: old finished jobs lose their code, output and tool I/O; every charge stays."""
+
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+from django.contrib.auth import get_user_model
+from django.utils import timezone
+
+from billing.models import CreditAccount, CreditUsage, LedgerEntry
+from execution.backplane import RedisBackplane, backplane
+from execution.models import ExecJob, ToolCall
+from execution.services.retention import exec_jobs_purge
+from ptcproject.accounts.models import UserSettings
+from tests.conftest import Api
+
+CODE = """
+from ptc_tools.demo import Demo
+print("secret output", Demo.add(a=20, b=22))
+Demo.echo(value="private input")
+"""
+
+
+def _charges(username: str) -> dict[str, Any]:
+    """What the user was charged, as the billing records say."""
+    user = get_user_model().objects.get(username=username)
+    return {
+        "calls": sorted(
+            ToolCall.objects.filter(user=user).values_list("call_id", "status", "credits", "toolset_key", "tool_name")
+        ),
+        "usage": sorted(CreditUsage.objects.filter(user=user).values_list("tool_call_id", "amount", "due_amount")),
+        "ledger": sorted(LedgerEntry.objects.filter(account__user=user).values_list("id", "kind", "delta")),
+        "balance": CreditAccount.objects.get(user=user).balance,
+    }
+
+
+def _assert_purged(job_id: str) -> None:
+    job = ExecJob.objects.get(pk=job_id)
+    assert job.purged_at is not None
+    assert (job.code, job.stdout, job.stderr, job.return_value) == ("", "", "", None)
+    calls = ToolCall.objects.filter(exec_job_id=job_id)
+    assert calls.count() == 2
+    assert all(call.input == {} and call.output is None for call in calls)
+
+
+def test_zero_retention_purges_a_finished_job_by_beat_and_keeps_its_charges(make_api: Callable[..., Api]) -> None:
+    private, keeper = make_api(), make_api()
+    UserSettings.objects.create(user=get_user_model().objects.get(username=private.username), retention_days=0)
+    job = private.run(CODE, toolsets=["demo"])
+    kept = keeper.run(CODE, toolsets=["demo"])
+    assert "secret output 42" in job["stdout"] and job["credits_charged"] == 1
+    charges = _charges(private.username)
+
+    deadline = time.monotonic() + 20
+    while ExecJob.objects.get(pk=job["id"]).purged_at is None:  # beat's round, every second here
+        assert time.monotonic() < deadline, "beat did not purge the zero-retention job"
+        time.sleep(0.2)
+    _assert_purged(job["id"])
+    assert _charges(private.username) == charges  # ToolCall rows, usage, ledger and balance untouched
+
+    seen = private.get(f"/api/v1/exec/{job['id']}").json()
+    assert (seen["status"], seen["code"], seen["stdout"], seen["return_value"]) == ("completed", "", "", None)
+    assert seen["credits_charged"] == 1
+    assert "private input" not in private.get("/api/v1/tool-calls", params={"exec": job["id"]}).text
+    if isinstance(backplane(), RedisBackplane):  # the live event log repeated the output: gone too
+        assert backplane().events_read(job["call_id"]) == []
+
+    other = ExecJob.objects.get(pk=kept["id"])  # a user without an override, and no default: kept
+    assert other.purged_at is None and "secret output 42" in other.stdout
+    assert ToolCall.objects.filter(exec_job_id=kept["id"], input={"value": "private input"}).exists()
+
+
+def test_the_default_purges_only_jobs_past_it_in_batches_and_twice_is_a_no_op(
+    make_api: Callable[..., Api], settings: Any
+) -> None:
+    api = make_api()
+    old = [api.run(CODE, toolsets=["demo"]) for _ in range(3)]
+    recent = api.run(CODE, toolsets=["demo"])
+    standalone = api.post(
+        "/api/v1/tools/execute", json={"toolset": "demo", "tool": "echo", "arguments": {"value": "kept?"}}
+    ).json()
+    ExecJob.objects.filter(pk__in=[j["id"] for j in old]).update(finished_at=timezone.now() - timedelta(days=8))
+    ToolCall.objects.filter(call_id=standalone["call_id"]).update(finished_at=timezone.now() - timedelta(days=8))
+    charges = _charges(api.username)
+
+    settings.PTC_RETENTION_DAYS = None  # unset: nothing is purged
+    exec_jobs_purge()
+    assert all(ExecJob.objects.get(pk=j["id"]).purged_at is None for j in old)
+    settings.PTC_RETENTION_DAYS = 7
+    assert exec_jobs_purge(batch_size=1) >= 3  # one transaction per job here
+    for job in old:
+        _assert_purged(job["id"])
+    assert ExecJob.objects.get(pk=recent["id"]).purged_at is None
+    assert ToolCall.objects.get(call_id=standalone["call_id"]).input == {}
+    assert _charges(api.username) == charges
+    assert exec_jobs_purge() == 0  # idempotent
+
+    # Errors keep their type or code; their messages, which can quote data, go.
+    failed = api.run(
+        'from ptc_tools import ToolError\nfrom ptc_tools.demo import Demo\ntry:\n    Demo.fail(message="private")\nexcept ToolError:\n    pass\nraise ValueError("private too")',
+        toolsets=["demo"],
+    )
+    assert failed["status"] == "failed"
+    ExecJob.objects.filter(pk=failed["id"]).update(finished_at=timezone.now() - timedelta(days=8))
+    assert exec_jobs_purge() == 1
+    job = ExecJob.objects.get(pk=failed["id"])
+    assert job.error == {"type": "ValueError", "message": "(removed by retention)", "traceback": ""}
+    assert ToolCall.objects.get(exec_job_id=failed["id"]).error == {"code": "tool_failed", "message": "(removed by retention)"}
+
+    # A user's own longer retention wins over the default.
+    patient = make_api()
+    UserSettings.objects.create(user=get_user_model().objects.get(username=patient.username), retention_days=30)
+    theirs = patient.run(CODE, toolsets=["demo"])
+    ExecJob.objects.filter(pk=theirs["id"]).update(finished_at=timezone.now() - timedelta(days=8))
+    exec_jobs_purge()
+    assert ExecJob.objects.get(pk=theirs["id"]).purged_at is None

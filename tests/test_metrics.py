@@ -1,0 +1,118 @@
+"""/metrics on the real stack: who may read it, the events of every process, and the fleet's state."""
+
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from execution.models import ToolCall
+from tests.conftest import METRICS_TOKEN, Api
+from tests.stack import Stack
+from tests.tools.conftest import unique_key
+from tests.tools.http_api import HttpApi
+from tools.sdk import class_name
+
+
+def scrape(stack: Stack, token: str = METRICS_TOKEN) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Return every sample of /metrics: (name, sorted labels) -> value."""
+    response = httpx.get(f"{stack.base_url}/metrics", headers={"Authorization": f"Bearer {token}"}, timeout=30)
+    assert response.status_code == 200, response.text
+    assert response.headers["content-type"].startswith("text/plain")
+    samples = {}
+    for family in text_string_to_metric_families(response.text):
+        for sample in family.samples:
+            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return samples
+
+
+def value(samples: dict[Any, float], name: str, **labels: str) -> float:
+    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def test_only_the_token_or_staff_may_read_metrics(stack: Stack, make_api: Callable[..., Api]) -> None:
+    url = f"{stack.base_url}/metrics"
+    assert httpx.get(url).status_code == 401
+    assert httpx.get(url, headers={"Authorization": "Bearer wrong"}).status_code == 401
+    assert httpx.get(url, headers={"Authorization": f"Bearer {make_api().key}"}).status_code == 401  # not staff
+    assert httpx.get(url, headers={"Authorization": f"Bearer {make_api(staff=True).key}"}).status_code == 200
+    assert scrape(stack)  # the token
+
+
+def test_job_and_call_metrics_come_from_the_workers(stack: Stack, api: Api) -> None:
+    before = scrape(stack)
+    job = api.run("from ptc_tools.demo import Demo\nprint(Demo.add(a=1, b=2))", toolsets=["demo"])
+    assert job["status"] == "completed"
+    failed = api.run("raise ValueError('no')")
+    assert failed["status"] == "failed"
+    deadline = time.monotonic() + 10
+    while True:  # the exec worker counts the job right after it records its end
+        after = scrape(stack)
+        if value(after, "ptc_jobs_finished_total", status="failed") > value(before, "ptc_jobs_finished_total", status="failed"):
+            break
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    grew = lambda name, **labels: value(after, name, **labels) - value(before, name, **labels)  # noqa: E731
+    assert grew("ptc_jobs_finished_total", status="completed") >= 1
+    assert grew("ptc_job_duration_seconds_count", toolset="demo", status="completed") >= 1
+    for toolset in failed["toolsets"] or ["-"]:  # once per toolset it was granted ("-": none)
+        assert grew("ptc_job_duration_seconds_count", toolset=toolset, status="failed") >= 1
+    assert grew("ptc_tool_call_duration_seconds_count", toolset="demo", outcome="ok") >= 1
+    assert grew("ptc_sandbox_start_seconds_count") >= 2
+    assert value(after, "ptc_sandbox_start_seconds_sum") > 0
+    # Live workers per queue, from their presence beats.
+    assert value(after, "ptc_queue_workers", queue="exec") >= 1
+    assert value(after, "ptc_queue_workers", queue="tools") >= 1
+    assert ("ptc_queue_depth", (("queue", "exec"),)) in after
+    assert value(after, "ptc_fleet_up", source="database") == value(after, "ptc_fleet_up", source="broker") == 1
+
+
+@pytest.fixture(scope="module")
+def http_api() -> Iterator[HttpApi]:
+    with HttpApi(expected_key="") as server:
+        yield server
+
+
+def test_fleet_state_shows_a_call_waiting_on_a_queue_no_worker_serves(
+    stack: Stack, api: Api, http_api: HttpApi, make_api: Callable[..., Api]
+) -> None:
+    key = unique_key("stuck")
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    tool = {"name": "forecast", "input_schema": schema, "http": {"method": "GET", "path": "/forecast/{city}", "query": []}}
+    body = {"key": key, "name": "Stuck", "kind": "http", "config": {"base_url": http_api.url}, "tools": [tool]}
+    made = make_api(staff=True).post("/api/v1/toolsets", json={**body, "queue": "tools.slow", "price": 2})
+    assert made.status_code == 201, made.text
+    job = api.run(f"from ptc_tools.{key} import {class_name(key)}\n{class_name(key)}.forecast(city='x')", toolsets=[key], wait=0)
+    deadline = time.monotonic() + 20
+    while not ToolCall.objects.filter(exec_job_id=job["id"]).exists():
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    try:
+        samples = scrape(stack)
+        assert value(samples, "ptc_tool_calls_in_flight", toolset=key) == 1
+        assert value(samples, "ptc_queue_depth", queue="tools.slow") >= 1
+        assert value(samples, "ptc_queue_workers", queue="tools.slow") == 0  # the alert's condition
+        assert value(samples, "ptc_jobs", status="running") >= 1
+        assert value(samples, "ptc_jobs_oldest_age_seconds", status="running") > 0
+        assert value(samples, "ptc_reservations_held") >= 1
+        assert value(samples, "ptc_reservations_held_credits") >= 2
+    finally:
+        assert api.post(f"/api/v1/exec/{job['id']}/cancel").status_code == 200
+    deadline = time.monotonic() + 15
+    while value(scrape(stack), "ptc_tool_calls_in_flight", toolset=key):  # the call ended with its job
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+
+
+def test_event_lag_is_observed_for_live_followers(stack: Stack, api: Api) -> None:
+    before = value(scrape(stack), "ptc_event_lag_seconds_count")
+    marker = uuid.uuid4().hex
+    job = api.run(f"import time\ntime.sleep(1)\nprint('a')\ntime.sleep(0.5)\nprint('{marker}')", wait=0)
+    with api.http.stream("GET", f"/api/v1/exec/{job['id']}/events", timeout=30) as response:
+        for line in response.iter_lines():
+            if line.startswith("event: exec_end"):
+                break
+    assert value(scrape(stack), "ptc_event_lag_seconds_count") > before
