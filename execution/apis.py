@@ -16,15 +16,18 @@ from execution.events import db_read, event_stream, valid_event_id
 from execution.models import ExecJob, ToolCall
 from execution.selectors import exec_jobs_for, tool_calls_for
 from execution.serializers import (
+    ApprovalSerializer,
     ExecCreateSerializer,
     ExecJobSerializer,
     ExecListQuerySerializer,
     ToolCallListQuerySerializer,
     ToolCallSerializer,
     ToolExecuteSerializer,
+    ToolResultSerializer,
 )
 from execution.services.calls import tool_call_standalone
 from execution.services.jobs import exec_job_cancel, exec_job_create, exec_job_wait
+from execution.services.waiting import tool_call_decide, tool_results_submit
 from ptcproject.accounts.authentication import signed_in_user
 from ptcproject.accounts.models import ApiKey
 from ptcproject.accounts.services import api_key_authenticate
@@ -58,6 +61,7 @@ class ExecListCreateApi(FilteredListApi):
             timeout=data.get("timeout"),
             title=data["title"],
             max_credits=data.get("max_credits"),
+            client_tools=[dict(tool) for tool in data["client_tools"]],
         )
         exec_job_wait(job=job, seconds=data["wait"])
         job = exec_jobs_for(user=signed_in_user(request)).get(pk=job.pk)
@@ -84,6 +88,54 @@ class ExecCancelApi(APIView):
         job = get_object_or_404(exec_jobs_for(user=signed_in_user(request)), pk=job_id)
         exec_job_cancel(job=job)
         return Response(ExecJobSerializer(exec_jobs_for(user=signed_in_user(request)).get(pk=job.pk)).data)
+
+
+class ExecToolResultsApi(APIView):
+    @extend_schema(
+        request=ToolResultSerializer(many=True),
+        responses={
+            200: ToolCallSerializer(many=True),
+            404: OpenApiResponse(description="not_found (no such job, or another user's) or call_not_found."),
+            409: OpenApiResponse(
+                description="call_not_awaiting (not waiting on the client) or result_conflict (answered already); "
+                "nothing changed."
+            ),
+        },
+        description=(
+            "Answer client tool calls of this job: a list of Anthropic-style tool_result blocks "
+            "`[{tool_use_id, content, is_error}]`, each `tool_use_id` the `id` of a `tool_call_pending` event. "
+            "All are recorded, or none. Returns the calls as recorded."
+        ),
+    )
+    def post(self, request: Request, job_id: str) -> Response:
+        job = get_object_or_404(exec_jobs_for(user=signed_in_user(request)), pk=job_id)
+        body = ToolResultSerializer(data=request.data, many=True, allow_empty=False)
+        body.is_valid(raise_exception=True)
+        calls = tool_results_submit(job=job, results=[dict(r) for r in body.validated_data])
+        return Response(ToolCallSerializer(calls, many=True).data)
+
+
+class ToolCallApprovalApi(APIView):
+    @extend_schema(
+        request=ApprovalSerializer,
+        responses={
+            200: ToolCallSerializer,
+            404: OpenApiResponse(description="not_found: no such call, or another user's."),
+            409: OpenApiResponse(description="decision_conflict (decided already) or call_not_awaiting; nothing changed."),
+        },
+        description=(
+            "Approve or deny a call that waits for an approval (staff, or the job's owner). Approved, it runs; "
+            'denied, the code gets ToolError(code="denied"). Who and when are recorded on the call.'
+        ),
+    )
+    def post(self, request: Request, call_id: str) -> Response:
+        call = get_object_or_404(tool_calls_for(user=signed_in_user(request)), call_id=call_id)
+        body = ApprovalSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        call = tool_call_decide(
+            call=call, actor=signed_in_user(request), approve=body.validated_data["approve"], reason=body.validated_data["reason"]
+        )
+        return Response(ToolCallSerializer(call).data)
 
 
 class ToolCallListApi(FilteredListApi):

@@ -34,6 +34,9 @@ class ExecJob(models.Model):
     sequential = models.BooleanField(default=False)
     # The most credits this job's tool calls may cost; calls past it fail with budget_exceeded.
     max_credits = models.PositiveIntegerField(null=True, blank=True)
+    # Tools the job's caller runs (POST /exec ``client_tools``): ``[{name, description, input_schema,
+    # output_schema, timeout}]``; in the SDK as ``ptc_tools.client.Client``.
+    client_tools = models.JSONField(default=list, blank=True)
     stdout = models.TextField(blank=True)
     stderr = models.TextField(blank=True)
     stdout_truncated = models.BooleanField(default=False)
@@ -75,8 +78,21 @@ class ToolCall(models.Model):
 
     class Status(models.TextChoices):
         EXECUTING = "executing"
+        # Waiting on the job's caller to run a client tool and post its result (POST .../tool-results).
+        AWAITING_CLIENT = "awaiting_client"
+        # Waiting for staff or the job's owner to approve or deny it (POST /tool-calls/{id}/approval).
+        AWAITING_APPROVAL = "awaiting_approval"
         COMPLETED = "completed"
         FAILED = "failed"
+
+    class Decision(models.TextChoices):
+        NONE = "", "none"
+        APPROVED = "approved"
+        DENIED = "denied"
+
+    # A call in one of these has not finished: its code is still waiting on it.
+    OPEN = (Status.EXECUTING, Status.AWAITING_CLIENT, Status.AWAITING_APPROVAL)
+    AWAITING = (Status.AWAITING_CLIENT, Status.AWAITING_APPROVAL)
 
     call_id = models.CharField(max_length=80, unique=True)
     type = models.CharField(max_length=16, choices=Type.choices)
@@ -90,7 +106,7 @@ class ToolCall(models.Model):
     input = models.JSONField(default=dict)
     output = models.JSONField(null=True, blank=True)
     error = models.JSONField(null=True, blank=True)
-    status = models.CharField(max_length=16, choices=Status.choices, default=Status.EXECUTING, db_index=True)
+    status = models.CharField(max_length=24, choices=Status.choices, default=Status.EXECUTING, db_index=True)
     credits = models.PositiveIntegerField(default=0)
     # Set by the tools task that took the call; a redelivered task finds it set and does not run again.
     claimed_at = models.DateTimeField(null=True, blank=True)
@@ -98,6 +114,13 @@ class ToolCall(models.Model):
     heartbeat_at = models.DateTimeField(null=True, blank=True)
     started_at = models.DateTimeField()
     finished_at = models.DateTimeField(null=True, blank=True)
+    # The approval of a call that needed one: who decided, when, what and why (the audit trail).
+    decision = models.CharField(max_length=16, choices=Decision.choices, default=Decision.NONE, blank=True)
+    decided_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="tool_call_decisions"
+    )
+    decided_at = models.DateTimeField(null=True, blank=True)
+    decision_reason = models.CharField(max_length=500, blank=True)
 
     class Meta:
         ordering = ["started_at", "id"]

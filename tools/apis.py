@@ -138,5 +138,6 @@ class PtcContextApi(APIView):
             title=data["title"],
             fmt=data["format"],
             discovery=data["discovery"],
+            client_tools=[dict(tool) for tool in data["client_tools"]],
         )
         return Response(ContextSerializer(context).data)

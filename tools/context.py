@@ -18,6 +18,7 @@ from typing import Any
 from django.contrib.auth.models import User
 
 from ptcproject.policy.selectors import policy_get, ptc_decision
+from tools.client import client_tools_clean, client_toolset
 from tools.models import Tool, Toolset
 from tools.sdk import class_name, parameters, ptc_tools_of, sdk_hash_of, summary
 from tools.selectors import toolset_keys_for_ptc, toolsets_named
@@ -272,17 +273,24 @@ def tools_split(
     return direct, per_toolset
 
 
-def ptc_context(*, user: User, keys: list[str] | None, title: str, fmt: str, discovery: bool) -> dict[str, Any]:
+def ptc_context(
+    *, user: User, keys: list[str] | None, title: str, fmt: str, discovery: bool, client_tools: list[dict[str, Any]] | None = None
+) -> dict[str, Any]:
     """Return the prompt context of a turn (API.md): the policy's decision, the tools, the prompt, stats.
 
-    ``keys`` None means every toolset the user may use with PTC. Raise ApplicationError for unknown keys.
+    ``keys`` None means every toolset the user may use with PTC. ``client_tools`` are the job's own
+    (``ptc_tools.client``), in the reference like any toolset's. Raise ApplicationError for unknown
+    keys or invalid client tools.
     """
+    client = client_tools_clean(client_tools or [])
     policy = policy_get()
     if keys is None:
         keys = toolset_keys_for_ptc(user=user, allowlist=policy.toolset_allowlist, blocklist=policy.toolset_blocklist)
     toolsets = toolsets_named(user=user, keys=keys)
     decision = ptc_decision(policy=policy, user=user, toolsets=[ts.key for ts in toolsets], title=title)
     direct, per_toolset = tools_split(toolsets=toolsets, direct_only=frozenset(policy.direct_only_tools))
+    if client:
+        per_toolset.append(client_toolset(client))
     built = ptc_context_build(
         fmt=fmt,
         enabled=decision.enabled,

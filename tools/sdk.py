@@ -372,13 +372,17 @@ def sdk_cached(*, toolsets: list[Toolset]) -> Sdk:
     return sdk
 
 
-def sdk_prepare(*, toolsets: list[Toolset]) -> tuple[str, Path]:
-    """Return the hash and on-disk directory of the SDK for ``toolsets``, generating it only if new."""
-    digest = sdk_hash(toolsets=toolsets)
+def sdk_prepare(*, toolsets: list[Toolset], extra: list[tuple[Toolset, list[Tool]]] | None = None) -> tuple[str, Path]:
+    """Return the hash and on-disk directory of the SDK for ``toolsets``, generating it only if new.
+
+    ``extra`` are modules of unsaved rows to add, as ``ptc_tools_of`` gives them: a job's client tools.
+    """
+    per_toolset = ptc_tools_of(toolsets) + list(extra or [])
+    digest = sdk_hash_of(per_toolset)
     target = sdk_root() / digest
     if target.is_dir():
         return digest, target
-    return digest, sdk_materialize(sdk=sdk_build(toolsets=toolsets))
+    return digest, sdk_materialize(sdk=sdk_build_of(per_toolset))
 
 
 def sdk_root() -> Path:

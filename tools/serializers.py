@@ -36,6 +36,7 @@ class ToolSerializer(serializers.ModelSerializer):
             "timeout",
             "price",
             "billing_free",
+            "requires_approval",
             "http",
         ]
 
@@ -69,6 +70,7 @@ class ToolsetSerializer(serializers.ModelSerializer):
             "enabled",
             "price",
             "billing_free",
+            "requires_approval",
             "config",
             "secret_names",
             "tools",
@@ -140,6 +142,7 @@ class ToolWriteSerializer(serializers.Serializer):
     timeout = NumberField(required=False, allow_null=True, default=None, min_value=0.1, max_value=settings.PTC_TIMEOUT_CEILING)
     price = serializers.IntegerField(required=False, allow_null=True, default=None, min_value=0, max_value=POSITIVE_INT_MAX)
     billing_free = serializers.BooleanField(required=False, default=False)
+    requires_approval = serializers.BooleanField(required=False, default=False, help_text="Each call waits for an approval.")
     enabled = serializers.BooleanField(required=False, default=True)
     http = JsonValueField(required=False, allow_null=True, default=None)
 
@@ -156,6 +159,7 @@ class ToolsetWriteSerializer(serializers.Serializer):
     enabled = serializers.BooleanField(required=False)
     price = serializers.IntegerField(required=False, min_value=0, max_value=POSITIVE_INT_MAX)
     billing_free = serializers.BooleanField(required=False)
+    requires_approval = serializers.BooleanField(required=False, help_text="Every call of its tools waits for an approval.")
     config = JsonValueField(required=False)
     secrets = serializers.DictField(
         child=serializers.CharField(allow_null=True, allow_blank=False, trim_whitespace=False),
@@ -181,10 +185,29 @@ class ToolsetKeysQuerySerializer(serializers.Serializer):
         return None if raw is None else [k.strip() for k in raw.split(",") if k.strip()]
 
 
+class ClientToolSerializer(serializers.Serializer):
+    # Names and schemas are checked in tools.client, with the same rules as a toolset's tools.
+    name = serializers.CharField(max_length=128, help_text="A Python identifier: Client.<name>(...) in the code.")
+    description = serializers.CharField(required=False, allow_blank=True, default="", max_length=10_000)
+    input_schema = JsonValueField(required=False, default=dict, help_text='A JSON Schema object: {"type": "object", ...}.')
+    output_schema = JsonValueField(required=False, allow_null=True, default=None)
+    timeout = NumberField(
+        required=False,
+        allow_null=True,
+        default=None,
+        min_value=0.1,
+        max_value=settings.PTC_TIMEOUT_CEILING,
+        help_text=f"Seconds a call waits for its result (default {settings.PTC_CLIENT_TOOL_TIMEOUT}); then tool_timeout.",
+    )
+
+
 class ContextRequestSerializer(serializers.Serializer):
     toolsets = serializers.ListField(child=serializers.CharField(max_length=64), required=False, allow_null=True)
     title = serializers.CharField(required=False, allow_blank=True, default="", max_length=500)
     format = serializers.ChoiceField(choices=FORMATS, required=False, default="anthropic")
     discovery = serializers.BooleanField(
         required=False, default=False, help_text="Tool names only in the prompt; code reads schemas with ptc_tools.describe()."
+    )
+    client_tools = ClientToolSerializer(
+        many=True, required=False, default=list, help_text="The client tools the turn's job will declare (POST /exec)."
     )

@@ -17,7 +17,18 @@ from tools.models import Tool, Toolset
 from tools.validation import FieldError, schema_errors, toolset_errors
 
 # The toolset fields a write may set; ``secrets`` and ``tools`` are handled on their own.
-TOOLSET_FIELDS = ("key", "name", "description", "kind", "is_global", "enabled", "price", "billing_free", "config")
+TOOLSET_FIELDS = (
+    "key",
+    "name",
+    "description",
+    "kind",
+    "is_global",
+    "enabled",
+    "price",
+    "billing_free",
+    "requires_approval",
+    "config",
+)
 TOOL_FIELDS = (
     "description",
     "input_schema",
@@ -27,6 +38,7 @@ TOOL_FIELDS = (
     "timeout",
     "price",
     "billing_free",
+    "requires_approval",
     "enabled",
     "http",
 )
@@ -39,6 +51,7 @@ TOOL_DEFAULTS: dict[str, Any] = {
     "timeout": None,
     "price": None,
     "billing_free": False,
+    "requires_approval": False,
     "enabled": True,
     "http": None,
 }
@@ -139,7 +152,10 @@ def _tools_write(*, toolset: Toolset, tools: list[dict[str, Any]]) -> None:
 
 def _builtin_guard(*, toolset: Toolset, data: Mapping[str, Any]) -> None:
     # Builtin rows are rewritten from code by `migrate`: an edit other than enabling would not last.
-    changed = [n for n in TOOLSET_FIELDS if n in data and n != "enabled" and data[n] != getattr(toolset, n)]
+    # Enabling and requiring approval are the admin's calls, not the code's: `migrate` leaves them.
+    changed = [
+        n for n in TOOLSET_FIELDS if n in data and n not in ("enabled", "requires_approval") and data[n] != getattr(toolset, n)
+    ]
     if "tools" in data or "secrets" in data:
         changed.append("tools" if "tools" in data else "secrets")
     if changed:

@@ -34,6 +34,7 @@ from execution.events import (
     events_publish,
     tool_call_event,
     tool_call_payload,
+    tool_call_pending_payload,
 )
 from execution.models import ExecJob, ToolCall
 from execution.sandbox.session import CALL_GRACE_SECONDS
@@ -55,9 +56,20 @@ class CallChecker:
     """Checks one tool call before it runs: toolset granted, tool known (and callable from code when
     ``ptc_only``), arguments valid against the tool's JSON Schema. Validators are kept per tool."""
 
-    def __init__(self, *, user: User, toolsets: list[Toolset], direct_only: frozenset[str], ptc_only: bool) -> None:
+    def __init__(
+        self,
+        *,
+        user: User,
+        toolsets: list[Toolset],
+        direct_only: frozenset[str],
+        ptc_only: bool,
+        extra: list[tuple[Toolset, list[Tool]]] | None = None,
+    ) -> None:
         self.user = user
         self.toolsets = {ts.key: ts for ts in toolsets}
+        # Unsaved toolsets with their tools (a job's client tools): no ``tools.all()`` to ask.
+        self.extra_tools = {ts.key: tools for ts, tools in extra or []}
+        self.toolsets.update({ts.key: ts for ts, _ in extra or []})
         self.direct_only = direct_only
         self.ptc_only = ptc_only
         self.validators: dict[Any, Any] = {}
@@ -69,7 +81,8 @@ class CallChecker:
             if toolsets_resolve(user=self.user, keys=[toolset_key])[0]:
                 raise ToolFailure("toolset_not_granted", f"toolset '{toolset_key}' was not granted to this job")
             raise ToolFailure("unknown_toolset", f"there is no toolset '{toolset_key}'")
-        tool = next((t for t in toolset.tools.all() if t.name == tool_name), None)
+        tools = self.extra_tools[toolset_key] if toolset_key in self.extra_tools else toolset.tools.all()
+        tool = next((t for t in tools if t.name == tool_name), None)
         if tool is None:
             raise ToolFailure("unknown_tool", f"toolset '{toolset_key}' has no tool '{tool_name}'")
         if self.ptc_only and not tool_is_ptc(tool=tool, toolset=toolset, direct_only=self.direct_only):
@@ -99,9 +112,13 @@ def tool_call_build(
     arguments: Any,
     found: Tool | None,
     error: dict[str, str] | None = None,
+    status: str = ToolCall.Status.EXECUTING,
 ) -> ToolCall:
-    """Return the call's record, unsaved: ``executing``, or ``failed`` already if it was refused."""
+    """Return the call's record, unsaved: ``status`` (``executing``, or awaiting its client or an
+    approval), or ``failed`` already if it was refused. A job's own client tool has no row to link."""
     now = timezone.now()
+    if found is not None and found._state.adding:
+        found = None
     return ToolCall(
         call_id=call_id,
         type=ToolCall.Type.PTC if job else ToolCall.Type.STANDALONE,
@@ -112,7 +129,7 @@ def tool_call_build(
         tool_name=tool[:128],
         tool=found,
         input=storable(arguments if isinstance(arguments, dict) else {"value": arguments}),
-        status=ToolCall.Status.FAILED if error else ToolCall.Status.EXECUTING,
+        status=ToolCall.Status.FAILED if error else status,
         error=error,
         started_at=now,
         finished_at=now if error else None,
@@ -128,6 +145,8 @@ def tool_calls_record(calls: list[ToolCall]) -> None:
         if call.ptc_call_id:
             events = by_job.setdefault(call.ptc_call_id, [])
             events.append(("tool_call_start", tool_call_payload(call)))
+            if call.status in ToolCall.AWAITING:
+                events.append(("tool_call_pending", tool_call_pending_payload(call)))
             if call.status == ToolCall.Status.FAILED:
                 events.append(tool_call_event(call))
     for job_call_id, events in by_job.items():
@@ -234,16 +253,21 @@ def tool_call_finish(
     billed: bool = True,
     event: bool = True,
     record: ToolCall | None = None,
+    from_statuses: tuple[str, ...] = ToolCall.OPEN,
+    extra: dict[str, Any] | None = None,
 ) -> bool:
-    """Move an executing call to completed or failed, settling or releasing its credits in the same
-    transaction, and publish its event (unless ``event=False``: the caller does, later). Return
-    False if it had already finished (a redelivery: nothing changes). ``billed=False`` says the tool
-    is never billed, which skips the books. ``record``, the call's row, is brought up to date."""
+    """Move an open call (executing, or awaiting its client or an approval; only ``from_statuses``)
+    to completed or failed, settling or releasing its credits in the same transaction, and publish
+    its event (unless ``event=False``: the caller does, later). Return False if it had already
+    finished (a redelivery: nothing changes). ``billed=False`` says the tool is never billed, which
+    skips the books. ``record``, the call's row, is brought up to date. ``extra`` fields are written
+    in the same UPDATE (who decided, when the client answered)."""
     fields: dict[str, Any] = {
         "status": ToolCall.Status.FAILED if error else ToolCall.Status.COMPLETED,
         "output": None if error else storable(output),
         "error": storable(error),
         "finished_at": timezone.now(),
+        **(extra or {}),
     }
     credits = 0
     settles = billed and not error
@@ -254,7 +278,7 @@ def tool_call_finish(
     # The call's row first (a redelivery finds it finished and charges nothing), the ledger last:
     # the account's row lock is held from its statement to the commit only.
     with transaction.atomic() if settles else nullcontext():
-        finished = bool(ToolCall.objects.filter(call_id=call_id, status=ToolCall.Status.EXECUTING).update(**fields))
+        finished = bool(ToolCall.objects.filter(call_id=call_id, status__in=from_statuses).update(**fields))
         if finished and settles:
             credits = credits_settle(tool_call_id=call_id)
     if finished and billed and error:
@@ -418,7 +442,7 @@ def tool_calls_close_held() -> None:
         if status == ToolCall.Status.COMPLETED:
             with transaction.atomic():
                 ToolCall.objects.filter(call_id=call_id).update(credits=credits_settle(tool_call_id=call_id))
-        elif status != ToolCall.Status.EXECUTING:
+        elif status not in ToolCall.OPEN:  # a call awaiting its approval holds its price until decided
             credits_release(tool_call_id=call_id)
 
 

@@ -24,7 +24,7 @@ from execution.models import ExecJob, ToolCall
 from execution.sandbox.limits import Limits
 from execution.sandbox.process import SandboxUnavailable
 from execution.sandbox.session import Outcome, Session
-from execution.services.calls import tool_calls_close_held, tool_calls_reap
+from execution.services.calls import tool_call_finish, tool_calls_close_held, tool_calls_reap
 from execution.services.router import JobCallRouter
 from ptcproject.accounts.services import api_key_create, job_keys_revoke
 from ptcproject.db import db_reset, db_retry
@@ -32,6 +32,7 @@ from ptcproject.errors import ApplicationError, call_error, job_error
 from ptcproject.policy.models import Policy
 from ptcproject.policy.selectors import policy_get, ptc_decision
 from ptcproject.storage import MAX_JSON_DEPTH, json_depth_exceeds, storable
+from tools.client import CLIENT_KEY, client_tools_clean, client_toolset
 from tools.sdk import sdk_prepare
 from tools.selectors import toolset_keys_for_ptc, toolsets_named, toolsets_resolve
 
@@ -50,6 +51,7 @@ def job_limits(*, policy: Policy, timeout: float) -> Limits:
         max_processes=settings.PTC_MAX_PROCESSES,
         max_file_mb=settings.PTC_MAX_FILE_MB,
         max_open_files=settings.PTC_MAX_OPEN_FILES,
+        max_client_wait=policy.max_client_wait,
     )
 
 
@@ -62,12 +64,15 @@ def exec_job_create(
     timeout: float | None,
     title: str = "",
     max_credits: int | None = None,
+    client_tools: list[dict[str, Any]] | None = None,
 ) -> ExecJob:
     """Check the request against the policy, record the job as ``queued``, and enqueue it once committed.
 
+    ``client_tools`` are tools the caller runs itself (``ptc_tools.client.Client``; tools/client.py).
+
     Raise ApplicationError: ``code_too_large`` (413), ``validation_error`` for a timeout above the
-    policy's maximum (400; never clamped), ``unknown_toolset`` (400), ``ptc_disabled`` (403),
-    ``broker_unavailable`` (503, and the job is not created).
+    policy's maximum (400; never clamped) or bad client tools, ``unknown_toolset`` (400),
+    ``ptc_disabled`` (403), ``broker_unavailable`` (503, and the job is not created).
     """
     size = len(code.encode())
     if size > settings.PTC_MAX_CODE_BYTES:
@@ -91,6 +96,13 @@ def exec_job_create(
         keys = toolset_keys_for_ptc(user=user, allowlist=policy.toolset_allowlist, blocklist=policy.toolset_blocklist)
     else:
         keys = [ts.key for ts in toolsets_named(user=user, keys=toolsets)]  # unknown_toolset (400) if any is not
+    client = client_tools_clean(client_tools or [])
+    if client and CLIENT_KEY in keys:
+        raise ApplicationError(
+            "validation_error",
+            f"A job with client_tools has its own '{CLIENT_KEY}' module; leave the toolset '{CLIENT_KEY}' out of toolsets.",
+            details={"toolsets": [f"'{CLIENT_KEY}' is the module of this job's client_tools"]},
+        )
     decision = ptc_decision(policy=policy, user=user, toolsets=keys, title=title)
     if not decision.enabled:
         raise ApplicationError(
@@ -106,6 +118,7 @@ def exec_job_create(
             limits=job_limits(policy=policy, timeout=timeout).as_dict(),
             sequential=policy.sequential,
             max_credits=max_credits,
+            client_tools=client,
         )
         transaction.on_commit(lambda: _exec_job_enqueue(job=job))
     logger.info("job queued", extra={"job_id": str(job.id)})
@@ -208,21 +221,24 @@ def _exec_job_prepare(*, job_id: str) -> "tuple[ExecJob, JobCallRouter, Path, st
     job = ExecJob.objects.select_related("user").get(pk=job_id)
     policy = policy_get()
     toolsets, _ = toolsets_resolve(user=job.user, keys=job.toolsets)
+    extra = [client_toolset(job.client_tools)] if job.client_tools else []
     try:
-        sdk_hash, sdk_dir = sdk_prepare(toolsets=toolsets)
+        sdk_hash, sdk_dir = sdk_prepare(toolsets=toolsets, extra=extra)
     except (OperationalError, InterfaceError):
         raise
     except Exception as exc:  # said in the job's error
         logger.exception("sdk generation failed", extra={"job_id": job_id})
         return Outcome(status="failed", error=job_error("SandboxCrashed", f"the SDK could not be generated: {exc}"))
     ExecJob.objects.filter(pk=job.pk).update(sdk_hash=sdk_hash)
-    router = JobCallRouter(job=job, toolsets=toolsets, direct_only=frozenset(policy.direct_only_tools))
+    direct_only = frozenset(policy.direct_only_tools)
+    router = JobCallRouter(job=job, toolsets=toolsets, direct_only=direct_only, extra=extra, policy=policy)
     # What a sandbox on another host would call back with (POST /api/v1/tools/execute); it dies with the job.
     _, job_key = api_key_create(
         user=job.user,
         name=f"job {job.call_id}",
         exec_job=job,
-        expires_at=timezone.now() + timedelta(seconds=job.timeout_seconds + 60),
+        # Time spent waiting on the client does not count against the timeout, up to max_client_wait.
+        expires_at=timezone.now() + timedelta(seconds=job.timeout_seconds + Limits.from_dict(job.limits).max_client_wait + 60),
     )
     return job, router, sdk_dir, job_key
 
@@ -293,6 +309,11 @@ def _exec_job_close(*, job_id: Any) -> ExecJob:
         error=call_error("job_ended", "the job ended before this call started; it was not run"),
         finished_at=timezone.now(),
     )
+    # Calls still waiting on the client or an approval: a late answer finds them failed (409); each
+    # one's price held for it goes back, and watchers see it end.
+    for call_id in ToolCall.objects.filter(exec_job=job, status__in=ToolCall.AWAITING).values_list("call_id", flat=True):
+        error = call_error("job_ended", "the job ended while this call was waiting; it was not run")
+        tool_call_finish(call_id=call_id, error=error)
     _exec_job_ended(job)
     return job
 

@@ -30,6 +30,12 @@ class Policy(models.Model):
     max_parallel_tool_calls = models.PositiveIntegerField()
     max_output_bytes = models.PositiveIntegerField()
     memory_limit_mb = models.PositiveIntegerField()
+    # Seconds a job may spend waiting on its client (client tools, approvals) without it counting
+    # against its timeout; past that, waiting counts.
+    max_client_wait = models.PositiveIntegerField(default=600)
+    approval_for_writes = models.BooleanField(
+        default=False, help_text="Every call of a tool not read_only waits for an approval."
+    )
     updated_at = models.DateTimeField(auto_now=True)
 
     class Meta:

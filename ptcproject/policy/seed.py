@@ -22,6 +22,7 @@ BOUNDS = {
     "max_parallel_tool_calls": (1, 1024),
     "max_output_bytes": (1, 64 * 1024 * 1024),
     "memory_limit_mb": (32, 64 * 1024),
+    "max_client_wait": (0, 7 * 24 * 3600),
 }
 
 
@@ -78,4 +79,6 @@ def policy_seed(env: environ.Env, *, timeout_ceiling: int) -> dict[str, Any]:
         "max_parallel_tool_calls": _int(env, "PTC_MAX_PARALLEL_TOOL_CALLS", 16, *BOUNDS["max_parallel_tool_calls"]),
         "max_output_bytes": _int(env, "PTC_MAX_OUTPUT_BYTES", 1_000_000, *BOUNDS["max_output_bytes"]),
         "memory_limit_mb": _int(env, "PTC_MEMORY_LIMIT_MB", 512, *BOUNDS["memory_limit_mb"]),
+        "max_client_wait": _int(env, "PTC_MAX_CLIENT_WAIT", 600, *BOUNDS["max_client_wait"]),
+        "approval_for_writes": _bool(env, "PTC_APPROVAL_FOR_WRITES"),
     }

@@ -41,6 +41,7 @@ class PolicySerializer(serializers.ModelSerializer):
     max_parallel_tool_calls = _bounded("max_parallel_tool_calls")
     max_output_bytes = _bounded("max_output_bytes")
     memory_limit_mb = _bounded("memory_limit_mb")
+    max_client_wait = _bounded("max_client_wait")
 
     class Meta:
         model = Policy
@@ -60,6 +61,8 @@ class PolicySerializer(serializers.ModelSerializer):
             "max_parallel_tool_calls",
             "max_output_bytes",
             "memory_limit_mb",
+            "max_client_wait",
+            "approval_for_writes",
             "updated_at",
         ]
         read_only_fields = ["updated_at"]
