@@ -26,12 +26,12 @@ from execution.serializers import (
     ToolResultSerializer,
 )
 from execution.services.calls import tool_call_standalone
-from execution.services.jobs import exec_job_cancel, exec_job_create, exec_job_wait
+from execution.services.jobs import exec_job_cancel, exec_job_create, exec_job_for_container, exec_job_wait
 from execution.services.waiting import tool_call_decide, tool_results_submit
 from ptcproject.accounts.authentication import signed_in_user
 from ptcproject.accounts.models import ApiKey
 from ptcproject.accounts.services import api_key_authenticate
-from ptcproject.errors import error_body
+from ptcproject.errors import ApplicationError, error_body
 from ptcproject.lists import FilteredListApi
 
 
@@ -173,13 +173,26 @@ class ToolExecuteApi(APIView):
     def post(self, request: Request) -> Response:
         body = ToolExecuteSerializer(data=request.data)
         body.is_valid(raise_exception=True)
+        data = body.validated_data
+        key = request.auth if isinstance(request.auth, ApiKey) else None
+        container_job = None
+        if data.get("container_id"):
+            if key is not None and key.exec_job_id is not None:
+                raise ApplicationError(
+                    "validation_error",
+                    "A job-scoped key calls for its own job; container_id is for a user's key.",
+                    details={"container_id": ["not with a job-scoped key"]},
+                )
+            container_job = exec_job_for_container(user=signed_in_user(request), container_id=data["container_id"])
         call = tool_call_standalone(
             user=signed_in_user(request),
-            key=request.auth if isinstance(request.auth, ApiKey) else None,
-            toolset=body.validated_data["toolset"],
-            tool=body.validated_data["tool"],
-            arguments=body.validated_data["arguments"],
+            key=key,
+            toolset=data["toolset"],
+            tool=data["tool"],
+            arguments=data["arguments"],
             job_call_id=request.headers.get("x-ptc-call-id", ""),
+            container_job=container_job,
+            caller=dict(data["caller"]) if data.get("caller") else None,
         )
         return Response(ToolCallSerializer(call).data)
 

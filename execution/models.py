@@ -37,6 +37,10 @@ class ExecJob(models.Model):
     # Tools the job's caller runs (POST /exec ``client_tools``): ``[{name, description, input_schema,
     # output_schema, timeout}]``; in the SDK as ``ptc_tools.client.Client``.
     client_tools = models.JSONField(default=list, blank=True)
+    # Set on a managed container's job: the parent of the calls a provider's own code-execution
+    # container made through POST /tools/execute with this ``container_id``. Such a job runs no code
+    # here; it stays ``running`` (the reaper leaves it alone) until cancelled.
+    container_id = models.CharField(max_length=200, blank=True, default="")
     stdout = models.TextField(blank=True)
     stderr = models.TextField(blank=True)
     stdout_truncated = models.BooleanField(default=False)
@@ -54,6 +58,11 @@ class ExecJob(models.Model):
     class Meta:
         ordering = ["-created_at"]
         indexes = [models.Index(fields=["user", "-created_at"]), models.Index(fields=["status", "heartbeat_at"])]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["user", "container_id"], condition=~models.Q(container_id=""), name="execjob_one_per_container"
+            )
+        ]
 
     def __str__(self) -> str:
         return self.call_id
@@ -121,6 +130,8 @@ class ToolCall(models.Model):
     )
     decided_at = models.DateTimeField(null=True, blank=True)
     decision_reason = models.CharField(max_length=500, blank=True)
+    # Who called it from code, as the caller said (POST /tools/execute ``caller``: {type, tool_id}).
+    caller = models.JSONField(null=True, blank=True)
 
     class Meta:
         ordering = ["started_at", "id"]

@@ -18,6 +18,9 @@ class ToolCallSerializer(serializers.ModelSerializer):
     output = serializers.JSONField(allow_null=True)
     error = serializers.JSONField(allow_null=True)
     duration_ms = serializers.FloatField(allow_null=True)
+    caller = serializers.JSONField(
+        allow_null=True, help_text="Who called it from code, as POST /tools/execute said: {type, tool_id}."
+    )
     decided_by: serializers.SlugRelatedField[Any] = serializers.SlugRelatedField(
         slug_field="username", read_only=True, allow_null=True, help_text="Who approved or denied the call."
     )
@@ -42,6 +45,7 @@ class ToolCallSerializer(serializers.ModelSerializer):
             "decided_by",
             "decided_at",
             "decision_reason",
+            "caller",
         ]
 
 
@@ -83,6 +87,7 @@ class ExecJobSerializer(serializers.ModelSerializer):
             "sequential",
             "max_credits",
             "client_tools",
+            "container_id",
             "tool_calls",
             "credits_charged",
             "sdk_hash",
@@ -99,10 +104,33 @@ class ExecJobSerializer(serializers.ModelSerializer):
         return sum(call.credits for call in job.tool_calls.all())
 
 
+class CallerSerializer(serializers.Serializer):
+    type = serializers.RegexField(
+        r"^[A-Za-z0-9_.-]+$", max_length=64, help_text="The code-execution tool that called, e.g. a provider's dated type."
+    )
+    tool_id = serializers.RegexField(
+        r"^[A-Za-z0-9_-]+$", max_length=200, help_text="The id of the code-execution tool use that made the call."
+    )
+
+
 class ToolExecuteSerializer(serializers.Serializer):
     toolset = serializers.CharField(max_length=64)
     tool = serializers.CharField(max_length=128)
     arguments = JsonValueField(default=dict, help_text=f"The tool's keyword arguments, nested at most {MAX_JSON_DEPTH} levels.")
+    caller = CallerSerializer(
+        required=False, allow_null=True, default=None, help_text="The code that called, as the provider said."
+    )
+    container_id = serializers.RegexField(
+        r"^[A-Za-z0-9_.-]+$",
+        max_length=200,
+        required=False,
+        help_text="A provider's code-execution container: the call is recorded as ptc under that container's job.",
+    )
+
+    def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
+        if attrs.get("container_id") and attrs.get("caller") is None:
+            raise serializers.ValidationError({"caller": ["A call from a container says its caller: {type, tool_id}."]})
+        return attrs
 
     def to_internal_value(self, data: Any) -> Any:
         # Before any field walks them, and as the code a failed call's arguments get: nothing is recorded.

@@ -53,6 +53,7 @@ CODES: dict[str, tuple[int, str]] = {
     "toolset_not_granted": (403, "the toolset was not granted to the job"),
     "tool_not_ptc": (403, "a direct tool can't be called from code"),
     "call_id_mismatch": (403, "x-ptc-call-id is not the call_id of the key's job"),
+    "approval_required": (403, "the tool needs an approval before each call; only a job's code can wait for one"),
     "invalid_arguments": (400, "the arguments don't match the tool's input schema, or nest too deep"),
     "insufficient_credits": (400, "the call costs more than the balance has available"),
     "budget_exceeded": (400, "the call would take the job past its max_credits"),

@@ -7,6 +7,7 @@ from rest_framework import serializers
 
 from ptcproject.fields import JsonValueField, NumberField
 from ptcproject.storage import POSITIVE_INT_MAX
+from tools.anthropic_managed import CODE_EXECUTION_VERSIONS
 from tools.classification import direct_only_tools, tool_is_ptc
 from tools.context import FORMATS
 from tools.models import Tool, Toolset
@@ -126,6 +127,11 @@ class ContextSerializer(serializers.Serializer):
     system_prompt = serializers.CharField(allow_blank=True)
     sdk_hash = serializers.CharField()
     stats = ContextStatsSerializer()
+    routes = serializers.DictField(
+        child=serializers.DictField(child=serializers.CharField()),
+        required=False,
+        help_text="anthropic-managed only: each tool name's {toolset, tool}, for POST /tools/execute.",
+    )
 
 
 # -- Input ---------------------------------------------------------------------------------------
@@ -210,4 +216,11 @@ class ContextRequestSerializer(serializers.Serializer):
     )
     client_tools = ClientToolSerializer(
         many=True, required=False, default=list, help_text="The client tools the turn's job will declare (POST /exec)."
+    )
+    code_execution_version = serializers.ChoiceField(
+        choices=CODE_EXECUTION_VERSIONS,
+        required=False,
+        allow_null=True,
+        default=None,
+        help_text="anthropic-managed only: the code-execution tool version the tools' allowed_callers name.",
     )

@@ -40,6 +40,7 @@ from execution.models import ExecJob, ToolCall
 from execution.sandbox.session import CALL_GRACE_SECONDS
 from ptcproject.accounts.models import ApiKey
 from ptcproject.errors import ApplicationError, call_error
+from ptcproject.policy.models import Policy
 from ptcproject.policy.selectors import policy_get
 from ptcproject.storage import MAX_JSON_DEPTH, json_depth_exceeds, storable
 from tools.classification import tool_is_ptc
@@ -113,6 +114,7 @@ def tool_call_build(
     found: Tool | None,
     error: dict[str, str] | None = None,
     status: str = ToolCall.Status.EXECUTING,
+    caller: dict[str, str] | None = None,
 ) -> ToolCall:
     """Return the call's record, unsaved: ``status`` (``executing``, or awaiting its client or an
     approval), or ``failed`` already if it was refused. A job's own client tool has no row to link."""
@@ -133,6 +135,7 @@ def tool_call_build(
         error=error,
         started_at=now,
         finished_at=now if error else None,
+        caller=caller,
     )
 
 
@@ -187,15 +190,27 @@ def _tool_call_enqueue(*, call_id: str) -> dict[str, str] | None:
 
 
 def tool_call_standalone(
-    *, user: User, key: ApiKey | None, toolset: str, tool: str, arguments: Any, job_call_id: str = ""
+    *,
+    user: User,
+    key: ApiKey | None,
+    toolset: str,
+    tool: str,
+    arguments: Any,
+    job_call_id: str = "",
+    container_job: ExecJob | None = None,
+    caller: dict[str, str] | None = None,
 ) -> ToolCall:
     """Run one call outside any sandbox (POST /api/v1/tools/execute) and return its finished record.
 
     With a user key it is a ``standalone`` call. With a job-scoped key and the job's call_id, it is
-    a ``ptc`` call of that job, held to the job's toolsets. A tool that fails still returns its
-    record (``failed``); a request that names no such toolset or tool raises ApplicationError.
+    a ``ptc`` call of that job, held to the job's toolsets. With ``container_job`` (a managed
+    container's job: code running in a provider's own container), it is a ``ptc`` call of that job.
+    ``caller`` (``{type, tool_id}``) is recorded as given. A tool that fails still returns its
+    record (``failed``); a request that names no such toolset or tool raises ApplicationError, and
+    so does a call that needs an approval or a client (``approval_required``, ``kind_unsupported``):
+    only a job's sandbox waits for those.
     """
-    job = None
+    job = container_job
     if key is not None and key.exec_job_id is not None:
         job = ExecJob.objects.select_related("user").get(pk=key.exec_job_id)
         if job_call_id != job.call_id:
@@ -212,9 +227,29 @@ def tool_call_standalone(
         user=user, toolsets=found_toolsets, direct_only=frozenset(policy.direct_only_tools), ptc_only=job is not None
     )
     call_id = f"ptc_{uuid.uuid4().hex}" if job else f"standalone_{uuid.uuid4().hex}"
-    record = {"call_id": call_id, "user": user, "job": job, "toolset": toolset, "tool": tool, "arguments": arguments}
+    record = {
+        "call_id": call_id,
+        "user": user,
+        "job": job,
+        "toolset": toolset,
+        "tool": tool,
+        "arguments": arguments,
+        "caller": caller,
+    }
     try:
         found = checker.check(toolset, tool, arguments)
+        if found.toolset.kind == Toolset.Kind.CLIENT:
+            raise ApplicationError(
+                "kind_unsupported",
+                f"'{toolset}.{tool}' is a client tool: its caller runs it; there is nothing to run here.",
+                status=400,
+            )
+        if tool_needs_approval(tool=found, policy=policy):
+            raise ApplicationError(
+                "approval_required",
+                f"'{toolset}.{tool}' needs an approval before each call; call it from a job's code, where it waits for one.",
+                status=403,
+            )
     except ToolFailure as failure:
         if failure.code in ("unknown_toolset", "unknown_tool"):
             raise ApplicationError(failure.code, f"{failure.message[:1].upper()}{failure.message[1:]}.") from None
@@ -237,6 +272,12 @@ def tool_call_standalone(
 
 
 CALL_TIMEOUT_MESSAGE = "no result arrived in time: the tools workers may be down or overloaded"
+
+
+def tool_needs_approval(*, tool: Tool, policy: Policy) -> bool:
+    """Return True if each call of ``tool`` waits for an approval: the tool or its toolset says so,
+    or the policy does for every tool that is not read_only."""
+    return tool.requires_approval or tool.toolset.requires_approval or (policy.approval_for_writes and not tool.read_only)
 
 
 def tool_call_reply(call: ToolCall) -> dict[str, Any]:

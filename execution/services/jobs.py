@@ -10,7 +10,7 @@ from typing import Any
 
 from django.conf import settings
 from django.contrib.auth.models import User
-from django.db import DatabaseError, InterfaceError, OperationalError, transaction
+from django.db import DatabaseError, IntegrityError, InterfaceError, OperationalError, transaction
 from django.utils import timezone
 
 from execution.backplane import Cancel, End, backplane, job_channel
@@ -122,6 +122,44 @@ def exec_job_create(
         )
         transaction.on_commit(lambda: _exec_job_enqueue(job=job))
     logger.info("job queued", extra={"job_id": str(job.id)})
+    return job
+
+
+def exec_job_for_container(*, user: User, container_id: str) -> ExecJob:
+    """Return ``user``'s job for a managed container (a provider's own code-execution container
+    whose calls come through POST /tools/execute), created ``running`` on its first call: one per
+    user and ``container_id`` (a unique constraint settles a race). It runs no code here and is
+    never reaped; cancelling it refuses its later calls.
+
+    Raise ApplicationError ``job_finished`` (409) if that job was cancelled.
+    """
+    job = ExecJob.objects.filter(user=user, container_id=container_id).first()
+    if job is None:
+        now = timezone.now()
+        try:
+            with transaction.atomic():
+                job = ExecJob.objects.create(
+                    user=user,
+                    container_id=container_id,
+                    status=Status.RUNNING,
+                    code="",
+                    title=f"managed container {container_id}"[:500],
+                    timeout_seconds=0,
+                    started_at=now,
+                    heartbeat_at=now,
+                    worker="managed container",
+                )
+        except IntegrityError:  # another call of the same container created it first
+            job = ExecJob.objects.get(user=user, container_id=container_id)
+        else:
+            event_publish(job_call_id=job.call_id, event="exec_start", data=job_start_payload(job))
+            logger.info("managed container job created", extra={"job_id": str(job.pk)})
+    if job.status != Status.RUNNING:
+        raise ApplicationError(
+            "job_finished",
+            f"The job of container {container_id} has ended ('{job.status}'); its container takes no more calls.",
+            status=409,
+        )
     return job
 
 
@@ -377,8 +415,8 @@ def exec_job_cancel(*, job: ExecJob) -> ExecJob:
     job.refresh_from_db()
     if not (was_queued or was_running):
         raise ApplicationError("job_finished", f"The job has already finished with status '{job.status}'.", status=409)
-    if was_queued:
-        _exec_job_close(job_id=job.pk)  # no worker will: it never started
+    if was_queued or job.container_id:
+        _exec_job_close(job_id=job.pk)  # no worker will: it never started, or it is a container's (no worker)
     else:
         job_keys_revoke(exec_job_id=job.pk)
         # Its worker kills the sandbox and ends the job; if this push is lost, its next heartbeat
@@ -424,7 +462,9 @@ def exec_jobs_reap() -> int:
             message=f"no exec worker took the job within {settings.PTC_QUEUED_MAX_SECONDS} s; its queue message was lost",
         )
     reaped = 0
-    for job_id in ExecJob.objects.filter(status=Status.RUNNING, heartbeat_at__lt=stale).values_list("pk", flat=True):
+    # A managed container's job has no worker and no lease: it is not reaped.
+    running = ExecJob.objects.filter(status=Status.RUNNING, heartbeat_at__lt=stale, container_id="")
+    for job_id in running.values_list("pk", flat=True):
         reaped += _exec_job_fail_if(
             job_id=str(job_id),
             stale=True,

@@ -19,6 +19,7 @@ from execution.services.calls import (
     tool_call_reserve,
     tool_calls_enqueue,
     tool_calls_record,
+    tool_needs_approval,
 )
 from ptcproject.db import db_reset
 from ptcproject.errors import call_error
@@ -48,16 +49,14 @@ class JobCallRouter:
         granted = [ts for ts in toolsets if ts.key in job.toolsets]
         self.checker = CallChecker(user=job.user, toolsets=granted, direct_only=direct_only, ptc_only=True, extra=extra)
         self.quotes: dict[Any, Any] = {}
-        self.approval_for_writes = bool(policy and policy.approval_for_writes)
+        self.policy = policy
 
     def _awaits(self, tool: Tool) -> str:
         """Return what a call of ``tool`` waits on before it can end: ``client`` (the caller runs
         it), ``approval`` (someone must approve it first), or ``""`` (it runs on a tools worker)."""
         if tool.toolset.kind == Toolset.Kind.CLIENT:
             return "client"
-        if tool.requires_approval or tool.toolset.requires_approval or (self.approval_for_writes and not tool.read_only):
-            return "approval"
-        return ""
+        return "approval" if self.policy is not None and tool_needs_approval(tool=tool, policy=self.policy) else ""
 
     def submit_many(self, requests: list[tuple[str, str, Any]]) -> list[Dispatched | Refused]:
         """Check, record, reserve and enqueue a burst of calls ``(toolset, tool, arguments)``: one

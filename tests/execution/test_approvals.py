@@ -191,3 +191,16 @@ print(total, ok, bought["method"])
     ]
     assert [b["awaiting"] for b in loop.pending] == ["client", "approval"]
     assert "tool_call_approved" in loop.events
+
+
+def test_tools_execute_refuses_a_gated_tool_rather_than_skip_its_approval(
+    make_api: Callable[..., Api], staff: Api, http_api: HttpApi
+) -> None:
+    key = shop(staff, http_api)
+    api = make_api()
+    gated = api.post("/api/v1/tools/execute", json={"toolset": key, "tool": "buy", "arguments": {"city": "x"}})
+    assert gated.status_code == 403 and gated.json()["error"]["code"] == "approval_required"
+    free = api.post("/api/v1/tools/execute", json={"toolset": key, "tool": "look", "arguments": {"city": "x"}})
+    assert free.status_code == 200 and free.json()["status"] == "completed"
+    calls = api.get("/api/v1/tool-calls").json()["results"]
+    assert [c["tool"] for c in calls] == ["look"]  # the refused one left no record
