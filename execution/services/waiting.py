@@ -70,7 +70,8 @@ def tool_results_submit(*, job: ExecJob, results: list[dict[str, Any]]) -> list[
     """Record the client's results ``[{tool_use_id, content, is_error}]`` for ``job``'s calls that
     wait on it, all or none, push each to the waiting code and publish its event. Return the calls.
 
-    Raise ApplicationError: ``validation_error`` (400) for an id given twice, ``call_not_found``
+    Raise ApplicationError: ``validation_error`` (400) for an id given twice or content over
+    PTC_MAX_TOOL_OUTPUT_BYTES, ``call_not_found``
     (404) for an id that is no call of this job, ``call_not_awaiting`` (409) for a call that is not
     waiting on the client (a server tool's, or one that timed out or ended with its job),
     ``result_conflict`` (409) for a call already answered.
@@ -80,6 +81,14 @@ def tool_results_submit(*, job: ExecJob, results: list[dict[str, Any]]) -> list[
     if repeated:
         raise ApplicationError(
             "validation_error", "Each tool_use_id may appear once.", details={"tool_use_id": [f"repeated: {', '.join(repeated)}"]}
+        )
+    limit = settings.PTC_MAX_TOOL_OUTPUT_BYTES
+    large = [r["tool_use_id"] for r in results if len(json.dumps(r.get("content"))) > limit]
+    if large:  # what a server tool may return at most; more would not fit the sandbox's bridge either
+        raise ApplicationError(
+            "validation_error",
+            f"A result's content is over {limit} bytes of JSON; send less.",
+            details={"content": [f"over {limit} bytes: {', '.join(large)}"]},
         )
     calls = {c.call_id: c for c in ToolCall.objects.filter(exec_job=job, call_id__in=ids).select_related("tool__toolset")}
     missing = [i for i in ids if i not in calls]

@@ -194,6 +194,10 @@ def test_wrong_user_unknown_and_foreign_calls(make_api: Callable[..., Api]) -> N
     assert owner.get(f"/api/v1/exec/{job['id']}").json()["tool_calls"][1]["status"] == "awaiting_client"
     bad = owner.post(url, json={"tool_use_id": block["id"]})
     assert bad.status_code == 400
+    huge = owner.post(url, json=[{"tool_use_id": block["id"], "content": "x" * (1024 * 1024 + 1)}])
+    assert huge.status_code == 400 and huge.json()["error"]["code"] == "validation_error"
+    twice = owner.post(url, json=[{"tool_use_id": block["id"], "content": 1}, {"tool_use_id": block["id"], "content": 2}])
+    assert twice.status_code == 400
     for job_id in (job["id"], other["id"]):
         assert owner.post(f"/api/v1/exec/{job_id}/cancel").status_code == 200
 
