@@ -62,7 +62,9 @@ class ExecJobAdmin(admin.ModelAdmin):
         if obj is not None:
             calls_url = reverse("admin:execution_toolcall_changelist")
             # One query for all the calls, however many; nothing below touches a related row.
-            calls = tool_calls_for(user=signed_in_user(request)).filter(exec_job=obj).select_related("decided_by")
+            calls = (
+                tool_calls_for(user=signed_in_user(request)).filter(exec_job=obj).select_related("decided_by", "tool__toolset")
+            )
             decide = reverse("admin:execution_execjob_decide", args=[obj.pk])
             context["timeline"] = timeline_build(
                 job=obj,

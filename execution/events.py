@@ -22,7 +22,7 @@ from django.db import DatabaseError, connection
 
 from execution.backplane import RedisBackplane, backplane, job_channel
 from execution.models import ExecJob, ToolCall
-from tools.client import CLIENT_KEY
+from execution.selectors import tool_call_is_client
 
 logger = logging.getLogger("ptc.events")
 # An event id as Redis Streams and this module write it: "<ms>-<seq>" (or "<ms>").
@@ -158,10 +158,10 @@ def events_from_records(job_id: Any) -> tuple[list[Event], bool]:
     timed: list[tuple[float, int, str, dict[str, Any]]] = []
     if job.started_at:
         timed.append((job.started_at.timestamp(), 0, "exec_start", job_start_payload(job)))
-    for order, call in enumerate(job.tool_calls.order_by("started_at", "id")):
+    for order, call in enumerate(job.tool_calls.select_related("tool__toolset").order_by("started_at", "id")):
         payload = tool_call_payload(call)
         timed.append((call.started_at.timestamp(), 1 + 3 * order, "tool_call_start", payload))
-        if call.status in ToolCall.AWAITING or call.decision or call.toolset_key == CLIENT_KEY:
+        if call.status in ToolCall.AWAITING or call.decision or tool_call_is_client(call):
             timed.append((call.started_at.timestamp(), 2 + 3 * order, "tool_call_pending", tool_call_pending_payload(call)))
         if call.finished_at:
             name, _ = tool_call_event(call)

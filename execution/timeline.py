@@ -15,7 +15,7 @@ from typing import Any
 from django.utils import timezone
 
 from execution.models import ExecJob, ToolCall
-from tools.client import CLIENT_KEY
+from execution.selectors import tool_call_is_client
 
 # Past this many calls, bars are too thin to hover; aggregate.
 MAX_BARS = 300
@@ -72,7 +72,7 @@ def _waited_ms(call: ToolCall, start_ms: float, end_ms: float, origin: datetime)
     if call.status == AWAITING_APPROVAL or call.decision:
         until = _ms(call.decided_at, origin) if call.decided_at is not None else end_ms
         return "approval", max(0.0, min(until, end_ms) - start_ms)
-    if call.status == AWAITING_CLIENT or (call.tool_id is None and call.toolset_key == CLIENT_KEY):
+    if call.status == AWAITING_CLIENT or tool_call_is_client(call):
         return "client", end_ms - start_ms
     return "", 0.0
 

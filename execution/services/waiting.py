@@ -20,10 +20,9 @@ from billing.services import billable
 from execution.backplane import Approved, Result, backplane, job_channel
 from execution.events import event_publish, tool_call_payload
 from execution.models import ExecJob, ToolCall
+from execution.selectors import tool_call_is_client
 from execution.services.calls import tool_call_finish, tool_call_reply, tool_calls_enqueue
 from ptcproject.errors import ApplicationError, call_error
-from tools.client import CLIENT_KEY
-from tools.models import Toolset
 
 logger = logging.getLogger("ptc.execution")
 # How much of a failed client result's content its recorded error message keeps.
@@ -42,16 +41,10 @@ def client_content(content: Any) -> Any:
     return content
 
 
-def _is_client_call(call: ToolCall) -> bool:
-    if call.tool is None:
-        return call.toolset_key == CLIENT_KEY
-    return call.tool.toolset.kind == Toolset.Kind.CLIENT
-
-
 def _claim_refusal(call: ToolCall) -> ApplicationError:
     """Return why a result for ``call`` can't be taken: answered already, or not waiting on a client."""
     # claimed_at on a client call is set by the answer that won it (no tools worker claims one).
-    if call.status in (ToolCall.Status.COMPLETED, ToolCall.Status.FAILED) and call.claimed_at and _is_client_call(call):
+    if call.status in (ToolCall.Status.COMPLETED, ToolCall.Status.FAILED) and call.claimed_at and tool_call_is_client(call):
         return ApplicationError(
             "result_conflict",
             f"Call {call.call_id} already has its result; a second answer changes nothing.",

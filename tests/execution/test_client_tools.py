@@ -7,6 +7,8 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+from django.contrib.auth import get_user_model
+from django.test import Client
 
 from tests.conftest import Api
 from tests.execution.client_loop import ClientLoop, sse_events
@@ -310,3 +312,12 @@ def test_a_shared_client_toolset_waits_on_the_client_and_is_billed_when_priced(m
     assert final["return_value"] is True
     assert final["tool_calls"][0]["credits"] == 2
     assert api.get("/api/v1/billing/balance").json()["balance"] == 98
+    again = api.post(f"/api/v1/exec/{job['id']}/tool-results", json=[{"tool_use_id": loop.pending[0]["id"], "content": False}])
+    assert again.status_code == 409 and again.json()["error"]["code"] == "result_conflict"
+    # The timeline draws its whole span as waited on the client (read in-process: the page only reads).
+    admin = Client()
+    admin.force_login(
+        get_user_model().objects.create_user(username=f"a-{uuid.uuid4().hex[:6]}", is_staff=True, is_superuser=True)
+    )
+    page = admin.get(f"/admin/execution/execjob/{job['id']}/change/").content.decode()
+    assert 'class="ptc-tl-wait" style="width:100.0%"' in page

@@ -97,7 +97,8 @@ with ThreadPoolExecutor(2) as pool:
         decide, data={**form, "approve": "0"}, headers={"Referer": f"{stack.base_url}{change}"}, follow_redirects=True
     )
     assert "already approved" in again.text
-    answer = api.post(f"/api/v1/exec/{job['id']}/tool-results", json=[{"tool_use_id": blocks[0]["id"], "content": True}])
+    confirm_call = next(b for b in blocks if b["awaiting"] == "client")  # the two wait side by side, in either order
+    answer = api.post(f"/api/v1/exec/{job['id']}/tool-results", json=[{"tool_use_id": confirm_call["id"], "content": True}])
     assert answer.status_code == 200, answer.text
     final = finished(api, job["id"])
     assert final["status"] == "completed", final["error"]
