@@ -90,6 +90,10 @@ class ExecCancelApi(APIView):
         return Response(ExecJobSerializer(exec_jobs_for(user=signed_in_user(request)).get(pk=job.pk)).data)
 
 
+# The most results one POST .../tool-results takes: a job has at most this many calls in flight.
+MAX_WAITING_RESULTS = 1024
+
+
 class ExecToolResultsApi(APIView):
     @extend_schema(
         request=ToolResultSerializer(many=True),
@@ -109,7 +113,8 @@ class ExecToolResultsApi(APIView):
     )
     def post(self, request: Request, job_id: str) -> Response:
         job = get_object_or_404(exec_jobs_for(user=signed_in_user(request)), pk=job_id)
-        body = ToolResultSerializer(data=request.data, many=True, allow_empty=False)
+        # No more results than a job may have calls waiting: MAX_WAITING_RESULTS.
+        body = ToolResultSerializer(data=request.data, many=True, allow_empty=False, max_length=MAX_WAITING_RESULTS)
         body.is_valid(raise_exception=True)
         calls = tool_results_submit(job=job, results=[dict(r) for r in body.validated_data])
         return Response(ToolCallSerializer(calls, many=True).data)

@@ -9,6 +9,7 @@ is pushed to the waiting sandbox on the job's channel, and published as the call
 
 import json
 import logging
+from collections import Counter
 from typing import Any
 
 from django.conf import settings
@@ -64,13 +65,13 @@ def tool_results_submit(*, job: ExecJob, results: list[dict[str, Any]]) -> list[
     wait on it, all or none, push each to the waiting code and publish its event. Return the calls.
 
     Raise ApplicationError: ``validation_error`` (400) for an id given twice or content over
-    PTC_MAX_TOOL_OUTPUT_BYTES, ``call_not_found``
-    (404) for an id that is no call of this job, ``call_not_awaiting`` (409) for a call that is not
-    waiting on the client (a server tool's, or one that timed out or ended with its job),
+    PTC_MAX_TOOL_OUTPUT_BYTES, ``call_not_found`` (404) for an id that is no call of this job,
+    ``call_not_awaiting`` (409) for a call that is not waiting on the client (a server tool's, or
+    one that timed out or ended with its job),
     ``result_conflict`` (409) for a call already answered.
     """
     ids = [r["tool_use_id"] for r in results]
-    repeated = sorted({i for i in ids if ids.count(i) > 1})
+    repeated = sorted(i for i, n in Counter(ids).items() if n > 1)
     if repeated:
         raise ApplicationError(
             "validation_error", "Each tool_use_id may appear once.", details={"tool_use_id": [f"repeated: {', '.join(repeated)}"]}
