@@ -10,6 +10,7 @@ from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_sche
 from rest_framework import status
 from rest_framework.request import Request
 from rest_framework.response import Response
+from rest_framework.serializers import ListSerializer
 from rest_framework.views import APIView
 
 from execution.events import db_read, event_stream, valid_event_id
@@ -114,7 +115,9 @@ class ExecToolResultsApi(APIView):
     def post(self, request: Request, job_id: str) -> Response:
         job = get_object_or_404(exec_jobs_for(user=signed_in_user(request)), pk=job_id)
         # No more results than a job may have calls waiting: MAX_WAITING_RESULTS.
-        body = ToolResultSerializer(data=request.data, many=True, allow_empty=False, max_length=MAX_WAITING_RESULTS)
+        body: ListSerializer[Any] = ListSerializer(
+            child=ToolResultSerializer(), data=request.data, allow_empty=False, max_length=MAX_WAITING_RESULTS
+        )
         body.is_valid(raise_exception=True)
         calls = tool_results_submit(job=job, results=[dict(r) for r in body.validated_data])
         return Response(ToolCallSerializer(calls, many=True).data)

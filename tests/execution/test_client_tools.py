@@ -200,6 +200,8 @@ def test_wrong_user_unknown_and_foreign_calls(make_api: Callable[..., Api]) -> N
     assert huge.status_code == 400 and huge.json()["error"]["code"] == "validation_error"
     twice = owner.post(url, json=[{"tool_use_id": block["id"], "content": 1}, {"tool_use_id": block["id"], "content": 2}])
     assert twice.status_code == 400
+    many = owner.post(url, json=[{"tool_use_id": f"ptc_{i}", "content": i} for i in range(1025)])
+    assert many.status_code == 400 and many.json()["error"]["code"] == "validation_error"
     for job_id in (job["id"], other["id"]):
         assert owner.post(f"/api/v1/exec/{job_id}/cancel").status_code == 200
 
