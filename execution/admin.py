@@ -1,16 +1,19 @@
 import json
+import uuid
 from typing import Any
 
-from django.contrib import admin
+from django.contrib import admin, messages
 from django.db.models import QuerySet
-from django.http import HttpRequest, HttpResponse
-from django.urls import reverse
+from django.http import Http404, HttpRequest, HttpResponse, HttpResponseNotAllowed, HttpResponseRedirect
+from django.urls import URLPattern, path, reverse
 from django.utils.html import format_html, format_html_join
 
 from execution.models import ExecJob, ToolCall
 from execution.selectors import tool_calls_for
+from execution.services.waiting import tool_call_decide
 from execution.timeline import timeline_build
 from ptcproject.accounts.authentication import signed_in_user
+from ptcproject.errors import ApplicationError
 
 
 def _pre(value: Any) -> str:
@@ -62,10 +65,46 @@ class ExecJobAdmin(admin.ModelAdmin):
         if obj is not None:
             calls_url = reverse("admin:execution_toolcall_changelist")
             # One query for all the calls, however many; nothing below touches a related row.
-            calls = tool_calls_for(user=signed_in_user(request)).filter(exec_job=obj)
-            context["timeline"] = timeline_build(job=obj, calls=calls, call_url=lambda call: f"{calls_url}{call.pk}/change/")
+            calls = (
+                tool_calls_for(user=signed_in_user(request)).filter(exec_job=obj).select_related("decided_by", "tool__toolset")
+            )
+            decide = reverse("admin:execution_execjob_decide", args=[obj.pk])
+            context["timeline"] = timeline_build(
+                job=obj,
+                calls=calls,
+                call_url=lambda call: f"{calls_url}{call.pk}/change/",
+                decide_url=lambda call: f"{decide}?call_id={call.call_id}",
+            )
             context["timeline_calls_url"] = f"{calls_url}?exec_job={obj.pk}"
         return super().render_change_form(request, context, add=add, change=change, form_url=form_url, obj=obj)
+
+    def get_urls(self) -> list[URLPattern]:
+        decide = path("<path:object_id>/decide/", self.admin_site.admin_view(self.decide_view), name="execution_execjob_decide")
+        return [decide, *super().get_urls()]
+
+    def decide_view(self, request: HttpRequest, object_id: str) -> HttpResponse:
+        """POST from the timeline: approve or deny one call of this job that waits for an approval."""
+        if request.method != "POST":
+            return HttpResponseNotAllowed(["POST"])
+        user = signed_in_user(request)
+        back = reverse("admin:execution_execjob_change", args=[object_id])
+        try:
+            job_id = uuid.UUID(object_id)
+        except ValueError:
+            raise Http404("No such job.") from None
+        call = tool_calls_for(user=user).filter(exec_job_id=job_id, call_id=request.GET.get("call_id", "")).first()
+        if call is None:
+            raise Http404("No such call in this job.")
+        approve = request.POST.get("approve") == "1"
+        try:
+            tool_call_decide(call=call, actor=user, approve=approve, reason=request.POST.get("reason", "")[:500])
+        except ApplicationError as exc:
+            messages.error(request, exc.message)
+        else:
+            messages.success(
+                request, f"{call.toolset_key}.{call.tool_name} ({call.call_id}) {'approved' if approve else 'denied'}."
+            )
+        return HttpResponseRedirect(back)
 
     def has_add_permission(self, request: Any) -> bool:
         return False
@@ -101,8 +140,8 @@ class ExecJobAdmin(admin.ModelAdmin):
 
 @admin.register(ToolCall)
 class ToolCallAdmin(admin.ModelAdmin):
-    list_display = ("call_id", "type", "toolset_key", "tool_name", "status", "user", "credits", "started_at")
-    list_filter = ("status", "type", "toolset_key", "started_at")
+    list_display = ("call_id", "type", "toolset_key", "tool_name", "status", "decision", "user", "credits", "started_at")
+    list_filter = ("status", "decision", "type", "toolset_key", "started_at")
     search_fields = ("call_id", "ptc_call_id", "tool_name", "user__username")
     date_hierarchy = "started_at"
     readonly_fields = [f.name for f in ToolCall._meta.fields]

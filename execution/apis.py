@@ -10,25 +10,29 @@ from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_sche
 from rest_framework import status
 from rest_framework.request import Request
 from rest_framework.response import Response
+from rest_framework.serializers import ListSerializer
 from rest_framework.views import APIView
 
 from execution.events import db_read, event_stream, valid_event_id
 from execution.models import ExecJob, ToolCall
 from execution.selectors import exec_jobs_for, tool_calls_for
 from execution.serializers import (
+    ApprovalSerializer,
     ExecCreateSerializer,
     ExecJobSerializer,
     ExecListQuerySerializer,
     ToolCallListQuerySerializer,
     ToolCallSerializer,
     ToolExecuteSerializer,
+    ToolResultSerializer,
 )
 from execution.services.calls import tool_call_standalone
-from execution.services.jobs import exec_job_cancel, exec_job_create, exec_job_wait
+from execution.services.jobs import exec_job_cancel, exec_job_create, exec_job_for_container, exec_job_wait
+from execution.services.waiting import tool_call_decide, tool_results_submit
 from ptcproject.accounts.authentication import signed_in_user
 from ptcproject.accounts.models import ApiKey
 from ptcproject.accounts.services import api_key_authenticate
-from ptcproject.errors import error_body
+from ptcproject.errors import ApplicationError, error_body
 from ptcproject.lists import FilteredListApi
 
 RATE_LIMITED = OpenApiResponse(
@@ -70,6 +74,7 @@ class ExecListCreateApi(FilteredListApi):
             timeout=data.get("timeout"),
             title=data["title"],
             max_credits=data.get("max_credits"),
+            client_tools=[dict(tool) for tool in data["client_tools"]],
         )
         exec_job_wait(job=job, seconds=data["wait"])
         job = exec_jobs_for(user=signed_in_user(request)).get(pk=job.pk)
@@ -96,6 +101,61 @@ class ExecCancelApi(APIView):
         job = get_object_or_404(exec_jobs_for(user=signed_in_user(request)), pk=job_id)
         exec_job_cancel(job=job)
         return Response(ExecJobSerializer(exec_jobs_for(user=signed_in_user(request)).get(pk=job.pk)).data)
+
+
+# The most results one POST .../tool-results takes: a job has at most this many calls in flight.
+MAX_WAITING_RESULTS = 1024
+
+
+class ExecToolResultsApi(APIView):
+    @extend_schema(
+        request=ToolResultSerializer(many=True),
+        responses={
+            200: ToolCallSerializer(many=True),
+            404: OpenApiResponse(description="not_found (no such job, or another user's) or call_not_found."),
+            409: OpenApiResponse(
+                description="call_not_awaiting (not waiting on the client) or result_conflict (answered already); "
+                "nothing changed."
+            ),
+        },
+        description=(
+            "Answer client tool calls of this job: a list of Anthropic-style tool_result blocks "
+            "`[{tool_use_id, content, is_error}]`, each `tool_use_id` the `id` of a `tool_call_pending` event. "
+            "All are recorded, or none. Returns the calls as recorded."
+        ),
+    )
+    def post(self, request: Request, job_id: str) -> Response:
+        job = get_object_or_404(exec_jobs_for(user=signed_in_user(request)), pk=job_id)
+        # No more results than a job may have calls waiting: MAX_WAITING_RESULTS.
+        body: ListSerializer[Any] = ListSerializer(
+            child=ToolResultSerializer(), data=request.data, allow_empty=False, max_length=MAX_WAITING_RESULTS
+        )
+        body.is_valid(raise_exception=True)
+        calls = tool_results_submit(job=job, results=[dict(r) for r in body.validated_data])
+        return Response(ToolCallSerializer(calls, many=True).data)
+
+
+class ToolCallApprovalApi(APIView):
+    @extend_schema(
+        request=ApprovalSerializer,
+        responses={
+            200: ToolCallSerializer,
+            404: OpenApiResponse(description="not_found: no such call, or another user's."),
+            409: OpenApiResponse(description="decision_conflict (decided already) or call_not_awaiting; nothing changed."),
+        },
+        description=(
+            "Approve or deny a call that waits for an approval (staff, or the job's owner). Approved, it runs; "
+            'denied, the code gets ToolError(code="denied"). Who and when are recorded on the call.'
+        ),
+    )
+    def post(self, request: Request, call_id: str) -> Response:
+        call = get_object_or_404(tool_calls_for(user=signed_in_user(request)), call_id=call_id)
+        body = ApprovalSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        call = tool_call_decide(
+            call=call, actor=signed_in_user(request), approve=body.validated_data["approve"], reason=body.validated_data["reason"]
+        )
+        return Response(ToolCallSerializer(call).data)
 
 
 class ToolCallListApi(FilteredListApi):
@@ -133,13 +193,26 @@ class ToolExecuteApi(APIView):
     def post(self, request: Request) -> Response:
         body = ToolExecuteSerializer(data=request.data)
         body.is_valid(raise_exception=True)
+        data = body.validated_data
+        key = request.auth if isinstance(request.auth, ApiKey) else None
+        container_job = None
+        if data.get("container_id"):
+            if key is not None and key.exec_job_id is not None:
+                raise ApplicationError(
+                    "validation_error",
+                    "A job-scoped key calls for its own job; container_id is for a user's key.",
+                    details={"container_id": ["not with a job-scoped key"]},
+                )
+            container_job = exec_job_for_container(user=signed_in_user(request), container_id=data["container_id"])
         call = tool_call_standalone(
             user=signed_in_user(request),
-            key=request.auth if isinstance(request.auth, ApiKey) else None,
-            toolset=body.validated_data["toolset"],
-            tool=body.validated_data["tool"],
-            arguments=body.validated_data["arguments"],
+            key=key,
+            toolset=data["toolset"],
+            tool=data["tool"],
+            arguments=data["arguments"],
             job_call_id=request.headers.get("x-ptc-call-id", ""),
+            container_job=container_job,
+            caller=dict(data["caller"]) if data.get("caller") else None,
         )
         return Response(ToolCallSerializer(call).data)
 

@@ -1,8 +1,8 @@
 """The backplane: how the processes push to each other, behind one interface picked once.
 
 It carries two things (ARCHITECTURE.md, "pushed, not polled"):
-- **messages on a channel**: a job's channel carries its tool results, its cancel and its end; a
-  standalone call's channel carries its result. Typed: ``Result``, ``Cancel``, ``End`` (and
+- **messages on a channel**: a job's channel carries its tool results, approvals, its cancel and
+  its end; a standalone call's channel carries its result. Typed: ``Result``, ``Approved``, ``Cancel``, ``End`` (and
   ``Resync``, ``Changed`` from the backplane itself);
 - **a job's event log**: what the SSE stream and the CLI read, in order, resumable by id.
 
@@ -58,6 +58,14 @@ class Result:
 
 
 @dataclass(frozen=True)
+class Approved:
+    """A call that waited for an approval was approved and queued: it now runs under ``timeout``."""
+
+    call_id: str
+    timeout: float
+
+
+@dataclass(frozen=True)
 class Cancel:
     """The job was cancelled: its worker kills the sandbox."""
 
@@ -79,8 +87,8 @@ class Changed:
     """The job's records changed (the local backplane's stand-in for its event log)."""
 
 
-Message = Result | Cancel | End | Resync | Changed
-_KINDS: dict[str, type[Message]] = {cls.__name__.lower(): cls for cls in (Result, Cancel, End, Resync, Changed)}
+Message = Result | Approved | Cancel | End | Resync | Changed
+_KINDS: dict[str, type[Message]] = {cls.__name__.lower(): cls for cls in (Result, Approved, Cancel, End, Resync, Changed)}
 
 
 def _to_wire(message: Message) -> dict[str, Any]:

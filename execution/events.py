@@ -22,6 +22,7 @@ from django.db import DatabaseError, connection
 
 from execution.backplane import RedisBackplane, backplane, job_channel
 from execution.models import ExecJob, ToolCall
+from execution.selectors import tool_call_is_client
 from ptcproject.metrics import event_lag_observe
 
 logger = logging.getLogger("ptc.events")
@@ -111,8 +112,25 @@ def tool_call_payload(call: ToolCall) -> dict[str, Any]:
 
 def tool_call_event(call: ToolCall) -> tuple[str, dict[str, Any]]:
     """Return the event name and payload for a call's current state."""
-    name = {"executing": "tool_call_start", "completed": "tool_call_end"}.get(call.status, "tool_call_error")
-    return name, tool_call_payload(call)
+    name = "tool_call_error" if call.status == ToolCall.Status.FAILED else "tool_call_start"
+    return "tool_call_end" if call.status == ToolCall.Status.COMPLETED else name, tool_call_payload(call)
+
+
+def tool_call_pending_payload(call: ToolCall) -> dict[str, Any]:
+    """What ``tool_call_pending`` carries for a call that waits on the job's caller or an approval:
+    a ``tool_use`` block in the shape Anthropic's programmatic tool calling gives a client (``id`` is
+    the call_id to answer with; ``caller.tool_id`` the job's call_id), plus ``awaiting``
+    (``client`` or ``approval``), ``toolset`` and the ToolCall itself as ``call``."""
+    return {
+        "type": "tool_use",
+        "id": call.call_id,
+        "name": call.tool_name,
+        "input": call.input,
+        "caller": {"type": "code_execution", "tool_id": call.ptc_call_id},
+        "awaiting": "approval" if call.status == ToolCall.Status.AWAITING_APPROVAL or call.decision else "client",
+        "toolset": call.toolset_key,
+        "call": tool_call_payload(call),
+    }
 
 
 def job_end_payload(job: ExecJob) -> dict[str, Any]:
@@ -144,12 +162,14 @@ def events_from_records(job_id: Any) -> tuple[list[Event], bool]:
     timed: list[tuple[float, int, str, dict[str, Any]]] = []
     if job.started_at:
         timed.append((job.started_at.timestamp(), 0, "exec_start", job_start_payload(job)))
-    for order, call in enumerate(job.tool_calls.order_by("started_at", "id")):
+    for order, call in enumerate(job.tool_calls.select_related("tool__toolset").order_by("started_at", "id")):
         payload = tool_call_payload(call)
-        timed.append((call.started_at.timestamp(), 1 + 2 * order, "tool_call_start", payload))
+        timed.append((call.started_at.timestamp(), 1 + 3 * order, "tool_call_start", payload))
+        if call.status in ToolCall.AWAITING or call.decision or tool_call_is_client(call):
+            timed.append((call.started_at.timestamp(), 2 + 3 * order, "tool_call_pending", tool_call_pending_payload(call)))
         if call.finished_at:
             name, _ = tool_call_event(call)
-            timed.append((call.finished_at.timestamp(), 2 + 2 * order, name, payload))
+            timed.append((call.finished_at.timestamp(), 3 + 3 * order, name, payload))
     ended = job.status in ExecJob.FINISHED
     if ended:
         end = (job.finished_at or job.created_at).timestamp()
@@ -181,7 +201,8 @@ async def _from_records(job_id: Any, after: str | None) -> AsyncIterator[Event |
                 subscription = await sync_to_async(backplane().subscribe)(job_channel(await _call_id(job_id)))
             events, ended = await db_read(events_from_records)(job_id)
             for event in events:
-                identity = (event.event, event.data.get("call_id") if event.event.startswith("tool_call") else None)
+                call_id = event.data.get("call_id") or event.data.get("id")  # a pending tool_use block's id is its call_id
+                identity = (event.event, call_id if event.event.startswith("tool_call") else None)
                 if identity in sent:
                     continue
                 sent.add(identity)

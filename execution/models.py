@@ -34,6 +34,13 @@ class ExecJob(models.Model):
     sequential = models.BooleanField(default=False)
     # The most credits this job's tool calls may cost; calls past it fail with budget_exceeded.
     max_credits = models.PositiveIntegerField(null=True, blank=True)
+    # Tools the job's caller runs (POST /exec ``client_tools``): ``[{name, description, input_schema,
+    # output_schema, timeout}]``; in the SDK as ``ptc_tools.client.Client``.
+    client_tools = models.JSONField(default=list, blank=True)
+    # Set on a managed container's job: the parent of the calls a provider's own code-execution
+    # container made through POST /tools/execute with this ``container_id``. Such a job runs no code
+    # here; it stays ``running`` (the reaper leaves it alone) until cancelled.
+    container_id = models.CharField(max_length=200, blank=True, default="")
     stdout = models.TextField(blank=True)
     stderr = models.TextField(blank=True)
     stdout_truncated = models.BooleanField(default=False)
@@ -59,6 +66,11 @@ class ExecJob(models.Model):
             # Retention's scan: finished jobs not purged yet, oldest first.
             models.Index(fields=["finished_at"], condition=models.Q(purged_at__isnull=True), name="execjob_unpurged_finished"),
         ]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["user", "container_id"], condition=~models.Q(container_id=""), name="execjob_one_per_container"
+            )
+        ]
 
     def __str__(self) -> str:
         return self.call_id
@@ -83,8 +95,21 @@ class ToolCall(models.Model):
 
     class Status(models.TextChoices):
         EXECUTING = "executing"
+        # Waiting on the job's caller to run a client tool and post its result (POST .../tool-results).
+        AWAITING_CLIENT = "awaiting_client"
+        # Waiting for staff or the job's owner to approve or deny it (POST /tool-calls/{id}/approval).
+        AWAITING_APPROVAL = "awaiting_approval"
         COMPLETED = "completed"
         FAILED = "failed"
+
+    class Decision(models.TextChoices):
+        NONE = "", "none"
+        APPROVED = "approved"
+        DENIED = "denied"
+
+    # A call in one of these has not finished: its code is still waiting on it.
+    OPEN = (Status.EXECUTING, Status.AWAITING_CLIENT, Status.AWAITING_APPROVAL)
+    AWAITING = (Status.AWAITING_CLIENT, Status.AWAITING_APPROVAL)
 
     call_id = models.CharField(max_length=80, unique=True)
     type = models.CharField(max_length=16, choices=Type.choices)
@@ -98,7 +123,7 @@ class ToolCall(models.Model):
     input = models.JSONField(default=dict)
     output = models.JSONField(null=True, blank=True)
     error = models.JSONField(null=True, blank=True)
-    status = models.CharField(max_length=16, choices=Status.choices, default=Status.EXECUTING, db_index=True)
+    status = models.CharField(max_length=24, choices=Status.choices, default=Status.EXECUTING, db_index=True)
     credits = models.PositiveIntegerField(default=0)
     # Set by the tools task that took the call; a redelivered task finds it set and does not run again.
     claimed_at = models.DateTimeField(null=True, blank=True)
@@ -106,6 +131,15 @@ class ToolCall(models.Model):
     heartbeat_at = models.DateTimeField(null=True, blank=True)
     started_at = models.DateTimeField()
     finished_at = models.DateTimeField(null=True, blank=True)
+    # The approval of a call that needed one: who decided, when, what and why (the audit trail).
+    decision = models.CharField(max_length=16, choices=Decision.choices, default=Decision.NONE, blank=True)
+    decided_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="tool_call_decisions"
+    )
+    decided_at = models.DateTimeField(null=True, blank=True)
+    decision_reason = models.CharField(max_length=500, blank=True)
+    # Who called it from code, as the caller said (POST /tools/execute ``caller``: {type, tool_id}).
+    caller = models.JSONField(null=True, blank=True)
 
     class Meta:
         ordering = ["started_at", "id"]

@@ -8,6 +8,7 @@ from execution.models import ExecJob, ToolCall
 from ptcproject.errors import ApplicationError
 from ptcproject.fields import JsonValueField, NumberField
 from ptcproject.storage import MAX_JSON_DEPTH, POSITIVE_INT_MAX, json_depth_exceeds
+from tools.serializers import ClientToolSerializer
 
 
 class ToolCallSerializer(serializers.ModelSerializer):
@@ -17,6 +18,12 @@ class ToolCallSerializer(serializers.ModelSerializer):
     output = serializers.JSONField(allow_null=True)
     error = serializers.JSONField(allow_null=True)
     duration_ms = serializers.FloatField(allow_null=True)
+    caller = serializers.JSONField(
+        allow_null=True, help_text="Who called it from code, as POST /tools/execute said: {type, tool_id}."
+    )
+    decided_by: serializers.SlugRelatedField[Any] = serializers.SlugRelatedField(
+        slug_field="username", read_only=True, allow_null=True, help_text="Who approved or denied the call."
+    )
 
     class Meta:
         model = ToolCall
@@ -34,6 +41,11 @@ class ToolCallSerializer(serializers.ModelSerializer):
             "started_at",
             "finished_at",
             "duration_ms",
+            "decision",
+            "decided_by",
+            "decided_at",
+            "decision_reason",
+            "caller",
         ]
 
 
@@ -51,6 +63,7 @@ class ExecJobSerializer(serializers.ModelSerializer):
     execution_time_seconds = serializers.FloatField(allow_null=True)
     timeout_limit_seconds = serializers.FloatField(source="timeout_seconds")
     tool_calls = ToolCallSerializer(many=True)
+    client_tools = serializers.ListField(child=serializers.DictField(), help_text="The tools this job's caller runs.")
     credits_charged = serializers.SerializerMethodField()
 
     class Meta:
@@ -73,6 +86,8 @@ class ExecJobSerializer(serializers.ModelSerializer):
             "timeout_limit_seconds",
             "sequential",
             "max_credits",
+            "client_tools",
+            "container_id",
             "tool_calls",
             "credits_charged",
             "sdk_hash",
@@ -89,10 +104,33 @@ class ExecJobSerializer(serializers.ModelSerializer):
         return sum(call.credits for call in job.tool_calls.all())
 
 
+class CallerSerializer(serializers.Serializer):
+    type = serializers.RegexField(
+        r"^[A-Za-z0-9_.-]+$", max_length=64, help_text="The code-execution tool that called, e.g. a provider's dated type."
+    )
+    tool_id = serializers.RegexField(
+        r"^[A-Za-z0-9_-]+$", max_length=200, help_text="The id of the code-execution tool use that made the call."
+    )
+
+
 class ToolExecuteSerializer(serializers.Serializer):
     toolset = serializers.CharField(max_length=64)
     tool = serializers.CharField(max_length=128)
     arguments = JsonValueField(default=dict, help_text=f"The tool's keyword arguments, nested at most {MAX_JSON_DEPTH} levels.")
+    caller = CallerSerializer(
+        required=False, allow_null=True, default=None, help_text="The code that called, as the provider said."
+    )
+    container_id = serializers.RegexField(
+        r"^[A-Za-z0-9_.-]+$",
+        max_length=200,
+        required=False,
+        help_text="A provider's code-execution container: the call is recorded as ptc under that container's job.",
+    )
+
+    def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
+        if attrs.get("container_id") and attrs.get("caller") is None:
+            raise serializers.ValidationError({"caller": ["A call from a container says its caller: {type, tool_id}."]})
+        return attrs
 
     def to_internal_value(self, data: Any) -> Any:
         # Before any field walks them, and as the code a failed call's arguments get: nothing is recorded.
@@ -120,6 +158,12 @@ class ExecCreateSerializer(serializers.Serializer):
         max_value=POSITIVE_INT_MAX,
         help_text="The most credits this job's tool calls may cost.",
     )
+    client_tools = ClientToolSerializer(
+        many=True,
+        required=False,
+        default=list,
+        help_text="Tools the caller runs: `from ptc_tools.client import Client`. A call waits for POST /exec/{id}/tool-results.",
+    )
 
 
 class ExecListQuerySerializer(serializers.Serializer):
@@ -128,3 +172,24 @@ class ExecListQuerySerializer(serializers.Serializer):
 
 class ToolCallListQuerySerializer(serializers.Serializer):
     exec = serializers.UUIDField(required=False)
+
+
+class ToolResultSerializer(serializers.Serializer):
+    """One client tool's result, as an Anthropic ``tool_result`` block (``type`` may be left out)."""
+
+    type = serializers.ChoiceField(choices=["tool_result"], required=False, help_text="Ignored: tool_result.")
+    tool_use_id = serializers.CharField(max_length=80, help_text="The id of the tool_call_pending event: the call's call_id.")
+    content = JsonValueField(
+        required=False,
+        allow_null=True,
+        default=None,
+        help_text="The result: any JSON value; a list of text blocks [{type: text, text}] reaches the code as their text.",
+    )
+    is_error = serializers.BooleanField(
+        required=False, default=False, help_text="True: the call fails client_error with content as its message."
+    )
+
+
+class ApprovalSerializer(serializers.Serializer):
+    approve = serializers.BooleanField(help_text="True runs the call; false fails it with code denied.")
+    reason = serializers.CharField(required=False, allow_blank=True, default="", max_length=500)

@@ -15,6 +15,7 @@ from typing import Any
 from django.utils import timezone
 
 from execution.models import ExecJob, ToolCall
+from execution.selectors import tool_call_is_client
 
 # Past this many calls, bars are too thin to hover; aggregate.
 MAX_BARS = 300
@@ -31,9 +32,12 @@ TICK_TARGET = 8
 PREVIEW_CHARS = 1500
 TITLE_PREVIEW_CHARS = 160
 COMPLETED, FAILED, EXECUTING = ToolCall.Status.COMPLETED.value, ToolCall.Status.FAILED.value, ToolCall.Status.EXECUTING.value
-STATUSES = (COMPLETED, FAILED, EXECUTING)
+AWAITING_CLIENT, AWAITING_APPROVAL = ToolCall.Status.AWAITING_CLIENT.value, ToolCall.Status.AWAITING_APPROVAL.value
+STATUSES = (COMPLETED, FAILED, EXECUTING, AWAITING_CLIENT, AWAITING_APPROVAL)
 # A bucket's colour is its worst status; its stacked segments go from the bottom in this order.
-SEVERITY = (FAILED, EXECUTING, COMPLETED)
+SEVERITY = (FAILED, AWAITING_APPROVAL, AWAITING_CLIENT, EXECUTING, COMPLETED)
+# What a waiting call's amber bar says.
+WAITING = {AWAITING_CLIENT: "waiting for client", AWAITING_APPROVAL: "waiting for approval"}
 
 
 def _ms(later: datetime, earlier: datetime) -> float:
@@ -60,6 +64,17 @@ def _json_preview(value: Any, limit: int) -> str:
 def _status(call: ToolCall) -> str:
     # A plain string (a TextChoices member's str() is its value): it goes into JSON and CSS classes.
     return str(call.status)
+
+
+def _waited_ms(call: ToolCall, start_ms: float, end_ms: float, origin: datetime) -> tuple[str, float]:
+    """Return what ``call`` waited on (``client``, ``approval`` or ``""``) and for how many ms from its
+    start: a client call waits its whole span; an approved or denied one until its decision."""
+    if call.status == AWAITING_APPROVAL or call.decision:
+        until = _ms(call.decided_at, origin) if call.decided_at is not None else end_ms
+        return "approval", max(0.0, min(until, end_ms) - start_ms)
+    if call.status == AWAITING_CLIENT or tool_call_is_client(call):
+        return "client", end_ms - start_ms
+    return "", 0.0
 
 
 def _one_line(value: Any, limit: int) -> str:
@@ -109,6 +124,7 @@ def timeline_build(
     calls: Iterable[ToolCall],
     now: datetime | None = None,
     call_url: Callable[[ToolCall], str] | None = None,
+    decide_url: Callable[[ToolCall], str] | None = None,
     max_bars: int = MAX_BARS,
     max_lanes: int = MAX_LANES,
 ) -> dict[str, Any]:
@@ -118,7 +134,10 @@ def timeline_build(
     executing runs to the job's end, or to ``now`` while the job runs. ``left`` and ``width`` are
     percentages of the span. ``aggregated`` is true past ``max_bars`` calls or ``max_lanes`` lanes:
     then ``rows`` hold time-bucket ``cells`` per group of lanes instead of one ``bars`` per call.
-    ``details`` is what a click on a bar or cell shows, indexed by each item's ``detail``.
+    ``details`` is what a click on a bar or cell shows, indexed by each item's ``detail``; for a
+    call awaiting approval it carries ``decide_url`` (``decide_url(call)``), where the admin approves
+    or denies it. A call that waited on its client or an approval has an amber ``wait_width`` (in
+    percent of its bar) and a ``waiting`` label while it still waits.
     """
     ordered = sorted(enumerate(calls), key=lambda pair: (pair[1].started_at, pair[0]))
     calls = [call for _, call in ordered]
@@ -126,7 +145,7 @@ def timeline_build(
     origin = job.started_at
     if calls and (origin is None or calls[0].started_at < origin):
         origin = calls[0].started_at
-    counts = dict.fromkeys(STATUSES, 0)
+    counts = dict.fromkeys((COMPLETED, FAILED, EXECUTING), 0)  # waiting ones are counted only when there are some
     for call in calls:
         counts[_status(call)] = counts.get(_status(call), 0) + 1
     result: dict[str, Any] = {
@@ -166,7 +185,9 @@ def timeline_build(
                 "status": _status(call),
                 "lane": lane + 1,
                 "start": _fmt_ms(start_ms),
-                "duration": _fmt_ms(end_ms - start_ms) if call.finished_at is not None else "executing",
+                "duration": _fmt_ms(end_ms - start_ms)
+                if call.finished_at is not None
+                else WAITING.get(_status(call), "executing"),
                 "credits": call.credits,
                 "url": call_url(call) if call_url else "",
             }
@@ -176,7 +197,7 @@ def timeline_build(
     if aggregated:
         result["rows"] = _cells_build(calls, lanes, spans, lane_count, span_ms, result["details"])
     else:
-        result["rows"] = _bars_build(calls, lanes, spans, lane_count, span_ms, result["details"], call_url)
+        result["rows"] = _bars_build(calls, lanes, spans, lane_count, span_ms, result["details"], call_url, origin, decide_url)
     return result
 
 
@@ -188,13 +209,17 @@ def _bars_build(
     span_ms: float,
     details: list[dict[str, Any]],
     call_url: Callable[[ToolCall], str] | None,
+    origin: datetime,
+    decide_url: Callable[[ToolCall], str] | None,
 ) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = [{"label": str(i + 1), "bars": [], "cells": []} for i in range(lane_count)]
     for call, lane, (start_ms, end_ms) in zip(calls, lanes, spans, strict=True):
         tool = f"{call.toolset_key}.{call.tool_name}"
         status = _status(call)
         executing = call.finished_at is None
-        duration = "still executing" if executing else _fmt_ms(end_ms - start_ms)
+        waiting = WAITING.get(status, "")
+        duration = f"still {waiting or 'executing'}" if executing else _fmt_ms(end_ms - start_ms)
+        waited_on, waited_ms = _waited_ms(call, start_ms, end_ms, origin)
         credits = f"{call.credits} credit{'' if call.credits == 1 else 's'}"
         outcome = ("error", call.error) if status == FAILED else ("output", call.output)
         title = f"{tool} · {status} · {duration} · {credits}\ninput: {_one_line(call.input, TITLE_PREVIEW_CHARS)}"
@@ -209,9 +234,20 @@ def _bars_build(
             ["credits", str(call.credits), False],
             ["input", _json_preview(call.input, PREVIEW_CHARS), True],
         ]
+        if waited_on:
+            fields.append([f"waited for {waited_on}", _fmt_ms(waited_ms) + (" so far" if executing else ""), False])
+        if call.decision:
+            who = call.decided_by.get_username() if call.decided_by else "someone"
+            at = call.decided_at.isoformat(timespec="seconds") if call.decided_at else ""
+            fields.append(
+                [call.decision, f"by {who} at {at}" + (f": {call.decision_reason}" if call.decision_reason else ""), False]
+            )
         if not executing:
             fields.append([outcome[0], _json_preview(outcome[1], PREVIEW_CHARS), True])
-        details.append({"heading": tool, "status": status, "url": call_url(call) if call_url else "", "fields": fields})
+        detail = {"heading": tool, "status": status, "url": call_url(call) if call_url else "", "fields": fields}
+        if status == AWAITING_APPROVAL and decide_url is not None:
+            detail["decide_url"] = decide_url(call)
+        details.append(detail)
         rows[lane]["bars"].append(
             {
                 "detail": len(details) - 1,
@@ -222,7 +258,11 @@ def _bars_build(
                 "end_ms": round(end_ms, 3),
                 "left": _pct(start_ms, span_ms),
                 "width": _pct(end_ms - start_ms, span_ms),
-                "title": title,
+                "title": f"{waiting} · {title}" if waiting else title,
+                "label": f"{waiting}: {tool}" if waiting else tool,
+                "waiting": waiting,
+                # The share of the bar spent waiting on the client or an approval, drawn amber.
+                "wait_width": round(waited_ms / (end_ms - start_ms) * 100, 2) if end_ms > start_ms and waited_ms else 0,
             }
         )
     return rows

@@ -41,6 +41,11 @@ CODES: dict[str, tuple[int, str]] = {
     "ptc_disabled": (403, "the rollout policy says no; the message gives its reason"),
     "job_finished": (409, "the job has already finished"),
     "invalid_last_event_id": (400, "Last-Event-ID is not an event id"),
+    # Client tools and approvals
+    "call_not_found": (404, "no call of this job (or visible to you) has this id"),
+    "call_not_awaiting": (409, "the call is not waiting for this answer: a server tool's, or it timed out or ended"),
+    "result_conflict": (409, "the call already has its result; a second answer changes nothing"),
+    "decision_conflict": (409, "the call was already approved or denied; a second decision changes nothing"),
     # Toolsets
     "toolset_exists": (409, "a toolset with this key exists"),
     "key_mismatch": (400, "the body's key differs from the URL's"),
@@ -55,10 +60,13 @@ CODES: dict[str, tuple[int, str]] = {
     "call_id_mismatch": (403, "x-ptc-call-id is not the call_id of the key's job"),
     "tool_call_limit": (403, "over HTTP: the job has made its max_tool_calls calls; no more can run"),
     "parallel_limit": (429, "over HTTP: the job has its parallel cap of calls in flight (1 if sequential); retry"),
+    "approval_required": (403, "the tool needs an approval before each call; only a job's code can wait for one"),
     "invalid_arguments": (400, "the arguments don't match the tool's input schema, or nest too deep"),
     "insufficient_credits": (400, "the call costs more than the balance has available"),
     "budget_exceeded": (400, "the call would take the job past its max_credits"),
+    "denied": (403, "the call needed an approval and was denied"),
     # Tool calls: failed while or after running
+    "client_error": (502, "the client that runs this client tool reported an error (is_error)"),
     "job_ended": (409, "the job ended before the call started; it was not run"),
     "worker_lost": (500, "the tools worker running the call died; it was not run again"),
     "tool_timeout": (504, "no result within the tool's timeout"),

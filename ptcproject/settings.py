@@ -292,6 +292,12 @@ PTC_JOB_LEASE_SECONDS = env.int("PTC_JOB_LEASE_SECONDS", default=45)
 # that the job's lease lapses and the reaper ends it once the database is back.
 PTC_DB_RETRY_SECONDS = env.float("PTC_DB_RETRY_SECONDS", default=60.0)
 PTC_DEFAULT_TOOL_TIMEOUT = env.int("PTC_DEFAULT_TOOL_TIMEOUT", default=60)
+# How long a client tool's call waits for its result, and a call for its approval, unless the tool
+# says otherwise (Anthropic's managed PTC gives a client about 4 minutes).
+PTC_CLIENT_TOOL_TIMEOUT = env.int("PTC_CLIENT_TOOL_TIMEOUT", default=240)
+# The most client tools one job may declare, and the size of their definitions as JSON.
+PTC_MAX_CLIENT_TOOLS = env.int("PTC_MAX_CLIENT_TOOLS", default=64)
+PTC_MAX_CLIENT_TOOLS_BYTES = env.int("PTC_MAX_CLIENT_TOOLS_BYTES", default=256 * 1024)
 # How long a finished job's event stream stays in Redis; after that it is rebuilt from the records.
 PTC_EVENTS_RETENTION_SECONDS = env.int("PTC_EVENTS_RETENTION_SECONDS", default=3600)
 # A quiet event stream sends a comment this often, so proxies and clients know it is alive.

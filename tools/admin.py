@@ -128,7 +128,7 @@ class ToolsetForm(forms.ModelForm):
 @admin.register(Toolset)
 class ToolsetAdmin(admin.ModelAdmin):
     form = ToolsetForm
-    list_display = ("key", "name", "kind", "owner", "is_global", "enabled", "price", "billing_free", "queue")
+    list_display = ("key", "name", "kind", "owner", "is_global", "enabled", "price", "billing_free", "queue", "requires_approval")
     list_filter = ("kind", "is_global", "enabled", "billing_free", "queue")
     search_fields = ("key", "name", "description")
     inlines = [ToolInline]

@@ -138,5 +138,7 @@ class PtcContextApi(APIView):
             title=data["title"],
             fmt=data["format"],
             discovery=data["discovery"],
+            client_tools=[dict(tool) for tool in data["client_tools"]],
+            code_execution_version=data["code_execution_version"],
         )
         return Response(ContextSerializer(context).data)

@@ -18,12 +18,15 @@ from typing import Any
 from django.contrib.auth.models import User
 
 from ptcproject.policy.selectors import policy_get, ptc_decision
+from tools.client import client_tools_clean, client_toolset
 from tools.models import Tool, Toolset
 from tools.sdk import class_name, parameters, ptc_tools_of, sdk_hash_of, summary
 from tools.selectors import toolset_keys_for_ptc, toolsets_named
 
 EXEC_CODE = "exec_code"
-FORMATS = ("anthropic", "openai")
+# The provider's managed format (its own code-execution container runs the code): tools/anthropic_managed.py.
+MANAGED_FORMAT = "anthropic-managed"
+FORMATS = ("anthropic", "openai", MANAGED_FORMAT)
 # The reference may cost this share of what the full schemas would, or MIN_BUDGET characters,
 # whichever is more: for a handful of tools the fixed guidance alone is more than 10%.
 COMPACT_RATIO = 0.10
@@ -88,18 +91,20 @@ def _openai(name: str, description: str, schema: dict[str, Any]) -> dict[str, An
 PROVIDERS: dict[str, Callable[[str, str, dict[str, Any]], dict[str, Any]]] = {"anthropic": _anthropic, "openai": _openai}
 
 
-def provider_tools(fmt: str, tools: list[tuple[Toolset, Tool]]) -> list[dict[str, Any]]:
-    """Return ``tools`` in the provider's format, each with its full schema.
-
-    A tool is named by its own name, or ``toolset__name`` where two requested toolsets share one.
-    """
+def tool_names(tools: list[tuple[Toolset, Tool]]) -> list[str]:
+    """Return each tool's name in a provider's tool list: its own, or ``toolset__name`` where two
+    requested toolsets share one."""
     counts: dict[str, int] = {}
     for _, tool in tools:
         counts[tool.name] = counts.get(tool.name, 0) + 1
+    return [tool.name if counts[tool.name] == 1 else f"{toolset.key}__{tool.name}" for toolset, tool in tools]
+
+
+def provider_tools(fmt: str, tools: list[tuple[Toolset, Tool]]) -> list[dict[str, Any]]:
+    """Return ``tools`` in the provider's format, each with its full schema, named by ``tool_names``."""
     make = PROVIDERS[fmt]
     return [
-        make(tool.name if counts[tool.name] == 1 else f"{toolset.key}__{tool.name}", tool.description, tool.input_schema or {})
-        for toolset, tool in tools
+        make(name, tool.description, tool.input_schema or {}) for name, (_, tool) in zip(tool_names(tools), tools, strict=True)
     ]
 
 
@@ -272,17 +277,46 @@ def tools_split(
     return direct, per_toolset
 
 
-def ptc_context(*, user: User, keys: list[str] | None, title: str, fmt: str, discovery: bool) -> dict[str, Any]:
+def ptc_context(
+    *,
+    user: User,
+    keys: list[str] | None,
+    title: str,
+    fmt: str,
+    discovery: bool,
+    client_tools: list[dict[str, Any]] | None = None,
+    code_execution_version: str | None = None,
+) -> dict[str, Any]:
     """Return the prompt context of a turn (API.md): the policy's decision, the tools, the prompt, stats.
 
-    ``keys`` None means every toolset the user may use with PTC. Raise ApplicationError for unknown keys.
+    ``keys`` None means every toolset the user may use with PTC. ``client_tools`` are the job's own
+    (``ptc_tools.client``), in the reference like any toolset's. Raise ApplicationError for unknown
+    keys or invalid client tools.
+
+    ``fmt`` ``anthropic-managed`` exports the PTC tools for the provider's own code-execution container
+    instead (tools/anthropic_managed.py): no ``exec_code``; ``routes`` maps each tool's name back to its
+    toolset and tool, for POST /tools/execute.
     """
+    client = client_tools_clean(client_tools or [])
     policy = policy_get()
     if keys is None:
         keys = toolset_keys_for_ptc(user=user, allowlist=policy.toolset_allowlist, blocklist=policy.toolset_blocklist)
     toolsets = toolsets_named(user=user, keys=keys)
     decision = ptc_decision(policy=policy, user=user, toolsets=[ts.key for ts in toolsets], title=title)
     direct, per_toolset = tools_split(toolsets=toolsets, direct_only=frozenset(policy.direct_only_tools))
+    if client:
+        per_toolset.append(client_toolset(client))
+    if fmt == MANAGED_FORMAT:
+        from tools.anthropic_managed import managed_context  # it builds on this module's naming
+
+        built = managed_context(direct=direct, per_toolset=per_toolset, version=code_execution_version)
+        return {
+            "ptc_enabled": decision.enabled,
+            "reason": decision.reason,
+            "sequential": policy.sequential,
+            "sdk_hash": sdk_hash_of(per_toolset),
+            **built,
+        }
     built = ptc_context_build(
         fmt=fmt,
         enabled=decision.enabled,

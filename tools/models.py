@@ -12,6 +12,8 @@ class Toolset(models.Model):
         BUILTIN = "builtin"
         HTTP = "http"
         MCP = "mcp"
+        # Tools the job's caller runs: no runner here; a call waits for its result (POST .../tool-results).
+        CLIENT = "client"
 
     id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
     key = models.CharField(max_length=64, help_text="A Python identifier; the SDK module is ptc_tools.<key>.")
@@ -29,6 +31,7 @@ class Toolset(models.Model):
     queue = models.CharField(
         max_length=64, default="tools", help_text="The tools queue its calls run on, e.g. tools.slow (PTC_TOOLS_QUEUES)."
     )
+    requires_approval = models.BooleanField(default=False, help_text="Every call of its tools waits for an approval.")
     config = models.JSONField(default=dict, blank=True)
     # Write-only: never serialised, exported, sent to a sandbox or logged. Encrypted at rest
     # (PTC_SECRETS_KEYS); a dict in Python.
@@ -65,6 +68,7 @@ class Tool(models.Model):
     timeout = models.FloatField(null=True, blank=True, help_text="Seconds; the default applies when empty.")
     price = models.PositiveIntegerField(null=True, blank=True, help_text="Overrides the toolset's price.")
     billing_free = models.BooleanField(default=False)
+    requires_approval = models.BooleanField(default=False, help_text="Each call waits for an approval before it runs.")
     enabled = models.BooleanField(default=True)
     # Kind-specific call spec, e.g. for http: {"method", "path", "query"}.
     http = models.JSONField(null=True, blank=True)

@@ -8,6 +8,7 @@ from rest_framework import serializers
 from ptcproject.fields import JsonValueField, NumberField
 from ptcproject.queues import tools_queue_problem
 from ptcproject.storage import POSITIVE_INT_MAX
+from tools.anthropic_managed import CODE_EXECUTION_VERSIONS
 from tools.classification import direct_only_tools, tool_is_ptc
 from tools.context import FORMATS
 from tools.models import Tool, Toolset
@@ -37,6 +38,7 @@ class ToolSerializer(serializers.ModelSerializer):
             "timeout",
             "price",
             "billing_free",
+            "requires_approval",
             "http",
         ]
 
@@ -71,6 +73,7 @@ class ToolsetSerializer(serializers.ModelSerializer):
             "price",
             "billing_free",
             "queue",
+            "requires_approval",
             "config",
             "secret_names",
             "tools",
@@ -126,6 +129,11 @@ class ContextSerializer(serializers.Serializer):
     system_prompt = serializers.CharField(allow_blank=True)
     sdk_hash = serializers.CharField()
     stats = ContextStatsSerializer()
+    routes = serializers.DictField(
+        child=serializers.DictField(child=serializers.CharField()),
+        required=False,
+        help_text="anthropic-managed only: each tool name's {toolset, tool}, for POST /tools/execute.",
+    )
 
 
 # -- Input ---------------------------------------------------------------------------------------
@@ -142,6 +150,7 @@ class ToolWriteSerializer(serializers.Serializer):
     timeout = NumberField(required=False, allow_null=True, default=None, min_value=0.1, max_value=settings.PTC_TIMEOUT_CEILING)
     price = serializers.IntegerField(required=False, allow_null=True, default=None, min_value=0, max_value=POSITIVE_INT_MAX)
     billing_free = serializers.BooleanField(required=False, default=False)
+    requires_approval = serializers.BooleanField(required=False, default=False, help_text="Each call waits for an approval.")
     enabled = serializers.BooleanField(required=False, default=True)
     http = JsonValueField(required=False, allow_null=True, default=None)
 
@@ -161,6 +170,7 @@ class ToolsetWriteSerializer(serializers.Serializer):
     queue = serializers.CharField(
         required=False, max_length=64, help_text="The tools queue its calls run on (default tools); one of PTC_TOOLS_QUEUES."
     )
+    requires_approval = serializers.BooleanField(required=False, help_text="Every call of its tools waits for an approval.")
     config = JsonValueField(required=False)
     secrets = serializers.DictField(
         child=serializers.CharField(allow_null=True, allow_blank=False, trim_whitespace=False),
@@ -192,10 +202,36 @@ class ToolsetKeysQuerySerializer(serializers.Serializer):
         return None if raw is None else [k.strip() for k in raw.split(",") if k.strip()]
 
 
+class ClientToolSerializer(serializers.Serializer):
+    # Names and schemas are checked in tools.client, with the same rules as a toolset's tools.
+    name = serializers.CharField(max_length=128, help_text="A Python identifier: Client.<name>(...) in the code.")
+    description = serializers.CharField(required=False, allow_blank=True, default="", max_length=10_000)
+    input_schema = JsonValueField(required=False, default=dict, help_text='A JSON Schema object: {"type": "object", ...}.')
+    output_schema = JsonValueField(required=False, allow_null=True, default=None)
+    timeout = NumberField(
+        required=False,
+        allow_null=True,
+        default=None,
+        min_value=0.1,
+        max_value=settings.PTC_TIMEOUT_CEILING,
+        help_text=f"Seconds a call waits for its result (default {settings.PTC_CLIENT_TOOL_TIMEOUT}); then tool_timeout.",
+    )
+
+
 class ContextRequestSerializer(serializers.Serializer):
     toolsets = serializers.ListField(child=serializers.CharField(max_length=64), required=False, allow_null=True)
     title = serializers.CharField(required=False, allow_blank=True, default="", max_length=500)
     format = serializers.ChoiceField(choices=FORMATS, required=False, default="anthropic")
     discovery = serializers.BooleanField(
         required=False, default=False, help_text="Tool names only in the prompt; code reads schemas with ptc_tools.describe()."
+    )
+    client_tools = ClientToolSerializer(
+        many=True, required=False, default=list, help_text="The client tools the turn's job will declare (POST /exec)."
+    )
+    code_execution_version = serializers.ChoiceField(
+        choices=CODE_EXECUTION_VERSIONS,
+        required=False,
+        allow_null=True,
+        default=None,
+        help_text="anthropic-managed only: the code-execution tool version the tools' allowed_callers name.",
     )

@@ -17,7 +17,19 @@ from tools.models import Tool, Toolset
 from tools.validation import FieldError, schema_errors, toolset_errors
 
 # The toolset fields a write may set; ``secrets`` and ``tools`` are handled on their own.
-TOOLSET_FIELDS = ("key", "name", "description", "kind", "is_global", "enabled", "price", "billing_free", "queue", "config")
+TOOLSET_FIELDS = (
+    "key",
+    "name",
+    "description",
+    "kind",
+    "is_global",
+    "enabled",
+    "price",
+    "billing_free",
+    "queue",
+    "requires_approval",
+    "config",
+)
 TOOL_FIELDS = (
     "description",
     "input_schema",
@@ -27,6 +39,7 @@ TOOL_FIELDS = (
     "timeout",
     "price",
     "billing_free",
+    "requires_approval",
     "enabled",
     "http",
 )
@@ -39,6 +52,7 @@ TOOL_DEFAULTS: dict[str, Any] = {
     "timeout": None,
     "price": None,
     "billing_free": False,
+    "requires_approval": False,
     "enabled": True,
     "http": None,
 }
@@ -138,8 +152,10 @@ def _tools_write(*, toolset: Toolset, tools: list[dict[str, Any]]) -> None:
 
 
 def _builtin_guard(*, toolset: Toolset, data: Mapping[str, Any]) -> None:
-    # Builtin rows are rewritten from code by `migrate`: an edit other than enabling or routing would not last.
-    changed = [n for n in TOOLSET_FIELDS if n in data and n not in ("enabled", "queue") and data[n] != getattr(toolset, n)]
+    # Builtin rows are rewritten from code by `migrate`: an edit other than enabling, routing or
+    # requiring approval would not last. Those three are the admin's calls: `migrate` leaves them.
+    kept = ("enabled", "queue", "requires_approval")
+    changed = [n for n in TOOLSET_FIELDS if n in data and n not in kept and data[n] != getattr(toolset, n)]
     if "tools" in data or "secrets" in data:
         changed.append("tools" if "tools" in data else "secrets")
     if changed:

@@ -14,6 +14,8 @@ class Limits:
     max_processes: int
     max_file_mb: int
     max_open_files: int
+    # Seconds of waiting on the client (client tools, approvals) not counted against ``timeout``.
+    max_client_wait: float = 0.0
 
     @property
     def cpu_seconds(self) -> int:
@@ -35,4 +37,5 @@ class Limits:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Limits":
-        return cls(**{k: data[k] for k in cls.__dataclass_fields__})
+        # A job stored before a field existed gets its default.
+        return cls(**{k: data[k] for k in cls.__dataclass_fields__ if k in data})

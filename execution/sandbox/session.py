@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from execution.backplane import Cancel, Message, Result, Resync
+from execution.backplane import Approved, Cancel, Message, Result, Resync
 from execution.sandbox.limits import Limits
 from execution.sandbox.output import CappedOutput
 from execution.sandbox.pool import warm_pool
@@ -61,6 +61,8 @@ class Outcome:
 class Dispatched:
     call_id: str
     timeout: float
+    # "client" or "approval" when the call waits on the job's caller or an approver, not a worker.
+    awaiting: str = ""
 
 
 @dataclass(frozen=True)
@@ -141,6 +143,11 @@ class Session:
         self.early: dict[str, dict[str, Any]] = {}
         self.waiting: deque[dict[str, Any]] = deque()
         self.calls = 0
+        # Calls waiting on the client or an approval. While any does, the job's clock is stopped,
+        # up to limits.max_client_wait in all: ``waited`` is what was credited so far.
+        self.awaiting: set[str] = set()
+        self.awaiting_since: float | None = None
+        self.waited = 0.0
         self.result: dict[str, Any] | None = None
         self.ended: Outcome | None = None  # set when the worker ends the job (timeout, cancel, limit)
 
@@ -154,7 +161,7 @@ class Session:
         os.set_blocking(self._wake_r, False)
         self.submitter = ThreadPoolExecutor(SUBMIT_THREADS, thread_name_prefix="ptc-submit")
         try:
-            self._loop(proc, ours, deadline=spawned + self.limits.timeout)
+            self._loop(proc, ours, base_deadline=spawned + self.limits.timeout)
         finally:
             # Submissions not started are dropped (never recorded); started ones finish first.
             self.submitter.shutdown(wait=True, cancel_futures=True)
@@ -176,10 +183,31 @@ class Session:
             "warm": sandbox.warm,
             "run_ms": round((finished - spawned) * 1000, 2),
             "tool_calls": self.calls,
+            "client_wait_ms": round(self._client_wait(finished) * 1000, 2),
         }
         return outcome
 
-    def _loop(self, proc: subprocess.Popen[bytes], sock: socket.socket, *, deadline: float) -> None:
+    def _client_wait(self, now: float) -> float:
+        """Return the seconds of waiting on the client the job's clock does not count (so far)."""
+        waiting = now - self.awaiting_since if self.awaiting_since is not None else 0.0
+        return min(self.limits.max_client_wait, self.waited + waiting)
+
+    def _set_awaiting(self, call_id: str, awaiting: bool) -> None:
+        """Mark a call as waiting on the client (or an approval), or no longer: the job's clock
+        stops while at least one call waits, and runs again when none does."""
+        now = time.monotonic()
+        before = bool(self.awaiting)
+        if awaiting:
+            self.awaiting.add(call_id)
+        else:
+            self.awaiting.discard(call_id)
+        if not before and self.awaiting:
+            self.awaiting_since = now
+        elif before and not self.awaiting and self.awaiting_since is not None:
+            self.waited += now - self.awaiting_since
+            self.awaiting_since = None
+
+    def _loop(self, proc: subprocess.Popen[bytes], sock: socket.socket, *, base_deadline: float) -> None:
         sock.setblocking(False)
         start = {
             "op": "start",
@@ -204,6 +232,7 @@ class Session:
         try:
             while (open_streams or paused_bridge) and self.ended is None:
                 now = time.monotonic()
+                deadline = base_deadline + self._client_wait(now)
                 flush_at = [t + OUTPUT_CHUNK_SECONDS for t in self.chunk_since.values()]
                 wake = min([deadline, next_beat, *flush_at] + [c.deadline for c in self.in_flight.values()])
                 # Output before the bridge: what the code printed before a call was written before
@@ -234,6 +263,7 @@ class Session:
                     if self.ended is not None:
                         break
                 now = time.monotonic()
+                deadline = base_deadline + self._client_wait(now)
                 for name, since in list(self.chunk_since.items()):
                     if now >= since + OUTPUT_CHUNK_SECONDS:
                         self._flush_chunk(name)
@@ -397,8 +427,12 @@ class Session:
             elif submitted.call_id in self.early:  # the tool was faster than this loop
                 self._send({"id": request_id, "call_id": submitted.call_id, **self.early.pop(submitted.call_id)})
             else:
-                deadline = time.monotonic() + submitted.timeout + CALL_GRACE_SECONDS
+                # A call waiting on a person has no worker to be late: its timeout is the whole wait.
+                grace = 0.0 if submitted.awaiting else CALL_GRACE_SECONDS
+                deadline = time.monotonic() + submitted.timeout + grace
                 self.in_flight[submitted.call_id] = _InFlight(request_id, deadline)
+                if submitted.awaiting:
+                    self._set_awaiting(submitted.call_id, True)
         self._fill_slots()
 
     def _fill_slots(self) -> None:
@@ -407,6 +441,7 @@ class Session:
 
     def _reply(self, call_id: str, reply: dict[str, Any]) -> None:
         call = self.in_flight.pop(call_id, None)
+        self._set_awaiting(call_id, False)
         if call is None:
             if self.submitting and len(self.early) < MAX_EARLY_RESULTS:
                 self.early[call_id] = reply  # its submission's outcome is still on its way to this loop
@@ -424,6 +459,12 @@ class Session:
     def _on_channel(self, message: Message) -> None:
         if isinstance(message, Result):
             self._reply(message.call_id, message.reply())
+        elif isinstance(message, Approved):
+            # Approved: it now runs on a tools worker, under the tool's own timeout.
+            call = self.in_flight.get(message.call_id)
+            if call is not None and message.call_id in self.awaiting:
+                self._set_awaiting(message.call_id, False)
+                call.deadline = time.monotonic() + message.timeout + CALL_GRACE_SECONDS
         elif isinstance(message, Cancel):
             self._end("cancelled", "Cancelled", "the job was cancelled")
         elif isinstance(message, Resync):

@@ -34,12 +34,14 @@ from execution.events import (
     events_publish,
     tool_call_event,
     tool_call_payload,
+    tool_call_pending_payload,
 )
 from execution.models import ExecJob, ToolCall
 from execution.sandbox.session import CALL_GRACE_SECONDS
 from ptcproject.accounts.models import ApiKey
 from ptcproject.errors import ApplicationError, call_error
 from ptcproject.metrics import tool_call_observe
+from ptcproject.policy.models import Policy
 from ptcproject.policy.selectors import policy_get
 from ptcproject.storage import MAX_JSON_DEPTH, json_depth_exceeds, storable
 from tools.classification import tool_is_ptc
@@ -56,9 +58,20 @@ class CallChecker:
     """Checks one tool call before it runs: toolset granted, tool known (and callable from code when
     ``ptc_only``), arguments valid against the tool's JSON Schema. Validators are kept per tool."""
 
-    def __init__(self, *, user: User, toolsets: list[Toolset], direct_only: frozenset[str], ptc_only: bool) -> None:
+    def __init__(
+        self,
+        *,
+        user: User,
+        toolsets: list[Toolset],
+        direct_only: frozenset[str],
+        ptc_only: bool,
+        extra: list[tuple[Toolset, list[Tool]]] | None = None,
+    ) -> None:
         self.user = user
         self.toolsets = {ts.key: ts for ts in toolsets}
+        # Unsaved toolsets with their tools (a job's client tools): no ``tools.all()`` to ask.
+        self.extra_tools = {ts.key: tools for ts, tools in extra or []}
+        self.toolsets.update({ts.key: ts for ts, _ in extra or []})
         self.direct_only = direct_only
         self.ptc_only = ptc_only
         self.validators: dict[Any, Any] = {}
@@ -70,7 +83,8 @@ class CallChecker:
             if toolsets_resolve(user=self.user, keys=[toolset_key])[0]:
                 raise ToolFailure("toolset_not_granted", f"toolset '{toolset_key}' was not granted to this job")
             raise ToolFailure("unknown_toolset", f"there is no toolset '{toolset_key}'")
-        tool = next((t for t in toolset.tools.all() if t.name == tool_name), None)
+        tools = self.extra_tools[toolset_key] if toolset_key in self.extra_tools else toolset.tools.all()
+        tool = next((t for t in tools if t.name == tool_name), None)
         if tool is None:
             raise ToolFailure("unknown_tool", f"toolset '{toolset_key}' has no tool '{tool_name}'")
         if self.ptc_only and not tool_is_ptc(tool=tool, toolset=toolset, direct_only=self.direct_only):
@@ -100,9 +114,14 @@ def tool_call_build(
     arguments: Any,
     found: Tool | None,
     error: dict[str, str] | None = None,
+    status: str = ToolCall.Status.EXECUTING,
+    caller: dict[str, str] | None = None,
 ) -> ToolCall:
-    """Return the call's record, unsaved: ``executing``, or ``failed`` already if it was refused."""
+    """Return the call's record, unsaved: ``status`` (``executing``, or awaiting its client or an
+    approval), or ``failed`` already if it was refused. A job's own client tool has no row to link."""
     now = timezone.now()
+    if found is not None and found._state.adding:
+        found = None
     return ToolCall(
         call_id=call_id,
         type=ToolCall.Type.PTC if job else ToolCall.Type.STANDALONE,
@@ -113,10 +132,11 @@ def tool_call_build(
         tool_name=tool[:128],
         tool=found,
         input=storable(arguments if isinstance(arguments, dict) else {"value": arguments}),
-        status=ToolCall.Status.FAILED if error else ToolCall.Status.EXECUTING,
+        status=ToolCall.Status.FAILED if error else status,
         error=error,
         started_at=now,
         finished_at=now if error else None,
+        caller=caller,
     )
 
 
@@ -134,6 +154,8 @@ def tool_calls_record(calls: list[ToolCall]) -> None:
         if call.ptc_call_id:
             events = by_job.setdefault(call.ptc_call_id, [])
             events.append(("tool_call_start", tool_call_payload(call)))
+            if call.status in ToolCall.AWAITING:
+                events.append(("tool_call_pending", tool_call_pending_payload(call)))
             if call.status == ToolCall.Status.FAILED:
                 events.append(tool_call_event(call))
     for job_call_id, events in by_job.items():
@@ -175,15 +197,27 @@ def _tool_call_enqueue(*, call_id: str, queue: str) -> dict[str, str] | None:
 
 
 def tool_call_standalone(
-    *, user: User, key: ApiKey | None, toolset: str, tool: str, arguments: Any, job_call_id: str = ""
+    *,
+    user: User,
+    key: ApiKey | None,
+    toolset: str,
+    tool: str,
+    arguments: Any,
+    job_call_id: str = "",
+    container_job: ExecJob | None = None,
+    caller: dict[str, str] | None = None,
 ) -> ToolCall:
     """Run one call outside any sandbox (POST /api/v1/tools/execute) and return its finished record.
 
     With a user key it is a ``standalone`` call. With a job-scoped key and the job's call_id, it is
-    a ``ptc`` call of that job, held to the job's toolsets. A tool that fails still returns its
-    record (``failed``); a request that names no such toolset or tool raises ApplicationError.
+    a ``ptc`` call of that job, held to the job's toolsets. With ``container_job`` (a managed
+    container's job: code running in a provider's own container), it is a ``ptc`` call of that job.
+    ``caller`` (``{type, tool_id}``) is recorded as given. A tool that fails still returns its
+    record (``failed``); a request that names no such toolset or tool raises ApplicationError, and
+    so does a call that needs an approval or a client (``approval_required``, ``kind_unsupported``):
+    only a job's sandbox waits for those.
     """
-    job = None
+    job = container_job
     if key is not None and key.exec_job_id is not None:
         job = ExecJob.objects.select_related("user").get(pk=key.exec_job_id)
         if job_call_id != job.call_id:
@@ -200,20 +234,44 @@ def tool_call_standalone(
         user=user, toolsets=found_toolsets, direct_only=frozenset(policy.direct_only_tools), ptc_only=job is not None
     )
     call_id = f"ptc_{uuid.uuid4().hex}" if job else f"standalone_{uuid.uuid4().hex}"
-    record = {"call_id": call_id, "user": user, "job": job, "toolset": toolset, "tool": tool, "arguments": arguments}
+    record = {
+        "call_id": call_id,
+        "user": user,
+        "job": job,
+        "toolset": toolset,
+        "tool": tool,
+        "arguments": arguments,
+        "caller": caller,
+    }
+    found: Tool | None = None
     error = None
     try:
-        found: Tool | None = checker.check(toolset, tool, arguments)
+        found = checked = checker.check(toolset, tool, arguments)
+        if checked.toolset.kind == Toolset.Kind.CLIENT:
+            raise ApplicationError(
+                "kind_unsupported",
+                f"'{toolset}.{tool}' is a client tool: its caller runs it; there is nothing to run here.",
+                status=400,
+            )
+        if tool_needs_approval(tool=checked, policy=policy):
+            raise ApplicationError(
+                "approval_required",
+                f"'{toolset}.{tool}' needs an approval before each call; call it from a job's code, where it waits for one.",
+                status=403,
+            )
     except ToolFailure as failure:
         if failure.code in ("unknown_toolset", "unknown_tool"):
             raise ApplicationError(failure.code, f"{failure.message[:1].upper()}{failure.message[1:]}.") from None
         if failure.code == "tool_not_ptc":
             raise ApplicationError(failure.code, f"{failure.message[:1].upper()}{failure.message[1:]}.", status=403) from None
         found, error = None, failure.as_dict()
-    # A job's call over HTTP is held to the job's limits as the bridge holds its calls: admitted and
-    # recorded under the job row's lock, so calls at once from many threads are counted one by one.
-    with transaction.atomic() if job is not None else nullcontext():
-        if job is not None:
+    # A remote sandbox's call (a job-scoped key) is held to the job's limits as the bridge holds its
+    # calls: admitted and recorded under the job row's lock, so calls at once from many threads are
+    # counted one by one. A managed container's job has no code of ours to hold to them.
+    admit = job is not None and container_job is None
+    with transaction.atomic() if admit else nullcontext():
+        if admit:
+            assert job is not None
             _job_call_admit(job=job)
         call = _tool_call_record(**record, found=found, error=error)
     if found is None:
@@ -263,6 +321,12 @@ def _job_call_admit(*, job: ExecJob) -> None:
         )
 
 
+def tool_needs_approval(*, tool: Tool, policy: Policy) -> bool:
+    """Return True if each call of ``tool`` waits for an approval: the tool or its toolset says so,
+    or the policy does for every tool that is not read_only."""
+    return tool.requires_approval or tool.toolset.requires_approval or (policy.approval_for_writes and not tool.read_only)
+
+
 def tool_call_reply(call: ToolCall) -> dict[str, Any]:
     if call.status == ToolCall.Status.COMPLETED:
         return {"ok": True, "result": call.output}
@@ -277,16 +341,21 @@ def tool_call_finish(
     billed: bool = True,
     event: bool = True,
     record: ToolCall | None = None,
+    from_statuses: tuple[str, ...] = ToolCall.OPEN,
+    extra: dict[str, Any] | None = None,
 ) -> bool:
-    """Move an executing call to completed or failed, settling or releasing its credits in the same
-    transaction, and publish its event (unless ``event=False``: the caller does, later). Return
-    False if it had already finished (a redelivery: nothing changes). ``billed=False`` says the tool
-    is never billed, which skips the books. ``record``, the call's row, is brought up to date."""
+    """Move an open call (executing, or awaiting its client or an approval; only ``from_statuses``)
+    to completed or failed, settling or releasing its credits in the same transaction, and publish
+    its event (unless ``event=False``: the caller does, later). Return False if it had already
+    finished (a redelivery: nothing changes). ``billed=False`` says the tool is never billed, which
+    skips the books. ``record``, the call's row, is brought up to date. ``extra`` fields are written
+    in the same UPDATE (who decided, when the client answered)."""
     fields: dict[str, Any] = {
         "status": ToolCall.Status.FAILED if error else ToolCall.Status.COMPLETED,
         "output": None if error else storable(output),
         "error": storable(error),
         "finished_at": timezone.now(),
+        **(extra or {}),
     }
     credits = 0
     settles = billed and not error
@@ -297,7 +366,7 @@ def tool_call_finish(
     # The call's row first (a redelivery finds it finished and charges nothing), the ledger last:
     # the account's row lock is held from its statement to the commit only.
     with transaction.atomic() if settles else nullcontext():
-        finished = bool(ToolCall.objects.filter(call_id=call_id, status=ToolCall.Status.EXECUTING).update(**fields))
+        finished = bool(ToolCall.objects.filter(call_id=call_id, status__in=from_statuses).update(**fields))
         if finished and settles:
             credits = credits_settle(tool_call_id=call_id)
     if finished and billed and error:
@@ -462,7 +531,7 @@ def tool_calls_close_held() -> None:
         if status == ToolCall.Status.COMPLETED:
             with transaction.atomic():
                 ToolCall.objects.filter(call_id=call_id).update(credits=credits_settle(tool_call_id=call_id))
-        elif status != ToolCall.Status.EXECUTING:
+        elif status not in ToolCall.OPEN:  # a call awaiting its approval holds its price until decided
             credits_release(tool_call_id=call_id)
 
 

@@ -9,7 +9,7 @@ from typing import Any
 
 from django.conf import settings
 from django.contrib.auth.models import User
-from django.db import DatabaseError, InterfaceError, OperationalError, transaction
+from django.db import DatabaseError, IntegrityError, InterfaceError, OperationalError, transaction
 from django.utils import timezone
 
 from execution.backplane import Cancel, End, backplane, job_channel
@@ -23,7 +23,7 @@ from execution.models import ExecJob, ToolCall
 from execution.sandbox.limits import Limits
 from execution.sandbox.process import SandboxUnavailable
 from execution.sandbox.session import Outcome, Session
-from execution.services.calls import tool_calls_close_held, tool_calls_reap
+from execution.services.calls import tool_call_finish, tool_calls_close_held, tool_calls_reap
 from execution.services.quotas import exec_quota_check
 from execution.services.router import JobCallRouter
 from ptcproject import tracing
@@ -34,6 +34,7 @@ from ptcproject.metrics import job_finished_observe
 from ptcproject.policy.models import Policy
 from ptcproject.policy.selectors import policy_get, ptc_decision, quotas_for
 from ptcproject.storage import MAX_JSON_DEPTH, json_depth_exceeds, storable
+from tools.client import CLIENT_KEY, client_tools_clean, client_toolset
 from tools.sdk import sdk_cached, sdk_job_files
 from tools.selectors import toolset_keys_for_ptc, toolsets_named, toolsets_resolve
 
@@ -54,6 +55,7 @@ def job_limits(*, policy: Policy, timeout: float, parallel_cap: int = 0) -> Limi
         max_processes=settings.PTC_MAX_PROCESSES,
         max_file_mb=settings.PTC_MAX_FILE_MB,
         max_open_files=settings.PTC_MAX_OPEN_FILES,
+        max_client_wait=policy.max_client_wait,
     )
 
 
@@ -66,12 +68,16 @@ def exec_job_create(
     timeout: float | None,
     title: str = "",
     max_credits: int | None = None,
+    client_tools: list[dict[str, Any]] | None = None,
 ) -> ExecJob:
     """Check the request against the policy, record the job as ``queued``, and enqueue it once committed.
 
+    ``client_tools`` are tools the caller runs itself (``ptc_tools.client.Client``; tools/client.py).
+
     Raise ApplicationError: ``code_too_large`` (413), ``validation_error`` for a timeout above the
-    policy's maximum (400; never clamped), ``unknown_toolset`` (400), ``ptc_disabled`` (403),
-    ``rate_limited`` (429: past a tenant quota), ``broker_unavailable`` (503, and the job is not created).
+    policy's maximum (400; never clamped) or bad client tools, ``unknown_toolset`` (400),
+    ``ptc_disabled`` (403), ``rate_limited`` (429: past a tenant quota), ``broker_unavailable`` (503,
+    and the job is not created).
     """
     size = len(code.encode())
     if size > settings.PTC_MAX_CODE_BYTES:
@@ -95,6 +101,13 @@ def exec_job_create(
         keys = toolset_keys_for_ptc(user=user, allowlist=policy.toolset_allowlist, blocklist=policy.toolset_blocklist)
     else:
         keys = [ts.key for ts in toolsets_named(user=user, keys=toolsets)]  # unknown_toolset (400) if any is not
+    client = client_tools_clean(client_tools or [])
+    if client and CLIENT_KEY in keys:
+        raise ApplicationError(
+            "validation_error",
+            f"A job with client_tools has its own '{CLIENT_KEY}' module; leave the toolset '{CLIENT_KEY}' out of toolsets.",
+            details={"toolsets": [f"'{CLIENT_KEY}' is the module of this job's client_tools"]},
+        )
     decision = ptc_decision(policy=policy, user=user, toolsets=keys, title=title)
     if not decision.enabled:
         raise ApplicationError(
@@ -112,9 +125,48 @@ def exec_job_create(
             limits=job_limits(policy=policy, timeout=timeout, parallel_cap=quotas.parallel_cap()).as_dict(),
             sequential=policy.sequential,
             max_credits=max_credits,
+            client_tools=client,
         )
         transaction.on_commit(lambda: _exec_job_enqueue(job=job))
     logger.info("job queued", extra={"job_id": str(job.id)})
+    return job
+
+
+def exec_job_for_container(*, user: User, container_id: str) -> ExecJob:
+    """Return ``user``'s job for a managed container (a provider's own code-execution container
+    whose calls come through POST /tools/execute), created ``running`` on its first call: one per
+    user and ``container_id`` (a unique constraint settles a race). It runs no code here and is
+    never reaped; cancelling it refuses its later calls.
+
+    Raise ApplicationError ``job_finished`` (409) if that job was cancelled.
+    """
+    job = ExecJob.objects.filter(user=user, container_id=container_id).first()
+    if job is None:
+        now = timezone.now()
+        try:
+            with transaction.atomic():
+                job = ExecJob.objects.create(
+                    user=user,
+                    container_id=container_id,
+                    status=Status.RUNNING,
+                    code="",
+                    title=f"managed container {container_id}"[:500],
+                    timeout_seconds=0,
+                    started_at=now,
+                    heartbeat_at=now,
+                    worker="managed container",
+                )
+        except IntegrityError:  # another call of the same container created it first
+            job = ExecJob.objects.get(user=user, container_id=container_id)
+        else:
+            event_publish(job_call_id=job.call_id, event="exec_start", data=job_start_payload(job))
+            logger.info("managed container job created", extra={"job_id": str(job.pk)})
+    if job.status != Status.RUNNING:
+        raise ApplicationError(
+            "job_finished",
+            f"The job of container {container_id} has ended ('{job.status}'); its container takes no more calls.",
+            status=409,
+        )
     return job
 
 
@@ -214,21 +266,24 @@ def _exec_job_prepare(*, job_id: str) -> "tuple[ExecJob, JobCallRouter, dict[str
     job = ExecJob.objects.select_related("user").get(pk=job_id)
     policy = policy_get()
     toolsets, _ = toolsets_resolve(user=job.user, keys=job.toolsets)
+    extra = [client_toolset(job.client_tools)] if job.client_tools else []
     try:
-        sdk = sdk_cached(toolsets=toolsets)
+        sdk = sdk_cached(toolsets=toolsets, extra=extra)
     except (OperationalError, InterfaceError):
         raise
     except Exception as exc:  # said in the job's error
         logger.exception("sdk generation failed", extra={"job_id": job_id})
         return Outcome(status="failed", error=job_error("SandboxCrashed", f"the SDK could not be generated: {exc}"))
     ExecJob.objects.filter(pk=job.pk).update(sdk_hash=sdk.hash)
-    router = JobCallRouter(job=job, toolsets=toolsets, direct_only=frozenset(policy.direct_only_tools))
+    direct_only = frozenset(policy.direct_only_tools)
+    router = JobCallRouter(job=job, toolsets=toolsets, direct_only=direct_only, extra=extra, policy=policy)
     # What a sandbox on another host would call back with (POST /api/v1/tools/execute); it dies with the job.
     _, job_key = api_key_create(
         user=job.user,
         name=f"job {job.call_id}",
         exec_job=job,
-        expires_at=timezone.now() + timedelta(seconds=job.timeout_seconds + 60),
+        # Time spent waiting on the client does not count against the timeout, up to max_client_wait.
+        expires_at=timezone.now() + timedelta(seconds=job.timeout_seconds + Limits.from_dict(job.limits).max_client_wait + 60),
     )
     return job, router, sdk_job_files(sdk), job_key
 
@@ -303,6 +358,11 @@ def _exec_job_close(*, job_id: Any) -> ExecJob:
         error=call_error("job_ended", "the job ended before this call started; it was not run"),
         finished_at=timezone.now(),
     )
+    # Calls still waiting on the client or an approval: a late answer finds them failed (409); each
+    # one's price held for it goes back, and watchers see it end.
+    for call_id in ToolCall.objects.filter(exec_job=job, status__in=ToolCall.AWAITING).values_list("call_id", flat=True):
+        error = call_error("job_ended", "the job ended while this call was waiting; it was not run")
+        tool_call_finish(call_id=call_id, error=error)
     _exec_job_ended(job)
     return job
 
@@ -366,8 +426,8 @@ def exec_job_cancel(*, job: ExecJob) -> ExecJob:
     job.refresh_from_db()
     if not (was_queued or was_running):
         raise ApplicationError("job_finished", f"The job has already finished with status '{job.status}'.", status=409)
-    if was_queued:
-        _exec_job_close(job_id=job.pk)  # no worker will: it never started
+    if was_queued or job.container_id:
+        _exec_job_close(job_id=job.pk)  # no worker will: it never started, or it is a container's (no worker)
     else:
         job_keys_revoke(exec_job_id=job.pk)
         # Its worker kills the sandbox and ends the job; if this push is lost, its next heartbeat
@@ -413,7 +473,9 @@ def exec_jobs_reap() -> int:
             message=f"no exec worker took the job within {settings.PTC_QUEUED_MAX_SECONDS} s; its queue message was lost",
         )
     reaped = 0
-    for job_id in ExecJob.objects.filter(status=Status.RUNNING, heartbeat_at__lt=stale).values_list("pk", flat=True):
+    # A managed container's job has no worker and no lease: it is not reaped.
+    running = ExecJob.objects.filter(status=Status.RUNNING, heartbeat_at__lt=stale, container_id="")
+    for job_id in running.values_list("pk", flat=True):
         reaped += _exec_job_fail_if(
             job_id=str(job_id),
             stale=True,

@@ -19,11 +19,16 @@ from execution.services.calls import (
     tool_call_reserve,
     tool_calls_enqueue,
     tool_calls_record,
+    tool_needs_approval,
 )
 from ptcproject.db import db_reset
 from ptcproject.errors import call_error
+from ptcproject.policy.models import Policy
 from tools.errors import ToolFailure
 from tools.models import Tool, Toolset
+
+# The status a call is recorded in by what it waits on (JobCallRouter._awaits).
+AWAITING_STATUS = {"client": ToolCall.Status.AWAITING_CLIENT, "approval": ToolCall.Status.AWAITING_APPROVAL}
 
 logger = logging.getLogger("ptc.execution")
 
@@ -31,11 +36,27 @@ logger = logging.getLogger("ptc.execution")
 class JobCallRouter:
     """Checks and dispatches one job's tool calls from its sandbox: check, record, enqueue."""
 
-    def __init__(self, *, job: ExecJob, toolsets: list[Toolset], direct_only: frozenset[str]) -> None:
+    def __init__(
+        self,
+        *,
+        job: ExecJob,
+        toolsets: list[Toolset],
+        direct_only: frozenset[str],
+        extra: list[tuple[Toolset, list[Tool]]] | None = None,
+        policy: Policy | None = None,
+    ) -> None:
         self.job = job
         granted = [ts for ts in toolsets if ts.key in job.toolsets]
-        self.checker = CallChecker(user=job.user, toolsets=granted, direct_only=direct_only, ptc_only=True)
+        self.checker = CallChecker(user=job.user, toolsets=granted, direct_only=direct_only, ptc_only=True, extra=extra)
         self.quotes: dict[Any, Any] = {}
+        self.policy = policy
+
+    def _awaits(self, tool: Tool) -> str:
+        """Return what a call of ``tool`` waits on before it can end: ``client`` (the caller runs
+        it), ``approval`` (someone must approve it first), or ``""`` (it runs on a tools worker)."""
+        if tool.toolset.kind == Toolset.Kind.CLIENT:
+            return "client"
+        return "approval" if self.policy is not None and tool_needs_approval(tool=tool, policy=self.policy) else ""
 
     def submit_many(self, requests: list[tuple[str, str, Any]]) -> list[Dispatched | Refused]:
         """Check, record, reserve and enqueue a burst of calls ``(toolset, tool, arguments)``: one
@@ -60,7 +81,8 @@ class JobCallRouter:
             }
             try:
                 found = self.checker.check(toolset, tool, arguments)
-                calls.append(tool_call_build(**fields, found=found))
+                status = AWAITING_STATUS.get(self._awaits(found), ToolCall.Status.EXECUTING)
+                calls.append(tool_call_build(**fields, found=found, status=status))
             except ToolFailure as failure:
                 found = None
                 calls.append(tool_call_build(**fields, found=None, error=failure.as_dict()))
@@ -72,9 +94,18 @@ class JobCallRouter:
                 assert call.error is not None, "a call the checker refused was built with the failure as its error"
                 outcomes.append(Refused(call_id=call.call_id, error=call.error))
                 continue
-            error = tool_call_reserve(call_id=call.call_id, user=self.job.user, tool=found, job=self.job, quotes=self.quotes)
+            # A job's own client tools are free (no row, no price); a shared client toolset's or an
+            # approval's price is held while it waits, and settled when it completes.
+            error = None
+            if not found._state.adding:
+                error = tool_call_reserve(call_id=call.call_id, user=self.job.user, tool=found, job=self.job, quotes=self.quotes)
+            awaits = self._awaits(found)
             if error:
                 outcomes.append(Refused(call_id=call.call_id, error=error))
+            elif awaits:
+                # Nothing is queued: the call waits for POST .../tool-results or .../approval.
+                timeout = found.timeout or settings.PTC_CLIENT_TOOL_TIMEOUT
+                outcomes.append(Dispatched(call_id=call.call_id, timeout=timeout, awaiting=awaits))
             else:
                 outcomes.append(Dispatched(call_id=call.call_id, timeout=found.timeout or settings.PTC_DEFAULT_TOOL_TIMEOUT))
                 # found.toolset is the checker's own row (prefetched with its tools): no query here.
@@ -86,7 +117,7 @@ class JobCallRouter:
         """Return the reply for a call that has finished, from its record; None while it runs (or
         while the database can't say: the call's deadline still holds)."""
         try:
-            call = ToolCall.objects.filter(call_id=call_id).exclude(status=ToolCall.Status.EXECUTING).first()
+            call = ToolCall.objects.filter(call_id=call_id).exclude(status__in=ToolCall.OPEN).first()
         except (OperationalError, InterfaceError):
             db_reset()
             return None
@@ -94,9 +125,14 @@ class JobCallRouter:
 
     def overdue(self, *, call_id: str) -> dict[str, Any]:
         # The hand-off was lost or the call is stuck: the record decides. A late tools worker
-        # finds the call failed and its result is dropped.
+        # finds the call failed and its result is dropped; so does a late client or approver.
         error = call_error("tool_timeout", CALL_TIMEOUT_MESSAGE)
         try:
+            status = ToolCall.objects.filter(call_id=call_id).values_list("status", flat=True).first()
+            if status == ToolCall.Status.AWAITING_CLIENT:
+                error = call_error("tool_timeout", "the client did not post this call's result within its timeout")
+            elif status == ToolCall.Status.AWAITING_APPROVAL:
+                error = call_error("tool_timeout", "nobody approved or denied this call within its timeout")
             tool_call_finish(call_id=call_id, error=error)
             return tool_call_reply(ToolCall.objects.get(call_id=call_id))
         except (OperationalError, InterfaceError):

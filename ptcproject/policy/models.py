@@ -39,6 +39,12 @@ class Policy(models.Model):
         default=0, help_text="Tool calls one user may have in flight; 0: no limit. Also caps each job's parallel calls."
     )
     max_jobs_per_minute = models.PositiveIntegerField(default=0, help_text="Jobs one user may submit in any 60 s; 0: no limit.")
+    # Seconds a job may spend waiting on its client (client tools, approvals) without it counting
+    # against its timeout; past that, waiting counts.
+    max_client_wait = models.PositiveIntegerField(default=600)
+    approval_for_writes = models.BooleanField(
+        default=False, help_text="Every call of a tool not read_only waits for an approval."
+    )
     updated_at = models.DateTimeField(auto_now=True)
 
     class Meta:

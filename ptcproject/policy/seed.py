@@ -25,6 +25,7 @@ BOUNDS = {
     "max_concurrent_jobs": (0, 1_000_000),
     "max_concurrent_tool_calls": (0, 1_000_000),
     "max_jobs_per_minute": (0, 1_000_000),
+    "max_client_wait": (0, 7 * 24 * 3600),
 }
 
 
@@ -84,4 +85,6 @@ def policy_seed(env: environ.Env, *, timeout_ceiling: int) -> dict[str, Any]:
         "max_concurrent_jobs": _int(env, "PTC_MAX_CONCURRENT_JOBS", 0, *BOUNDS["max_concurrent_jobs"]),
         "max_concurrent_tool_calls": _int(env, "PTC_MAX_CONCURRENT_TOOL_CALLS", 0, *BOUNDS["max_concurrent_tool_calls"]),
         "max_jobs_per_minute": _int(env, "PTC_MAX_JOBS_PER_MINUTE", 0, *BOUNDS["max_jobs_per_minute"]),
+        "max_client_wait": _int(env, "PTC_MAX_CLIENT_WAIT", 600, *BOUNDS["max_client_wait"]),
+        "approval_for_writes": _bool(env, "PTC_APPROVAL_FOR_WRITES"),
     }

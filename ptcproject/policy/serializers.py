@@ -44,6 +44,7 @@ class PolicySerializer(serializers.ModelSerializer):
     max_concurrent_jobs = _bounded("max_concurrent_jobs")
     max_concurrent_tool_calls = _bounded("max_concurrent_tool_calls")
     max_jobs_per_minute = _bounded("max_jobs_per_minute")
+    max_client_wait = _bounded("max_client_wait")
 
     class Meta:
         model = Policy
@@ -66,6 +67,8 @@ class PolicySerializer(serializers.ModelSerializer):
             "max_concurrent_jobs",
             "max_concurrent_tool_calls",
             "max_jobs_per_minute",
+            "max_client_wait",
+            "approval_for_writes",
             "updated_at",
         ]
         read_only_fields = ["updated_at"]

@@ -1,13 +1,25 @@
-"""python manage.py ptc_exec FILE.py --user NAME [--toolsets a,b] [--timeout N]
+"""python manage.py ptc_exec FILE.py --user NAME [--toolsets a,b] [--timeout N] [--client-tools MODULE]
 
 Submits a job and follows its events: each tool call as a live line (a spinner, then ✓ or ✗ with
 its duration), stdout as it arrives, and a summary with the admin URL of its timeline. The exit
 code is 0 only if the job completed. With no TTY it prints plain lines.
+
+A call that waits on the client or an approval shows as a line "⏸ waiting for ...". With
+``--client-tools MODULE`` (a module name or a .py file), the module's public functions are the job's
+client tools (``from ptc_tools.client import Client``; or its ``CLIENT_TOOLS`` list of definitions,
+if it has one): each call runs the function of that name with the call's input, here, and its return
+value is posted as the result; an exception is posted as an error (``is_error``). With
+``--approvals approve`` (or ``deny``), calls that wait for an approval are decided at once as the
+job's user; by default (``wait``) they wait for someone to decide them (the API or the timeline).
 """
 
 import asyncio
+import importlib
+import importlib.util
+import inspect
 import sys
 import time
+import types
 from pathlib import Path
 from typing import Any
 
@@ -20,8 +32,66 @@ from rich.spinner import Spinner
 from rich.text import Text
 
 from execution.events import Event, event_stream
+from execution.models import ExecJob, ToolCall
 from execution.services.jobs import exec_job_create
+from execution.services.waiting import tool_call_decide, tool_results_submit
 from ptcproject.errors import ApplicationError
+
+_JSON_TYPES = {int: "integer", float: "number", str: "string", bool: "boolean", list: "array", dict: "object"}
+
+
+def _load_module(name: str) -> types.ModuleType:
+    """Import ``name``: a module name on sys.path, or the path of a .py file."""
+    path = Path(name)
+    if name.endswith(".py") or path.is_file():
+        spec = importlib.util.spec_from_file_location(path.stem, path)
+        if spec is None or spec.loader is None:
+            raise CommandError(f"{name} is not a Python file that can be imported.")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    return importlib.import_module(name)
+
+
+def _functions(module: types.ModuleType) -> dict[str, Any]:
+    """The module's own public functions, by name."""
+    return {
+        name: fn
+        for name, fn in vars(module).items()
+        if inspect.isfunction(fn) and fn.__module__ == module.__name__ and not name.startswith("_")
+    }
+
+
+def _definition(name: str, fn: Any) -> dict[str, Any]:
+    """A client tool definition from a function's signature: annotated types, defaults optional."""
+    properties: dict[str, Any] = {}
+    required = []
+    for param in inspect.signature(fn).parameters.values():
+        if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+            continue
+        kind = _JSON_TYPES.get(param.annotation)
+        properties[param.name] = {"type": kind} if kind else {}
+        if param.default is param.empty:
+            required.append(param.name)
+    description = inspect.getdoc(fn) or ""
+    return {
+        "name": name,
+        "description": description,
+        "input_schema": {"type": "object", "properties": properties, "required": required},
+    }
+
+
+def client_tools_from(module: types.ModuleType) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Return a module's client tool definitions and the functions that run them, by name."""
+    functions = _functions(module)
+    declared = getattr(module, "CLIENT_TOOLS", None)
+    definitions = list(declared) if declared is not None else [_definition(n, fn) for n, fn in sorted(functions.items())]
+    missing = [d.get("name") for d in definitions if d.get("name") not in functions]
+    if missing:
+        raise CommandError(f"CLIENT_TOOLS names tools the module has no function for: {', '.join(map(str, missing))}.")
+    if not definitions:
+        raise CommandError(f"{module.__name__} has no public functions to offer as client tools.")
+    return definitions, functions
 
 
 def _call_label(data: dict[str, Any]) -> str:
@@ -41,7 +111,13 @@ class Progress:
         self.saw_output = False
 
     def render(self) -> Group:
-        return Group(*(Spinner("dots", text=Text(_call_label(d), style="cyan")) for d in self.running.values()))
+        return Group(*(Spinner("dots", text=self._running_text(d)) for d in self.running.values()))
+
+    @staticmethod
+    def _running_text(data: dict[str, Any]) -> Text:
+        if data.get("waiting"):
+            return Text(f"waiting for {data['waiting']}: {_call_label(data)}", style="yellow")
+        return Text(_call_label(data), style="cyan")
 
     def on_event(self, event: Event) -> None:
         data = event.data
@@ -49,6 +125,15 @@ class Progress:
             self.saw_output = True
             style = "" if event.event == "stdout" else "red"
             self.console.print(Text(data["text"].rstrip("\n"), style=style), highlight=False)
+        elif event.event == "tool_call_pending":
+            waiting = "client" if data["awaiting"] == "client" else "approval"
+            label = _call_label(data["call"])
+            self.running[data["id"]] = {**data["call"], "waiting": waiting}
+            hint = "" if waiting == "client" else f" (POST /api/v1/tool-calls/{data['id']}/approval, or the timeline)"
+            self.console.print(Text.assemble(("⏸ ", "yellow"), f"waiting for {waiting}: {label}", (hint, "dim")), highlight=False)
+        elif event.event == "tool_call_approved":
+            self.running[data["call_id"]] = data
+            self.console.print(Text.assemble(("▶ ", "yellow"), f"approved: {_call_label(data)}"), highlight=False)
         elif event.event == "tool_call_start":
             self.running[data["call_id"]] = data
             if not self.live:
@@ -73,6 +158,18 @@ class Command(BaseCommand):
         parser.add_argument("--toolsets", default=None, help="Comma-separated toolset keys (default: all the user may use).")
         parser.add_argument("--timeout", type=float, default=None, help="Seconds (default: the policy's).")
         parser.add_argument("--title", default="", help="The node title (feeds the debug opt-in/opt-out rules).")
+        parser.add_argument(
+            "--client-tools",
+            default=None,
+            metavar="MODULE",
+            help="A module (name or .py file) whose functions answer the job's client tools, run here.",
+        )
+        parser.add_argument(
+            "--approvals",
+            choices=["wait", "approve", "deny"],
+            default="wait",
+            help="Calls that need an approval: wait for someone (default), or approve or deny them as --user.",
+        )
 
     def handle(self, *args: Any, **options: Any) -> None:
         path = Path(options["file"])
@@ -82,10 +179,20 @@ class Command(BaseCommand):
         if user is None:
             raise CommandError(f"There is no user '{options['user']}'.")
         toolsets = [t.strip() for t in options["toolsets"].split(",") if t.strip()] if options["toolsets"] else None
+        self.user, self.approvals = user, options["approvals"]
+        definitions: list[dict[str, Any]] = []
+        self.functions: dict[str, Any] = {}
+        if options["client_tools"]:
+            definitions, self.functions = client_tools_from(_load_module(options["client_tools"]))
         started = time.monotonic()
         try:
             job = exec_job_create(
-                user=user, code=path.read_text(), toolsets=toolsets, timeout=options["timeout"], title=options["title"]
+                user=user,
+                code=path.read_text(),
+                toolsets=toolsets,
+                timeout=options["timeout"],
+                title=options["title"],
+                client_tools=definitions,
             )
         except ApplicationError as exc:
             raise CommandError(f"{exc.code}: {exc.message}") from exc
@@ -94,7 +201,7 @@ class Command(BaseCommand):
         interactive = console.is_terminal
         console.print(f"job {job.call_id} submitted")
         progress = Progress(console, live=interactive)
-        final = asyncio.run(self._follow(job.pk, progress, interactive))
+        final = asyncio.run(self._follow(job, progress, interactive))
         if not progress.saw_output:  # no live chunks (the embedded setup): the final output, once
             for stream, style in (("stdout", ""), ("stderr", "red")):
                 if final.get(stream):
@@ -103,7 +210,28 @@ class Command(BaseCommand):
         if final.get("status") != "completed":
             sys.exit(1)
 
-    async def _follow(self, job_id: Any, progress: Progress, interactive: bool) -> dict[str, Any]:
+    def _answer(self, job: ExecJob, block: dict[str, Any]) -> None:
+        """Run one client tool call here and post its result (on a thread: calls stay parallel)."""
+        try:
+            result: dict[str, Any] = {"content": self.functions[block["name"]](**block["input"]), "is_error": False}
+        except Exception as exc:  # the tool's failure is the call's, reported to the code as is_error
+            result = {"content": f"{type(exc).__name__}: {exc}", "is_error": True}
+        try:
+            tool_results_submit(job=job, results=[{"tool_use_id": block["id"], **result}])
+        except ApplicationError as exc:  # timed out or cancelled meanwhile: the stream shows it
+            self.stderr.write(f"could not post the result of {block['id']}: {exc.code}: {exc.message}")
+
+    def _decide(self, block: dict[str, Any]) -> None:
+        """Approve or deny a call as the job's user (``--approvals``), on a thread."""
+        call = ToolCall.objects.get(call_id=block["id"])
+        try:
+            tool_call_decide(call=call, actor=self.user, approve=self.approvals == "approve", reason="--approvals on ptc_exec")
+        except ApplicationError as exc:  # decided elsewhere meanwhile: the stream shows it
+            self.stderr.write(f"could not decide {block['id']}: {exc.code}: {exc.message}")
+
+    async def _follow(self, job: ExecJob, progress: Progress, interactive: bool) -> dict[str, Any]:
+        job_id = job.pk
+        answering: set[asyncio.Task[None]] = set()
         final: dict[str, Any] = {}
         live = Live(progress.render(), console=progress.console, refresh_per_second=12, transient=True) if interactive else None
         if live:
@@ -116,6 +244,16 @@ class Command(BaseCommand):
                     final = event.data
                     break
                 progress.on_event(event)
+                data = event.data
+                work = None
+                if event.event == "tool_call_pending" and data["awaiting"] == "client" and data["name"] in self.functions:
+                    work = asyncio.to_thread(self._answer, job, data)
+                elif event.event == "tool_call_pending" and data["awaiting"] == "approval" and self.approvals != "wait":
+                    work = asyncio.to_thread(self._decide, data)
+                if work is not None:
+                    task = asyncio.create_task(work)
+                    answering.add(task)
+                    task.add_done_callback(answering.discard)
                 if live:
                     live.update(progress.render())
         finally:

@@ -1,0 +1,206 @@
+"""Approvals: a call of a tool (or toolset) marked requires_approval, or of any tool that is not
+read_only when the policy says approval_for_writes, waits as awaiting_approval until staff or the
+job's owner approve it (it runs) or deny it (ToolError code "denied"). Real workers, real HTTP."""
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from tests.conftest import Api
+from tests.execution.client_loop import ClientLoop, sse_events
+from tests.tools.conftest import unique_key
+from tests.tools.http_api import HttpApi
+from tools.sdk import class_name
+
+
+@pytest.fixture(scope="module")
+def http_api() -> Iterator[HttpApi]:
+    with HttpApi(expected_key="unused") as server:
+        yield server
+
+
+@pytest.fixture
+def staff(make_api: Callable[..., Api]) -> Iterator[Api]:
+    """A staff client; the policy is put back as it was after the test."""
+    admin = make_api(staff=True)
+    before = admin.get("/api/v1/policy").json()
+    before.pop("updated_at")
+    yield admin
+    assert admin.http.patch("/api/v1/policy", json=before).status_code == 200
+
+
+def shop(staff: Api, http_api: HttpApi, *, toolset_approval: bool = False, tool_approval: bool = True) -> str:
+    """An http toolset: ``look`` (read-only), ``buy`` (side effects; requires_approval unless told not)."""
+    key = unique_key("shop")
+    city = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    body = {
+        "key": key,
+        "name": "Shop",
+        "kind": "http",
+        "requires_approval": toolset_approval,
+        "config": {"base_url": http_api.url, "timeout": 10},
+        "tools": [
+            {
+                "name": "look",
+                "input_schema": city,
+                "read_only": True,
+                "http": {"method": "GET", "path": "/forecast/{city}", "query": []},
+            },
+            {
+                "name": "buy",
+                "input_schema": city,
+                "requires_approval": tool_approval,
+                "http": {"method": "POST", "path": "/items/{city}", "query": []},
+            },
+        ],
+    }
+    response = staff.post("/api/v1/toolsets", json=body)
+    assert response.status_code == 201, response.text
+    assert response.json()["requires_approval"] is toolset_approval
+    return key
+
+
+def submit(api: Api, code: str, toolsets: list[str], **body: Any) -> dict[str, Any]:
+    response = api.post("/api/v1/exec", json={"code": code, "toolsets": toolsets, "wait": 0, **body})
+    assert response.status_code == 201, response.text
+    return response.json()
+
+
+def pending(api: Api, job_id: str, count: int = 1) -> list[dict[str, Any]]:
+    found = []
+    for event, data in sse_events(api, job_id):
+        if event == "tool_call_pending":
+            found.append(data)
+            if len(found) == count:
+                return found
+    raise AssertionError(f"the job ended with {len(found)} pending calls, not {count}")
+
+
+def finished(api: Api, job_id: str) -> dict[str, Any]:
+    for event, _ in sse_events(api, job_id):
+        if event == "exec_end":
+            return api.get(f"/api/v1/exec/{job_id}").json()
+    raise AssertionError("no exec_end")
+
+
+def test_an_approved_call_runs_and_the_approval_is_audited(make_api: Callable[..., Api], staff: Api, http_api: HttpApi) -> None:
+    key = shop(staff, http_api)
+    owner, stranger = make_api(), make_api()
+    job = submit(owner, f"from ptc_tools.{key} import {class_name(key)} as S\nS.look(city='a')\nS.buy(city='paris')", [key])
+    [block] = pending(owner, job["id"])
+    assert block["awaiting"] == "approval" and block["name"] == "buy" and block["input"] == {"city": "paris"}
+    assert block["call"]["status"] == "awaiting_approval"
+    url = f"/api/v1/tool-calls/{block['id']}/approval"
+    assert stranger.post(url, json={"approve": True}).status_code == 404  # another user's call
+    decided = owner.post(url, json={"approve": True, "reason": "fine"})
+    assert decided.status_code == 200, decided.text
+    assert decided.json()["decision"] == "approved" and decided.json()["decided_by"] == owner.username
+    again = owner.post(url, json={"approve": False})
+    assert again.status_code == 409 and again.json()["error"]["code"] == "decision_conflict"
+    final = finished(owner, job["id"])
+    assert final["status"] == "completed", final["error"]
+    look, buy = final["tool_calls"]
+    assert look["status"] == "completed" and look["decision"] == ""  # read-only: never waited
+    assert buy["status"] == "completed" and buy["output"]["method"] == "POST"
+    assert (buy["decision"], buy["decided_by"], buy["decision_reason"]) == ("approved", owner.username, "fine")
+    assert buy["decided_at"] >= buy["started_at"]
+    # Deciding a call that never waited: 409, nothing changes.
+    never = owner.post(f"/api/v1/tool-calls/{look['call_id']}/approval", json={"approve": True})
+    assert never.status_code == 409 and never.json()["error"]["code"] == "call_not_awaiting"
+
+
+def test_a_denied_call_raises_tool_error_denied_and_staff_may_decide(
+    make_api: Callable[..., Api], staff: Api, http_api: HttpApi
+) -> None:
+    key = shop(staff, http_api)
+    owner = make_api()
+    code = f"""
+from ptc_tools import ToolError
+from ptc_tools.{key} import {class_name(key)} as S
+try:
+    S.buy(city='x')
+except ToolError as e:
+    print(e.code, "|", e.message)
+"""
+    job = submit(owner, code, [key])
+    [block] = pending(owner, job["id"])
+    denied = staff.post(f"/api/v1/tool-calls/{block['id']}/approval", json={"approve": False, "reason": "too expensive"})
+    assert denied.status_code == 200, denied.text
+    final = finished(owner, job["id"])
+    assert final["status"] == "completed", final["error"]
+    assert final["stdout"].startswith("denied | the call was denied by ")
+    assert "too expensive" in final["stdout"]
+    [call] = final["tool_calls"]
+    assert call["status"] == "failed" and call["error"]["code"] == "denied"
+    assert (call["decision"], call["decided_by"]) == ("denied", staff.username)
+
+
+def test_toolset_approval_and_the_policy_for_writes(make_api: Callable[..., Api], staff: Api, http_api: HttpApi) -> None:
+    gated = shop(staff, http_api, toolset_approval=True, tool_approval=False)
+    api = make_api()
+    job = submit(api, f"from ptc_tools.{gated} import {class_name(gated)} as S\nS.look(city='a')", [gated])
+    [block] = pending(api, job["id"])  # even the read-only tool: the whole toolset is gated
+    assert block["name"] == "look"
+    assert api.post(f"/api/v1/exec/{job['id']}/cancel").status_code == 200
+    final = finished(api, job["id"])
+    assert final["status"] == "cancelled"
+    assert final["tool_calls"][0]["error"]["code"] == "job_ended"
+
+    plain = shop(staff, http_api, tool_approval=False)
+    assert staff.http.patch("/api/v1/policy", json={"approval_for_writes": True}).json()["approval_for_writes"] is True
+    code = f"from ptc_tools.{plain} import {class_name(plain)} as S\nS.look(city='a')\nS.buy(city='b')"
+    job = submit(api, code, [plain])
+    with ClientLoop(api, job["id"], lambda name, args: None, approver=lambda block: {"approve": True}) as loop:
+        pass
+    assert not loop.errors, loop.errors
+    assert [b["name"] for b in loop.pending] == ["buy"]  # look is read_only: it ran at once
+    final = api.get(f"/api/v1/exec/{job['id']}").json()
+    assert final["status"] == "completed", final["error"]
+    assert [c["decision"] for c in final["tool_calls"]] == ["", "approved"]
+
+
+def test_a_program_mixing_a_server_a_client_and_a_gated_tool(make_api: Callable[..., Api], staff: Api, http_api: HttpApi) -> None:
+    """Done when: a server tool, a client tool and an approval-gated tool, end to end through the API."""
+    key = shop(staff, http_api)
+    api = make_api(credits=100)
+    code = f"""
+from ptc_tools.client import Client
+from ptc_tools.demo import Demo
+from ptc_tools.{key} import {class_name(key)} as S
+total = Demo.add(a=2, b=3)
+ok = Client.confirm(question=f"buy for {{total}}?")
+bought = S.buy(city="paris") if ok else None
+print(total, ok, bought["method"])
+"""
+    confirm = {"name": "confirm", "input_schema": {"type": "object", "properties": {"question": {"type": "string"}}}}
+    job = submit(api, code, ["demo", key], client_tools=[confirm])
+    with ClientLoop(
+        api, job["id"], lambda name, args: {"content": args["question"] == "buy for 5?"}, approver=lambda b: {"approve": True}
+    ) as loop:
+        pass
+    assert not loop.errors, loop.errors
+    final = api.get(f"/api/v1/exec/{job['id']}").json()
+    assert final["status"] == "completed", final["error"]
+    assert final["stdout"] == "5 True POST\n"
+    statuses = [(c["toolset"], c["tool"], c["status"], c["decision"]) for c in final["tool_calls"]]
+    assert statuses == [
+        ("demo", "add", "completed", ""),
+        ("client", "confirm", "completed", ""),
+        (key, "buy", "completed", "approved"),
+    ]
+    assert [b["awaiting"] for b in loop.pending] == ["client", "approval"]
+    assert "tool_call_approved" in loop.events
+
+
+def test_tools_execute_refuses_a_gated_tool_rather_than_skip_its_approval(
+    make_api: Callable[..., Api], staff: Api, http_api: HttpApi
+) -> None:
+    key = shop(staff, http_api)
+    api = make_api()
+    gated = api.post("/api/v1/tools/execute", json={"toolset": key, "tool": "buy", "arguments": {"city": "x"}})
+    assert gated.status_code == 403 and gated.json()["error"]["code"] == "approval_required"
+    free = api.post("/api/v1/tools/execute", json={"toolset": key, "tool": "look", "arguments": {"city": "x"}})
+    assert free.status_code == 200 and free.json()["status"] == "completed"
+    calls = api.get("/api/v1/tool-calls").json()["results"]
+    assert [c["tool"] for c in calls] == ["look"]  # the refused one left no record
