@@ -162,3 +162,14 @@ def make_api(stack: Stack) -> Callable[..., Api]:
 @pytest.fixture
 def api(make_api: Callable[..., Api]) -> Api:
     return make_api()
+
+
+@pytest.fixture
+def staff(make_api: Callable[..., Api]) -> Iterator[Api]:
+    """A staff client; the policy is put back as it was after the test."""
+    admin = make_api(staff=True)
+    before = admin.get("/api/v1/policy").json()
+    before.pop("updated_at")
+    yield admin
+    restored = admin.http.patch("/api/v1/policy", json=before)
+    assert restored.status_code == 200, restored.text

@@ -20,16 +20,6 @@ def http_api() -> Iterator[HttpApi]:
         yield server
 
 
-@pytest.fixture
-def staff(make_api: Callable[..., Api]) -> Iterator[Api]:
-    """A staff client; the policy is put back as it was after the test."""
-    admin = make_api(staff=True)
-    before = admin.get("/api/v1/policy").json()
-    before.pop("updated_at")
-    yield admin
-    assert admin.http.patch("/api/v1/policy", json=before).status_code == 200
-
-
 def shop(staff: Api, http_api: HttpApi, *, toolset_approval: bool = False, tool_approval: bool = True) -> str:
     """An http toolset: ``look`` (read-only), ``buy`` (side effects; requires_approval unless told not)."""
     key = unique_key("shop")

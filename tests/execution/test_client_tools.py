@@ -3,7 +3,7 @@ SSE stream and answers through POST /api/v1/exec/{id}/tool-results. Real workers
 
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -217,16 +217,6 @@ def test_cancel_while_waiting_ends_the_job_and_fails_the_call(api: Api) -> None:
     assert call["status"] == "failed" and call["error"]["code"] == "job_ended"
     late = api.post(f"/api/v1/exec/{job['id']}/tool-results", json=[{"tool_use_id": block["id"], "content": 1}])
     assert late.status_code == 409
-
-
-@pytest.fixture
-def staff(make_api: Callable[..., Api]) -> Iterator[Api]:
-    """A staff client; the policy is put back as it was after the test."""
-    admin = make_api(staff=True)
-    before = admin.get("/api/v1/policy").json()
-    before.pop("updated_at")
-    yield admin
-    assert admin.http.patch("/api/v1/policy", json=before).status_code == 200
 
 
 def _slow_answer(seconds: float) -> Callable[[str, dict[str, Any]], dict[str, Any]]:

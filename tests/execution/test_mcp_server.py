@@ -6,7 +6,7 @@ import json
 import sys
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import anyio
@@ -63,16 +63,6 @@ def data(result: types.CallToolResult) -> Any:
 
 async def call(client: Client, name: str, arguments: dict[str, Any], **options: Any) -> Any:
     return data(await client.call_tool(name, arguments, **options))
-
-
-@pytest.fixture
-def staff(make_api: Callable[..., Api]) -> Iterator[Api]:
-    """A staff client; the policy is put back as it was after the test."""
-    admin = make_api(staff=True)
-    before = admin.get("/api/v1/policy").json()
-    before.pop("updated_at")
-    yield admin
-    assert admin.http.patch("/api/v1/policy", json=before).status_code == 200
 
 
 # -- Streamable HTTP ------------------------------------------------------------------------------

@@ -2,7 +2,6 @@
 
 import itertools
 import uuid
-from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
@@ -10,17 +9,6 @@ import pytest
 
 from ptcproject.policy.models import PolicyChange
 from tests.conftest import Api
-
-
-@pytest.fixture
-def staff(make_api: Callable[..., Api]) -> Iterator[Api]:
-    """A staff client; the policy is put back as it was after the test."""
-    admin = make_api(staff=True)
-    before = admin.get("/api/v1/policy").json()
-    before.pop("updated_at")
-    yield admin
-    restored = admin.http.patch("/api/v1/policy", json=before)
-    assert restored.status_code == 200, restored.text
 
 
 def patch(staff: Api, **values: Any) -> httpx.Response:

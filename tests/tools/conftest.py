@@ -47,11 +47,6 @@ def alive(pid: int) -> bool:
 
 
 @pytest.fixture
-def staff(make_api: Callable[..., Api]) -> Api:
-    return make_api(staff=True)
-
-
-@pytest.fixture
 def create_toolset(staff: Api) -> Iterator[Callable[..., dict[str, Any]]]:
     """Create toolsets through the staff API (asserting 201); delete them at the end of the test."""
     made: list[str] = []
