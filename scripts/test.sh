@@ -6,6 +6,7 @@ cd "$(dirname "$0")/.."
 scripts/setup.sh
 scripts/browser-deps.sh
 scripts/outage-deps.sh
+scripts/deploy-deps.sh
 
 services=$(scripts/test-services.sh)
 eval "$services"
