@@ -7,6 +7,7 @@ it costs ~50 ms to import.
 """
 
 import os
+import queue
 import socket
 import threading
 from typing import Any
@@ -54,6 +55,8 @@ class _Bridge:
         self._closed: str | None = None
         self._decoder = _protocol.FrameDecoder()
         self.start_message = start
+        # A session's sandbox gets its next job as a ``start`` frame on the same bridge.
+        self.jobs: queue.SimpleQueue[dict[str, Any] | None] = queue.SimpleQueue()
         threading.Thread(target=self._read_loop, name="ptc-bridge", daemon=True).start()
 
     def send(self, message: dict[str, Any]) -> None:
@@ -117,6 +120,9 @@ class _Bridge:
                 if not data:
                     break
                 for reply in self._decoder.feed(data):
+                    if reply.get("op") == "start":
+                        self.jobs.put(reply)
+                        continue
                     with self._lock:
                         waiter = self._pending.pop(reply.get("id"), None)
                     if waiter is not None:
@@ -128,6 +134,7 @@ class _Bridge:
             waiters, self._pending = list(self._pending.values()), {}
         for waiter in waiters:
             self._deliver(waiter, {"ok": False, "error": {"code": "bridge_closed", "message": reason}})
+        self.jobs.put(None)
 
 
 def _unwrap(reply: dict[str, Any], toolset: str, tool: str) -> Any:
@@ -158,6 +165,16 @@ def connect(fd: int, start: dict[str, Any]) -> None:
     global _bridge
     _bridge = _Bridge(fd, start)
     os.register_at_fork(after_in_child=_forked)
+
+
+def next_job() -> dict[str, Any] | None:
+    """A session's sandbox: wait for the next job's ``start`` frame; None once the bridge closed."""
+    if _bridge is None:
+        return None
+    job = _bridge.jobs.get()
+    if job is not None:
+        _bridge.start_message = job
+    return job
 
 
 def connected() -> bool:
