@@ -144,4 +144,3 @@ def _running(pid: str) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
-
