@@ -27,6 +27,7 @@ from execution.services.calls import tool_calls_close_held, tool_calls_reap
 from execution.services.router import JobCallRouter
 from execution.services.sessions import (
     LiveSession,
+    exec_session_job_ended,
     exec_session_take,
     exec_sessions_reap,
     job_files_done,
@@ -368,6 +369,8 @@ def _exec_job_close(*, job_id: Any) -> ExecJob:
     announced. Idempotent. Return the job."""
     job = ExecJob.objects.select_related("user").get(pk=job_id)
     job_keys_revoke(exec_job_id=job.pk)
+    if job.session_id is not None:  # before the end is announced: whoever sees it can send the next job
+        exec_session_job_ended(session_id=job.session_id, job_id=job.pk)
     ToolCall.objects.filter(exec_job=job, status=ToolCall.Status.EXECUTING, claimed_at__isnull=True).update(
         status=ToolCall.Status.FAILED,
         error=call_error("job_ended", "the job ended before this call started; it was not run"),

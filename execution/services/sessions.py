@@ -370,10 +370,21 @@ def session_job_done(*, job_id: Any, session_id: Any, outcome: Outcome, files_se
             outcome=outcome, existing=WorkFile.objects.filter(session=session), lookup={"session": session}
         )
         ExecJob.objects.filter(pk=job_id).update(output_files=written, output_files_omitted=omitted)
-        fields: dict[str, Any] = {"last_used_at": now, "jobs_run": session.jobs_run + 1}
-        if session.status == Status.ACTIVE:
-            fields["expires_at"] = min(session.max_expires_at, now + timedelta(seconds=session.idle_timeout_seconds))
-        ExecSession.objects.filter(pk=session_id).update(**fields)
+        ExecSession.objects.filter(pk=session_id).update(last_used_at=now, jobs_run=session.jobs_run + 1)
+
+
+def exec_session_job_ended(*, session_id: Any, job_id: Any) -> None:
+    """A job of the session ended, however (finished, cancelled while queued, reaped): the session
+    is free and idles from now. Idempotent; a later job's take is left alone."""
+    session = ExecSession.objects.filter(pk=session_id, status=Status.ACTIVE, current_job_id=job_id).first()
+    if session is None:
+        return
+    now = timezone.now()
+    ExecSession.objects.filter(pk=session_id, status=Status.ACTIVE, current_job_id=job_id).update(
+        current_job=None,
+        last_used_at=now,
+        expires_at=min(session.max_expires_at, now + timedelta(seconds=session.idle_timeout_seconds)),
+    )
 
 
 def job_files_done(*, job_id: Any, outcome: Outcome) -> None:

@@ -92,6 +92,23 @@ def test_every_job_of_a_session_runs_on_its_worker(fleet: Fleet) -> None:
         api.http.delete(f"/api/v1/sessions/{session_id}")
 
 
+def test_the_holder_kills_the_sandbox_of_an_expired_session(fleet: Fleet) -> None:
+    api = _api(fleet)
+    response = api.post("/api/v1/sessions", json={"toolsets": ["demo"], "idle_timeout": 2})
+    session_id = response.json()["id"]
+    pids = {process.proc.pid for process in (fleet.stack.exec_worker, fleet.second) if process.proc}
+    before = {pid for worker in pids for pid in _sandboxes(worker)}
+    assert api.run("import time\ntime.sleep(0.5)", session=session_id)["status"] == "completed"
+    started = {pid for worker in pids for pid in _sandboxes(worker)} - before
+    assert started, "the session's sandbox should be a child of an exec worker"
+    assert _until_status(api, session_id, 20)["status"] == "expired"
+    # Within a lease round (1 s here) of its expiry, its worker kills its sandbox.
+    deadline = time.monotonic() + 10
+    while any(_running(pid) for pid in started):
+        assert time.monotonic() < deadline, "the expired session's sandbox is still running"
+        time.sleep(0.2)
+
+
 def test_a_warm_shutdown_ends_its_sessions_lost(fleet: Fleet) -> None:
     api = _api(fleet)
     session_id = _session(api)

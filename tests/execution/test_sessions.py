@@ -105,6 +105,34 @@ def test_a_timed_out_job_ends_its_session_lost(api: Api) -> None:
     assert late.status_code == 410 and late.json()["error"]["code"] == "session_lost"
 
 
+def test_deleting_a_session_cancels_its_running_job(api: Api) -> None:
+    session = _session(api)
+    job = _run(api, session, "import time\nprint('in', flush=True)\ntime.sleep(60)", wait=0, timeout=120)
+    assert api.until_printed(job["id"]) == "in\n"
+    assert api.http.delete(f"/api/v1/sessions/{session['id']}").json()["status"] == "deleted"
+    ended = _until(api, f"/api/v1/exec/{job['id']}", lambda j: j["status"] not in ("queued", "running"), 15)
+    assert ended["status"] == "cancelled"
+
+
+def test_cancelling_a_running_job_ends_its_session_lost(api: Api) -> None:
+    session = _session(api)
+    job = _run(api, session, "import time\nprint('in', flush=True)\ntime.sleep(60)", wait=0, timeout=120)
+    assert api.until_printed(job["id"]) == "in\n"
+    assert api.post(f"/api/v1/exec/{job['id']}/cancel").status_code == 200
+    ended = _until(api, f"/api/v1/sessions/{session['id']}", lambda s: s["status"] != "active", 15)
+    assert ended["status"] == "lost"
+
+
+def test_the_memory_limit_holds_across_calls(api: Api) -> None:
+    session = _session(api, limits={"memory_mb": 256})
+    assert session["limits"]["memory_mb"] == 256
+    assert _run(api, session, "a = bytearray(150 << 20)\nlen(a)")["return_value"] == 150 << 20
+    # The second allocation alone would fit; with the first still held, it can't.
+    over = _run(api, session, "b = bytearray(150 << 20)")
+    assert over["status"] == "failed" and over["error"]["type"] == "ResourceLimit", over["error"]
+    assert _run(api, session, "len(a)")["return_value"] == 150 << 20  # the session goes on
+
+
 def test_another_users_session_is_404(make_api: Callable[..., Api]) -> None:
     owner, other = make_api(), make_api()
     session = _session(owner)
