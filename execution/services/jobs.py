@@ -4,7 +4,7 @@ import logging
 import os
 import socket
 import time
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 from django.conf import settings
@@ -218,15 +218,15 @@ def _exec_job_sandbox(*, job_id: str, node: str) -> Outcome:
             "collect_files": {"max_bytes": settings.PTC_FILES_MAX_BYTES, "max_count": settings.PTC_FILES_MAX_COUNT},
         }
         live: LiveSession | None = None
-        sent: dict[str, str] = {}
+        sent: list[tuple[int, datetime]] = []
         if job.session is not None:
             taken = session_sandbox_take(session_id=job.session.pk, node=node)
             if isinstance(taken, Outcome):
                 return taken
             live = taken
-            sent = session_job_inputs(session_id=job.session.pk)
+            uploads, sent = session_job_inputs(session_id=job.session.pk)
             extra.update(session=True, limits=session_guest_limits(session=job.session))
-            extra["files"] = {**sent, **extra["files"]}
+            extra["files"] = {**uploads, **extra["files"]}
             if live.sdk_hash == job.sdk_hash:
                 sdk_files = {}  # its sandbox has this SDK from an earlier job
         session = Session(
@@ -260,13 +260,13 @@ def _exec_job_sandbox(*, job_id: str, node: str) -> Outcome:
     if live is not None and live.ended and outcome.status != "cancelled":
         outcome.status = "failed"
         outcome.error = job_error("SessionEnded", f"the session ended while the job ran: {live.ended}")
-    _exec_job_files_done(job=job, outcome=outcome, sent=list(sent))
+    _exec_job_files_done(job=job, outcome=outcome, sent=sent)
     assert job.started_at is not None, "the job was loaded after exec_job_run's claim set started_at"
     outcome.timings["queue_ms"] = round((job.started_at - job.created_at).total_seconds() * 1000, 2)
     return outcome
 
 
-def _exec_job_files_done(*, job: ExecJob, outcome: Outcome, sent: list[str]) -> None:
+def _exec_job_files_done(*, job: ExecJob, outcome: Outcome, sent: list[tuple[int, datetime]]) -> None:
     """Store the files the job's code wrote (the session's, or the job's outputs) before the job's
     end is recorded: whoever sees it ended sees its files. A failure here loses the files, not the job."""
     try:

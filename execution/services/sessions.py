@@ -24,7 +24,7 @@ import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 from django.conf import settings
@@ -356,7 +356,7 @@ def session_sandbox_release(*, session_id: Any, live: LiveSession, kept: bool, s
         )
 
 
-def session_job_done(*, job_id: Any, session_id: Any, outcome: Outcome, files_sent: list[str]) -> None:
+def session_job_done(*, job_id: Any, session_id: Any, outcome: Outcome, files_sent: list[tuple[int, datetime]]) -> None:
     """Record what a session's job left: its files under /work (upserted within the session's
     quota, removed ones deleted), the uploads it received, and the session's next expiry."""
     now = timezone.now()
@@ -364,7 +364,8 @@ def session_job_done(*, job_id: Any, session_id: Any, outcome: Outcome, files_se
         session = ExecSession.objects.select_for_update().filter(pk=session_id).first()
         if session is None:
             return
-        WorkFile.objects.filter(session=session, path__in=files_sent).update(pending=False)
+        for pk, updated_at in files_sent:  # an upload replaced meanwhile stays pending: it was not the one sent
+            WorkFile.objects.filter(pk=pk, updated_at=updated_at).update(pending=False)
         WorkFile.objects.filter(session=session, path__in=outcome.files_removed, pending=False).delete()
         written, omitted = _store_files(
             outcome=outcome, existing=WorkFile.objects.filter(session=session), lookup={"session": session}
@@ -428,9 +429,11 @@ def _store_files(
     return written, omitted
 
 
-def session_job_inputs(*, session_id: Any) -> dict[str, str]:
-    """The session's uploaded files its sandbox has not received yet, base64 by path."""
-    return _encoded(WorkFile.objects.filter(session_id=session_id, pending=True))
+def session_job_inputs(*, session_id: Any) -> tuple[dict[str, str], list[tuple[int, datetime]]]:
+    """The session's uploaded files its sandbox has not received yet, base64 by path, and which
+    versions they are (id, updated_at), to mark them received after the job."""
+    rows = list(WorkFile.objects.filter(session_id=session_id, pending=True))
+    return _encoded(rows), [(row.pk, row.updated_at) for row in rows]
 
 
 def job_inputs(*, job_id: Any) -> dict[str, str]:

@@ -4,12 +4,16 @@ import base64
 import contextlib
 import io
 import time
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+from django.contrib.auth import get_user_model
+from django.test import Client
 
+from execution.models import WorkFile
 from tests.conftest import Api
 
 
@@ -229,3 +233,24 @@ def test_the_readme_tour(api: Api) -> None:
     with contextlib.redirect_stdout(printed):
         exec(code, {"KEY": api.key})
     assert printed.getvalue() == "3 ['ring', '120'] [{'path': 'total.txt', 'size': 3}]\n420\n"
+
+
+def test_admin_pages_for_sessions_and_files(api: Api) -> None:
+    session = _session(api)
+    api.post(f"/api/v1/sessions/{session['id']}/files", files={"file": ("seen.txt", b"admin")})
+    assert _run(api, session, "open('made.txt', 'w').write('x')")["status"] == "completed"
+    staff = get_user_model().objects.create_user(username=f"admin-{uuid.uuid4().hex[:6]}", is_staff=True, is_superuser=True)
+    client = Client()
+    client.force_login(staff)
+    file_id = WorkFile.objects.get(session_id=session["id"], path="made.txt").pk
+    for page in (
+        "/admin/execution/execsession/",
+        "/admin/execution/execsession/?status__exact=active",
+        f"/admin/execution/execsession/{session['id']}/change/",
+        "/admin/execution/workfile/",
+        f"/admin/execution/workfile/{file_id}/change/",
+    ):
+        response = client.get(page)
+        assert response.status_code == 200, page
+    detail = client.get(f"/admin/execution/execsession/{session['id']}/change/").content.decode()
+    assert "seen.txt" in detail and "made.txt" in detail
