@@ -233,7 +233,9 @@ def _changed_files(before: dict[str, tuple[int, int, int]], quota: dict[str, int
             omitted.append(path)
             continue
         try:
-            with open(os.path.join(WORK, path), "rb") as f:
+            # Not followed if the code put a symlink in its place since the scan.
+            fd = os.open(os.path.join(WORK, path), os.O_RDONLY | os.O_NOFOLLOW)
+            with os.fdopen(fd, "rb") as f:
                 data = f.read(quota["max_bytes"] - total + 1)
         except OSError:
             omitted.append(path)

@@ -202,6 +202,20 @@ def test_hostile_paths_are_400(api: Api, path: str) -> None:
     api.http.delete(f"/api/v1/sessions/{session['id']}")
 
 
+def test_an_upload_is_never_written_through_a_symlink_the_code_made(api: Api) -> None:
+    session = _session(api)
+    base = f"/api/v1/sessions/{session['id']}/files"
+    made = _run(api, session, "import os\nos.symlink('/tmp', 'outside')\nos.symlink('/tmp/target', 'link.txt')")
+    assert made["status"] == "completed" and made["output_files"] == []
+    for path in ("outside/planted.txt", "link.txt"):
+        assert api.post(base, files={"file": ("x", b"planted")}, data={"path": path}).status_code == 201
+        refused = _run(api, session, "import os\nsorted(os.listdir('/tmp'))")
+        assert refused["status"] == "failed", refused
+        assert refused["error"]["type"] in ("ValueError", "OSError"), refused["error"]
+    # Nothing reached /tmp, and the session goes on.
+    assert _run(api, session, "import os\nsorted(os.listdir('/tmp'))")["return_value"] == []
+
+
 def test_file_quotas_are_413(api: Api) -> None:
     session = _session(api)
     big = api.post(f"/api/v1/sessions/{session['id']}/files", files={"file": ("big", b"\0" * (9 << 20))})
