@@ -487,7 +487,9 @@ class Session:
         if returncode < 0 or returncode > 128:
             signum = -returncode if returncode < 0 else returncode - 128
             if signum == signal.SIGXCPU:
-                kind, text = "ResourceLimit", f"CPU time limit of {self.limits.cpu_seconds} s reached"
+                # A session's sandbox was given its own, for its whole life, in the start frame.
+                cpu = self.extra.get("limits", {}).get("cpu_seconds", self.limits.cpu_seconds)
+                kind, text = "ResourceLimit", f"CPU time limit of {cpu} s reached"
             else:
                 kind, text = "SandboxCrashed", f"the sandbox was killed by signal {_signal_name(signum)}"
         else:

@@ -207,8 +207,10 @@ def exec_session_take(*, session_id: Any, job: ExecJob) -> ExecSession:
 
 def exec_session_delete(*, session: ExecSession) -> ExecSession:
     """End an active session now: its job (if any) is cancelled, its holder kills its sandbox at
-    its next lease round. Deleting an ended session changes nothing."""
+    its next lease round, and its files are deleted (an expired or lost session's stay readable).
+    Deleting an ended session deletes its files too and changes nothing else."""
     ended = _session_end(session_id=session.pk, status=Status.DELETED, reason="it was deleted")
+    WorkFile.objects.filter(session=session).delete()
     session.refresh_from_db()
     if ended and session.current_job_id:
         from execution.services.jobs import exec_job_cancel
@@ -362,8 +364,8 @@ def session_job_done(*, job_id: Any, session_id: Any, outcome: Outcome, files_se
     now = timezone.now()
     with transaction.atomic():
         session = ExecSession.objects.select_for_update().filter(pk=session_id).first()
-        if session is None:
-            return
+        if session is None or session.status == Status.DELETED:
+            return  # deleted while the job ran: its files went with it
         for pk, updated_at in files_sent:  # an upload replaced meanwhile stays pending: it was not the one sent
             WorkFile.objects.filter(pk=pk, updated_at=updated_at).update(pending=False)
         WorkFile.objects.filter(session=session, path__in=outcome.files_removed, pending=False).delete()

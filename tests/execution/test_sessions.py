@@ -93,8 +93,11 @@ def test_a_session_expires_at_its_max_lifetime_however_busy(api: Api) -> None:
 def test_a_deleted_session_answers_410(api: Api) -> None:
     session = _session(api)
     assert _run(api, session, "z = 3")["status"] == "completed"
+    assert api.get(f"/api/v1/sessions/{session['id']}/files").json()["count"] == 0
+    api.post(f"/api/v1/sessions/{session['id']}/files", files={"file": ("gone.txt", b"x")})
     deleted = api.http.delete(f"/api/v1/sessions/{session['id']}")
     assert deleted.status_code == 200 and deleted.json()["status"] == "deleted"
+    assert api.get(f"/api/v1/sessions/{session['id']}/files").json()["count"] == 0  # its files went with it
     late = api.post("/api/v1/exec", json={"code": "z", "session": session["id"]})
     assert late.status_code == 410 and late.json()["error"]["code"] == "session_expired"
 
