@@ -335,7 +335,7 @@ def main() -> None:
             except Exception:  # a closed or broken stream must not hide the result
                 pass
         try:
-            _runtime.send(result)
+            _runtime.send(result, checked=False)
         except Exception as exc:  # the worker reports a missing result as SandboxCrashed; say why here
             os.write(2, f"ptc: the result could not be sent: {type(exc).__name__}: {exc}\n".encode())
             os._exit(70)

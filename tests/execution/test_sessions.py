@@ -2,6 +2,7 @@
 
 import base64
 import contextlib
+import hashlib
 import io
 import time
 import uuid
@@ -227,6 +228,27 @@ def test_file_quotas_are_413(api: Api) -> None:
     over = api.post("/api/v1/exec", json={"code": "1", "files": many})
     assert over.status_code == 413 and over.json()["error"]["code"] == "too_many_files"
     api.http.delete(f"/api/v1/sessions/{session['id']}")
+
+
+def test_files_of_megabytes_come_back_whole(api: Api) -> None:
+    """Far over one bridge frame's limit for a value: the files have their own quota."""
+    code = "import hashlib, os\ndata = os.urandom(3 << 20)\nopen('big.bin', 'wb').write(data)\nhashlib.sha256(data).hexdigest()"
+    session = _session(api)
+    for job in (api.run(code), _run(api, session, code)):
+        assert job["status"] == "completed", job["error"]
+        assert job["output_files"] == [{"path": "big.bin", "size": 3 << 20}]
+        where = f"/api/v1/sessions/{session['id']}" if job["session"] else f"/api/v1/exec/{job['id']}"
+        got = api.get(f"{where}/files/big.bin")
+        assert hashlib.sha256(got.content).hexdigest() == job["return_value"]
+
+
+def test_files_over_the_quota_are_named_not_kept(api: Api) -> None:
+    code = "open('small.txt', 'w').write('ok')\nopen('huge.bin', 'wb').write(bytes(9 << 20))"
+    job = api.run(code)
+    assert job["status"] == "completed", job["error"]
+    assert job["output_files"] == [{"path": "small.txt", "size": 2}]
+    assert job["output_files_omitted"] == ["huge.bin"]
+    assert api.get(f"/api/v1/exec/{job['id']}/files/huge.bin").status_code == 404
 
 
 def test_a_job_without_a_session_takes_and_returns_files(api: Api) -> None:

@@ -59,10 +59,10 @@ class _Bridge:
         self.jobs: queue.SimpleQueue[dict[str, Any] | None] = queue.SimpleQueue()
         threading.Thread(target=self._read_loop, name="ptc-bridge", daemon=True).start()
 
-    def send(self, message: dict[str, Any]) -> None:
+    def send(self, message: dict[str, Any], *, checked: bool = True) -> None:
         frame = _protocol.encode(message)
         limit = self.start_message.get("max_frame")
-        if limit and len(frame) > limit:
+        if checked and limit and len(frame) > limit:
             raise ValueError(f"they are {len(frame)} bytes of JSON; the limit is {limit}")
         with self._send_lock:
             self._sock.sendall(frame)
@@ -182,10 +182,12 @@ def connected() -> bool:
     return _bridge is not None
 
 
-def send(message: dict[str, Any]) -> None:
+def send(message: dict[str, Any], *, checked: bool = True) -> None:
+    """Send ``message``; with ``checked``, refuse one over the job's max_frame (the runner sends its
+    result unchecked: it checked the value itself, and the files it carries have their own quota)."""
     if _bridge is None:
         raise RuntimeError("the bridge is not connected")
-    _bridge.send(message)
+    _bridge.send(message, checked=checked)
 
 
 def call(toolset: str, tool: str, arguments: dict[str, Any]) -> Any:
