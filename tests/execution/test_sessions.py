@@ -242,6 +242,16 @@ def test_files_of_megabytes_come_back_whole(api: Api) -> None:
         assert hashlib.sha256(got.content).hexdigest() == job["return_value"]
 
 
+def test_a_large_upload_reaches_a_running_session(api: Api) -> None:
+    session = _session(api)
+    assert _run(api, session, "kept = 'yes'")["status"] == "completed"
+    data = bytes(range(256)) * (7 << 12)  # 7 MiB: its start frame is over a tool result's limit
+    assert api.post(f"/api/v1/sessions/{session['id']}/files", files={"file": ("blob.bin", data)}).status_code == 201
+    job = _run(api, session, "import hashlib\n[kept, hashlib.sha256(open('blob.bin', 'rb').read()).hexdigest()]")
+    assert job["status"] == "completed", job["error"]
+    assert job["return_value"] == ["yes", hashlib.sha256(data).hexdigest()]
+
+
 def test_files_over_the_quota_are_named_not_kept(api: Api) -> None:
     code = "open('small.txt', 'w').write('ok')\nopen('huge.bin', 'wb').write(bytes(9 << 20))"
     job = api.run(code)

@@ -53,7 +53,9 @@ class _Bridge:
         self._pending: dict[int, Any] = {}
         self._next_id = 0
         self._closed: str | None = None
-        self._decoder = _protocol.FrameDecoder()
+        # A session's next job comes on this bridge too, with its input files: as large as a first
+        # job's frame may be (guest.MAX_JOB_FRAME). Its memory is the sandbox's own, under its limits.
+        self._decoder = _protocol.FrameDecoder(64 << 20)
         self.start_message = start
         # A session's sandbox gets its next job as a ``start`` frame on the same bridge.
         self.jobs: queue.SimpleQueue[dict[str, Any] | None] = queue.SimpleQueue()
