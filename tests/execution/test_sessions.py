@@ -141,6 +141,16 @@ def test_the_memory_limit_holds_across_calls(api: Api) -> None:
     assert _run(api, session, "len(a)")["return_value"] == 150 << 20  # the session goes on
 
 
+def test_the_disk_limit_holds_across_calls(api: Api) -> None:
+    session = _session(api)
+    first = _run(api, session, "open('a.bin', 'wb').write(bytes(40 << 20))")
+    assert first["status"] == "completed" and first["output_files_omitted"] == ["a.bin"]  # over the files quota
+    # /work is one 64 MiB tmpfs for the session's life: the first call's 40 MiB are still there.
+    second = _run(api, session, "open('b.bin', 'wb').write(bytes(40 << 20))")
+    assert second["status"] == "failed" and "No space left" in second["error"]["message"], second["error"]
+    assert _run(api, session, "import os\nos.path.getsize('a.bin')")["return_value"] == 40 << 20
+
+
 def test_another_users_session_is_404(make_api: Callable[..., Api]) -> None:
     owner, other = make_api(), make_api()
     session = _session(owner)
