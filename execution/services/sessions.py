@@ -308,14 +308,17 @@ def session_sandbox_take(*, session_id: Any, node: str) -> "LiveSession | Outcom
     first job claims the session for this worker (``node``) and starts it. Return the Outcome that
     ends the job when there is no sandbox to be had (the session then ends ``lost``)."""
     key = str(session_id)
+    died: LiveSession | None = None
     with _live_lock:
         live = _live.get(key)
         if live is not None and not live.busy and live.sandbox.proc.poll() is None:
             live.busy = True
             return live
-        if live is not None and not live.busy:  # it died between jobs
-            _live.pop(key).sandbox.discard()
-            live = None
+        if live is not None and not live.busy:
+            died = _live.pop(key)
+    if died is not None:  # between jobs: a thread the code left called os._exit, or the OOM killer
+        died.sandbox.discard()
+        return _unavailable(session_id=session_id, reason=_exited(died))
     if live is not None:
         return Outcome(status="failed", error=job_error("InternalError", "another job is running in this session"))
     claimed = ExecSession.objects.filter(pk=session_id, status=Status.ACTIVE, worker="").update(
@@ -323,11 +326,7 @@ def session_sandbox_take(*, session_id: Any, node: str) -> "LiveSession | Outcom
     )
     if not claimed:
         # Started before on a worker that is gone, or restarted under the same name: its state is gone.
-        reason = "its sandbox is gone: the exec worker holding it stopped"
-        if not _session_end(session_id=session_id, status=Status.LOST, reason=reason):
-            session = ExecSession.objects.filter(pk=session_id).first()
-            reason = f"it is {session.status}: {session.end_reason}" if session else "it was deleted"
-        return Outcome(status="failed", error=job_error("SandboxCrashed", f"the session's sandbox is not available: {reason}"))
+        return _unavailable(session_id=session_id, reason="its sandbox is gone: the exec worker holding it stopped")
     try:
         sandbox = _host.submit(sandbox_start).result()
     except Exception as exc:  # SandboxUnavailable, or any start failure: the session can't live
@@ -337,6 +336,19 @@ def session_sandbox_take(*, session_id: Any, node: str) -> "LiveSession | Outcom
     with _live_lock:
         _live[key] = live
     return live
+
+
+def _exited(live: LiveSession) -> str:
+    return f"its sandbox exited between jobs (status {live.sandbox.proc.returncode}): a thread the code left ended it"
+
+
+def _unavailable(*, session_id: Any, reason: str) -> Outcome:
+    """End the session ``lost`` for ``reason`` (unless it has ended already, for its own reason);
+    return the Outcome that ends its job."""
+    if not _session_end(session_id=session_id, status=Status.LOST, reason=reason):
+        session = ExecSession.objects.filter(pk=session_id).first()
+        reason = f"it is {session.status}: {session.end_reason}" if session else "it was deleted"
+    return Outcome(status="failed", error=job_error("SessionEnded", f"the session's sandbox is not available: {reason}"))
 
 
 def session_sandbox_release(*, session_id: Any, live: LiveSession, kept: bool, sdk_hash: str) -> None:
@@ -465,6 +477,12 @@ def exec_sessions_heartbeat() -> None:
     active = {str(pk) for pk in ExecSession.objects.filter(pk__in=keys, status=Status.ACTIVE).values_list("pk", flat=True)}
     for key in set(keys) - active:
         _live_kill(key=key, reason="the session ended")
+    with _live_lock:  # a sandbox that exited between jobs: its session ends now, not at its next job
+        gone = [key for key, live in _live.items() if not live.busy and live.sandbox.proc.poll() is not None]
+        died = {key: _live.pop(key) for key in gone}
+    for key, live in died.items():
+        live.sandbox.discard()
+        _session_end(session_id=key, status=Status.LOST, reason=_exited(live))
 
 
 def _live_kill(*, key: str, reason: str) -> None:

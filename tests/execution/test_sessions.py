@@ -151,6 +151,16 @@ def test_the_disk_limit_holds_across_calls(api: Api) -> None:
     assert _run(api, session, "import os\nos.path.getsize('a.bin')")["return_value"] == 40 << 20
 
 
+def test_a_sandbox_that_exits_between_calls_ends_its_session_lost(api: Api) -> None:
+    session = _session(api)
+    code = "import os, threading, time\nthreading.Thread(target=lambda: (time.sleep(0.3), os._exit(3))).start()\n'left'"
+    assert _run(api, session, code)["return_value"] == "left"
+    ended = _until(api, f"/api/v1/sessions/{session['id']}", lambda s: s["status"] != "active", 15)
+    assert ended["status"] == "lost" and "exited between jobs (status 3)" in ended["end_reason"]
+    late = api.post("/api/v1/exec", json={"code": "1", "session": session["id"]})
+    assert late.status_code == 410 and late.json()["error"]["code"] == "session_lost"
+
+
 def test_another_users_session_is_404(make_api: Callable[..., Api]) -> None:
     owner, other = make_api(), make_api()
     session = _session(owner)
