@@ -8,7 +8,7 @@ from django.http import Http404, HttpRequest, HttpResponse, HttpResponseNotAllow
 from django.urls import URLPattern, path, reverse
 from django.utils.html import format_html, format_html_join
 
-from execution.models import ExecJob, ToolCall
+from execution.models import ExecJob, ExecSession, ToolCall, WorkFile
 from execution.selectors import tool_calls_for
 from execution.services.waiting import tool_call_decide
 from execution.timeline import timeline_build
@@ -147,4 +147,54 @@ class ToolCallAdmin(admin.ModelAdmin):
     readonly_fields = [f.name for f in ToolCall._meta.fields]
 
     def has_add_permission(self, request: Any) -> bool:
+        return False
+
+
+class WorkFileInline(admin.TabularInline):
+    model = WorkFile
+    fields = ("path", "kind", "size", "pending", "updated_at")
+    readonly_fields = fields
+    extra = 0
+    can_delete = False
+    show_change_link = True
+
+    def has_add_permission(self, request: Any, obj: Any = None) -> bool:
+        return False
+
+
+@admin.register(ExecSession)
+class ExecSessionAdmin(admin.ModelAdmin):
+    list_display = ("id", "user", "status", "worker", "jobs_run", "created_at", "last_used_at", "expires_at")
+    list_filter = ("status", "created_at", "user")
+    search_fields = ("id", "worker", "user__username")
+    date_hierarchy = "created_at"
+    readonly_fields = [f.name for f in ExecSession._meta.fields]
+    inlines = [WorkFileInline]
+
+    def get_queryset(self, request: HttpRequest) -> QuerySet[ExecSession]:
+        return super().get_queryset(request).select_related("user")
+
+    def has_add_permission(self, request: Any) -> bool:
+        return False
+
+    def has_change_permission(self, request: Any, obj: Any = None) -> bool:
+        return False
+
+
+@admin.register(WorkFile)
+class WorkFileAdmin(admin.ModelAdmin):
+    list_display = ("path", "kind", "size", "pending", "session", "exec_job", "updated_at")
+    list_filter = ("kind", "pending", "updated_at")
+    search_fields = ("path", "session__id", "exec_job__call_id")
+    # The contents are bytes: shown by size, downloaded through the API.
+    readonly_fields = ("session", "exec_job", "kind", "path", "size", "pending", "updated_at")
+    exclude = ("content",)
+
+    def get_queryset(self, request: HttpRequest) -> QuerySet[WorkFile]:
+        return super().get_queryset(request).defer("content").select_related("session", "exec_job")
+
+    def has_add_permission(self, request: Any) -> bool:
+        return False
+
+    def has_change_permission(self, request: Any, obj: Any = None) -> bool:
         return False

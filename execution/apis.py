@@ -2,32 +2,48 @@ from collections.abc import AsyncIterator
 from typing import Any
 from uuid import UUID
 
+from django.conf import settings
 from django.db.models import QuerySet
-from django.http import HttpRequest, JsonResponse, StreamingHttpResponse
+from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
 from django.http.response import HttpResponseBase
 from django.shortcuts import get_object_or_404
+from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema
 from rest_framework import status
+from rest_framework.parsers import MultiPartParser
 from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.serializers import ListSerializer
 from rest_framework.views import APIView
 
 from execution.events import db_read, event_stream, valid_event_id
-from execution.models import ExecJob, ToolCall
-from execution.selectors import exec_jobs_for, tool_calls_for
+from execution.models import ExecJob, ExecSession, ToolCall, WorkFile
+from execution.selectors import exec_jobs_for, sessions_for, tool_calls_for, work_files_of
 from execution.serializers import (
     ApprovalSerializer,
     ExecCreateSerializer,
     ExecJobSerializer,
     ExecListQuerySerializer,
+    SessionCreateSerializer,
+    SessionListQuerySerializer,
+    SessionSerializer,
     ToolCallListQuerySerializer,
     ToolCallSerializer,
     ToolExecuteSerializer,
     ToolResultSerializer,
+    WorkFileQuerySerializer,
+    WorkFileSerializer,
+    WorkFileUploadSerializer,
 )
 from execution.services.calls import tool_call_standalone
 from execution.services.jobs import exec_job_cancel, exec_job_create, exec_job_for_container, exec_job_wait
+from execution.services.sessions import (
+    exec_session_create,
+    exec_session_delete,
+    session_file_upload,
+    work_files_decode,
+    work_path_check,
+)
 from execution.services.waiting import tool_call_decide, tool_results_submit
 from ptcproject.accounts.authentication import signed_in_user
 from ptcproject.accounts.models import ApiKey
@@ -62,13 +78,26 @@ class ExecListCreateApi(FilteredListApi):
     def get(self, request: Request) -> Response:
         return super().get(request)
 
-    @extend_schema(request=ExecCreateSerializer, responses={201: ExecJobSerializer, 429: RATE_LIMITED})
+    @extend_schema(
+        request=ExecCreateSerializer,
+        responses={
+            201: ExecJobSerializer,
+            404: OpenApiResponse(description="not_found: no such session, or another user's."),
+            409: OpenApiResponse(description="session_busy: a job is queued or running in the session."),
+            410: OpenApiResponse(description="session_expired or session_lost: the session has ended."),
+            429: RATE_LIMITED,
+        },
+    )
     def post(self, request: Request) -> Response:
         body = ExecCreateSerializer(data=request.data)
         body.is_valid(raise_exception=True)
         data = body.validated_data
+        user = signed_in_user(request)
+        session = get_object_or_404(sessions_for(user=user), pk=data["session"]) if data.get("session") else None
         job = exec_job_create(
-            user=signed_in_user(request),
+            session=session,
+            files=work_files_decode(files=data["files"]),
+            user=user,
             code=data["code"],
             toolsets=data.get("toolsets"),
             timeout=data.get("timeout"),
@@ -83,6 +112,132 @@ class ExecListCreateApi(FilteredListApi):
             status=status.HTTP_201_CREATED,
             headers={"Location": f"/api/v1/exec/{job.pk}"},
         )
+
+
+def _file_response(row: WorkFile) -> HttpResponse:
+    response = HttpResponse(bytes(row.content), content_type="application/octet-stream")
+    response["Content-Disposition"] = f'attachment; filename="{row.path.rsplit("/", 1)[-1].replace(chr(34), "")}"'
+    return response
+
+
+_FILE_RESPONSES = {
+    (200, "application/octet-stream"): OpenApiTypes.BINARY,
+    400: OpenApiResponse(description="invalid_path: the path is not a plain path under /work."),
+}
+
+
+class ExecFileApi(APIView):
+    @extend_schema(responses=_FILE_RESPONSES)
+    def get(self, request: Request, job_id: str, file_path: str) -> HttpResponse:
+        """Download a file the job's code wrote under /work (a job without a session)."""
+        job = get_object_or_404(exec_jobs_for(user=signed_in_user(request)), pk=job_id)
+        work_path_check(file_path)
+        return _file_response(get_object_or_404(WorkFile.objects.filter(exec_job=job, kind=WorkFile.Kind.OUTPUT), path=file_path))
+
+
+class SessionListCreateApi(FilteredListApi):
+    serializer_class = SessionSerializer
+    query_serializer = SessionListQuerySerializer
+
+    def rows(self) -> QuerySet[ExecSession]:
+        return sessions_for(user=signed_in_user(self.request))
+
+    def filter_rows(self, rows: QuerySet[ExecSession], query: dict[str, Any]) -> QuerySet[ExecSession]:
+        return rows.filter(status=query["status"]) if "status" in query else rows
+
+    @extend_schema(parameters=[SessionListQuerySerializer], responses=SessionSerializer(many=True))
+    def get(self, request: Request) -> Response:
+        return super().get(request)
+
+    @extend_schema(
+        request=SessionCreateSerializer,
+        responses={
+            201: SessionSerializer,
+            409: OpenApiResponse(description="too_many_sessions: the user has as many active sessions as allowed."),
+        },
+    )
+    def post(self, request: Request) -> Response:
+        """Start a session: a sandbox kept between jobs (globals, imports and /work persist)."""
+        body = SessionCreateSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        data = body.validated_data
+        session = exec_session_create(
+            user=signed_in_user(request),
+            toolsets=data.get("toolsets"),
+            idle_timeout=data.get("idle_timeout"),
+            max_lifetime=data.get("max_lifetime"),
+            memory_mb=data["limits"].get("memory_mb"),
+        )
+        return Response(
+            SessionSerializer(session).data,
+            status=status.HTTP_201_CREATED,
+            headers={"Location": f"/api/v1/sessions/{session.pk}"},
+        )
+
+
+class SessionDetailApi(APIView):
+    @extend_schema(responses=SessionSerializer)
+    def get(self, request: Request, session_id: str) -> Response:
+        session = get_object_or_404(sessions_for(user=signed_in_user(request)), pk=session_id)
+        return Response(SessionSerializer(session).data)
+
+    @extend_schema(responses=SessionSerializer)
+    def delete(self, request: Request, session_id: str) -> Response:
+        """End the session now (its running job is cancelled, its sandbox killed). Idempotent."""
+        session = get_object_or_404(sessions_for(user=signed_in_user(request)), pk=session_id)
+        return Response(SessionSerializer(exec_session_delete(session=session)).data)
+
+
+class SessionFilesApi(FilteredListApi):
+    serializer_class = WorkFileSerializer
+    query_serializer = WorkFileQuerySerializer
+    # Uploads only: the one view of this API that takes a body other than JSON.
+    parser_classes = [MultiPartParser]
+
+    def rows(self) -> QuerySet[WorkFile]:
+        session = get_object_or_404(sessions_for(user=signed_in_user(self.request)), pk=self.kwargs["session_id"])
+        return work_files_of(session=session)
+
+    @extend_schema(responses=WorkFileSerializer(many=True))
+    def get(self, request: Request, session_id: str) -> Response:
+        """The session's files: uploaded (``input``; ``pending`` until its next job) and written by its code."""
+        return super().get(request)
+
+    @extend_schema(
+        request={"multipart/form-data": WorkFileUploadSerializer},
+        responses={
+            201: WorkFileSerializer,
+            410: OpenApiResponse(description="session_expired or session_lost: the session has ended."),
+            413: OpenApiResponse(description="files_too_large or too_many_files: over the session's files quota."),
+        },
+    )
+    def post(self, request: Request, session_id: str) -> Response:
+        """Upload a file into the session's /work; its sandbox gets it with the session's next job."""
+        session = get_object_or_404(sessions_for(user=signed_in_user(request)), pk=session_id)
+        size = int(request.META.get("CONTENT_LENGTH") or 0)
+        if size > settings.PTC_FILES_MAX_BYTES + (64 << 10):  # refused before a byte of it is read
+            raise ApplicationError(
+                "files_too_large",
+                f"The upload is {size} bytes; files may be {settings.PTC_FILES_MAX_BYTES} bytes in all.",
+                status=413,
+                details={"size": size, "limit": settings.PTC_FILES_MAX_BYTES},
+            )
+        body = WorkFileUploadSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        upload = body.validated_data["file"]
+        row = session_file_upload(
+            session=session, path=body.validated_data.get("path") or upload.name or "", content=upload.read()
+        )
+        return Response(WorkFileSerializer(row).data, status=status.HTTP_201_CREATED)
+
+
+class SessionFileApi(APIView):
+    @extend_schema(responses=_FILE_RESPONSES)
+    def get(self, request: Request, session_id: str, file_path: str) -> HttpResponse:
+        """Download one of the session's files."""
+        session = get_object_or_404(sessions_for(user=signed_in_user(request)), pk=session_id)
+        work_path_check(file_path)
+        return _file_response(get_object_or_404(WorkFile.objects.filter(session=session), path=file_path))
 
 
 class ExecDetailApi(APIView):

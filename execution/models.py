@@ -41,6 +41,12 @@ class ExecJob(models.Model):
     # container made through POST /tools/execute with this ``container_id``. Such a job runs no code
     # here; it stays ``running`` (the reaper leaves it alone) until cancelled.
     container_id = models.CharField(max_length=200, blank=True, default="")
+    # The session it ran in (its sandbox kept between jobs), or null for a sandbox of its own.
+    session = models.ForeignKey("ExecSession", null=True, blank=True, on_delete=models.SET_NULL, related_name="jobs")
+    # The files under /work the code wrote or changed, ``[{"path", "size"}]``, and those left out
+    # (over the quota): contents are WorkFile rows (the session's, or this job's outputs).
+    output_files = models.JSONField(default=list, blank=True)
+    output_files_omitted = models.JSONField(default=list, blank=True)
     stdout = models.TextField(blank=True)
     stderr = models.TextField(blank=True)
     stdout_truncated = models.BooleanField(default=False)
@@ -153,3 +159,76 @@ class ToolCall(models.Model):
         if self.finished_at is None:
             return None
         return round((self.finished_at - self.started_at).total_seconds() * 1000, 2)
+
+
+class ExecSession(models.Model):
+    """A sandbox kept alive between jobs: its globals, imports and ``/work`` persist. It lives on one
+    exec worker (``worker``, a Celery node name: its jobs go to that worker's direct queue), which
+    renews ``heartbeat_at`` while it holds it. The database is the truth: the holder kills the
+    sandbox of a session that is no longer active here."""
+
+    class Status(models.TextChoices):
+        ACTIVE = "active"
+        EXPIRED = "expired"  # idle_timeout or max_lifetime passed
+        DELETED = "deleted"  # DELETE /sessions/{id}
+        LOST = "lost"  # its worker died or shut down, or its sandbox was killed (a job's timeout, cancel, crash)
+
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    user = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="exec_sessions")
+    status = models.CharField(max_length=16, choices=Status.choices, default=Status.ACTIVE, db_index=True)
+    # Why it ended, for a person: shown in the 410 a job in it gets.
+    end_reason = models.CharField(max_length=500, blank=True)
+    toolsets = models.JSONField(default=list)
+    # The limits its sandbox was started with; they hold for every job (each job keeps its own timeout).
+    limits = models.JSONField(default=dict)
+    idle_timeout_seconds = models.FloatField()
+    max_lifetime_seconds = models.FloatField()
+    # The Celery node name of the exec worker holding its sandbox; empty until its first job runs.
+    worker = models.CharField(max_length=200, blank=True)
+    heartbeat_at = models.DateTimeField(null=True, blank=True)
+    # The job queued or running in it (one at a time), or null.
+    current_job = models.ForeignKey("ExecJob", null=True, blank=True, on_delete=models.SET_NULL, related_name="+")
+    jobs_run = models.PositiveIntegerField(default=0)
+    created_at = models.DateTimeField(auto_now_add=True, db_index=True)
+    last_used_at = models.DateTimeField()
+    # When it ends if nothing uses it: min(last use + idle_timeout, max_expires_at); while a job is
+    # queued or running, max_expires_at.
+    expires_at = models.DateTimeField(db_index=True)
+    max_expires_at = models.DateTimeField()
+    ended_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-created_at"]
+        indexes = [models.Index(fields=["user", "status"]), models.Index(fields=["status", "heartbeat_at"])]
+
+    def __str__(self) -> str:
+        return str(self.id)
+
+
+class WorkFile(models.Model):
+    """A file of ``/work``, stored here so the web process and the worker need share no disk: a
+    session's files (uploaded, or written by its code), or a job's input and output files."""
+
+    class Kind(models.TextChoices):
+        INPUT = "input"  # given by the client
+        OUTPUT = "output"  # written by the code
+
+    session = models.ForeignKey(ExecSession, null=True, blank=True, on_delete=models.CASCADE, related_name="files")
+    exec_job = models.ForeignKey(ExecJob, null=True, blank=True, on_delete=models.CASCADE, related_name="files")
+    kind = models.CharField(max_length=8, choices=Kind.choices)
+    path = models.CharField(max_length=1024)
+    content = models.BinaryField()
+    size = models.PositiveBigIntegerField()
+    # A session's uploaded file that its sandbox has not received yet: sent with its next job.
+    pending = models.BooleanField(default=False)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["path"]
+        constraints = [
+            models.UniqueConstraint(fields=["session", "path"], name="workfile_session_path"),
+            models.UniqueConstraint(fields=["exec_job", "kind", "path"], name="workfile_job_kind_path"),
+        ]
+
+    def __str__(self) -> str:
+        return self.path

@@ -1,7 +1,7 @@
 from django.contrib.auth.models import User
 from django.db.models import Prefetch, QuerySet
 
-from execution.models import ExecJob, ToolCall
+from execution.models import ExecJob, ExecSession, ToolCall, WorkFile
 from tools.client import CLIENT_KEY
 from tools.models import Toolset
 
@@ -28,3 +28,16 @@ def tool_call_is_client(call: ToolCall) -> bool:
     if call.tool_id is None:
         return call.toolset_key == CLIENT_KEY
     return call.tool is not None and call.tool.toolset.kind == Toolset.Kind.CLIENT
+def sessions_for(*, user: User) -> QuerySet[ExecSession]:
+    """Return the sessions ``user`` may see: only their own, staff too (a session is one user's
+    sandbox; the admin site shows them all)."""
+    return ExecSession.objects.filter(user=user)
+
+
+def work_files_of(*, session: ExecSession | None = None, job: ExecJob | None = None) -> QuerySet[WorkFile]:
+    """Return a session's files, or a job's output files, by path, without their contents."""
+    if session is not None:
+        files = WorkFile.objects.filter(session=session)
+    else:
+        files = WorkFile.objects.filter(exec_job=job, kind=WorkFile.Kind.OUTPUT)
+    return files.defer("content").order_by("path")

@@ -4,7 +4,7 @@ from django.conf import settings
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
-from execution.models import ExecJob, ToolCall
+from execution.models import ExecJob, ExecSession, ToolCall, WorkFile
 from ptcproject.errors import ApplicationError
 from ptcproject.fields import JsonValueField, NumberField
 from ptcproject.storage import MAX_JSON_DEPTH, POSITIVE_INT_MAX, json_depth_exceeds
@@ -55,6 +55,11 @@ class ErrorSerializer(serializers.Serializer):
     traceback = serializers.CharField(required=False)
 
 
+class OutputFileSerializer(serializers.Serializer):
+    path = serializers.CharField()
+    size = serializers.IntegerField()
+
+
 class ExecJobSerializer(serializers.ModelSerializer):
     success = serializers.BooleanField(allow_null=True)
     return_value = serializers.JSONField(allow_null=True)
@@ -65,6 +70,15 @@ class ExecJobSerializer(serializers.ModelSerializer):
     tool_calls = ToolCallSerializer(many=True)
     client_tools = serializers.ListField(child=serializers.DictField(), help_text="The tools this job's caller runs.")
     credits_charged = serializers.SerializerMethodField()
+    session = serializers.UUIDField(source="session_id", allow_null=True, help_text="The session it ran in, if any.")
+    output_files = OutputFileSerializer(
+        many=True,
+        help_text="Files under /work the code wrote or changed: the session's files, or this job's "
+        "(GET /api/v1/exec/{id}/files/{path}).",
+    )
+    output_files_omitted = serializers.ListField(
+        child=serializers.CharField(), help_text="Files the code wrote that were not kept: over the files quota."
+    )
 
     class Meta:
         model = ExecJob
@@ -90,6 +104,9 @@ class ExecJobSerializer(serializers.ModelSerializer):
             "container_id",
             "tool_calls",
             "credits_charged",
+            "session",
+            "output_files",
+            "output_files_omitted",
             "sdk_hash",
             "created_at",
             "started_at",
@@ -165,6 +182,16 @@ class ExecCreateSerializer(serializers.Serializer):
         help_text="Tools the caller runs: `from ptc_tools.client import Client`. A call waits for POST /exec/{id}/tool-results.",
     )
 
+    session = serializers.UUIDField(
+        required=False, allow_null=True, help_text="Run in this session's sandbox (its toolsets; `toolsets` is ignored)."
+    )
+    files = serializers.DictField(
+        child=serializers.CharField(allow_blank=True),
+        required=False,
+        default=dict,
+        help_text="Files to write under /work before the code runs: {path: base64}. The body's size limit holds.",
+    )
+
 
 class ExecListQuerySerializer(serializers.Serializer):
     status = serializers.ChoiceField(choices=ExecJob.Status.choices, required=False)
@@ -193,3 +220,75 @@ class ToolResultSerializer(serializers.Serializer):
 class ApprovalSerializer(serializers.Serializer):
     approve = serializers.BooleanField(help_text="True runs the call; false fails it with code denied.")
     reason = serializers.CharField(required=False, allow_blank=True, default="", max_length=500)
+class SessionLimitsSerializer(serializers.Serializer):
+    memory_mb = serializers.IntegerField(
+        required=False, min_value=16, max_value=POSITIVE_INT_MAX, help_text="At most the policy's memory limit."
+    )
+
+
+class SessionCreateSerializer(serializers.Serializer):
+    toolsets = serializers.ListField(child=serializers.CharField(max_length=64), required=False, allow_null=True)
+    limits = SessionLimitsSerializer(required=False, default=dict)
+    idle_timeout = NumberField(
+        required=False,
+        allow_null=True,
+        min_value=1,
+        max_value=settings.PTC_SESSION_MAX_IDLE_TIMEOUT,
+        help_text=f"Seconds without a job before it expires (default {settings.PTC_SESSION_IDLE_TIMEOUT:g}).",
+    )
+    max_lifetime = NumberField(
+        required=False,
+        allow_null=True,
+        min_value=1,
+        max_value=settings.PTC_SESSION_MAX_MAX_LIFETIME,
+        help_text=f"Seconds from its creation until it expires, used or not (default {settings.PTC_SESSION_MAX_LIFETIME:g}).",
+    )
+
+
+class SessionSerializer(serializers.ModelSerializer):
+    toolsets = serializers.ListField(child=serializers.CharField())
+    limits = serializers.JSONField()
+    idle_timeout = serializers.FloatField(source="idle_timeout_seconds")
+    max_lifetime = serializers.FloatField(source="max_lifetime_seconds")
+    current_job = serializers.UUIDField(source="current_job_id", allow_null=True)
+
+    class Meta:
+        model = ExecSession
+        fields = [
+            "id",
+            "status",
+            "end_reason",
+            "toolsets",
+            "limits",
+            "idle_timeout",
+            "max_lifetime",
+            "current_job",
+            "jobs_run",
+            "created_at",
+            "last_used_at",
+            "expires_at",
+            "max_expires_at",
+            "ended_at",
+        ]
+
+
+class SessionListQuerySerializer(serializers.Serializer):
+    status = serializers.ChoiceField(choices=ExecSession.Status.choices, required=False)
+
+
+class WorkFileSerializer(serializers.ModelSerializer):
+    # A plain string (not an enum): "kind" names another choice set in this API already.
+    kind = serializers.CharField(help_text="input (uploaded) or output (written by the code).")
+
+    class Meta:
+        model = WorkFile
+        fields = ["path", "size", "kind", "pending", "updated_at"]
+
+
+class WorkFileUploadSerializer(serializers.Serializer):
+    file = serializers.FileField(allow_empty_file=True)
+    path = serializers.CharField(required=False, max_length=1024, help_text="Where under /work (default: the file's name).")
+
+
+class WorkFileQuerySerializer(serializers.Serializer):
+    pass

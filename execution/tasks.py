@@ -17,6 +17,7 @@ from execution.sandbox.pool import warm_pool
 from execution.services.calls import tool_call_abort, tool_call_execute, tool_calls_heartbeat
 from execution.services.jobs import exec_job_run, exec_jobs_reap, worker_name
 from execution.services.retention import exec_jobs_purge
+from execution.services.sessions import exec_sessions_heartbeat, exec_sessions_shutdown
 from ptcproject import metrics, queues
 from ptcproject.periodic import run_every
 
@@ -38,7 +39,8 @@ logger = logging.getLogger("ptc.execution")
     max_retries=settings.PTC_QUEUED_MAX_SECONDS // 5,
 )
 def run_exec(job_id: str) -> None:
-    exec_job_run(job_id=job_id, worker=worker_name())
+    # The node name routes a session's later jobs here, to its direct queue (<nodename>.dq2).
+    exec_job_run(job_id=job_id, worker=worker_name(), node=run_exec.request.hostname or "")
 
 
 @shared_task(queue=queues.MAINTENANCE, acks_late=True)
@@ -109,6 +111,8 @@ def _leases_while_up(sender: Any = None, **_: Any) -> None:
     A tools worker renews the lease of every call it runs, so the reaper can tell when it died."""
     if _consumes(sender, queues.EXEC):
         run_every("ptc-reaper", settings.PTC_REAP_EVERY, exec_jobs_reap, now=True)
+        # The leases of the sessions whose sandboxes this worker holds.
+        run_every("ptc-session-leases", settings.PTC_JOB_HEARTBEAT_SECONDS, exec_sessions_heartbeat)
         try:
             process.check()
         except process.SandboxUnavailable as exc:  # said at start, not first at a user's job
@@ -121,5 +125,7 @@ def _leases_while_up(sender: Any = None, **_: Any) -> None:
 
 @worker_shutdown.connect
 def _pool_down(**_: Any) -> None:
-    """Warm sandboxes that no job took are killed with their worker, never left behind."""
+    """Warm sandboxes that no job took are killed with their worker, never left behind; so are its
+    sessions' sandboxes, and those sessions end ``lost`` (a warm shutdown has let their jobs end)."""
+    exec_sessions_shutdown()
     warm_pool().close()

@@ -46,6 +46,17 @@ CODES: dict[str, tuple[int, str]] = {
     "call_not_awaiting": (409, "the call is not waiting for this answer: a server tool's, or it timed out or ended"),
     "result_conflict": (409, "the call already has its result; a second answer changes nothing"),
     "decision_conflict": (409, "the call was already approved or denied; a second decision changes nothing"),
+    # Sessions and files of /work
+    "session_busy": (409, "a job is queued or running in the session; it runs one at a time"),
+    "session_expired": (410, "the session expired (idle_timeout or max_lifetime) or was deleted; `details` has expires_at"),
+    "session_lost": (
+        410,
+        "the session's sandbox is gone: its worker died or shut down, or a job's timeout, cancel or crash killed it",
+    ),
+    "too_many_sessions": (409, "the user has PTC_MAX_SESSIONS_PER_USER active sessions"),
+    "invalid_path": (400, "a file path is absolute, has '..', '.', an empty part, a NUL or is too long"),
+    "files_too_large": (413, "the files are over PTC_FILES_MAX_BYTES in all"),
+    "too_many_files": (413, "the files are over PTC_FILES_MAX_COUNT"),
     # Toolsets
     "toolset_exists": (409, "a toolset with this key exists"),
     "key_mismatch": (400, "the body's key differs from the URL's"),
@@ -105,6 +116,7 @@ JOB_ERROR_TYPES = {
     "BridgeError": "the sandbox sent a malformed bridge frame",
     "InternalError": "the worker failed around the job (see its log)",
     "SystemExit": "the code exited with a non-zero status",
+    "SessionEnded": "the job's session ended (expired, deleted or lost) before or while the job ran",
 }
 
 

@@ -285,6 +285,18 @@ DATA_UPLOAD_MAX_MEMORY_SIZE = max(6 * PTC_MAX_CODE_BYTES, PTC_MAX_TOOL_OUTPUT_BY
 PTC_MAX_BUFFERED_BYTES = env.int("PTC_MAX_BUFFERED_BYTES", default=32 * 1024 * 1024)
 # A job still queued after this long lost its queue message: the reaper fails it.
 PTC_QUEUED_MAX_SECONDS = env.int("PTC_QUEUED_MAX_SECONDS", default=1800)
+# Sessions (README, "Sessions"): a sandbox kept between jobs on one exec worker, whose jobs reach it
+# through that worker's direct queue (<nodename>.dq2).
+CELERY_WORKER_DIRECT = True
+PTC_MAX_SESSIONS_PER_USER = env.int("PTC_MAX_SESSIONS_PER_USER", default=4)
+PTC_SESSION_IDLE_TIMEOUT = env.float("PTC_SESSION_IDLE_TIMEOUT", default=600.0)
+PTC_SESSION_MAX_IDLE_TIMEOUT = env.float("PTC_SESSION_MAX_IDLE_TIMEOUT", default=3600.0)
+PTC_SESSION_MAX_LIFETIME = env.float("PTC_SESSION_MAX_LIFETIME", default=3600.0)
+PTC_SESSION_MAX_MAX_LIFETIME = env.float("PTC_SESSION_MAX_MAX_LIFETIME", default=24 * 3600.0)
+# Files of /work kept in the database (a session's, or a job's inputs and outputs): at most this many
+# bytes in all and this many files, per session or per job.
+PTC_FILES_MAX_BYTES = env.int("PTC_FILES_MAX_BYTES", default=8 * 1024 * 1024)
+PTC_FILES_MAX_COUNT = env.int("PTC_FILES_MAX_COUNT", default=100)
 # A running job refreshes its lease this often; the reaper fails jobs whose lease has run out.
 PTC_JOB_HEARTBEAT_SECONDS = env.int("PTC_JOB_HEARTBEAT_SECONDS", default=10)
 PTC_JOB_LEASE_SECONDS = env.int("PTC_JOB_LEASE_SECONDS", default=45)

@@ -8,9 +8,15 @@ job's toolsets, written to SDK_DIR (a tmpfs of this sandbox's own). It sets its 
 limits before any user code runs (it has no capabilities, so the code can never raise them
 again), runs the code, and sends one ``done`` frame with the value of the last expression or the
 error.
+
+A session's sandbox (``"session": true`` in the job) does not exit after ``done``: it waits for the
+next ``start`` frame and runs it in the same namespace, with the same ``/work`` and limits. A job
+may bring input files (``files``, base64 by path under /work) and ask for the files its code wrote
+(``collect_files``, a quota): they come back in ``done``.
 """
 
 import ast
+import base64
 import builtins
 import collections
 import errno
@@ -19,6 +25,7 @@ import os
 import resource
 import signal
 import socket
+import stat
 import sys
 import threading
 import traceback
@@ -32,6 +39,9 @@ TRACEBACK_HEAD = 10
 TRACEBACK_TAIL = 40
 # The job's frame carries its SDK: a catalog of thousands of tools is megabytes of source.
 MAX_JOB_FRAME = 64 << 20
+WORK = "/work"
+# A /work of more files than this is not walked further for the files a job changed.
+MAX_SCANNED_FILES = 10_000
 
 
 def _set_limits(limits: dict[str, int]) -> None:
@@ -165,25 +175,85 @@ def _install_sdk(files: dict[str, str], sdk_dir: str) -> None:
             f.write(content)
 
 
-def main() -> None:
-    bridge_fd, sdk_dir = int(sys.argv[1]), sys.argv[2]
-    # The SDK's base package is staged beside this runner: imported before the job comes, it costs
-    # the job nothing. The job brings its toolsets' modules, which join the package.
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import ptc_tools
-    from ptc_tools import _protocol, _runtime, tools
+def _work_path(path: str) -> str:
+    """The absolute path of ``path`` under /work, or ValueError: the worker checked it already;
+    this is the guard, against a symlink the code made, too."""
+    parts = path.split("/")
+    if not path or "\0" in path or path.startswith("/") or any(part in ("", ".", "..") for part in parts):
+        raise ValueError(f"the file path {path!r} is not a plain path under /work")
+    target = os.path.join(WORK, *parts)
+    parent = os.path.realpath(os.path.dirname(target))
+    if parent != WORK and not parent.startswith(WORK + os.sep):
+        raise ValueError(f"the file path {path!r} leads out of /work")
+    return target
 
-    job = _read_job(bridge_fd, _protocol)
-    _install_sdk(job.pop("sdk", {}), sdk_dir)
-    ptc_tools.__path__.append(os.path.join(sdk_dir, "ptc_tools"))
-    _runtime.connect(bridge_fd, job)
-    # The job's call_id and its job-scoped key: what a sandbox elsewhere would call back with.
-    _runtime.job_info = job.get("job", {})
-    limits = job["limits"]
-    _set_limits(limits)
-    # The seed's flat style: ``tools.list_files(path=".")`` without an import.
-    namespace: dict[str, Any] = {"__name__": "__main__", "__builtins__": builtins, "tools": tools}
+
+def _write_files(files: dict[str, str]) -> None:
+    """Write the job's input files (base64) under /work; a symlink in their place is not followed."""
+    for path, data in files.items():
+        target = _work_path(path)
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        if os.path.realpath(os.path.dirname(target)) != os.path.dirname(target):
+            raise ValueError(f"the file path {path!r} leads out of /work")
+        fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+        with os.fdopen(fd, "wb") as f:
+            f.write(base64.b64decode(data))
+
+
+def _scan() -> dict[str, tuple[int, int, int]]:
+    """The regular files under /work (symlinks are not followed nor reported), with what tells a
+    changed one: inode, size, mtime."""
+    seen: dict[str, tuple[int, int, int]] = {}
+    for root, dirs, names in os.walk(WORK):
+        dirs.sort()
+        for name in sorted(names):
+            full = os.path.join(root, name)
+            try:
+                st = os.lstat(full)
+            except OSError:
+                continue
+            if stat.S_ISREG(st.st_mode):
+                seen[os.path.relpath(full, WORK)] = (st.st_ino, st.st_size, st.st_mtime_ns)
+            if len(seen) >= MAX_SCANNED_FILES:
+                return seen
+    return seen
+
+
+def _changed_files(before: dict[str, tuple[int, int, int]], quota: dict[str, int]) -> dict[str, Any]:
+    """The files the code wrote or changed (base64, within the quota: the rest are named in
+    ``files_omitted``) and those it removed."""
+    after = _scan()
+    files: list[dict[str, str]] = []
+    omitted: list[str] = []
+    total = 0
+    for path, (_, size, _) in after.items():
+        if before.get(path) == after[path]:
+            continue
+        if len(files) >= quota["max_count"] or total + size > quota["max_bytes"]:
+            omitted.append(path)
+            continue
+        try:
+            # Not followed if the code put a symlink in its place since the scan.
+            fd = os.open(os.path.join(WORK, path), os.O_RDONLY | os.O_NOFOLLOW)
+            with os.fdopen(fd, "rb") as f:
+                data = f.read(quota["max_bytes"] - total + 1)
+        except OSError:
+            omitted.append(path)
+            continue
+        if total + len(data) > quota["max_bytes"]:  # it grew since the scan
+            omitted.append(path)
+            continue
+        total += len(data)
+        files.append({"path": path, "data": base64.b64encode(data).decode()})
+    return {"files": files, "files_omitted": omitted, "files_removed": sorted(set(before) - set(after))}
+
+
+def _run(job: dict[str, Any], namespace: dict[str, Any], limits: dict[str, int]) -> dict[str, Any]:
+    """Run one job's code in ``namespace``; return its ``done`` frame."""
+    from ptc_tools import _protocol
+
     result: dict[str, Any] = {"op": "done", "return_value": None, "error": None}
+    namespace.pop("__ptc_result__", None)
     try:
         code, has_value = _compile(job["code"])
         value = eval(code, namespace)
@@ -215,18 +285,64 @@ def main() -> None:
             "message": f"the return value is {size} bytes of JSON; the limit is {job['max_frame']}: print it instead",
             "traceback": "",
         }
-    if not _runtime.connected():
-        os._exit(1 if result["error"] else 0)  # a forked child's end is not the job's end
-    for stream in (sys.stdout, sys.stderr):
+    return result
+
+
+def main() -> None:
+    bridge_fd, sdk_dir = int(sys.argv[1]), sys.argv[2]
+    # The SDK's base package is staged beside this runner: imported before the job comes, it costs
+    # the job nothing. The job brings its toolsets' modules, which join the package.
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import ptc_tools
+    from ptc_tools import _protocol, _runtime, tools
+
+    job: dict[str, Any] | None = _read_job(bridge_fd, _protocol)
+    assert job is not None
+    _install_sdk(job.pop("sdk", {}), sdk_dir)
+    ptc_tools.__path__.append(os.path.join(sdk_dir, "ptc_tools"))
+    _runtime.connect(bridge_fd, job)
+    # Set once: a session's later jobs run under the same limits (its rlimits can't be raised again).
+    limits = job["limits"]
+    _set_limits(limits)
+    # A session's sandbox runs job after job in this one namespace (one module's globals).
+    persistent = bool(job.get("session"))
+    # The seed's flat style: ``tools.list_files(path=".")`` without an import.
+    namespace: dict[str, Any] = {"__name__": "__main__", "__builtins__": builtins, "tools": tools}
+    while job is not None:
+        _install_sdk(job.pop("sdk", None) or {}, sdk_dir)  # a session's later job brings it only if it changed
+        # The job's call_id and its job-scoped key: what a sandbox elsewhere would call back with.
+        _runtime.job_info = job.get("job", {})
+        quota = job.get("collect_files")
+        before: dict[str, tuple[int, int, int]] = {}
         try:
-            stream.flush()
-        except Exception:  # a closed or broken stream must not hide the result
-            pass
-    try:
-        _runtime.send(result)
-    except Exception as exc:  # the worker reports a missing result as SandboxCrashed; say why here
-        os.write(2, f"ptc: the result could not be sent: {type(exc).__name__}: {exc}\n".encode())
-        os._exit(70)
+            _write_files(job.get("files") or {})
+            if quota:
+                before = _scan()
+        except BaseException as exc:  # an input file that can't be written fails the job, not the sandbox
+            result: dict[str, Any] = {"op": "done", "return_value": None, "error": _error(exc, limits)}
+        else:
+            result = _run(job, namespace, limits)
+            if quota:
+                try:
+                    result.update(_changed_files(before, quota))
+                except BaseException as exc:  # reported with the result; the files are left out
+                    result["files_error"] = _describe(exc)
+        if not _runtime.connected():
+            os._exit(1 if result["error"] else 0)  # a forked child's end is not the job's end
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:  # a closed or broken stream must not hide the result
+                pass
+        try:
+            _runtime.send(result, checked=False)
+        except Exception as exc:  # the worker reports a missing result as SandboxCrashed; say why here
+            os.write(2, f"ptc: the result could not be sent: {type(exc).__name__}: {exc}\n".encode())
+            os._exit(70)
+        if not persistent:
+            break
+        del result
+        job = _runtime.next_job()  # None: the worker closed the bridge (the session ended)
     # Daemon threads or stray user threads must not keep the sandbox alive after the result.
     os._exit(0)
 

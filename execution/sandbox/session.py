@@ -23,7 +23,7 @@ from typing import Any, Protocol
 from execution.backplane import Approved, Cancel, Message, Result, Resync
 from execution.sandbox.limits import Limits
 from execution.sandbox.output import CappedOutput
-from execution.sandbox.pool import warm_pool
+from execution.sandbox.pool import Sandbox, warm_pool
 from ptcproject.errors import call_error, job_error
 from ptcproject.storage import MAX_JSON_DEPTH
 from tools.sdk_runtime.protocol import FrameDecoder, FrameError, encode
@@ -55,6 +55,11 @@ class Outcome:
     stdout_truncated: bool = False
     stderr_truncated: bool = False
     timings: dict[str, float] = field(default_factory=dict)
+    # What the done frame said of /work (when the job asked): files the code wrote, as
+    # ``{"path", "data" (base64)}``; paths left out over the quota; paths it removed.
+    files: list[dict[str, str]] = field(default_factory=list)
+    files_omitted: list[str] = field(default_factory=list)
+    files_removed: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -115,6 +120,10 @@ class Session:
         max_buffered: int,
         job_info: dict[str, Any] | None = None,
         on_output: Callable[[str, str], None] | None = None,
+        sandbox: Sandbox | None = None,
+        keep: bool = False,
+        extra: dict[str, Any] | None = None,
+        max_files_bytes: int = 0,
     ) -> None:
         self.code = code
         self.limits = limits
@@ -123,7 +132,15 @@ class Session:
         self.channel = channel
         self.heartbeat = heartbeat
         self.heartbeat_every = heartbeat_every
-        self.decoder = FrameDecoder(max_frame)
+        # A done frame may carry files (base64) besides its value.
+        self.decoder = FrameDecoder(max_frame + (max_files_bytes * 4 // 3 + (64 << 10) if max_files_bytes else 0))
+        # A session's sandbox (``sandbox``, ``keep``): given, not taken from the pool, and left
+        # running after a job that ended with its result; ``kept`` says whether it was.
+        self.sandbox = sandbox
+        self.keep = keep
+        self.kept = False
+        # More of the start frame: a session's flag, input files, the files quota.
+        self.extra = extra or {}
         self.max_frame = max_frame
         self.max_buffered = max_buffered
         self.job_info = job_info or {}
@@ -154,7 +171,7 @@ class Session:
     # -- the loop --------------------------------------------------------------------------------
     def run(self) -> Outcome:
         started = time.monotonic()
-        sandbox = warm_pool().take()
+        sandbox = self.sandbox or warm_pool().take()
         proc, ours = sandbox.proc, sandbox.bridge
         spawned = time.monotonic()
         self._wake_r, self._wake_w = os.pipe()
@@ -167,13 +184,16 @@ class Session:
             self.submitter.shutdown(wait=True, cancel_futures=True)
             os.close(self._wake_r)
             os.close(self._wake_w)
-            if proc.poll() is None:
-                proc.kill()
-            returncode = proc.wait()
-            ours.close()
-            for pipe in (proc.stdout, proc.stderr):
-                if pipe:
-                    pipe.close()
+            self.kept = self.keep and self.ended is None and self.result is not None and proc.poll() is None
+            returncode = 0
+            if not self.kept:
+                if proc.poll() is None:
+                    proc.kill()
+                returncode = proc.wait()
+                ours.close()
+                for pipe in (proc.stdout, proc.stderr):
+                    if pipe:
+                        pipe.close()
         outcome = self.ended or self._outcome(returncode)
         outcome.stdout, outcome.stdout_truncated = self.stdout.text(), self.stdout.truncated
         outcome.stderr, outcome.stderr_truncated = self.stderr.text(), self.stderr.truncated
@@ -217,6 +237,7 @@ class Session:
             "max_depth": MAX_JSON_DEPTH,
             "job": self.job_info,
             "sdk": self.sdk_files,
+            **self.extra,
         }
         self.outbox += encode(start)
         sel = selectors.DefaultSelector()
@@ -230,7 +251,8 @@ class Session:
         paused_bridge = False
         next_beat = time.monotonic() + self.heartbeat_every
         try:
-            while (open_streams or paused_bridge) and self.ended is None:
+            # A kept sandbox's job ends with its result: its streams stay open for the next job.
+            while (open_streams or paused_bridge) and self.ended is None and not (self.keep and self.result is not None):
                 now = time.monotonic()
                 deadline = base_deadline + self._client_wait(now)
                 flush_at = [t + OUTPUT_CHUNK_SECONDS for t in self.chunk_since.values()]
@@ -291,6 +313,8 @@ class Session:
                     sel.register(sock, selectors.EVENT_READ | selectors.EVENT_WRITE, "bridge")
                     open_streams.add("bridge")
                     paused_bridge = False
+            if self.keep and self.result is not None and self.ended is None:
+                self._drain_output(proc)
         finally:
             sel.close()
             for name in list(self.chunk_since):
@@ -300,6 +324,22 @@ class Session:
                 proc.send_signal(signal.SIGKILL)
 
     # -- output --------------------------------------------------------------------------------
+    def _drain_output(self, proc: subprocess.Popen[bytes]) -> None:
+        """Read what the code printed before its result (written before the done frame was sent,
+        so already in the pipes) without waiting for the streams to close: they stay open."""
+        streams = {"stdout": proc.stdout, "stderr": proc.stderr}
+        while True:
+            readable = [name for name, pipe in streams.items() if pipe is not None and _readable(pipe)]
+            if not readable:
+                return
+            for name in readable:
+                data = streams[name].read1(1 << 16)  # type: ignore[union-attr]
+                if not data:
+                    streams[name] = None
+                    continue
+                (self.stdout if name == "stdout" else self.stderr).feed(data)
+                self._chunk(name, data)
+
     def _chunk(self, name: str, data: bytes) -> None:
         if self.on_output is None:
             return
@@ -486,17 +526,33 @@ class Session:
                 status="failed" if error else "completed",
                 return_value=self.result.get("return_value"),
                 error=error,
+                files=_list_of(self.result.get("files"), dict),
+                files_omitted=_list_of(self.result.get("files_omitted"), str),
+                files_removed=_list_of(self.result.get("files_removed"), str),
             )
         if returncode < 0 or returncode > 128:
             signum = -returncode if returncode < 0 else returncode - 128
             if signum == signal.SIGXCPU:
-                kind, text = "ResourceLimit", f"CPU time limit of {self.limits.cpu_seconds} s reached"
+                # A session's sandbox was given its own, for its whole life, in the start frame.
+                cpu = self.extra.get("limits", {}).get("cpu_seconds", self.limits.cpu_seconds)
+                kind, text = "ResourceLimit", f"CPU time limit of {cpu} s reached"
             else:
                 kind, text = "SandboxCrashed", f"the sandbox was killed by signal {_signal_name(signum)}"
         else:
             kind = "SandboxCrashed"
             text = f"the code exited with status {returncode} before finishing (os._exit, or a crash)"
         return Outcome(status="failed", error=job_error(kind, text))
+
+
+def _readable(pipe: Any) -> bool:
+    with selectors.DefaultSelector() as sel:
+        sel.register(pipe, selectors.EVENT_READ)
+        return bool(sel.select(0))
+
+
+def _list_of(value: Any, kind: type) -> list[Any]:
+    """The items of ``value`` of type ``kind``: what a sandbox sends is checked, never trusted."""
+    return [item for item in value if isinstance(item, kind)] if isinstance(value, list) else []
 
 
 def _signal_name(signum: int) -> str:

@@ -4,7 +4,7 @@ import logging
 import os
 import socket
 import time
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 from django.conf import settings
@@ -19,13 +19,27 @@ from execution.events import (
     job_start_payload,
     output_from_stream,
 )
-from execution.models import ExecJob, ToolCall
+from execution.models import ExecJob, ExecSession, ToolCall, WorkFile
 from execution.sandbox.limits import Limits
 from execution.sandbox.process import SandboxUnavailable
 from execution.sandbox.session import Outcome, Session
 from execution.services.calls import tool_call_finish, tool_calls_close_held, tool_calls_reap
 from execution.services.quotas import exec_quota_check
 from execution.services.router import JobCallRouter
+from execution.services.sessions import (
+    LiveSession,
+    exec_session_job_ended,
+    exec_session_take,
+    exec_sessions_reap,
+    job_files_done,
+    job_inputs,
+    session_guest_limits,
+    session_job_done,
+    session_job_inputs,
+    session_limits,
+    session_sandbox_release,
+    session_sandbox_take,
+)
 from ptcproject import tracing
 from ptcproject.accounts.services import api_key_create, job_keys_revoke
 from ptcproject.db import db_reset, db_retry
@@ -69,15 +83,20 @@ def exec_job_create(
     title: str = "",
     max_credits: int | None = None,
     client_tools: list[dict[str, Any]] | None = None,
+    session: ExecSession | None = None,
+    files: dict[str, bytes] | None = None,
 ) -> ExecJob:
     """Check the request against the policy, record the job as ``queued``, and enqueue it once committed.
 
     ``client_tools`` are tools the caller runs itself (``ptc_tools.client.Client``; tools/client.py).
+    In a ``session``, the job runs in the session's sandbox, with its toolsets and limits (and its
+    own timeout); ``files`` are written under /work before the code runs.
 
     Raise ApplicationError: ``code_too_large`` (413), ``validation_error`` for a timeout above the
     policy's maximum (400; never clamped) or bad client tools, ``unknown_toolset`` (400),
     ``ptc_disabled`` (403), ``rate_limited`` (429: past a tenant quota), ``broker_unavailable`` (503,
-    and the job is not created).
+    and the job is not created); with a session, 410 ``session_expired`` or ``session_lost``, 409
+    ``session_busy``.
     """
     size = len(code.encode())
     if size > settings.PTC_MAX_CODE_BYTES:
@@ -96,7 +115,9 @@ def exec_job_create(
             f"timeout {timeout:g} s is above the maximum of {policy.max_timeout} s.",
             details={"timeout": [f"Ensure this value is less than or equal to {policy.max_timeout}."]},
         )
-    if toolsets is None:
+    if session is not None:
+        keys = list(session.toolsets)  # the session's: its sandbox has their modules already
+    elif toolsets is None:
         # Every toolset the user may use with PTC: the policy's lists narrow what they can see.
         keys = toolset_keys_for_ptc(user=user, allowlist=policy.toolset_allowlist, blocklist=policy.toolset_blocklist)
     else:
@@ -114,6 +135,10 @@ def exec_job_create(
             "ptc_disabled", f"PTC is disabled here: {decision.reason}.", status=403, details={"reason": decision.reason}
         )
     quotas = quotas_for(policy=policy, user=user)
+    if session is not None:
+        limits = session_limits(session=session, timeout=timeout)
+    else:
+        limits = job_limits(policy=policy, timeout=timeout, parallel_cap=quotas.parallel_cap())
     with transaction.atomic():
         exec_quota_check(user=user, quotas=quotas)  # rate_limited (429); locks the user's row till commit
         job = ExecJob.objects.create(
@@ -122,12 +147,17 @@ def exec_job_create(
             toolsets=keys,
             title=title,
             timeout_seconds=timeout,
-            limits=job_limits(policy=policy, timeout=timeout, parallel_cap=quotas.parallel_cap()).as_dict(),
+            limits=limits.as_dict(),
             sequential=policy.sequential,
             max_credits=max_credits,
             client_tools=client,
+            session=session,
         )
-        transaction.on_commit(lambda: _exec_job_enqueue(job=job))
+        for path, content in (files or {}).items():
+            WorkFile.objects.create(exec_job=job, kind=WorkFile.Kind.INPUT, path=path, content=content, size=len(content))
+        # A session's later jobs go to the worker holding its sandbox; its first, to any.
+        node = exec_session_take(session_id=session.pk, job=job).worker if session is not None else ""
+        transaction.on_commit(lambda: _exec_job_enqueue(job=job, node=node))
     logger.info("job queued", extra={"job_id": str(job.id)})
     return job
 
@@ -170,14 +200,20 @@ def exec_job_for_container(*, user: User, container_id: str) -> ExecJob:
     return job
 
 
-def _exec_job_enqueue(*, job: ExecJob) -> None:
-    """Send a committed job to the exec queue. If the broker can't take it, the job is withdrawn
-    and ApplicationError ``broker_unavailable`` (503) raised: a client is never told a job failed
-    while it waits queued for ever."""
+def _exec_job_enqueue(*, job: ExecJob, node: str = "") -> None:
+    """Send a committed job to the exec queue, or to worker ``node``'s direct queue (a session's
+    sandbox is there). If the broker can't take it, the job is withdrawn and ApplicationError
+    ``broker_unavailable`` (503) raised: a client is never told a job failed while it waits queued
+    for ever."""
+    from celery.utils.nodenames import worker_direct
+
     from execution.tasks import run_exec
 
     try:
-        run_exec.delay(str(job.pk))
+        if node:
+            run_exec.apply_async((str(job.pk),), queue=worker_direct(node))
+        else:
+            run_exec.delay(str(job.pk))
     except Exception as exc:  # the broker is unreachable even after Celery's own retries
         logger.warning("could not enqueue a job; withdrawn", extra={"job_id": str(job.pk)}, exc_info=True)
         withdrawn, _ = ExecJob.objects.filter(pk=job.pk, status=Status.QUEUED).delete()
@@ -190,7 +226,7 @@ def _exec_job_enqueue(*, job: ExecJob) -> None:
         # It was taken after all: the message went out before the error.
 
 
-def exec_job_run(*, job_id: str, worker: str) -> None:
+def exec_job_run(*, job_id: str, worker: str, node: str = "") -> None:
     """Run a queued job in a sandbox to its end. A redelivered job that was running fails as WorkerLost.
 
     Only the claim may raise (a database error: the task retries it). Whatever happens after the
@@ -213,15 +249,16 @@ def exec_job_run(*, job_id: str, worker: str) -> None:
         )
         return
     try:
-        outcome = _exec_job_sandbox(job_id=job_id)
+        outcome = _exec_job_sandbox(job_id=job_id, node=node)
     except Exception as exc:  # the job must end, never stay running
         logger.exception("the job's run failed", extra={"job_id": job_id})
         outcome = Outcome(status="failed", error=job_error("InternalError", f"the worker failed while running the job: {exc}"))
     exec_job_finish(job_id=job_id, outcome=outcome)
 
 
-def _exec_job_sandbox(*, job_id: str) -> Outcome:
-    """Run a claimed job's code in a sandbox and return what happened."""
+def _exec_job_sandbox(*, job_id: str, node: str) -> Outcome:
+    """Run a claimed job's code in a sandbox (its session's, held by this worker, ``node``) and
+    return what happened."""
     # Nothing has run yet: a database that drops meanwhile (a restart) is waited for, not the job's end.
     prepared = db_retry(lambda: _exec_job_prepare(job_id=job_id), what="preparing a job", job_id=job_id)
     if isinstance(prepared, Outcome):
@@ -234,6 +271,23 @@ def _exec_job_sandbox(*, job_id: str) -> Outcome:
         cancelled = ExecJob.objects.filter(pk=job.pk, status=Status.CANCELLED)
         if db_retry(cancelled.exists, what="checking for a cancel", job_id=job_id):
             return Outcome(status="cancelled")
+        # Every job may bring files and gets back the files its code wrote (within the quota).
+        extra: dict[str, Any] = {
+            "files": job_inputs(job_id=job.pk),
+            "collect_files": {"max_bytes": settings.PTC_FILES_MAX_BYTES, "max_count": settings.PTC_FILES_MAX_COUNT},
+        }
+        live: LiveSession | None = None
+        sent: list[tuple[int, datetime]] = []
+        if job.session is not None:
+            taken = session_sandbox_take(session_id=job.session.pk, node=node)
+            if isinstance(taken, Outcome):
+                return taken
+            live = taken
+            uploads, sent = session_job_inputs(session_id=job.session.pk)
+            extra.update(session=True, limits=session_guest_limits(session=job.session))
+            extra["files"] = {**uploads, **extra["files"]}
+            if live.sdk_hash == job.sdk_hash:
+                sdk_files = {}  # its sandbox has this SDK from an earlier job
         session = Session(
             code=job.code,
             limits=limits,
@@ -246,6 +300,10 @@ def _exec_job_sandbox(*, job_id: str) -> Outcome:
             max_buffered=settings.PTC_MAX_BUFFERED_BYTES,
             job_info={"call_id": job.call_id, "key": job_key},
             on_output=lambda stream, text: event_publish(job_call_id=job.call_id, event=stream, data={"text": text}),
+            sandbox=live.sandbox if live is not None else None,
+            keep=live is not None,
+            extra=extra,
+            max_files_bytes=settings.PTC_FILES_MAX_BYTES,
         )
         try:
             outcome = session.run()
@@ -255,15 +313,38 @@ def _exec_job_sandbox(*, job_id: str) -> Outcome:
         except Exception as exc:  # the worker survives anything a sandbox does; the job records it
             logger.exception("sandbox failed", extra={"job_id": job_id})
             outcome = Outcome(status="failed", error=job_error("SandboxCrashed", str(exc)))
+        finally:
+            if live is not None and job.session is not None:
+                session_sandbox_release(session_id=job.session.pk, live=live, kept=session.kept, sdk_hash=job.sdk_hash)
+    if live is not None and live.ended and outcome.status != "cancelled":
+        outcome.status = "failed"
+        outcome.error = job_error("SessionEnded", f"the session ended while the job ran: {live.ended}")
+    _exec_job_files_done(job=job, outcome=outcome, sent=sent)
     assert job.started_at is not None, "the job was loaded after exec_job_run's claim set started_at"
     outcome.timings["queue_ms"] = round((job.started_at - job.created_at).total_seconds() * 1000, 2)
     return outcome
 
 
+def _exec_job_files_done(*, job: ExecJob, outcome: Outcome, sent: list[tuple[int, datetime]]) -> None:
+    """Store the files the job's code wrote (the session's, or the job's outputs) before the job's
+    end is recorded: whoever sees it ended sees its files. A failure here loses the files, not the job."""
+    try:
+        if job.session is not None:
+            db_retry(
+                lambda: session_job_done(job_id=job.pk, session_id=job.session_id, outcome=outcome, files_sent=sent),
+                what="storing a session job's files",
+                job_id=str(job.pk),
+            )
+        elif outcome.files or outcome.files_omitted:
+            db_retry(lambda: job_files_done(job_id=job.pk, outcome=outcome), what="storing a job's files", job_id=str(job.pk))
+    except Exception:
+        logger.exception("could not store a job's files", extra={"job_id": str(job.pk)})
+
+
 def _exec_job_prepare(*, job_id: str) -> "tuple[ExecJob, JobCallRouter, dict[str, str], str] | Outcome":
     """Load a claimed job, build its SDK, its call router and its job-scoped key. Return those, or
     the Outcome that ends the job if its SDK can't be built. Safe to run again."""
-    job = ExecJob.objects.select_related("user").get(pk=job_id)
+    job = ExecJob.objects.select_related("user", "session").get(pk=job_id)
     policy = policy_get()
     toolsets, _ = toolsets_resolve(user=job.user, keys=job.toolsets)
     extra = [client_toolset(job.client_tools)] if job.client_tools else []
@@ -275,6 +356,7 @@ def _exec_job_prepare(*, job_id: str) -> "tuple[ExecJob, JobCallRouter, dict[str
         logger.exception("sdk generation failed", extra={"job_id": job_id})
         return Outcome(status="failed", error=job_error("SandboxCrashed", f"the SDK could not be generated: {exc}"))
     ExecJob.objects.filter(pk=job.pk).update(sdk_hash=sdk.hash)
+    job.sdk_hash = sdk.hash
     direct_only = frozenset(policy.direct_only_tools)
     router = JobCallRouter(job=job, toolsets=toolsets, direct_only=direct_only, extra=extra, policy=policy)
     # What a sandbox on another host would call back with (POST /api/v1/tools/execute); it dies with the job.
@@ -353,6 +435,8 @@ def _exec_job_close(*, job_id: Any) -> ExecJob:
     announced. Idempotent. Return the job."""
     job = ExecJob.objects.select_related("user").get(pk=job_id)
     job_keys_revoke(exec_job_id=job.pk)
+    if job.session_id is not None:  # before the end is announced: whoever sees it can send the next job
+        exec_session_job_ended(session_id=job.session_id, job_id=job.pk)
     ToolCall.objects.filter(exec_job=job, status=ToolCall.Status.EXECUTING, claimed_at__isnull=True).update(
         status=ToolCall.Status.FAILED,
         error=call_error("job_ended", "the job ended before this call started; it was not run"),
@@ -392,6 +476,11 @@ def _exec_job_fail_if(*, job_id: str, status: str, kind: str, message: str, stal
     if updated:
         _exec_job_close(job_id=job_id)
     return bool(updated)
+
+
+def exec_job_fail_queued(*, job_id: Any, message: str) -> bool:
+    """Fail a job still queued because its session ended: it would wait for a sandbox that is gone."""
+    return _exec_job_fail_if(job_id=str(job_id), status=Status.QUEUED, kind="SessionEnded", message=message)
 
 
 def exec_job_wait(*, job: ExecJob, seconds: float) -> None:
@@ -455,6 +544,7 @@ def exec_jobs_reap() -> int:
     if time.monotonic() < _reaper_blind_until:
         return 0
     tool_calls_reap()
+    exec_sessions_reap()
     stale = timezone.now() - timedelta(seconds=settings.PTC_JOB_LEASE_SECONDS)
     abandoned = timezone.now() - timedelta(seconds=settings.PTC_DEFAULT_TOOL_TIMEOUT * 2 + settings.PTC_JOB_LEASE_SECONDS)
     ToolCall.objects.filter(status=ToolCall.Status.EXECUTING, started_at__lt=abandoned).exclude(

@@ -75,3 +75,17 @@ def test_embedded_serves_mcp_over_http_and_stdio(embedded: tuple[Stack, str]) ->
     assert over_http["status"] == "completed" and over_http["return_value"] == 3
     assert any(m.startswith("tool call finished: demo.add") for m in progress)
     assert over_stdio["success"] is True and over_stdio["return_value"] == 3
+
+
+def test_embedded_sessions_route_to_their_worker(embedded: tuple[Stack, str]) -> None:
+    """A session on the filesystem broker: its later jobs reach its worker's direct queue."""
+    stack, key = embedded
+    client = _Client(stack.base_url, key)
+    session = client.http.post("/api/v1/sessions", json={"toolsets": ["demo"]}).json()
+    values = []
+    for code in ("n = 40", "n += 1", "n + 1"):
+        job = client.http.post("/api/v1/exec", json={"code": code, "session": session["id"], "wait": 30}).json()
+        assert job["status"] == "completed", job["error"]
+        values.append(job["return_value"])
+    assert values == [None, None, 42]
+    assert client.http.delete(f"/api/v1/sessions/{session['id']}").json()["status"] == "deleted"

@@ -8,6 +8,7 @@ it costs ~50 ms to import.
 """
 
 import os
+import queue
 import socket
 import threading
 from typing import Any
@@ -53,14 +54,18 @@ class _Bridge:
         self._pending: dict[int, Any] = {}
         self._next_id = 0
         self._closed: str | None = None
-        self._decoder = _protocol.FrameDecoder()
+        # A session's next job comes on this bridge too, with its input files: as large as a first
+        # job's frame may be (guest.MAX_JOB_FRAME). Its memory is the sandbox's own, under its limits.
+        self._decoder = _protocol.FrameDecoder(64 << 20)
         self.start_message = start
+        # A session's sandbox gets its next job as a ``start`` frame on the same bridge.
+        self.jobs: queue.SimpleQueue[dict[str, Any] | None] = queue.SimpleQueue()
         threading.Thread(target=self._read_loop, name="ptc-bridge", daemon=True).start()
 
-    def send(self, message: dict[str, Any]) -> None:
+    def send(self, message: dict[str, Any], *, checked: bool = True) -> None:
         frame = _protocol.encode(message)
         limit = self.start_message.get("max_frame")
-        if limit and len(frame) > limit:
+        if checked and limit and len(frame) > limit:
             raise ValueError(f"they are {len(frame)} bytes of JSON; the limit is {limit}")
         with self._send_lock:
             self._sock.sendall(frame)
@@ -118,6 +123,9 @@ class _Bridge:
                 if not data:
                     break
                 for reply in self._decoder.feed(data):
+                    if reply.get("op") == "start":
+                        self.jobs.put(reply)
+                        continue
                     with self._lock:
                         waiter = self._pending.pop(reply.get("id"), None)
                     if waiter is not None:
@@ -129,6 +137,7 @@ class _Bridge:
             waiters, self._pending = list(self._pending.values()), {}
         for waiter in waiters:
             self._deliver(waiter, {"ok": False, "error": {"code": "bridge_closed", "message": reason}})
+        self.jobs.put(None)
 
 
 def _unwrap(reply: dict[str, Any], toolset: str, tool: str) -> Any:
@@ -161,15 +170,27 @@ def connect(fd: int, start: dict[str, Any]) -> None:
     os.register_at_fork(after_in_child=_forked)
 
 
+def next_job() -> dict[str, Any] | None:
+    """A session's sandbox: wait for the next job's ``start`` frame; None once the bridge closed."""
+    if _bridge is None:
+        return None
+    job = _bridge.jobs.get()
+    if job is not None:
+        _bridge.start_message = job
+    return job
+
+
 def connected() -> bool:
     """Return True in the process that owns the bridge (not in a forked child)."""
     return _bridge is not None
 
 
-def send(message: dict[str, Any]) -> None:
+def send(message: dict[str, Any], *, checked: bool = True) -> None:
+    """Send ``message``; with ``checked``, refuse one over the job's max_frame (the runner sends its
+    result unchecked: it checked the value itself, and the files it carries have their own quota)."""
     if _bridge is None:
         raise RuntimeError("the bridge is not connected")
-    _bridge.send(message)
+    _bridge.send(message, checked=checked)
 
 
 def call(toolset: str, tool: str, arguments: dict[str, Any]) -> Any:

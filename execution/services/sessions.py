@@ -1,0 +1,516 @@
+"""Writes for sessions: a sandbox kept alive between exec jobs, on one exec worker, with expiry.
+
+The database is the truth about a session (``ExecSession``); the exec worker holding its sandbox
+(``worker``, a Celery node name) keeps it in this process's registry (``_live``) and renews the
+session's lease while it does. Every change of state is a conditional UPDATE from ``active``, so
+the reaper, a DELETE and the holder never undo each other:
+
+- created ``active`` with no worker; its first job goes to the ``exec`` queue, and the worker that
+  takes it claims the session and starts its sandbox; every later job goes to that worker's direct
+  queue (``<nodename>.dq2``);
+- one job at a time: a second ``POST /exec`` while one is queued or running is 409 ``session_busy``;
+- it ends ``expired`` (idle_timeout or max_lifetime, by the reaper), ``deleted``, or ``lost`` (its
+  worker stopped renewing the lease, shut down, or its sandbox was killed: a job's timeout, cancel
+  or crash). The holder kills the sandbox of a session that is no longer active at its next lease
+  round; a job queued for it fails at once.
+
+Files of ``/work`` (a session's, or a job's inputs and outputs) are ``WorkFile`` rows; they travel
+over the bridge with the job (see guest.py).
+"""
+
+import base64
+import binascii
+import logging
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+from django.conf import settings
+from django.contrib.auth.models import User
+from django.db import transaction
+from django.db.models import QuerySet, Sum
+from django.utils import timezone
+
+from execution.models import ExecJob, ExecSession, WorkFile
+from execution.sandbox.limits import Limits
+from execution.sandbox.pool import Sandbox, sandbox_start
+from execution.sandbox.session import Outcome
+from ptcproject.errors import ApplicationError, job_error
+from ptcproject.policy.selectors import policy_get, ptc_decision, quotas_for
+from tools.selectors import toolset_keys_for_ptc, toolsets_named
+
+logger = logging.getLogger("ptc.execution")
+Status = ExecSession.Status
+
+
+# -- Paths and quotas ----------------------------------------------------------------------------
+def work_path_check(path: Any) -> str:
+    """Return ``path`` if it is a plain relative path under /work; else ApplicationError
+    ``invalid_path`` (400): absolute, ``..``, ``.``, an empty part, a NUL, a backslash, too long."""
+    if not isinstance(path, str) or not path or len(path) > 1024:
+        reason = "a path of 1 to 1024 characters"
+    elif "\0" in path or "\\" in path or any(ord(c) < 32 for c in path):
+        reason = "no NUL, backslash or control character"
+    elif path.startswith("/"):
+        reason = "a path relative to /work, not an absolute one"
+    elif any(part in ("", ".", "..") for part in path.split("/")):
+        reason = "no '..', '.' or empty part: it must stay under /work"
+    else:
+        return path
+    shown = path[:100] if isinstance(path, str) else repr(path)[:100]
+    raise ApplicationError("invalid_path", f"The file path {shown!r} is invalid: use {reason}.", details={"path": shown})
+
+
+def _quota_check(*, count: int, size: int) -> None:
+    """Raise ``too_many_files`` or ``files_too_large`` (413) if files of ``count`` and ``size`` in
+    all are over the quota (PTC_FILES_MAX_COUNT, PTC_FILES_MAX_BYTES)."""
+    if count > settings.PTC_FILES_MAX_COUNT:
+        raise ApplicationError(
+            "too_many_files",
+            f"That makes {count} files; the limit is {settings.PTC_FILES_MAX_COUNT}. Remove some, or send fewer.",
+            status=413,
+            details={"count": count, "limit": settings.PTC_FILES_MAX_COUNT},
+        )
+    if size > settings.PTC_FILES_MAX_BYTES:
+        raise ApplicationError(
+            "files_too_large",
+            f"That makes {size} bytes of files; the limit is {settings.PTC_FILES_MAX_BYTES}. Send less.",
+            status=413,
+            details={"size": size, "limit": settings.PTC_FILES_MAX_BYTES},
+        )
+
+
+def work_files_decode(*, files: dict[str, Any]) -> dict[str, bytes]:
+    """Check a request's ``files`` (``{path: base64}``): paths, encoding and quota. Return the bytes by path."""
+    decoded: dict[str, bytes] = {}
+    for path, data in files.items():
+        work_path_check(path)
+        try:
+            decoded[path] = base64.b64decode(data if isinstance(data, str) else "", validate=True)
+        except (binascii.Error, ValueError):
+            raise ApplicationError(
+                "validation_error",
+                f"The file {path[:100]!r} is not base64.",
+                details={"files": [f"{path[:100]}: not base64"]},
+            ) from None
+    _quota_check(count=len(decoded), size=sum(len(data) for data in decoded.values()))
+    return decoded
+
+
+def _encoded(rows: Any) -> dict[str, str]:
+    return {row.path: base64.b64encode(bytes(row.content)).decode() for row in rows}
+
+
+# -- Sessions: the API's side --------------------------------------------------------------------
+def exec_session_create(
+    *,
+    user: User,
+    toolsets: list[str] | None,
+    idle_timeout: float | None,
+    max_lifetime: float | None,
+    memory_mb: int | None = None,
+) -> ExecSession:
+    """Record a new session, ``active``. Its sandbox starts with its first job.
+
+    Raise ApplicationError: ``unknown_toolset`` (400), ``ptc_disabled`` (403), ``validation_error``
+    (400) for a memory limit above the policy's, ``too_many_sessions`` (409) when the user has
+    PTC_MAX_SESSIONS_PER_USER active sessions already.
+    """
+    policy = policy_get()
+    if toolsets is None:
+        keys = toolset_keys_for_ptc(user=user, allowlist=policy.toolset_allowlist, blocklist=policy.toolset_blocklist)
+    else:
+        keys = [ts.key for ts in toolsets_named(user=user, keys=toolsets)]
+    decision = ptc_decision(policy=policy, user=user, toolsets=keys)
+    if not decision.enabled:
+        raise ApplicationError(
+            "ptc_disabled", f"PTC is disabled here: {decision.reason}.", status=403, details={"reason": decision.reason}
+        )
+    if memory_mb is not None and memory_mb > policy.memory_limit_mb:
+        raise ApplicationError(
+            "validation_error",
+            f"memory_mb {memory_mb} is above the policy's {policy.memory_limit_mb}.",
+            details={"limits": [f"memory_mb: ensure this value is less than or equal to {policy.memory_limit_mb}."]},
+        )
+    # The per-job timeout and tool-call limits come with each job; these hold for the sandbox's life.
+    from execution.services.jobs import job_limits
+
+    parallel_cap = quotas_for(policy=policy, user=user).parallel_cap()
+    limits = job_limits(policy=policy, timeout=policy.max_timeout, parallel_cap=parallel_cap).as_dict()
+    if memory_mb is not None:
+        limits["memory_mb"] = memory_mb
+    idle = settings.PTC_SESSION_IDLE_TIMEOUT if idle_timeout is None else idle_timeout
+    lifetime = settings.PTC_SESSION_MAX_LIFETIME if max_lifetime is None else max_lifetime
+    now = timezone.now()
+    with transaction.atomic():
+        # Counted under the user's row lock: two concurrent creates can't both take the last place.
+        User.objects.select_for_update().filter(pk=user.pk).first()
+        active = ExecSession.objects.filter(user=user, status=Status.ACTIVE).count()
+        if active >= settings.PTC_MAX_SESSIONS_PER_USER:
+            raise ApplicationError(
+                "too_many_sessions",
+                f"You have {active} active sessions; the limit is {settings.PTC_MAX_SESSIONS_PER_USER}. "
+                "Delete one (DELETE /api/v1/sessions/{id}) or let it expire.",
+                details={"active": active, "limit": settings.PTC_MAX_SESSIONS_PER_USER},
+            )
+        ends = now + timedelta(seconds=lifetime)
+        session = ExecSession.objects.create(
+            user=user,
+            toolsets=keys,
+            limits=limits,
+            idle_timeout_seconds=idle,
+            max_lifetime_seconds=lifetime,
+            last_used_at=now,
+            expires_at=min(ends, now + timedelta(seconds=idle)),
+            max_expires_at=ends,
+        )
+    logger.info("session created", extra={"session_id": str(session.pk)})
+    return session
+
+
+def exec_session_usable(*, session: ExecSession) -> None:
+    """Raise 410 ``session_expired`` (expired or deleted) or ``session_lost`` unless ``session`` is
+    active; details say its status, why it ended and ``expires_at``."""
+    status, reason = session.status, session.end_reason
+    if status == Status.ACTIVE and session.expires_at <= timezone.now():
+        # Past its time, not reaped yet: it is expired now, not at the reaper's next round (which records it).
+        status, reason = Status.EXPIRED, _expiry_reason(session)
+    if status == Status.ACTIVE:
+        return
+    raise ApplicationError(
+        "session_lost" if status == Status.LOST else "session_expired",
+        f"The session is {status}: {reason or 'it ended'}. Create a new one.",
+        status=410,
+        details={"status": status, "reason": reason, "expires_at": session.expires_at.isoformat()},
+    )
+
+
+def exec_session_take(*, session_id: Any, job: ExecJob) -> ExecSession:
+    """Inside the job's transaction: make ``job`` the session's one job. Raise 410 (see
+    exec_session_usable) or 409 ``session_busy`` if a job is queued or running in it."""
+    session = ExecSession.objects.select_for_update().get(pk=session_id)
+    exec_session_usable(session=session)
+    current = (
+        session.current_job_id and ExecJob.objects.filter(pk=session.current_job_id).values_list("status", flat=True).first()
+    )
+    if current and current not in ExecJob.FINISHED:
+        raise ApplicationError(
+            "session_busy",
+            "A job is queued or running in this session; a session runs one job at a time. Wait for it to end.",
+            details={"job": str(session.current_job_id)},
+        )
+    # A job queued or running keeps the session from idling out; max_lifetime still holds.
+    ExecSession.objects.filter(pk=session.pk).update(current_job=job, expires_at=session.max_expires_at)
+    return session
+
+
+def exec_session_delete(*, session: ExecSession) -> ExecSession:
+    """End an active session now: its job (if any) is cancelled, its holder kills its sandbox at
+    its next lease round, and its files are deleted (an expired or lost session's stay readable).
+    Deleting an ended session deletes its files too and changes nothing else."""
+    ended = _session_end(session_id=session.pk, status=Status.DELETED, reason="it was deleted")
+    WorkFile.objects.filter(session=session).delete()
+    session.refresh_from_db()
+    if ended and session.current_job_id:
+        from execution.services.jobs import exec_job_cancel
+
+        job = ExecJob.objects.filter(pk=session.current_job_id, status=ExecJob.Status.RUNNING).first()
+        if job is not None:
+            try:
+                exec_job_cancel(job=job)
+            except ApplicationError:  # it ended meanwhile
+                pass
+    return session
+
+
+def session_file_upload(*, session: ExecSession, path: str, content: bytes) -> WorkFile:
+    """Store a file for the session's /work; its sandbox gets it with the session's next job.
+    Raise ``invalid_path`` (400), 410 (see exec_session_usable), ``files_too_large`` or
+    ``too_many_files`` (413)."""
+    work_path_check(path)
+    with transaction.atomic():
+        session = ExecSession.objects.select_for_update().get(pk=session.pk)
+        exec_session_usable(session=session)
+        others = WorkFile.objects.filter(session=session).exclude(path=path)
+        _quota_check(count=others.count() + 1, size=(others.aggregate(n=Sum("size"))["n"] or 0) + len(content))
+        row, _ = WorkFile.objects.update_or_create(
+            session=session,
+            path=path,
+            defaults={"content": content, "size": len(content), "kind": WorkFile.Kind.INPUT, "pending": True},
+        )
+    return row
+
+
+def _expiry_reason(session: ExecSession) -> str:
+    if session.expires_at >= session.max_expires_at:
+        return f"it reached its max_lifetime of {session.max_lifetime_seconds:g} s"
+    return f"it was idle for its idle_timeout of {session.idle_timeout_seconds:g} s"
+
+
+def _session_end(*, session_id: Any, status: str, reason: str) -> bool:
+    """End an active session (the database's side). A job of it still queued fails now: it would
+    wait for a sandbox that is gone. Return whether this call ended it."""
+    now = timezone.now()
+    ended = ExecSession.objects.filter(pk=session_id, status=Status.ACTIVE).update(
+        status=status, end_reason=reason[:500], ended_at=now
+    )
+    if not ended:
+        return False
+    logger.info("session ended", extra={"session_id": str(session_id), "status": status, "reason": reason})
+    from execution.services.jobs import exec_job_fail_queued
+
+    for job_id in ExecJob.objects.filter(session_id=session_id, status=ExecJob.Status.QUEUED).values_list("pk", flat=True):
+        exec_job_fail_queued(job_id=job_id, message=f"its session ended before it started: {reason}")
+    return True
+
+
+def exec_sessions_reap() -> int:
+    """End the sessions past their time (``expired``) and those whose worker stopped renewing their
+    lease (``lost``). Run by the reaper. Return how many ended."""
+    now = timezone.now()
+    ended = 0
+    for session in ExecSession.objects.filter(status=Status.ACTIVE, expires_at__lte=now):
+        ended += _session_end(session_id=session.pk, status=Status.EXPIRED, reason=_expiry_reason(session))
+    stale = now - timedelta(seconds=settings.PTC_JOB_LEASE_SECONDS)
+    lost = ExecSession.objects.filter(status=Status.ACTIVE, heartbeat_at__lt=stale).exclude(worker="")
+    for session_id in lost.values_list("pk", flat=True):
+        ended += _session_end(
+            session_id=session_id,
+            status=Status.LOST,
+            reason="the exec worker holding its sandbox stopped (it died or lost the database)",
+        )
+    return ended
+
+
+# -- Sessions: the holding worker's side ---------------------------------------------------------
+@dataclass
+class LiveSession:
+    """A session's sandbox on this worker, between jobs or running one (``busy``)."""
+
+    sandbox: Sandbox
+    sdk_hash: str = ""
+    busy: bool = False
+    # Set when this worker ended it while a job ran in it: that job's error says why.
+    ended: str = ""
+
+
+_live: dict[str, LiveSession] = {}
+_live_lock = threading.Lock()
+# Session sandboxes are started on this one thread, which lives as long as the process:
+# bubblewrap's --die-with-parent is tied to the thread that started it (SANDBOX-NOTES.md), and a
+# session outlives the task thread of its first job by design.
+_host = ThreadPoolExecutor(1, thread_name_prefix="ptc-session-host")
+
+
+def session_sandbox_take(*, session_id: Any, node: str) -> "LiveSession | Outcome":
+    """For a claimed job of the session: its sandbox on this worker, marked busy. The session's
+    first job claims the session for this worker (``node``) and starts it. Return the Outcome that
+    ends the job when there is no sandbox to be had (the session then ends ``lost``)."""
+    key = str(session_id)
+    died: LiveSession | None = None
+    with _live_lock:
+        live = _live.get(key)
+        if live is not None and not live.busy and live.sandbox.proc.poll() is None:
+            live.busy = True
+            return live
+        if live is not None and not live.busy:
+            died = _live.pop(key)
+    if died is not None:  # between jobs: a thread the code left called os._exit, or the OOM killer
+        died.sandbox.discard()
+        return _unavailable(session_id=session_id, reason=_exited(died))
+    if live is not None:
+        return Outcome(status="failed", error=job_error("InternalError", "another job is running in this session"))
+    claimed = ExecSession.objects.filter(pk=session_id, status=Status.ACTIVE, worker="").update(
+        worker=node, heartbeat_at=timezone.now()
+    )
+    if not claimed:
+        # Started before on a worker that is gone, or restarted under the same name: its state is gone.
+        return _unavailable(session_id=session_id, reason="its sandbox is gone: the exec worker holding it stopped")
+    try:
+        sandbox = _host.submit(sandbox_start).result()
+    except Exception as exc:  # SandboxUnavailable, or any start failure: the session can't live
+        _session_end(session_id=session_id, status=Status.LOST, reason=f"its sandbox could not start: {exc}")
+        return Outcome(status="failed", error=job_error("SandboxCrashed", f"the session's sandbox could not start: {exc}"))
+    live = LiveSession(sandbox=sandbox, busy=True)
+    with _live_lock:
+        _live[key] = live
+    return live
+
+
+def _exited(live: LiveSession) -> str:
+    return f"its sandbox exited between jobs (status {live.sandbox.proc.returncode}): a thread the code left ended it"
+
+
+def _unavailable(*, session_id: Any, reason: str) -> Outcome:
+    """End the session ``lost`` for ``reason`` (unless it has ended already, for its own reason);
+    return the Outcome that ends its job."""
+    if not _session_end(session_id=session_id, status=Status.LOST, reason=reason):
+        session = ExecSession.objects.filter(pk=session_id).first()
+        reason = f"it is {session.status}: {session.end_reason}" if session else "it was deleted"
+    return Outcome(status="failed", error=job_error("SessionEnded", f"the session's sandbox is not available: {reason}"))
+
+
+def session_sandbox_release(*, session_id: Any, live: LiveSession, kept: bool, sdk_hash: str) -> None:
+    """After a job in the session: keep its sandbox for the next job, or, if the job's end killed it
+    (timeout, cancel, crash) or the session ended meanwhile, drop it and end the session ``lost``."""
+    key = str(session_id)
+    with _live_lock:
+        live.busy = False
+        if kept and not live.ended:
+            live.sdk_hash = sdk_hash
+            return
+        _live.pop(key, None)
+    live.sandbox.discard()
+    if not live.ended:
+        _session_end(
+            session_id=session_id,
+            status=Status.LOST,
+            reason="its sandbox was killed when a job in it ended (timeout, cancel or crash)",
+        )
+
+
+def session_job_done(*, job_id: Any, session_id: Any, outcome: Outcome, files_sent: list[tuple[int, datetime]]) -> None:
+    """Record what a session's job left: its files under /work (upserted within the session's
+    quota, removed ones deleted), the uploads it received, and the session's next expiry."""
+    now = timezone.now()
+    with transaction.atomic():
+        session = ExecSession.objects.select_for_update().filter(pk=session_id).first()
+        if session is None or session.status == Status.DELETED:
+            return  # deleted while the job ran: its files went with it
+        for pk, updated_at in files_sent:  # an upload replaced meanwhile stays pending: it was not the one sent
+            WorkFile.objects.filter(pk=pk, updated_at=updated_at).update(pending=False)
+        WorkFile.objects.filter(session=session, path__in=outcome.files_removed, pending=False).delete()
+        written, omitted = _store_files(
+            outcome=outcome, existing=WorkFile.objects.filter(session=session), lookup={"session": session}
+        )
+        ExecJob.objects.filter(pk=job_id).update(output_files=written, output_files_omitted=omitted)
+        ExecSession.objects.filter(pk=session_id).update(last_used_at=now, jobs_run=session.jobs_run + 1)
+
+
+def exec_session_job_ended(*, session_id: Any, job_id: Any) -> None:
+    """A job of the session ended, however (finished, cancelled while queued, reaped): the session
+    is free and idles from now. Idempotent; a later job's take is left alone."""
+    session = ExecSession.objects.filter(pk=session_id, status=Status.ACTIVE, current_job_id=job_id).first()
+    if session is None:
+        return
+    now = timezone.now()
+    ExecSession.objects.filter(pk=session_id, status=Status.ACTIVE, current_job_id=job_id).update(
+        current_job=None,
+        last_used_at=now,
+        expires_at=min(session.max_expires_at, now + timedelta(seconds=session.idle_timeout_seconds)),
+    )
+
+
+def job_files_done(*, job_id: Any, outcome: Outcome) -> None:
+    """Record the files a job without a session wrote, as its output files, within the quota."""
+    with transaction.atomic():
+        job = ExecJob.objects.get(pk=job_id)
+        existing = WorkFile.objects.filter(exec_job=job, kind=WorkFile.Kind.OUTPUT)
+        lookup = {"exec_job": job, "kind": WorkFile.Kind.OUTPUT}
+        written, omitted = _store_files(outcome=outcome, existing=existing, lookup=lookup)
+        ExecJob.objects.filter(pk=job_id).update(output_files=written, output_files_omitted=omitted)
+
+
+def _store_files(
+    *, outcome: Outcome, existing: QuerySet[WorkFile], lookup: dict[str, Any]
+) -> tuple[list[dict[str, Any]], list[str]]:
+    """Upsert the files of ``outcome`` (rows found by ``lookup`` and the path) into ``existing``'s
+    set while the set stays within the quota. Return the files stored (``{"path", "size"}``) and the
+    paths left out."""
+    sizes = dict(existing.values_list("path", "size"))
+    written: list[dict[str, Any]] = []
+    omitted = list(outcome.files_omitted)
+    for item in outcome.files:
+        path, data = item.get("path"), item.get("data")
+        try:
+            work_path_check(path)
+            content = base64.b64decode(data if isinstance(data, str) else "", validate=True)
+        except (ApplicationError, binascii.Error, ValueError):
+            continue  # a sandbox that sends a bad path or encoding gets nothing stored for it
+        assert isinstance(path, str)
+        others = {p: s for p, s in sizes.items() if p != path}
+        if len(others) + 1 > settings.PTC_FILES_MAX_COUNT or sum(others.values()) + len(content) > settings.PTC_FILES_MAX_BYTES:
+            omitted.append(path)
+            continue
+        WorkFile.objects.update_or_create(
+            **lookup,
+            path=path,
+            defaults={"content": content, "size": len(content), "kind": WorkFile.Kind.OUTPUT, "pending": False},
+        )
+        sizes[path] = len(content)
+        written.append({"path": path, "size": len(content)})
+    return written, omitted
+
+
+def session_job_inputs(*, session_id: Any) -> tuple[dict[str, str], list[tuple[int, datetime]]]:
+    """The session's uploaded files its sandbox has not received yet, base64 by path, and which
+    versions they are (id, updated_at), to mark them received after the job."""
+    rows = list(WorkFile.objects.filter(session_id=session_id, pending=True))
+    return _encoded(rows), [(row.pk, row.updated_at) for row in rows]
+
+
+def job_inputs(*, job_id: Any) -> dict[str, str]:
+    """A job's own input files, base64 by path."""
+    return _encoded(WorkFile.objects.filter(exec_job_id=job_id, kind=WorkFile.Kind.INPUT))
+
+
+def session_limits(*, session: ExecSession, timeout: float) -> Limits:
+    """A job's limits in the session: the session's, with the job's own timeout."""
+    return Limits.from_dict({**session.limits, "timeout": timeout})
+
+
+def session_guest_limits(*, session: ExecSession) -> dict[str, int]:
+    """The rlimits the session's sandbox sets once, at its first job. CPU time adds up over the
+    sandbox's life, so its limit is the session's max_lifetime, not one job's timeout."""
+    return Limits.from_dict({**session.limits, "timeout": session.max_lifetime_seconds}).guest()
+
+
+def exec_sessions_heartbeat() -> None:
+    """On a worker, every PTC_JOB_HEARTBEAT_SECONDS: renew the lease of each session it holds, and
+    kill the sandbox of each one that is no longer active (expired, deleted, lost)."""
+    with _live_lock:
+        keys = list(_live)
+    if not keys:
+        return
+    ExecSession.objects.filter(pk__in=keys, status=Status.ACTIVE).update(heartbeat_at=timezone.now())
+    active = {str(pk) for pk in ExecSession.objects.filter(pk__in=keys, status=Status.ACTIVE).values_list("pk", flat=True)}
+    for key in set(keys) - active:
+        _live_kill(key=key, reason="the session ended")
+    with _live_lock:  # a sandbox that exited between jobs: its session ends now, not at its next job
+        gone = [key for key, live in _live.items() if not live.busy and live.sandbox.proc.poll() is not None]
+        died = {key: _live.pop(key) for key in gone}
+    for key, live in died.items():
+        live.sandbox.discard()
+        _session_end(session_id=key, status=Status.LOST, reason=_exited(live))
+
+
+def _live_kill(*, key: str, reason: str) -> None:
+    """Kill a held session's sandbox. One running a job is killed there; that job's loop sees it
+    die and releases it."""
+    with _live_lock:
+        live = _live.get(key)
+        if live is None:
+            return
+        live.ended = reason
+        if not live.busy:
+            _live.pop(key)
+    if live.busy:
+        live.sandbox.proc.kill()
+    else:
+        live.sandbox.discard()
+    logger.info("session sandbox killed", extra={"session_id": key, "reason": reason})
+
+
+def exec_sessions_shutdown() -> None:
+    """A worker's warm shutdown (its jobs have finished): end every session it holds, ``lost``,
+    and kill their sandboxes. Their next job gets 410 ``session_lost`` at once, not a hang."""
+    with _live_lock:
+        keys = list(_live)
+    for key in keys:
+        _live_kill(key=key, reason="its worker shut down")
+        try:
+            _session_end(session_id=key, status=Status.LOST, reason="the exec worker holding its sandbox shut down")
+        except Exception:  # the database is away: the lease lapses and the reaper ends it
+            logger.warning("could not end a session at shutdown", extra={"session_id": key}, exc_info=True)

@@ -1,0 +1,163 @@
+"""Sessions across a fleet of two exec workers: every job of a session reaches the worker holding
+its sandbox; a worker that is stopped or dies ends its sessions ``lost``, never a hang.
+
+A deployment of its own (its database and queues): these tests stop and kill its exec workers."""
+
+import os
+import subprocess
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg
+import pytest
+
+from tests.conftest import REDIS_PREFIX, TEST_DATABASE_URL, Api
+from tests.servers import api_key, database_drop, migrated_database
+from tests.stack import BIN, Process, Stack, free_port
+
+
+class Fleet:
+    def __init__(self, stack: Stack, second: Process) -> None:
+        self.stack, self.second = stack, second
+
+    def worker(self, node: str) -> Process:
+        """The exec worker process of Celery node ``node``."""
+        return self.second if node.startswith("exec2-") else self.stack.exec_worker
+
+    def sql(self, query: str, *args: Any) -> list[tuple[Any, ...]]:
+        with psycopg.connect(self.stack.env["DATABASE_URL"], autocommit=True) as conn:
+            return conn.execute(query, args).fetchall()
+
+
+@pytest.fixture(scope="module")
+def fleet(stack_env: dict[str, str]) -> Iterator[Fleet]:
+    env = {**stack_env, "PTC_REDIS_PREFIX": f"{REDIS_PREFIX}sessions:", "PTC_EXEC_CONCURRENCY": "3"}
+    env["DATABASE_URL"] = migrated_database(TEST_DATABASE_URL, env)
+    stack = Stack(env, name="sessions")
+    argv = [str(BIN / "celery"), "-A", "ptcproject", "worker", "-Q", "exec", "-n", f"exec2-{os.getpid()}@%h", "-l", "info"]
+    second = Process("sessions-exec-worker-2", argv, env, ready=" ready.")
+    try:
+        stack.start()
+        second.start()
+        yield Fleet(stack, second)
+    finally:
+        second.stop()
+        stack.stop()
+        database_drop(env["DATABASE_URL"])
+
+
+def _api(fleet: Fleet) -> Api:
+    username = f"fleet-{free_port()}"
+    return Api(fleet.stack.base_url, api_key(fleet.stack.env, username), username)
+
+
+def _session(api: Api) -> str:
+    response = api.post("/api/v1/sessions", json={"toolsets": ["demo"]})
+    assert response.status_code == 201, response.text
+    return str(response.json()["id"])
+
+
+def _node(fleet: Fleet, session_id: str) -> str:
+    return str(fleet.sql("SELECT worker FROM execution_execsession WHERE id = %s", session_id)[0][0])
+
+
+def _sandboxes(pid: int) -> list[str]:
+    return subprocess.run(["pgrep", "-P", str(pid), "bwrap"], capture_output=True, text=True).stdout.split()
+
+
+def _until_status(api: Api, session_id: str, seconds: float) -> dict[str, Any]:
+    deadline = time.monotonic() + seconds
+    while (session := api.get(f"/api/v1/sessions/{session_id}").json())["status"] == "active":
+        assert time.monotonic() < deadline, f"the session is still active after {seconds} s"
+        time.sleep(0.1)
+    return session
+
+
+def test_every_job_of_a_session_runs_on_its_worker(fleet: Fleet) -> None:
+    api = _api(fleet)
+    sessions = [_session(api) for _ in range(3)]
+    for session_id in sessions:
+        assert api.run("n = 0", session=session_id)["status"] == "completed"
+    for _ in range(4):
+        for session_id in sessions:
+            job = api.run("n += 1\nn", session=session_id)
+            assert job["status"] == "completed", job["error"]
+    for session_id in sessions:
+        workers = fleet.sql("SELECT DISTINCT worker FROM execution_execjob WHERE session_id = %s", session_id)
+        assert len(workers) == 1, f"the session's jobs ran on {workers}"
+        assert api.run("n", session=session_id)["return_value"] == 4  # one sandbox saw all five
+        assert _node(fleet, session_id).startswith(("exec-", "exec2-"))
+    for session_id in sessions:
+        api.http.delete(f"/api/v1/sessions/{session_id}")
+
+
+def test_the_holder_kills_the_sandbox_of_an_expired_session(fleet: Fleet) -> None:
+    api = _api(fleet)
+    response = api.post("/api/v1/sessions", json={"toolsets": ["demo"], "idle_timeout": 2})
+    session_id = response.json()["id"]
+    pids = {process.proc.pid for process in (fleet.stack.exec_worker, fleet.second) if process.proc}
+    before = {pid for worker in pids for pid in _sandboxes(worker)}
+    assert api.run("import time\ntime.sleep(0.5)", session=session_id)["status"] == "completed"
+    started = {pid for worker in pids for pid in _sandboxes(worker)} - before
+    assert started, "the session's sandbox should be a child of an exec worker"
+    assert _until_status(api, session_id, 20)["status"] == "expired"
+    # Within a lease round (1 s here) of its expiry, its worker kills its sandbox.
+    deadline = time.monotonic() + 10
+    while any(_running(pid) for pid in started):
+        assert time.monotonic() < deadline, "the expired session's sandbox is still running"
+        time.sleep(0.2)
+
+
+def test_a_warm_shutdown_ends_its_sessions_lost(fleet: Fleet) -> None:
+    api = _api(fleet)
+    session_id = _session(api)
+    assert api.run("kept = 1", session=session_id)["status"] == "completed"
+    worker = fleet.worker(_node(fleet, session_id))
+    try:
+        worker.stop()  # SIGTERM: Celery's warm shutdown
+        ended = api.get(f"/api/v1/sessions/{session_id}").json()
+        assert ended["status"] == "lost" and "shut down" in ended["end_reason"]
+        late = api.post("/api/v1/exec", json={"code": "kept", "session": session_id})
+        assert late.status_code == 410 and late.json()["error"]["code"] == "session_lost"
+    finally:
+        worker.start()
+
+
+def test_a_killed_worker_ends_its_sessions_lost_and_their_queued_job_fails(fleet: Fleet) -> None:
+    api = _api(fleet)
+    session_id = _session(api)
+    assert api.run("kept = 1\nprint('ready')", session=session_id)["stdout"] == "ready\n"
+    worker = fleet.worker(_node(fleet, session_id))
+    assert worker.proc is not None
+    sandboxes = _sandboxes(worker.proc.pid)
+    assert sandboxes, "the session's sandbox should be a child of its worker"
+    try:
+        worker.kill()  # SIGKILL: no goodbye
+        time.sleep(0.5)
+        assert [pid for pid in sandboxes if os.path.exists(f"/proc/{pid}") and _running(pid)] == []
+        # Accepted (the database does not know yet) and sent to the dead worker's queue: it must not hang.
+        queued = api.run("kept", session=session_id, wait=0)
+        ended = _until_status(api, session_id, 20)  # the other worker's reaper: lease 4 s, every 1 s
+        assert ended["status"] == "lost"
+        deadline = time.monotonic() + 10
+        while (job := api.get(f"/api/v1/exec/{queued['id']}").json())["status"] == "queued":
+            assert time.monotonic() < deadline, "the queued job of a lost session should fail"
+            time.sleep(0.1)
+        assert job["status"] == "failed" and job["error"]["type"] == "SessionEnded"
+        late = api.post("/api/v1/exec", json={"code": "kept", "session": session_id})
+        assert late.status_code == 410 and late.json()["error"]["code"] == "session_lost"
+    finally:
+        worker.start()
+    # The restarted worker (same node name) finds the old message: the job stays failed, once.
+    time.sleep(1)
+    assert api.get(f"/api/v1/exec/{queued['id']}").json()["status"] == "failed"
+    assert api.run("'fresh'", toolsets=["demo"])["return_value"] == "fresh"
+
+
+def _running(pid: str) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

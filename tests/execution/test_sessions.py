@@ -1,0 +1,325 @@
+"""Sessions on the real stack: a sandbox kept between jobs, its files, its expiry, its owner."""
+
+import base64
+import contextlib
+import hashlib
+import io
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from django.contrib.auth import get_user_model
+from django.test import Client
+
+from execution.models import WorkFile
+from tests.conftest import Api
+
+
+def _session(api: Api, **body: Any) -> dict[str, Any]:
+    response = api.post("/api/v1/sessions", json={"toolsets": ["demo"], **body})
+    assert response.status_code == 201, response.text
+    return response.json()
+
+
+def _run(api: Api, session: dict[str, Any], code: str, **body: Any) -> dict[str, Any]:
+    return api.run(code, session=session["id"], **body)
+
+
+def _until(api: Api, path: str, done: Callable[[dict[str, Any]], bool], seconds: float = 20) -> dict[str, Any]:
+    deadline = time.monotonic() + seconds
+    while not done(body := api.get(path).json()):
+        assert time.monotonic() < deadline, f"{path} did not get there within {seconds} s: {body}"
+        time.sleep(0.1)
+    return body
+
+
+def test_globals_imports_and_files_persist_between_jobs(api: Api) -> None:
+    session = _session(api)
+    assert session["status"] == "active" and session["expires_at"]
+    first = _run(api, session, "import json\nx = 41\nopen('notes.txt', 'w').write('kept')\nprint('one')")
+    assert first["status"] == "completed", first["error"]
+    assert first["session"] == session["id"]
+    assert first["output_files"] == [{"path": "notes.txt", "size": 4}]
+    second = _run(api, session, "print('two')\n[x + 1, json.dumps({'a': 1}), open('/work/notes.txt').read()]")
+    assert second["status"] == "completed", second["error"]
+    assert second["return_value"] == [42, '{"a": 1}', "kept"]
+    # Each call is its own job: its own record, output and end.
+    assert second["id"] != first["id"] and second["call_id"] != first["call_id"]
+    assert (first["stdout"], second["stdout"]) == ("one\n", "two\n")
+    assert second["output_files"] == []  # nothing changed under /work this time
+    got = api.get(f"/api/v1/sessions/{session['id']}").json()
+    assert got["jobs_run"] == 2 and got["status"] == "active"
+    listed = api.get("/api/v1/sessions").json()["results"]
+    assert session["id"] in [s["id"] for s in listed]
+
+
+def test_one_job_at_a_time_the_second_is_409(api: Api) -> None:
+    session = _session(api)
+    running = _run(api, session, "import time\nprint('in', flush=True)\ntime.sleep(2)\n'first'", wait=0)
+    busy = api.post("/api/v1/exec", json={"code": "1", "session": session["id"]})
+    assert busy.status_code == 409, busy.text
+    assert busy.json()["error"]["code"] == "session_busy"
+    assert busy.json()["error"]["details"]["job"] == running["id"]
+    done = _until(api, f"/api/v1/exec/{running['id']}", lambda job: job["status"] not in ("queued", "running"))
+    assert done["return_value"] == "first"
+    assert _run(api, session, "'after'")["return_value"] == "after"
+
+
+def test_an_idle_session_expires_and_answers_410(api: Api) -> None:
+    session = _session(api, idle_timeout=1)
+    assert _run(api, session, "y = 1\ny")["return_value"] == 1
+    ended = _until(api, f"/api/v1/sessions/{session['id']}", lambda s: s["status"] != "active")
+    assert ended["status"] == "expired"
+    assert "idle_timeout" in ended["end_reason"]
+    late = api.post("/api/v1/exec", json={"code": "y", "session": session["id"]})
+    assert late.status_code == 410, late.text
+    error = late.json()["error"]
+    assert error["code"] == "session_expired"
+    assert error["details"]["expires_at"] and error["details"]["status"] == "expired"
+
+
+def test_a_session_expires_at_its_max_lifetime_however_busy(api: Api) -> None:
+    session = _session(api, idle_timeout=600, max_lifetime=3)
+    for _ in range(2):
+        assert _run(api, session, "1")["status"] == "completed"
+    ended = _until(api, f"/api/v1/sessions/{session['id']}", lambda s: s["status"] != "active")
+    assert ended["status"] == "expired"
+    assert "max_lifetime" in ended["end_reason"]
+    assert api.post("/api/v1/exec", json={"code": "1", "session": session["id"]}).status_code == 410
+
+
+def test_a_deleted_session_answers_410(api: Api) -> None:
+    session = _session(api)
+    assert _run(api, session, "z = 3")["status"] == "completed"
+    assert api.get(f"/api/v1/sessions/{session['id']}/files").json()["count"] == 0
+    api.post(f"/api/v1/sessions/{session['id']}/files", files={"file": ("gone.txt", b"x")})
+    deleted = api.http.delete(f"/api/v1/sessions/{session['id']}")
+    assert deleted.status_code == 200 and deleted.json()["status"] == "deleted"
+    assert api.get(f"/api/v1/sessions/{session['id']}/files").json()["count"] == 0  # its files went with it
+    late = api.post("/api/v1/exec", json={"code": "z", "session": session["id"]})
+    assert late.status_code == 410 and late.json()["error"]["code"] == "session_expired"
+
+
+def test_a_timed_out_job_ends_its_session_lost(api: Api) -> None:
+    session = _session(api)
+    job = _run(api, session, "import time\ntime.sleep(30)", timeout=1)
+    assert job["status"] == "timeout"
+    got = api.get(f"/api/v1/sessions/{session['id']}").json()
+    assert got["status"] == "lost" and "killed" in got["end_reason"]
+    late = api.post("/api/v1/exec", json={"code": "1", "session": session["id"]})
+    assert late.status_code == 410 and late.json()["error"]["code"] == "session_lost"
+
+
+def test_deleting_a_session_cancels_its_running_job(api: Api) -> None:
+    session = _session(api)
+    job = _run(api, session, "import time\nprint('in', flush=True)\ntime.sleep(60)", wait=0, timeout=120)
+    assert api.until_printed(job["id"]) == "in\n"
+    assert api.http.delete(f"/api/v1/sessions/{session['id']}").json()["status"] == "deleted"
+    ended = _until(api, f"/api/v1/exec/{job['id']}", lambda j: j["status"] not in ("queued", "running"), 15)
+    assert ended["status"] == "cancelled"
+
+
+def test_cancelling_a_running_job_ends_its_session_lost(api: Api) -> None:
+    session = _session(api)
+    job = _run(api, session, "import time\nprint('in', flush=True)\ntime.sleep(60)", wait=0, timeout=120)
+    assert api.until_printed(job["id"]) == "in\n"
+    assert api.post(f"/api/v1/exec/{job['id']}/cancel").status_code == 200
+    ended = _until(api, f"/api/v1/sessions/{session['id']}", lambda s: s["status"] != "active", 15)
+    assert ended["status"] == "lost"
+
+
+def test_the_memory_limit_holds_across_calls(api: Api) -> None:
+    session = _session(api, limits={"memory_mb": 256})
+    assert session["limits"]["memory_mb"] == 256
+    assert _run(api, session, "a = bytearray(150 << 20)\nlen(a)")["return_value"] == 150 << 20
+    # The second allocation alone would fit; with the first still held, it can't.
+    over = _run(api, session, "b = bytearray(150 << 20)")
+    assert over["status"] == "failed" and over["error"]["type"] == "ResourceLimit", over["error"]
+    assert _run(api, session, "len(a)")["return_value"] == 150 << 20  # the session goes on
+
+
+def test_the_disk_limit_holds_across_calls(api: Api) -> None:
+    session = _session(api)
+    first = _run(api, session, "open('a.bin', 'wb').write(bytes(40 << 20))")
+    assert first["status"] == "completed" and first["output_files_omitted"] == ["a.bin"]  # over the files quota
+    # /work is one 64 MiB tmpfs for the session's life: the first call's 40 MiB are still there.
+    second = _run(api, session, "open('b.bin', 'wb').write(bytes(40 << 20))")
+    assert second["status"] == "failed" and "No space left" in second["error"]["message"], second["error"]
+    assert _run(api, session, "import os\nos.path.getsize('a.bin')")["return_value"] == 40 << 20
+
+
+def test_a_sandbox_that_exits_between_calls_ends_its_session_lost(api: Api) -> None:
+    session = _session(api)
+    code = "import os, threading, time\nthreading.Thread(target=lambda: (time.sleep(0.3), os._exit(3))).start()\n'left'"
+    assert _run(api, session, code)["return_value"] == "left"
+    ended = _until(api, f"/api/v1/sessions/{session['id']}", lambda s: s["status"] != "active", 15)
+    assert ended["status"] == "lost" and "exited between jobs (status 3)" in ended["end_reason"]
+    late = api.post("/api/v1/exec", json={"code": "1", "session": session["id"]})
+    assert late.status_code == 410 and late.json()["error"]["code"] == "session_lost"
+
+
+def test_another_users_session_is_404(make_api: Callable[..., Api]) -> None:
+    owner, other = make_api(), make_api()
+    session = _session(owner)
+    assert other.get(f"/api/v1/sessions/{session['id']}").status_code == 404
+    assert other.http.delete(f"/api/v1/sessions/{session['id']}").status_code == 404
+    assert other.get(f"/api/v1/sessions/{session['id']}/files").status_code == 404
+    assert other.post("/api/v1/exec", json={"code": "1", "session": session["id"]}).status_code == 404
+    assert session["id"] not in [s["id"] for s in other.get("/api/v1/sessions").json()["results"]]
+    # Staff see their own sessions only: a session is one user's sandbox.
+    staff = make_api(staff=True)
+    assert staff.get(f"/api/v1/sessions/{session['id']}").status_code == 404
+
+
+def test_sessions_per_user_are_capped(make_api: Callable[..., Api]) -> None:
+    api = make_api()
+    made = [_session(api) for _ in range(4)]
+    over = api.post("/api/v1/sessions", json={"toolsets": ["demo"]})
+    assert over.status_code == 409 and over.json()["error"]["code"] == "too_many_sessions"
+    api.http.delete(f"/api/v1/sessions/{made[0]['id']}")
+    assert api.post("/api/v1/sessions", json={"toolsets": ["demo"]}).status_code == 201
+
+
+def test_files_in_and_out_of_a_session(api: Api) -> None:
+    session = _session(api)
+    base = f"/api/v1/sessions/{session['id']}/files"
+    up = api.post(base, files={"file": ("data.csv", b"a,b\n1,2\n")}, data={"path": "in/data.csv"})
+    assert up.status_code == 201, up.text
+    assert up.json()["pending"] is True and up.json()["size"] == 8
+    job = _run(
+        api,
+        session,
+        "rows = open('in/data.csv').read().splitlines()\n"
+        "import os\nos.makedirs('out', exist_ok=True)\n"
+        "open('out/result.txt', 'w').write(str(len(rows)))\n"
+        "os.symlink('/etc/passwd', 'leak')\n"
+        "rows",
+    )
+    assert job["status"] == "completed", job["error"]
+    assert job["return_value"] == ["a,b", "1,2"]
+    assert job["output_files"] == [{"path": "out/result.txt", "size": 1}]  # a symlink is never read
+    listed = {f["path"]: f for f in api.get(base).json()["results"]}
+    assert set(listed) == {"in/data.csv", "out/result.txt"}
+    assert listed["in/data.csv"]["pending"] is False and listed["out/result.txt"]["kind"] == "output"
+    got = api.get(f"{base}/out/result.txt")
+    assert got.status_code == 200 and got.content == b"2"
+    assert got.headers["content-type"] == "application/octet-stream"
+    assert api.get(f"{base}/nope.txt").status_code == 404
+    # The code removes a file: the session's copy goes too.
+    assert _run(api, session, "import os\nos.remove('out/result.txt')")["status"] == "completed"
+    assert {f["path"] for f in api.get(base).json()["results"]} == {"in/data.csv"}
+
+
+@pytest.mark.parametrize("path", ["../escape.txt", "/etc/passwd", "a/../../b", "a//b", "./a", "a\x00b", "a\\b", ""])
+def test_hostile_paths_are_400(api: Api, path: str) -> None:
+    session = _session(api)
+    if path:  # an upload without a path is stored under its file's name
+        up = api.post(f"/api/v1/sessions/{session['id']}/files", files={"file": ("x", b"x")}, data={"path": path})
+        assert up.status_code == 400, up.text
+        # A form field with a NUL is refused by DRF's own field check, before the path's.
+        assert up.json()["error"]["code"] == ("validation_error" if "\x00" in path else "invalid_path")
+    inline = api.post("/api/v1/exec", json={"code": "1", "files": {path: "eA=="}})
+    assert inline.status_code == 400 and inline.json()["error"]["code"] == "invalid_path"
+    api.http.delete(f"/api/v1/sessions/{session['id']}")
+
+
+def test_an_upload_is_never_written_through_a_symlink_the_code_made(api: Api) -> None:
+    session = _session(api)
+    base = f"/api/v1/sessions/{session['id']}/files"
+    made = _run(api, session, "import os\nos.symlink('/tmp', 'outside')\nos.symlink('/tmp/target', 'link.txt')")
+    assert made["status"] == "completed" and made["output_files"] == []
+    for path in ("outside/planted.txt", "link.txt"):
+        assert api.post(base, files={"file": ("x", b"planted")}, data={"path": path}).status_code == 201
+        refused = _run(api, session, "import os\nsorted(os.listdir('/tmp'))")
+        assert refused["status"] == "failed", refused
+        assert refused["error"]["type"] in ("ValueError", "OSError"), refused["error"]
+    # Nothing reached /tmp, and the session goes on.
+    assert _run(api, session, "import os\nsorted(os.listdir('/tmp'))")["return_value"] == []
+
+
+def test_file_quotas_are_413(api: Api) -> None:
+    session = _session(api)
+    big = api.post(f"/api/v1/sessions/{session['id']}/files", files={"file": ("big", b"\0" * (9 << 20))})
+    assert big.status_code == 413 and big.json()["error"]["code"] == "files_too_large"
+    many = {f"f{i}.txt": "eA==" for i in range(101)}
+    over = api.post("/api/v1/exec", json={"code": "1", "files": many})
+    assert over.status_code == 413 and over.json()["error"]["code"] == "too_many_files"
+    api.http.delete(f"/api/v1/sessions/{session['id']}")
+
+
+def test_files_of_megabytes_come_back_whole(api: Api) -> None:
+    """Far over one bridge frame's limit for a value: the files have their own quota."""
+    code = "import hashlib, os\ndata = os.urandom(3 << 20)\nopen('big.bin', 'wb').write(data)\nhashlib.sha256(data).hexdigest()"
+    session = _session(api)
+    for job in (api.run(code), _run(api, session, code)):
+        assert job["status"] == "completed", job["error"]
+        assert job["output_files"] == [{"path": "big.bin", "size": 3 << 20}]
+        where = f"/api/v1/sessions/{session['id']}" if job["session"] else f"/api/v1/exec/{job['id']}"
+        got = api.get(f"{where}/files/big.bin")
+        assert hashlib.sha256(got.content).hexdigest() == job["return_value"]
+
+
+def test_a_large_upload_reaches_a_running_session(api: Api) -> None:
+    session = _session(api)
+    assert _run(api, session, "kept = 'yes'")["status"] == "completed"
+    data = bytes(range(256)) * (7 << 12)  # 7 MiB: its start frame is over a tool result's limit
+    assert api.post(f"/api/v1/sessions/{session['id']}/files", files={"file": ("blob.bin", data)}).status_code == 201
+    job = _run(api, session, "import hashlib\n[kept, hashlib.sha256(open('blob.bin', 'rb').read()).hexdigest()]")
+    assert job["status"] == "completed", job["error"]
+    assert job["return_value"] == ["yes", hashlib.sha256(data).hexdigest()]
+
+
+def test_files_over_the_quota_are_named_not_kept(api: Api) -> None:
+    code = "open('small.txt', 'w').write('ok')\nopen('huge.bin', 'wb').write(bytes(9 << 20))"
+    job = api.run(code)
+    assert job["status"] == "completed", job["error"]
+    assert job["output_files"] == [{"path": "small.txt", "size": 2}]
+    assert job["output_files_omitted"] == ["huge.bin"]
+    assert api.get(f"/api/v1/exec/{job['id']}/files/huge.bin").status_code == 404
+
+
+def test_a_job_without_a_session_takes_and_returns_files(api: Api) -> None:
+    files = {"input.txt": base64.b64encode(b"hello").decode()}
+    job = api.run("text = open('input.txt').read()\nopen('upper.txt', 'w').write(text.upper())\ntext", files=files)
+    assert job["status"] == "completed", job["error"]
+    assert job["return_value"] == "hello"
+    assert job["output_files"] == [{"path": "upper.txt", "size": 5}]
+    got = api.get(f"/api/v1/exec/{job['id']}/files/upper.txt")
+    assert got.status_code == 200 and got.content == b"HELLO"
+    assert api.get(f"/api/v1/exec/{job['id']}/files/input.txt").status_code == 404  # given, not written
+
+
+def test_the_readme_tour(api: Api) -> None:
+    """The README's two-call session, as written there (with this test's key and server)."""
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = readme[readme.index("## Sessions") :]
+    code = section[section.index("```python\n") + 10 : section.index("```", section.index("```python\n") + 10)]
+    code = code.replace("http://127.0.0.1:8000", str(api.http.base_url).rstrip("/"))
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        exec(code, {"KEY": api.key})
+    assert printed.getvalue() == "3 ['ring', '120'] [{'path': 'total.txt', 'size': 3}]\n420\n"
+
+
+def test_admin_pages_for_sessions_and_files(api: Api) -> None:
+    session = _session(api)
+    api.post(f"/api/v1/sessions/{session['id']}/files", files={"file": ("seen.txt", b"admin")})
+    assert _run(api, session, "open('made.txt', 'w').write('x')")["status"] == "completed"
+    staff = get_user_model().objects.create_user(username=f"admin-{uuid.uuid4().hex[:6]}", is_staff=True, is_superuser=True)
+    client = Client()
+    client.force_login(staff)
+    file_id = WorkFile.objects.get(session_id=session["id"], path="made.txt").pk
+    for page in (
+        "/admin/execution/execsession/",
+        "/admin/execution/execsession/?status__exact=active",
+        f"/admin/execution/execsession/{session['id']}/change/",
+        "/admin/execution/workfile/",
+        f"/admin/execution/workfile/{file_id}/change/",
+    ):
+        response = client.get(page)
+        assert response.status_code == 200, page
+    detail = client.get(f"/admin/execution/execsession/{session['id']}/change/").content.decode()
+    assert "seen.txt" in detail and "made.txt" in detail
