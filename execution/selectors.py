@@ -28,6 +28,8 @@ def tool_call_is_client(call: ToolCall) -> bool:
     if call.tool_id is None:
         return call.toolset_key == CLIENT_KEY
     return call.tool is not None and call.tool.toolset.kind == Toolset.Kind.CLIENT
+
+
 def sessions_for(*, user: User) -> QuerySet[ExecSession]:
     """Return the sessions ``user`` may see: only their own, staff too (a session is one user's
     sandbox; the admin site shows them all)."""

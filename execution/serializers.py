@@ -220,6 +220,8 @@ class ToolResultSerializer(serializers.Serializer):
 class ApprovalSerializer(serializers.Serializer):
     approve = serializers.BooleanField(help_text="True runs the call; false fails it with code denied.")
     reason = serializers.CharField(required=False, allow_blank=True, default="", max_length=500)
+
+
 class SessionLimitsSerializer(serializers.Serializer):
     memory_mb = serializers.IntegerField(
         required=False, min_value=16, max_value=POSITIVE_INT_MAX, help_text="At most the policy's memory limit."

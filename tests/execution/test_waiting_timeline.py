@@ -14,7 +14,7 @@ from django.contrib.auth import get_user_model
 from execution.models import ToolCall
 from execution.timeline import timeline_build
 from tests.conftest import Api
-from tests.execution.test_approvals import finished, http_api, pending, shop, staff, submit  # noqa: F401 - fixtures
+from tests.execution.test_approvals import finished, http_api, pending, shop, submit  # noqa: F401 - fixtures
 from tests.execution.test_timeline import at, call_of, job_of
 from tests.stack import ROOT, Stack
 from tests.tools.http_api import HttpApi
