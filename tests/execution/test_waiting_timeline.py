@@ -48,7 +48,7 @@ def test_waiting_calls_are_amber_bars_that_say_what_they_wait_for() -> None:
 def test_the_timeline_shows_waiting_and_approves_a_call(
     stack: Stack,
     make_api: Callable[..., Api],
-    staff: Api,  # noqa: F811
+    staff: Api,
     http_api: HttpApi,  # noqa: F811
 ) -> None:
     key = shop(staff, http_api)
@@ -123,7 +123,7 @@ def explode(reason: str) -> None:
 
 def test_the_cli_answers_client_tools_from_a_module_and_shows_waiting(
     api: Api,
-    staff: Api,  # noqa: F811
+    staff: Api,
     http_api: HttpApi,  # noqa: F811
     stack_env: dict[str, str],
     tmp_path: Path,
