@@ -15,6 +15,7 @@ import json
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
+from django.conf import settings
 from mcp.server.auth.middleware.bearer_auth import AuthenticatedUser
 from mcp.server.auth.provider import AccessToken
 from mcp.server.streamable_http_manager import StreamableHTTPSessionManager
@@ -49,17 +50,14 @@ async def _answer(send: Send, status: int, body: dict[str, Any], headers: list[t
 
 async def _refuse(send: Send, exc: ApplicationError) -> None:
     headers = [(b"www-authenticate", b'Bearer realm="ptc"')] if exc.status == 401 else []
-    if exc.status == 503:
+    if exc.status in (429, 503):
         headers.append((b"retry-after", b"5"))
     await _answer(send, exc.status, error_body(exc.code, exc.message, exc.details), headers)
 
 
 async def _authenticate(scope: Scope) -> ApiKey:
     """Return the user key the request carries. Raise ApplicationError (401, 403, 503) otherwise."""
-    header = ""
-    for name, value in scope.get("headers", []):
-        if name == b"authorization":
-            header = value.decode("latin-1")
+    header = _header(scope, b"authorization")
     scheme, _, token = header.partition(" ")
     if scheme.lower() != "bearer" or not token.strip():
         raise ApplicationError("not_authenticated", "Send Authorization: Bearer <api key> (a key from create_api_key).")
@@ -83,8 +81,17 @@ class McpHttp:
     def __init__(self) -> None:
         # No DNS-rebinding allowlist: every request must carry an API key, which a page a browser
         # was tricked into loading does not have.
-        self.manager = StreamableHTTPSessionManager(app=mcp_server_build())
+        self.manager = StreamableHTTPSessionManager(
+            app=mcp_server_build(),
+            # The REST API's body limit: the SDK's own (4 MiB) let one request hold ~100 MB of parsed
+            # JSON in this process for as long as its job ran.
+            max_request_body_size=settings.DATA_UPLOAD_MAX_MEMORY_SIZE,
+            session_idle_timeout=settings.PTC_MCP_SESSION_IDLE_SECONDS,
+        )
         self.running = False  # the lifespan entered the manager's run(); False with --lifespan off
+        # Which user opened each session: the SDK caps sessions per process only, so one user
+        # could otherwise take every slot.
+        self.owners: dict[str, int] = {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if not self.running:
@@ -106,7 +113,76 @@ class McpHttp:
                 AccessToken(token=key.prefix, client_id=f"key-{key.pk}", scopes=[], subject=str(key.user_id))
             ),
         }
+        if not _header(scope, b"mcp-session-id"):  # a request that opens a session
+            opened = self._sessions_of(key.user_id)
+            if opened >= settings.PTC_MCP_SESSIONS_PER_USER:
+                message = (
+                    f"You have {opened} MCP sessions open, the most one user may "
+                    f"(PTC_MCP_SESSIONS_PER_USER); close one (DELETE /mcp) or wait for one to go idle."
+                )
+                await _refuse(send, ApplicationError("throttled", message, status=429))
+                return
+            send = self._owned_by(key.user_id, send)
+        if scope.get("method") == "POST":
+            # Read the body here, held to the API's limit: a client that goes away mid-body is let
+            # go quietly (the SDK would log it as an error, with a traceback, every time).
+            body = await _body(receive, limit=settings.DATA_UPLOAD_MAX_MEMORY_SIZE)
+            if body is None:
+                return
+            if len(body) > settings.DATA_UPLOAD_MAX_MEMORY_SIZE:
+                limit = settings.DATA_UPLOAD_MAX_MEMORY_SIZE
+                await _refuse(send, ApplicationError("code_too_large", f"The body is over {limit} bytes.", status=413))
+                return
+            receive = _replayed(body, receive)
         await self.manager.handle_request(scope, receive, send)
+
+    def _sessions_of(self, user_id: int) -> int:
+        """How many open sessions ``user_id`` opened (sessions the SDK has closed are forgotten)."""
+        open_now = self.manager._server_instances  # the SDK's live sessions; tests/execution/test_mcp_server.py checks it is used
+        for session_id in [s for s in self.owners if s not in open_now]:
+            del self.owners[session_id]
+        return sum(1 for owner in self.owners.values() if owner == user_id)
+
+    def _owned_by(self, user_id: int, send: Send) -> Send:
+        """Wrap ``send`` to note the user of the session its response opens."""
+
+        async def sending(message: MutableMapping[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                for name, value in message.get("headers", []):
+                    if name.lower() == b"mcp-session-id":
+                        self.owners[value.decode("latin-1")] = user_id
+            await send(message)
+
+        return sending
+
+
+async def _body(receive: Receive, *, limit: int) -> bytes | None:
+    """The request's body, read until its end or past ``limit``; None if the client went away."""
+    chunks = bytearray()
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None
+        chunks += message.get("body", b"")
+        if not message.get("more_body") or len(chunks) > limit:
+            return bytes(chunks)
+
+
+def _replayed(body: bytes, receive: Receive) -> Receive:
+    """A ``receive`` that gives ``body`` once, then what the client sends next (its disconnect)."""
+    pending = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def replay() -> MutableMapping[str, Any]:
+        return pending.pop() if pending else await receive()
+
+    return replay
+
+
+def _header(scope: Scope, name: bytes) -> str:
+    for key, value in scope.get("headers", []):
+        if key == name:
+            return str(value.decode("latin-1"))
+    return ""
 
 
 class Router:

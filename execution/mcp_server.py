@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import mcp_types as types
 from django.contrib.auth.models import User
 from mcp.server import Server
@@ -72,6 +73,11 @@ def _user(user_id: int) -> User:
 
 
 @db_read
+def _max_timeout() -> float:
+    return float(policy_get().max_timeout)
+
+
+@db_read
 def _tool_list(user_id: int, discovery: bool) -> list[types.Tool]:
     """The MCP tools for this user: exec_code and the seed's tool, described by the prompt context
     of ``POST /api/v1/ptc/context`` (its compact reference and system prompt), and the discovery tools."""
@@ -99,6 +105,7 @@ def _tool_list(user_id: int, discovery: bool) -> list[types.Tool]:
                     "title": {"type": "string", "description": "A title for the job (the debug opt-in/opt-out rules read it)."},
                 },
                 "required": ["code"],
+                "additionalProperties": False,
             },
         ),
         types.Tool(
@@ -113,15 +120,20 @@ def _tool_list(user_id: int, discovery: bool) -> list[types.Tool]:
                 "properties": {
                     "code": _CODE,
                     "filename": {"type": "string", "description": "A name for the script; reported back as file_path."},
-                    "timeout": {**_TIMEOUT, "default": SEED_DEFAULT_TIMEOUT},
+                    "timeout": {
+                        **_TIMEOUT,
+                        "default": SEED_DEFAULT_TIMEOUT,
+                        "description": "Seconds; default 30, or the policy's maximum if that is lower.",
+                    },
                 },
                 "required": ["code"],
+                "additionalProperties": False,
             },
         ),
         types.Tool(
             name=LIST_TOOLSETS,
             description="List the toolsets you may use in code, each with its tools' names and one-line signatures.",
-            input_schema={"type": "object", "properties": {}},
+            input_schema={"type": "object", "properties": {}, "additionalProperties": False},
             annotations=types.ToolAnnotations(read_only_hint=True),
         ),
         types.Tool(
@@ -131,6 +143,7 @@ def _tool_list(user_id: int, discovery: bool) -> list[types.Tool]:
                 "type": "object",
                 "properties": {"name": {"type": "string", "description": 'e.g. "demo.add"'}},
                 "required": ["name"],
+                "additionalProperties": False,
             },
             annotations=types.ToolAnnotations(read_only_hint=True),
         ),
@@ -232,17 +245,27 @@ def _progress_message(name: str, data: Mapping[str, Any]) -> str | None:
     return f"tool call failed: {label} {data.get('call_id')}{took}: {error}"
 
 
+# The jobs this process's requests are following now: a stdio server stopping waits until each
+# one's request has been cancelled, and its job with it (execution/management/commands/ptc_mcp.py).
+FOLLOWING: set[Any] = set()
+
+
 async def job_run(ctx: ServerRequestContext[Any, Any], *, user_id: int, body: Mapping[str, Any]) -> dict[str, Any]:
     """Create a job from ``body`` (as POST /api/v1/exec takes it), follow it to its end sending its
     events as progress, and return it as GET /api/v1/exec/{id} shows it. Cancelled, it cancels the job.
 
     Raise ApplicationError if the job is refused (policy, validation, outage): nothing ran.
     """
-    job_id = await _job_create(user_id, body)
-    logger.info("mcp job started", extra={"job_id": str(job_id), "user_id": user_id})
+    # Shielded: a cancel that comes while the job is being created must not lose its id (the job
+    # would run on, unseen); it is delivered at the checkpoint below, which cancels the job.
+    with anyio.CancelScope(shield=True):
+        job_id = await _job_create(user_id, body)
+    FOLLOWING.add(job_id)
     sent = 0
     last_event_id: str | None = None
     try:
+        await anyio.lowlevel.checkpoint()
+        logger.info("mcp job started", extra={"job_id": str(job_id), "user_id": user_id})
         while True:
             async for event in event_stream(job_id=job_id, last_event_id=last_event_id):
                 if event is None:  # a heartbeat
@@ -267,6 +290,8 @@ async def job_run(ctx: ServerRequestContext[Any, Any], *, user_id: int, body: Ma
             await _job_cancel(user_id, job_id)
         logger.info("mcp job cancelled by its client", extra={"job_id": str(job_id)})
         raise
+    finally:
+        FOLLOWING.discard(job_id)
 
 
 def seed_result(job: Mapping[str, Any], *, file_path: str | None) -> dict[str, Any]:
@@ -329,7 +354,23 @@ def _caller(ctx: ServerRequestContext[Any, Any], fixed: McpUser | None) -> McpUs
     return McpUser(scope[SCOPE_USER_ID], bool(scope.get(SCOPE_DISCOVERY)))
 
 
+# The arguments each tool takes; any other is refused before anything runs.
+_ARGUMENTS = {
+    EXEC_CODE: {"code", "toolsets", "timeout", "title"},
+    SEED_TOOL: {"code", "filename", "timeout"},
+    LIST_TOOLSETS: set(),
+    DESCRIBE_TOOL: {"name"},
+}
+
+
 async def _call(ctx: ServerRequestContext[Any, Any], caller: McpUser, name: str, args: dict[str, Any]) -> types.CallToolResult:
+    unknown = sorted(set(args) - _ARGUMENTS.get(name, set(args)))
+    if unknown:
+        raise ApplicationError(
+            "validation_error",
+            f"Invalid input. {name} takes no argument {', '.join(repr(a[:40]) for a in unknown[:5])}.",
+            details={"unknown": [a[:40] for a in unknown[:5]]},
+        )
     if name == EXEC_CODE:
         body: dict[str, Any] = {k: args[k] for k in ("code", "toolsets", "timeout", "title") if k in args}
         return _result(await job_run(ctx, user_id=caller.user_id, body=body))
@@ -337,7 +378,8 @@ async def _call(ctx: ServerRequestContext[Any, Any], caller: McpUser, name: str,
         filename = args.get("filename")
         if filename is not None and (not isinstance(filename, str) or len(filename) > 255):
             raise ApplicationError("validation_error", "Invalid input. filename: a string of at most 255 characters.")
-        body = {"code": args.get("code"), "timeout": args.get("timeout", SEED_DEFAULT_TIMEOUT), "title": filename or ""}
+        timeout = args["timeout"] if "timeout" in args else min(SEED_DEFAULT_TIMEOUT, await _max_timeout())
+        body = {"code": args.get("code"), "timeout": timeout, "title": filename or ""}
         return _result(seed_result(await job_run(ctx, user_id=caller.user_id, body=body), file_path=filename))
     if name == LIST_TOOLSETS:
         return _result(await _toolsets(caller.user_id))

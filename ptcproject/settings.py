@@ -314,5 +314,9 @@ PTC_MAX_CLIENT_TOOLS_BYTES = env.int("PTC_MAX_CLIENT_TOOLS_BYTES", default=256 *
 PTC_EVENTS_RETENTION_SECONDS = env.int("PTC_EVENTS_RETENTION_SECONDS", default=3600)
 # A quiet event stream sends a comment this often, so proxies and clients know it is alive.
 PTC_EVENTS_HEARTBEAT_SECONDS = env.float("PTC_EVENTS_HEARTBEAT_SECONDS", default=15.0)
+# MCP over HTTP (/mcp): a session no request has used for this long is closed, and one user may
+# have this many open at once (the SDK's own cap is one for the whole process).
+PTC_MCP_SESSION_IDLE_SECONDS = env.float("PTC_MCP_SESSION_IDLE_SECONDS", default=300.0)
+PTC_MCP_SESSIONS_PER_USER = env.int("PTC_MCP_SESSIONS_PER_USER", default=16)
 # Where people reach the admin, for links the CLI prints.
 PTC_PUBLIC_URL = env.str("PTC_PUBLIC_URL", default="http://127.0.0.1:8000")

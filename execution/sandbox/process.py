@@ -15,6 +15,7 @@ import os
 import socket
 import subprocess
 import tempfile
+import threading
 from pathlib import Path
 
 from django.conf import settings
@@ -26,7 +27,7 @@ SANDBOX_UID = 65534  # nobody: used only when the worker runs as root
 MOUNT_SDK = "/opt/ptc/sdk"
 MOUNT_BIN = "/opt/ptc/bin"
 SCRATCH_MB = 64
-SDK_MB = 64  # the job's generated SDK is written here; as large as the job's frame may be
+SDK_MB = 16  # the job's generated SDK is written here: host memory, like every tmpfs
 SHM_MB = 16
 
 
@@ -102,27 +103,44 @@ def _program_fd() -> int:
 
 
 @functools.cache
-def _guest_dir() -> Path:
-    """Stage the runner and the SDK's base package (imported before a job comes) where the
-    sandbox's unprivileged uid can read them, under their content hash.
-
-    By hash, so workers of different versions sharing a host never run each other's runner.
-    """
+def _guest_files() -> tuple[str, dict[str, bytes]]:
+    """The runner and the SDK's base package, and the content hash they are staged under."""
     files = {"guest.py": GUEST.read_bytes(), **{name: text.encode() for name, text in sdk_base_files().items()}}
     digest = hashlib.sha256(b"".join(name.encode() + content for name, content in sorted(files.items())))
+    return digest.hexdigest()[:16], files
+
+
+_staging = threading.Lock()
+
+
+def _guest_dir() -> Path:
+    """Stage the runner and the SDK's base package (imported before a job comes) where the
+    sandbox's unprivileged uid can read them, under their content hash, and return where.
+
+    By hash, so workers of different versions sharing a host never run each other's runner.
+    Checked on every start (one stat): a stage removed under the worker (a /tmp cleaner) is staged
+    again, rather than failing every sandbox until a restart.
+    """
+    digest, files = _guest_files()
     root = Path(settings.PTC_SANDBOX_DIR)
-    target = root / "bin" / digest.hexdigest()[:16]
-    if not (target / "guest.py").exists():
+    target = root / "bin" / digest
+    if (target / "guest.py").exists():
+        return target
+    with _staging:  # the pool's thread and job threads may all find it missing at once
+        if (target / "guest.py").exists():
+            return target
         target.mkdir(parents=True, exist_ok=True, mode=0o755)
         for directory in (root, root / "bin", target):
             os.chmod(directory, 0o755)
         for name in sorted(files, key=lambda name: name == "guest.py"):  # the runner last: it marks the stage done
             path = target / name
             path.parent.mkdir(exist_ok=True, mode=0o755)
-            tmp = path.with_name(f".{path.name}-{os.getpid()}")
-            tmp.write_bytes(files[name])
+            # A name of its own: another worker process on this host may be staging the same files.
+            fd, tmp = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
+            with os.fdopen(fd, "wb") as handle:
+                handle.write(files[name])
             os.chmod(tmp, 0o644)
-            tmp.rename(path)  # atomic: a sandbox never sees half a file
+            os.rename(tmp, path)  # atomic: a sandbox never sees half a file
     return target
 
 

@@ -21,7 +21,7 @@ from execution.events import (
 )
 from execution.models import ExecJob, ExecSession, ToolCall, WorkFile
 from execution.sandbox.limits import Limits
-from execution.sandbox.process import SandboxUnavailable
+from execution.sandbox.process import SDK_MB, SandboxUnavailable
 from execution.sandbox.session import Outcome, Session
 from execution.services.calls import tool_call_finish, tool_calls_close_held, tool_calls_reap
 from execution.services.quotas import exec_quota_check
@@ -355,6 +355,11 @@ def _exec_job_prepare(*, job_id: str) -> "tuple[ExecJob, JobCallRouter, dict[str
     except Exception as exc:  # said in the job's error
         logger.exception("sdk generation failed", extra={"job_id": job_id})
         return Outcome(status="failed", error=job_error("SandboxCrashed", f"the SDK could not be generated: {exc}"))
+    files = sdk_job_files(sdk)
+    size = sum(len(content.encode()) for content in files.values())
+    if size > SDK_MB << 20:
+        message = f"the SDK of the job's toolsets is {size} bytes; a sandbox takes at most {SDK_MB} MiB: grant fewer toolsets"
+        return Outcome(status="failed", error=job_error("ResourceLimit", message))
     ExecJob.objects.filter(pk=job.pk).update(sdk_hash=sdk.hash)
     job.sdk_hash = sdk.hash
     direct_only = frozenset(policy.direct_only_tools)
@@ -367,7 +372,7 @@ def _exec_job_prepare(*, job_id: str) -> "tuple[ExecJob, JobCallRouter, dict[str
         # Time spent waiting on the client does not count against the timeout, up to max_client_wait.
         expires_at=timezone.now() + timedelta(seconds=job.timeout_seconds + Limits.from_dict(job.limits).max_client_wait + 60),
     )
-    return job, router, sdk_job_files(sdk), job_key
+    return job, router, files, job_key
 
 
 def _exec_job_heartbeat(*, job_id: Any) -> bool:
