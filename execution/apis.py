@@ -154,6 +154,7 @@ class SessionListCreateApi(FilteredListApi):
         responses={
             201: SessionSerializer,
             409: OpenApiResponse(description="too_many_sessions: the user has as many active sessions as allowed."),
+            429: RATE_LIMITED,
         },
     )
     def post(self, request: Request) -> Response:

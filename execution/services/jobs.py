@@ -140,7 +140,7 @@ def exec_job_create(
     else:
         limits = job_limits(policy=policy, timeout=timeout, parallel_cap=quotas.parallel_cap())
     with transaction.atomic():
-        exec_quota_check(user=user, quotas=quotas)  # rate_limited (429); locks the user's row till commit
+        exec_quota_check(user=user, quotas=quotas, session=session)  # rate_limited (429); locks the user's row till commit
         job = ExecJob.objects.create(
             user=user,
             code=code,

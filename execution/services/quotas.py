@@ -12,7 +12,7 @@ from django.contrib.auth import get_user_model
 from django.contrib.auth.models import User
 from django.utils import timezone
 
-from execution.models import ExecJob, ToolCall
+from execution.models import ExecJob, ExecSession, ToolCall
 from ptcproject.errors import ApplicationError
 from ptcproject.policy.selectors import Quotas
 
@@ -27,8 +27,10 @@ def _limited(message: str, *, quota: str, limit: int, retry_after: int) -> Appli
     )
 
 
-def exec_quota_check(*, user: User, quotas: Quotas) -> None:
-    """Raise ApplicationError ``rate_limited`` (429) if a new job would take ``user`` past a quota.
+def exec_quota_check(*, user: User, quotas: Quotas, session: ExecSession | None = None) -> None:
+    """Raise ApplicationError ``rate_limited`` (429) if a new job (or a new session: ``quotas``
+    say only its jobs count) would take ``user`` past a quota. An open session holds a sandbox, so
+    it counts as a job while none of its jobs runs; a job in ``session`` takes that session's place.
 
     Call it inside the transaction that creates the job: it locks the user's row, so two requests
     of one user at once are counted one after the other (other users are not held up).
@@ -38,11 +40,16 @@ def exec_quota_check(*, user: User, quotas: Quotas) -> None:
     list(get_user_model().objects.select_for_update().filter(pk=user.pk).values_list("pk"))
     jobs = ExecJob.objects.filter(user=user)
     if quotas.concurrent_jobs:
-        active = jobs.filter(status__in=(ExecJob.Status.QUEUED, ExecJob.Status.RUNNING)).count()
+        busy = (ExecJob.Status.QUEUED, ExecJob.Status.RUNNING)
+        active = jobs.filter(status__in=busy).count()
+        idle_sessions = ExecSession.objects.filter(user=user, status=ExecSession.Status.ACTIVE).exclude(jobs__status__in=busy)
+        if session is not None:
+            idle_sessions = idle_sessions.exclude(pk=session.pk)
+        active += idle_sessions.count()
         if active >= quotas.concurrent_jobs:
             raise _limited(
-                f"You have {active} jobs queued or running; your quota is {quotas.concurrent_jobs} at once. "
-                "Submit this one when one of them has finished.",
+                f"You have {active} jobs queued or running, or sessions open; your quota is {quotas.concurrent_jobs} "
+                "at once. Submit this one when one of them has finished.",
                 quota="concurrent_jobs",
                 limit=quotas.concurrent_jobs,
                 retry_after=BUSY_RETRY_SECONDS,

@@ -37,6 +37,7 @@ from execution.models import ExecJob, ExecSession, WorkFile
 from execution.sandbox.limits import Limits
 from execution.sandbox.pool import Sandbox, sandbox_start
 from execution.sandbox.session import Outcome
+from execution.services.quotas import exec_quota_check
 from ptcproject.errors import ApplicationError, job_error
 from ptcproject.policy.selectors import policy_get, ptc_decision, quotas_for
 from tools.selectors import toolset_keys_for_ptc, toolsets_named
@@ -147,6 +148,8 @@ def exec_session_create(
     with transaction.atomic():
         # Counted under the user's row lock: two concurrent creates can't both take the last place.
         User.objects.select_for_update().filter(pk=user.pk).first()
+        # An open session holds a sandbox: it counts against the user's jobs-at-once quota.
+        exec_quota_check(user=user, quotas=quotas_for(policy=policy, user=user))
         active = ExecSession.objects.filter(user=user, status=Status.ACTIVE).count()
         if active >= settings.PTC_MAX_SESSIONS_PER_USER:
             raise ApplicationError(

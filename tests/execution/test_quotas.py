@@ -111,3 +111,21 @@ def test_a_users_own_quota_overrides_the_policys(api: Api) -> None:
     quotas = quotas_for(policy=policy, user=user)
     assert (quotas.concurrent_jobs, quotas.concurrent_tool_calls, quotas.jobs_per_minute) == (0, 40, 7)
     assert quotas.parallel_cap() == 40
+
+
+def test_an_open_session_counts_against_the_jobs_at_once_quota(api: Api) -> None:
+    _quota(api, max_concurrent_jobs=2)
+    first = api.post("/api/v1/sessions", json={"toolsets": ["demo"]})
+    second = api.post("/api/v1/sessions", json={"toolsets": ["demo"]})
+    assert first.status_code == 201 and second.status_code == 201, (first.text, second.text)
+    # Two open sessions hold two sandboxes: a third session, or a job of its own, is past the quota.
+    third = api.post("/api/v1/sessions", json={"toolsets": ["demo"]})
+    assert third.status_code == 429 and third.json()["error"]["code"] == "rate_limited", third.text
+    alone = api.post("/api/v1/exec", json={"code": "1", "wait": 0})
+    assert alone.status_code == 429, alone.text
+    # A job in an open session takes that session's place.
+    inside = api.run("6 * 7", session=first.json()["id"])
+    assert inside["status"] == "completed" and inside["return_value"] == 42, inside
+    assert api.http.delete(f"/api/v1/sessions/{second.json()['id']}").status_code == 200
+    _wait_idle([api])
+    assert api.post("/api/v1/exec", json={"code": "1", "wait": 0}).status_code == 201
