@@ -116,3 +116,19 @@ def run_job(client: httpx.Client, code: str, **body: Any) -> dict[str, Any]:
     if job["status"] != "completed":
         raise RuntimeError(f"bench job failed: {job['error']}")
     return job
+
+
+def sandbox_limits() -> Any:
+    """The limits the sandbox benchmarks run jobs under (Django must be set up)."""
+    from execution.sandbox.limits import Limits
+
+    return Limits(
+        timeout=30,
+        memory_mb=512,
+        max_output_bytes=10**6,
+        max_tool_calls=10,
+        max_parallel_tool_calls=4,
+        max_processes=64,
+        max_file_mb=16,
+        max_open_files=256,
+    )

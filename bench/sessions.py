@@ -16,31 +16,16 @@ import sys
 import time
 from typing import Any
 
-from harness import print_table, row
+from harness import print_table, row, sandbox_limits
 
 ECHO = "import socket, sys\ns = socket.socket(fileno=int(sys.argv[1]))\nwhile d := s.recv(65536):\n    s.sendall(d)\n"
-
-
-def _limits() -> Any:
-    from execution.sandbox.limits import Limits
-
-    return Limits(
-        timeout=30,
-        memory_mb=512,
-        max_output_bytes=10**6,
-        max_tool_calls=10,
-        max_parallel_tool_calls=4,
-        max_processes=64,
-        max_file_mb=16,
-        max_open_files=256,
-    )
 
 
 def _start(code: str) -> dict[str, Any]:
     return {
         "op": "start",
         "code": code,
-        "limits": _limits().guest(),
+        "limits": sandbox_limits().guest(),
         "max_frame": 1 << 20,
         "max_depth": 100,
         "job": {},
@@ -120,7 +105,7 @@ def second_job_through_the_loop(runs: int) -> list[float]:
 
     sandbox = sandbox_start()
     channel = _Quiet()
-    limits = _limits()
+    limits = sandbox_limits()
 
     def run(code: str, sdk: dict[str, str] | None = None) -> Any:
         session = Session(

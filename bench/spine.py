@@ -9,7 +9,7 @@ import subprocess
 import time
 
 from bare import QUEUE
-from harness import Process, print_table, row, run_job, running_stack, timed
+from harness import Process, print_table, row, run_job, running_stack, sandbox_limits, timed
 
 SANDBOX_PYTHON = "/usr/bin/python3"
 
@@ -21,23 +21,13 @@ def sandbox_start(runs: int) -> tuple[list[float], list[float], list[float]]:
 
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "ptcproject.settings")
     django.setup()
-    from execution.sandbox.limits import Limits
     from execution.sandbox.pool import WarmPool, sandbox_start
     from tools.models import Toolset
     from tools.sdk import sdk_cached, sdk_job_files
     from tools.sdk_runtime.protocol import encode
 
     sdk = sdk_cached(toolsets=list(Toolset.objects.filter(key="demo").prefetch_related("tools")))
-    limits = Limits(
-        timeout=30,
-        memory_mb=512,
-        max_output_bytes=10**6,
-        max_tool_calls=10,
-        max_parallel_tool_calls=4,
-        max_processes=64,
-        max_file_mb=16,
-        max_open_files=256,
-    )
+    limits = sandbox_limits()
     job = {"op": "start", "code": "print(1)", "limits": limits.guest(), "max_frame": 1 << 20, "max_depth": 100, "job": {}}
     frame = encode({**job, "sdk": sdk_job_files(sdk)})
 
