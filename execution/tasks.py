@@ -94,7 +94,6 @@ def _fleet_while_up(sender: Any = None, **_: Any) -> None:
     metrics when PTC_METRICS_PORT says so."""
     if not _consumes(sender, queues.TOOLS) and any(_consumes(sender, queue) for queue in queues.tools_queues()):
         run_every("ptc-call-leases", settings.PTC_JOB_HEARTBEAT_SECONDS, tool_calls_heartbeat)
-    from celery.signals import worker_shutdown
 
     consumed, name = sorted(_consumed(sender)), worker_name()
     run_every(
