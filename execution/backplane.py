@@ -327,8 +327,17 @@ class RedisBackplane(Backplane):
         # A Redis that is down is known in seconds, not after the OS's TCP timeout.
         return redis.Redis.from_url(settings.REDIS_URL, health_check_interval=30, socket_keepalive=True, socket_connect_timeout=2)
 
+    @functools.cached_property
+    def subscriber(self) -> Any:
+        """A client of its own for subscriptions: closing a pub/sub disconnects its connection, and
+        a connection of ``client``'s pool handed back disconnected would cost the next command
+        (an event, a publish) a reconnect."""
+        import redis
+
+        return redis.Redis.from_url(settings.REDIS_URL, health_check_interval=30, socket_keepalive=True, socket_connect_timeout=2)
+
     def subscribe(self, channel: str) -> Subscription:
-        return _RedisSubscription(self.client, channel)
+        return _RedisSubscription(self.subscriber, channel)
 
     def ping(self) -> None:
         self.client.ping()

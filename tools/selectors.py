@@ -9,18 +9,21 @@ from ptcproject.errors import ApplicationError
 from tools.models import Tool, Toolset
 
 
+def _toolsets_of(*, user: User, include_disabled: bool = False) -> QuerySet[Toolset]:
+    """The toolsets ``user`` may use, without their tools: their own, plus global ones they don't shadow."""
+    own_keys = Toolset.objects.filter(owner=user).values("key")
+    toolsets = Toolset.objects.all() if include_disabled else Toolset.objects.filter(enabled=True)
+    return toolsets.filter(Q(owner=user) | (Q(owner__isnull=True) & ~Q(key__in=own_keys))).order_by("key")
+
+
 def toolsets_visible(*, user: User, include_disabled: bool = False) -> QuerySet[Toolset]:
-    """Return the enabled toolsets ``user`` may use: their own, plus global ones they don't shadow.
+    """Return the enabled toolsets ``user`` may use, with their enabled tools: their own, plus
+    global ones they don't shadow.
 
     With ``include_disabled`` (staff, who manage them), disabled toolsets are in it too.
     """
-    own_keys = Toolset.objects.filter(owner=user).values("key")
-    toolsets = Toolset.objects.all() if include_disabled else Toolset.objects.filter(enabled=True)
-    return (
-        toolsets.filter(Q(owner=user) | (Q(owner__isnull=True) & ~Q(key__in=own_keys)))
-        .prefetch_related(Prefetch("tools", queryset=Tool.objects.filter(enabled=True).order_by("name")))
-        .order_by("key")
-    )
+    tools = Prefetch("tools", queryset=Tool.objects.filter(enabled=True).order_by("name"))
+    return _toolsets_of(user=user, include_disabled=include_disabled).prefetch_related(tools)
 
 
 def toolsets_listed(*, user: User) -> QuerySet[Toolset]:
@@ -51,18 +54,37 @@ def toolsets_named(*, user: User, keys: Iterable[str] | None) -> list[Toolset]:
         return list(toolsets_visible(user=user))
     found, missing = toolsets_resolve(user=user, keys=keys)
     if missing:
-        raise ApplicationError(
-            "unknown_toolset",
-            f"Unknown toolset(s): {', '.join(missing)}. GET /api/v1/toolsets lists the ones you can use.",
-            details={"toolsets": missing},
-        )
+        raise _unknown_toolsets(missing)
     return found
+
+
+def _unknown_toolsets(missing: list[str]) -> ApplicationError:
+    return ApplicationError(
+        "unknown_toolset",
+        f"Unknown toolset(s): {', '.join(missing)}. GET /api/v1/toolsets lists the ones you can use.",
+        details={"toolsets": missing},
+    )
+
+
+def toolset_keys_named(*, user: User, keys: Iterable[str]) -> list[str]:
+    """Return ``keys`` without repeats, each a toolset ``user`` may use, in one query that reads
+    no tools (a job needs their names here, not their definitions).
+
+    Raise ApplicationError ``unknown_toolset`` (400) naming the keys that matched none.
+    """
+    wanted = list(dict.fromkeys(keys))
+    found = set(_toolsets_of(user=user).filter(key__in=wanted).values_list("key", flat=True))
+    missing = [k for k in wanted if k not in found]
+    if missing:
+        raise _unknown_toolsets(missing)
+    return wanted
 
 
 def toolset_keys_for_ptc(*, user: User, allowlist: Iterable[str], blocklist: Iterable[str]) -> list[str]:
     """Return the keys of every toolset ``user`` may use with PTC: the visible ones the policy's lists admit."""
     allowed, blocked = set(allowlist), set(blocklist)
-    return [ts.key for ts in toolsets_visible(user=user) if ts.key not in blocked and (not allowed or ts.key in allowed)]
+    keys = _toolsets_of(user=user).values_list("key", flat=True)
+    return [key for key in keys if key not in blocked and (not allowed or key in allowed)]
 
 
 # Tool definitions change rarely and every call needs one: a tools worker keeps each for a moment

@@ -50,7 +50,7 @@ from ptcproject.policy.selectors import policy_get, ptc_decision, quotas_for
 from ptcproject.storage import MAX_JSON_DEPTH, json_depth_exceeds, storable
 from tools.client import CLIENT_KEY, client_tools_clean, client_toolset
 from tools.sdk import sdk_cached, sdk_job_files
-from tools.selectors import toolset_keys_for_ptc, toolsets_named, toolsets_resolve
+from tools.selectors import toolset_keys_for_ptc, toolset_keys_named, toolsets_resolve
 
 logger = logging.getLogger("ptc.execution")
 Status = ExecJob.Status
@@ -121,7 +121,7 @@ def exec_job_create(
         # Every toolset the user may use with PTC: the policy's lists narrow what they can see.
         keys = toolset_keys_for_ptc(user=user, allowlist=policy.toolset_allowlist, blocklist=policy.toolset_blocklist)
     else:
-        keys = [ts.key for ts in toolsets_named(user=user, keys=toolsets)]  # unknown_toolset (400) if any is not
+        keys = toolset_keys_named(user=user, keys=toolsets)  # unknown_toolset (400) if any is not
     client = client_tools_clean(client_tools or [])
     if client and CLIENT_KEY in keys:
         raise ApplicationError(
@@ -409,11 +409,12 @@ def exec_job_finish(*, job_id: Any, outcome: Outcome) -> None:
     result = {"status": outcome.status, "return_value": storable(outcome.return_value), "error": storable(outcome.error)}
 
     def store() -> None:
+        # No transaction: each UPDATE is whole on its own, and the second only runs when the first
+        # found the job no longer running (BEGIN and COMMIT were two round trips on every job's end).
         try:
-            with transaction.atomic():
-                if not ExecJob.objects.filter(pk=job_id, status=Status.RUNNING).update(finished_at=now, **result, **output):
-                    # Cancelled while it ran: keep that status, but keep what the code printed too.
-                    ExecJob.objects.filter(pk=job_id, status=Status.CANCELLED).update(**output)
+            if not ExecJob.objects.filter(pk=job_id, status=Status.RUNNING).update(finished_at=now, **result, **output):
+                # Cancelled while it ran: keep that status, but keep what the code printed too.
+                ExecJob.objects.filter(pk=job_id, status=Status.CANCELLED).update(**output)
         except (OperationalError, InterfaceError):
             raise
         except DatabaseError:  # the value itself can't be stored: the job still ends, and says why
@@ -442,16 +443,21 @@ def _exec_job_close(*, job_id: Any) -> ExecJob:
     job_keys_revoke(exec_job_id=job.pk)
     if job.session_id is not None:  # before the end is announced: whoever sees it can send the next job
         exec_session_job_ended(session_id=job.session_id, job_id=job.pk)
-    ToolCall.objects.filter(exec_job=job, status=ToolCall.Status.EXECUTING, claimed_at__isnull=True).update(
-        status=ToolCall.Status.FAILED,
-        error=call_error("job_ended", "the job ended before this call started; it was not run"),
-        finished_at=timezone.now(),
-    )
-    # Calls still waiting on the client or an approval: a late answer finds them failed (409); each
-    # one's price held for it goes back, and watchers see it end.
-    for call_id in ToolCall.objects.filter(exec_job=job, status__in=ToolCall.AWAITING).values_list("call_id", flat=True):
-        error = call_error("job_ended", "the job ended while this call was waiting; it was not run")
-        tool_call_finish(call_id=call_id, error=error)
+    # One read finds the calls left open (usually none): queued ones fail as never run (a tools
+    # worker that claimed one finishes it); ones waiting on the client or an approval fail too, so
+    # a late answer finds them ended (409), each one's price held goes back, and watchers see it end.
+    left = list(ToolCall.objects.filter(exec_job=job, status__in=ToolCall.OPEN).values_list("call_id", "status", "claimed_at"))
+    queued = [call_id for call_id, status, claimed in left if status == ToolCall.Status.EXECUTING and claimed is None]
+    if queued:
+        ToolCall.objects.filter(call_id__in=queued, status=ToolCall.Status.EXECUTING, claimed_at__isnull=True).update(
+            status=ToolCall.Status.FAILED,
+            error=call_error("job_ended", "the job ended before this call started; it was not run"),
+            finished_at=timezone.now(),
+        )
+    for call_id, status, _ in left:
+        if status in ToolCall.AWAITING:
+            error = call_error("job_ended", "the job ended while this call was waiting; it was not run")
+            tool_call_finish(call_id=call_id, error=error)
     _exec_job_ended(job)
     return job
 

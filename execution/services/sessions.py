@@ -40,7 +40,7 @@ from execution.sandbox.session import Outcome
 from execution.services.quotas import exec_quota_check
 from ptcproject.errors import ApplicationError, job_error
 from ptcproject.policy.selectors import policy_get, ptc_decision, quotas_for
-from tools.selectors import toolset_keys_for_ptc, toolsets_named
+from tools.selectors import toolset_keys_for_ptc, toolset_keys_named
 
 logger = logging.getLogger("ptc.execution")
 Status = ExecSession.Status
@@ -123,7 +123,7 @@ def exec_session_create(
     if toolsets is None:
         keys = toolset_keys_for_ptc(user=user, allowlist=policy.toolset_allowlist, blocklist=policy.toolset_blocklist)
     else:
-        keys = [ts.key for ts in toolsets_named(user=user, keys=toolsets)]
+        keys = toolset_keys_named(user=user, keys=toolsets)
     decision = ptc_decision(policy=policy, user=user, toolsets=keys)
     if not decision.enabled:
         raise ApplicationError(
