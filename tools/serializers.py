@@ -13,6 +13,7 @@ from tools.classification import direct_only_tools, tool_is_ptc
 from tools.context import FORMATS
 from tools.models import Tool, Toolset
 from tools.sdk import tool_signature
+from tools.services import TOOLSET_FIELDS
 
 
 # -- Output --------------------------------------------------------------------------------------
@@ -64,17 +65,7 @@ class ToolsetSerializer(serializers.ModelSerializer):
     class Meta:
         model = Toolset
         fields = [
-            "key",
-            "name",
-            "description",
-            "kind",
-            "is_global",
-            "enabled",
-            "price",
-            "billing_free",
-            "queue",
-            "requires_approval",
-            "config",
+            *TOOLSET_FIELDS,  # what a write may set, in the same order
             "secret_names",
             "tools",
             "created_at",
