@@ -36,7 +36,7 @@ from execution.serializers import (
     WorkFileUploadSerializer,
 )
 from execution.services.calls import tool_call_standalone
-from execution.services.jobs import exec_job_cancel, exec_job_create, exec_job_for_container, exec_job_wait
+from execution.services.jobs import exec_job_cancel, exec_job_for_container, exec_job_submit
 from execution.services.sessions import (
     exec_session_create,
     exec_session_delete,
@@ -94,7 +94,8 @@ class ExecListCreateApi(FilteredListApi):
         data = body.validated_data
         user = signed_in_user(request)
         session = get_object_or_404(sessions_for(user=user), pk=data["session"]) if data.get("session") else None
-        job = exec_job_create(
+        job, end = exec_job_submit(
+            wait=data["wait"],
             session=session,
             files=work_files_decode(files=data["files"]),
             user=user,
@@ -105,10 +106,14 @@ class ExecListCreateApi(FilteredListApi):
             max_credits=data.get("max_credits"),
             client_tools=[dict(tool) for tool in data["client_tools"]],
         )
-        exec_job_wait(job=job, seconds=data["wait"])
-        job = exec_jobs_for(user=signed_in_user(request)).get(pk=job.pk)
+        # What the job ended as comes with its end; otherwise (still running, or too large to push) read it.
+        view = (
+            end.job
+            if end is not None and end.job is not None
+            else ExecJobSerializer(exec_jobs_for(user=user).get(pk=job.pk)).data
+        )
         return Response(
-            ExecJobSerializer(job).data,
+            view,
             status=status.HTTP_201_CREATED,
             headers={"Location": f"/api/v1/exec/{job.pk}"},
         )

@@ -1,9 +1,10 @@
 """The backplane: how the processes push to each other, behind one interface picked once.
 
 It carries two things (ARCHITECTURE.md, "pushed, not polled"):
-- **messages on a channel**: a job's channel carries its tool results, approvals, its cancel and
-  its end; a standalone call's channel carries its result. Typed: ``Result``, ``Approved``, ``Cancel``, ``End`` (and
-  ``Resync``, ``Changed`` from the backplane itself);
+- **messages on a channel**: a job's channel carries its tool results, approvals and its cancel,
+  for its worker; its end channel carries its end, for whoever waits on it (so a waiter is not
+  woken by every result); a standalone call's channel carries its result. Typed: ``Result``,
+  ``Approved``, ``Cancel``, ``End`` (and ``Resync``, ``Changed`` from the backplane itself);
 - **a job's event log**: what the SSE stream and the CLI read, in order, resumable by id.
 
 Two adapters:
@@ -30,7 +31,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -72,9 +73,11 @@ class Cancel:
 
 @dataclass(frozen=True)
 class End:
-    """The job ended with ``status``: wakes whoever waits for it."""
+    """The job ended with ``status``: wakes whoever waits for it. ``job`` is the job as the API
+    shows it at its end (None when too large to push: read the record)."""
 
     status: str
+    job: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -96,17 +99,26 @@ def _to_wire(message: Message) -> dict[str, Any]:
 
 
 def _from_wire(data: dict[str, Any]) -> Message | None:
-    """The message ``data`` carries, or None if it is none we know (a newer or older peer)."""
+    """The message ``data`` carries, or None if it is none we know. Fields it does not know (a
+    newer peer's) are left out."""
     cls = _KINDS.get(str(data.pop("kind", "")))
+    if cls is None:
+        return None
+    known = {f.name for f in fields(cls)}
     try:
-        return cls(**data) if cls is not None else None
+        return cls(**{name: value for name, value in data.items() if name in known})
     except TypeError:
         return None
 
 
 def job_channel(call_id: str) -> str:
-    """A job's channel: its tool results, cancel, and its end."""
+    """A job's channel, which its worker follows: its tool results, approvals and cancel."""
     return f"{settings.PTC_REDIS_PREFIX}ptc:job:{call_id}"
+
+
+def job_end_channel(call_id: str) -> str:
+    """A job's end channel, which its waiters follow: its ``End`` only."""
+    return f"{settings.PTC_REDIS_PREFIX}ptc:job-end:{call_id}"
 
 
 def call_channel(call_id: str) -> str:

@@ -22,7 +22,7 @@ from django.db import DatabaseError, connection
 
 from execution.backplane import RedisBackplane, backplane, job_channel
 from execution.models import ExecJob, ToolCall
-from execution.selectors import tool_call_is_client
+from execution.selectors import exec_job_with_calls, tool_call_is_client
 from ptcproject.metrics import event_lag_observe
 
 logger = logging.getLogger("ptc.events")
@@ -133,15 +133,17 @@ def tool_call_pending_payload(call: ToolCall) -> dict[str, Any]:
     }
 
 
-def job_end_payload(job: ExecJob) -> dict[str, Any]:
-    """The job as it is now, with its calls, without its code: what ``exec_end`` carries."""
-    from execution.selectors import exec_jobs_for
+def job_view(job: ExecJob) -> dict[str, Any]:
+    """The job as the API shows it, code included: what its ``End`` pushes to whoever waits on it.
+    ``job`` comes with its calls (``exec_job_with_calls``)."""
     from execution.serializers import ExecJobSerializer
 
-    fresh = exec_jobs_for(user=job.user).select_related("user").get(pk=job.pk)
-    data = dict(ExecJobSerializer(fresh).data)
-    data.pop("code", None)
-    return data
+    return dict(ExecJobSerializer(job).data)
+
+
+def job_end_payload(view: dict[str, Any]) -> dict[str, Any]:
+    """What ``exec_end`` carries: the job's view without its code."""
+    return {name: value for name, value in view.items() if name != "code"}
 
 
 def job_start_payload(job: ExecJob) -> dict[str, Any]:
@@ -173,7 +175,14 @@ def events_from_records(job_id: Any) -> tuple[list[Event], bool]:
     ended = job.status in ExecJob.FINISHED
     if ended:
         end = (job.finished_at or job.created_at).timestamp()
-        timed.append((max(end, *(t[0] for t in timed)) if timed else end, 10**9, "exec_end", job_end_payload(job)))
+        timed.append(
+            (
+                max(end, *(t[0] for t in timed)) if timed else end,
+                10**9,
+                "exec_end",
+                job_end_payload(job_view(exec_job_with_calls(job_id=job_id))),
+            )
+        )
     timed.sort(key=lambda t: (t[0], t[1]))
     events, last = [], (0, -1)
     for at, _, name, payload in timed:

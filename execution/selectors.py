@@ -1,3 +1,5 @@
+from typing import Any
+
 from django.contrib.auth.models import User
 from django.db.models import Prefetch, QuerySet
 
@@ -6,12 +8,21 @@ from tools.client import CLIENT_KEY
 from tools.models import Toolset
 
 
+def _with_calls(jobs: QuerySet[ExecJob]) -> QuerySet[ExecJob]:
+    return jobs.prefetch_related(Prefetch("tool_calls", queryset=ToolCall.objects.order_by("started_at", "id")))
+
+
 def exec_jobs_for(*, user: User) -> QuerySet[ExecJob]:
     """Return the jobs ``user`` may see: their own, or all of them for staff."""
     jobs = ExecJob.objects.all()
     if not user.is_staff:
         jobs = jobs.filter(user=user)
-    return jobs.prefetch_related(Prefetch("tool_calls", queryset=ToolCall.objects.order_by("started_at", "id")))
+    return _with_calls(jobs)
+
+
+def exec_job_with_calls(*, job_id: Any) -> ExecJob:
+    """Return the job with its user and its calls in start order: all the API shows of it."""
+    return _with_calls(ExecJob.objects.select_related("user")).get(pk=job_id)
 
 
 def tool_calls_for(*, user: User) -> QuerySet[ToolCall]:

@@ -7,6 +7,7 @@ cd "$(dirname "$0")/.."
 need_apt=()
 [ -x /usr/bin/bwrap ] || need_apt+=(bubblewrap)
 [ -x /usr/bin/python3 ] || need_apt+=(python3)
+[ -x /usr/bin/setpriv ] || need_apt+=(util-linux)  # drops root for bubblewrap when workers run as root
 ldconfig -p 2>/dev/null | grep -q libseccomp.so.2 || need_apt+=(libseccomp2)
 if [ ${#need_apt[@]} -gt 0 ]; then
     if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then

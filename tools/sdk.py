@@ -366,12 +366,15 @@ _BUILDS_KEPT = 32
 _builds_lock = threading.Lock()
 
 
-def sdk_cached(*, toolsets: list[Toolset], extra: list[tuple[Toolset, list[Tool]]] | None = None) -> Sdk:
+def sdk_cached(
+    *, toolsets: list[Toolset], extra: list[tuple[Toolset, list[Tool]]] | None = None, direct_only: frozenset[str] | None = None
+) -> Sdk:
     """Return the SDK for ``toolsets``, built only if its hash is new to this process.
 
-    ``extra`` are modules of unsaved rows to add, as ``ptc_tools_of`` gives them: a job's client tools.
+    ``extra`` are modules of unsaved rows to add, as ``ptc_tools_of`` gives them: a job's client
+    tools. ``direct_only`` is the policy's, when the caller has read it already.
     """
-    per_toolset = ptc_tools_of(toolsets) + list(extra or [])
+    per_toolset = ptc_tools_of(toolsets, direct_only) + list(extra or [])
     digest = sdk_hash_of(per_toolset)
     with _builds_lock:
         hit = _BUILDS.get(digest)

@@ -12,6 +12,7 @@ that forked it (SANDBOX-NOTES.md), so a warm sandbox must not be started by a th
 """
 
 import logging
+import queue
 import socket
 import subprocess
 import threading
@@ -43,6 +44,33 @@ class Sandbox:
         for pipe in (self.proc.stdout, self.proc.stderr):
             if pipe:
                 pipe.close()
+
+
+_reaped: "queue.SimpleQueue[Sandbox]" = queue.SimpleQueue()
+_reaper_lock = threading.Lock()
+_reaper: threading.Thread | None = None
+
+
+def sandbox_reap(sandbox: Sandbox) -> None:
+    """Kill a used sandbox now and leave its reaping (the wait for bubblewrap's exit, closing what
+    the worker holds of it) to this process's reaper thread."""
+    global _reaper
+    if sandbox.proc.poll() is None:
+        sandbox.proc.kill()
+    _reaped.put(sandbox)
+    with _reaper_lock:
+        if _reaper is None:
+            _reaper = threading.Thread(target=_reap_forever, name="ptc-sandbox-reaper", daemon=True)
+            _reaper.start()
+
+
+def _reap_forever() -> None:
+    while True:
+        sandbox = _reaped.get()
+        try:
+            sandbox.discard()
+        except Exception:  # one sandbox's cleanup must not stop the others'
+            logger.exception("could not reap a sandbox")
 
 
 def sandbox_start() -> Sandbox:

@@ -23,7 +23,7 @@ from typing import Any, Protocol
 from execution.backplane import Approved, Cancel, Message, Result, Resync
 from execution.sandbox.limits import Limits
 from execution.sandbox.output import CappedOutput
-from execution.sandbox.pool import Sandbox, warm_pool
+from execution.sandbox.pool import Sandbox, sandbox_reap, warm_pool
 from ptcproject.errors import call_error, job_error
 from ptcproject.storage import MAX_JSON_DEPTH
 from tools.sdk_runtime.protocol import FrameDecoder, FrameError, encode
@@ -186,14 +186,13 @@ class Session:
             os.close(self._wake_w)
             self.kept = self.keep and self.ended is None and self.result is not None and proc.poll() is None
             returncode = 0
-            if not self.kept:
-                if proc.poll() is None:
-                    proc.kill()
-                returncode = proc.wait()
-                ours.close()
-                for pipe in (proc.stdout, proc.stderr):
-                    if pipe:
-                        pipe.close()
+            if not self.kept and self.result is not None:
+                # The job has its result: the sandbox is killed now, and reaped off this path
+                # (bubblewrap's teardown of its namespaces is milliseconds the client needn't wait).
+                sandbox_reap(sandbox)
+            elif not self.kept:
+                sandbox.discard()
+                returncode = proc.returncode
         outcome = self.ended or self._outcome(returncode)
         outcome.stdout, outcome.stdout_truncated = self.stdout.text(), self.stdout.truncated
         outcome.stderr, outcome.stderr_truncated = self.stderr.text(), self.stderr.truncated
@@ -251,8 +250,9 @@ class Session:
         paused_bridge = False
         next_beat = time.monotonic() + self.heartbeat_every
         try:
-            # A kept sandbox's job ends with its result: its streams stay open for the next job.
-            while (open_streams or paused_bridge) and self.ended is None and not (self.keep and self.result is not None):
+            # A job ends with its result: what the code printed before it is drained below; a kept
+            # sandbox's streams stay open for the next job, any other sandbox is killed.
+            while (open_streams or paused_bridge) and self.ended is None and self.result is None:
                 now = time.monotonic()
                 deadline = base_deadline + self._client_wait(now)
                 flush_at = [t + OUTPUT_CHUNK_SECONDS for t in self.chunk_since.values()]
@@ -313,7 +313,7 @@ class Session:
                     sel.register(sock, selectors.EVENT_READ | selectors.EVENT_WRITE, "bridge")
                     open_streams.add("bridge")
                     paused_bridge = False
-            if self.keep and self.result is not None and self.ended is None:
+            if self.result is not None and self.ended is None:
                 self._drain_output(proc)
         finally:
             sel.close()

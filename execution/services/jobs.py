@@ -1,28 +1,33 @@
 """Writes for exec jobs: create, run (in a sandbox), finish, cancel, reap."""
 
+import json
 import logging
 import os
 import socket
 import time
+from contextlib import nullcontext
 from datetime import datetime, timedelta
 from typing import Any
 
 from django.conf import settings
 from django.contrib.auth.models import User
-from django.db import DatabaseError, IntegrityError, InterfaceError, OperationalError, transaction
+from django.db import DatabaseError, IntegrityError, InterfaceError, OperationalError, connection, transaction
+from django.db.models import Exists, OuterRef
 from django.utils import timezone
 
-from execution.backplane import Cancel, End, backplane, job_channel
+from execution.backplane import Cancel, End, Resync, Subscription, backplane, job_channel, job_end_channel
 from execution.events import (
     event_publish,
     job_end_payload,
     job_start_payload,
+    job_view,
     output_from_stream,
 )
-from execution.models import ExecJob, ExecSession, ToolCall, WorkFile
+from execution.models import ExecJob, ExecSession, ToolCall, WorkFile, new_exec_call_id
 from execution.sandbox.limits import Limits
 from execution.sandbox.process import SDK_MB, SandboxUnavailable
 from execution.sandbox.session import Outcome, Session
+from execution.selectors import exec_job_with_calls
 from execution.services.calls import tool_call_finish, tool_calls_close_held, tool_calls_reap
 from execution.services.quotas import exec_quota_check
 from execution.services.router import JobCallRouter
@@ -54,6 +59,8 @@ from tools.selectors import toolset_keys_for_ptc, toolset_keys_named, toolsets_r
 
 logger = logging.getLogger("ptc.execution")
 Status = ExecJob.Status
+# A job's end pushes the job with it to its waiters up to this size; above it, they read the record.
+END_PUSH_MAX_BYTES = 256 << 10
 
 
 def job_limits(*, policy: Policy, timeout: float, parallel_cap: int = 0) -> Limits:
@@ -85,12 +92,14 @@ def exec_job_create(
     client_tools: list[dict[str, Any]] | None = None,
     session: ExecSession | None = None,
     files: dict[str, bytes] | None = None,
+    call_id: str = "",
 ) -> ExecJob:
     """Check the request against the policy, record the job as ``queued``, and enqueue it once committed.
 
     ``client_tools`` are tools the caller runs itself (``ptc_tools.client.Client``; tools/client.py).
     In a ``session``, the job runs in the session's sandbox, with its toolsets and limits (and its
-    own timeout); ``files`` are written under /work before the code runs.
+    own timeout); ``files`` are written under /work before the code runs. ``call_id`` is the one
+    it takes, if given (its waiter subscribed to its end first).
 
     Raise ApplicationError: ``code_too_large`` (413), ``validation_error`` for a timeout above the
     policy's maximum (400; never clamped) or bad client tools, ``unknown_toolset`` (400),
@@ -152,6 +161,7 @@ def exec_job_create(
             max_credits=max_credits,
             client_tools=client,
             session=session,
+            **({"call_id": call_id} if call_id else {}),
         )
         for path, content in (files or {}).items():
             WorkFile.objects.create(exec_job=job, kind=WorkFile.Kind.INPUT, path=path, content=content, size=len(content))
@@ -267,13 +277,14 @@ def _exec_job_sandbox(*, job_id: str, node: str) -> Outcome:
     event_publish(job_call_id=job.call_id, event="exec_start", data=job_start_payload(job))
     limits = Limits.from_dict(job.limits)
     with backplane().subscribe(job_channel(job.call_id)) as channel:
-        # A cancel that landed between the claim and the subscription would otherwise be missed.
-        cancelled = ExecJob.objects.filter(pk=job.pk, status=Status.CANCELLED)
-        if db_retry(cancelled.exists, what="checking for a cancel", job_id=job_id):
+        # A cancel that landed between the claim and the subscription would otherwise be missed:
+        # the SDK's hash is recorded only on a job still running.
+        running = ExecJob.objects.filter(pk=job.pk, status=Status.RUNNING)
+        if not db_retry(lambda: running.update(sdk_hash=job.sdk_hash), what="recording the job's SDK", job_id=job_id):
             return Outcome(status="cancelled")
         # Every job may bring files and gets back the files its code wrote (within the quota).
         extra: dict[str, Any] = {
-            "files": job_inputs(job_id=job.pk),
+            "files": job_inputs(job_id=job.pk) if job.has_inputs else {},  # type: ignore[attr-defined]  # annotated by prepare
             "collect_files": {"max_bytes": settings.PTC_FILES_MAX_BYTES, "max_count": settings.PTC_FILES_MAX_COUNT},
         }
         live: LiveSession | None = None
@@ -344,12 +355,14 @@ def _exec_job_files_done(*, job: ExecJob, outcome: Outcome, sent: list[tuple[int
 def _exec_job_prepare(*, job_id: str) -> "tuple[ExecJob, JobCallRouter, dict[str, str], str] | Outcome":
     """Load a claimed job, build its SDK, its call router and its job-scoped key. Return those, or
     the Outcome that ends the job if its SDK can't be built. Safe to run again."""
-    job = ExecJob.objects.select_related("user", "session").get(pk=job_id)
+    inputs = WorkFile.objects.filter(exec_job=OuterRef("pk"), kind=WorkFile.Kind.INPUT)
+    job = ExecJob.objects.select_related("user", "session").annotate(has_inputs=Exists(inputs)).get(pk=job_id)
     policy = policy_get()
+    direct_only = frozenset(policy.direct_only_tools)
     toolsets, _ = toolsets_resolve(user=job.user, keys=job.toolsets)
     extra = [client_toolset(job.client_tools)] if job.client_tools else []
     try:
-        sdk = sdk_cached(toolsets=toolsets, extra=extra)
+        sdk = sdk_cached(toolsets=toolsets, extra=extra, direct_only=direct_only)
     except (OperationalError, InterfaceError):
         raise
     except Exception as exc:  # said in the job's error
@@ -360,9 +373,7 @@ def _exec_job_prepare(*, job_id: str) -> "tuple[ExecJob, JobCallRouter, dict[str
     if size > SDK_MB << 20:
         message = f"the SDK of the job's toolsets is {size} bytes; a sandbox takes at most {SDK_MB} MiB: grant fewer toolsets"
         return Outcome(status="failed", error=job_error("ResourceLimit", message))
-    ExecJob.objects.filter(pk=job.pk).update(sdk_hash=sdk.hash)
-    job.sdk_hash = sdk.hash
-    direct_only = frozenset(policy.direct_only_tools)
+    job.sdk_hash = sdk.hash  # recorded once subscribed to the job's channel (_exec_job_sandbox)
     router = JobCallRouter(job=job, toolsets=toolsets, direct_only=direct_only, extra=extra, policy=policy)
     # What a sandbox on another host would call back with (POST /api/v1/tools/execute); it dies with the job.
     _, job_key = api_key_create(
@@ -439,35 +450,41 @@ def _exec_job_close(*, job_id: Any) -> ExecJob:
     """What follows every job's end, however it ended: its job key is revoked, its calls still
     queued fail as never run (a tools worker that claimed one finishes it), and its end is
     announced. Idempotent. Return the job."""
-    job = ExecJob.objects.select_related("user").get(pk=job_id)
+    # The job and its calls in one read: what its end announces, and the calls it left open.
+    job = exec_job_with_calls(job_id=job_id)
     job_keys_revoke(exec_job_id=job.pk)
     if job.session_id is not None:  # before the end is announced: whoever sees it can send the next job
         exec_session_job_ended(session_id=job.session_id, job_id=job.pk)
-    # One read finds the calls left open (usually none): queued ones fail as never run (a tools
-    # worker that claimed one finishes it); ones waiting on the client or an approval fail too, so
-    # a late answer finds them ended (409), each one's price held goes back, and watchers see it end.
-    left = list(ToolCall.objects.filter(exec_job=job, status__in=ToolCall.OPEN).values_list("call_id", "status", "claimed_at"))
-    queued = [call_id for call_id, status, claimed in left if status == ToolCall.Status.EXECUTING and claimed is None]
+    # Calls left open (usually none): queued ones fail as never run (a tools worker that claimed one
+    # finishes it); ones waiting on the client or an approval fail too, so a late answer finds them
+    # ended (409), each one's price held goes back, and watchers see it end.
+    left = [call for call in job.tool_calls.all() if call.status in ToolCall.OPEN]
+    queued = [call.call_id for call in left if call.status == ToolCall.Status.EXECUTING and call.claimed_at is None]
     if queued:
         ToolCall.objects.filter(call_id__in=queued, status=ToolCall.Status.EXECUTING, claimed_at__isnull=True).update(
             status=ToolCall.Status.FAILED,
             error=call_error("job_ended", "the job ended before this call started; it was not run"),
             finished_at=timezone.now(),
         )
-    for call_id, status, _ in left:
-        if status in ToolCall.AWAITING:
+    for call in left:
+        if call.status in ToolCall.AWAITING:
             error = call_error("job_ended", "the job ended while this call was waiting; it was not run")
-            tool_call_finish(call_id=call_id, error=error)
+            tool_call_finish(call_id=call.call_id, error=error)
+    if left:
+        job = exec_job_with_calls(job_id=job_id)  # their ends are part of the job's
     _exec_job_ended(job)
     return job
 
 
 def _exec_job_ended(job: ExecJob) -> str:
-    """Announce a job's end: its last event, then the channel's ``end`` that wakes ``wait``. Return its status."""
-    final = job_end_payload(job)
-    event_publish(job_call_id=job.call_id, event="exec_end", data=final)
-    backplane().publish(job_channel(job.call_id), End(status=final["status"]))
-    return final["status"]
+    """Announce a job's end: its last event, then the ``End`` on its end channel that wakes its
+    waiters, with the job as the API shows it (unless too large to push). ``job`` comes with its
+    calls. Return its status."""
+    view = job_view(job)
+    event_publish(job_call_id=job.call_id, event="exec_end", data=job_end_payload(view))
+    pushed = view if len(json.dumps(view, default=str)) <= END_PUSH_MAX_BYTES else None
+    backplane().publish(job_end_channel(job.call_id), End(status=view["status"], job=pushed))
+    return view["status"]
 
 
 def _exec_job_fail_if(*, job_id: str, status: str, kind: str, message: str, stale: bool = False) -> bool:
@@ -494,21 +511,43 @@ def exec_job_fail_queued(*, job_id: Any, message: str) -> bool:
     return _exec_job_fail_if(job_id=str(job_id), status=Status.QUEUED, kind="SessionEnded", message=message)
 
 
-def exec_job_wait(*, job: ExecJob, seconds: float) -> None:
-    """Block until ``job`` has finished or ``seconds`` pass. Woken by the job's end, never polled;
-    no database connection is held while it waits. If the backplane can't be reached, it returns
-    at once: the caller shows the job as it is."""
-    if seconds <= 0:
-        return
-    try:
-        backplane().wait_for(
-            job_channel(job.call_id),
-            done=lambda: ExecJob.objects.filter(pk=job.pk, status__in=ExecJob.FINISHED).exists(),
-            match=lambda message: isinstance(message, End),
-            timeout=seconds,
-        )
-    except Exception:  # no push to wait for; the job is shown as it is now
-        logger.warning("cannot wait for a job: its channel is unreachable", exc_info=True)
+def exec_job_submit(*, wait: float, **create: Any) -> tuple[ExecJob, End | None]:
+    """Create a job (``exec_job_create``'s arguments) and block up to ``wait`` seconds for its end.
+    Return the job as created and its ``End`` if it ended in time (its ``job`` is what it ended
+    as; None when too large to push: read the record).
+
+    Its end channel is subscribed before the job is queued, so its end can't be missed, and no
+    query asks whether it has ended. If the backplane can't be reached, it does not wait: the
+    caller shows the job as it is."""
+    call_id = new_exec_call_id()
+    subscription: Subscription | None = None
+    if wait > 0:
+        try:
+            subscription = backplane().subscribe(job_end_channel(call_id))
+        except Exception:  # no push to wait for; the job is shown as it is now
+            logger.warning("cannot wait for a job: its channel is unreachable", exc_info=True)
+    with subscription or nullcontext():
+        job = exec_job_create(call_id=call_id, **create)
+        return job, _job_end_await(subscription, job=job, seconds=wait) if subscription is not None else None
+
+
+def _job_ended(job: ExecJob) -> str:
+    """The job's status if it has finished, else ``""``."""
+    return ExecJob.objects.filter(pk=job.pk, status__in=ExecJob.FINISHED).values_list("status", flat=True).first() or ""
+
+
+def _job_end_await(subscription: Subscription, *, job: ExecJob, seconds: float) -> End | None:
+    deadline = time.monotonic() + seconds
+    while (remaining := deadline - time.monotonic()) > 0:
+        connection.close()  # not held while blocked: the pool is for those who query
+        subscription.wait(remaining)
+        for message in subscription.drain():
+            if isinstance(message, End):
+                return message
+            # The channel reconnected: an end pushed meanwhile is lost; the record is not.
+            if isinstance(message, Resync) and (status := _job_ended(job)):
+                return End(status=status)
+    return None
 
 
 def exec_job_cancel(*, job: ExecJob) -> ExecJob:
