@@ -55,9 +55,12 @@ def timed(fn: Callable[[], Any], runs: int) -> list[float]:
 
 
 @contextmanager
-def running_stack(extra_env: dict[str, str] | None = None, exec_workers: int = 1) -> Iterator[tuple[Stack, httpx.Client]]:
-    """Start ``exec_workers`` exec workers, a tools worker and the web process on a fresh database,
-    with ``extra_env`` (the policy's seed too: it is read at migrate); yield an authed client."""
+def running_stack(
+    extra_env: dict[str, str] | None = None, exec_workers: int = 1, tools_workers: int = 1
+) -> Iterator[tuple[Stack, httpx.Client]]:
+    """Start ``exec_workers`` exec workers, ``tools_workers`` tools workers and the web process on a
+    fresh database, with ``extra_env`` (the policy's seed too: it is read at migrate); yield an
+    authed client."""
     server = os.environ["TEST_DATABASE_URL"]
     redis = os.environ["REDIS_URL"]
     name = f"ptc_bench_{uuid.uuid4().hex[:8]}"
@@ -83,6 +86,9 @@ def running_stack(extra_env: dict[str, str] | None = None, exec_workers: int = 1
             ready=" ready.",
         )
         stack.processes.insert(0, extra)
+    for n in range(1, tools_workers):
+        argv = [*stack.tools_worker.argv[:-4], "-n", f"tools{n + 1}-{os.getpid()}@%h", "-l", "info"]
+        stack.processes.insert(0, Process(f"tools-worker-{n + 1}", argv, env, ready=" ready."))
     try:
         import subprocess
 

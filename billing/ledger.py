@@ -3,16 +3,18 @@ release when it did not. They touch billing's tables only, and run inside the ca
 transaction: execution flips its call's row, then settles, in one ``atomic()``.
 
 Two backends behind one interface, chosen once by the database:
-- ``PostgresLedger``: each move is one statement (data-modifying CTEs). Every call of a user
-  updates that user's account row; as one statement, the row's lock lasts as long as PostgreSQL
-  takes to run it, never a client round trip (a busy worker's GIL must not hold every other call of
-  the user). Settle runs last in its transaction, so the lock is held from it to the COMMIT only.
+- ``PostgresLedger``: each move is one statement (data-modifying CTEs), and a reserve holds a
+  whole burst of calls at once. Every call of a user updates that user's account row; as one
+  statement, the row's lock lasts as long as PostgreSQL takes to run it, never a client round trip
+  (a busy worker's GIL must not hold every other call of the user). Settle runs last in its
+  transaction, so the lock is held from it to the COMMIT only.
 - ``OrmLedger``: the same moves through the ORM, for SQLite (no data-modifying CTEs; it takes a
   database-wide lock anyway).
 """
 
 import functools
 import json
+from dataclasses import dataclass
 from typing import Any
 
 from django.db import connection, transaction
@@ -29,11 +31,20 @@ _TABLES = {
 }
 
 
+@dataclass(frozen=True)
+class Hold:
+    """What to hold for one call: ``amount``, of its list price ``due_amount``."""
+
+    tool_call_id: str
+    amount: int
+    due_amount: int
+    meta: dict[str, Any]
+
+
 class Ledger:
-    def reserve(
-        self, *, account_id: int, tool_call_id: str, amount: int, due_amount: int, meta: dict[str, Any], exec_job_id: Any
-    ) -> bool:
-        """Hold ``amount`` for the call if the account has it available. Return whether it was held."""
+    def reserve(self, *, account_id: int, holds: list[Hold], exec_job_id: Any) -> bool:
+        """Hold every one of ``holds`` if the account has their total available, or none of them.
+        Return whether they were held."""
         raise NotImplementedError
 
     def settle(self, *, tool_call_id: str) -> int:
@@ -49,13 +60,14 @@ class Ledger:
 class PostgresLedger(Ledger):
     RESERVE = """
     WITH held AS (
-        UPDATE {account} SET reserved = reserved + %(amount)s, updated_at = now()
-        WHERE id = %(account_id)s AND balance >= reserved + %(amount)s
+        UPDATE {account} SET reserved = reserved + %(total)s, updated_at = now()
+        WHERE id = %(account_id)s AND balance >= reserved + %(total)s
         RETURNING id
     )
     INSERT INTO {reservation} (account_id, tool_call_id, exec_job_id, amount, due_amount, meta, status, created_at)
-    SELECT id, %(call)s, %(job)s, %(amount)s, %(due)s, %(meta)s, 'held', now() FROM held
-    RETURNING id
+    SELECT held.id, c.call, %(job)s, c.amount, c.due, c.meta, 'held', now()
+    FROM held,
+         unnest(%(calls)s::text[], %(amounts)s::bigint[], %(dues)s::bigint[], %(metas)s::jsonb[]) AS c(call, amount, due, meta)
     """.format(**_TABLES)  # noqa: S608 - table names from the models, values as parameters
     SETTLE = """
     WITH settled AS (
@@ -87,20 +99,19 @@ class PostgresLedger(Ledger):
     FROM released r WHERE a.id = r.account_id
     """.format(**_TABLES)  # noqa: S608
 
-    def reserve(
-        self, *, account_id: int, tool_call_id: str, amount: int, due_amount: int, meta: dict[str, Any], exec_job_id: Any
-    ) -> bool:
+    def reserve(self, *, account_id: int, holds: list[Hold], exec_job_id: Any) -> bool:
         params = {
             "account_id": account_id,
-            "amount": amount,
-            "call": tool_call_id,
-            "due": due_amount,
+            "total": sum(hold.amount for hold in holds),
             "job": exec_job_id,
-            "meta": json.dumps(meta),
+            "calls": [hold.tool_call_id for hold in holds],
+            "amounts": [hold.amount for hold in holds],
+            "dues": [hold.due_amount for hold in holds],
+            "metas": [json.dumps(hold.meta) for hold in holds],
         }
         with connection.cursor() as cursor:
             cursor.execute(self.RESERVE, params)
-            return cursor.fetchone() is not None
+            return cursor.rowcount == len(holds)
 
     def settle(self, *, tool_call_id: str) -> int:
         with connection.cursor() as cursor:
@@ -114,21 +125,23 @@ class PostgresLedger(Ledger):
 
 
 class OrmLedger(Ledger):
-    def reserve(
-        self, *, account_id: int, tool_call_id: str, amount: int, due_amount: int, meta: dict[str, Any], exec_job_id: Any
-    ) -> bool:
+    def reserve(self, *, account_id: int, holds: list[Hold], exec_job_id: Any) -> bool:
+        total = sum(hold.amount for hold in holds)
         with transaction.atomic():
-            held = CreditAccount.objects.filter(pk=account_id, balance__gte=F("reserved") + amount).update(
-                reserved=F("reserved") + amount, updated_at=timezone.now()
+            held = CreditAccount.objects.filter(pk=account_id, balance__gte=F("reserved") + total).update(
+                reserved=F("reserved") + total, updated_at=timezone.now()
             )
             if held:
-                Reservation.objects.create(
-                    account_id=account_id,
-                    tool_call_id=tool_call_id,
-                    exec_job_id=exec_job_id,
-                    amount=amount,
-                    due_amount=due_amount,
-                    meta=meta,
+                Reservation.objects.bulk_create(
+                    Reservation(
+                        account_id=account_id,
+                        tool_call_id=hold.tool_call_id,
+                        exec_job_id=exec_job_id,
+                        amount=hold.amount,
+                        due_amount=hold.due_amount,
+                        meta=hold.meta,
+                    )
+                    for hold in holds
                 )
         return bool(held)
 

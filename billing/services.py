@@ -6,6 +6,7 @@ writes a ledger entry in the same transaction: the balance always equals the sum
 
 import logging
 import math
+from contextlib import nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -15,7 +16,7 @@ from django.db import transaction
 from django.db.models import F, Max, Sum
 from django.utils import timezone
 
-from billing.ledger import ledger
+from billing.ledger import Hold, ledger
 from billing.models import CreditAccount, Discount, LedgerEntry, Reservation
 from ptcproject.errors import ApplicationError
 from ptcproject.storage import BIGINT_MAX, BIGINT_MIN
@@ -75,47 +76,58 @@ def price_quote(*, user: User, toolset: Toolset, tool: Tool) -> Quote | None:
     return Quote(amount=amount, due_amount=due, meta=meta, account_id=account.pk)
 
 
-def credits_reserve(*, user: User, tool_call_id: str, quote: Quote, exec_job: Any = None, max_credits: int | None = None) -> None:
-    """Hold ``quote.amount`` for the call before it runs, or raise CreditsRefused.
+def credits_reserve(
+    *, user: User, holds: list[tuple[str, Quote]], exec_job: Any = None, max_credits: int | None = None
+) -> dict[str, CreditsRefused]:
+    """Hold each call's quote ``(tool_call_id, quote)`` before it runs, in order; return the calls
+    refused, by id. The quotes are ``user``'s.
 
-    The account row is locked, so parallel calls are serialised here: the held total can never
-    exceed the balance, and a job's calls can never exceed its budget.
+    One statement holds a whole burst when the account (and the job's budget, ``max_credits``) has
+    its total; otherwise each call is held or refused on its own, in order. The account row is
+    locked by each hold, so parallel calls are serialised: the held total can never exceed the
+    balance, and a job's calls can never exceed its budget.
     """
-    account_id = quote.account_id
-    if max_credits is None or exec_job is None:
-        _hold(account_id=account_id, tool_call_id=tool_call_id, quote=quote, exec_job=exec_job)
-        return
-    with transaction.atomic():
-        CreditAccount.objects.select_for_update().filter(pk=account_id).first()  # one budget check at a time
-        spent = (
-            Reservation.objects.filter(exec_job=exec_job)
-            .exclude(status=Reservation.Status.RELEASED)
-            .aggregate(total=Sum("amount"))["total"]
-            or 0
-        )
-        if spent + quote.amount > max_credits:
-            raise CreditsRefused(
-                "budget_exceeded",
-                f"this call costs {quote.amount} credits and the job has {max_credits - spent} of its "
-                f"{max_credits}-credit budget left",
+    if len(holds) > 1 and _hold_all(holds, exec_job=exec_job, max_credits=max_credits, refuse=False):
+        return {}
+    refused = {}
+    for call_id, quote in holds:
+        try:
+            _hold_all([(call_id, quote)], exec_job=exec_job, max_credits=max_credits, refuse=True)
+        except CreditsRefused as exc:
+            refused[call_id] = exc
+    return refused
+
+
+def _hold_all(holds: list[tuple[str, Quote]], *, exec_job: Any, max_credits: int | None, refuse: bool) -> bool:
+    """Hold all of ``holds`` or none. Return whether they were held; with ``refuse``, raise
+    CreditsRefused rather than return False."""
+    amount = sum(quote.amount for _, quote in holds)
+    account_id = holds[0][1].account_id
+    rows = [Hold(tool_call_id=call_id, amount=q.amount, due_amount=q.due_amount, meta=q.meta) for call_id, q in holds]
+    job_id = getattr(exec_job, "pk", None)
+    with transaction.atomic() if max_credits is not None and exec_job is not None else nullcontext():
+        if max_credits is not None and exec_job is not None:
+            CreditAccount.objects.select_for_update().filter(pk=account_id).first()  # one budget check at a time
+            spent = (
+                Reservation.objects.filter(exec_job=exec_job)
+                .exclude(status=Reservation.Status.RELEASED)
+                .aggregate(total=Sum("amount"))["total"]
+                or 0
             )
-        _hold(account_id=account_id, tool_call_id=tool_call_id, quote=quote, exec_job=exec_job)
-
-
-def _hold(*, account_id: int, tool_call_id: str, quote: Quote, exec_job: Any) -> None:
-    held = ledger().reserve(
-        account_id=account_id,
-        tool_call_id=tool_call_id,
-        amount=quote.amount,
-        due_amount=quote.due_amount,
-        meta=quote.meta,
-        exec_job_id=getattr(exec_job, "pk", None),
-    )
-    if not held:
-        available = CreditAccount.objects.filter(pk=account_id).values_list(F("balance") - F("reserved"), flat=True)[0]
-        raise CreditsRefused(
-            "insufficient_credits", f"this call costs {quote.amount} credits and {max(available, 0)} are available"
-        )
+            if spent + amount > max_credits:
+                if not refuse:
+                    return False
+                raise CreditsRefused(
+                    "budget_exceeded",
+                    f"this call costs {amount} credits and the job has {max_credits - spent} of its "
+                    f"{max_credits}-credit budget left",
+                )
+        if ledger().reserve(account_id=account_id, holds=rows, exec_job_id=job_id):
+            return True
+    if not refuse:
+        return False
+    available = CreditAccount.objects.filter(pk=account_id).values_list(F("balance") - F("reserved"), flat=True)[0]
+    raise CreditsRefused("insufficient_credits", f"this call costs {amount} credits and {max(available, 0)} are available")
 
 
 def credits_settle(*, tool_call_id: str) -> int:

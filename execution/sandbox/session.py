@@ -13,6 +13,7 @@ import selectors
 import signal
 import socket
 import subprocess
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -156,6 +157,11 @@ class Session:
         self.in_flight: dict[str, _InFlight] = {}
         self.submitting = 0
         self.to_submit: list[tuple[int, str, str, Any]] = []
+        # Calls handed to the submit threads and not yet taken by one, and how many threads run.
+        self.submit_lock = threading.Lock()
+        self.unsubmitted: list[tuple[int, str, str, Any]] = []
+        self.submitters = 0
+        self.submit_stopped = False
         self.submitted: queue.SimpleQueue[tuple[int, Dispatched | Refused | None]] = queue.SimpleQueue()
         self.early: dict[str, dict[str, Any]] = {}
         self.waiting: deque[dict[str, Any]] = deque()
@@ -181,6 +187,8 @@ class Session:
             self._loop(proc, ours, base_deadline=spawned + self.limits.timeout)
         finally:
             # Submissions not started are dropped (never recorded); started ones finish first.
+            with self.submit_lock:
+                self.submit_stopped = True
             self.submitter.shutdown(wait=True, cancel_futures=True)
             os.close(self._wake_r)
             os.close(self._wake_w)
@@ -426,17 +434,34 @@ class Session:
         self.to_submit.append((message["id"], toolset, tool, message.get("args")))
 
     def _flush_submits(self) -> None:
-        """Hand what was dispatched since the last wake-up to the submit threads, a burst split into
-        one batch per thread: a batch costs about as much as one call."""
+        """Hand what was dispatched since the last wake-up to the submit threads, starting as many
+        as are idle. Each takes its share of what is waiting when it is free, so the calls that
+        arrive while the threads are busy go out in a few large batches: a batch costs about as
+        much as one call (one INSERT, one hold of credits, one producer)."""
         if not self.to_submit:
             return
-        pending, self.to_submit = self.to_submit, []
-        size = -(-len(pending) // SUBMIT_THREADS)
-        for start in range(0, len(pending), size):
-            self.submitter.submit(self._submit, pending[start : start + size])
+        with self.submit_lock:
+            self.unsubmitted += self.to_submit
+            self.to_submit = []
+            start = min(SUBMIT_THREADS - self.submitters, len(self.unsubmitted))
+            self.submitters += start
+        for _ in range(start):
+            self.submitter.submit(self._submit_waiting)
+
+    def _submit_waiting(self) -> None:
+        """On a submit thread: submit the calls waiting, a share at a time, until none is (or the
+        job has ended: what was not submitted then is dropped, never recorded)."""
+        while True:
+            with self.submit_lock:
+                if not self.unsubmitted or self.submit_stopped:
+                    self.submitters -= 1
+                    return
+                size = -(-len(self.unsubmitted) // self.submitters)
+                batch, self.unsubmitted = self.unsubmitted[:size], self.unsubmitted[size:]
+            self._submit(batch)
 
     def _submit(self, batch: list[tuple[int, str, str, Any]]) -> None:
-        """On a submit thread: hand a batch to the router, then wake the loop with the outcomes."""
+        """Hand a batch to the router, then wake the loop with the outcomes."""
         outcomes: list[Dispatched | Refused | None]
         try:
             outcomes = list(self.router.submit_many([(toolset, tool, args) for _, toolset, tool, args in batch]))

@@ -20,7 +20,6 @@ from django.utils import timezone
 
 from billing.models import Reservation
 from billing.services import (
-    CreditsRefused,
     billable,
     credits_release,
     credits_reserve,
@@ -276,8 +275,8 @@ def tool_call_standalone(
         call = _tool_call_record(**record, found=found, error=error)
     if found is None:
         return call
-    refused = tool_call_reserve(call_id=call_id, user=user, tool=found, job=job)
-    if refused is None and _tool_call_enqueue(call_id=call_id, queue=found.toolset.queue) is None:
+    refused = tool_calls_reserve(calls=[(call_id, found)], user=user, job=job)
+    if not refused and _tool_call_enqueue(call_id=call_id, queue=found.toolset.queue) is None:
         timeout = (found.timeout or settings.PTC_DEFAULT_TOOL_TIMEOUT) + CALL_GRACE_SECONDS
         finished = backplane().wait_for(
             _result_channel(call_id, job.call_id if job else ""),
@@ -379,28 +378,31 @@ def tool_call_finish(
     return finished
 
 
-def tool_call_reserve(
-    *, call_id: str, user: User, tool: Tool, job: ExecJob | None, quotes: dict[Any, Any] | None = None
-) -> dict[str, str] | None:
-    """Hold the call's price before it runs. Return the error that refused it, after failing its record.
+def tool_calls_reserve(
+    *, calls: list[tuple[str, Tool]], user: User, job: ExecJob | None, quotes: dict[Any, Any] | None = None
+) -> dict[str, dict[str, str]]:
+    """Hold the prices of calls ``(call_id, tool)`` before they run, a burst in one statement when
+    the credits suffice. Return the errors of those refused, by call id, after failing their records.
 
     ``quotes`` keeps a job's prices for its life, so its calls don't price the same tool again.
     """
-    if quotes is not None and tool.pk in quotes:
-        quote = quotes[tool.pk]
-    else:
-        quote = price_quote(user=user, toolset=tool.toolset, tool=tool)
-        if quotes is not None:
-            quotes[tool.pk] = quote
-    if quote is None:
-        return None
-    try:
-        credits_reserve(user=user, tool_call_id=call_id, quote=quote, exec_job=job, max_credits=job.max_credits if job else None)
-    except CreditsRefused as refused:
-        error = refused.as_dict()
+    holds = []
+    for call_id, tool in calls:
+        if quotes is not None and tool.pk in quotes:
+            quote = quotes[tool.pk]
+        else:
+            quote = price_quote(user=user, toolset=tool.toolset, tool=tool)
+            if quotes is not None:
+                quotes[tool.pk] = quote
+        if quote is not None:
+            holds.append((call_id, quote))
+    if not holds:
+        return {}
+    refused = credits_reserve(user=user, holds=holds, exec_job=job, max_credits=job.max_credits if job else None)
+    errors = {call_id: exc.as_dict() for call_id, exc in refused.items()}
+    for call_id, error in errors.items():
         tool_call_finish(call_id=call_id, error=error)
-        return error
-    return None
+    return errors
 
 
 # The claim and the read of the row in one statement (PostgreSQL and SQLite both have RETURNING):

@@ -16,9 +16,9 @@ from execution.services.calls import (
     tool_call_build,
     tool_call_finish,
     tool_call_reply,
-    tool_call_reserve,
     tool_calls_enqueue,
     tool_calls_record,
+    tool_calls_reserve,
     tool_needs_approval,
 )
 from ptcproject.db import db_reset
@@ -88,20 +88,21 @@ class JobCallRouter:
                 calls.append(tool_call_build(**fields, found=None, error=failure.as_dict()))
             found_tools.append(found)
         tool_calls_record(calls)
+        # A job's own client tools are free (no row, no price); a shared client toolset's or an
+        # approval's price is held while it waits, and settled when it completes.
+        priced = [
+            (call.call_id, found) for call, found in zip(calls, found_tools, strict=True) if found and not found._state.adding
+        ]
+        refused = tool_calls_reserve(calls=priced, user=self.job.user, job=self.job, quotes=self.quotes)
         accepted = []
         for call, found in zip(calls, found_tools, strict=True):
             if found is None:
                 assert call.error is not None, "a call the checker refused was built with the failure as its error"
                 outcomes.append(Refused(call_id=call.call_id, error=call.error))
                 continue
-            # A job's own client tools are free (no row, no price); a shared client toolset's or an
-            # approval's price is held while it waits, and settled when it completes.
-            error = None
-            if not found._state.adding:
-                error = tool_call_reserve(call_id=call.call_id, user=self.job.user, tool=found, job=self.job, quotes=self.quotes)
             awaits = self._awaits(found)
-            if error:
-                outcomes.append(Refused(call_id=call.call_id, error=error))
+            if call.call_id in refused:
+                outcomes.append(Refused(call_id=call.call_id, error=refused[call.call_id]))
             elif awaits:
                 # Nothing is queued: the call waits for POST .../tool-results or .../approval.
                 timeout = found.timeout or settings.PTC_CLIENT_TOOL_TIMEOUT

@@ -13,7 +13,7 @@ from django.utils import timezone
 
 from billing.models import CreditAccount, CreditUsage, Discount, LedgerEntry, Plan, Reservation
 from billing.selectors import ledger_mismatches
-from billing.services import account_get, credits_reserve, price_quote
+from billing.services import account_get, credits_release, credits_reserve, price_quote
 from execution.models import ToolCall
 from execution.services import calls as execution_services
 from tests.conftest import Api
@@ -94,6 +94,38 @@ done
     assert job["max_credits"] == 3
 
 
+def test_a_burst_is_held_in_one_go_or_call_by_call_as_far_as_the_credits_go(make_api: Callable[..., Api]) -> None:
+    api = make_api(credits=5)
+    user = get_user_model().objects.get(username=api.username)
+    tool = Tool.objects.select_related("toolset").get(toolset__key="demo", toolset__owner=None, name="add")
+    quote = price_quote(user=user, toolset=tool.toolset, tool=tool)
+    assert quote is not None and quote.amount == 1
+    first = [(f"burst_{uuid.uuid4().hex}", quote) for _ in range(3)]
+    assert credits_reserve(user=user, holds=first) == {}
+    rest = [(f"burst_{uuid.uuid4().hex}", quote) for _ in range(4)]
+    refused = credits_reserve(user=user, holds=rest)
+    # The burst's total is not there: each is held in order while the credits last.
+    assert list(refused) == [rest[2][0], rest[3][0]]
+    assert {exc.code for exc in refused.values()} == {"insufficient_credits"}
+    account = CreditAccount.objects.get(user=user)
+    assert (account.balance, account.reserved) == (5, 5)
+    held = [call_id for call_id, _ in first + rest[:2]]
+    assert sorted(Reservation.objects.filter(status="held", account=account).values_list("tool_call_id", flat=True)) == sorted(
+        held
+    )
+    # A job's budget holds a burst the same way.
+    job = running_job(user=user)
+    for call_id in held:
+        credits_release(tool_call_id=call_id)
+    budgeted = [(f"burst_{uuid.uuid4().hex}", quote) for _ in range(3)]
+    refused = credits_reserve(user=user, holds=budgeted, exec_job=job, max_credits=2)
+    assert list(refused) == [budgeted[2][0]] and refused[budgeted[2][0]].code == "budget_exceeded"
+    for call_id, _ in budgeted[:2]:
+        credits_release(tool_call_id=call_id)
+    account.refresh_from_db()
+    assert (account.balance, account.reserved) == (5, 0)
+
+
 def test_a_plan_with_free_tools_records_the_price_and_charges_nothing(api: Api) -> None:
     account = account_get(user=get_user_model().objects.get(username=api.username))
     account.plan = Plan.objects.get(key="plus")
@@ -118,9 +150,7 @@ def test_a_redelivered_tools_task_charges_once(api: Api) -> None:
     job = running_job(user=user)
     call = demo_call(user=user, job=job, input={"a": 1, "b": 1})
     tool = call.tool
-    credits_reserve(
-        user=user, tool_call_id=call.call_id, quote=price_quote(user=user, toolset=tool.toolset, tool=tool), exec_job=job
-    )
+    credits_reserve(user=user, holds=[(call.call_id, price_quote(user=user, toolset=tool.toolset, tool=tool))], exec_job=job)
     before = CreditAccount.objects.get(user=user).balance
     execution_services.tool_call_execute(call_id=call.call_id)
     execution_services.tool_call_execute(call_id=call.call_id)  # the broker delivers it again
@@ -137,7 +167,7 @@ def test_the_reaper_settles_or_releases_what_a_dead_worker_left_held(api: Api) -
     made = {}
     for outcome in ("completed", "failed"):
         call = demo_call(user=user, status=outcome, output=2 if outcome == "completed" else None)
-        credits_reserve(user=user, tool_call_id=call.call_id, quote=quote)
+        credits_reserve(user=user, holds=[(call.call_id, quote)])
         made[outcome] = call.call_id
     Reservation.objects.filter(tool_call_id__in=made.values()).update(created_at=timezone.now() - timedelta(minutes=5))
     before = CreditAccount.objects.get(user=user)
