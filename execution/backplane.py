@@ -181,35 +181,122 @@ class Subscription:
 
 
 class _RedisSubscription(Subscription):
-    def __init__(self, client: Any, channel: str) -> None:
+    def __init__(self, hub: "_RedisHub", channel: str) -> None:
         super().__init__()
-        self._pubsub = client.pubsub(ignore_subscribe_messages=True)
-        self._pubsub.subscribe(channel)  # subscribed before it returns: nothing published after is missed
-        self._thread = threading.Thread(target=self._listen, name=f"sub-{channel}", daemon=True)
-        self._thread.start()
+        self._hub, self.channel = hub, channel
+        hub.add(self)  # subscribed before it returns: nothing published after is missed
 
-    def _listen(self) -> None:
+    def _stop(self) -> None:
+        self._hub.remove(self)
+
+
+# How long a subscription waits for Redis to confirm it before it counts as failed.
+SUBSCRIBE_TIMEOUT = 5.0
+
+
+class _RedisHub:
+    """Every subscription of this process on one pub/sub connection and one reader thread: a
+    subscription is one SUBSCRIBE on it, not a connection and a thread of its own (a web process
+    with a thousand clients waiting on their jobs holds one connection, not a thousand).
+
+    redis-py's PubSub is not thread-safe, so every call on it is made under ``lock``; the reader
+    waits for data on the connection outside the lock, so subscribing never waits for a message.
+    """
+
+    def __init__(self, client: Any) -> None:
+        self._client = client
+        self._lock = threading.Lock()
+        self._pubsub: Any = None
+        self._channels: dict[bytes, set[_RedisSubscription]] = {}
+        self._confirmed: dict[bytes, threading.Event] = {}
+        self._thread: threading.Thread | None = None
+
+    def add(self, subscription: _RedisSubscription) -> None:
+        """Subscribe ``subscription`` to its channel: return once Redis has confirmed it. Raises if
+        Redis can't be reached."""
+        channel = subscription.channel.encode()
+        with self._lock:
+            if self._pubsub is None:
+                self._pubsub = self._client.pubsub()
+            subscribers = self._channels.setdefault(channel, set())
+            subscribers.add(subscription)
+            confirmed = self._confirmed.get(channel)
+            if confirmed is None:
+                confirmed = self._confirmed[channel] = threading.Event()
+                try:
+                    self._pubsub.subscribe(channel)
+                except Exception:
+                    self._forget(subscription)
+                    raise
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._read, name="ptc-subscriptions", daemon=True)
+                self._thread.start()
+        if not confirmed.wait(SUBSCRIBE_TIMEOUT):
+            self.remove(subscription)
+            raise TimeoutError(f"Redis did not confirm the subscription to {subscription.channel}")
+
+    def remove(self, subscription: _RedisSubscription) -> None:
+        """Drop ``subscription``; the channel's last one unsubscribes it. Never raises: a broken
+        connection has no subscription to undo."""
+        with self._lock:
+            if self._forget(subscription):
+                try:
+                    self._pubsub.unsubscribe(subscription.channel.encode())
+                except Exception:  # resubscribing after a reconnect leaves it out
+                    pass
+
+    def _forget(self, subscription: _RedisSubscription) -> bool:
+        """Drop ``subscription`` (the lock held). Return True if its channel has no other."""
+        channel = subscription.channel.encode()
+        subscribers = self._channels.get(channel, set())
+        subscribers.discard(subscription)
+        if subscribers:
+            return False
+        self._channels.pop(channel, None)
+        self._confirmed.pop(channel, None)
+        return True
+
+    def _read(self) -> None:
         broken = False
-        while not self._closed.is_set():
+        while True:
             try:
-                message = self._pubsub.get_message(timeout=1.0)  # blocks on the socket; wakes on a push
-            except Exception:  # Redis went away; redis-py resubscribes when it reconnects
+                with self._lock:
+                    if broken:
+                        self._pubsub.ping()  # reconnects here, under the lock (resubscribing), or raises
+                    connection = self._pubsub.connection
+                connection.can_read(timeout=1.0)  # blocks on the socket, outside the lock
+                with self._lock:
+                    messages = []
+                    while (message := self._pubsub.get_message(timeout=0)) is not None:
+                        messages.append(message)
+                    idle = not messages and not self._pubsub.subscribed
+            except Exception:  # Redis went away; retried every half second
                 broken = True
-                if self._closed.wait(0.5):
-                    return
+                time.sleep(0.5)
                 continue
             if broken:
                 broken = False
-                self._put(Resync())  # what was pushed meanwhile is lost: look at the records
-            if message and message.get("type") == "message":
-                if (decoded := _from_wire(json.loads(message["data"]))) is not None:
-                    self._put(decoded)
+                with self._lock:
+                    everyone = [sub for subscribers in self._channels.values() for sub in subscribers]
+                for subscription in everyone:
+                    subscription._put(Resync())  # what was pushed meanwhile is lost: look at the records
+            for message in messages:
+                self._deliver(message)
+            if idle:
+                time.sleep(0.05)  # data for no one (a message after the last unsubscribe): don't spin on it
 
-    def _stop(self) -> None:
-        try:
-            self._pubsub.close()
-        except Exception:  # closing a broken connection must not raise out of cleanup
-            pass
+    def _deliver(self, message: dict[str, Any]) -> None:
+        channel = message.get("channel")
+        with self._lock:
+            if message.get("type") == "subscribe":
+                confirmed = self._confirmed.get(channel)  # type: ignore[arg-type]
+                if confirmed is not None:
+                    confirmed.set()
+                return
+            subscribers = list(self._channels.get(channel, ())) if message.get("type") == "message" else []  # type: ignore[arg-type]
+        if subscribers and (decoded := _from_wire(json.loads(message["data"]))) is not None:
+            for subscription in subscribers:
+                subscription._put(decoded)
 
 
 def _socket_dir(channel: str) -> Path:
@@ -340,16 +427,15 @@ class RedisBackplane(Backplane):
         return redis.Redis.from_url(settings.REDIS_URL, health_check_interval=30, socket_keepalive=True, socket_connect_timeout=2)
 
     @functools.cached_property
-    def subscriber(self) -> Any:
-        """A client of its own for subscriptions: closing a pub/sub disconnects its connection, and
-        a connection of ``client``'s pool handed back disconnected would cost the next command
-        (an event, a publish) a reconnect."""
+    def hub(self) -> _RedisHub:
+        """This process's subscriptions, on a client of their own. Without health checks: those
+        would write to the connection from the reader thread, which only reads."""
         import redis
 
-        return redis.Redis.from_url(settings.REDIS_URL, health_check_interval=30, socket_keepalive=True, socket_connect_timeout=2)
+        return _RedisHub(redis.Redis.from_url(settings.REDIS_URL, socket_keepalive=True, socket_connect_timeout=2))
 
     def subscribe(self, channel: str) -> Subscription:
-        return _RedisSubscription(self.subscriber, channel)
+        return _RedisSubscription(self.hub, channel)
 
     def ping(self) -> None:
         self.client.ping()
