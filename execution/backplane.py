@@ -408,6 +408,17 @@ class Backplane:
         """Append events to the job's log in one round trip, in order. Never raises: a lost event
         must not fail the job (the records stay the truth)."""
 
+    def publish_then_append(
+        self, messages: list[tuple[str, Message]], events: list[tuple[str, list[tuple[str, dict[str, Any]]]]]
+    ) -> None:
+        """Push ``messages`` ``(channel, message)``, then append ``events`` ``(job call_id, events)``
+        to their jobs' logs: results reach their code before their watchers hear of them. Never
+        raises (``publish`` and ``events_append`` say why)."""
+        for channel, message in messages:
+            self.publish(channel, message)
+        for job_call_id, job_events in events:
+            self.events_append(job_call_id, job_events)
+
     def events_read(self, job_call_id: str) -> list[tuple[str, str, dict[str, Any]]]:
         """Return the job's logged events ``(id, name, data)``, oldest first; empty without a log."""
         return []
@@ -450,17 +461,37 @@ class RedisBackplane(Backplane):
     def events_append(self, job_call_id: str, events: list[tuple[str, dict[str, Any]]]) -> None:
         if not events:
             return
-        key = self.stream_key(job_call_id)
         try:
             pipe = self.client.pipeline(transaction=False)
-            for event, data in events:
-                payload = json.dumps(data, separators=(",", ":"), default=str)
-                pipe.xadd(key, {"event": event, "data": payload}, maxlen=STREAM_MAXLEN, approximate=True)
-                if event == "exec_end":
-                    pipe.expire(key, settings.PTC_EVENTS_RETENTION_SECONDS)
+            self._events_into(pipe, job_call_id, events)
             pipe.execute()
         except Exception:  # the records stay the truth; a reader rebuilds from them
             logger.warning("could not append events", extra={"job_id": job_call_id}, exc_info=True)
+
+    def publish_then_append(
+        self, messages: list[tuple[str, Message]], events: list[tuple[str, list[tuple[str, dict[str, Any]]]]]
+    ) -> None:
+        # One round trip: Redis runs a pipeline's commands in order, so every push goes out before
+        # any event. A batch of a tools worker's finished calls is one pipeline.
+        if not messages and not events:
+            return
+        try:
+            pipe = self.client.pipeline(transaction=False)
+            for channel, message in messages:
+                pipe.publish(channel, json.dumps(_to_wire(message), separators=(",", ":")))
+            for job_call_id, job_events in events:
+                self._events_into(pipe, job_call_id, job_events)
+            pipe.execute()
+        except Exception:  # the records stay the truth: see publish and events_append
+            logger.warning("could not publish %d results and their events", len(messages), exc_info=True)
+
+    def _events_into(self, pipe: Any, job_call_id: str, events: list[tuple[str, dict[str, Any]]]) -> None:
+        key = self.stream_key(job_call_id)
+        for event, data in events:
+            payload = json.dumps(data, separators=(",", ":"), default=str)
+            pipe.xadd(key, {"event": event, "data": payload}, maxlen=STREAM_MAXLEN, approximate=True)
+            if event == "exec_end":
+                pipe.expire(key, settings.PTC_EVENTS_RETENTION_SECONDS)
 
     def events_read(self, job_call_id: str) -> list[tuple[str, str, dict[str, Any]]]:
         try:

@@ -7,6 +7,7 @@ import threading
 import time
 import uuid
 from contextlib import nullcontext
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -38,6 +39,7 @@ from execution.events import (
 from execution.models import ExecJob, ToolCall
 from execution.sandbox.session import CALL_GRACE_SECONDS
 from ptcproject.accounts.models import ApiKey
+from ptcproject.batching import GroupCommit
 from ptcproject.errors import ApplicationError, call_error
 from ptcproject.metrics import tool_call_observe
 from ptcproject.policy.models import Policy
@@ -405,14 +407,30 @@ def tool_calls_reserve(
     return errors
 
 
-# The claim and the read of the row in one statement (PostgreSQL and SQLite both have RETURNING):
-# executing, unclaimed, and its job (if any) still running.
+# The claim and the read of the rows in one statement (PostgreSQL and SQLite both have RETURNING):
+# executing, unclaimed, and its job (if any) still running. {ids} is a placeholder per call.
 _CLAIM_SQL = f"""
 UPDATE {ToolCall._meta.db_table} SET claimed_at = %s
-WHERE call_id = %s AND status = 'executing' AND claimed_at IS NULL
-  AND (exec_job_id IS NULL OR exec_job_id IN (SELECT id FROM {ExecJob._meta.db_table} WHERE status = 'running'))
+WHERE call_id IN ({{ids}}) AND status = 'executing' AND claimed_at IS NULL
+  AND (exec_job_id IS NULL OR EXISTS (
+    SELECT 1 FROM {ExecJob._meta.db_table} j WHERE j.id = {ToolCall._meta.db_table}.exec_job_id AND j.status = 'running'))
 RETURNING *
 """  # noqa: S608 - table names from the models, values as parameters
+
+# A batch of calls that ran, finished in one statement on PostgreSQL: each open call moves to its
+# status and output; one that completes a billed call records what was held for it (settled right
+# after, in the same transaction). Returns the calls it moved.
+_FINISH_SQL = f"""
+UPDATE {ToolCall._meta.db_table} AS t SET
+  status = v.status, output = v.output, error = v.error, finished_at = v.finished_at,
+  credits = CASE WHEN v.settles THEN COALESCE((
+    SELECT r.amount FROM {Reservation._meta.db_table} r WHERE r.tool_call_id = t.call_id AND r.status = 'held' LIMIT 1
+  ), 0) ELSE t.credits END
+FROM unnest(%s::text[], %s::text[], %s::jsonb[], %s::jsonb[], %s::timestamptz[], %s::boolean[])
+  AS v(call_id, status, output, error, finished_at, settles)
+WHERE t.call_id = v.call_id AND t.status = ANY(%s)
+RETURNING t.call_id, t.credits
+"""  # noqa: S608
 
 
 # The calls this process is running, whose leases tool_calls_heartbeat renews.
@@ -437,25 +455,25 @@ def tool_call_execute(*, call_id: str) -> None:
     pushed again (the bridge ignores repeats); if it never finished, the worker that ran it died,
     and it fails as ``worker_lost`` rather than run twice.
     """
-    claimed_rows = list(ToolCall.objects.raw(_CLAIM_SQL, [timezone.now(), call_id]))
-    claimed = bool(claimed_rows)
-    call = claimed_rows[0] if claimed else ToolCall.objects.filter(call_id=call_id).first()
+    call = _claims(call_id)  # with the claims of this worker's other threads, when they coincide
+    claimed = call is not None
+    if call is None:
+        call = ToolCall.objects.filter(call_id=call_id).first()
     if call is None:
         logger.warning("tool call not found", extra={"call_id": call_id})
         return
-    tool = None
     if claimed:
         tool = tool_for_call(tool_id=call.tool_id) if call.tool_id else None
-        if tool is None:
-            reply = _tool_call_fail(call_id, "unknown_tool", "the tool no longer exists")
-        else:
+        if tool is not None:
             with _running_lock:
                 _running_calls.add(call_id)
             try:
-                reply = _tool_call_run(call=call, tool=tool)
+                _tool_call_run(call=call, tool=tool)  # which pushes its result and its event
             finally:
                 with _running_lock:
                     _running_calls.discard(call_id)
+            return
+        reply = _tool_call_fail(call_id, "unknown_tool", "the tool no longer exists")
     elif call.status != ToolCall.Status.EXECUTING:
         reply = tool_call_reply(call)
     elif call.claimed_at is not None:
@@ -463,8 +481,17 @@ def tool_call_execute(*, call_id: str) -> None:
     else:
         reply = _tool_call_fail(call_id, "job_ended", "the job ended before this call started; it was not run")
     backplane().publish(_result_channel(call_id, call.ptc_call_id), Result(call_id=call_id, **reply))
-    if claimed and tool is not None and call.ptc_call_id:  # the code has its result; now tell the watchers
-        _tool_call_event_publish(call)
+
+
+def _tool_calls_claim(call_ids: list[str]) -> list[ToolCall | None]:
+    """Claim calls in one statement. Return each one's row if this claimed it, else None (a
+    repeat of a call in the same batch is not claimed twice)."""
+    sql = _CLAIM_SQL.format(ids=", ".join(["%s"] * len(call_ids)))
+    rows = {call.call_id: call for call in ToolCall.objects.raw(sql, [timezone.now(), *call_ids])}
+    return [rows.pop(call_id, None) for call_id in call_ids]
+
+
+_claims = GroupCommit(_tool_calls_claim)
 
 
 def _result_channel(call_id: str, ptc_call_id: str) -> str:
@@ -487,8 +514,8 @@ def _tool_call_fail(call_id: str, code: str, message: str) -> dict[str, Any]:
     return tool_call_reply(ToolCall.objects.get(call_id=call_id))
 
 
-def _tool_call_run(*, call: ToolCall, tool: Tool) -> dict[str, Any]:
-    """Run the tool and record the outcome on ``call``. Return the reply for the waiting code."""
+def _tool_call_run(*, call: ToolCall, tool: Tool) -> None:
+    """Run the tool, record the outcome on ``call``, push it to the waiting code, then its event."""
     call_id, arguments = call.call_id, call.input
     started = time.monotonic()
     # Hand the database connection back to the pool while the tool runs: a slow tool must not hold
@@ -508,22 +535,102 @@ def _tool_call_run(*, call: ToolCall, tool: Tool) -> dict[str, Any]:
         reply = {"ok": False, "error": call_error("invalid_output", f"the tool's output is not JSON: {exc}")}
     else:
         reply = {"ok": True, "result": output}
-    # The event goes out after the result is pushed to the waiting code (tool_call_execute).
-    finished = tool_call_finish(
-        call_id=call_id,
-        output=reply.get("result"),
-        error=reply.get("error"),
-        billed=billable(toolset=tool.toolset, tool=tool),
-        event=False,
-        record=call,
-    )
+    finished = _finishes(_Ran(call=call, reply=reply, billed=billable(toolset=tool.toolset, tool=tool)))
     logger.info(
         "tool call ran",
         extra={"call_id": call_id, "tool": str(tool), "ok": reply["ok"], "ms": round((time.monotonic() - started) * 1000, 2)},
     )
     tool_call_observe(toolset=tool.toolset.key, ok=reply["ok"], seconds=(timezone.now() - call.started_at).total_seconds())
-    # Not finished by us means the bridge gave up on it meanwhile: the record's word is final.
-    return reply if finished else tool_call_reply(ToolCall.objects.get(call_id=call_id))
+    if not finished:
+        # The bridge gave up on it meanwhile (and told the watchers): the record's word is final.
+        reply = tool_call_reply(ToolCall.objects.get(call_id=call_id))
+        backplane().publish(_result_channel(call_id, call.ptc_call_id), Result(call_id=call_id, **reply))
+
+
+@dataclass(frozen=True)
+class _Ran:
+    """A call that ran on this worker, its reply for the code, and whether its tool is billed."""
+
+    call: ToolCall
+    reply: dict[str, Any]
+    billed: bool
+
+
+def _tool_calls_finish_ran(batch: list[_Ran]) -> list[bool]:
+    """Record the outcomes of calls that ran (settling or releasing their credits), then push
+    each result to its code and, after all of them, each event to the job's watchers, in one
+    round trip. Return whether each call was finished here (False: it had finished already).
+
+    On PostgreSQL the batch is one UPDATE (and a settle per billed call, in its transaction);
+    elsewhere it is a call at a time."""
+    if connection.vendor == "postgresql":
+        finished = _tool_calls_finish_postgres(batch)
+    else:
+        finished = [
+            tool_call_finish(
+                call_id=ran.call.call_id,
+                output=ran.reply.get("result"),
+                error=ran.reply.get("error"),
+                billed=ran.billed,
+                event=False,
+                record=ran.call,
+            )
+            for ran in batch
+        ]
+    done = [ran.call for ran, ok in zip(batch, finished, strict=True) if ok]
+    replies = [ran.reply for ran, ok in zip(batch, finished, strict=True) if ok]
+    backplane().publish_then_append(
+        [
+            (_result_channel(call.call_id, call.ptc_call_id), Result(call_id=call.call_id, **reply))
+            for call, reply in zip(done, replies, strict=True)
+        ],
+        [(call.ptc_call_id, [tool_call_event(call)]) for call in done if call.ptc_call_id],
+    )
+    return finished
+
+
+def _tool_calls_finish_postgres(batch: list[_Ran]) -> list[bool]:
+    now = timezone.now()
+    fields = [
+        {
+            "status": (ToolCall.Status.COMPLETED if ran.reply["ok"] else ToolCall.Status.FAILED).value,
+            "output": storable(ran.reply.get("result")) if ran.reply["ok"] else None,
+            "error": None if ran.reply["ok"] else storable(ran.reply.get("error")),
+            "finished_at": now,
+        }
+        for ran in batch
+    ]
+    settles = [ran.billed and ran.reply["ok"] for ran in batch]
+    params: list[Any] = [
+        [ran.call.call_id for ran in batch],
+        [f["status"] for f in fields],
+        [None if f["output"] is None else json.dumps(f["output"]) for f in fields],
+        [None if f["error"] is None else json.dumps(f["error"]) for f in fields],
+        [now] * len(batch),
+        settles,
+        [status.value for status in ToolCall.OPEN],
+    ]
+    # The calls' rows first (a redelivery finds them finished and charges nothing), then the
+    # ledger: each account's row is locked from its settle to the commit, accounts in one order
+    # (by user) so two batches never wait on each other in a cycle.
+    with transaction.atomic() if any(settles) else nullcontext():
+        with connection.cursor() as cursor:
+            cursor.execute(_FINISH_SQL, params)
+            credits = dict(cursor.fetchall())
+        for ran in sorted((r for r, s in zip(batch, settles, strict=True) if s), key=lambda r: (r.call.user_id, r.call.call_id)):
+            if ran.call.call_id in credits:
+                credits_settle(tool_call_id=ran.call.call_id)
+    for ran in batch:
+        if ran.billed and not ran.reply["ok"] and ran.call.call_id in credits:
+            credits_release(tool_call_id=ran.call.call_id)
+    for ran, values in zip(batch, fields, strict=True):
+        if ran.call.call_id in credits:
+            for name, value in {**values, "credits": credits[ran.call.call_id]}.items():
+                setattr(ran.call, name, value)
+    return [ran.call.call_id in credits for ran in batch]
+
+
+_finishes = GroupCommit(_tool_calls_finish_ran)
 
 
 def tool_calls_close_held() -> None:

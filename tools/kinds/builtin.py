@@ -1,5 +1,7 @@
 import logging
+import queue
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from tools.builtin import registry
@@ -7,6 +9,11 @@ from tools.errors import ToolFailure
 from tools.models import Tool, Toolset
 
 logger = logging.getLogger("ptc.tools")
+# Idle threads kept for the next builtin calls, at most: starting a thread costs more than most
+# builtins take to run.
+MAX_IDLE_THREADS = 32
+_idle: list["queue.SimpleQueue[Callable[[], None]]"] = []
+_idle_lock = threading.Lock()
 
 
 def run(*, toolset: Toolset, tool: Tool, arguments: dict[str, Any], timeout: float) -> Any:
@@ -16,7 +23,7 @@ def run(*, toolset: Toolset, tool: Tool, arguments: dict[str, Any], timeout: flo
     The function runs on a thread of its own while the task's thread waits for it: one that hangs
     ends the call as ``tool_timeout`` at its timeout and frees the worker's thread. Python can't
     stop a thread, so the hung function is left to finish on its own (a daemon thread: it never
-    holds up the worker's exit).
+    holds up the worker's exit). Threads are kept for the next calls (``_start``).
     """
     spec = registry().get(toolset.key)
     func = next((t.func for t in spec.tools if t.name == tool.name), None) if spec else None
@@ -33,7 +40,7 @@ def run(*, toolset: Toolset, tool: Tool, arguments: dict[str, Any], timeout: flo
         finally:
             done.set()
 
-    threading.Thread(target=call, name=f"builtin-{toolset.key}.{tool.name}", daemon=True).start()
+    _start(call)
     if not done.wait(timeout):
         logger.warning("builtin tool %s.%s ran past its %g s timeout", toolset.key, tool.name, timeout)
         raise ToolFailure("tool_timeout", f"'{toolset.key}.{tool.name}' did not finish within its {timeout:g} s timeout")
@@ -45,3 +52,23 @@ def run(*, toolset: Toolset, tool: Tool, arguments: dict[str, Any], timeout: flo
     # A builtin's bug is the call's failure, never the worker's.
     logger.error("builtin tool %s.%s raised", toolset.key, tool.name, exc_info=value)
     raise ToolFailure("tool_exception", f"{type(value).__name__}: {value}") from value
+
+
+def _start(work: Callable[[], None]) -> None:
+    """Run ``work`` on an idle daemon thread, or on a new one when none is idle. A thread whose
+    work hangs is simply not idle: it rejoins when (if ever) the work returns."""
+    with _idle_lock:
+        inbox = _idle.pop() if _idle else None
+    if inbox is None:
+        inbox = queue.SimpleQueue()
+        threading.Thread(target=_serve, args=(inbox,), name="builtin-call", daemon=True).start()
+    inbox.put(work)
+
+
+def _serve(inbox: "queue.SimpleQueue[Callable[[], None]]") -> None:
+    while True:
+        inbox.get()()  # the work catches everything itself
+        with _idle_lock:
+            if len(_idle) >= MAX_IDLE_THREADS:
+                return
+            _idle.append(inbox)
