@@ -176,18 +176,26 @@ def _tool_call_event_publish(call: ToolCall) -> None:
 
 
 def tool_calls_enqueue(calls: list[tuple[str, str]]) -> dict[str, dict[str, str]]:
-    """Send calls ``(call_id, queue)`` to their toolset's tools queue through one producer. Return
-    the errors of those that failed (their records are failed too): the broker was down even after
-    Celery's own retries."""
+    """Send calls ``(call_id, queue)`` to their toolset's tools queue through one producer, a burst
+    in one round trip (kombu's publish batch, on Redis). Return the errors of those that failed
+    (their records are failed too): the broker was down even after Celery's own retries.
+
+    A batch that fails fails all its calls: some of its messages may have reached the queue, but
+    their records are failed first, so a tools worker that takes one finds it ended and runs nothing.
+    """
     from execution.tasks import execute_tool
 
     errors = {}
     with execute_tool.app.producer_or_acquire() as producer:
-        for call_id, queue in calls:
-            try:
-                execute_tool.apply_async((call_id,), producer=producer, queue=queue)
-            except Exception as exc:  # this call's failure; the others may still go
-                logger.exception("could not enqueue a tool call", extra={"call_id": call_id})
+        try:
+            # A lone message is sent at once, under Celery's retries; a burst is sent when the
+            # block ends, in one pipeline, not retried (a replay could queue a call twice).
+            with producer.batch() if len(calls) > 1 else nullcontext():
+                for call_id, queue in calls:
+                    execute_tool.apply_async((call_id,), producer=producer, queue=queue)
+        except Exception as exc:
+            logger.exception("could not enqueue tool calls", extra={"call_ids": [call_id for call_id, _ in calls]})
+            for call_id, _ in calls:
                 errors[call_id] = call_error("broker_unavailable", f"the call could not be queued ({type(exc).__name__}); retry")
                 tool_call_finish(call_id=call_id, error=errors[call_id])
     return errors
