@@ -73,6 +73,44 @@ sorted(outcomes)
     assert (account.balance, account.reserved) == (0, 0)
 
 
+def test_calls_that_finish_together_are_recorded_charged_and_streamed_each_once(make_api: Callable[..., Api]) -> None:
+    """A fan-out's calls end at the same moment, so the tools worker records them in batches (one
+    UPDATE, its settles, one pipeline of results then events): each is still charged exactly once,
+    each failure releases its hold, and each call's events come start first."""
+    from tests.execution.test_events import read_events
+
+    api = make_api(credits=1000)
+    code = """
+from concurrent.futures import ThreadPoolExecutor
+from ptc_tools import ToolError
+from ptc_tools.demo import Demo
+def call(i):
+    try:
+        return Demo.sleep(ms=300)["slept_ms"] if i % 5 else Demo.fail(message=f"no {i}")
+    except ToolError as e:
+        return e.code
+with ThreadPoolExecutor(40) as pool:
+    outcomes = list(pool.map(call, range(40)))
+sorted(map(str, outcomes))
+"""
+    job = api.run(code, toolsets=["demo"])
+    assert job["status"] == "completed", job["error"]
+    assert job["return_value"].count("300") == 32 and job["return_value"].count("tool_failed") == 8
+    completed = [c for c in job["tool_calls"] if c["status"] == "completed"]
+    assert len(completed) == 32 and all(c["credits"] == 1 for c in completed)
+    assert balance(api) == 1000 - 32
+    account = CreditAccount.objects.get(user__username=api.username)
+    assert (account.balance, account.reserved) == (968, 0), "every failed call's hold went back"
+    assert CreditUsage.objects.filter(user__username=api.username).count() == 32
+    # Calls recorded by one statement share its finish time: the batches really formed.
+    assert len({c["finished_at"] for c in completed}) < len(completed)
+    events, _ = read_events(api, job["id"])
+    for call in job["tool_calls"]:
+        mine = [e["event"] for e in events if e["event"].startswith("tool_call") and e["data"]["call_id"] == call["call_id"]]
+        assert mine == ["tool_call_start", "tool_call_end" if call["status"] == "completed" else "tool_call_error"]
+    assert ledger_mismatches() == []
+
+
 def test_the_job_budget_stops_calls_and_the_code_can_finish(api: Api) -> None:
     code = """
 from ptc_tools import ToolError
