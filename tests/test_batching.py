@@ -3,10 +3,23 @@ calls are done in batches by one of their callers; a batch's failure reaches eac
 
 import threading
 import time
+from typing import Any
 
 import pytest
 
 from ptcproject.batching import GroupCommit
+
+
+def _release_when_waiting(
+    batcher: GroupCommit[Any, Any], count: int, gate: threading.Event, threads: list[threading.Thread]
+) -> None:
+    """Open ``gate`` once ``count`` callers wait behind the running batch, then join ``threads``."""
+    deadline = time.monotonic() + 5
+    while len(batcher._waiting) < count and time.monotonic() < deadline:
+        time.sleep(0.005)
+    gate.set()
+    for thread in threads:
+        thread.join(5)
 
 
 def test_a_lone_call_runs_at_once_on_the_callers_thread() -> None:
@@ -46,12 +59,7 @@ def test_calls_that_arrive_while_a_batch_runs_go_together_in_the_next() -> None:
     others = [threading.Thread(target=call, args=(i,)) for i in range(1, 31)]
     for thread in others:
         thread.start()
-    deadline = time.monotonic() + 5
-    while len(batcher._waiting) < 30 and time.monotonic() < deadline:
-        time.sleep(0.005)
-    release.set()
-    for thread in [first, *others]:
-        thread.join(5)
+    _release_when_waiting(batcher, 30, release, [first, *others])
     assert results == {i: f"done {i}" for i in range(31)}
     assert batches[0] == [0]
     assert sorted(batches[1]) == list(range(1, 31)), "the 30 that waited went out in one batch"
@@ -71,12 +79,7 @@ def test_batches_are_capped_and_the_lead_passes_on() -> None:
     threads = [threading.Thread(target=batcher, args=(i,)) for i in range(10)]
     for thread in threads:
         thread.start()
-    deadline = time.monotonic() + 5
-    while len(batcher._waiting) < 9 and time.monotonic() < deadline:
-        time.sleep(0.005)
-    gate.set()
-    for thread in threads:
-        thread.join(5)
+    _release_when_waiting(batcher, 9, gate, threads)
     assert sorted(i for batch in batches for i in batch) == list(range(10)), "every item ran once"
     assert all(len(batch) <= 4 for batch in batches)
     assert not batcher._busy and not batcher._waiting, "nothing is left waiting, nobody leads"
