@@ -34,6 +34,8 @@ def _require_services() -> None:
             "or set TEST_DATABASE_URL=postgres://... and REDIS_URL=redis://...",
             returncode=2,
         )
+    if connections["default"].vendor != "postgresql":  # else the test database would be a SQLite file in the cwd
+        pytest.exit("The pytest process needs DATABASE_URL on the same PostgreSQL (make test sets it).", returncode=2)
 
 
 @pytest.fixture(scope="session")
