@@ -94,6 +94,11 @@ Message = Result | Approved | Cancel | End | Resync | Changed
 _KINDS: dict[str, type[Message]] = {cls.__name__.lower(): cls for cls in (Result, Approved, Cancel, End, Resync, Changed)}
 
 
+def _wire_json(data: dict[str, Any]) -> str:
+    """A message as Redis carries it: compact JSON."""
+    return json.dumps(data, separators=(",", ":"))
+
+
 def _to_wire(message: Message) -> dict[str, Any]:
     return {"kind": type(message).__name__.lower(), **asdict(message)}
 
@@ -452,7 +457,7 @@ class RedisBackplane(Backplane):
         self.client.ping()
 
     def _publish(self, channel: str, data: dict[str, Any]) -> None:
-        self.client.publish(channel, json.dumps(data, separators=(",", ":")))
+        self.client.publish(channel, _wire_json(data))
 
     @staticmethod
     def stream_key(job_call_id: str) -> str:
@@ -478,7 +483,7 @@ class RedisBackplane(Backplane):
         try:
             pipe = self.client.pipeline(transaction=False)
             for channel, message in messages:
-                pipe.publish(channel, json.dumps(_to_wire(message), separators=(",", ":")))
+                pipe.publish(channel, _wire_json(_to_wire(message)))
             for job_call_id, job_events in events:
                 self._events_into(pipe, job_call_id, job_events)
             pipe.execute()

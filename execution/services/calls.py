@@ -8,7 +8,7 @@ import time
 import uuid
 from contextlib import nullcontext
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 import jsonschema
@@ -359,13 +359,7 @@ def tool_call_finish(
     finished (a redelivery: nothing changes). ``billed=False`` says the tool is never billed, which
     skips the books. ``record``, the call's row, is brought up to date. ``extra`` fields are written
     in the same UPDATE (who decided, when the client answered)."""
-    fields: dict[str, Any] = {
-        "status": ToolCall.Status.FAILED if error else ToolCall.Status.COMPLETED,
-        "output": None if error else storable(output),
-        "error": storable(error),
-        "finished_at": timezone.now(),
-        **(extra or {}),
-    }
+    fields = {**_finished_fields(output=output, error=error, now=timezone.now()), **(extra or {})}
     credits = 0
     settles = billed and not error
     if settles:
@@ -381,11 +375,26 @@ def tool_call_finish(
     if finished and billed and error:
         credits_release(tool_call_id=call_id)
     if finished and record is not None:
-        for name, value in {**fields, "credits": credits}.items():
-            setattr(record, name, value)
+        _record_finished(record, fields, credits)
     if finished and event:
         _tool_call_event_publish(record if record is not None else ToolCall.objects.get(call_id=call_id))
     return finished
+
+
+def _finished_fields(*, output: Any, error: dict[str, str] | None, now: datetime) -> dict[str, Any]:
+    """What a call's row says once it ends with ``output`` or ``error``, made storable."""
+    return {
+        "status": ToolCall.Status.FAILED if error else ToolCall.Status.COMPLETED,
+        "output": None if error else storable(output),
+        "error": storable(error),
+        "finished_at": now,
+    }
+
+
+def _record_finished(record: ToolCall, fields: dict[str, Any], credits: int) -> None:
+    """Bring a finished call's row in memory up to date with what was written."""
+    for name, value in {**fields, "credits": credits}.items():
+        setattr(record, name, value)
 
 
 def tool_calls_reserve(
@@ -430,12 +439,11 @@ RETURNING *
 # after, in the same transaction). Returns the calls it moved.
 _FINISH_SQL = f"""
 UPDATE {ToolCall._meta.db_table} AS t SET
-  status = v.status, output = v.output, error = v.error, finished_at = v.finished_at,
+  status = v.status, output = v.output, error = v.error, finished_at = %s,
   credits = CASE WHEN v.settles THEN COALESCE((
     SELECT r.amount FROM {Reservation._meta.db_table} r WHERE r.tool_call_id = t.call_id AND r.status = 'held' LIMIT 1
   ), 0) ELSE t.credits END
-FROM unnest(%s::text[], %s::text[], %s::jsonb[], %s::jsonb[], %s::timestamptz[], %s::boolean[])
-  AS v(call_id, status, output, error, finished_at, settles)
+FROM unnest(%s::text[], %s::text[], %s::jsonb[], %s::jsonb[], %s::boolean[]) AS v(call_id, status, output, error, settles)
 WHERE t.call_id = v.call_id AND t.status = ANY(%s)
 RETURNING t.call_id, t.credits
 """  # noqa: S608
@@ -585,42 +593,31 @@ def _tool_calls_finish_ran(batch: list[_Ran]) -> list[bool]:
             )
             for ran in batch
         ]
-    done = [ran.call for ran, ok in zip(batch, finished, strict=True) if ok]
-    replies = [ran.reply for ran, ok in zip(batch, finished, strict=True) if ok]
+    done = [ran for ran, ok in zip(batch, finished, strict=True) if ok]
     backplane().publish_then_append(
-        [
-            (_result_channel(call.call_id, call.ptc_call_id), Result(call_id=call.call_id, **reply))
-            for call, reply in zip(done, replies, strict=True)
-        ],
-        [(call.ptc_call_id, [tool_call_event(call)]) for call in done if call.ptc_call_id],
+        [(_result_channel(r.call.call_id, r.call.ptc_call_id), Result(call_id=r.call.call_id, **r.reply)) for r in done],
+        [(r.call.ptc_call_id, [tool_call_event(r.call)]) for r in done if r.call.ptc_call_id],
     )
     return finished
 
 
 def _tool_calls_finish_postgres(batch: list[_Ran]) -> list[bool]:
+    """``tool_call_finish`` for a batch, on PostgreSQL: one UPDATE for the calls' rows, then the
+    ledger as it does: settle in the same transaction, release after it."""
     now = timezone.now()
-    fields = [
-        {
-            "status": (ToolCall.Status.COMPLETED if ran.reply["ok"] else ToolCall.Status.FAILED).value,
-            "output": storable(ran.reply.get("result")) if ran.reply["ok"] else None,
-            "error": None if ran.reply["ok"] else storable(ran.reply.get("error")),
-            "finished_at": now,
-        }
-        for ran in batch
-    ]
-    settles = [ran.billed and ran.reply["ok"] for ran in batch]
+    fields = [_finished_fields(output=ran.reply.get("result"), error=ran.reply.get("error"), now=now) for ran in batch]
+    settles = [ran.billed and not f["error"] for ran, f in zip(batch, fields, strict=True)]
     params: list[Any] = [
+        now,
         [ran.call.call_id for ran in batch],
-        [f["status"] for f in fields],
+        [f["status"].value for f in fields],
         [None if f["output"] is None else json.dumps(f["output"]) for f in fields],
         [None if f["error"] is None else json.dumps(f["error"]) for f in fields],
-        [now] * len(batch),
         settles,
         [status.value for status in ToolCall.OPEN],
     ]
-    # The calls' rows first (a redelivery finds them finished and charges nothing), then the
-    # ledger: each account's row is locked from its settle to the commit, accounts in one order
-    # (by user) so two batches never wait on each other in a cycle.
+    # Each account's row is locked from its settle to the commit: accounts go in one order (by
+    # user), so two batches never wait on each other in a cycle.
     with transaction.atomic() if any(settles) else nullcontext():
         with connection.cursor() as cursor:
             cursor.execute(_FINISH_SQL, params)
@@ -628,13 +625,11 @@ def _tool_calls_finish_postgres(batch: list[_Ran]) -> list[bool]:
         for ran in sorted((r for r, s in zip(batch, settles, strict=True) if s), key=lambda r: (r.call.user_id, r.call.call_id)):
             if ran.call.call_id in credits:
                 credits_settle(tool_call_id=ran.call.call_id)
-    for ran in batch:
-        if ran.billed and not ran.reply["ok"] and ran.call.call_id in credits:
-            credits_release(tool_call_id=ran.call.call_id)
     for ran, values in zip(batch, fields, strict=True):
         if ran.call.call_id in credits:
-            for name, value in {**values, "credits": credits[ran.call.call_id]}.items():
-                setattr(ran.call, name, value)
+            if ran.billed and values["error"]:
+                credits_release(tool_call_id=ran.call.call_id)
+            _record_finished(ran.call, values, credits[ran.call.call_id])
     return [ran.call.call_id in credits for ran in batch]
 
 

@@ -10,7 +10,8 @@ from tools.models import Tool, Toolset
 
 logger = logging.getLogger("ptc.tools")
 # Idle threads kept for the next builtin calls, at most: starting a thread costs more than most
-# builtins take to run.
+# builtins take to run. Not concurrent.futures: its threads are not daemons, so a hung builtin
+# would hold up the worker's exit.
 MAX_IDLE_THREADS = 32
 _idle: list["queue.SimpleQueue[Callable[[], None]]"] = []
 _idle_lock = threading.Lock()
