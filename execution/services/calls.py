@@ -444,12 +444,13 @@ def tool_calls_reserve(
 
 # The claim and the read of the rows in one statement (PostgreSQL and SQLite both have RETURNING):
 # executing, unclaimed, and its job (if any) still running. {ids} is a placeholder per call.
+_CALL_FIELDS = ToolCall._meta.concrete_fields
 _CLAIM_SQL = f"""
 UPDATE {ToolCall._meta.db_table} SET claimed_at = %s
 WHERE call_id IN ({{ids}}) AND status = 'executing' AND claimed_at IS NULL
   AND (exec_job_id IS NULL OR EXISTS (
     SELECT 1 FROM {ExecJob._meta.db_table} j WHERE j.id = {ToolCall._meta.db_table}.exec_job_id AND j.status = 'running'))
-RETURNING *
+RETURNING {", ".join(str(field.column) for field in _CALL_FIELDS)}
 """  # noqa: S608 - table names from the models, values as parameters
 
 # A batch of calls that ran, finished in one statement on PostgreSQL: each open call moves to its
@@ -521,8 +522,24 @@ def _tool_calls_claim(call_ids: list[str]) -> list[ToolCall | None]:
     """Claim calls in one statement. Return each one's row if this claimed it, else None (a
     repeat of a call in the same batch is not claimed twice)."""
     sql = _CLAIM_SQL.format(ids=", ".join(["%s"] * len(call_ids)))
-    rows = {call.call_id: call for call in ToolCall.objects.raw(sql, [timezone.now(), *call_ids])}
+    with connection.cursor() as cursor:
+        cursor.execute(sql, [timezone.now(), *call_ids])
+        rows = {call.call_id: call for call in map(_call_from_row, cursor.fetchall())}
     return [rows.pop(call_id, None) for call_id in call_ids]
+
+
+def _call_from_row(row: tuple[Any, ...]) -> ToolCall:
+    """A ToolCall from a row of all its columns, as the ORM would load it (a RawQuerySet costs more
+    than the claim's statement: it reads the columns' names and finds their converters each time)."""
+    values = list(row)
+    for index, field in _CALL_CONVERTED:
+        if values[index] is not None:
+            values[index] = field.from_db_value(values[index], None, connection)
+    return ToolCall.from_db(connection.alias, _CALL_ATTNAMES, values)
+
+
+_CALL_ATTNAMES = [field.attname for field in _CALL_FIELDS]
+_CALL_CONVERTED = [(index, field) for index, field in enumerate(_CALL_FIELDS) if hasattr(field, "from_db_value")]
 
 
 _claims = GroupCommit(_tool_calls_claim)
