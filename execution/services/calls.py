@@ -487,8 +487,9 @@ def tool_call_execute(*, call_id: str) -> None:
 
     The claim is one conditional UPDATE: the call must still be executing, unclaimed, and its job
     still running. A redelivered task finds the claim taken: if the call finished, its result is
-    pushed again (the bridge ignores repeats); if it never finished, the worker that ran it died,
-    and it fails as ``worker_lost`` rather than run twice.
+    pushed again (the bridge ignores repeats); if it runs under a fresh lease, the delivery is a
+    duplicate and is dropped; if its lease lapsed, the worker that ran it died, and it fails as
+    ``worker_lost`` rather than run twice.
     """
     call = _claims(call_id)  # with the claims of this worker's other threads, when they coincide
     claimed = call is not None
@@ -511,11 +512,22 @@ def tool_call_execute(*, call_id: str) -> None:
         reply = _tool_call_fail(call_id, "unknown_tool", "the tool no longer exists")
     elif call.status != ToolCall.Status.EXECUTING:
         reply = tool_call_reply(call)
+    elif call.claimed_at is not None and _lease_fresh(call):
+        # Its worker renews the lease: it is alive and running the call. This delivery is a
+        # duplicate (a replayed publish, an early restore): dropped, the running call untouched.
+        logger.warning("a duplicate delivery of a running call was dropped", extra={"call_id": call_id})
+        return
     elif call.claimed_at is not None:
         reply = _tool_call_fail(call_id, "worker_lost", "the tools worker running this call stopped; it was not run again")
     else:
         reply = _tool_call_fail(call_id, "job_ended", "the job ended before this call started; it was not run")
     backplane().publish(_result_channel(call_id, call.ptc_call_id), Result(call_id=call_id, **reply))
+
+
+def _lease_fresh(call: ToolCall) -> bool:
+    """Whether the worker that claimed ``call`` renewed its lease (or claimed it) within the lease."""
+    lease = call.heartbeat_at or call.claimed_at
+    return lease is not None and lease > timezone.now() - timedelta(seconds=settings.PTC_JOB_LEASE_SECONDS)
 
 
 def _tool_calls_claim(call_ids: list[str]) -> list[ToolCall | None]:
