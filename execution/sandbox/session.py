@@ -440,6 +440,13 @@ class Session:
         much as one call (one INSERT, one hold of credits, one producer)."""
         if not self.to_submit:
             return
+        if len(self.to_submit) == 1 and self.submitting == 1 and not self.in_flight:
+            # A lone call (the code calls one tool at a time) goes out from this thread: a hand-off
+            # to a submit thread and back cost more than its wait, and nothing else is in flight.
+            (request_id, toolset, tool, args) = self.to_submit.pop()
+            self._submitted(request_id, self._submit_batch([(toolset, tool, args)])[0])
+            self._fill_slots()
+            return
         with self.submit_lock:
             self.unsubmitted += self.to_submit
             self.to_submit = []
@@ -461,16 +468,19 @@ class Session:
             self._submit(batch)
 
     def _submit(self, batch: list[tuple[int, str, str, Any]]) -> None:
-        """Hand a batch to the router, then wake the loop with the outcomes."""
-        outcomes: list[Dispatched | Refused | None]
-        try:
-            outcomes = list(self.router.submit_many([(toolset, tool, args) for _, toolset, tool, args in batch]))
-        except Exception:  # a failure here is these calls', never the job's or the worker's
-            logger.exception("could not submit tool calls")
-            outcomes = [None] * len(batch)
+        """On a submit thread: hand a batch to the router, then wake the loop with the outcomes."""
+        outcomes = self._submit_batch([(toolset, tool, args) for _, toolset, tool, args in batch])
         for (request_id, *_), outcome in zip(batch, outcomes, strict=True):
             self.submitted.put((request_id, outcome))
         os.write(self._wake_w, b"\0")
+
+    def _submit_batch(self, requests: list[tuple[str, str, Any]]) -> list[Dispatched | Refused | None]:
+        """Return the router's outcome for each call (None: it could not be submitted)."""
+        try:
+            return list(self.router.submit_many(requests))
+        except Exception:  # a failure here is these calls', never the job's or the worker's
+            logger.exception("could not submit tool calls")
+            return [None] * len(requests)
 
     def _on_submitted(self) -> None:
         try:
@@ -483,22 +493,26 @@ class Session:
                 request_id, submitted = self.submitted.get_nowait()
             except queue.Empty:
                 break
-            self.submitting -= 1
-            if submitted is None:
-                error = call_error("internal_error", "the call could not be recorded; see the worker's log")
-                self._send({"id": request_id, "ok": False, "call_id": "", "error": error})
-            elif isinstance(submitted, Refused):
-                self._send({"id": request_id, "ok": False, "call_id": submitted.call_id, "error": submitted.error})
-            elif submitted.call_id in self.early:  # the tool was faster than this loop
-                self._send({"id": request_id, "call_id": submitted.call_id, **self.early.pop(submitted.call_id)})
-            else:
-                # A call waiting on a person has no worker to be late: its timeout is the whole wait.
-                grace = 0.0 if submitted.awaiting else CALL_GRACE_SECONDS
-                deadline = time.monotonic() + submitted.timeout + grace
-                self.in_flight[submitted.call_id] = _InFlight(request_id, deadline)
-                if submitted.awaiting:
-                    self._set_awaiting(submitted.call_id, True)
+            self._submitted(request_id, submitted)
         self._fill_slots()
+
+    def _submitted(self, request_id: int, submitted: Dispatched | Refused | None) -> None:
+        """Take a submitted call's outcome: answer the code if it was refused, else wait for it."""
+        self.submitting -= 1
+        if submitted is None:
+            error = call_error("internal_error", "the call could not be recorded; see the worker's log")
+            self._send({"id": request_id, "ok": False, "call_id": "", "error": error})
+        elif isinstance(submitted, Refused):
+            self._send({"id": request_id, "ok": False, "call_id": submitted.call_id, "error": submitted.error})
+        elif submitted.call_id in self.early:  # the tool was faster than this loop
+            self._send({"id": request_id, "call_id": submitted.call_id, **self.early.pop(submitted.call_id)})
+        else:
+            # A call waiting on a person has no worker to be late: its timeout is the whole wait.
+            grace = 0.0 if submitted.awaiting else CALL_GRACE_SECONDS
+            deadline = time.monotonic() + submitted.timeout + grace
+            self.in_flight[submitted.call_id] = _InFlight(request_id, deadline)
+            if submitted.awaiting:
+                self._set_awaiting(submitted.call_id, True)
 
     def _fill_slots(self) -> None:
         while self.waiting and self._busy() < self.limits.max_parallel_tool_calls and self.ended is None:
