@@ -4,15 +4,18 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from django.conf import settings
+
 from tools.builtin import registry
 from tools.errors import ToolFailure
 from tools.models import Tool, Toolset
 
 logger = logging.getLogger("ptc.tools")
 # Idle threads kept for the next builtin calls, at most: starting a thread costs more than most
-# builtins take to run. Not concurrent.futures: its threads are not daemons, so a hung builtin
+# builtins take to run. As many as the worker's threads, so a fan-out as wide as the pool starts no
+# thread the second time. Not concurrent.futures: its threads are not daemons, so a hung builtin
 # would hold up the worker's exit.
-MAX_IDLE_THREADS = 32
+MAX_IDLE_THREADS = settings.PTC_TOOLS_CONCURRENCY
 _idle: list["queue.SimpleQueue[Callable[[], None]]"] = []
 _idle_lock = threading.Lock()
 
