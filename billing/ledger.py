@@ -50,6 +50,11 @@ class Ledger:
     def settle(self, *, tool_call_id: str) -> int:
         """Turn the call's held reservation into a charge: usage row, ledger row, balance. Return
         the amount charged (0 when nothing was held). A second settle charges nothing."""
+        return self.settle_many(tool_call_ids=[tool_call_id]).get(tool_call_id, 0)
+
+    def settle_many(self, *, tool_call_ids: list[str]) -> dict[str, int]:
+        """``settle`` for calls of one account at once. Return the amount charged for each call
+        that had a hold (the others had none, or were settled already)."""
         raise NotImplementedError
 
     def release(self, *, tool_call_id: str) -> None:
@@ -69,25 +74,28 @@ class PostgresLedger(Ledger):
     FROM held,
          unnest(%(calls)s::text[], %(amounts)s::bigint[], %(dues)s::bigint[], %(metas)s::jsonb[]) AS c(call, amount, due, meta)
     """.format(**_TABLES)  # noqa: S608 - table names from the models, values as parameters
+    # One statement for a batch of one account's calls (a fan-out finishing together): the account's
+    # row is updated once, with the batch's total; each call gets its usage and ledger row.
     SETTLE = """
     WITH settled AS (
         UPDATE {reservation} SET status = 'settled', closed_at = now()
-        WHERE tool_call_id = %(call)s AND status = 'held'
-        RETURNING account_id, exec_job_id, amount, due_amount, meta
+        WHERE tool_call_id = ANY(%(calls)s::text[]) AND status = 'held'
+        RETURNING tool_call_id, account_id, exec_job_id, amount, due_amount, meta
     ), usage AS (
         INSERT INTO {usage} (user_id, exec_job_id, tool_call_id, usage_type, tool_call_meta, amount, due_amount, created_at)
-        SELECT a.user_id, s.exec_job_id, %(call)s, 'tool_call', s.meta, s.amount, s.due_amount, now()
+        SELECT a.user_id, s.exec_job_id, s.tool_call_id, 'tool_call', s.meta, s.amount, s.due_amount, now()
         FROM settled s JOIN {account} a ON a.id = s.account_id
     ), ledger AS (
         INSERT INTO {ledger} (account_id, kind, delta, reason, tool_call_id, created_by_id, created_at)
         SELECT s.account_id, 'charge', -s.amount,
-               (s.meta ->> 'toolsetKey') || '.' || (s.meta ->> 'toolName') || ' call ' || %(call)s, %(call)s, NULL, now()
+               (s.meta ->> 'toolsetKey') || '.' || (s.meta ->> 'toolName') || ' call ' || s.tool_call_id,
+               s.tool_call_id, NULL, now()
         FROM settled s WHERE s.amount > 0
     ), charged AS (
-        UPDATE {account} a SET reserved = a.reserved - s.amount, balance = a.balance - s.amount, updated_at = now()
-        FROM settled s WHERE a.id = s.account_id
+        UPDATE {account} a SET reserved = a.reserved - t.total, balance = a.balance - t.total, updated_at = now()
+        FROM (SELECT account_id, sum(amount) AS total FROM settled GROUP BY account_id) t WHERE a.id = t.account_id
     )
-    SELECT COALESCE((SELECT amount FROM settled), 0)
+    SELECT tool_call_id, amount FROM settled
     """.format(**_TABLES)  # noqa: S608
     RELEASE = """
     WITH released AS (
@@ -113,11 +121,10 @@ class PostgresLedger(Ledger):
             cursor.execute(self.RESERVE, params)
             return cursor.rowcount == len(holds)
 
-    def settle(self, *, tool_call_id: str) -> int:
+    def settle_many(self, *, tool_call_ids: list[str]) -> dict[str, int]:
         with connection.cursor() as cursor:
-            cursor.execute(self.SETTLE, {"call": tool_call_id})
-            row = cursor.fetchone()
-        return int(row[0]) if row else 0
+            cursor.execute(self.SETTLE, {"calls": tool_call_ids})
+            return {call_id: int(amount) for call_id, amount in cursor.fetchall()}
 
     def release(self, *, tool_call_id: str) -> None:
         with connection.cursor() as cursor:
@@ -125,6 +132,14 @@ class PostgresLedger(Ledger):
 
 
 class OrmLedger(Ledger):
+    def settle_many(self, *, tool_call_ids: list[str]) -> dict[str, int]:
+        charged = {}
+        for call_id in tool_call_ids:
+            amount = self._settle_one(call_id)
+            if amount is not None:
+                charged[call_id] = amount
+        return charged
+
     def reserve(self, *, account_id: int, holds: list[Hold], exec_job_id: Any) -> bool:
         total = sum(hold.amount for hold in holds)
         with transaction.atomic():
@@ -145,18 +160,18 @@ class OrmLedger(Ledger):
                 )
         return bool(held)
 
-    def settle(self, *, tool_call_id: str) -> int:
+    def _settle_one(self, tool_call_id: str) -> int | None:
         reservation = (
             Reservation.objects.select_related("account")
             .filter(tool_call_id=tool_call_id, status=Reservation.Status.HELD)
             .first()
         )
         if reservation is None:
-            return 0
+            return None
         if not Reservation.objects.filter(pk=reservation.pk, status=Reservation.Status.HELD).update(
             status=Reservation.Status.SETTLED, closed_at=timezone.now()
         ):
-            return 0
+            return None
         account = reservation.account
         CreditUsage.objects.create(
             user_id=account.user_id,

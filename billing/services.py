@@ -137,6 +137,12 @@ def credits_settle(*, tool_call_id: str) -> int:
     return ledger().settle(tool_call_id=tool_call_id)
 
 
+def credits_settle_many(*, tool_call_ids: list[str]) -> dict[str, int]:
+    """``credits_settle`` for calls of one user at once, in one statement on PostgreSQL. Return the
+    amount charged for each call that had a hold. Lock order is the caller's: one user per call."""
+    return ledger().settle_many(tool_call_ids=tool_call_ids)
+
+
 def credits_release(*, tool_call_id: str) -> None:
     """Give back what was held for a call that did not succeed. A second release does nothing."""
     ledger().release(tool_call_id=tool_call_id)

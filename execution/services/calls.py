@@ -25,6 +25,7 @@ from billing.services import (
     credits_release,
     credits_reserve,
     credits_settle,
+    credits_settle_many,
     price_quote,
     reservations_held,
 )
@@ -663,15 +664,18 @@ def _tool_calls_finish_postgres(batch: list[_Ran]) -> list[bool]:
         settles,
         [status.value for status in ToolCall.OPEN],
     ]
-    # Each account's row is locked from its settle to the commit: accounts go in one order (by
-    # user), so two batches never wait on each other in a cycle.
+    # Each account's row is locked from its settle (one statement per user) to the commit: accounts
+    # go in one order (by user), so two batches never wait on each other in a cycle.
     with transaction.atomic() if any(settles) else nullcontext():
         with connection.cursor() as cursor:
             cursor.execute(_FINISH_SQL, params)
             credits = dict(cursor.fetchall())
-        for ran in sorted((r for r, s in zip(batch, settles, strict=True) if s), key=lambda r: (r.call.user_id, r.call.call_id)):
-            if ran.call.call_id in credits:
-                credits_settle(tool_call_id=ran.call.call_id)
+        by_user: dict[int, list[str]] = {}
+        for ran, settle in zip(batch, settles, strict=True):
+            if settle and ran.call.call_id in credits:
+                by_user.setdefault(ran.call.user_id, []).append(ran.call.call_id)
+        for user_id in sorted(by_user):
+            credits_settle_many(tool_call_ids=by_user[user_id])
     for ran, values in zip(batch, fields, strict=True):
         if ran.call.call_id in credits:
             if ran.billed and values["error"]:

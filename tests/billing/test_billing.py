@@ -11,6 +11,7 @@ from django.core.management import call_command
 from django.test import Client
 from django.utils import timezone
 
+from billing.ledger import Ledger, OrmLedger, PostgresLedger
 from billing.models import CreditAccount, CreditUsage, Discount, LedgerEntry, Plan, Reservation
 from billing.selectors import ledger_mismatches
 from billing.services import account_get, credits_release, credits_reserve, price_quote
@@ -162,6 +163,26 @@ def test_a_burst_is_held_in_one_go_or_call_by_call_as_far_as_the_credits_go(make
         credits_release(tool_call_id=call_id)
     account.refresh_from_db()
     assert (account.balance, account.reserved) == (5, 0)
+
+
+@pytest.mark.parametrize("backend", [PostgresLedger, OrmLedger])
+def test_a_batch_of_one_users_calls_is_settled_each_once(make_api: Callable[..., Api], backend: type[Ledger]) -> None:
+    api = make_api(credits=10)
+    user = get_user_model().objects.get(username=api.username)
+    tool = Tool.objects.select_related("toolset").get(toolset__key="demo", toolset__owner=None, name="add")
+    quote = price_quote(user=user, toolset=tool.toolset, tool=tool)
+    assert quote is not None and quote.amount == 1
+    calls = [f"batch_{uuid.uuid4().hex}" for _ in range(3)]
+    assert credits_reserve(user=user, holds=[(call_id, quote) for call_id in calls]) == {}
+    ledger = backend()
+    # Two of the three, and one that holds nothing: each held one is charged, once.
+    assert ledger.settle_many(tool_call_ids=[*calls[:2], "batch_never_held"]) == {calls[0]: 1, calls[1]: 1}
+    assert ledger.settle_many(tool_call_ids=calls) == {calls[2]: 1}
+    account = CreditAccount.objects.get(user=user)
+    assert (account.balance, account.reserved) == (7, 0)
+    assert sorted(CreditUsage.objects.filter(user=user).values_list("tool_call_id", flat=True)) == sorted(calls)
+    assert LedgerEntry.objects.filter(account=account, kind="charge", tool_call_id__in=calls).count() == 3
+    assert ledger_mismatches() == []
 
 
 def test_a_plan_with_free_tools_records_the_price_and_charges_nothing(api: Api) -> None:
