@@ -65,14 +65,15 @@ def purge_jobs() -> int:
     retry_backoff=True,
     max_retries=3,
 )
-def execute_tool(call_id: str) -> None:
+def execute_tool(call_id: str, record: str | None = None) -> None:
+    # ``record``: a job's call, recorded by its claim (services.calls.tool_call_execute).
     try:
-        tool_call_execute(call_id=call_id)
+        tool_call_execute(call_id=call_id, record=record)
     except (OperationalError, InterfaceError):
         raise
     except Exception:
         # A bug must not leave the code waiting for a result that never comes: fail the call now.
-        tool_call_abort(call_id=call_id)
+        tool_call_abort(call_id=call_id, record=record)
         raise
 
 

@@ -187,7 +187,10 @@ class FleetCollector:
         oldest.add_metric(["running"], (now - first_running).total_seconds() if first_running else 0)
         yield oldest
         calls = GaugeMetricFamily(
-            "ptc_tool_calls_in_flight", "Tool calls recorded and not finished, by toolset.", labels=["toolset"]
+            "ptc_tool_calls_in_flight",
+            "Tool calls recorded as executing, by toolset (a job's calls are recorded when a tools worker takes them;"
+            " those still queued are in ptc_queue_depth).",
+            labels=["toolset"],
         )
         executing = ToolCall.objects.filter(status=ToolCall.Status.EXECUTING)
         for toolset, n in executing.values_list("toolset_key").annotate(n=Count("pk")).values_list("toolset_key", "n"):

@@ -9,6 +9,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from billing.models import Reservation
 from execution.models import ToolCall
 from tests.conftest import METRICS_TOKEN, Api
 from tests.stack import Stack
@@ -87,13 +88,12 @@ def test_fleet_state_shows_a_call_waiting_on_a_queue_no_worker_serves(
     assert made.status_code == 201, made.text
     job = api.run(f"from ptc_tools.{key} import {class_name(key)}\n{class_name(key)}.forecast(city='x')", toolsets=[key], wait=0)
     deadline = time.monotonic() + 20
-    while not ToolCall.objects.filter(exec_job_id=job["id"]).exists():
+    while not value(samples := scrape(stack), "ptc_queue_depth", queue="tools.slow"):
         assert time.monotonic() < deadline
         time.sleep(0.1)
     try:
-        samples = scrape(stack)
-        assert value(samples, "ptc_tool_calls_in_flight", toolset=key) == 1
-        assert value(samples, "ptc_queue_depth", queue="tools.slow") >= 1
+        # Queued, not taken: counted in its queue's depth; a call is in flight once a worker takes it.
+        assert value(samples, "ptc_tool_calls_in_flight", toolset=key) == 0
         assert value(samples, "ptc_queue_workers", queue="tools.slow") == 0  # the alert's condition
         assert value(samples, "ptc_jobs", status="running") >= 1
         assert value(samples, "ptc_jobs_oldest_age_seconds", status="running") > 0
@@ -101,10 +101,13 @@ def test_fleet_state_shows_a_call_waiting_on_a_queue_no_worker_serves(
         assert value(samples, "ptc_reservations_held_credits") >= 2
     finally:
         assert api.post(f"/api/v1/exec/{job['id']}/cancel").status_code == 200
+    # The call ended with its job: recorded as never run, and what was held for it given back.
     deadline = time.monotonic() + 15
-    while value(scrape(stack), "ptc_tool_calls_in_flight", toolset=key):  # the call ended with its job
+    while not (ended := ToolCall.objects.filter(exec_job_id=job["id"], status="failed").first()):
         assert time.monotonic() < deadline
         time.sleep(0.2)
+    assert ended.error["code"] == "job_ended"
+    assert Reservation.objects.get(tool_call_id=ended.call_id).status == "released"
 
 
 def test_event_lag_is_observed_for_live_followers(stack: Stack, api: Api) -> None:

@@ -93,6 +93,10 @@ class CallRouter(Protocol):
         """Return the reply for a call whose result never arrived (from its record, or a failure)."""
         ...
 
+    def closed(self, *, open_calls: list[str]) -> None:
+        """The job ended with these calls unanswered (their code will never read a reply)."""
+        ...
+
 
 class Subscription(Protocol):
     def fileno(self) -> int: ...
@@ -190,6 +194,7 @@ class Session:
             with self.submit_lock:
                 self.submit_stopped = True
             self.submitter.shutdown(wait=True, cancel_futures=True)
+            self._close_calls()
             os.close(self._wake_r)
             os.close(self._wake_w)
             self.kept = self.keep and self.ended is None and self.result is not None and proc.poll() is None
@@ -213,6 +218,23 @@ class Session:
             "client_wait_ms": round(self._client_wait(finished) * 1000, 2),
         }
         return outcome
+
+    def _close_calls(self) -> None:
+        """Tell the router which calls the job left unanswered: in flight, or submitted after the loop
+        stopped reading. A failure here is logged: the job's end is recorded regardless."""
+        open_calls = list(self.in_flight)
+        while True:
+            try:
+                _, submitted = self.submitted.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(submitted, Dispatched):
+                open_calls.append(submitted.call_id)
+        if open_calls:
+            try:
+                self.router.closed(open_calls=open_calls)
+            except Exception:
+                logger.exception("could not close the calls a job left open")
 
     def _client_wait(self, now: float) -> float:
         """Return the seconds of waiting on the client the job's clock does not count (so far)."""

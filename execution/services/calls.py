@@ -1,6 +1,8 @@
 """Writes for tool calls, from birth to charge: check, record, reserve, enqueue, claim, run,
 finish (settling or releasing the credits held), and the reaper of calls whose worker died."""
 
+import copy
+import functools
 import json
 import logging
 import threading
@@ -14,6 +16,7 @@ from typing import Any
 import jsonschema
 from django.conf import settings
 from django.contrib.auth.models import User
+from django.core import signing
 from django.db import connection, transaction
 from django.db.models import OuterRef, Subquery
 from django.db.models.functions import Coalesce
@@ -142,15 +145,18 @@ def tool_call_build(
     )
 
 
-def tool_calls_record(calls: list[ToolCall]) -> None:
+def tool_calls_record(calls: list[ToolCall], *, queued: frozenset[str] = frozenset()) -> None:
     """Write records before their calls run, in one INSERT, and publish their start events (and the
-    errors of refused ones) in one round trip."""
-    if len(calls) == 1:
+    errors of refused ones) in one round trip. The ``queued`` calls are announced but not written:
+    a job's calls for a tools worker are recorded by the statement that claims them (``execute_tool``
+    carries the record), which saves the bridge a statement on every call's path."""
+    rows = [call for call in calls if call.call_id not in queued]
+    if len(rows) == 1:
         # One row is one INSERT in autocommit; bulk_create would wrap it in BEGIN and COMMIT, two
         # round trips more on every sequential call's path.
-        calls[0].save(force_insert=True)
-    else:
-        ToolCall.objects.bulk_create(calls)
+        rows[0].save(force_insert=True)
+    elif rows:
+        ToolCall.objects.bulk_create(rows)
     by_job: dict[str, list[tuple[str, dict[str, Any]]]] = {}
     for call in calls:
         if call.ptc_call_id:
@@ -162,6 +168,42 @@ def tool_calls_record(calls: list[ToolCall]) -> None:
                 events.append(tool_call_event(call))
     for job_call_id, events in by_job.items():
         events_publish(job_call_id=job_call_id, events=events)
+
+
+# What a queued call's message carries to the worker that claims it: the record's fields, signed
+# with the deployment's SECRET_KEY, so that what reaches the broker can't make up a call.
+_QUEUED_SIGNER = signing.Signer(salt="ptc.execute_tool.record")
+_QUEUED_ATTNAMES = ("call_id", "type", "exec_job_id", "ptc_call_id", "user_id", "toolset_key", "tool_name", "tool_id", "input")
+
+
+def tool_call_signed(call: ToolCall) -> str:
+    """Return the record of a queued call as its tools task takes it: JSON, signed."""
+    fields: dict[str, Any] = {name: getattr(call, name) for name in _QUEUED_ATTNAMES}
+    fields["started_at"] = call.started_at.isoformat()
+    for name in ("exec_job_id", "tool_id"):
+        fields[name] = None if fields[name] is None else str(fields[name])
+    return _QUEUED_SIGNER.sign(json.dumps(fields, separators=(",", ":")))
+
+
+def _unverified_job(record: str) -> str:
+    """The job a record whose signature failed names, to address an error to (never trusted more)."""
+    try:
+        job = json.loads(record.rsplit(":", 1)[0]).get("ptc_call_id")
+    except (ValueError, AttributeError):
+        return ""
+    return job if isinstance(job, str) else ""
+
+
+def _tool_call_unsigned(record: str) -> ToolCall | None:
+    """Return the unsaved record a queued call's message carries, or None if its signature is bad."""
+    try:
+        fields = json.loads(_QUEUED_SIGNER.unsign(record))
+    except signing.BadSignature:
+        return None
+    fields["started_at"] = datetime.fromisoformat(fields["started_at"])
+    for name in ("exec_job_id", "tool_id"):
+        fields[name] = None if fields[name] is None else uuid.UUID(fields[name])
+    return ToolCall(**fields, status=ToolCall.Status.EXECUTING)
 
 
 def _tool_call_record(**fields: Any) -> ToolCall:
@@ -176,16 +218,20 @@ def _tool_call_event_publish(call: ToolCall) -> None:
         event_publish(job_call_id=call.ptc_call_id, event=name, data=data)
 
 
-def tool_calls_enqueue(calls: list[tuple[str, str]]) -> dict[str, dict[str, str]]:
+def tool_calls_enqueue(calls: list[tuple[str, str]], *, queued: dict[str, ToolCall] | None = None) -> dict[str, dict[str, str]]:
     """Send calls ``(call_id, queue)`` to their toolset's tools queue through one producer, a burst
-    in one round trip (kombu's publish batch, on Redis). Return the errors of those that failed
-    (their records are failed too): the broker was down even after the publish retries.
+    in one round trip (kombu's publish batch, on Redis). The ``queued`` ones (by call id: unsaved
+    records) go with their record, which their worker writes as it claims them. Return the errors of
+    those that failed (their records are failed too): the broker was down even after the publish
+    retries.
 
     A batch that fails fails all its calls: some of its messages may have reached the queue, but
-    their records are failed first, so a tools worker that takes one finds it ended and runs nothing.
+    their records are failed first (or a worker that took one already finds it failed when it
+    finishes), so what the code is told is what the records say, and nothing is charged.
     """
     from execution.tasks import execute_tool
 
+    queued = queued or {}
     errors = {}
     with execute_tool.app.producer_or_acquire() as producer:
         try:
@@ -193,21 +239,29 @@ def tool_calls_enqueue(calls: list[tuple[str, str]]) -> dict[str, dict[str, str]
             # block ends, in one pipeline, not retried (a replay could queue a call twice).
             with producer.batch() if len(calls) > 1 else nullcontext():
                 for call_id, queue in calls:
-                    _tool_call_publish(execute_tool, producer, call_id=call_id, queue=queue, retry=len(calls) == 1)
+                    record = tool_call_signed(queued[call_id]) if call_id in queued else None
+                    _tool_call_publish(execute_tool, producer, call_id=call_id, record=record, queue=queue, retry=len(calls) == 1)
         except Exception as exc:
             logger.exception("could not enqueue tool calls", extra={"call_ids": [call_id for call_id, _ in calls]})
+            error = call_error("broker_unavailable", f"the call could not be queued ({type(exc).__name__}); retry")
+            errors = {call_id: error for call_id, _ in calls}
+            tool_calls_fail_queued([queued[call_id] for call_id, _ in calls if call_id in queued], error=error, running=True)
             for call_id, _ in calls:
-                errors[call_id] = call_error("broker_unavailable", f"the call could not be queued ({type(exc).__name__}); retry")
-                tool_call_finish(call_id=call_id, error=errors[call_id])
+                if call_id not in queued:
+                    tool_call_finish(call_id=call_id, error=error)
     return errors
 
 
-def _tool_call_publish(task: Any, producer: Any, *, call_id: str, queue: str, retry: bool) -> None:
-    """Publish ``execute_tool(call_id)`` to ``queue``: Celery's own task message (protocol 2, from
-    ``create_task_message``) straight to the queue, as ``apply_async`` sends a task to a direct
-    queue. Without ``apply_async``'s option merging, router and per-message queue declaration
-    (the workers declare their queues), which were half the CPU of every call's enqueue."""
-    message = task.app.amqp.create_task_message(uuid.uuid4().hex, task.name, (call_id,), {}, ignore_result=True)
+def _tool_call_publish(task: Any, producer: Any, *, call_id: str, record: str | None, queue: str, retry: bool) -> None:
+    """Publish ``execute_tool(call_id[, record])`` to ``queue``: Celery's own task message (protocol
+    2, from ``create_task_message``) straight to the queue, as ``apply_async`` sends a task to a
+    direct queue. Without ``apply_async``'s option merging, router and per-message queue
+    declaration (the workers declare their queues), which were half the CPU of every call's enqueue.
+    The worker's log shows the call id only, never the record (it holds the call's input)."""
+    args = (call_id,) if record is None else (call_id, record)
+    message = task.app.amqp.create_task_message(
+        uuid.uuid4().hex, task.name, args, {}, ignore_result=True, argsrepr=repr((call_id,)), kwargsrepr="{}"
+    )
     producer.publish(
         message.body,
         exchange="",
@@ -218,6 +272,35 @@ def _tool_call_publish(task: Any, producer: Any, *, call_id: str, queue: str, re
         retry_policy=task.app.conf.task_publish_retry_policy,
         **message.properties,
     )
+
+
+def tool_calls_fail_queued(calls: list[ToolCall], *, error: dict[str, str], running: bool) -> list[str]:
+    """Record queued calls (unsaved: their worker writes their record as it claims them) as failed
+    with ``error``, in one statement: those no worker has claimed, and with ``running`` those still
+    running too (their worker's result is then dropped, as for any call ended before its result).
+    Release what was held for each one failed here and publish its end. Return their call ids."""
+    if not calls:
+        return []
+    now = timezone.now()
+    failed = []
+    for call in calls:
+        row = copy.copy(call)
+        row.status, row.error, row.finished_at = ToolCall.Status.FAILED, storable(error), now
+        failed.append(row)
+    rows = ", ".join(["(" + ", ".join(["%s"] * len(_ROW_FIELDS)) + ")"] * len(failed))
+    sql = _FAIL_QUEUED_SQL.format(rows=rows, unclaimed="" if running else f"AND {ToolCall._meta.db_table}.claimed_at IS NULL")
+    params = [field.get_db_prep_save(getattr(row, field.attname), connection) for row in failed for field in _ROW_FIELDS]
+    with connection.cursor() as cursor:
+        cursor.execute(sql, params)
+        ended = {call_id for (call_id,) in cursor.fetchall()}
+    by_job: dict[str, list[tuple[str, dict[str, Any]]]] = {}
+    for row in failed:
+        if row.call_id in ended:
+            credits_release(tool_call_id=row.call_id)
+            by_job.setdefault(row.ptc_call_id, []).append(tool_call_event(row))
+    for job_call_id, events in by_job.items():
+        events_publish(job_call_id=job_call_id, events=events)
+    return [row.call_id for row in failed if row.call_id in ended]
 
 
 def _tool_call_enqueue(*, call_id: str, queue: str) -> dict[str, str] | None:
@@ -305,6 +388,8 @@ def tool_call_standalone(
     if found is None:
         return call
     refused = tool_calls_reserve(calls=[(call_id, found)], user=user, job=job)
+    for error in refused.values():
+        tool_call_finish(call_id=call_id, error=error)
     if not refused and _tool_call_enqueue(call_id=call_id, queue=found.toolset.queue) is None:
         timeout = (found.timeout or settings.PTC_DEFAULT_TOOL_TIMEOUT) + CALL_GRACE_SECONDS
         finished = backplane().wait_for(
@@ -420,7 +505,8 @@ def tool_calls_reserve(
     *, calls: list[tuple[str, Tool]], user: User, job: ExecJob | None, quotes: dict[Any, Any] | None = None
 ) -> dict[str, dict[str, str]]:
     """Hold the prices of calls ``(call_id, tool)`` before they run, a burst in one statement when
-    the credits suffice. Return the errors of those refused, by call id, after failing their records.
+    the credits suffice. Return the errors of those refused, by call id: nothing else is done with
+    them (a recorded call is failed by its caller, a call not yet recorded is recorded failed).
 
     ``quotes`` keeps a job's prices for its life, so its calls don't price the same tool again.
     """
@@ -437,10 +523,7 @@ def tool_calls_reserve(
     if not holds:
         return {}
     refused = credits_reserve(user=user, holds=holds, exec_job=job, max_credits=job.max_credits if job else None)
-    errors = {call_id: exc.as_dict() for call_id, exc in refused.items()}
-    for call_id, error in errors.items():
-        tool_call_finish(call_id=call_id, error=error)
-    return errors
+    return {call_id: exc.as_dict() for call_id, exc in refused.items()}
 
 
 # The claim and the read of the rows in one statement (PostgreSQL and SQLite both have RETURNING):
@@ -453,6 +536,39 @@ WHERE call_id IN ({{ids}}) AND status = 'executing' AND claimed_at IS NULL
     SELECT 1 FROM {ExecJob._meta.db_table} j WHERE j.id = {ToolCall._meta.db_table}.exec_job_id AND j.status = 'running'))
 RETURNING {", ".join(str(field.column) for field in _CALL_FIELDS)}
 """  # noqa: S608 - table names from the models, values as parameters
+
+# A queued call's record, written by the statement that claims it (its job still running, no row
+# of it yet), and the failure of queued calls the bridge gave up on. Every column but the id.
+_ROW_FIELDS = [field for field in _CALL_FIELDS if not field.primary_key]
+_ROW_COLUMNS = ", ".join(str(field.column) for field in _ROW_FIELDS)
+_JOB_RUNNING = f"SELECT 1 FROM {ExecJob._meta.db_table} j WHERE j.id = {{job}} AND j.status = 'running'"  # noqa: S608
+_RECORD_CLAIMED_SQL = f"""
+INSERT INTO {ToolCall._meta.db_table} ({_ROW_COLUMNS})
+SELECT * FROM (VALUES {{rows}}) AS v ({_ROW_COLUMNS})
+WHERE v.exec_job_id IS NULL OR EXISTS ({_JOB_RUNNING.format(job="v.exec_job_id")})
+ON CONFLICT (call_id) DO NOTHING
+RETURNING call_id, id
+"""  # noqa: S608
+_RECORD_CLAIMED_ONE_SQL = f"""
+INSERT INTO {ToolCall._meta.db_table} ({_ROW_COLUMNS})
+SELECT {", ".join(["%s"] * len(_ROW_FIELDS))} WHERE %s IS NULL OR EXISTS ({_JOB_RUNNING.format(job="%s")})
+ON CONFLICT (call_id) DO NOTHING
+RETURNING call_id, id
+"""
+_FAIL_QUEUED_SQL = f"""
+INSERT INTO {ToolCall._meta.db_table} ({_ROW_COLUMNS}) VALUES {{rows}}
+ON CONFLICT (call_id) DO UPDATE SET status = excluded.status, error = excluded.error, finished_at = excluded.finished_at
+WHERE {ToolCall._meta.db_table}.status IN ({", ".join(f"'{status.value}'" for status in ToolCall.OPEN)}) {{unclaimed}}
+RETURNING call_id
+"""  # noqa: S608
+
+
+@functools.cache
+def _claimed_row() -> str:
+    """One row of _RECORD_CLAIMED_SQL's VALUES on PostgreSQL, each value cast to its column's type
+    (a VALUES list's types are its own, not the table's)."""
+    return "(" + ", ".join(f"%s::{field.cast_db_type(connection)}" for field in _ROW_FIELDS) + ")"
+
 
 # A batch of calls that ran, finished in one statement on PostgreSQL: each open call moves to its
 # status and output; one that completes a billed call records what was held for it (settled right
@@ -483,18 +599,32 @@ def tool_calls_heartbeat() -> int:
     return ToolCall.objects.filter(call_id__in=running, status=ToolCall.Status.EXECUTING).update(heartbeat_at=timezone.now())
 
 
-def tool_call_execute(*, call_id: str) -> None:
-    """Run one recorded call, once: claim it, run it, record the result, push it to the job.
+def tool_call_execute(*, call_id: str, record: str | None = None) -> None:
+    """Run one call, once: claim it, run it, record the result, push it to the job.
 
-    The claim is one conditional UPDATE: the call must still be executing, unclaimed, and its job
-    still running. A redelivered task finds the claim taken: if the call finished, its result is
-    pushed again (the bridge ignores repeats); if it runs under a fresh lease, the delivery is a
-    duplicate and is dropped; if its lease lapsed, the worker that ran it died, and it fails as
-    ``worker_lost`` rather than run twice.
+    A call from a job's sandbox comes with its ``record`` (signed): the claim writes it, one
+    conditional INSERT, if its job still runs and no row of it exists yet. Any other call was
+    recorded before it was queued: the claim is one conditional UPDATE, if it is still executing,
+    unclaimed, and its job still running. A task delivered again finds the claim taken: if the call
+    finished, its result is pushed again (the bridge ignores repeats); if it runs under a fresh
+    lease, the delivery is a duplicate and is dropped; if its lease lapsed, the worker that ran it
+    died, and it fails as ``worker_lost`` rather than run twice.
     """
-    call = _claims(call_id)  # with the claims of this worker's other threads, when they coincide
+    queued = _tool_call_unsigned(record) if record is not None else None
+    if record is not None and queued is None:
+        # Not made by this deployment's bridge (or the workers' SECRET_KEYs differ): nothing is run
+        # or recorded; the code it names, if any, gets an error rather than wait for its timeout.
+        logger.error("a tool call's message failed its signature check; not run", extra={"call_id": call_id})
+        reply: dict[str, Any] = {"ok": False, "error": call_error("internal_error", BAD_RECORD_MESSAGE)}
+        backplane().publish(_result_channel(call_id, _unverified_job(record)), Result(call_id=call_id, **reply))
+        return
+    call = _claims((call_id, queued))  # with the claims of this worker's other threads, when they coincide
     claimed = call is not None
     if call is None:
+        call = ToolCall.objects.filter(call_id=call_id).first()
+    if call is None and queued is not None:
+        # Its job no longer runs: it is recorded as never run (or as whatever recorded it meanwhile).
+        tool_calls_fail_queued([queued], error=call_error("job_ended", JOB_ENDED_MESSAGE), running=False)
         call = ToolCall.objects.filter(call_id=call_id).first()
     if call is None:
         logger.warning("tool call not found", extra={"call_id": call_id})
@@ -521,8 +651,14 @@ def tool_call_execute(*, call_id: str) -> None:
     elif call.claimed_at is not None:
         reply = _tool_call_fail(call_id, "worker_lost", "the tools worker running this call stopped; it was not run again")
     else:
-        reply = _tool_call_fail(call_id, "job_ended", "the job ended before this call started; it was not run")
+        reply = _tool_call_fail(call_id, "job_ended", JOB_ENDED_MESSAGE)
     backplane().publish(_result_channel(call_id, call.ptc_call_id), Result(call_id=call_id, **reply))
+
+
+JOB_ENDED_MESSAGE = "the job ended before this call started; it was not run"
+BAD_RECORD_MESSAGE = (
+    "the call's message failed its signature check and was not run: every worker of a deployment needs the same DJANGO_SECRET_KEY"
+)
 
 
 def _lease_fresh(call: ToolCall) -> bool:
@@ -531,14 +667,51 @@ def _lease_fresh(call: ToolCall) -> bool:
     return lease is not None and lease > timezone.now() - timedelta(seconds=settings.PTC_JOB_LEASE_SECONDS)
 
 
-def _tool_calls_claim(call_ids: list[str]) -> list[ToolCall | None]:
-    """Claim calls in one statement. Return each one's row if this claimed it, else None (a
-    repeat of a call in the same batch is not claimed twice)."""
-    sql = _CLAIM_SQL.format(ids=", ".join(["%s"] * len(call_ids)))
-    with connection.cursor() as cursor:
-        cursor.execute(sql, [timezone.now(), *call_ids])
-        rows = {call.call_id: call for call in map(_call_from_row, cursor.fetchall())}
-    return [rows.pop(call_id, None) for call_id in call_ids]
+def _tool_calls_claim(items: list[tuple[str, ToolCall | None]]) -> list[ToolCall | None]:
+    """Claim calls ``(call_id, record or None)``: the queued ones by writing their records, the
+    recorded ones by updating theirs, a statement each. Return each one's row if this claimed it,
+    else None (a repeat of a call in the same batch is not claimed twice)."""
+    now = timezone.now()
+    claimed: dict[str, ToolCall] = {}
+    queued = {call_id: record for call_id, record in items if record is not None}
+    if queued:
+        claimed.update(_tool_calls_record_claimed(list(queued.values()), now=now))
+    recorded = list(dict.fromkeys(call_id for call_id, record in items if record is None))
+    if recorded:
+        sql = _CLAIM_SQL.format(ids=", ".join(["%s"] * len(recorded)))
+        with connection.cursor() as cursor:
+            cursor.execute(sql, [now, *recorded])
+            claimed.update((call.call_id, call) for call in map(_call_from_row, cursor.fetchall()))
+    return [claimed.pop(call_id, None) for call_id, _ in items]
+
+
+def _tool_calls_record_claimed(calls: list[ToolCall], *, now: datetime) -> dict[str, ToolCall]:
+    """Write queued calls' records, claimed (``claimed_at``), those whose job still runs and of which
+    no row exists yet. Return the ones written, by call id, saved."""
+    for call in calls:
+        call.claimed_at = now
+    if connection.vendor == "postgresql":
+        rows = ", ".join([_claimed_row()] * len(calls))
+        params = [field.get_db_prep_save(getattr(call, field.attname), connection) for call in calls for field in _ROW_FIELDS]
+        with connection.cursor() as cursor:
+            cursor.execute(_RECORD_CLAIMED_SQL.format(rows=rows), params)
+            written = dict(cursor.fetchall())
+    else:  # SQLite: a statement a call, each its own check of the job
+        written = {}
+        with connection.cursor() as cursor:
+            for call in calls:
+                job = call.exec_job_id and ExecJob._meta.pk.get_db_prep_save(call.exec_job_id, connection)
+                values = [field.get_db_prep_save(getattr(call, field.attname), connection) for field in _ROW_FIELDS]
+                cursor.execute(_RECORD_CLAIMED_ONE_SQL, [*values, job, job])
+                written.update(cursor.fetchall())
+    for call in calls:
+        if call.call_id in written:
+            call.pk = written[call.call_id]
+            call._state.adding = False
+            call._state.db = connection.alias
+        else:
+            call.claimed_at = None  # not this claim's
+    return {call.call_id: call for call in calls if call.call_id in written}
 
 
 def _call_from_row(row: tuple[Any, ...]) -> ToolCall:
@@ -563,12 +736,18 @@ def _result_channel(call_id: str, ptc_call_id: str) -> str:
     return job_channel(ptc_call_id) if ptc_call_id else call_channel(call_id)
 
 
-def tool_call_abort(*, call_id: str) -> None:
-    """Fail a call whose task crashed, and push that to its job, so the code gets a ToolError now."""
-    reply = _tool_call_fail(call_id, "internal_error", "the tools worker failed while running this call; see its log")
-    ptc_call_id = ToolCall.objects.filter(call_id=call_id).values_list("ptc_call_id", flat=True).first()
-    if ptc_call_id is not None:
-        backplane().publish(_result_channel(call_id, ptc_call_id), Result(call_id=call_id, **reply))
+def tool_call_abort(*, call_id: str, record: str | None = None) -> None:
+    """Fail a call whose task crashed (recording it failed if its record was never written), and
+    push that to its job, so the code gets a ToolError now."""
+    error = call_error("internal_error", "the tools worker failed while running this call; see its log")
+    queued = _tool_call_unsigned(record) if record is not None else None
+    if queued is not None:
+        tool_calls_fail_queued([queued], error=error, running=True)
+    else:
+        tool_call_finish(call_id=call_id, error=error)
+    call = ToolCall.objects.filter(call_id=call_id).first()
+    if call is not None:
+        backplane().publish(_result_channel(call_id, call.ptc_call_id), Result(call_id=call_id, **tool_call_reply(call)))
 
 
 def _tool_call_fail(call_id: str, code: str, message: str) -> dict[str, Any]:
@@ -688,12 +867,17 @@ _finishes = GroupCommit(_tool_calls_finish_ran)
 
 
 def tool_calls_close_held() -> None:
-    """Settle or release the credits a dead worker left held, by how each call ended."""
+    """Settle or release the credits a dead worker left held, by how each call ended. A call with
+    no record yet is queued for a tools worker (which records it as it claims it) while its job
+    runs; once its job has ended it can never run, and what was held for it goes back."""
     for call_id in reservations_held(older_than_seconds=settings.PTC_JOB_LEASE_SECONDS):
         status = ToolCall.objects.filter(call_id=call_id).values_list("status", flat=True).first()
         if status == ToolCall.Status.COMPLETED:
             with transaction.atomic():
                 ToolCall.objects.filter(call_id=call_id).update(credits=credits_settle(tool_call_id=call_id))
+        elif status is None:
+            if not Reservation.objects.filter(tool_call_id=call_id, exec_job__status=ExecJob.Status.RUNNING).exists():
+                credits_release(tool_call_id=call_id)
         elif status not in ToolCall.OPEN:  # a call awaiting its approval holds its price until decided
             credits_release(tool_call_id=call_id)
 

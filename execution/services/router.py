@@ -12,11 +12,13 @@ from execution.models import ExecJob, ToolCall
 from execution.sandbox.session import Dispatched, Refused
 from execution.services.calls import (
     CALL_TIMEOUT_MESSAGE,
+    JOB_ENDED_MESSAGE,
     CallChecker,
     tool_call_build,
     tool_call_finish,
     tool_call_reply,
     tool_calls_enqueue,
+    tool_calls_fail_queued,
     tool_calls_record,
     tool_calls_reserve,
     tool_needs_approval,
@@ -50,6 +52,9 @@ class JobCallRouter:
         self.checker = CallChecker(user=job.user, toolsets=granted, direct_only=direct_only, ptc_only=True, extra=extra)
         self.quotes: dict[Any, Any] = {}
         self.policy = policy
+        # The calls sent to tools workers unrecorded (their worker records each as it claims it),
+        # for when the bridge gives up on one (``overdue``) or the job ends first (``closed``).
+        self.queued: dict[str, ToolCall] = {}
 
     def _awaits(self, tool: Tool) -> str:
         """Return what a call of ``tool`` waits on before it can end: ``client`` (the caller runs
@@ -69,7 +74,6 @@ class JobCallRouter:
     def _submit_many(self, requests: list[tuple[str, str, Any]]) -> list[Dispatched | Refused]:
         calls: list[ToolCall] = []
         found_tools: list[Tool | None] = []
-        outcomes: list[Dispatched | Refused] = []
         for toolset, tool, arguments in requests:
             fields = {
                 "call_id": f"ptc_{uuid.uuid4().hex}",
@@ -87,23 +91,23 @@ class JobCallRouter:
                 found = None
                 calls.append(tool_call_build(**fields, found=None, error=failure.as_dict()))
             found_tools.append(found)
-        tool_calls_record(calls)
-        # A job's own client tools are free (no row, no price); a shared client toolset's or an
-        # approval's price is held while it waits, and settled when it completes.
+        # Prices are held before anything is recorded: a call refused for its price is recorded
+        # failed. A job's own client tools are free (no row, no price); a shared client toolset's
+        # or an approval's price is held while it waits, and settled when it completes.
         priced = [
             (call.call_id, found) for call, found in zip(calls, found_tools, strict=True) if found and not found._state.adding
         ]
         refused = tool_calls_reserve(calls=priced, user=self.job.user, job=self.job, quotes=self.quotes)
-        accepted = []
+        outcomes: list[Dispatched | Refused] = []
+        accepted: list[tuple[str, str]] = []
+        queued: dict[str, ToolCall] = {}
         for call, found in zip(calls, found_tools, strict=True):
-            if found is None:
-                assert call.error is not None, "a call the checker refused was built with the failure as its error"
-                outcomes.append(Refused(call_id=call.call_id, error=call.error))
-                continue
-            awaits = self._awaits(found)
             if call.call_id in refused:
-                outcomes.append(Refused(call_id=call.call_id, error=refused[call.call_id]))
-            elif awaits:
+                call.status, call.error, call.finished_at = ToolCall.Status.FAILED, refused[call.call_id], call.started_at
+            if found is None or call.status == ToolCall.Status.FAILED:
+                assert call.error is not None, "a refused call was built or marked with its failure as its error"
+                outcomes.append(Refused(call_id=call.call_id, error=call.error))
+            elif awaits := self._awaits(found):
                 # Nothing is queued: the call waits for POST .../tool-results or .../approval.
                 timeout = found.timeout or settings.PTC_CLIENT_TOOL_TIMEOUT
                 outcomes.append(Dispatched(call_id=call.call_id, timeout=timeout, awaiting=awaits))
@@ -111,7 +115,12 @@ class JobCallRouter:
                 outcomes.append(Dispatched(call_id=call.call_id, timeout=found.timeout or settings.PTC_DEFAULT_TOOL_TIMEOUT))
                 # found.toolset is the checker's own row (prefetched with its tools): no query here.
                 accepted.append((call.call_id, found.toolset.queue))
-        errors = tool_calls_enqueue(accepted)
+                queued[call.call_id] = call
+        # The calls for tools workers are announced here and recorded by the worker that claims
+        # each; the others (refused, or waiting on a person) are recorded here.
+        tool_calls_record(calls, queued=frozenset(queued))
+        self.queued.update(queued)
+        errors = tool_calls_enqueue(accepted, queued=queued)
         return [Refused(call_id=o.call_id, error=errors[o.call_id]) if o.call_id in errors else o for o in outcomes]
 
     def lookup(self, *, call_id: str) -> dict[str, Any] | None:
@@ -134,10 +143,20 @@ class JobCallRouter:
                 error = call_error("tool_timeout", "the client did not post this call's result within its timeout")
             elif status == ToolCall.Status.AWAITING_APPROVAL:
                 error = call_error("tool_timeout", "nobody approved or denied this call within its timeout")
-            tool_call_finish(call_id=call_id, error=error)
+            if call_id in self.queued:  # recorded failed if no worker ever recorded it
+                tool_calls_fail_queued([self.queued[call_id]], error=error, running=True)
+            else:
+                tool_call_finish(call_id=call_id, error=error)
             return tool_call_reply(ToolCall.objects.get(call_id=call_id))
         except (OperationalError, InterfaceError):
             # The code gets its answer now; the record, still executing, is failed by the reaper.
             logger.warning("could not record an overdue call: the database is unreachable", extra={"call_id": call_id})
             db_reset()
             return {"ok": False, "error": error}
+
+    def closed(self, *, open_calls: list[str]) -> None:
+        """The job ended with ``open_calls`` unanswered: those sent to a tools worker that none has
+        taken are recorded as never run (one a worker took, it finishes)."""
+        calls = [self.queued[call_id] for call_id in open_calls if call_id in self.queued]
+        if calls:
+            tool_calls_fail_queued(calls, error=call_error("job_ended", JOB_ENDED_MESSAGE), running=False)

@@ -1,5 +1,6 @@
 """The tools task under redelivery and cancel: a call runs at most once, and never for an ended job."""
 
+import copy
 import uuid
 from datetime import timedelta
 from typing import Any
@@ -9,10 +10,12 @@ from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.utils import timezone
 
+from billing.models import Reservation
 from execution.backplane import backplane, job_channel
 from execution.models import ExecJob, ToolCall
 from execution.services import calls as services
 from tests.factories import demo_call, running_job
+from tools.models import Tool
 
 
 @pytest.fixture
@@ -77,3 +80,85 @@ def test_a_call_queued_for_a_cancelled_job_is_not_run(running_call: ToolCall, ru
     assert runs == []
     assert call.status == "failed"
     assert call.error["code"] == "job_ended"
+
+
+# -- A job's calls, recorded by the claim that takes them ------------------------------------------
+@pytest.fixture
+def queued_call() -> ToolCall:
+    """A job's call of Demo.add as its bridge sends it: announced, its price held, not recorded."""
+    from ptcproject.accounts.services import user_with_key_create
+
+    user, _ = user_with_key_create(username=f"queued-{uuid.uuid4().hex[:6]}", create_user=True, staff=False, credits=10)
+    job = running_job(user=user)
+    tool = Tool.objects.select_related("toolset").get(toolset__key="demo", toolset__owner=None, name="add")
+    call = services.tool_call_build(
+        call_id=f"ptc_{uuid.uuid4().hex}", user=user, job=job, toolset="demo", tool="add", arguments={"a": 1, "b": 2}, found=tool
+    )
+    assert services.tool_calls_reserve(calls=[(call.call_id, tool)], user=user, job=job) == {}
+    return call
+
+
+def _held(call: ToolCall) -> str:
+    return Reservation.objects.get(tool_call_id=call.call_id).status
+
+
+def test_a_queued_call_is_recorded_by_its_claim_and_runs_once(queued_call: ToolCall, runs: list) -> None:
+    record = services.tool_call_signed(queued_call)
+    services.tool_call_execute(call_id=queued_call.call_id, record=record)
+    services.tool_call_execute(call_id=queued_call.call_id, record=record)  # the broker delivers it again
+    call = ToolCall.objects.get(call_id=queued_call.call_id)
+    assert len(runs) == 1
+    assert (call.status, call.output, call.credits, call.input) == ("completed", 3, 1, {"a": 1, "b": 2})
+    assert (call.started_at, call.exec_job_id, call.tool_id) == (
+        queued_call.started_at,
+        queued_call.exec_job_id,
+        queued_call.tool_id,
+    )
+    assert call.claimed_at is not None and call.claimed_at >= call.started_at
+    assert _held(call) == "settled"
+
+
+def test_a_queued_call_whose_job_ended_is_recorded_as_never_run(queued_call: ToolCall, runs: list) -> None:
+    ExecJob.objects.filter(pk=queued_call.exec_job_id).update(status="cancelled")
+    with backplane().subscribe(job_channel(queued_call.ptc_call_id)) as channel:
+        services.tool_call_execute(call_id=queued_call.call_id, record=services.tool_call_signed(queued_call))
+        channel.wait(2)
+        replies = channel.drain()
+    call = ToolCall.objects.get(call_id=queued_call.call_id)
+    assert runs == []
+    assert (call.status, call.error["code"], call.claimed_at) == ("failed", "job_ended", None)
+    assert [r.call_id for r in replies] == [call.call_id] and replies[0].error["code"] == "job_ended"
+    assert _held(call) == "released"
+
+
+def test_a_forged_record_is_neither_run_nor_recorded(queued_call: ToolCall, runs: list) -> None:
+    signed = services.tool_call_signed(queued_call)
+    forged = signed.replace('"a":1', '"a":1000')  # the input changed, the signature kept
+    assert forged != signed
+    with backplane().subscribe(job_channel(queued_call.ptc_call_id)) as channel:
+        services.tool_call_execute(call_id=queued_call.call_id, record=forged)
+        channel.wait(2)
+        replies = channel.drain()
+    assert runs == []
+    assert not ToolCall.objects.filter(call_id=queued_call.call_id).exists()
+    assert [r.error["code"] for r in replies] == ["internal_error"]
+    assert "DJANGO_SECRET_KEY" in replies[0].error["message"]
+
+
+def test_a_job_that_ends_first_records_its_untaken_calls_as_never_run(queued_call: ToolCall, runs: list) -> None:
+    # A second call of the same job that a worker took and is running: the job's end leaves it be.
+    taken = copy.copy(queued_call)
+    taken.call_id = f"ptc_{uuid.uuid4().hex}"
+    assert services._claims((taken.call_id, taken)) is not None
+    failed = services.tool_calls_fail_queued([queued_call, taken], error={"code": "job_ended", "message": "x"}, running=False)
+    assert failed == [queued_call.call_id]
+    assert ToolCall.objects.get(call_id=taken.call_id).status == "executing"
+    assert (ToolCall.objects.get(call_id=queued_call.call_id).status, _held(queued_call)) == ("failed", "released")
+    # Its task, delivered later, finds it ended and runs nothing.
+    services.tool_call_execute(call_id=queued_call.call_id, record=services.tool_call_signed(queued_call))
+    assert runs == []
+    # The bridge giving up on a running call (its timeout) fails it even so: its late result is dropped.
+    assert services.tool_calls_fail_queued([taken], error={"code": "tool_timeout", "message": "x"}, running=True) == [
+        taken.call_id
+    ]
+    assert ToolCall.objects.get(call_id=taken.call_id).error["code"] == "tool_timeout"
