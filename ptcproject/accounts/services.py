@@ -1,3 +1,4 @@
+import functools
 import hashlib
 import hmac
 import logging
@@ -7,9 +8,10 @@ from typing import Any
 
 from django.contrib.auth import get_user_model
 from django.contrib.auth.models import User
-from django.db import transaction
+from django.db import connection, transaction
 from django.utils import timezone
 
+from ptcproject import rows
 from ptcproject.accounts.models import ApiKey, ApiKeyEvent
 from ptcproject.errors import ApplicationError
 
@@ -97,12 +99,34 @@ def api_key_expire(*, key: ApiKey, expires_at: datetime | None, actor: User | No
     return locked
 
 
+@functools.cache
+def _key_sql() -> str:
+    users = get_user_model()
+    return (
+        f"SELECT {rows.columns(ApiKey, 'k')}, {rows.columns(users, 'u')} FROM {rows.table(ApiKey)} k "  # noqa: S608 - names from the models
+        f"JOIN {rows.table(users)} u ON u.id = k.user_id WHERE k.prefix = %s"
+    )
+
+
+def _key_with_user(*, prefix: str) -> ApiKey | None:
+    """Return the key with this prefix (unique), its user loaded, or None. Every request makes this
+    read: a fixed statement (ptcproject/rows.py) rather than a queryset compiled each time."""
+    with connection.cursor() as cursor:
+        cursor.execute(_key_sql(), [prefix])
+        row = cursor.fetchone()
+    if row is None:
+        return None
+    key = rows.from_row(ApiKey, row)
+    key.user = rows.from_row(get_user_model(), row, start=len(ApiKey._meta.concrete_fields))
+    return key
+
+
 def api_key_authenticate(*, plaintext: str) -> ApiKey | None:
     """Return the active key row for ``plaintext``, or None if it is unknown, expired or revoked."""
     if not plaintext.startswith(KEY_PREFIX):
         return None
     prefix = plaintext[len(KEY_PREFIX) :].split("_", 1)[0]
-    key = ApiKey.objects.select_related("user").filter(prefix=prefix).first()
+    key = _key_with_user(prefix=prefix)
     if key is None or not hmac.compare_digest(key.key_hash, _hash(plaintext)):
         return None
     if not key.is_active or not key.user.is_active:
