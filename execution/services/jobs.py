@@ -1,5 +1,6 @@
 """Writes for exec jobs: create, run (in a sandbox), finish, cancel, reap."""
 
+import functools
 import json
 import logging
 import os
@@ -10,6 +11,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from django.conf import settings
+from django.contrib.auth import get_user_model
 from django.contrib.auth.models import User
 from django.db import DatabaseError, IntegrityError, InterfaceError, OperationalError, connection, transaction
 from django.db.models import Exists, OuterRef
@@ -45,7 +47,7 @@ from execution.services.sessions import (
     session_sandbox_release,
     session_sandbox_take,
 )
-from ptcproject import tracing
+from ptcproject import rows, tracing
 from ptcproject.accounts.services import api_key_create, job_keys_revoke
 from ptcproject.db import db_reset, db_retry
 from ptcproject.errors import ApplicationError, call_error, job_error
@@ -246,11 +248,8 @@ def exec_job_run(*, job_id: str, worker: str, node: str = "") -> None:
     Only the claim may raise (a database error: the task retries it). Whatever happens after the
     claim, the job's end is recorded.
     """
-    now = timezone.now()
-    claimed = ExecJob.objects.filter(pk=job_id, status=Status.QUEUED).update(
-        status=Status.RUNNING, started_at=now, heartbeat_at=now, worker=worker
-    )
-    if not claimed:
+    job = _exec_job_claim(job_id=job_id, worker=worker)
+    if job is None:
         # Running with a stale heartbeat means the worker that took it died and the broker
         # redelivered it: the code may have had effects, so it is not run twice. A fresh heartbeat
         # means its worker is alive, and this delivery is a duplicate to drop.
@@ -263,18 +262,72 @@ def exec_job_run(*, job_id: str, worker: str, node: str = "") -> None:
         )
         return
     try:
-        outcome = _exec_job_sandbox(job_id=job_id, node=node)
+        outcome = _exec_job_sandbox(job=job, node=node)
     except Exception as exc:  # the job must end, never stay running
         logger.exception("the job's run failed", extra={"job_id": job_id})
         outcome = Outcome(status="failed", error=job_error("InternalError", f"the worker failed while running the job: {exc}"))
     exec_job_finish(job_id=job_id, outcome=outcome)
 
 
-def _exec_job_sandbox(*, job_id: str, node: str) -> Outcome:
+@functools.cache
+def _claim_sql() -> str:
+    users = get_user_model()
+    return f"""
+    WITH claimed AS (
+        UPDATE {rows.table(ExecJob)} SET status = %(running)s, started_at = %(now)s, heartbeat_at = %(now)s, worker = %(worker)s
+        WHERE id = %(id)s AND status = %(queued)s
+        RETURNING *
+    )
+    SELECT {rows.columns(ExecJob, "j")}, {rows.columns(users, "u")}, {rows.columns(ExecSession, "s")},
+           EXISTS (SELECT 1 FROM {rows.table(WorkFile)} f WHERE f.exec_job_id = j.id AND f.kind = %(input)s)
+    FROM claimed j JOIN {rows.table(users)} u ON u.id = j.user_id LEFT JOIN {rows.table(ExecSession)} s ON s.id = j.session_id
+    """  # noqa: S608 - names from the models, values as parameters
+
+
+def _exec_job_claim(*, job_id: str, worker: str) -> ExecJob | None:
+    """Claim a queued job for this worker with one conditional UPDATE. Return it as claimed, with
+    its user, its session and ``has_inputs`` (whether it brought files), or None if it was not
+    queued (a duplicate delivery, or cancelled meanwhile).
+
+    On PostgreSQL the claim returns the job in the same statement (a data-modifying CTE): one round
+    trip, and no queryset to compile, where the claim and then the read took two."""
+    now = timezone.now()
+    if connection.vendor != "postgresql":
+        claimed = ExecJob.objects.filter(pk=job_id, status=Status.QUEUED).update(
+            status=Status.RUNNING, started_at=now, heartbeat_at=now, worker=worker
+        )
+        if not claimed:
+            return None
+        inputs = WorkFile.objects.filter(exec_job=OuterRef("pk"), kind=WorkFile.Kind.INPUT)
+        return ExecJob.objects.select_related("user", "session").annotate(has_inputs=Exists(inputs)).get(pk=job_id)
+    params: dict[str, Any] = {
+        "id": job_id,
+        "now": now,
+        "worker": worker,
+        "running": Status.RUNNING,
+        "queued": Status.QUEUED,
+        "input": WorkFile.Kind.INPUT,
+    }
+    with connection.cursor() as cursor:
+        cursor.execute(_claim_sql(), params)
+        row = cursor.fetchone()
+    if row is None:
+        return None
+    job = rows.from_row(ExecJob, row)
+    at = len(ExecJob._meta.concrete_fields)
+    job.user = rows.from_row(get_user_model(), row, start=at)
+    at += len(get_user_model()._meta.concrete_fields)
+    job.session = rows.from_row(ExecSession, row, start=at) if row[at] is not None else None
+    job.has_inputs = row[-1]  # type: ignore[attr-defined]  # as the annotation names it
+    return job
+
+
+def _exec_job_sandbox(*, job: ExecJob, node: str) -> Outcome:
     """Run a claimed job's code in a sandbox (its session's, held by this worker, ``node``) and
     return what happened."""
+    job_id = str(job.pk)
     # Nothing has run yet: a database that drops meanwhile (a restart) is waited for, not the job's end.
-    prepared = db_retry(lambda: _exec_job_prepare(job_id=job_id), what="preparing a job", job_id=job_id)
+    prepared = db_retry(lambda: _exec_job_prepare(job=job), what="preparing a job", job_id=job_id)
     if isinstance(prepared, Outcome):
         return prepared
     job, router, sdk_files, job_key = prepared
@@ -288,7 +341,7 @@ def _exec_job_sandbox(*, job_id: str, node: str) -> Outcome:
             return Outcome(status="cancelled")
         # Every job may bring files and gets back the files its code wrote (within the quota).
         extra: dict[str, Any] = {
-            "files": job_inputs(job_id=job.pk) if job.has_inputs else {},  # type: ignore[attr-defined]  # annotated by prepare
+            "files": job_inputs(job_id=job.pk) if job.has_inputs else {},  # type: ignore[attr-defined]  # set by the claim
             "collect_files": {"max_bytes": settings.PTC_FILES_MAX_BYTES, "max_count": settings.PTC_FILES_MAX_COUNT},
         }
         live: LiveSession | None = None
@@ -356,11 +409,10 @@ def _exec_job_files_done(*, job: ExecJob, outcome: Outcome, sent: list[tuple[int
         logger.exception("could not store a job's files", extra={"job_id": str(job.pk)})
 
 
-def _exec_job_prepare(*, job_id: str) -> "tuple[ExecJob, JobCallRouter, dict[str, str], str] | Outcome":
-    """Load a claimed job, build its SDK, its call router and its job-scoped key. Return those, or
-    the Outcome that ends the job if its SDK can't be built. Safe to run again."""
-    inputs = WorkFile.objects.filter(exec_job=OuterRef("pk"), kind=WorkFile.Kind.INPUT)
-    job = ExecJob.objects.select_related("user", "session").annotate(has_inputs=Exists(inputs)).get(pk=job_id)
+def _exec_job_prepare(*, job: ExecJob) -> "tuple[ExecJob, JobCallRouter, dict[str, str], str] | Outcome":
+    """Build a claimed job's SDK, its call router and its job-scoped key. Return those, or the
+    Outcome that ends the job if its SDK can't be built. Safe to run again."""
+    job_id = str(job.pk)
     policy = policy_get()
     direct_only = frozenset(policy.direct_only_tools)
     toolsets, _ = toolsets_resolve(user=job.user, keys=job.toolsets)
