@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from django.db import connection
-from django.db.models import Model
+from django.db.models import Field, Model
 
 M = TypeVar("M", bound=Model)
 Converter = Callable[[Any, Any, Any], Any]
@@ -55,3 +55,19 @@ def from_row(model: type[M], row: Sequence[Any], start: int = 0) -> M:
             value = convert(value, col, connection)
         values[index] = value
     return model.from_db(connection.alias, (), values)  # field names are not read when every column is given
+
+
+def update_returning(model: type[M], *, pk: Any, status: str, values: dict[str, Any]) -> M | None:
+    """Set ``values`` (field name to value, prepared as the ORM prepares them) on the row ``pk``
+    if its ``status`` is ``status``, and return the row as stored after, or None if none matched:
+    a conditional UPDATE and the read of its result in one statement."""
+    fields = [field for name in values if isinstance(field := model._meta.get_field(name), Field)]
+    assert len(fields) == len(values), "values names concrete fields only"
+    sets = ", ".join(f"{connection.ops.quote_name(str(field.column))} = %s" for field in fields)
+    params = [field.get_db_prep_save(value, connection) for field, value in zip(fields, values.values(), strict=True)]
+    sql = f"UPDATE {table(model)} SET {sets} WHERE id = %s AND status = %s RETURNING {columns(model)}"  # noqa: S608 - names from the model
+    with connection.cursor() as cursor:
+        # As the ORM sends it: SQLite keeps a UUID as 32 hex digits, not as the text of a UUID.
+        cursor.execute(sql, [*params, model._meta.pk.get_db_prep_value(pk, connection), status])
+        row = cursor.fetchone()
+    return None if row is None else from_row(model, row)

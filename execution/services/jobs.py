@@ -14,7 +14,7 @@ from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.contrib.auth.models import User
 from django.db import DatabaseError, IntegrityError, InterfaceError, OperationalError, connection, transaction
-from django.db.models import Exists, OuterRef
+from django.db.models import Exists, OuterRef, prefetch_related_objects
 from django.utils import timezone
 
 from execution.backplane import Cancel, End, Resync, Subscription, backplane, job_channel, job_end_channel
@@ -29,7 +29,7 @@ from execution.models import ExecJob, ExecSession, ToolCall, WorkFile, new_exec_
 from execution.sandbox.limits import Limits
 from execution.sandbox.process import SDK_MB, SandboxUnavailable
 from execution.sandbox.session import Outcome, Session
-from execution.selectors import exec_job_with_calls
+from execution.selectors import CALLS_IN_ORDER, exec_job_with_calls
 from execution.services.calls import tool_call_finish, tool_calls_close_held, tool_calls_reap
 from execution.services.quotas import exec_quota_check
 from execution.services.router import JobCallRouter
@@ -266,7 +266,7 @@ def exec_job_run(*, job_id: str, worker: str, node: str = "") -> None:
     except Exception as exc:  # the job must end, never stay running
         logger.exception("the job's run failed", extra={"job_id": job_id})
         outcome = Outcome(status="failed", error=job_error("InternalError", f"the worker failed while running the job: {exc}"))
-    exec_job_finish(job_id=job_id, outcome=outcome)
+    exec_job_finish(job_id=job_id, outcome=outcome, user=job.user)
 
 
 @functools.cache
@@ -454,9 +454,9 @@ def _exec_job_heartbeat(*, job_id: Any) -> bool:
         return True
 
 
-def exec_job_finish(*, job_id: Any, outcome: Outcome) -> None:
+def exec_job_finish(*, job_id: Any, outcome: Outcome, user: User | None = None) -> None:
     """Record the outcome of a running job, close it and announce its end. A cancelled job stays
-    cancelled, with what the code printed.
+    cancelled, with what the code printed. ``user``: the job's, if the caller has it at hand.
 
     While the database is unreachable it retries (PTC_DB_RETRY_SECONDS); a value it cannot store
     ends the job failed with a short error. If the database stays away longer, the job's lease
@@ -475,23 +475,35 @@ def exec_job_finish(*, job_id: Any, outcome: Outcome) -> None:
     }
     result = {"status": outcome.status, "return_value": storable(outcome.return_value), "error": storable(outcome.error)}
 
-    def store() -> None:
+    def store() -> ExecJob | None:
         # No transaction: each UPDATE is whole on its own, and the second only runs when the first
         # found the job no longer running (BEGIN and COMMIT were two round trips on every job's end).
+        # Each returns the job as stored (None: not in that status), so its close need not read it.
         try:
-            if not ExecJob.objects.filter(pk=job_id, status=Status.RUNNING).update(finished_at=now, **result, **output):
+            ended = {"finished_at": now, **result, **output}
+            stored = rows.update_returning(ExecJob, pk=job_id, status=Status.RUNNING, values=ended)
+            if stored is None:
                 # Cancelled while it ran: keep that status, but keep what the code printed too.
-                ExecJob.objects.filter(pk=job_id, status=Status.CANCELLED).update(**output)
+                stored = rows.update_returning(ExecJob, pk=job_id, status=Status.CANCELLED, values=output)
         except (OperationalError, InterfaceError):
             raise
         except DatabaseError:  # the value itself can't be stored: the job still ends, and says why
             logger.exception("could not store a job's outcome", extra={"job_id": str(job_id)})
             error = job_error("InternalError", "the job's output could not be stored")
-            ExecJob.objects.filter(pk=job_id, status=Status.RUNNING).update(status=Status.FAILED, error=error, finished_at=now)
+            values = {"status": Status.FAILED, "error": error, "finished_at": now}
+            stored = rows.update_returning(ExecJob, pk=job_id, status=Status.RUNNING, values=values)
+        if stored is not None and user is not None:
+            stored.user = user
+        return stored
 
+    calls = outcome.timings.get("tool_calls")
     try:
-        db_retry(store, what="storing a job's outcome", job_id=job_id)
-        job = db_retry(lambda: _exec_job_close(job_id=job_id), what="closing a job", job_id=job_id)
+        stored = db_retry(store, what="storing a job's outcome", job_id=job_id)
+        job = db_retry(
+            lambda: _exec_job_close(job_id=job_id, job=stored, bridge_calls=None if calls is None else int(calls)),
+            what="closing a job",
+            job_id=job_id,
+        )
     except DatabaseError:
         logger.exception("could not record a job's end; the reaper will", extra={"job_id": str(job_id)})
         return
@@ -502,13 +514,24 @@ def exec_job_finish(*, job_id: Any, outcome: Outcome) -> None:
     tracing.job_trace_export(job=job)
 
 
-def _exec_job_close(*, job_id: Any) -> ExecJob:
+def _exec_job_close(*, job_id: Any, job: ExecJob | None = None, bridge_calls: int | None = None) -> ExecJob:
     """What follows every job's end, however it ended: its job key is revoked, its calls still
     queued fail as never run (a tools worker that claimed one finishes it), and its end is
-    announced. Idempotent. Return the job."""
-    # The job and its calls in one read: what its end announces, and the calls it left open.
-    job = exec_job_with_calls(job_id=job_id)
-    job_keys_revoke(exec_job_id=job.pk)
+    announced. Idempotent. Return the job.
+
+    ``job`` is the job as its end was just stored, if the caller has it (else it is read), and
+    ``bridge_calls`` how many calls its sandbox made, if known."""
+    key_used = job_keys_revoke(exec_job_id=job_id)
+    if job is None:
+        # The job and its calls in one read: what its end announces, and the calls it left open.
+        job = exec_job_with_calls(job_id=job_id)
+    elif bridge_calls == 0 and not key_used:
+        # It has no calls, and nothing to read: its sandbox made none, and the only other way to
+        # make one, its job key over HTTP, was never used (a key's first use is recorded before
+        # the call is admitted, and no call is admitted once the job's end is stored).
+        job._prefetched_objects_cache = {"tool_calls": ToolCall.objects.none()}  # type: ignore[attr-defined]  # what prefetch_related fills
+    else:
+        prefetch_related_objects([job], CALLS_IN_ORDER)
     if job.session_id is not None:  # before the end is announced: whoever sees it can send the next job
         exec_session_job_ended(session_id=job.session_id, job_id=job.pk)
     # Calls left open (usually none): queued ones fail as never run (a tools worker that claimed one

@@ -62,9 +62,17 @@ def api_key_create(
     return key, plaintext
 
 
-def job_keys_revoke(*, exec_job_id: Any) -> None:
-    """Revoke every key scoped to the job: it has ended."""
-    ApiKey.objects.filter(exec_job_id=exec_job_id, revoked_at__isnull=True).update(revoked_at=timezone.now())
+def job_keys_revoke(*, exec_job_id: Any) -> bool:
+    """Revoke every key scoped to the job (it has ended); one revoked already keeps its time.
+    Return True if any of them was ever used: a key's first use is recorded (``last_used_at``)."""
+    sql = (
+        f"UPDATE {rows.table(ApiKey)} SET revoked_at = COALESCE(revoked_at, %s) "  # noqa: S608 - names from the model
+        "WHERE exec_job_id = %s RETURNING last_used_at"
+    )
+    with connection.cursor() as cursor:
+        job = ApiKey._meta.get_field("exec_job").get_db_prep_value(exec_job_id, connection)  # SQLite keeps UUIDs as hex
+        cursor.execute(sql, [timezone.now(), job])
+        return any(used is not None for (used,) in cursor.fetchall())
 
 
 def api_key_revoke(*, key: ApiKey, actor: User | None = None, source: str = "system") -> ApiKey:
