@@ -7,9 +7,12 @@ from execution.models import ExecJob, ExecSession, ToolCall, WorkFile
 from tools.client import CLIENT_KEY
 from tools.models import Toolset
 
+# A job's calls as the API lists them: in start order.
+CALLS_IN_ORDER = Prefetch("tool_calls", queryset=ToolCall.objects.order_by("started_at", "id"))
+
 
 def _with_calls(jobs: QuerySet[ExecJob]) -> QuerySet[ExecJob]:
-    return jobs.prefetch_related(Prefetch("tool_calls", queryset=ToolCall.objects.order_by("started_at", "id")))
+    return jobs.prefetch_related(CALLS_IN_ORDER)
 
 
 def exec_jobs_for(*, user: User) -> QuerySet[ExecJob]:

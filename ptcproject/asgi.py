@@ -1,12 +1,37 @@
 import os
 
+import django
+from asgiref.sync import sync_to_async
 from django.contrib.staticfiles.handlers import ASGIStaticFilesHandler
-from django.core.asgi import get_asgi_application
+from django.core.handlers.asgi import ASGIHandler
+from django.http import HttpRequest
+from django.http.response import HttpResponseBase
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "ptcproject.settings")
+
+
+class SyncChainASGIHandler(ASGIHandler):
+    """Django's ASGI handler, with the middleware chain run as the sync chain it is, on one thread.
+
+    Django's own middleware (security, sessions, CSRF, messages, ...) is sync underneath. Its async
+    handler runs each one's process_request and process_response on a thread of its own (a hop
+    there and back each), or, with one sync-only middleware in the chain, the whole chain on a
+    thread that hops back to the event loop and out again for the view. Here a request makes one
+    hop: the chain and the view run on the request's thread (its ThreadSensitiveContext), as under
+    WSGI. An async view (the SSE stream) is awaited from that thread; its stream is still sent by
+    the event loop."""
+
+    def load_middleware(self, is_async: bool = False) -> None:
+        super().load_middleware(is_async=False)
+
+    async def get_response_async(self, request: HttpRequest) -> HttpResponseBase:
+        return await sync_to_async(self.get_response, thread_sensitive=True)(request)
+
+
+django.setup(set_prefix=False)
 # The admin's and Swagger UI's assets come from the installed apps, served by Django itself, so
 # `uvicorn ptcproject.asgi:application` is all it takes: no collectstatic, no CDN.
-django_application = ASGIStaticFilesHandler(get_asgi_application())
+django_application = ASGIStaticFilesHandler(SyncChainASGIHandler())
 
 # Imported once the apps are loaded: it reaches the models. /mcp is the MCP server; the rest is Django.
 from execution.mcp_http import with_mcp  # noqa: E402

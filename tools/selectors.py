@@ -3,8 +3,10 @@ from collections.abc import Iterable
 from typing import Any
 
 from django.contrib.auth.models import User
+from django.db import connection
 from django.db.models import Prefetch, Q, QuerySet
 
+from ptcproject import rows
 from ptcproject.errors import ApplicationError
 from tools.models import Tool, Toolset
 
@@ -73,11 +75,25 @@ def toolset_keys_named(*, user: User, keys: Iterable[str]) -> list[str]:
     Raise ApplicationError ``unknown_toolset`` (400) naming the keys that matched none.
     """
     wanted = list(dict.fromkeys(keys))
-    found = set(_toolsets_of(user=user).filter(key__in=wanted).values_list("key", flat=True))
+    found = _toolset_keys_visible(user_id=user.pk, keys=wanted) if wanted else set()
     missing = [k for k in wanted if k not in found]
     if missing:
         raise _unknown_toolsets(missing)
     return wanted
+
+
+def _toolset_keys_visible(*, user_id: int, keys: list[str]) -> set[str]:
+    """Which of ``keys`` name a toolset the user may use: ``_toolsets_of`` as one fixed statement
+    (ptcproject/rows.py), since every POST /exec asks."""
+    toolsets = rows.table(Toolset)
+    marks = ", ".join(["%s"] * len(keys))
+    sql = (
+        f"SELECT key FROM {toolsets} WHERE enabled AND key IN ({marks}) AND (owner_id = %s OR "  # noqa: S608 - placeholders only
+        f"(owner_id IS NULL AND key NOT IN (SELECT key FROM {toolsets} WHERE owner_id = %s)))"
+    )
+    with connection.cursor() as cursor:
+        cursor.execute(sql, [*keys, user_id, user_id])
+        return {key for (key,) in cursor.fetchall()}
 
 
 def toolset_keys_for_ptc(*, user: User, allowlist: Iterable[str], blocklist: Iterable[str]) -> list[str]:

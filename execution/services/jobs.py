@@ -1,5 +1,6 @@
 """Writes for exec jobs: create, run (in a sandbox), finish, cancel, reap."""
 
+import functools
 import json
 import logging
 import os
@@ -10,9 +11,10 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from django.conf import settings
+from django.contrib.auth import get_user_model
 from django.contrib.auth.models import User
 from django.db import DatabaseError, IntegrityError, InterfaceError, OperationalError, connection, transaction
-from django.db.models import Exists, OuterRef
+from django.db.models import Exists, OuterRef, prefetch_related_objects
 from django.utils import timezone
 
 from execution.backplane import Cancel, End, Resync, Subscription, backplane, job_channel, job_end_channel
@@ -27,7 +29,7 @@ from execution.models import ExecJob, ExecSession, ToolCall, WorkFile, new_exec_
 from execution.sandbox.limits import Limits
 from execution.sandbox.process import SDK_MB, SandboxUnavailable
 from execution.sandbox.session import Outcome, Session
-from execution.selectors import exec_job_with_calls
+from execution.selectors import CALLS_IN_ORDER, exec_job_with_calls
 from execution.services.calls import tool_call_finish, tool_calls_close_held, tool_calls_reap
 from execution.services.quotas import exec_quota_check
 from execution.services.router import JobCallRouter
@@ -45,7 +47,7 @@ from execution.services.sessions import (
     session_sandbox_release,
     session_sandbox_take,
 )
-from ptcproject import tracing
+from ptcproject import rows, tracing
 from ptcproject.accounts.services import api_key_create, job_keys_revoke
 from ptcproject.db import db_reset, db_retry
 from ptcproject.errors import ApplicationError, call_error, job_error
@@ -148,7 +150,11 @@ def exec_job_create(
         limits = session_limits(session=session, timeout=timeout)
     else:
         limits = job_limits(policy=policy, timeout=timeout, parallel_cap=quotas.parallel_cap())
-    with transaction.atomic():
+    # One INSERT on its own needs no transaction (BEGIN and COMMIT were two more round trips on
+    # every job); the quota check's lock, the input files and the session's claim go with the job
+    # or not at all. Either way the job is committed before it is enqueued.
+    alone = not (quotas.any or files or session is not None)
+    with nullcontext() if alone else transaction.atomic():
         exec_quota_check(user=user, quotas=quotas, session=session)  # rate_limited (429); locks the user's row till commit
         job = ExecJob.objects.create(
             user=user,
@@ -242,11 +248,8 @@ def exec_job_run(*, job_id: str, worker: str, node: str = "") -> None:
     Only the claim may raise (a database error: the task retries it). Whatever happens after the
     claim, the job's end is recorded.
     """
-    now = timezone.now()
-    claimed = ExecJob.objects.filter(pk=job_id, status=Status.QUEUED).update(
-        status=Status.RUNNING, started_at=now, heartbeat_at=now, worker=worker
-    )
-    if not claimed:
+    job = _exec_job_claim(job_id=job_id, worker=worker)
+    if job is None:
         # Running with a stale heartbeat means the worker that took it died and the broker
         # redelivered it: the code may have had effects, so it is not run twice. A fresh heartbeat
         # means its worker is alive, and this delivery is a duplicate to drop.
@@ -259,18 +262,72 @@ def exec_job_run(*, job_id: str, worker: str, node: str = "") -> None:
         )
         return
     try:
-        outcome = _exec_job_sandbox(job_id=job_id, node=node)
+        outcome = _exec_job_sandbox(job=job, node=node)
     except Exception as exc:  # the job must end, never stay running
         logger.exception("the job's run failed", extra={"job_id": job_id})
         outcome = Outcome(status="failed", error=job_error("InternalError", f"the worker failed while running the job: {exc}"))
-    exec_job_finish(job_id=job_id, outcome=outcome)
+    exec_job_finish(job_id=job_id, outcome=outcome, user=job.user)
 
 
-def _exec_job_sandbox(*, job_id: str, node: str) -> Outcome:
+@functools.cache
+def _claim_sql() -> str:
+    users = get_user_model()
+    return f"""
+    WITH claimed AS (
+        UPDATE {rows.table(ExecJob)} SET status = %(running)s, started_at = %(now)s, heartbeat_at = %(now)s, worker = %(worker)s
+        WHERE id = %(id)s AND status = %(queued)s
+        RETURNING *
+    )
+    SELECT {rows.columns(ExecJob, "j")}, {rows.columns(users, "u")}, {rows.columns(ExecSession, "s")},
+           EXISTS (SELECT 1 FROM {rows.table(WorkFile)} f WHERE f.exec_job_id = j.id AND f.kind = %(input)s)
+    FROM claimed j JOIN {rows.table(users)} u ON u.id = j.user_id LEFT JOIN {rows.table(ExecSession)} s ON s.id = j.session_id
+    """  # noqa: S608 - names from the models, values as parameters
+
+
+def _exec_job_claim(*, job_id: str, worker: str) -> ExecJob | None:
+    """Claim a queued job for this worker with one conditional UPDATE. Return it as claimed, with
+    its user, its session and ``has_inputs`` (whether it brought files), or None if it was not
+    queued (a duplicate delivery, or cancelled meanwhile).
+
+    On PostgreSQL the claim returns the job in the same statement (a data-modifying CTE): one round
+    trip, and no queryset to compile, where the claim and then the read took two."""
+    now = timezone.now()
+    if connection.vendor != "postgresql":
+        claimed = ExecJob.objects.filter(pk=job_id, status=Status.QUEUED).update(
+            status=Status.RUNNING, started_at=now, heartbeat_at=now, worker=worker
+        )
+        if not claimed:
+            return None
+        inputs = WorkFile.objects.filter(exec_job=OuterRef("pk"), kind=WorkFile.Kind.INPUT)
+        return ExecJob.objects.select_related("user", "session").annotate(has_inputs=Exists(inputs)).get(pk=job_id)
+    params: dict[str, Any] = {
+        "id": job_id,
+        "now": now,
+        "worker": worker,
+        "running": Status.RUNNING,
+        "queued": Status.QUEUED,
+        "input": WorkFile.Kind.INPUT,
+    }
+    with connection.cursor() as cursor:
+        cursor.execute(_claim_sql(), params)
+        row = cursor.fetchone()
+    if row is None:
+        return None
+    job = rows.from_row(ExecJob, row)
+    at = len(ExecJob._meta.concrete_fields)
+    job.user = rows.from_row(get_user_model(), row, start=at)
+    at += len(get_user_model()._meta.concrete_fields)
+    job.session = rows.from_row(ExecSession, row, start=at) if row[at] is not None else None
+    job.has_inputs = row[-1]  # type: ignore[attr-defined]  # as the annotation names it
+    return job
+
+
+def _exec_job_sandbox(*, job: ExecJob, node: str) -> Outcome:
     """Run a claimed job's code in a sandbox (its session's, held by this worker, ``node``) and
     return what happened."""
+    job_id = str(job.pk)
     # Nothing has run yet: a database that drops meanwhile (a restart) is waited for, not the job's end.
-    prepared = db_retry(lambda: _exec_job_prepare(job_id=job_id), what="preparing a job", job_id=job_id)
+    prepared = db_retry(lambda: _exec_job_prepare(job=job), what="preparing a job", job_id=job_id)
     if isinstance(prepared, Outcome):
         return prepared
     job, router, sdk_files, job_key = prepared
@@ -284,7 +341,7 @@ def _exec_job_sandbox(*, job_id: str, node: str) -> Outcome:
             return Outcome(status="cancelled")
         # Every job may bring files and gets back the files its code wrote (within the quota).
         extra: dict[str, Any] = {
-            "files": job_inputs(job_id=job.pk) if job.has_inputs else {},  # type: ignore[attr-defined]  # annotated by prepare
+            "files": job_inputs(job_id=job.pk) if job.has_inputs else {},  # type: ignore[attr-defined]  # set by the claim
             "collect_files": {"max_bytes": settings.PTC_FILES_MAX_BYTES, "max_count": settings.PTC_FILES_MAX_COUNT},
         }
         live: LiveSession | None = None
@@ -352,11 +409,10 @@ def _exec_job_files_done(*, job: ExecJob, outcome: Outcome, sent: list[tuple[int
         logger.exception("could not store a job's files", extra={"job_id": str(job.pk)})
 
 
-def _exec_job_prepare(*, job_id: str) -> "tuple[ExecJob, JobCallRouter, dict[str, str], str] | Outcome":
-    """Load a claimed job, build its SDK, its call router and its job-scoped key. Return those, or
-    the Outcome that ends the job if its SDK can't be built. Safe to run again."""
-    inputs = WorkFile.objects.filter(exec_job=OuterRef("pk"), kind=WorkFile.Kind.INPUT)
-    job = ExecJob.objects.select_related("user", "session").annotate(has_inputs=Exists(inputs)).get(pk=job_id)
+def _exec_job_prepare(*, job: ExecJob) -> "tuple[ExecJob, JobCallRouter, dict[str, str], str] | Outcome":
+    """Build a claimed job's SDK, its call router and its job-scoped key. Return those, or the
+    Outcome that ends the job if its SDK can't be built. Safe to run again."""
+    job_id = str(job.pk)
     policy = policy_get()
     direct_only = frozenset(policy.direct_only_tools)
     toolsets, _ = toolsets_resolve(user=job.user, keys=job.toolsets)
@@ -398,9 +454,9 @@ def _exec_job_heartbeat(*, job_id: Any) -> bool:
         return True
 
 
-def exec_job_finish(*, job_id: Any, outcome: Outcome) -> None:
+def exec_job_finish(*, job_id: Any, outcome: Outcome, user: User | None = None) -> None:
     """Record the outcome of a running job, close it and announce its end. A cancelled job stays
-    cancelled, with what the code printed.
+    cancelled, with what the code printed. ``user``: the job's, if the caller has it at hand.
 
     While the database is unreachable it retries (PTC_DB_RETRY_SECONDS); a value it cannot store
     ends the job failed with a short error. If the database stays away longer, the job's lease
@@ -419,23 +475,35 @@ def exec_job_finish(*, job_id: Any, outcome: Outcome) -> None:
     }
     result = {"status": outcome.status, "return_value": storable(outcome.return_value), "error": storable(outcome.error)}
 
-    def store() -> None:
+    def store() -> ExecJob | None:
         # No transaction: each UPDATE is whole on its own, and the second only runs when the first
         # found the job no longer running (BEGIN and COMMIT were two round trips on every job's end).
+        # Each returns the job as stored (None: not in that status), so its close need not read it.
         try:
-            if not ExecJob.objects.filter(pk=job_id, status=Status.RUNNING).update(finished_at=now, **result, **output):
+            ended = {"finished_at": now, **result, **output}
+            stored = rows.update_returning(ExecJob, pk=job_id, status=Status.RUNNING, values=ended)
+            if stored is None:
                 # Cancelled while it ran: keep that status, but keep what the code printed too.
-                ExecJob.objects.filter(pk=job_id, status=Status.CANCELLED).update(**output)
+                stored = rows.update_returning(ExecJob, pk=job_id, status=Status.CANCELLED, values=output)
         except (OperationalError, InterfaceError):
             raise
         except DatabaseError:  # the value itself can't be stored: the job still ends, and says why
             logger.exception("could not store a job's outcome", extra={"job_id": str(job_id)})
             error = job_error("InternalError", "the job's output could not be stored")
-            ExecJob.objects.filter(pk=job_id, status=Status.RUNNING).update(status=Status.FAILED, error=error, finished_at=now)
+            values = {"status": Status.FAILED, "error": error, "finished_at": now}
+            stored = rows.update_returning(ExecJob, pk=job_id, status=Status.RUNNING, values=values)
+        if stored is not None and user is not None:
+            stored.user = user
+        return stored
 
+    calls = outcome.timings.get("tool_calls")
     try:
-        db_retry(store, what="storing a job's outcome", job_id=job_id)
-        job = db_retry(lambda: _exec_job_close(job_id=job_id), what="closing a job", job_id=job_id)
+        stored = db_retry(store, what="storing a job's outcome", job_id=job_id)
+        job = db_retry(
+            lambda: _exec_job_close(job_id=job_id, job=stored, bridge_calls=None if calls is None else int(calls)),
+            what="closing a job",
+            job_id=job_id,
+        )
     except DatabaseError:
         logger.exception("could not record a job's end; the reaper will", extra={"job_id": str(job_id)})
         return
@@ -446,13 +514,24 @@ def exec_job_finish(*, job_id: Any, outcome: Outcome) -> None:
     tracing.job_trace_export(job=job)
 
 
-def _exec_job_close(*, job_id: Any) -> ExecJob:
+def _exec_job_close(*, job_id: Any, job: ExecJob | None = None, bridge_calls: int | None = None) -> ExecJob:
     """What follows every job's end, however it ended: its job key is revoked, its calls still
     queued fail as never run (a tools worker that claimed one finishes it), and its end is
-    announced. Idempotent. Return the job."""
-    # The job and its calls in one read: what its end announces, and the calls it left open.
-    job = exec_job_with_calls(job_id=job_id)
-    job_keys_revoke(exec_job_id=job.pk)
+    announced. Idempotent. Return the job.
+
+    ``job`` is the job as its end was just stored, if the caller has it (else it is read), and
+    ``bridge_calls`` how many calls its sandbox made, if known."""
+    key_used = job_keys_revoke(exec_job_id=job_id)
+    if job is None:
+        # The job and its calls in one read: what its end announces, and the calls it left open.
+        job = exec_job_with_calls(job_id=job_id)
+    elif bridge_calls == 0 and not key_used:
+        # It has no calls, and nothing to read: its sandbox made none, and the only other way to
+        # make one, its job key over HTTP, was never used (a key's first use is recorded before
+        # the call is admitted, and no call is admitted once the job's end is stored).
+        job._prefetched_objects_cache = {"tool_calls": ToolCall.objects.none()}  # type: ignore[attr-defined]  # what prefetch_related fills
+    else:
+        prefetch_related_objects([job], CALLS_IN_ORDER)
     if job.session_id is not None:  # before the end is announced: whoever sees it can send the next job
         exec_session_job_ended(session_id=job.session_id, job_id=job.pk)
     # Calls left open (usually none): queued ones fail as never run (a tools worker that claimed one

@@ -1,15 +1,23 @@
 """Reading the policy, and the PTC decision it makes."""
 
+import functools
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from django.conf import settings
 from django.contrib.auth.models import User
+from django.db import connection
 
+from ptcproject import rows
 from ptcproject.policy.models import Policy
 
 POLICY_PK = 1
+
+
+@functools.cache
+def _policy_sql() -> str:
+    return f"SELECT {rows.columns(Policy)} FROM {rows.table(Policy)} WHERE id = %s"  # noqa: S608 - names from the model
 
 
 def policy_get() -> Policy:
@@ -17,9 +25,13 @@ def policy_get() -> Policy:
     seed's values, unsaved. Never writes.
 
     It is read fresh on every call: one primary-key lookup buys a change that every process sees
-    on its very next request, with no cache to invalidate.
+    on its very next request, with no cache to invalidate. Every POST /exec and every job reads
+    it, so the statement is a fixed one (ptcproject/rows.py), not a queryset compiled each time.
     """
-    return Policy.objects.filter(pk=POLICY_PK).first() or Policy(pk=POLICY_PK, **settings.PTC_POLICY_SEED)
+    with connection.cursor() as cursor:
+        cursor.execute(_policy_sql(), [POLICY_PK])
+        row = cursor.fetchone()
+    return rows.from_row(Policy, row) if row is not None else Policy(pk=POLICY_PK, **settings.PTC_POLICY_SEED)
 
 
 @dataclass(frozen=True)
@@ -90,16 +102,27 @@ class Quotas:
 
 def quotas_for(*, policy: Policy, user: User) -> Quotas:
     """Return ``user``'s quotas: their own settings where set (admin, "User settings"), else the policy's."""
-    from ptcproject.accounts.models import UserSettings
+    # Every POST /exec reads it: a fixed statement (ptcproject/rows.py), not a queryset compiled each time.
+    with connection.cursor() as cursor:
+        cursor.execute(_quotas_sql(), [user.pk])
+        own = cursor.fetchone()
 
-    own = UserSettings.objects.filter(user=user).first()
-
-    def pick(name: str) -> int:
-        value = getattr(own, name) if own is not None else None
+    def pick(index: int, name: str) -> int:
+        value = own[index] if own is not None else None
         return int(value if value is not None else getattr(policy, name))
 
     return Quotas(
-        concurrent_jobs=pick("max_concurrent_jobs"),
-        concurrent_tool_calls=pick("max_concurrent_tool_calls"),
-        jobs_per_minute=pick("max_jobs_per_minute"),
+        concurrent_jobs=pick(0, "max_concurrent_jobs"),
+        concurrent_tool_calls=pick(1, "max_concurrent_tool_calls"),
+        jobs_per_minute=pick(2, "max_jobs_per_minute"),
+    )
+
+
+@functools.cache
+def _quotas_sql() -> str:
+    from ptcproject.accounts.models import UserSettings
+
+    return (
+        "SELECT max_concurrent_jobs, max_concurrent_tool_calls, max_jobs_per_minute "  # noqa: S608 - names from the model
+        f"FROM {rows.table(UserSettings)} WHERE user_id = %s"
     )
