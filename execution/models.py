@@ -117,11 +117,15 @@ class ToolCall(models.Model):
     OPEN = (Status.EXECUTING, Status.AWAITING_CLIENT, Status.AWAITING_APPROVAL)
     AWAITING = (Status.AWAITING_CLIENT, Status.AWAITING_APPROVAL)
 
-    call_id = models.CharField(max_length=80, unique=True)
+    # Unique by Meta's constraint: ``unique=True`` would add a second index for LIKE that nothing uses.
+    call_id = models.CharField(max_length=80)
     type = models.CharField(max_length=16, choices=Type.choices)
-    exec_job = models.ForeignKey(ExecJob, null=True, blank=True, on_delete=models.CASCADE, related_name="tool_calls")
-    ptc_call_id = models.CharField(max_length=64, blank=True, db_index=True)
-    user = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="tool_calls")
+    # No index of their own: Meta's (exec_job, started_at) and (user, -started_at) lead with them.
+    exec_job = models.ForeignKey(
+        ExecJob, null=True, blank=True, on_delete=models.CASCADE, related_name="tool_calls", db_index=False
+    )
+    ptc_call_id = models.CharField(max_length=64, blank=True)
+    user = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="tool_calls", db_index=False)
     toolset_key = models.CharField(max_length=64)
     tool_name = models.CharField(max_length=128)
     # Null when the call named a toolset or tool that does not exist; kept if the tool is removed.
@@ -129,7 +133,7 @@ class ToolCall(models.Model):
     input = models.JSONField(default=dict)
     output = models.JSONField(null=True, blank=True)
     error = models.JSONField(null=True, blank=True)
-    status = models.CharField(max_length=24, choices=Status.choices, default=Status.EXECUTING, db_index=True)
+    status = models.CharField(max_length=24, choices=Status.choices, default=Status.EXECUTING)
     credits = models.PositiveIntegerField(default=0)
     # Set by the tools task that took the call; a redelivered task finds it set and does not run again.
     claimed_at = models.DateTimeField(null=True, blank=True)
@@ -149,7 +153,14 @@ class ToolCall(models.Model):
 
     class Meta:
         ordering = ["started_at", "id"]
-        indexes = [models.Index(fields=["exec_job", "started_at"]), models.Index(fields=["user", "-started_at"])]
+        # Every call writes its row twice (recorded, finished), each time into every index: only
+        # what queries use. The reaper and the metrics look calls up by status.
+        indexes = [
+            models.Index(fields=["exec_job", "started_at"]),
+            models.Index(fields=["user", "-started_at"]),
+            models.Index(fields=["status"], name="toolcall_status"),
+        ]
+        constraints = [models.UniqueConstraint(fields=["call_id"], name="toolcall_call_id_unique")]
 
     def __str__(self) -> str:
         return self.call_id
