@@ -42,6 +42,7 @@ from execution.events import (
 )
 from execution.models import ExecJob, ToolCall
 from execution.sandbox.session import CALL_GRACE_SECONDS
+from ptcproject import rows
 from ptcproject.accounts.models import ApiKey
 from ptcproject.batching import GroupCommit
 from ptcproject.errors import ApplicationError, call_error
@@ -534,7 +535,7 @@ UPDATE {ToolCall._meta.db_table} SET claimed_at = %s
 WHERE call_id IN ({{ids}}) AND status = 'executing' AND claimed_at IS NULL
   AND (exec_job_id IS NULL OR EXISTS (
     SELECT 1 FROM {ExecJob._meta.db_table} j WHERE j.id = {ToolCall._meta.db_table}.exec_job_id AND j.status = 'running'))
-RETURNING {", ".join(str(field.column) for field in _CALL_FIELDS)}
+RETURNING {rows.columns(ToolCall)}
 """  # noqa: S608 - table names from the models, values as parameters
 
 # A queued call's record, written by the statement that claims it (its job still running, no row
@@ -681,7 +682,9 @@ def _tool_calls_claim(items: list[tuple[str, ToolCall | None]]) -> list[ToolCall
         sql = _CLAIM_SQL.format(ids=", ".join(["%s"] * len(recorded)))
         with connection.cursor() as cursor:
             cursor.execute(sql, [now, *recorded])
-            claimed.update((call.call_id, call) for call in map(_call_from_row, cursor.fetchall()))
+            for row in cursor.fetchall():
+                call = rows.from_row(ToolCall, row)
+                claimed[call.call_id] = call
     return [claimed.pop(call_id, None) for call_id, _ in items]
 
 
@@ -712,20 +715,6 @@ def _tool_calls_record_claimed(calls: list[ToolCall], *, now: datetime) -> dict[
         else:
             call.claimed_at = None  # not this claim's
     return {call.call_id: call for call in calls if call.call_id in written}
-
-
-def _call_from_row(row: tuple[Any, ...]) -> ToolCall:
-    """A ToolCall from a row of all its columns, as the ORM would load it (a RawQuerySet costs more
-    than the claim's statement: it reads the columns' names and finds their converters each time)."""
-    values = list(row)
-    for index, field in _CALL_CONVERTED:
-        if values[index] is not None:
-            values[index] = field.from_db_value(values[index], None, connection)
-    return ToolCall.from_db(connection.alias, _CALL_ATTNAMES, values)
-
-
-_CALL_ATTNAMES = [field.attname for field in _CALL_FIELDS]
-_CALL_CONVERTED = [(index, field) for index, field in enumerate(_CALL_FIELDS) if hasattr(field, "from_db_value")]
 
 
 _claims = GroupCommit(_tool_calls_claim)
