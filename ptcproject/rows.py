@@ -71,3 +71,14 @@ def update_returning(model: type[M], *, pk: Any, status: str, values: dict[str, 
         cursor.execute(sql, [*params, model._meta.pk.get_db_prep_value(pk, connection), status])
         row = cursor.fetchone()
     return None if row is None else from_row(model, row)
+
+
+def prefetched(instance: Model, name: str, related: list[Any]) -> None:
+    """Give ``instance`` its ``name`` relation's rows, as ``prefetch_related(name)`` leaves them:
+    ``instance.<name>.all()`` answers from ``related`` without a query."""
+    queryset = getattr(instance, name).all()
+    queryset._result_cache = related
+    queryset._prefetch_done = True
+    if not hasattr(instance, "_prefetched_objects_cache"):
+        instance._prefetched_objects_cache = {}  # type: ignore[attr-defined]  # what prefetch_related fills
+    instance._prefetched_objects_cache[name] = queryset  # type: ignore[attr-defined]

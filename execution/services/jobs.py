@@ -529,7 +529,7 @@ def _exec_job_close(*, job_id: Any, job: ExecJob | None = None, bridge_calls: in
         # It has no calls, and nothing to read: its sandbox made none, and the only other way to
         # make one, its job key over HTTP, was never used (a key's first use is recorded before
         # the call is admitted, and no call is admitted once the job's end is stored).
-        job._prefetched_objects_cache = {"tool_calls": ToolCall.objects.none()}  # type: ignore[attr-defined]  # what prefetch_related fills
+        rows.prefetched(job, "tool_calls", [])
     else:
         prefetch_related_objects([job], CALLS_IN_ORDER)
     if job.session_id is not None:  # before the end is announced: whoever sees it can send the next job
