@@ -74,6 +74,9 @@ def running_stack(
         "REDIS_URL": redis,
         "DJANGO_SETTINGS_MODULE": "ptcproject.settings",
         "PTC_LOG_LEVEL": "WARNING",
+        # Queues and channels of this stack's own: two stacks on one Redis (two benchmarks at once,
+        # or one beside the tests) must not take each other's jobs.
+        "PTC_REDIS_PREFIX": f"{name}:",
         **(extra_env or {}),
     }
     os.environ.update(DATABASE_URL=db_url, CELERY_BROKER_URL=redis)  # for Django in this process too
