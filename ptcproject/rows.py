@@ -57,6 +57,11 @@ def from_row(model: type[M], row: Sequence[Any], start: int = 0) -> M:
     return model.from_db(connection.alias, (), values)  # field names are not read when every column is given
 
 
+def prepared(instance: Model, fields: Sequence[Field]) -> list[Any]:
+    """The values of ``instance``'s ``fields``, prepared as the ORM sends them to this database."""
+    return [field.get_db_prep_save(getattr(instance, field.attname), connection) for field in fields]
+
+
 def update_returning(model: type[M], *, pk: Any, status: str, values: dict[str, Any]) -> M | None:
     """Set ``values`` (field name to value, prepared as the ORM prepares them) on the row ``pk``
     if its ``status`` is ``status``, and return the row as stored after, or None if none matched:

@@ -52,13 +52,9 @@ def _toolsets_with_tools(*, user_id: int, keys: list[str]) -> list[Toolset]:
     """``toolsets_visible(...).filter(key__in=keys)`` as two fixed statements (ptcproject/rows.py),
     since every job reads its toolsets: the queryset and its prefetch cost ~2 ms of CPU to compile."""
     toolsets, tools = rows.table(Toolset), rows.table(Tool)
-    marks = ", ".join(["%s"] * len(keys))
     with connection.cursor() as cursor:
-        cursor.execute(
-            f"SELECT {rows.columns(Toolset)} FROM {toolsets} WHERE enabled AND key IN ({marks}) AND (owner_id = %s OR "  # noqa: S608 - placeholders only
-            f"(owner_id IS NULL AND key NOT IN (SELECT key FROM {toolsets} WHERE owner_id = %s))) ORDER BY key",
-            [*keys, user_id, user_id],
-        )
+        where, params = _visible(user_id, keys)
+        cursor.execute(f"SELECT {rows.columns(Toolset)} FROM {toolsets} WHERE {where} ORDER BY key", params)  # noqa: S608
         found = [rows.from_row(Toolset, row) for row in cursor.fetchall()]
         if not found:
             return []
@@ -70,10 +66,12 @@ def _toolsets_with_tools(*, user_id: int, keys: list[str]) -> list[Toolset]:
         )
         loaded = [rows.from_row(Tool, row) for row in cursor.fetchall()]
     by_id = {toolset.pk: toolset for toolset in found}
-    for toolset in found:
-        rows.prefetched(toolset, "tools", [tool for tool in loaded if tool.toolset_id == toolset.pk])
+    tools_of: dict[Any, list[Tool]] = {pk: [] for pk in by_id}
     for tool in loaded:
         tool.toolset = by_id[tool.toolset_id]
+        tools_of[tool.toolset_id].append(tool)
+    for toolset in found:
+        rows.prefetched(toolset, "tools", tools_of[toolset.pk])
     return found
 
 
@@ -115,15 +113,21 @@ def toolset_keys_named(*, user: User, keys: Iterable[str]) -> list[str]:
 def _toolset_keys_visible(*, user_id: int, keys: list[str]) -> set[str]:
     """Which of ``keys`` name a toolset the user may use: ``_toolsets_of`` as one fixed statement
     (ptcproject/rows.py), since every POST /exec asks."""
-    toolsets = rows.table(Toolset)
-    marks = ", ".join(["%s"] * len(keys))
-    sql = (
-        f"SELECT key FROM {toolsets} WHERE enabled AND key IN ({marks}) AND (owner_id = %s OR "  # noqa: S608 - placeholders only
+    where, params = _visible(user_id, keys)
+    with connection.cursor() as cursor:
+        cursor.execute(f"SELECT key FROM {rows.table(Toolset)} WHERE {where}", params)  # noqa: S608
+        return {key for (key,) in cursor.fetchall()}
+
+
+def _visible(user_id: int, keys: list[str]) -> tuple[str, list[Any]]:
+    """``_toolsets_of`` as a WHERE clause for the fixed statements, and its parameters: enabled, one
+    of ``keys``, and the user's own or a global one the user does not shadow."""
+    toolsets, marks = rows.table(Toolset), ", ".join(["%s"] * len(keys))
+    where = (
+        f"enabled AND key IN ({marks}) AND (owner_id = %s OR "  # noqa: S608 - placeholders only
         f"(owner_id IS NULL AND key NOT IN (SELECT key FROM {toolsets} WHERE owner_id = %s)))"
     )
-    with connection.cursor() as cursor:
-        cursor.execute(sql, [*keys, user_id, user_id])
-        return {key for (key,) in cursor.fetchall()}
+    return where, [*keys, user_id, user_id]
 
 
 def toolset_keys_for_ptc(*, user: User, allowlist: Iterable[str], blocklist: Iterable[str]) -> list[str]:

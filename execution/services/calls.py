@@ -288,9 +288,10 @@ def tool_calls_fail_queued(calls: list[ToolCall], *, error: dict[str, str], runn
         row = copy.copy(call)
         row.status, row.error, row.finished_at = ToolCall.Status.FAILED, storable(error), now
         failed.append(row)
-    rows = ", ".join(["(" + ", ".join(["%s"] * len(_ROW_FIELDS)) + ")"] * len(failed))
-    sql = _FAIL_QUEUED_SQL.format(rows=rows, unclaimed="" if running else f"AND {ToolCall._meta.db_table}.claimed_at IS NULL")
-    params = [field.get_db_prep_save(getattr(row, field.attname), connection) for row in failed for field in _ROW_FIELDS]
+    placeholders = ", ".join(["(" + ", ".join(["%s"] * len(_ROW_FIELDS)) + ")"] * len(failed))
+    unclaimed = "" if running else f"AND {ToolCall._meta.db_table}.claimed_at IS NULL"
+    sql = _FAIL_QUEUED_SQL.format(rows=placeholders, unclaimed=unclaimed)
+    params = [value for row in failed for value in rows.prepared(row, _ROW_FIELDS)]
     with connection.cursor() as cursor:
         cursor.execute(sql, params)
         ended = {call_id for (call_id,) in cursor.fetchall()}
@@ -656,7 +657,7 @@ def tool_call_execute(*, call_id: str, record: str | None = None) -> None:
     backplane().publish(_result_channel(call_id, call.ptc_call_id), Result(call_id=call_id, **reply))
 
 
-JOB_ENDED_MESSAGE = "the job ended before this call started; it was not run"
+JOB_ENDED_MESSAGE = "the job ended before this call started; it was not run"  # also the job's close's
 BAD_RECORD_MESSAGE = (
     "the call's message failed its signature check and was not run: every worker of a deployment needs the same DJANGO_SECRET_KEY"
 )
@@ -694,18 +695,17 @@ def _tool_calls_record_claimed(calls: list[ToolCall], *, now: datetime) -> dict[
     for call in calls:
         call.claimed_at = now
     if connection.vendor == "postgresql":
-        rows = ", ".join([_claimed_row()] * len(calls))
-        params = [field.get_db_prep_save(getattr(call, field.attname), connection) for call in calls for field in _ROW_FIELDS]
+        placeholders = ", ".join([_claimed_row()] * len(calls))
+        params = [value for call in calls for value in rows.prepared(call, _ROW_FIELDS)]
         with connection.cursor() as cursor:
-            cursor.execute(_RECORD_CLAIMED_SQL.format(rows=rows), params)
+            cursor.execute(_RECORD_CLAIMED_SQL.format(rows=placeholders), params)
             written = dict(cursor.fetchall())
     else:  # SQLite: a statement a call, each its own check of the job
         written = {}
         with connection.cursor() as cursor:
             for call in calls:
                 job = call.exec_job_id and ExecJob._meta.pk.get_db_prep_save(call.exec_job_id, connection)
-                values = [field.get_db_prep_save(getattr(call, field.attname), connection) for field in _ROW_FIELDS]
-                cursor.execute(_RECORD_CLAIMED_ONE_SQL, [*values, job, job])
+                cursor.execute(_RECORD_CLAIMED_ONE_SQL, [*rows.prepared(call, _ROW_FIELDS), job, job])
                 written.update(cursor.fetchall())
     for call in calls:
         if call.call_id in written:

@@ -30,7 +30,7 @@ from execution.sandbox.limits import Limits
 from execution.sandbox.process import SDK_MB, SandboxUnavailable
 from execution.sandbox.session import Outcome, Session
 from execution.selectors import CALLS_IN_ORDER, exec_job_with_calls
-from execution.services.calls import tool_call_finish, tool_calls_close_held, tool_calls_reap
+from execution.services.calls import JOB_ENDED_MESSAGE, tool_call_finish, tool_calls_close_held, tool_calls_reap
 from execution.services.quotas import exec_quota_check
 from execution.services.router import JobCallRouter
 from execution.services.sessions import (
@@ -542,7 +542,7 @@ def _exec_job_close(*, job_id: Any, job: ExecJob | None = None, bridge_calls: in
     if queued:
         ToolCall.objects.filter(call_id__in=queued, status=ToolCall.Status.EXECUTING, claimed_at__isnull=True).update(
             status=ToolCall.Status.FAILED,
-            error=call_error("job_ended", "the job ended before this call started; it was not run"),
+            error=call_error("job_ended", JOB_ENDED_MESSAGE),
             finished_at=timezone.now(),
         )
     for call in left:
