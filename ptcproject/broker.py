@@ -91,7 +91,7 @@ class Channel(redis.Channel):
     # The most messages one pop takes (transport option; 1 is kombu's own BRPOP). Within a
     # consumer's free slots: more would take a burst away from the other workers on the queue.
     pop_most = 16
-    from_transport_options = (*redis.Channel.from_transport_options, "pop_most")
+    from_transport_options = (*redis.Channel.from_transport_options, "pop_most")  # type: ignore[assignment]
     _multi_pop: bool | None = None  # whether the server has BLMPOP (Redis 7), asked once
 
     def _create_client(self, asynchronous: bool = False) -> Any:
@@ -115,11 +115,12 @@ class Channel(redis.Channel):
         if not queues:
             return None
         keys = [self.global_keyprefix + self._q_for_pri(queue, pri) for pri in self.priority_steps for queue in queues]
-        most = min(self.pop_most, self.qos.can_consume_max_estimate() or self.pop_most)
+        free = self.qos.can_consume_max_estimate()  # None: no prefetch limit
+        most = self.pop_most if free is None else max(1, min(self.pop_most, free))
         self._in_poll = self.client.connection
-        self._brpop_sent_at = monotonic()
+        self._brpop_sent_at = monotonic()  # type: ignore[assignment]  # kombu's attribute, typed by its None
         wait = self.brpop_timeout if timeout is None else timeout
-        self.client.connection.send_command("BLMPOP", wait or 0, len(keys), *keys, "RIGHT", "COUNT", max(most, 1))
+        self.client.connection.send_command("BLMPOP", wait or 0, len(keys), *keys, "RIGHT", "COUNT", most)
         return None
 
     def _brpop_read(self, **options: Any) -> bool:
@@ -142,7 +143,7 @@ class Channel(redis.Channel):
                 self.connection._deliver(payload, dest)
             return True
         finally:
-            self._in_poll = None
+            self._in_poll = None  # type: ignore[assignment]  # as kombu's own _brpop_read leaves it
             self._flush_brpop_reauth()
 
 
