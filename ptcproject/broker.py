@@ -109,6 +109,10 @@ class Channel(redis.Channel):
         if self._multi_pop is None:
             version = self._create_client().info("server")["redis_version"]
             self._multi_pop = self.pop_most > 1 and int(version.split(".")[0]) >= 7
+            if self._multi_pop:
+                logger.info("this consumer takes up to %d waiting messages at once", self.pop_most)
+            elif self.pop_most > 1:
+                logger.info("Redis %s has no BLMPOP (Redis 7): this consumer takes one message at a time", version)
         if not self._multi_pop:
             return super()._brpop_start(timeout)
         queues = self._queue_cycle.consume(len(self.active_queues))

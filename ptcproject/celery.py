@@ -23,11 +23,14 @@ app.autodiscover_tasks()
 
 
 @celeryd_init.connect
-def _size_pool_for_queue(conf: Any = None, options: dict[str, Any] | None = None, **_: Any) -> None:
-    """Give each queue's worker its own default thread count, unless ``-c`` was given.
+def _fit_worker_to_queue(conf: Any = None, options: dict[str, Any] | None = None, **_: Any) -> None:
+    """Give each queue's worker its own default thread count, unless ``-c`` was given, and its own
+    way of taking messages.
 
     An exec thread holds one sandbox for the job's whole life; a tools thread holds one call. The
     command line's ``--concurrency`` still wins: Celery reads this only when the CLI left it unset.
+    A tools worker takes a burst of calls several at a time (ptcproject/broker.py); an exec worker
+    takes one job at a time, so a burst of jobs spreads over the exec workers, each job a sandbox.
     """
     from django.conf import settings
 
@@ -41,6 +44,8 @@ def _size_pool_for_queue(conf: Any = None, options: dict[str, Any] | None = None
             conf.worker_concurrency = settings.PTC_TOOLS_CONCURRENCY
         else:
             conf.worker_concurrency = settings.PTC_EXEC_CONCURRENCY
+    if not tools_worker and conf.broker_transport_options:
+        conf.broker_transport_options = {**conf.broker_transport_options, "pop_most": 1}
     if tools_worker and not settings.PTC_TOOLS_TASK_EVENTS:
         # Three event publishes per task on the consumer's one thread are what a tools worker
         # spends most on between calls; each call already has its record and its live events.

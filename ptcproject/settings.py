@@ -226,8 +226,9 @@ else:
         # Above the longest hard time limit, or a running task is redelivered to a second worker.
         "visibility_timeout": CELERY_TASK_HARD_LIMIT + 300,
         "global_keyprefix": PTC_REDIS_PREFIX,
-        # The most waiting messages a worker takes in one round trip (ptcproject/broker.py), never
-        # more than its free slots; 1 takes them one at a time, as kombu does.
+        # The most waiting tool calls a tools worker takes in one round trip (ptcproject/broker.py),
+        # never more than its free slots; 1 takes them one at a time, as kombu does. Exec workers
+        # take one job at a time (ptcproject/celery.py).
         "pop_most": env.int("PTC_BROKER_POP_MOST", default=16),
     }
 # How often beat runs the reaper that ends jobs whose worker died (ARCHITECTURE.md, "no job stays running").
