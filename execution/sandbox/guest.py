@@ -1,6 +1,8 @@
 """The sandbox's main program. Runs under the sandbox's own interpreter, standard library only.
 
-    python3 -I -S -B guest.py BRIDGE_FD SDK_DIR
+    python3 -I -S -B -c "import sys; sys.path.insert(0, DIR); import guest; guest.main()" BRIDGE_FD SDK_DIR
+
+(imported rather than run as a script, so that it loads from the bytecode staged beside it.)
 
 It may start long before its job (a warm sandbox): it imports the SDK's base package and waits
 for the job, the first bridge frame, which carries the code, the limits and the modules of the

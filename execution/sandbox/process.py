@@ -11,6 +11,7 @@ import errno
 import functools
 import hashlib
 import itertools
+import logging
 import os
 import socket
 import subprocess
@@ -22,6 +23,7 @@ from django.conf import settings
 
 from tools.sdk import sdk_base_files
 
+logger = logging.getLogger("ptc.sandbox")
 GUEST = Path(__file__).with_name("guest.py")
 SANDBOX_UID = 65534  # nobody: used only when the worker runs as root
 SETPRIV = "/usr/bin/setpriv"  # util-linux's: drops root for bubblewrap (spawn)
@@ -30,6 +32,7 @@ MOUNT_BIN = "/opt/ptc/bin"
 SCRATCH_MB = 64
 SDK_MB = 16  # the job's generated SDK is written here: host memory, like every tmpfs
 SHM_MB = 16
+STAGED = ".staged"  # in a staged runner's folder once all of it is there
 
 
 class SandboxUnavailable(Exception):
@@ -116,7 +119,7 @@ _staging = threading.Lock()
 
 def _guest_dir() -> Path:
     """Stage the runner and the SDK's base package (imported before a job comes) where the
-    sandbox's unprivileged uid can read them, under their content hash, and return where.
+    sandbox's unprivileged uid can read them, under their content hash, compiled, and return where.
 
     By hash, so workers of different versions sharing a host never run each other's runner.
     Checked on every start (one stat): a stage removed under the worker (a /tmp cleaner) is staged
@@ -125,24 +128,45 @@ def _guest_dir() -> Path:
     digest, files = _guest_files()
     root = Path(settings.PTC_SANDBOX_DIR)
     target = root / "bin" / digest
-    if (target / "guest.py").exists():
+    if (target / STAGED).exists():
         return target
     with _staging:  # the pool's thread and job threads may all find it missing at once
-        if (target / "guest.py").exists():
+        if (target / STAGED).exists():
             return target
         target.mkdir(parents=True, exist_ok=True, mode=0o755)
         for directory in (root, root / "bin", target):
             os.chmod(directory, 0o755)
-        for name in sorted(files, key=lambda name: name == "guest.py"):  # the runner last: it marks the stage done
+        for name, content in files.items():
             path = target / name
             path.parent.mkdir(exist_ok=True, mode=0o755)
-            # A name of its own: another worker process on this host may be staging the same files.
-            fd, tmp = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
-            with os.fdopen(fd, "wb") as handle:
-                handle.write(files[name])
-            os.chmod(tmp, 0o644)
-            os.rename(tmp, path)  # atomic: a sandbox never sees half a file
+            _write_whole(path, content)
+        _compile(target)
+        _write_whole(target / STAGED, b"")  # last: the stage is whole
     return target
+
+
+def _write_whole(path: Path, content: bytes) -> None:
+    """Write ``path``, readable by all, so that no one ever reads half of it."""
+    # A name of its own: another worker process on this host may be staging the same files.
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
+    with os.fdopen(fd, "wb") as handle:
+        handle.write(content)
+    os.chmod(tmp, 0o644)
+    os.rename(tmp, path)  # atomic
+
+
+def _compile(target: Path) -> None:
+    """Compile the staged modules to bytecode with the sandbox's own interpreter. A sandbox can
+    write nothing there (and runs with -B), so it would otherwise compile them from source at every
+    start: a third of its start's CPU. Without bytecode it still starts, only slower."""
+    argv = [settings.PTC_SANDBOX_PYTHON, "-I", "-m", "compileall", "-q", str(target)]
+    compiled = subprocess.run(argv, capture_output=True, text=True, check=False)
+    if compiled.returncode != 0:
+        logger.warning("could not compile the sandbox's runner; it starts from source: %s", compiled.stdout + compiled.stderr)
+    for folder, _, names in os.walk(target):
+        os.chmod(folder, 0o755)
+        for name in names:
+            os.chmod(os.path.join(folder, name), 0o644)
 
 
 @functools.cache
@@ -200,7 +224,9 @@ def command(*, bridge_fd: int, seccomp_fd: int) -> list[str]:
         ("--seccomp", str(seccomp_fd)),
     ]
     # -u: what the code prints reaches the worker as it is printed, with or without a newline or flush.
-    guest = (settings.PTC_SANDBOX_PYTHON, "-I", "-S", "-B", "-u", f"{MOUNT_BIN}/guest.py", str(bridge_fd), MOUNT_SDK)
+    # The runner is imported, not run as a script, so that it loads from its staged bytecode.
+    launch = f"import sys; sys.path.insert(0, {MOUNT_BIN!r}); import guest; guest.main()"
+    guest = (settings.PTC_SANDBOX_PYTHON, "-I", "-S", "-B", "-u", "-c", launch, str(bridge_fd), MOUNT_SDK)
     return [settings.PTC_BWRAP, *itertools.chain.from_iterable(options), "--", *guest]
 
 

@@ -55,3 +55,24 @@ def test_a_sandbox_starts_after_its_staged_runner_was_removed(monkeypatch: pytes
         assert alive, f"no sandbox can start after the stage was removed: {stderr!r}"
     finally:
         shutil.rmtree(settings.PTC_SANDBOX_DIR, ignore_errors=True)
+
+
+def test_the_staged_runner_loads_from_bytecode_the_sandbox_can_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sandbox writes nothing beside its runner: the stage brings the bytecode, made by the
+    sandbox's own interpreter, so no start compiles the runner or the SDK's base package again."""
+    import subprocess
+
+    monkeypatch.setattr(settings, "PTC_SANDBOX_DIR", tempfile.mkdtemp(prefix="ptc-stage-bytecode-"))
+    try:
+        target = process._guest_dir()
+        launch = f"import sys; sys.path.insert(0, {str(target)!r}); import guest, ptc_tools._runtime"
+        imports = subprocess.run(
+            [settings.PTC_SANDBOX_PYTHON, "-I", "-S", "-B", "-v", "-c", launch], capture_output=True, text=True, check=True
+        ).stderr
+        for module in ("guest", "_runtime"):
+            loaded = [line for line in imports.splitlines() if line.startswith("# code object from") and f"{module}." in line]
+            assert loaded and loaded[0].endswith(".pyc'"), f"{module} was compiled from source: {loaded}"
+        modes = {path.stat().st_mode & 0o777 for path in target.rglob("*.pyc")}
+        assert modes == {0o644}
+    finally:
+        shutil.rmtree(settings.PTC_SANDBOX_DIR, ignore_errors=True)
