@@ -97,17 +97,18 @@ def output_from_stream(*, job_call_id: str) -> dict[str, str]:
 
 
 @functools.cache
-def _call_serializer() -> Any:
-    """One serializer, its fields built once: building them is most of what serialising costs, on
-    every tool call's hot path. ``to_representation`` keeps no state, so threads may share it."""
-    from execution.serializers import ToolCallSerializer
+def _serializer(name: str) -> Any:
+    """One serializer of a kind from execution.serializers, its fields built once: building them is
+    most of what serialising costs, on every tool call's and every job's path. ``to_representation``
+    keeps no state, so threads may share it."""
+    from execution import serializers
 
-    return ToolCallSerializer()
+    return getattr(serializers, name)()
 
 
 def tool_call_payload(call: ToolCall) -> dict[str, Any]:
     """The ToolCall as the API shows it, plus ``"ptc": true``: what every tool event carries."""
-    return {**_call_serializer().to_representation(call), "ptc": True}
+    return {**_serializer("ToolCallSerializer").to_representation(call), "ptc": True}
 
 
 def tool_call_event(call: ToolCall) -> tuple[str, dict[str, Any]]:
@@ -136,9 +137,7 @@ def tool_call_pending_payload(call: ToolCall) -> dict[str, Any]:
 def job_view(job: ExecJob) -> dict[str, Any]:
     """The job as the API shows it, code included: what its ``End`` pushes to whoever waits on it.
     ``job`` comes with its calls (``exec_job_with_calls``)."""
-    from execution.serializers import ExecJobSerializer
-
-    return dict(ExecJobSerializer(job).data)
+    return dict(_serializer("ExecJobSerializer").to_representation(job))
 
 
 def job_end_payload(view: dict[str, Any]) -> dict[str, Any]:

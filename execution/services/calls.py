@@ -45,6 +45,7 @@ from execution.sandbox.session import CALL_GRACE_SECONDS
 from ptcproject import rows
 from ptcproject.accounts.models import ApiKey
 from ptcproject.batching import GroupCommit
+from ptcproject.celery import task_publish
 from ptcproject.errors import ApplicationError, call_error
 from ptcproject.metrics import tool_call_observe
 from ptcproject.policy.models import Policy
@@ -241,7 +242,9 @@ def tool_calls_enqueue(calls: list[tuple[str, str]], *, queued: dict[str, ToolCa
             with producer.batch() if len(calls) > 1 else nullcontext():
                 for call_id, queue in calls:
                     record = tool_call_signed(queued[call_id]) if call_id in queued else None
-                    _tool_call_publish(execute_tool, producer, call_id=call_id, record=record, queue=queue, retry=len(calls) == 1)
+                    args = (call_id,) if record is None else (call_id, record)
+                    # The worker's log shows the call id only, never the record (it holds the call's input).
+                    task_publish(execute_tool, producer, args, queue=queue, retry=len(calls) == 1, argsrepr=repr((call_id,)))
         except Exception as exc:
             logger.exception("could not enqueue tool calls", extra={"call_ids": [call_id for call_id, _ in calls]})
             error = call_error("broker_unavailable", f"the call could not be queued ({type(exc).__name__}); retry")
@@ -251,28 +254,6 @@ def tool_calls_enqueue(calls: list[tuple[str, str]], *, queued: dict[str, ToolCa
                 if call_id not in queued:
                     tool_call_finish(call_id=call_id, error=error)
     return errors
-
-
-def _tool_call_publish(task: Any, producer: Any, *, call_id: str, record: str | None, queue: str, retry: bool) -> None:
-    """Publish ``execute_tool(call_id[, record])`` to ``queue``: Celery's own task message (protocol
-    2, from ``create_task_message``) straight to the queue, as ``apply_async`` sends a task to a
-    direct queue. Without ``apply_async``'s option merging, router and per-message queue
-    declaration (the workers declare their queues), which were half the CPU of every call's enqueue.
-    The worker's log shows the call id only, never the record (it holds the call's input)."""
-    args = (call_id,) if record is None else (call_id, record)
-    message = task.app.amqp.create_task_message(
-        uuid.uuid4().hex, task.name, args, {}, ignore_result=True, argsrepr=repr((call_id,)), kwargsrepr="{}"
-    )
-    producer.publish(
-        message.body,
-        exchange="",
-        routing_key=queue,
-        headers=message.headers,
-        serializer="json",
-        retry=retry,
-        retry_policy=task.app.conf.task_publish_retry_policy,
-        **message.properties,
-    )
 
 
 def tool_calls_fail_queued(calls: list[ToolCall], *, error: dict[str, str], running: bool) -> list[str]:

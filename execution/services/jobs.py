@@ -47,8 +47,9 @@ from execution.services.sessions import (
     session_sandbox_release,
     session_sandbox_take,
 )
-from ptcproject import rows, tracing
+from ptcproject import queues, rows, tracing
 from ptcproject.accounts.services import api_key_create, job_keys_revoke
+from ptcproject.celery import task_publish
 from ptcproject.db import db_reset, db_retry
 from ptcproject.errors import ApplicationError, call_error, job_error
 from ptcproject.metrics import job_finished_observe
@@ -226,10 +227,8 @@ def _exec_job_enqueue(*, job: ExecJob, node: str = "") -> None:
     from execution.tasks import run_exec
 
     try:
-        if node:
-            run_exec.apply_async((str(job.pk),), queue=worker_direct(node))
-        else:
-            run_exec.delay(str(job.pk))
+        with run_exec.app.producer_or_acquire() as producer:
+            task_publish(run_exec, producer, (str(job.pk),), queue=worker_direct(node).name if node else queues.EXEC)
     except Exception as exc:  # the broker is unreachable even after Celery's own retries
         logger.warning("could not enqueue a job; withdrawn", extra={"job_id": str(job.pk)}, exc_info=True)
         withdrawn, _ = ExecJob.objects.filter(pk=job.pk, status=Status.QUEUED).delete()
