@@ -34,6 +34,7 @@ from typing import Any
 from kombu.transport import filesystem, redis, virtual
 from kombu.utils.encoding import bytes_to_str
 from kombu.utils.json import dumps, loads
+from redis.exceptions import ResponseError
 
 logger = logging.getLogger("ptc.broker")
 # How often a reader tries an exchange table that is still being written (5 ms apart).
@@ -57,6 +58,14 @@ class QoS(redis.QoS):
                 pipe.hset(self.unacked_key, tag, dumps([payload, delivery["exchange"], delivery["routing_key"]]))
             pipe.execute()
         self._recorded.update(payload["properties"]["delivery_tag"] for payload in payloads)
+
+    def restore_taken(self, payloads: list[dict[str, Any]]) -> None:
+        """Put messages taken and recorded but never handed over back at the head of their queue,
+        in their order."""
+        for payload in reversed(payloads):  # each goes to the head: the last first
+            tag = payload["properties"]["delivery_tag"]
+            self._recorded.discard(tag)
+            self.restore_by_tag(tag)
 
     def append(self, message: Any, delivery_tag: str) -> None:
         if delivery_tag in self._recorded:
@@ -105,14 +114,18 @@ class Channel(redis.Channel):
             client = self._sync_client = super()._create_client()
         return client
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._no_ack: set[str] = set()  # queues consumed without acks (Celery's replies): nothing to record
+        super().__init__(*args, **kwargs)
+
+    def basic_consume(self, queue: str, *args: Any, **kwargs: Any) -> Any:
+        no_ack = kwargs["no_ack"] if "no_ack" in kwargs else bool(args and args[0])
+        (self._no_ack.add if no_ack else self._no_ack.discard)(queue)
+        return super().basic_consume(queue, *args, **kwargs)
+
     def _brpop_start(self, timeout: float | None = None) -> None:
         if self._multi_pop is None:
-            version = self._create_client().info("server")["redis_version"]
-            self._multi_pop = self.pop_most > 1 and int(version.split(".")[0]) >= 7
-            if self._multi_pop:
-                logger.info("this consumer takes up to %d waiting messages at once", self.pop_most)
-            elif self.pop_most > 1:
-                logger.info("Redis %s has no BLMPOP (Redis 7): this consumer takes one message at a time", version)
+            self._multi_pop = self.pop_most > 1 and self._server_pops_many()
         if not self._multi_pop:
             return super()._brpop_start(timeout)
         queues = self._queue_cycle.consume(len(self.active_queues))
@@ -126,6 +139,20 @@ class Channel(redis.Channel):
         wait = self.brpop_timeout if timeout is None else timeout
         self.client.connection.send_command("BLMPOP", wait or 0, len(keys), *keys, "RIGHT", "COUNT", most)
         return None
+
+    def _server_pops_many(self) -> bool:
+        """Whether the server has BLMPOP (Redis 7); said once in the log. A server that refuses INFO
+        (an ACL without @dangerous) is taken as one without: kombu's BRPOP needs list commands only."""
+        try:
+            version = str(self._create_client().info("server")["redis_version"])
+        except ResponseError as exc:
+            logger.info("Redis refused INFO (%s): this consumer takes one message at a time", exc)
+            return False
+        if int(version.split(".")[0]) < 7:
+            logger.info("Redis %s has no BLMPOP (Redis 7): this consumer takes one message at a time", version)
+            return False
+        logger.info("this consumer takes up to %d waiting messages at once", self.pop_most)
+        return True
 
     def _brpop_read(self, **options: Any) -> bool:
         if not self._multi_pop:
@@ -141,14 +168,38 @@ class Channel(redis.Channel):
             key, items = reply
             dest = bytes_to_str(key)[len(self.global_keyprefix) :].rsplit(self.sep, 1)[0]
             self._queue_cycle.rotate(dest)
-            payloads = [loads(bytes_to_str(item)) for item in items]
-            self.qos.append_taken(payloads)  # before any is handed over, and so before any is acked
-            for payload in payloads:
-                self.connection._deliver(payload, dest)
+            payloads = _messages(items, dest)
+            acked = dest not in self._no_ack
+            if acked:
+                self.qos.append_taken(payloads)  # before any is handed over, and so before any is acked
+            for n, payload in enumerate(payloads):
+                try:
+                    self.connection._deliver(payload, dest)
+                except BaseException:
+                    if acked:  # the rest would wait out the visibility timeout
+                        self.qos.restore_taken(payloads[n + 1 :])
+                    raise
             return True
         finally:
             self._in_poll = None  # type: ignore[assignment]  # as kombu's own _brpop_read leaves it
             self._flush_brpop_reauth()
+
+
+def _messages(items: list[bytes], queue: str) -> list[dict[str, Any]]:
+    """The messages of a pop, less any that is not one of kombu's (logged and dropped: where kombu
+    takes one message at a time, such a message is lost too, and here it costs no other its place)."""
+    messages = []
+    for item in items:
+        try:
+            payload = loads(bytes_to_str(item))
+            properties = payload["properties"]
+            if properties["delivery_tag"] and {"exchange", "routing_key"} <= properties["delivery_info"].keys():
+                messages.append(payload)
+                continue
+        except (ValueError, TypeError, KeyError, AttributeError):  # not JSON, or not a kombu message
+            pass
+        logger.error("dropped a malformed message of %d bytes from queue %s", len(item), queue)
+    return messages
 
 
 class Transport(redis.Transport):

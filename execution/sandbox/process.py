@@ -163,10 +163,15 @@ def _compile(target: Path) -> None:
     compiled = subprocess.run(argv, capture_output=True, text=True, check=False)
     if compiled.returncode != 0:
         logger.warning("could not compile the sandbox's runner; it starts from source: %s", compiled.stdout + compiled.stderr)
-    for folder, _, names in os.walk(target):
-        os.chmod(folder, 0o755)
-        for name in names:
-            os.chmod(os.path.join(folder, name), 0o644)
+    # Readable by the sandbox's uid whatever the worker's umask. Only the bytecode folders and files
+    # (not another stager's temporary files, which it renames meanwhile), and never through a link.
+    for folder in {(target / name).parent / "__pycache__" for name in _guest_files()[1]}:
+        for path in [folder, *folder.glob("*.pyc")]:
+            try:
+                if not path.is_symlink():
+                    os.chmod(path, 0o755 if path is folder else 0o644)
+            except FileNotFoundError:
+                pass
 
 
 @functools.cache
@@ -238,14 +243,14 @@ def spawn(*, bridge_fd: int) -> subprocess.Popen[bytes]:
     """
     check()
     seccomp_fd = _program_fd()
-    argv = command(bridge_fd=bridge_fd, seccomp_fd=seccomp_fd)
-    if os.geteuid() == 0:
-        # A worker running as root starts bubblewrap as nobody, through setpriv rather than
-        # Popen's user=: with it, Python forks (copying the worker's page tables, milliseconds of
-        # CPU with every thread stopped); without it, Python uses vfork.
-        uid = str(SANDBOX_UID)
-        argv = [SETPRIV, f"--reuid={uid}", f"--regid={uid}", "--clear-groups", *argv]
     try:
+        argv = command(bridge_fd=bridge_fd, seccomp_fd=seccomp_fd)  # stages the runner if it must
+        if os.geteuid() == 0:
+            # A worker running as root starts bubblewrap as nobody, through setpriv rather than
+            # Popen's user=: with it, Python forks (copying the worker's page tables, milliseconds of
+            # CPU with every thread stopped); without it, Python uses vfork.
+            uid = str(SANDBOX_UID)
+            argv = [SETPRIV, f"--reuid={uid}", f"--regid={uid}", "--clear-groups", *argv]
         return subprocess.Popen(
             argv,
             stdin=subprocess.DEVNULL,
