@@ -21,7 +21,10 @@ The cost: kombu takes one message per round trip (``BRPOP``), then spends a seco
 recording it as unacked, on the consumer's one thread. A burst of tool calls waits in the queue
 behind that thread. Here a consumer takes up to ``pop_most`` waiting messages at once (``BLMPOP``,
 Redis 7), as many as it has free slots for, and records them all as unacked in one round trip
-before any is handed over. A lone message costs what it did.
+before any is handed over. A lone message costs what it did. A worker killed between a pop and its
+record loses what it popped, as kombu's loses the one message it popped: a tool call lost so is
+failed by its bridge at its timeout, and nothing is charged for it. Without BLMPOP (Redis 6, or an
+ACL that refuses INFO), or with ``pop_most`` 1, it is kombu's BRPOP.
 """
 
 import logging
