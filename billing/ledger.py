@@ -1,6 +1,7 @@
 """The ledger's three moves on a call's credits: reserve before it runs, settle when it completed,
 release when it did not. They touch billing's tables only, and run inside the caller's
-transaction: execution flips its call's row, then settles, in one ``atomic()``.
+transaction: execution flips its call's row, then settles, in one ``atomic()`` (or, for one
+account's calls on PostgreSQL, in its own statement: ``PostgresLedger.settling``).
 
 Two backends behind one interface, chosen once by the database:
 - ``PostgresLedger``: each move is one statement (data-modifying CTEs), and a reserve holds a
@@ -75,11 +76,12 @@ class PostgresLedger(Ledger):
          unnest(%(calls)s::text[], %(amounts)s::bigint[], %(dues)s::bigint[], %(metas)s::jsonb[]) AS c(call, amount, due, meta)
     """.format(**_TABLES)  # noqa: S608 - table names from the models, values as parameters
     # One statement for a batch of one account's calls (a fan-out finishing together): the account's
-    # row is updated once, with the batch's total; each call gets its usage and ledger row.
-    SETTLE = """
-    WITH settled AS (
+    # row is updated once, with the batch's total; each call gets its usage and ledger row. The
+    # calls are those the query {calls} names: settling() gives these CTEs to a caller's statement.
+    _SETTLING = """
+    settled AS (
         UPDATE {reservation} SET status = 'settled', closed_at = now()
-        WHERE tool_call_id = ANY(%(calls)s::text[]) AND status = 'held'
+        WHERE tool_call_id = ANY(ARRAY({{calls}})) AND status = 'held'
         RETURNING tool_call_id, account_id, exec_job_id, amount, due_amount, meta
     ), usage AS (
         INSERT INTO {usage} (user_id, exec_job_id, tool_call_id, usage_type, tool_call_meta, amount, due_amount, created_at)
@@ -95,8 +97,16 @@ class PostgresLedger(Ledger):
         UPDATE {account} a SET reserved = a.reserved - t.total, balance = a.balance - t.total, updated_at = now()
         FROM (SELECT account_id, sum(amount) AS total FROM settled GROUP BY account_id) t WHERE a.id = t.account_id
     )
-    SELECT tool_call_id, amount FROM settled
-    """.format(**_TABLES)  # noqa: S608
+    """.format(**_TABLES)  # noqa: S608 - table names from the models, values as parameters
+    SETTLE = "WITH " + _SETTLING.format(calls="SELECT unnest(%(calls)s::text[])") + "SELECT tool_call_id, amount FROM settled"  # noqa: S608
+
+    @classmethod
+    def settling(cls, calls: str) -> str:
+        """SETTLE's CTEs (``settled``, ``usage``, ``ledger``, ``charged``) for the calls of one
+        account that the query ``calls`` names: a caller's statement that ends calls settles them
+        with its own, in one round trip (each of its calls settled, as settle does, only if held)."""
+        return cls._SETTLING.format(calls=calls)
+
     RELEASE = """
     WITH released AS (
         UPDATE {reservation} SET status = 'released', closed_at = now()
