@@ -86,6 +86,16 @@ def events_publish(*, job_call_id: str, events: list[tuple[str, dict[str, Any]]]
     backplane().events_append(job_call_id, events)
 
 
+def events_publish_by_job(events: list[tuple[str, tuple[str, dict[str, Any]]]]) -> None:
+    """Append events ``(job call_id, event)`` of any jobs to their logs, each job's in order, all in
+    one round trip. Events of no job (``""``: a standalone call's) are left out. Never raises."""
+    by_job: dict[str, list[tuple[str, dict[str, Any]]]] = {}
+    for job_call_id, event in events:
+        if job_call_id:
+            by_job.setdefault(job_call_id, []).append(event)
+    backplane().publish_then_append([], list(by_job.items()))
+
+
 def output_from_stream(*, job_call_id: str) -> dict[str, str]:
     """Return what a job printed (``stdout``, ``stderr``) as its live events carried it: for a job
     whose worker died before it could store the output. Empty without an event log."""

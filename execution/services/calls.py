@@ -36,7 +36,7 @@ from billing.services import (
 from execution.backplane import Result, backplane, call_channel, job_channel
 from execution.events import (
     event_publish,
-    events_publish,
+    events_publish_by_job,
     tool_call_event,
     tool_call_payload,
     tool_call_pending_payload,
@@ -160,17 +160,15 @@ def tool_calls_record(calls: list[ToolCall], *, queued: frozenset[str] = frozens
         rows[0].save(force_insert=True)
     elif rows:
         ToolCall.objects.bulk_create(rows)
-    by_job: dict[str, list[tuple[str, dict[str, Any]]]] = {}
+    events = []
     for call in calls:
         if call.ptc_call_id:
-            events = by_job.setdefault(call.ptc_call_id, [])
-            events.append(("tool_call_start", tool_call_payload(call)))
+            events.append((call.ptc_call_id, ("tool_call_start", tool_call_payload(call))))
             if call.status in ToolCall.AWAITING:
-                events.append(("tool_call_pending", tool_call_pending_payload(call)))
+                events.append((call.ptc_call_id, ("tool_call_pending", tool_call_pending_payload(call))))
             if call.status == ToolCall.Status.FAILED:
-                events.append(tool_call_event(call))
-    for job_call_id, events in by_job.items():
-        events_publish(job_call_id=job_call_id, events=events)
+                events.append((call.ptc_call_id, tool_call_event(call)))
+    events_publish_by_job(events)
 
 
 # What a queued call's message carries to the worker that claims it: the record's fields, signed
@@ -277,13 +275,10 @@ def tool_calls_fail_queued(calls: list[ToolCall], *, error: dict[str, str], runn
     with connection.cursor() as cursor:
         cursor.execute(sql, params)
         ended = {call_id for (call_id,) in cursor.fetchall()}
-    by_job: dict[str, list[tuple[str, dict[str, Any]]]] = {}
     for row in failed:
         if row.call_id in ended:
             credits_release(tool_call_id=row.call_id)
-            by_job.setdefault(row.ptc_call_id, []).append(tool_call_event(row))
-    for job_call_id, events in by_job.items():
-        events_publish(job_call_id=job_call_id, events=events)
+    events_publish_by_job([(row.ptc_call_id, tool_call_event(row)) for row in failed if row.call_id in ended])
     return [row.call_id for row in failed if row.call_id in ended]
 
 
