@@ -30,7 +30,13 @@ from execution.sandbox.limits import Limits
 from execution.sandbox.process import SDK_MB, SandboxUnavailable
 from execution.sandbox.session import Outcome, Session
 from execution.selectors import CALLS_IN_ORDER, exec_job_with_calls
-from execution.services.calls import JOB_ENDED_MESSAGE, tool_call_finish, tool_calls_close_held, tool_calls_reap
+from execution.services.calls import (
+    JOB_ENDED_MESSAGE,
+    tool_call_finish,
+    tool_calls_close_held,
+    tool_calls_fail_queued,
+    tool_calls_reap,
+)
 from execution.services.quotas import exec_quota_check
 from execution.services.router import JobCallRouter
 from execution.services.sessions import (
@@ -535,15 +541,10 @@ def _exec_job_close(*, job_id: Any, job: ExecJob | None = None, bridge_calls: in
         exec_session_job_ended(session_id=job.session_id, job_id=job.pk)
     # Calls left open (usually none): queued ones fail as never run (a tools worker that claimed one
     # finishes it); ones waiting on the client or an approval fail too, so a late answer finds them
-    # ended (409), each one's price held goes back, and watchers see it end.
+    # ended (409). Each one's price held goes back, and watchers see it end.
     left = [call for call in job.tool_calls.all() if call.status in ToolCall.OPEN]
-    queued = [call.call_id for call in left if call.status == ToolCall.Status.EXECUTING and call.claimed_at is None]
-    if queued:
-        ToolCall.objects.filter(call_id__in=queued, status=ToolCall.Status.EXECUTING, claimed_at__isnull=True).update(
-            status=ToolCall.Status.FAILED,
-            error=call_error("job_ended", JOB_ENDED_MESSAGE),
-            finished_at=timezone.now(),
-        )
+    queued = [call for call in left if call.status == ToolCall.Status.EXECUTING and call.claimed_at is None]
+    tool_calls_fail_queued(queued, error=call_error("job_ended", JOB_ENDED_MESSAGE), running=False)
     for call in left:
         if call.status in ToolCall.AWAITING:
             error = call_error("job_ended", "the job ended while this call was waiting; it was not run")

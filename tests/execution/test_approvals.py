@@ -194,3 +194,24 @@ def test_tools_execute_refuses_a_gated_tool_rather_than_skip_its_approval(
     assert free.status_code == 200 and free.json()["status"] == "completed"
     calls = api.get("/api/v1/tool-calls").json()["results"]
     assert [c["tool"] for c in calls] == ["look"]  # the refused one left no record
+
+
+def test_a_job_that_ends_before_its_approved_call_is_taken_fails_it_and_gives_its_price_back_at_once(
+    make_api: Callable[..., Api], staff: Api, http_api: HttpApi
+) -> None:
+    from billing.models import Reservation
+
+    key = shop(staff, http_api)
+    # No worker of the test stack serves tools.slow: the approved call waits there, recorded, unclaimed.
+    routed = staff.http.patch(f"/api/v1/toolsets/{key}", json={"queue": "tools.slow", "price": 5})
+    assert routed.status_code == 200, routed.text
+    owner = make_api()
+    job = submit(owner, f"from ptc_tools.{key} import {class_name(key)} as S\nS.buy(city='paris')", [key])
+    [block] = pending(owner, job["id"])
+    assert owner.post(f"/api/v1/tool-calls/{block['id']}/approval", json={"approve": True}).status_code == 200
+    assert owner.post(f"/api/v1/exec/{job['id']}/cancel").status_code == 200
+    final = finished(owner, job["id"])
+    [buy] = final["tool_calls"]
+    assert buy["status"] == "failed" and buy["error"]["code"] == "job_ended"
+    # Released by the job's close, before its end is announced: not a lease later by the reaper.
+    assert Reservation.objects.get(tool_call_id=block["id"]).status == "released"
