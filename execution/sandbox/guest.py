@@ -17,10 +17,8 @@ may bring input files (``files``, base64 by path under /work) and ask for the fi
 (``collect_files``, a quota): they come back in ``done``.
 """
 
-import ast
-import base64
+import _ast
 import builtins
-import collections
 import errno
 import json
 import os
@@ -30,8 +28,11 @@ import socket
 import stat
 import sys
 import threading
-import traceback
-from typing import Any
+from typing import Any  # the SDK's modules need it too: imported before the job, it costs the job nothing
+
+# Every module imported here is paid for by every sandbox's start, and each sandbox runs one job:
+# what only some jobs need (``traceback`` for an error, ``base64`` for files) is imported where it
+# is used, and ``ast`` not at all (its C core, ``_ast``, does what the runner needs).
 
 CODE_NAME = "<exec_code>"
 THREAD_STACK_BYTES = 1 << 20
@@ -89,6 +90,9 @@ def _describe(exc: BaseException) -> str:
 def _frames(tb: Any) -> str:
     """The code's own frames of ``tb``, formatted: the first TRACEBACK_HEAD and the last
     TRACEBACK_TAIL, with a line saying how many were left out between them."""
+    import collections
+    import traceback
+
     head: list[tuple[Any, int]] = []
     tail: collections.deque[tuple[Any, int]] = collections.deque(maxlen=TRACEBACK_TAIL)
     total = 0
@@ -103,10 +107,14 @@ def _frames(tb: Any) -> str:
 
 
 def _format(frames: list[tuple[Any, int]]) -> str:
+    import traceback
+
     return "".join(traceback.StackSummary.extract(iter(frames), lookup_lines=False).format())
 
 
 def _error(exc: BaseException, limits: dict[str, int]) -> dict[str, Any]:
+    import traceback
+
     from ptc_tools import ToolError
 
     trace = "Traceback (most recent call last):\n" + _frames(exc.__traceback__)
@@ -133,16 +141,18 @@ def _error(exc: BaseException, limits: dict[str, int]) -> dict[str, Any]:
 def _compile(source: str) -> tuple[Any, bool]:
     """Compile ``source``, binding its last expression to ``__ptc_result__``.
 
-    Return the code object and whether the last statement was an expression.
+    Return the code object and whether the last statement was an expression. (``ast.parse`` is
+    ``compile`` with ``PyCF_ONLY_AST``; the one node made here gets its position from the
+    expression it replaces.)
     """
-    tree = ast.parse(source, CODE_NAME, "exec")
+    tree = compile(source, CODE_NAME, "exec", flags=_ast.PyCF_ONLY_AST, dont_inherit=True)
     last = tree.body[-1] if tree.body else None
-    has_value = isinstance(last, ast.Expr)
-    if isinstance(last, ast.Expr):
-        assign = ast.Assign(targets=[ast.Name("__ptc_result__", ast.Store())], value=last.value)
-        tree.body[-1] = ast.copy_location(assign, last)
-        ast.fix_missing_locations(tree)
-    return compile(tree, CODE_NAME, "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT, dont_inherit=True), has_value
+    has_value = isinstance(last, _ast.Expr)
+    if isinstance(last, _ast.Expr):
+        where = {name: getattr(last, name) for name in ("lineno", "col_offset", "end_lineno", "end_col_offset")}
+        target = _ast.Name(id="__ptc_result__", ctx=_ast.Store(), **where)
+        tree.body[-1] = _ast.Assign(targets=[target], value=last.value, **where)
+    return compile(tree, CODE_NAME, "exec", flags=_ast.PyCF_ALLOW_TOP_LEVEL_AWAIT, dont_inherit=True), has_value
 
 
 def _read_job(bridge_fd: int, protocol: Any) -> dict[str, Any]:
@@ -192,6 +202,8 @@ def _work_path(path: str) -> str:
 
 def _write_files(files: dict[str, str]) -> None:
     """Write the job's input files (base64) under /work; a symlink in their place is not followed."""
+    import base64
+
     for path, data in files.items():
         target = _work_path(path)
         os.makedirs(os.path.dirname(target), exist_ok=True)
@@ -224,6 +236,8 @@ def _scan() -> dict[str, tuple[int, int, int]]:
 def _changed_files(before: dict[str, tuple[int, int, int]], quota: dict[str, int]) -> dict[str, Any]:
     """The files the code wrote or changed (base64, within the quota: the rest are named in
     ``files_omitted``) and those it removed."""
+    import base64
+
     after = _scan()
     files: list[dict[str, str]] = []
     omitted: list[str] = []

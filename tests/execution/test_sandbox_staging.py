@@ -76,3 +76,24 @@ def test_the_staged_runner_loads_from_bytecode_the_sandbox_can_read(monkeypatch:
         assert modes == {0o644}
     finally:
         shutil.rmtree(settings.PTC_SANDBOX_DIR, ignore_errors=True)
+
+
+def test_a_warm_sandbox_imports_only_what_every_job_needs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every sandbox's start pays for what its runner imports before the job: modules only some jobs
+    use (``traceback`` for an error, ``base64`` for files) and ``ast`` (``_ast`` does its work) are
+    not among them."""
+    import subprocess
+
+    monkeypatch.setattr(settings, "PTC_SANDBOX_DIR", tempfile.mkdtemp(prefix="ptc-stage-imports-"))
+    try:
+        target = process._guest_dir()
+        launch = (
+            f"import sys; sys.path.insert(0, {str(target)!r}); import guest, ptc_tools; "
+            "print(sorted(m for m in ('ast', 'traceback', 'base64', 'json', 'socket') if m in sys.modules))"
+        )
+        out = subprocess.run(
+            [settings.PTC_SANDBOX_PYTHON, "-I", "-S", "-B", "-c", launch], capture_output=True, text=True, check=True
+        ).stdout
+        assert out.strip() == "['json', 'socket']"
+    finally:
+        shutil.rmtree(settings.PTC_SANDBOX_DIR, ignore_errors=True)
