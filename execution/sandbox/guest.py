@@ -145,7 +145,7 @@ def _compile(source: str) -> tuple[Any, bool]:
     ``compile`` with ``PyCF_ONLY_AST``; the one node made here gets its position from the
     expression it replaces.)
     """
-    tree = compile(source, CODE_NAME, "exec", flags=_ast.PyCF_ONLY_AST, dont_inherit=True)
+    tree: Any = compile(source, CODE_NAME, "exec", flags=_ast.PyCF_ONLY_AST, dont_inherit=True)  # an _ast.Module
     last = tree.body[-1] if tree.body else None
     has_value = isinstance(last, _ast.Expr)
     if isinstance(last, _ast.Expr):
