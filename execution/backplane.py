@@ -419,10 +419,30 @@ class Backplane:
         """Push ``messages`` ``(channel, message)``, then append ``events`` ``(job call_id, events)``
         to their jobs' logs: results reach their code before their watchers hear of them. Never
         raises (``publish`` and ``events_append`` say why)."""
+        self._send(messages, events, events_first=False)
+
+    def append_then_publish(
+        self, events: list[tuple[str, list[tuple[str, dict[str, Any]]]]], messages: list[tuple[str, Message]]
+    ) -> None:
+        """``publish_then_append`` the other way round: whoever a message wakes finds the events
+        in the log already (a job's end, then its waiters). Never raises."""
+        self._send(messages, events, events_first=True)
+
+    def _send(
+        self,
+        messages: list[tuple[str, Message]],
+        events: list[tuple[str, list[tuple[str, dict[str, Any]]]]],
+        *,
+        events_first: bool,
+    ) -> None:
+        if events_first:
+            for job_call_id, job_events in events:
+                self.events_append(job_call_id, job_events)
         for channel, message in messages:
             self.publish(channel, message)
-        for job_call_id, job_events in events:
-            self.events_append(job_call_id, job_events)
+        if not events_first:
+            for job_call_id, job_events in events:
+                self.events_append(job_call_id, job_events)
 
     def events_read(self, job_call_id: str) -> list[tuple[str, str, dict[str, Any]]]:
         """Return the job's logged events ``(id, name, data)``, oldest first; empty without a log."""
@@ -468,35 +488,43 @@ class RedisBackplane(Backplane):
             return
         try:
             pipe = self.client.pipeline(transaction=False)
-            self._events_into(pipe, job_call_id, events)
+            self._events_into(pipe, [(job_call_id, events)])
             pipe.execute()
         except Exception:  # the records stay the truth; a reader rebuilds from them
             logger.warning("could not append events", extra={"job_id": job_call_id}, exc_info=True)
 
-    def publish_then_append(
-        self, messages: list[tuple[str, Message]], events: list[tuple[str, list[tuple[str, dict[str, Any]]]]]
+    def _send(
+        self,
+        messages: list[tuple[str, Message]],
+        events: list[tuple[str, list[tuple[str, dict[str, Any]]]]],
+        *,
+        events_first: bool,
     ) -> None:
-        # One round trip: Redis runs a pipeline's commands in order, so every push goes out before
-        # any event. A batch of a tools worker's finished calls is one pipeline.
+        # One round trip: Redis runs a pipeline's commands in order. A batch of a tools worker's
+        # finished calls is one pipeline; so is a job's last event and its end.
         if not messages and not events:
             return
         try:
             pipe = self.client.pipeline(transaction=False)
+            if events_first:
+                self._events_into(pipe, events)
             for channel, message in messages:
                 pipe.publish(channel, _wire_json(_to_wire(message)))
-            for job_call_id, job_events in events:
-                self._events_into(pipe, job_call_id, job_events)
+            if not events_first:
+                self._events_into(pipe, events)
             pipe.execute()
         except Exception:  # the records stay the truth: see publish and events_append
-            logger.warning("could not publish %d results and their events", len(messages), exc_info=True)
+            logger.warning("could not publish %d messages and their events", len(messages), exc_info=True)
 
-    def _events_into(self, pipe: Any, job_call_id: str, events: list[tuple[str, dict[str, Any]]]) -> None:
-        key = self.stream_key(job_call_id)
-        for event, data in events:
-            payload = json.dumps(data, separators=(",", ":"), default=str)
-            pipe.xadd(key, {"event": event, "data": payload}, maxlen=STREAM_MAXLEN, approximate=True)
-            if event == "exec_end":
-                pipe.expire(key, settings.PTC_EVENTS_RETENTION_SECONDS)
+    def _events_into(self, pipe: Any, events: list[tuple[str, list[tuple[str, dict[str, Any]]]]]) -> None:
+        """Add the commands that append ``events`` ``(job call_id, events)`` to ``pipe``."""
+        for job_call_id, job_events in events:
+            key = self.stream_key(job_call_id)
+            for event, data in job_events:
+                payload = json.dumps(data, separators=(",", ":"), default=str)
+                pipe.xadd(key, {"event": event, "data": payload}, maxlen=STREAM_MAXLEN, approximate=True)
+                if event == "exec_end":
+                    pipe.expire(key, settings.PTC_EVENTS_RETENTION_SECONDS)
 
     def events_read(self, job_call_id: str) -> list[tuple[str, str, dict[str, Any]]]:
         try:

@@ -560,9 +560,11 @@ def _exec_job_ended(job: ExecJob) -> str:
     waiters, with the job as the API shows it (unless too large to push). ``job`` comes with its
     calls. Return its status."""
     view = job_view(job)
-    event_publish(job_call_id=job.call_id, event="exec_end", data=job_end_payload(view))
     pushed = view if len(json.dumps(view, default=str)) <= END_PUSH_MAX_BYTES else None
-    backplane().publish(job_end_channel(job.call_id), End(status=view["status"], job=pushed))
+    backplane().append_then_publish(
+        [(job.call_id, [("exec_end", job_end_payload(view))])],
+        [(job_end_channel(job.call_id), End(status=view["status"], job=pushed))],
+    )
     return view["status"]
 
 
