@@ -16,7 +16,7 @@ from rest_framework.response import Response
 from rest_framework.serializers import ListSerializer
 from rest_framework.views import APIView
 
-from execution.events import db_read, event_stream, valid_event_id
+from execution.events import db_read, event_stream, job_view, valid_event_id
 from execution.models import ExecJob, ExecSession, ToolCall, WorkFile
 from execution.selectors import exec_jobs_for, sessions_for, tool_calls_for, work_files_of
 from execution.serializers import (
@@ -45,6 +45,7 @@ from execution.services.sessions import (
     work_path_check,
 )
 from execution.services.waiting import tool_call_decide, tool_results_submit
+from ptcproject import rows
 from ptcproject.accounts.authentication import signed_in_user
 from ptcproject.accounts.models import ApiKey
 from ptcproject.accounts.services import api_key_authenticate
@@ -106,12 +107,16 @@ class ExecListCreateApi(FilteredListApi):
             max_credits=data.get("max_credits"),
             client_tools=[dict(tool) for tool in data["client_tools"]],
         )
-        # What the job ended as comes with its end; otherwise (still running, or too large to push) read it.
-        view = (
-            end.job
-            if end is not None and end.job is not None
-            else ExecJobSerializer(exec_jobs_for(user=user).get(pk=job.pk)).data
-        )
+        # What the job ended as comes with its end. Without a wait, the job as created (queued, no
+        # calls yet) is the answer; a wait that ended without it (still running, or too large to
+        # push) reads the record.
+        if end is not None and end.job is not None:
+            view = end.job
+        elif data["wait"] == 0:
+            rows.prefetched(job, "tool_calls", [])
+            view = job_view(job)
+        else:
+            view = job_view(exec_jobs_for(user=user).get(pk=job.pk))
         return Response(
             view,
             status=status.HTTP_201_CREATED,
@@ -250,7 +255,7 @@ class ExecDetailApi(APIView):
     @extend_schema(responses=ExecJobSerializer)
     def get(self, request: Request, job_id: str) -> Response:
         job = get_object_or_404(exec_jobs_for(user=signed_in_user(request)), pk=job_id)
-        return Response(ExecJobSerializer(job).data)
+        return Response(job_view(job))
 
 
 class ExecCancelApi(APIView):
@@ -261,7 +266,7 @@ class ExecCancelApi(APIView):
     def post(self, request: Request, job_id: str) -> Response:
         job = get_object_or_404(exec_jobs_for(user=signed_in_user(request)), pk=job_id)
         exec_job_cancel(job=job)
-        return Response(ExecJobSerializer(exec_jobs_for(user=signed_in_user(request)).get(pk=job.pk)).data)
+        return Response(job_view(exec_jobs_for(user=signed_in_user(request)).get(pk=job.pk)))
 
 
 # The most results one POST .../tool-results takes: a job has at most this many calls in flight.
