@@ -168,6 +168,10 @@ class Subscription:
         """Block until a message is queued or ``timeout`` passes; ``drain`` then returns what came."""
         select.select([self._wake_r], [], [], max(0.0, timeout))
 
+    def confirm(self) -> None:
+        """Return once the subscription is in place: nothing published after is missed. Raise if
+        it can't be (the subscription is then closed)."""
+
     def close(self) -> None:
         if not self._closed.is_set():
             self._closed.set()
@@ -189,7 +193,12 @@ class _RedisSubscription(Subscription):
     def __init__(self, hub: "_RedisHub", channel: str) -> None:
         super().__init__()
         self._hub, self.channel = hub, channel
-        hub.add(self)  # subscribed before it returns: nothing published after is missed
+        self._confirmed = hub.add(self)  # set once Redis has confirmed the SUBSCRIBE
+
+    def confirm(self) -> None:
+        if not self._confirmed.wait(SUBSCRIBE_TIMEOUT):
+            self.close()
+            raise TimeoutError(f"Redis did not confirm the subscription to {self.channel}")
 
     def _stop(self) -> None:
         self._hub.remove(self)
@@ -216,9 +225,9 @@ class _RedisHub:
         self._confirmed: dict[bytes, threading.Event] = {}
         self._thread: threading.Thread | None = None
 
-    def add(self, subscription: _RedisSubscription) -> None:
-        """Subscribe ``subscription`` to its channel: return once Redis has confirmed it. Raises if
-        Redis can't be reached."""
+    def add(self, subscription: _RedisSubscription) -> threading.Event:
+        """Subscribe ``subscription`` to its channel: return the event set once Redis has confirmed
+        it. Raises if Redis can't be reached."""
         channel = subscription.channel.encode()
         with self._lock:
             if self._pubsub is None:
@@ -236,9 +245,7 @@ class _RedisHub:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._read, name="ptc-subscriptions", daemon=True)
                 self._thread.start()
-        if not confirmed.wait(SUBSCRIBE_TIMEOUT):
-            self.remove(subscription)
-            raise TimeoutError(f"Redis did not confirm the subscription to {subscription.channel}")
+        return confirmed
 
     def remove(self, subscription: _RedisSubscription) -> None:
         """Drop ``subscription``; the channel's last one unsubscribes it. Never raises: a broken
@@ -367,8 +374,16 @@ class Backplane:
 
     keeps_events = False
 
-    def subscribe(self, channel: str) -> Subscription:
-        """Start receiving ``channel``'s messages. Close the subscription when done."""
+    def subscribe(self, channel: str, *, confirmed: bool = True) -> Subscription:
+        """Start receiving ``channel``'s messages; with ``confirmed``, return once the subscription
+        is in place, else at once (``confirm()`` it before relying on it, and do other work while
+        the server confirms it). Close the subscription when done."""
+        subscription = self._subscribe(channel)
+        if confirmed:
+            subscription.confirm()
+        return subscription
+
+    def _subscribe(self, channel: str) -> Subscription:
         raise NotImplementedError
 
     def _publish(self, channel: str, data: dict[str, Any]) -> None:
@@ -470,7 +485,7 @@ class RedisBackplane(Backplane):
 
         return _RedisHub(redis.Redis.from_url(settings.REDIS_URL, socket_keepalive=True, socket_connect_timeout=2))
 
-    def subscribe(self, channel: str) -> Subscription:
+    def _subscribe(self, channel: str) -> Subscription:
         return _RedisSubscription(self.hub, channel)
 
     def ping(self) -> None:
@@ -546,8 +561,8 @@ class RedisBackplane(Backplane):
 
 
 class LocalBackplane(Backplane):
-    def subscribe(self, channel: str) -> Subscription:
-        return _SocketSubscription(channel)
+    def _subscribe(self, channel: str) -> Subscription:
+        return _SocketSubscription(channel)  # listening before it returns
 
     def _publish(self, channel: str, data: dict[str, Any]) -> None:
         _socket_publish(channel, data)

@@ -6,6 +6,7 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
 from datetime import datetime, timedelta
 from typing import Any
@@ -102,13 +103,15 @@ def exec_job_create(
     session: ExecSession | None = None,
     files: dict[str, bytes] | None = None,
     call_id: str = "",
+    before_enqueue: Callable[[], None] | None = None,
 ) -> ExecJob:
     """Check the request against the policy, record the job as ``queued``, and enqueue it once committed.
 
     ``client_tools`` are tools the caller runs itself (``ptc_tools.client.Client``; tools/client.py).
     In a ``session``, the job runs in the session's sandbox, with its toolsets and limits (and its
     own timeout); ``files`` are written under /work before the code runs. ``call_id`` is the one
-    it takes, if given (its waiter subscribed to its end first).
+    it takes, if given (its waiter subscribed to its end first), and ``before_enqueue`` is called
+    once the job is committed, before it is queued (the waiter's subscription is confirmed then).
 
     Raise ApplicationError: ``code_too_large`` (413), ``validation_error`` for a timeout above the
     policy's maximum (400; never clamped) or bad client tools, ``unknown_toolset`` (400),
@@ -180,7 +183,7 @@ def exec_job_create(
             WorkFile.objects.create(exec_job=job, kind=WorkFile.Kind.INPUT, path=path, content=content, size=len(content))
         # A session's later jobs go to the worker holding its sandbox; its first, to any.
         node = exec_session_take(session_id=session.pk, job=job).worker if session is not None else ""
-        transaction.on_commit(lambda: _exec_job_enqueue(job=job, node=node))
+        transaction.on_commit(lambda: _exec_job_enqueue(job=job, node=node, before=before_enqueue))
     logger.info("job queued", extra={"job_id": str(job.id)})
     return job
 
@@ -223,14 +226,17 @@ def exec_job_for_container(*, user: User, container_id: str) -> ExecJob:
     return job
 
 
-def _exec_job_enqueue(*, job: ExecJob, node: str = "") -> None:
+def _exec_job_enqueue(*, job: ExecJob, node: str = "", before: Callable[[], None] | None = None) -> None:
     """Send a committed job to the exec queue, or to worker ``node``'s direct queue (a session's
-    sandbox is there). If the broker can't take it, the job is withdrawn and ApplicationError
-    ``broker_unavailable`` (503) raised: a client is never told a job failed while it waits queued
-    for ever."""
+    sandbox is there), after calling ``before``. If the broker can't take it, the job is withdrawn
+    and ApplicationError ``broker_unavailable`` (503) raised: a client is never told a job failed
+    while it waits queued for ever."""
     from celery.utils.nodenames import worker_direct
 
     from execution.tasks import run_exec
+
+    if before is not None:
+        before()
 
     try:
         with run_exec.app.producer_or_acquire() as producer:
@@ -331,14 +337,16 @@ def _exec_job_sandbox(*, job: ExecJob, node: str) -> Outcome:
     """Run a claimed job's code in a sandbox (its session's, held by this worker, ``node``) and
     return what happened."""
     job_id = str(job.pk)
-    # Nothing has run yet: a database that drops meanwhile (a restart) is waited for, not the job's end.
-    prepared = db_retry(lambda: _exec_job_prepare(job=job), what="preparing a job", job_id=job_id)
-    if isinstance(prepared, Outcome):
-        return prepared
-    job, router, sdk_files, job_key = prepared
-    event_publish(job_call_id=job.call_id, event="exec_start", data=job_start_payload(job))
-    limits = Limits.from_dict(job.limits)
-    with backplane().subscribe(job_channel(job.call_id)) as channel:
+    # Redis confirms the job's channel while the job is prepared; it is confirmed before the code runs.
+    with backplane().subscribe(job_channel(job.call_id), confirmed=False) as channel:
+        # Nothing has run yet: a database that drops meanwhile (a restart) is waited for, not the job's end.
+        prepared = db_retry(lambda: _exec_job_prepare(job=job), what="preparing a job", job_id=job_id)
+        if isinstance(prepared, Outcome):
+            return prepared
+        job, router, sdk_files, job_key = prepared
+        event_publish(job_call_id=job.call_id, event="exec_start", data=job_start_payload(job))
+        limits = Limits.from_dict(job.limits)
+        channel.confirm()
         # A cancel that landed between the claim and the subscription would otherwise be missed:
         # the SDK's hash is recorded only on a job still running.
         running = ExecJob.objects.filter(pk=job.pk, status=Status.RUNNING)
@@ -604,12 +612,24 @@ def exec_job_submit(*, wait: float, **create: Any) -> tuple[ExecJob, End | None]
     subscription: Subscription | None = None
     if wait > 0:
         try:
-            subscription = backplane().subscribe(job_end_channel(call_id))
+            # Redis confirms it while the job is checked and recorded; it is confirmed before the job is queued.
+            subscription = backplane().subscribe(job_end_channel(call_id), confirmed=False)
         except Exception:  # no push to wait for; the job is shown as it is now
             logger.warning("cannot wait for a job: its channel is unreachable", exc_info=True)
+    waiting = subscription is not None
+
+    def confirmed() -> None:
+        nonlocal waiting
+        try:
+            if subscription is not None:
+                subscription.confirm()
+        except Exception:  # the job is queued regardless, and shown as it is now
+            logger.warning("cannot wait for a job: its channel is unreachable", exc_info=True)
+            waiting = False
+
     with subscription or nullcontext():
-        job = exec_job_create(call_id=call_id, **create)
-        return job, _job_end_await(subscription, job=job, seconds=wait) if subscription is not None else None
+        job = exec_job_create(call_id=call_id, before_enqueue=confirmed, **create)
+        return job, _job_end_await(subscription, job=job, seconds=wait) if subscription is not None and waiting else None
 
 
 def _job_ended(job: ExecJob) -> str:
