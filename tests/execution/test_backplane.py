@@ -1,0 +1,33 @@
+"""The backplane's subscriptions on real Redis: one confirmed later receives all that is published
+after its confirmation; one Redis never confirms fails, closed, rather than wait in silence."""
+
+import threading
+import uuid
+
+import pytest
+
+from execution import backplane as bp
+from execution.backplane import Cancel, RedisBackplane
+
+
+def test_a_subscription_confirmed_later_receives_what_is_published_after() -> None:
+    plane = RedisBackplane()
+    channel = f"ptc-test:{uuid.uuid4().hex}"
+    with plane.subscribe(channel, confirmed=False) as subscription:
+        subscription.confirm()  # meanwhile the caller did its own work
+        assert plane.publish(channel, Cancel())
+        subscription.wait(5)
+        assert [type(message) for message in subscription.drain()] == [Cancel]
+
+
+def test_a_subscription_never_confirmed_fails_and_is_closed(monkeypatch: pytest.MonkeyPatch) -> None:
+    plane = RedisBackplane()
+    monkeypatch.setattr(bp, "SUBSCRIBE_TIMEOUT", 0.2)
+    # Redis takes the SUBSCRIBE, but its confirmation never comes back.
+    monkeypatch.setattr(bp._RedisHub, "add", lambda self, subscription: threading.Event())
+    subscription = plane.subscribe(f"ptc-test:{uuid.uuid4().hex}", confirmed=False)
+    with pytest.raises(TimeoutError, match="did not confirm"):
+        subscription.confirm()
+    assert subscription._closed.is_set()
+    with pytest.raises(TimeoutError):
+        plane.subscribe(f"ptc-test:{uuid.uuid4().hex}")  # confirmed by default: it raises at once
