@@ -31,7 +31,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -100,7 +100,9 @@ def _wire_json(data: dict[str, Any]) -> str:
 
 
 def _to_wire(message: Message) -> dict[str, Any]:
-    return {"kind": type(message).__name__.lower(), **asdict(message)}
+    # Its fields as they are, not ``asdict``'s deep copy: a message is serialised at once, and an
+    # End carries the whole job (a copy of every call's input and output, thrown away).
+    return {"kind": type(message).__name__.lower(), **{f.name: getattr(message, f.name) for f in fields(message)}}
 
 
 def _from_wire(data: dict[str, Any]) -> Message | None:
