@@ -12,7 +12,7 @@ import functools
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-from django.db import connection
+from django.db import DEFAULT_DB_ALIAS, connection, connections
 from django.db.models import Field, Model
 
 M = TypeVar("M", bound=Model)
@@ -21,14 +21,27 @@ Converter = Callable[[Any, Any, Any], Any]
 
 def table(model: type[Model]) -> str:
     """The model's table, quoted."""
-    return connection.ops.quote_name(model._meta.db_table)
+    return _table(model, connection.vendor)
 
 
 def columns(model: type[Model], alias: str = "") -> str:
     """Every concrete column of ``model``, in field order, quoted (and qualified by ``alias``): what
     ``from_row`` reads back."""
+    return _columns(model, alias, connection.vendor)
+
+
+# Written once per model and database: each ``connection.ops`` goes through Django's thread-local
+# connection proxy, and a model's columns were dozens of those on every statement that named them.
+@functools.cache
+def _table(model: type[Model], vendor: str) -> str:
+    return str(connection.ops.quote_name(model._meta.db_table))
+
+
+@functools.cache
+def _columns(model: type[Model], alias: str, vendor: str) -> str:
     prefix = f"{alias}." if alias else ""
-    return ", ".join(prefix + connection.ops.quote_name(str(field.column)) for field in model._meta.concrete_fields)
+    quote = connection.ops.quote_name
+    return ", ".join(prefix + quote(str(field.column)) for field in model._meta.concrete_fields)
 
 
 @functools.cache
@@ -47,19 +60,21 @@ def _converters(model: type[Model], vendor: str) -> tuple[tuple[int, tuple[Conve
 def from_row(model: type[M], row: Sequence[Any], start: int = 0) -> M:
     """Return the instance of ``model`` whose columns (as ``columns`` lists them) begin at
     ``row[start]``, converted as the ORM converts them, and saved-state (not ``adding``)."""
+    db = connections[DEFAULT_DB_ALIAS]  # once, not through the proxy for every converter
     count = len(model._meta.concrete_fields)
     values = list(row[start : start + count])
-    for index, converters, col in _converters(model, connection.vendor):
+    for index, converters, col in _converters(model, db.vendor):
         value = values[index]
         for convert in converters:
-            value = convert(value, col, connection)
+            value = convert(value, col, db)
         values[index] = value
-    return model.from_db(connection.alias, (), values)  # field names are not read when every column is given
+    return model.from_db(db.alias, (), values)  # field names are not read when every column is given
 
 
 def prepared(instance: Model, fields: Sequence[Field]) -> list[Any]:
     """The values of ``instance``'s ``fields``, prepared as the ORM sends them to this database."""
-    return [field.get_db_prep_save(getattr(instance, field.attname), connection) for field in fields]
+    db = connections[DEFAULT_DB_ALIAS]
+    return [field.get_db_prep_save(getattr(instance, field.attname), db) for field in fields]
 
 
 def update_returning(model: type[M], *, pk: Any, status: str, values: dict[str, Any]) -> M | None:
@@ -68,12 +83,13 @@ def update_returning(model: type[M], *, pk: Any, status: str, values: dict[str, 
     a conditional UPDATE and the read of its result in one statement."""
     fields = [field for name in values if isinstance(field := model._meta.get_field(name), Field)]
     assert len(fields) == len(values), "values names concrete fields only"
-    sets = ", ".join(f"{connection.ops.quote_name(str(field.column))} = %s" for field in fields)
-    params = [field.get_db_prep_save(value, connection) for field, value in zip(fields, values.values(), strict=True)]
+    db = connections[DEFAULT_DB_ALIAS]
+    sets = ", ".join(f"{db.ops.quote_name(str(field.column))} = %s" for field in fields)
+    params = [field.get_db_prep_save(value, db) for field, value in zip(fields, values.values(), strict=True)]
     sql = f"UPDATE {table(model)} SET {sets} WHERE id = %s AND status = %s RETURNING {columns(model)}"  # noqa: S608 - names from the model
-    with connection.cursor() as cursor:
+    with db.cursor() as cursor:
         # As the ORM sends it: SQLite keeps a UUID as 32 hex digits, not as the text of a UUID.
-        cursor.execute(sql, [*params, model._meta.pk.get_db_prep_value(pk, connection), status])
+        cursor.execute(sql, [*params, model._meta.pk.get_db_prep_value(pk, db), status])
         row = cursor.fetchone()
     return None if row is None else from_row(model, row)
 
