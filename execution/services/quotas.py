@@ -41,7 +41,9 @@ def exec_quota_check(*, user: User, quotas: Quotas, session: ExecSession | None 
     jobs = ExecJob.objects.filter(user=user)
     if quotas.concurrent_jobs:
         busy = (ExecJob.Status.QUEUED, ExecJob.Status.RUNNING)
-        active = jobs.filter(status__in=busy).count()
+        # A managed container's job stays running while its container may call back; it runs no
+        # code here and holds no sandbox or worker, so it takes none of the user's jobs at once.
+        active = jobs.filter(status__in=busy, container_id="").count()
         idle_sessions = ExecSession.objects.filter(user=user, status=ExecSession.Status.ACTIVE).exclude(jobs__status__in=busy)
         if session is not None:
             idle_sessions = idle_sessions.exclude(pk=session.pk)

@@ -2,6 +2,7 @@
 Retry-After and creates nothing, and one user flooding the fleet does not starve another."""
 
 import time
+import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -129,3 +130,17 @@ def test_an_open_session_counts_against_the_jobs_at_once_quota(api: Api) -> None
     assert api.http.delete(f"/api/v1/sessions/{second.json()['id']}").status_code == 200
     _wait_idle([api])
     assert api.post("/api/v1/exec", json={"code": "1", "wait": 0}).status_code == 201
+
+
+def test_a_managed_containers_job_takes_none_of_the_jobs_at_once_quota(api: Api) -> None:
+    """A managed container's job stays running for as long as its container may call back (it runs
+    no code here, and holds no sandbox or worker): it must not use up the user's quota for good."""
+    _quota(api, max_concurrent_jobs=1)
+    container = f"container_{uuid.uuid4().hex[:12]}"
+    caller = {"type": "code_execution_20260120", "tool_id": "srvtoolu_1"}
+    body = {"toolset": "demo", "tool": "echo", "arguments": {"value": 1}, "caller": caller, "container_id": container}
+    called = api.post("/api/v1/tools/execute", json=body)
+    assert called.status_code == 200 and called.json()["status"] == "completed", called.text
+    assert ExecJob.objects.filter(container_id=container, status="running").exists()
+    job = api.run("6 * 7")
+    assert job["status"] == "completed" and job["return_value"] == 42, job
