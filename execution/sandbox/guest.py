@@ -326,8 +326,9 @@ def main() -> None:
     namespace: dict[str, Any] = {"__name__": "__main__", "__builtins__": builtins, "tools": tools}
     while job is not None:
         _install_sdk(job.pop("sdk", None) or {}, sdk_dir)  # a session's later job brings it only if it changed
-        # The job's call_id and its job-scoped key: what a sandbox elsewhere would call back with.
-        _runtime.job_info = job.get("job", {})
+        # The job's call_id, and its job-scoped key (made when first read): what a sandbox
+        # elsewhere would call back with.
+        _runtime.job_info = _runtime.JobInfo(job.get("job", {}))
         quota = job.get("collect_files")
         before: dict[str, tuple[int, int, int]] = {}
         try:

@@ -61,6 +61,8 @@ class Outcome:
     files: list[dict[str, str]] = field(default_factory=list)
     files_omitted: list[str] = field(default_factory=list)
     files_removed: list[str] = field(default_factory=list)
+    # Whether the code asked for its job-scoped key (made then): a job that never did has none.
+    key_made: bool = False
 
 
 @dataclass(frozen=True)
@@ -129,6 +131,7 @@ class Session:
         keep: bool = False,
         extra: dict[str, Any] | None = None,
         max_files_bytes: int = 0,
+        make_key: Callable[[], str] | None = None,
     ) -> None:
         self.code = code
         self.limits = limits
@@ -149,6 +152,10 @@ class Session:
         self.max_frame = max_frame
         self.max_buffered = max_buffered
         self.job_info = job_info or {}
+        # The job's key, made by ``make_key`` when the code first asks for it (``op: key``).
+        self.make_key = make_key
+        self.key: str | None = None
+        self.key_asked = False
         self.on_output = on_output
         # Output is passed on in chunks of at most OUTPUT_CHUNK_BYTES or OUTPUT_CHUNK_SECONDS old.
         self.chunks: dict[str, bytearray] = {"stdout": bytearray(), "stderr": bytearray()}
@@ -207,6 +214,7 @@ class Session:
                 sandbox.discard()
                 returncode = proc.returncode
         outcome = self.ended or self._outcome(returncode)
+        outcome.key_made = self.key_asked
         outcome.stdout, outcome.stdout_truncated = self.stdout.text(), self.stdout.truncated
         outcome.stderr, outcome.stderr_truncated = self.stderr.text(), self.stderr.truncated
         finished = time.monotonic()
@@ -437,12 +445,28 @@ class Session:
                 self.waiting.append(message)  # waits for a free slot; it does not fail
             else:
                 self._dispatch(message)
+        elif op == "key" and isinstance(message.get("id"), int):
+            self._send({"id": message["id"], **self._job_key()})
         elif op == "done" and self.result is None and _valid_result(message):
             self.result = message
         elif op == "done":
             self._end("failed", "BridgeError", "the sandbox sent a second or malformed result frame")
         else:
             self._end("failed", "BridgeError", f"the sandbox sent an unknown bridge frame (op={op!r})")
+
+    def _job_key(self) -> dict[str, Any]:
+        """The reply to the code's ask for its job-scoped key: made on the first, the same after."""
+        if self.key is None and self.make_key is not None:
+            self.key_asked = True  # before: a key written whose making then failed is still revoked
+            try:
+                self.key = self.make_key()
+            except Exception:  # the code gets a ToolError; the job goes on
+                logger.exception("could not make a job's key")
+                error = call_error("internal_error", "the job's key could not be made; see the worker's log")
+                return {"ok": False, "error": error}
+        if self.key is None:
+            return {"ok": False, "error": call_error("internal_error", "this sandbox's job has no job-scoped key")}
+        return {"ok": True, "result": self.key}
 
     def _busy(self) -> int:
         return len(self.in_flight) + self.submitting

@@ -276,7 +276,8 @@ def exec_job_run(*, job_id: str, worker: str, node: str = "") -> None:
         outcome = _exec_job_sandbox(job=job, node=node)
     except Exception as exc:  # the job must end, never stay running
         logger.exception("the job's run failed", extra={"job_id": job_id})
-        outcome = Outcome(status="failed", error=job_error("InternalError", f"the worker failed while running the job: {exc}"))
+        error = job_error("InternalError", f"the worker failed while running the job: {exc}")
+        outcome = Outcome(status="failed", error=error, key_made=True)  # whether it made one is not known: revoke
     exec_job_finish(job_id=job_id, outcome=outcome, user=job.user)
 
 
@@ -343,7 +344,7 @@ def _exec_job_sandbox(*, job: ExecJob, node: str) -> Outcome:
         prepared = db_retry(lambda: _exec_job_prepare(job=job), what="preparing a job", job_id=job_id)
         if isinstance(prepared, Outcome):
             return prepared
-        job, router, sdk_files, job_key = prepared
+        job, router, sdk_files = prepared
         event_publish(job_call_id=job.call_id, event="exec_start", data=job_start_payload(job))
         limits = Limits.from_dict(job.limits)
         channel.confirm()
@@ -379,7 +380,8 @@ def _exec_job_sandbox(*, job: ExecJob, node: str) -> Outcome:
             heartbeat_every=settings.PTC_JOB_HEARTBEAT_SECONDS,
             max_frame=settings.PTC_MAX_FRAME_BYTES,
             max_buffered=settings.PTC_MAX_BUFFERED_BYTES,
-            job_info={"call_id": job.call_id, "key": job_key},
+            job_info={"call_id": job.call_id},
+            make_key=lambda: _exec_job_key(job=job),
             on_output=lambda stream, text: event_publish(job_call_id=job.call_id, event=stream, data={"text": text}),
             sandbox=live.sandbox if live is not None else None,
             keep=live is not None,
@@ -390,10 +392,10 @@ def _exec_job_sandbox(*, job: ExecJob, node: str) -> Outcome:
             outcome = session.run()
         except SandboxUnavailable as exc:
             logger.error("this host cannot run sandboxes: %s", exc, extra={"job_id": job_id})
-            outcome = Outcome(status="failed", error=job_error("SandboxCrashed", str(exc)))
+            outcome = Outcome(status="failed", error=job_error("SandboxCrashed", str(exc)), key_made=session.key_asked)
         except Exception as exc:  # the worker survives anything a sandbox does; the job records it
             logger.exception("sandbox failed", extra={"job_id": job_id})
-            outcome = Outcome(status="failed", error=job_error("SandboxCrashed", str(exc)))
+            outcome = Outcome(status="failed", error=job_error("SandboxCrashed", str(exc)), key_made=session.key_asked)
         finally:
             if live is not None and job.session is not None:
                 session_sandbox_release(session_id=job.session.pk, live=live, kept=session.kept, sdk_hash=job.sdk_hash)
@@ -422,9 +424,9 @@ def _exec_job_files_done(*, job: ExecJob, outcome: Outcome, sent: list[tuple[int
         logger.exception("could not store a job's files", extra={"job_id": str(job.pk)})
 
 
-def _exec_job_prepare(*, job: ExecJob) -> "tuple[ExecJob, JobCallRouter, dict[str, str], str] | Outcome":
-    """Build a claimed job's SDK, its call router and its job-scoped key. Return those, or the
-    Outcome that ends the job if its SDK can't be built. Safe to run again."""
+def _exec_job_prepare(*, job: ExecJob) -> "tuple[ExecJob, JobCallRouter, dict[str, str]] | Outcome":
+    """Build a claimed job's SDK and its call router. Return those, or the Outcome that ends the
+    job if its SDK can't be built. Safe to run again."""
     job_id = str(job.pk)
     policy = policy_get()
     direct_only = frozenset(policy.direct_only_tools)
@@ -444,15 +446,21 @@ def _exec_job_prepare(*, job: ExecJob) -> "tuple[ExecJob, JobCallRouter, dict[st
         return Outcome(status="failed", error=job_error("ResourceLimit", message))
     job.sdk_hash = sdk.hash  # recorded once subscribed to the job's channel (_exec_job_sandbox)
     router = JobCallRouter(job=job, toolsets=toolsets, direct_only=direct_only, extra=extra, policy=policy)
-    # What a sandbox on another host would call back with (POST /api/v1/tools/execute); it dies with the job.
-    _, job_key = api_key_create(
+    return job, router, files
+
+
+def _exec_job_key(*, job: ExecJob) -> str:
+    """Make the job's key, what a sandbox on another host would call back with (POST
+    /api/v1/tools/execute), and return it; it dies with the job. Made when the job's code first
+    asks for it (``ptc_tools._runtime.job_info["key"]``): most jobs never do."""
+    _, key = api_key_create(
         user=job.user,
         name=f"job {job.call_id}",
         exec_job=job,
         # Time spent waiting on the client does not count against the timeout, up to max_client_wait.
         expires_at=timezone.now() + timedelta(seconds=job.timeout_seconds + Limits.from_dict(job.limits).max_client_wait + 60),
     )
-    return job, router, files, job_key
+    return key
 
 
 def _exec_job_heartbeat(*, job_id: Any) -> bool:
@@ -513,7 +521,9 @@ def exec_job_finish(*, job_id: Any, outcome: Outcome, user: User | None = None) 
     try:
         stored = db_retry(store, what="storing a job's outcome", job_id=job_id)
         job = db_retry(
-            lambda: _exec_job_close(job_id=job_id, job=stored, bridge_calls=None if calls is None else int(calls)),
+            lambda: _exec_job_close(
+                job_id=job_id, job=stored, bridge_calls=None if calls is None else int(calls), key_made=outcome.key_made
+            ),
             what="closing a job",
             job_id=job_id,
         )
@@ -527,14 +537,17 @@ def exec_job_finish(*, job_id: Any, outcome: Outcome, user: User | None = None) 
     tracing.job_trace_export(job=job)
 
 
-def _exec_job_close(*, job_id: Any, job: ExecJob | None = None, bridge_calls: int | None = None) -> ExecJob:
+def _exec_job_close(
+    *, job_id: Any, job: ExecJob | None = None, bridge_calls: int | None = None, key_made: bool = True
+) -> ExecJob:
     """What follows every job's end, however it ended: its job key is revoked, its calls still
     queued fail as never run (a tools worker that claimed one finishes it), and its end is
     announced. Idempotent. Return the job.
 
-    ``job`` is the job as its end was just stored, if the caller has it (else it is read), and
-    ``bridge_calls`` how many calls its sandbox made, if known."""
-    key_used = job_keys_revoke(exec_job_id=job_id)
+    ``job`` is the job as its end was just stored, if the caller has it (else it is read),
+    ``bridge_calls`` how many calls its sandbox made, if known, and ``key_made`` False when its
+    worker knows its code never asked for its key (so none was made, or used)."""
+    key_used = job_keys_revoke(exec_job_id=job_id) if key_made else False
     if job is None:
         # The job and its calls in one read: what its end announces, and the calls it left open.
         job = exec_job_with_calls(job_id=job_id)

@@ -115,6 +115,21 @@ def test_the_job_scoped_key_lifecycle(api: Api, make_api) -> None:  # type: igno
     outside.delete()
 
 
+def test_a_jobs_key_is_made_when_its_code_first_reads_it(api: Api) -> None:
+    """Most jobs never read their key (their calls go over the bridge): none is made for them, and
+    nothing is written for it. One read any number of times is one key."""
+    plain = api.run("6 * 7", toolsets=["demo"])
+    assert plain["return_value"] == 42
+    assert not ApiKey.objects.filter(exec_job_id=plain["id"]).exists()
+    code = "from ptc_tools import _runtime\n[_runtime.job_info['key'], _runtime.job_info.get('key'), _runtime.job_info['call_id']]"
+    read = api.run(code, toolsets=["demo"])
+    first, again, call_id = read["return_value"]
+    assert first == again and call_id == read["call_id"]
+    [stored] = ApiKey.objects.filter(exec_job_id=read["id"])
+    assert stored.key_hash == hashlib.sha256(first.encode()).hexdigest()
+    assert stored.revoked_at is not None  # revoked with its job's end
+
+
 def _nested_call(depth: int) -> str:
     """The body of a demo.echo call whose arguments nest ``depth`` levels: the object, then lists.
     Written out by hand: json.dumps of it would itself recurse that deep."""

@@ -95,6 +95,20 @@ class _Bridge:
         self._send_call(call_id, toolset, tool, arguments)
         return _unwrap(await future, toolset, tool)
 
+    def job_key(self) -> str:
+        """Ask the worker for the job's key (it makes it on the first ask) and return it."""
+        done = threading.Event()
+        box: list[Any] = [done, None]
+        request_id = self._register(box)
+        try:
+            self.send({"op": "key", "id": request_id})
+        except OSError as exc:
+            with self._lock:
+                self._pending.pop(request_id, None)
+            raise ToolError(f"the bridge is closed: {exc}", tool="job.key", code="bridge_closed") from None
+        done.wait()
+        return str(_unwrap(box[1], "job", "key"))
+
     def _send_call(self, call_id: int, toolset: str, tool: str, arguments: dict[str, Any]) -> None:
         try:
             self.send({"op": "call", "id": call_id, "toolset": toolset, "tool": tool, "args": arguments})
@@ -152,6 +166,25 @@ def _unwrap(reply: dict[str, Any], toolset: str, tool: str) -> Any:
     )
 
 
+class JobInfo(dict[str, Any]):
+    """What the code may know of its job: ``call_id``, and ``key``, the job-scoped key a sandbox on
+    another host calls back with (Remote sandboxes). The key is made by the worker when the code
+    first reads it: most jobs never do, and are spared its writes."""
+
+    def __missing__(self, name: str) -> Any:
+        if name != "key" or _bridge is None:
+            raise KeyError(name)
+        self[name] = _bridge.job_key()
+        return self[name]
+
+    def get(self, name: str, default: Any = None) -> Any:
+        try:
+            return self[name]
+        except KeyError:
+            return default
+
+
+job_info: JobInfo = JobInfo()
 _bridge: _Bridge | None = None
 _NO_BRIDGE = "tools can be called only from the sandbox's main process (not outside PTC, nor from a fork)"
 
