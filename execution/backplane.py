@@ -95,8 +95,8 @@ _KINDS: dict[str, type[Message]] = {cls.__name__.lower(): cls for cls in (Result
 
 
 def _wire_json(data: dict[str, Any]) -> str:
-    """A message as Redis carries it: compact JSON."""
-    return json.dumps(data, separators=(",", ":"))
+    """A message as Redis carries it: compact JSON (anything else as text, as events are)."""
+    return json.dumps(data, separators=(",", ":"), default=str)
 
 
 def _to_wire(message: Message) -> dict[str, Any]:

@@ -18,7 +18,9 @@ may bring input files (``files``, base64 by path under /work) and ask for the fi
 """
 
 import _ast
+import base64
 import builtins
+import collections
 import errno
 import json
 import os
@@ -28,11 +30,13 @@ import socket
 import stat
 import sys
 import threading
-from typing import Any  # the SDK's modules need it too: imported before the job, it costs the job nothing
+import traceback
+from typing import Any
 
-# Every module imported here is paid for by every sandbox's start, and each sandbox runs one job:
-# what only some jobs need (``traceback`` for an error, ``base64`` for files) is imported where it
-# is used, and ``ast`` not at all (its C core, ``_ast``, does what the runner needs).
+# Every module imported here is paid for by every sandbox's start: not ``ast`` (its C core, ``_ast``,
+# does what the runner needs). What reports the code's end is imported here, though not every job
+# needs it: imported then, it could fail for the state the code left (its memory full, its
+# recursion limit low, sys.modules changed), and the report with it.
 
 CODE_NAME = "<exec_code>"
 THREAD_STACK_BYTES = 1 << 20
@@ -90,9 +94,6 @@ def _describe(exc: BaseException) -> str:
 def _frames(tb: Any) -> str:
     """The code's own frames of ``tb``, formatted: the first TRACEBACK_HEAD and the last
     TRACEBACK_TAIL, with a line saying how many were left out between them."""
-    import collections
-    import traceback
-
     head: list[tuple[Any, int]] = []
     tail: collections.deque[tuple[Any, int]] = collections.deque(maxlen=TRACEBACK_TAIL)
     total = 0
@@ -107,14 +108,10 @@ def _frames(tb: Any) -> str:
 
 
 def _format(frames: list[tuple[Any, int]]) -> str:
-    import traceback
-
     return "".join(traceback.StackSummary.extract(iter(frames), lookup_lines=False).format())
 
 
 def _error(exc: BaseException, limits: dict[str, int]) -> dict[str, Any]:
-    import traceback
-
     from ptc_tools import ToolError
 
     trace = "Traceback (most recent call last):\n" + _frames(exc.__traceback__)
@@ -202,8 +199,6 @@ def _work_path(path: str) -> str:
 
 def _write_files(files: dict[str, str]) -> None:
     """Write the job's input files (base64) under /work; a symlink in their place is not followed."""
-    import base64
-
     for path, data in files.items():
         target = _work_path(path)
         os.makedirs(os.path.dirname(target), exist_ok=True)
@@ -236,8 +231,6 @@ def _scan() -> dict[str, tuple[int, int, int]]:
 def _changed_files(before: dict[str, tuple[int, int, int]], quota: dict[str, int]) -> dict[str, Any]:
     """The files the code wrote or changed (base64, within the quota: the rest are named in
     ``files_omitted``) and those it removed."""
-    import base64
-
     after = _scan()
     files: list[dict[str, str]] = []
     omitted: list[str] = []

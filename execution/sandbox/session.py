@@ -40,6 +40,8 @@ MAX_WAITING_CALLS = 64
 SUBMIT_THREADS = 4
 # Results that arrive before their call's submission has been seen (a fast tool), kept at most.
 MAX_EARLY_RESULTS = 1024
+# A job's code asks for its key once (its runtime keeps it); past this many asks the bridge is abused.
+MAX_KEY_ASKS = 16
 # Output goes out as events in chunks: every 50 ms or 4 KB, whichever comes first.
 OUTPUT_CHUNK_SECONDS = 0.05
 OUTPUT_CHUNK_BYTES = 4096
@@ -155,7 +157,9 @@ class Session:
         # The job's key, made by ``make_key`` when the code first asks for it (``op: key``).
         self.make_key = make_key
         self.key: str | None = None
+        self.key_error: dict[str, str] | None = None
         self.key_asked = False
+        self.key_asks = 0
         self.on_output = on_output
         # Output is passed on in chunks of at most OUTPUT_CHUNK_BYTES or OUTPUT_CHUNK_SECONDS old.
         self.chunks: dict[str, bytearray] = {"stdout": bytearray(), "stderr": bytearray()}
@@ -446,7 +450,11 @@ class Session:
             else:
                 self._dispatch(message)
         elif op == "key" and isinstance(message.get("id"), int):
-            self._send({"id": message["id"], **self._job_key()})
+            self.key_asks += 1
+            if self.key_asks > MAX_KEY_ASKS:
+                self._end("failed", "BridgeError", f"the sandbox asked for its job's key over {MAX_KEY_ASKS} times")
+            else:
+                self._send({"id": message["id"], **self._job_key(message.get("call_id"))})
         elif op == "done" and self.result is None and _valid_result(message):
             self.result = message
         elif op == "done":
@@ -454,18 +462,23 @@ class Session:
         else:
             self._end("failed", "BridgeError", f"the sandbox sent an unknown bridge frame (op={op!r})")
 
-    def _job_key(self) -> dict[str, Any]:
-        """The reply to the code's ask for its job-scoped key: made on the first, the same after."""
-        if self.key is None and self.make_key is not None:
-            self.key_asked = True  # before: a key written whose making then failed is still revoked
-            try:
-                self.key = self.make_key()
-            except Exception:  # the code gets a ToolError; the job goes on
-                logger.exception("could not make a job's key")
-                error = call_error("internal_error", "the job's key could not be made; see the worker's log")
-                return {"ok": False, "error": error}
+    def _job_key(self, call_id: Any) -> dict[str, Any]:
+        """The reply to the code's ask for the key of job ``call_id``: made on the first ask, the
+        same after. An ask of an earlier job of the session (a thread it left) gets an error."""
+        if call_id != self.job_info.get("call_id"):
+            return {"ok": False, "error": call_error("job_ended", "the key asked for is an ended job's")}
+        if self.key is None and self.key_error is None:
+            if self.make_key is None:
+                self.key_error = call_error("internal_error", "this sandbox's job has no job-scoped key")
+            else:
+                self.key_asked = True  # before: a key written whose making then failed is still revoked
+                try:
+                    self.key = self.make_key()
+                except Exception:  # the code gets a ToolError (each time it asks); the job goes on
+                    logger.exception("could not make a job's key")
+                    self.key_error = call_error("internal_error", "the job's key could not be made; see the worker's log")
         if self.key is None:
-            return {"ok": False, "error": call_error("internal_error", "this sandbox's job has no job-scoped key")}
+            return {"ok": False, "error": self.key_error}
         return {"ok": True, "result": self.key}
 
     def _busy(self) -> int:

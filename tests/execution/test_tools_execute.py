@@ -121,13 +121,27 @@ def test_a_jobs_key_is_made_when_its_code_first_reads_it(api: Api) -> None:
     plain = api.run("6 * 7", toolsets=["demo"])
     assert plain["return_value"] == 42
     assert not ApiKey.objects.filter(exec_job_id=plain["id"]).exists()
-    code = "from ptc_tools import _runtime\n[_runtime.job_info['key'], _runtime.job_info.get('key'), _runtime.job_info['call_id']]"
+    code = (
+        "from ptc_tools import _runtime\n[_runtime.job_info['key'], _runtime.job_info.get('key'), _runtime.job_info['call_id']]"
+    )
     read = api.run(code, toolsets=["demo"])
     first, again, call_id = read["return_value"]
     assert first == again and call_id == read["call_id"]
     [stored] = ApiKey.objects.filter(exec_job_id=read["id"])
     assert stored.key_hash == hashlib.sha256(first.encode()).hexdigest()
     assert stored.revoked_at is not None  # revoked with its job's end
+
+
+def test_a_sandbox_that_keeps_asking_for_its_key_gets_the_same_one_then_is_stopped(api: Api) -> None:
+    ask = "from ptc_tools import _runtime\ncall_id = _runtime.job_info['call_id']\n"
+    same = api.run(ask + "len({_runtime._bridge.job_key(call_id) for _ in range(16)})", toolsets=["demo"])
+    assert same["status"] == "completed" and same["return_value"] == 1, same
+    assert ApiKey.objects.filter(exec_job_id=same["id"]).count() == 1
+    other = api.run(ask + "_runtime._bridge.job_key('exec_' + '0' * 32)", toolsets=["demo"])
+    assert other["status"] == "failed" and other["error"]["type"] == "ToolError", other
+    assert other["error"]["code"] == "job_ended", other["error"]
+    flood = api.run(ask + "for _ in range(17):\n    _runtime._bridge.job_key(call_id)", toolsets=["demo"])
+    assert flood["status"] == "failed" and flood["error"]["type"] == "BridgeError", flood
 
 
 def _nested_call(depth: int) -> str:

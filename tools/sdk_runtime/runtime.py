@@ -95,13 +95,13 @@ class _Bridge:
         self._send_call(call_id, toolset, tool, arguments)
         return _unwrap(await future, toolset, tool)
 
-    def job_key(self) -> str:
-        """Ask the worker for the job's key (it makes it on the first ask) and return it."""
+    def job_key(self, call_id: str) -> str:
+        """Ask the worker for the key of the job ``call_id`` (it makes it on the first ask) and return it."""
         done = threading.Event()
         box: list[Any] = [done, None]
         request_id = self._register(box)
         try:
-            self.send({"op": "key", "id": request_id})
+            self.send({"op": "key", "id": request_id, "call_id": call_id})
         except OSError as exc:
             with self._lock:
                 self._pending.pop(request_id, None)
@@ -169,12 +169,15 @@ def _unwrap(reply: dict[str, Any], toolset: str, tool: str) -> Any:
 class JobInfo(dict[str, Any]):
     """What the code may know of its job: ``call_id``, and ``key``, the job-scoped key a sandbox on
     another host calls back with (Remote sandboxes). The key is made by the worker when the code
-    first reads it: most jobs never do, and are spared its writes."""
+    first reads it: most jobs never do, and are spared its writes. Until then ``"key" in
+    job_info`` is False and copies of it leave the key out: read ``job_info["key"]``."""
 
     def __missing__(self, name: str) -> Any:
-        if name != "key" or _bridge is None:
+        if name != "key":
             raise KeyError(name)
-        self[name] = _bridge.job_key()
+        if _bridge is None:
+            raise ToolError(_NO_BRIDGE, tool="job.key", code="no_bridge")
+        self[name] = _bridge.job_key(str(dict.get(self, "call_id", "")))
         return self[name]
 
     def get(self, name: str, default: Any = None) -> Any:
