@@ -8,6 +8,7 @@ import os
 import subprocess
 import time
 from collections.abc import Callable
+from typing import Any
 
 from bare import QUEUE
 from harness import Process, print_table, row, run_job, running_stack, sandbox_limits, timed
@@ -116,6 +117,16 @@ def bare_burst(n: int) -> float:
     return (time.perf_counter() - start) * 1000
 
 
+def apart(fn: Callable[[], Any], runs: int, pause: float = 0.15) -> list[float]:
+    """Time ``runs`` runs of ``fn``, ms each, with ``pause`` seconds before each (not counted): a
+    submit that finds its worker idle and its warm pool refilled."""
+    out = []
+    for _ in range(runs):
+        time.sleep(pause)
+        out += timed(fn, 1)
+    return out
+
+
 def interleaved(
     rounds: int, baseline: Callable[[], list[float]], ours: Callable[[], list[float]]
 ) -> tuple[list[float], list[float]]:
@@ -151,6 +162,9 @@ def main() -> None:
             submit_base, submit = interleaved(
                 5, lambda: bare_round_trips(6), lambda: timed(lambda: run_job(client, "print(1)", wait=30), 6)
             )
+            apart_base, submit_apart = interleaved(
+                5, lambda: apart(lambda: bare_round_trips(1), 6), lambda: apart(lambda: run_job(client, "print(1)", wait=30), 6)
+            )
         finally:
             bare_worker.stop()
     fan_out_floor = [100 + ms for ms in burst_100]
@@ -168,6 +182,8 @@ def main() -> None:
             row("  baseline: bare python3 -I -S, no sandbox", bare, "ms"),
             row("submit → result: POST print(1) with wait", submit, "ms", submit_base, "≤ 4x"),
             row("  baseline: bare Celery add.delay().get(), by turns with it", submit_base, "ms"),
+            row("  the same, 0.15 s apart (the warm pool refilled)", submit_apart, "ms", apart_base, ""),
+            row("  baseline: bare Celery add.delay().get(), 0.15 s apart", apart_base, "ms"),
         ],
     )
 
