@@ -8,6 +8,14 @@ def new_exec_call_id() -> str:
     return f"exec_{uuid.uuid4().hex}"
 
 
+class ExecJobQuerySet(models.QuerySet["ExecJob"]):
+    def run_here(self) -> "ExecJobQuerySet":
+        """The jobs whose code runs on this deployment's workers: all but managed containers'
+        (their code runs in the provider's container; their job stays ``running`` for as long as
+        it may call back, holding no worker, no sandbox and no lease)."""
+        return self.filter(container_id="")
+
+
 class ExecJob(models.Model):
     class Status(models.TextChoices):
         QUEUED = "queued"
@@ -18,6 +26,8 @@ class ExecJob(models.Model):
         CANCELLED = "cancelled"
 
     FINISHED = (Status.COMPLETED, Status.FAILED, Status.TIMEOUT, Status.CANCELLED)
+
+    objects = ExecJobQuerySet.as_manager()
 
     id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
     call_id = models.CharField(max_length=64, unique=True, default=new_exec_call_id, editable=False)

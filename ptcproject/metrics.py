@@ -167,11 +167,12 @@ class FleetCollector:
         from billing.models import Reservation
         from execution.models import ExecJob, ToolCall
 
+        # Managed containers' jobs are left out: each stays running for as long as its container
+        # may call back, with no worker; counted, it would set off PtcJobsStuckRunning for good.
+        here = ExecJob.objects.run_here()
         active = (ExecJob.Status.QUEUED, ExecJob.Status.RUNNING)
         jobs = GaugeMetricFamily("ptc_jobs", "Jobs queued or running now, by status.", labels=["status"])
-        counts = dict(
-            ExecJob.objects.filter(status__in=active).values_list("status").annotate(n=Count("pk")).values_list("status", "n")
-        )
+        counts = dict(here.filter(status__in=active).values_list("status").annotate(n=Count("pk")).values_list("status", "n"))
         for status in active:
             jobs.add_metric([status], counts.get(status, 0))
         yield jobs
@@ -181,8 +182,8 @@ class FleetCollector:
             labels=["status"],
         )
         now = timezone.now()
-        first_queued = ExecJob.objects.filter(status=ExecJob.Status.QUEUED).aggregate(at=Min("created_at"))["at"]
-        first_running = ExecJob.objects.filter(status=ExecJob.Status.RUNNING).aggregate(at=Min("started_at"))["at"]
+        first_queued = here.filter(status=ExecJob.Status.QUEUED).aggregate(at=Min("created_at"))["at"]
+        first_running = here.filter(status=ExecJob.Status.RUNNING).aggregate(at=Min("started_at"))["at"]
         oldest.add_metric(["queued"], (now - first_queued).total_seconds() if first_queued else 0)
         oldest.add_metric(["running"], (now - first_running).total_seconds() if first_running else 0)
         yield oldest

@@ -3,14 +3,16 @@
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from datetime import timedelta
 from typing import Any
 
 import httpx
 import pytest
+from django.utils import timezone
 from prometheus_client.parser import text_string_to_metric_families
 
 from billing.models import Reservation
-from execution.models import ToolCall
+from execution.models import ExecJob, ToolCall
 from tests.conftest import METRICS_TOKEN, Api
 from tests.stack import Stack
 from tests.tools.conftest import unique_key
@@ -122,3 +124,15 @@ def test_event_lag_is_observed_for_live_followers(stack: Stack, api: Api) -> Non
             if line.startswith("event: exec_end"):
                 break
     assert value(scrape(stack), "ptc_event_lag_seconds_count") > before
+
+
+def test_a_managed_containers_job_is_not_a_job_stuck_running(stack: Stack, api: Api) -> None:
+    """A managed container's job stays running for as long as its container may call back, with no
+    worker: the fleet's gauges leave it out, or PtcJobsStuckRunning would fire for good."""
+    container = f"container_{uuid.uuid4().hex[:12]}"
+    caller = {"type": "code_execution_20260120", "tool_id": "srvtoolu_1"}
+    body = {"toolset": "demo", "tool": "echo", "arguments": {"value": 1}, "caller": caller, "container_id": container}
+    assert api.post("/api/v1/tools/execute", json=body).status_code == 200
+    job = ExecJob.objects.get(container_id=container)
+    ExecJob.objects.filter(pk=job.pk).update(started_at=timezone.now() - timedelta(hours=2))
+    assert value(scrape(stack), "ptc_jobs_oldest_age_seconds", status="running") < 3600

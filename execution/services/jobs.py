@@ -728,7 +728,7 @@ def exec_jobs_reap() -> int:
         )
     reaped = 0
     # A managed container's job has no worker and no lease: it is not reaped.
-    running = ExecJob.objects.filter(status=Status.RUNNING, heartbeat_at__lt=stale, container_id="")
+    running = ExecJob.objects.run_here().filter(status=Status.RUNNING, heartbeat_at__lt=stale)
     for job_id in running.values_list("pk", flat=True):
         reaped += _exec_job_fail_if(
             job_id=str(job_id),

@@ -41,9 +41,7 @@ def exec_quota_check(*, user: User, quotas: Quotas, session: ExecSession | None 
     jobs = ExecJob.objects.filter(user=user)
     if quotas.concurrent_jobs:
         busy = (ExecJob.Status.QUEUED, ExecJob.Status.RUNNING)
-        # A managed container's job stays running while its container may call back; it runs no
-        # code here and holds no sandbox or worker, so it takes none of the user's jobs at once.
-        active = jobs.filter(status__in=busy, container_id="").count()
+        active = jobs.run_here().filter(status__in=busy).count()  # a managed container's job holds no worker
         idle_sessions = ExecSession.objects.filter(user=user, status=ExecSession.Status.ACTIVE).exclude(jobs__status__in=busy)
         if session is not None:
             idle_sessions = idle_sessions.exclude(pk=session.pk)
