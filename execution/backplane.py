@@ -91,6 +91,11 @@ class Changed:
 
 
 Message = Result | Approved | Cancel | End | Resync | Changed
+# A job's events in order, ``(name, data)``; several jobs' events, ``(job call_id, events)``; and
+# messages to push, ``(channel, message)``.
+Events = list[tuple[str, dict[str, Any]]]
+JobsEvents = list[tuple[str, Events]]
+Pushes = list[tuple[str, Message]]
 _KINDS: dict[str, type[Message]] = {cls.__name__.lower(): cls for cls in (Result, Approved, Cancel, End, Resync, Changed)}
 
 
@@ -426,32 +431,22 @@ class Backplane:
     def ping(self) -> None:
         """Raise if the backplane's server can't be reached (nothing to reach without one)."""
 
-    def events_append(self, job_call_id: str, events: list[tuple[str, dict[str, Any]]]) -> None:
+    def events_append(self, job_call_id: str, events: Events) -> None:
         """Append events to the job's log in one round trip, in order. Never raises: a lost event
         must not fail the job (the records stay the truth)."""
 
-    def publish_then_append(
-        self, messages: list[tuple[str, Message]], events: list[tuple[str, list[tuple[str, dict[str, Any]]]]]
-    ) -> None:
+    def publish_then_append(self, messages: Pushes, events: JobsEvents) -> None:
         """Push ``messages`` ``(channel, message)``, then append ``events`` ``(job call_id, events)``
         to their jobs' logs: results reach their code before their watchers hear of them. Never
         raises (``publish`` and ``events_append`` say why)."""
         self._send(messages, events, events_first=False)
 
-    def append_then_publish(
-        self, events: list[tuple[str, list[tuple[str, dict[str, Any]]]]], messages: list[tuple[str, Message]]
-    ) -> None:
+    def append_then_publish(self, events: JobsEvents, messages: Pushes) -> None:
         """``publish_then_append`` the other way round: whoever a message wakes finds the events
         in the log already (a job's end, then its waiters). Never raises."""
         self._send(messages, events, events_first=True)
 
-    def _send(
-        self,
-        messages: list[tuple[str, Message]],
-        events: list[tuple[str, list[tuple[str, dict[str, Any]]]]],
-        *,
-        events_first: bool,
-    ) -> None:
+    def _send(self, messages: Pushes, events: JobsEvents, *, events_first: bool) -> None:
         if events_first:
             for job_call_id, job_events in events:
                 self.events_append(job_call_id, job_events)
@@ -500,7 +495,7 @@ class RedisBackplane(Backplane):
     def stream_key(job_call_id: str) -> str:
         return f"{settings.PTC_REDIS_PREFIX}ptc:events:{job_call_id}"
 
-    def events_append(self, job_call_id: str, events: list[tuple[str, dict[str, Any]]]) -> None:
+    def events_append(self, job_call_id: str, events: Events) -> None:
         if not events:
             return
         try:
@@ -510,13 +505,7 @@ class RedisBackplane(Backplane):
         except Exception:  # the records stay the truth; a reader rebuilds from them
             logger.warning("could not append events", extra={"job_id": job_call_id}, exc_info=True)
 
-    def _send(
-        self,
-        messages: list[tuple[str, Message]],
-        events: list[tuple[str, list[tuple[str, dict[str, Any]]]]],
-        *,
-        events_first: bool,
-    ) -> None:
+    def _send(self, messages: Pushes, events: JobsEvents, *, events_first: bool) -> None:
         # One round trip: Redis runs a pipeline's commands in order. A batch of a tools worker's
         # finished calls is one pipeline; so is a job's last event and its end.
         if not messages and not events:
@@ -533,7 +522,7 @@ class RedisBackplane(Backplane):
         except Exception:  # the records stay the truth: see publish and events_append
             logger.warning("could not publish %d messages and their events", len(messages), exc_info=True)
 
-    def _events_into(self, pipe: Any, events: list[tuple[str, list[tuple[str, dict[str, Any]]]]]) -> None:
+    def _events_into(self, pipe: Any, events: JobsEvents) -> None:
         """Add the commands that append ``events`` ``(job call_id, events)`` to ``pipe``."""
         for job_call_id, job_events in events:
             key = self.stream_key(job_call_id)
@@ -569,7 +558,7 @@ class LocalBackplane(Backplane):
     def _publish(self, channel: str, data: dict[str, Any]) -> None:
         _socket_publish(channel, data)
 
-    def events_append(self, job_call_id: str, events: list[tuple[str, dict[str, Any]]]) -> None:
+    def events_append(self, job_call_id: str, events: Events) -> None:
         if events:  # no log: readers rebuild from the records; wake them
             self.publish(job_channel(job_call_id), Changed())
 

@@ -20,7 +20,7 @@ from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.db import DatabaseError, connection
 
-from execution.backplane import RedisBackplane, backplane, job_channel
+from execution.backplane import Events, RedisBackplane, backplane, job_channel
 from execution.models import ExecJob, ToolCall
 from execution.selectors import exec_job_with_calls, tool_call_is_client
 from ptcproject.metrics import event_lag_observe
@@ -81,7 +81,7 @@ def event_publish(*, job_call_id: str, event: str, data: dict[str, Any]) -> None
     events_publish(job_call_id=job_call_id, events=[(event, data)])
 
 
-def events_publish(*, job_call_id: str, events: list[tuple[str, dict[str, Any]]]) -> None:
+def events_publish(*, job_call_id: str, events: Events) -> None:
     """Append events to the job's log in one round trip, in order. Never raises."""
     backplane().events_append(job_call_id, events)
 
@@ -89,7 +89,7 @@ def events_publish(*, job_call_id: str, events: list[tuple[str, dict[str, Any]]]
 def events_publish_by_job(events: list[tuple[str, tuple[str, dict[str, Any]]]]) -> None:
     """Append events ``(job call_id, event)`` of any jobs to their logs, each job's in order, all in
     one round trip. Events of no job (``""``: a standalone call's) are left out. Never raises."""
-    by_job: dict[str, list[tuple[str, dict[str, Any]]]] = {}
+    by_job: dict[str, Events] = {}
     for job_call_id, event in events:
         if job_call_id:
             by_job.setdefault(job_call_id, []).append(event)

@@ -140,7 +140,7 @@ def _guest_dir() -> Path:
             path = target / name
             path.parent.mkdir(exist_ok=True, mode=0o755)
             _write_whole(path, content)
-        _compile(target)
+        _compile(target, names=list(files))
         _write_whole(target / STAGED, b"")  # last: the stage is whole
     return target
 
@@ -155,7 +155,7 @@ def _write_whole(path: Path, content: bytes) -> None:
     os.rename(tmp, path)  # atomic
 
 
-def _compile(target: Path) -> None:
+def _compile(target: Path, *, names: list[str]) -> None:
     """Compile the staged modules to bytecode with the sandbox's own interpreter. A sandbox can
     write nothing there (and runs with -B), so it would otherwise compile them from source at every
     start: a third of its start's CPU. Without bytecode it still starts, only slower."""
@@ -165,7 +165,7 @@ def _compile(target: Path) -> None:
         logger.warning("could not compile the sandbox's runner; it starts from source: %s", compiled.stdout + compiled.stderr)
     # Readable by the sandbox's uid whatever the worker's umask. Only the bytecode folders and files
     # (not another stager's temporary files, which it renames meanwhile), and never through a link.
-    for folder in {(target / name).parent / "__pycache__" for name in _guest_files()[1]}:
+    for folder in {(target / name).parent / "__pycache__" for name in names}:
         for path in [folder, *folder.glob("*.pyc")]:
             try:
                 if not path.is_symlink():

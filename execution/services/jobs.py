@@ -629,20 +629,19 @@ def exec_job_submit(*, wait: float, **create: Any) -> tuple[ExecJob, End | None]
             subscription = backplane().subscribe(job_end_channel(call_id), confirmed=False)
         except Exception:  # no push to wait for; the job is shown as it is now
             logger.warning("cannot wait for a job: its channel is unreachable", exc_info=True)
-    waiting = subscription is not None
 
     def confirmed() -> None:
-        nonlocal waiting
+        nonlocal subscription
         try:
             if subscription is not None:
                 subscription.confirm()
-        except Exception:  # the job is queued regardless, and shown as it is now
+        except Exception:  # closed by confirm(); the job is queued regardless, and shown as it is now
             logger.warning("cannot wait for a job: its channel is unreachable", exc_info=True)
-            waiting = False
+            subscription = None
 
     with subscription or nullcontext():
         job = exec_job_create(call_id=call_id, before_enqueue=confirmed, **create)
-        return job, _job_end_await(subscription, job=job, seconds=wait) if subscription is not None and waiting else None
+        return job, _job_end_await(subscription, job=job, seconds=wait) if subscription is not None else None
 
 
 def _job_ended(job: ExecJob) -> str:
