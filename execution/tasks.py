@@ -38,9 +38,11 @@ logger = logging.getLogger("ptc.execution")
     retry_jitter=False,
     max_retries=settings.PTC_QUEUED_MAX_SECONDS // 5,
 )
-def run_exec(job_id: str) -> None:
-    # The node name routes a session's later jobs here, to its direct queue (<nodename>.dq2).
-    exec_job_run(job_id=job_id, worker=worker_name(), node=run_exec.request.hostname or "")
+def run_exec(job_id: str, call_id: str = "") -> None:
+    # The node name routes a session's later jobs here, to its direct queue (<nodename>.dq2). The
+    # warm pool's refill waits for the job's end, not to share the cores with it.
+    with warm_pool().busy():
+        exec_job_run(job_id=job_id, worker=worker_name(), node=run_exec.request.hostname or "", call_id=call_id)
 
 
 @shared_task(queue=queues.MAINTENANCE, acks_late=True)

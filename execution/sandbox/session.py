@@ -281,6 +281,9 @@ class Session:
             **self.extra,
         }
         self.outbox += encode(start)
+        # A cancel pushed since the job was claimed ends it here, before its code is sent.
+        for message in self.channel.drain():
+            self._on_channel(message)
         sel = selectors.DefaultSelector()
         assert proc.stdout is not None and proc.stderr is not None
         sel.register(sock, selectors.EVENT_READ | selectors.EVENT_WRITE, "bridge")

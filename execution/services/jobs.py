@@ -240,7 +240,7 @@ def _exec_job_enqueue(*, job: ExecJob, node: str = "", before: Callable[[], None
 
     try:
         with run_exec.app.producer_or_acquire() as producer:
-            task_publish(run_exec, producer, (str(job.pk),), queue=worker_direct(node).name if node else queues.EXEC)
+            task_publish(run_exec, producer, (str(job.pk), job.call_id), queue=worker_direct(node).name if node else queues.EXEC)
     except Exception as exc:  # the broker is unreachable even after Celery's own retries
         logger.warning("could not enqueue a job; withdrawn", extra={"job_id": str(job.pk)}, exc_info=True)
         withdrawn, _ = ExecJob.objects.filter(pk=job.pk, status=Status.QUEUED).delete()
@@ -253,32 +253,49 @@ def _exec_job_enqueue(*, job: ExecJob, node: str = "", before: Callable[[], None
         # It was taken after all: the message went out before the error.
 
 
-def exec_job_run(*, job_id: str, worker: str, node: str = "") -> None:
+def exec_job_run(*, job_id: str, worker: str, node: str = "", call_id: str = "") -> None:
     """Run a queued job in a sandbox to its end. A redelivered job that was running fails as WorkerLost.
 
-    Only the claim may raise (a database error: the task retries it). Whatever happens after the
-    claim, the job's end is recorded.
+    ``call_id`` is the job's (its message says it; one queued by an older web does not, and it is
+    read). Only reading it and the claim may raise (a database error: the task retries it).
+    Whatever happens after the claim, the job's end is recorded.
     """
-    job = _exec_job_claim(job_id=job_id, worker=worker)
-    if job is None:
-        # Running with a stale heartbeat means the worker that took it died and the broker
-        # redelivered it: the code may have had effects, so it is not run twice. A fresh heartbeat
-        # means its worker is alive, and this delivery is a duplicate to drop.
-        _exec_job_fail_if(
-            job_id=job_id,
-            status=Status.RUNNING,
-            kind="WorkerLost",
-            message="the worker running this job stopped; it was not run again",
-            stale=True,
-        )
-        return
+    call_id = call_id or ExecJob.objects.filter(pk=job_id).values_list("call_id", flat=True).first() or ""
+    if not call_id:
+        return  # no such job (purged): nothing to run
     try:
-        outcome = _exec_job_sandbox(job=job, node=node)
-    except Exception as exc:  # the job must end, never stay running
-        logger.exception("the job's run failed", extra={"job_id": job_id})
-        error = job_error("InternalError", f"the worker failed while running the job: {exc}")
-        outcome = Outcome(status="failed", error=error, key_made=True)  # whether it made one is not known: revoke
-    exec_job_finish(job_id=job_id, outcome=outcome, user=job.user)
+        # Subscribed before the claim, and confirmed while the job is claimed: a cancel can only be
+        # published once the claim is committed, after Redis was sent the SUBSCRIBE on its one
+        # connection. Should Redis still see the two out of order, the job's first heartbeat finds
+        # it cancelled.
+        channel: Subscription | None = backplane().subscribe(job_channel(call_id), confirmed=False)
+        unreachable = None
+    except Exception as exc:  # the job is still claimed, and ends saying why
+        channel, unreachable = None, exc
+    with channel or nullcontext():
+        job = _exec_job_claim(job_id=job_id, worker=worker)
+        if job is None:
+            # Running with a stale heartbeat means the worker that took it died and the broker
+            # redelivered it: the code may have had effects, so it is not run twice. A fresh heartbeat
+            # means its worker is alive, and this delivery is a duplicate to drop.
+            _exec_job_fail_if(
+                job_id=job_id,
+                status=Status.RUNNING,
+                kind="WorkerLost",
+                message="the worker running this job stopped; it was not run again",
+                stale=True,
+            )
+            return
+        try:
+            if channel is None:
+                raise RuntimeError(f"its channel is unreachable: {unreachable}")
+            channel.confirm()
+            outcome = _exec_job_sandbox(job=job, node=node, channel=channel)
+        except Exception as exc:  # the job must end, never stay running
+            logger.exception("the job's run failed", extra={"job_id": job_id})
+            error = job_error("InternalError", f"the worker failed while running the job: {exc}")
+            outcome = Outcome(status="failed", error=error, key_made=True)  # whether it made one is not known: revoke
+    exec_job_finish(job_id=job_id, outcome=outcome, user=job.user, sdk_hash=job.sdk_hash)
 
 
 @functools.cache
@@ -334,71 +351,64 @@ def _exec_job_claim(*, job_id: str, worker: str) -> ExecJob | None:
     return job
 
 
-def _exec_job_sandbox(*, job: ExecJob, node: str) -> Outcome:
+def _exec_job_sandbox(*, job: ExecJob, node: str, channel: Subscription) -> Outcome:
     """Run a claimed job's code in a sandbox (its session's, held by this worker, ``node``) and
-    return what happened."""
+    return what happened. ``channel``: the job's, subscribed before the claim; a cancel that
+    landed since is in it, and ends the job before its code is sent."""
     job_id = str(job.pk)
-    # Redis confirms the job's channel while the job is prepared; it is confirmed before the code runs.
-    with backplane().subscribe(job_channel(job.call_id), confirmed=False) as channel:
-        # Nothing has run yet: a database that drops meanwhile (a restart) is waited for, not the job's end.
-        prepared = db_retry(lambda: _exec_job_prepare(job=job), what="preparing a job", job_id=job_id)
-        if isinstance(prepared, Outcome):
-            return prepared
-        job, router, sdk_files = prepared
-        event_publish(job_call_id=job.call_id, event="exec_start", data=job_start_payload(job))
-        limits = Limits.from_dict(job.limits)
-        channel.confirm()
-        # A cancel that landed between the claim and the subscription would otherwise be missed:
-        # the SDK's hash is recorded only on a job still running.
-        running = ExecJob.objects.filter(pk=job.pk, status=Status.RUNNING)
-        if not db_retry(lambda: running.update(sdk_hash=job.sdk_hash), what="recording the job's SDK", job_id=job_id):
-            return Outcome(status="cancelled")
-        # Every job may bring files and gets back the files its code wrote (within the quota).
-        extra: dict[str, Any] = {
-            "files": job_inputs(job_id=job.pk) if job.has_inputs else {},  # type: ignore[attr-defined]  # set by the claim
-            "collect_files": {"max_bytes": settings.PTC_FILES_MAX_BYTES, "max_count": settings.PTC_FILES_MAX_COUNT},
-        }
-        live: LiveSession | None = None
-        sent: list[tuple[int, datetime]] = []
-        if job.session is not None:
-            taken = session_sandbox_take(session_id=job.session.pk, node=node)
-            if isinstance(taken, Outcome):
-                return taken
-            live = taken
-            uploads, sent = session_job_inputs(session_id=job.session.pk)
-            extra.update(session=True, limits=session_guest_limits(session=job.session))
-            extra["files"] = {**uploads, **extra["files"]}
-            if live.sdk_hash == job.sdk_hash:
-                sdk_files = {}  # its sandbox has this SDK from an earlier job
-        session = Session(
-            code=job.code,
-            limits=limits,
-            sdk_files=sdk_files,
-            router=router,
-            channel=channel,
-            heartbeat=lambda: _exec_job_heartbeat(job_id=job.pk),
-            heartbeat_every=settings.PTC_JOB_HEARTBEAT_SECONDS,
-            max_frame=settings.PTC_MAX_FRAME_BYTES,
-            max_buffered=settings.PTC_MAX_BUFFERED_BYTES,
-            job_info={"call_id": job.call_id},
-            make_key=lambda: _exec_job_key(job=job),
-            on_output=lambda stream, text: event_publish(job_call_id=job.call_id, event=stream, data={"text": text}),
-            sandbox=live.sandbox if live is not None else None,
-            keep=live is not None,
-            extra=extra,
-            max_files_bytes=settings.PTC_FILES_MAX_BYTES,
-        )
-        try:
-            outcome = session.run()
-        except SandboxUnavailable as exc:
-            logger.error("this host cannot run sandboxes: %s", exc, extra={"job_id": job_id})
-            outcome = Outcome(status="failed", error=job_error("SandboxCrashed", str(exc)), key_made=session.key_asked)
-        except Exception as exc:  # the worker survives anything a sandbox does; the job records it
-            logger.exception("sandbox failed", extra={"job_id": job_id})
-            outcome = Outcome(status="failed", error=job_error("SandboxCrashed", str(exc)), key_made=session.key_asked)
-        finally:
-            if live is not None and job.session is not None:
-                session_sandbox_release(session_id=job.session.pk, live=live, kept=session.kept, sdk_hash=job.sdk_hash)
+    # Nothing has run yet: a database that drops meanwhile (a restart) is waited for, not the job's end.
+    prepared = db_retry(lambda: _exec_job_prepare(job=job), what="preparing a job", job_id=job_id)
+    if isinstance(prepared, Outcome):
+        return prepared
+    job, router, sdk_files = prepared
+    event_publish(job_call_id=job.call_id, event="exec_start", data=job_start_payload(job))
+    limits = Limits.from_dict(job.limits)
+    # Every job may bring files and gets back the files its code wrote (within the quota).
+    extra: dict[str, Any] = {
+        "files": job_inputs(job_id=job.pk) if job.has_inputs else {},  # type: ignore[attr-defined]  # set by the claim
+        "collect_files": {"max_bytes": settings.PTC_FILES_MAX_BYTES, "max_count": settings.PTC_FILES_MAX_COUNT},
+    }
+    live: LiveSession | None = None
+    sent: list[tuple[int, datetime]] = []
+    if job.session is not None:
+        taken = session_sandbox_take(session_id=job.session.pk, node=node)
+        if isinstance(taken, Outcome):
+            return taken
+        live = taken
+        uploads, sent = session_job_inputs(session_id=job.session.pk)
+        extra.update(session=True, limits=session_guest_limits(session=job.session))
+        extra["files"] = {**uploads, **extra["files"]}
+        if live.sdk_hash == job.sdk_hash:
+            sdk_files = {}  # its sandbox has this SDK from an earlier job
+    session = Session(
+        code=job.code,
+        limits=limits,
+        sdk_files=sdk_files,
+        router=router,
+        channel=channel,
+        heartbeat=lambda: _exec_job_heartbeat(job_id=job.pk),
+        heartbeat_every=settings.PTC_JOB_HEARTBEAT_SECONDS,
+        max_frame=settings.PTC_MAX_FRAME_BYTES,
+        max_buffered=settings.PTC_MAX_BUFFERED_BYTES,
+        job_info={"call_id": job.call_id},
+        make_key=lambda: _exec_job_key(job=job),
+        on_output=lambda stream, text: event_publish(job_call_id=job.call_id, event=stream, data={"text": text}),
+        sandbox=live.sandbox if live is not None else None,
+        keep=live is not None,
+        extra=extra,
+        max_files_bytes=settings.PTC_FILES_MAX_BYTES,
+    )
+    try:
+        outcome = session.run()
+    except SandboxUnavailable as exc:
+        logger.error("this host cannot run sandboxes: %s", exc, extra={"job_id": job_id})
+        outcome = Outcome(status="failed", error=job_error("SandboxCrashed", str(exc)), key_made=session.key_asked)
+    except Exception as exc:  # the worker survives anything a sandbox does; the job records it
+        logger.exception("sandbox failed", extra={"job_id": job_id})
+        outcome = Outcome(status="failed", error=job_error("SandboxCrashed", str(exc)), key_made=session.key_asked)
+    finally:
+        if live is not None and job.session is not None:
+            session_sandbox_release(session_id=job.session.pk, live=live, kept=session.kept, sdk_hash=job.sdk_hash)
     if live is not None and live.ended and outcome.status != "cancelled":
         outcome.status = "failed"
         outcome.error = job_error("SessionEnded", f"the session ended while the job ran: {live.ended}")
@@ -444,7 +454,7 @@ def _exec_job_prepare(*, job: ExecJob) -> "tuple[ExecJob, JobCallRouter, dict[st
     if size > SDK_MB << 20:
         message = f"the SDK of the job's toolsets is {size} bytes; a sandbox takes at most {SDK_MB} MiB: grant fewer toolsets"
         return Outcome(status="failed", error=job_error("ResourceLimit", message))
-    job.sdk_hash = sdk.hash  # recorded once subscribed to the job's channel (_exec_job_sandbox)
+    job.sdk_hash = sdk.hash  # recorded with the job's end (exec_job_finish)
     router = JobCallRouter(job=job, toolsets=toolsets, direct_only=direct_only, extra=extra, policy=policy)
     return job, router, files
 
@@ -475,9 +485,10 @@ def _exec_job_heartbeat(*, job_id: Any) -> bool:
         return True
 
 
-def exec_job_finish(*, job_id: Any, outcome: Outcome, user: User | None = None) -> None:
+def exec_job_finish(*, job_id: Any, outcome: Outcome, user: User | None = None, sdk_hash: str = "") -> None:
     """Record the outcome of a running job, close it and announce its end. A cancelled job stays
-    cancelled, with what the code printed. ``user``: the job's, if the caller has it at hand.
+    cancelled, with what the code printed and the ``sdk_hash`` of the SDK it ran with (if it got
+    that far). ``user``: the job's, if the caller has it at hand.
 
     While the database is unreachable it retries (PTC_DB_RETRY_SECONDS); a value it cannot store
     ends the job failed with a short error. If the database stays away longer, the job's lease
@@ -493,6 +504,7 @@ def exec_job_finish(*, job_id: Any, outcome: Outcome, user: User | None = None) 
         "stdout_truncated": outcome.stdout_truncated,
         "stderr_truncated": outcome.stderr_truncated,
         "timings": outcome.timings,
+        **({"sdk_hash": sdk_hash} if sdk_hash else {}),
     }
     result = {"status": outcome.status, "return_value": storable(outcome.return_value), "error": storable(outcome.error)}
 

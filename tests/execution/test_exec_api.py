@@ -191,3 +191,36 @@ def test_list_is_newest_first_and_filters_by_status(api: Api) -> None:
     assert [j["id"] for j in only_failed] == [failed["id"]]
     assert failed["error"]["type"] == "ZeroDivisionError"
     assert "line 1" in failed["error"]["traceback"]
+
+
+def test_a_cancel_just_after_the_claim_ends_the_job_before_its_code_runs(api: Api, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    # In this process, on the live database and Redis: the job is cancelled while its worker
+    # prepares it, after its claim. The cancel's push is waiting on the job's channel when the
+    # sandbox is handed the job, and no code is sent.
+    from django.contrib.auth import get_user_model
+
+    from execution.models import ExecJob
+    from execution.services import jobs
+
+    user = get_user_model().objects.get(username=api.username)
+    policy = jobs.policy_get()
+    job = ExecJob.objects.create(
+        user=user,
+        code="print('ran', flush=True)\nimport time\ntime.sleep(5)",
+        toolsets=["demo"],
+        timeout_seconds=30,
+        limits=jobs.job_limits(policy=policy, timeout=30).as_dict(),
+    )
+    prepare = jobs._exec_job_prepare
+
+    def cancelled_then_prepared(*, job: ExecJob) -> object:
+        assert jobs.exec_job_cancel(job=ExecJob.objects.get(pk=job.pk)).status == "cancelled"
+        return prepare(job=job)
+
+    monkeypatch.setattr(jobs, "_exec_job_prepare", cancelled_then_prepared)
+    started = time.monotonic()
+    jobs.exec_job_run(job_id=str(job.pk), worker="test", call_id=job.call_id)
+    assert time.monotonic() - started < 4  # not run to its end, nor found cancelled by a heartbeat
+    job.refresh_from_db()
+    assert (job.status, job.stdout) == ("cancelled", "")
+    assert job.sdk_hash and len(job.sdk_hash) == 64  # the SDK it was prepared with is kept
