@@ -268,11 +268,10 @@ def exec_job_run(*, job_id: str, worker: str, node: str = "", call_id: str = "")
         # published once the claim is committed, after Redis was sent the SUBSCRIBE on its one
         # connection. Should Redis still see the two out of order, the job's first heartbeat finds
         # it cancelled.
-        channel: Subscription | None = backplane().subscribe(job_channel(call_id), confirmed=False)
-        unreachable = None
+        channel: Subscription | Exception = backplane().subscribe(job_channel(call_id), confirmed=False)
     except Exception as exc:  # the job is still claimed, and ends saying why
-        channel, unreachable = None, exc
-    with channel or nullcontext():
+        channel = exc
+    with channel if isinstance(channel, Subscription) else nullcontext():
         job = _exec_job_claim(job_id=job_id, worker=worker)
         if job is None:
             # Running with a stale heartbeat means the worker that took it died and the broker
@@ -287,8 +286,8 @@ def exec_job_run(*, job_id: str, worker: str, node: str = "", call_id: str = "")
             )
             return
         try:
-            if channel is None:
-                raise RuntimeError(f"its channel is unreachable: {unreachable}")
+            if isinstance(channel, Exception):
+                raise RuntimeError(f"its channel is unreachable: {channel}")
             channel.confirm()
             outcome = _exec_job_sandbox(job=job, node=node, channel=channel)
         except Exception as exc:  # the job must end, never stay running
