@@ -146,16 +146,22 @@ class Subscription:
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         self._closed = threading.Event()
+        # A reader thread's put and the owner's close: a put after the close would write to a
+        # closed pipe's number, which the process may have given to another file since.
+        self._lock = threading.Lock()
 
     def fileno(self) -> int:
         return self._wake_r
 
     def _put(self, message: Message) -> None:
-        self._queue.put(message)
-        try:
-            os.write(self._wake_w, b"\0")
-        except OSError:
-            pass
+        with self._lock:
+            if self._closed.is_set():
+                return
+            self._queue.put(message)
+            try:
+                os.write(self._wake_w, b"\0")
+            except OSError:
+                pass
 
     def drain(self) -> list[Message]:
         """Return every queued message without blocking."""
@@ -180,11 +186,13 @@ class Subscription:
         it can't be (the subscription is then closed)."""
 
     def close(self) -> None:
-        if not self._closed.is_set():
+        with self._lock:
+            if self._closed.is_set():
+                return
             self._closed.set()
-            self._stop()
             os.close(self._wake_r)
             os.close(self._wake_w)
+        self._stop()
 
     def _stop(self) -> None:
         raise NotImplementedError
