@@ -96,9 +96,9 @@ elif DATABASES["default"]["ENGINE"] == "django.db.backends.postgresql":
     # string in Python. A statement run PTC_DB_PREPARE_AFTER times on a connection is prepared
     # there, so PostgreSQL stops parsing and planning it (Django turns this off by default):
     # a job's claim went from 0.84 to 0.47 ms. 0 turns it off, for a pooler that can't keep
-    # prepared statements (PgBouncer in transaction mode before 1.21).
+    # prepared statements (PgBouncer before 1.22, or without max_prepared_statements).
     DATABASES["default"].setdefault("OPTIONS", {})["server_side_binding"] = True
-    DATABASES["default"]["OPTIONS"]["prepare_threshold"] = env.int("PTC_DB_PREPARE_AFTER", default=5) or None
+    DATABASES["default"]["OPTIONS"]["prepare_threshold"] = max(0, env.int("PTC_DB_PREPARE_AFTER", default=5)) or None
     # A server that is down or unreachable is known within seconds, not after the OS's TCP timeout.
     DATABASES["default"]["OPTIONS"]["connect_timeout"] = env.int("PTC_DB_CONNECT_TIMEOUT", default=2)
     DATABASES["default"]["OPTIONS"]["pool"] = {

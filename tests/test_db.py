@@ -2,6 +2,7 @@
 one that sat in the pool a while: after a restart that one is replaced, not given to a query."""
 
 import time
+import uuid
 
 import psycopg
 import pytest
@@ -32,3 +33,22 @@ def test_a_connection_idle_a_while_is_checked_a_recent_one_is_trusted(django_db_
             pgcheck.check_unless_recent(conn)
     finally:
         conn.close()
+
+
+def test_a_prepared_statement_survives_a_migration_that_changes_its_columns(django_db_setup: str) -> None:
+    # A rolling deploy migrates while workers run: their prepared statements must not fail for as
+    # long as their pooled connections live.
+    table = f"scratch_{uuid.uuid4().hex[:8]}"
+    with connection.cursor() as cursor:
+        cursor.execute(f"CREATE TABLE {table} (id int, title varchar(10))")
+        try:
+            cursor.execute(f"INSERT INTO {table} VALUES (1, 'a')")
+            for _ in range(8):  # past the threshold: prepared on this connection
+                cursor.execute(f"SELECT id, title FROM {table} WHERE id = %s", [1])
+            assert cursor.connection.info.transaction_status.name == "IDLE"
+            with psycopg.connect(django_db_setup, autocommit=True) as admin:  # another process's migration
+                admin.execute(f"ALTER TABLE {table} ALTER COLUMN title TYPE varchar(200)")
+            cursor.execute(f"SELECT id, title FROM {table} WHERE id = %s", [1])
+            assert cursor.fetchall() == [(1, "a")]
+        finally:
+            cursor.execute(f"DROP TABLE {table}")

@@ -1,4 +1,5 @@
-"""Django's PostgreSQL backend, with the pool checking connections as ``ptcproject.pgcheck`` says.
+"""Django's PostgreSQL backend, with the pool checking connections as ``ptcproject.pgcheck`` says,
+and statements prepared where a migration may change what they return.
 
 Django builds the psycopg pool itself and always passes it its own ``check`` (a round trip on every
 checkout with CONN_HEALTH_CHECKS, none at all without); this backend swaps in ours.
@@ -6,9 +7,36 @@ checkout with CONN_HEALTH_CHECKS, none at all without); this backend swaps in ou
 
 from typing import Any
 
+import psycopg
 from django.db.backends.postgresql.base import DatabaseWrapper as PostgresWrapper
+from django.db.backends.postgresql.base import ServerBindingCursor
+from psycopg import errors, pq
 
 from ptcproject.pgcheck import check_unless_recent
+
+# What PostgreSQL says when a prepared statement's columns changed type under it (a migration
+# altered a column): the statement fails on that connection until it is deallocated.
+_STALE_PLAN = "cached plan must not change result type"
+
+
+class PreparedCursor(ServerBindingCursor):
+    """Django's server-binding cursor, whose statements PostgreSQL prepares after a few runs
+    (``prepare_threshold``). Should a migration change the type of a column one returns, that
+    statement would fail on its connection for as long as the connection lives. Outside a
+    transaction, it is run again once the connection's prepared statements are dropped (psycopg
+    forgets its own on ``DEALLOCATE ALL``); inside one, the error stands, and the rollback that
+    follows drops them."""
+
+    # django-stubs declare Django's cursor classes empty: psycopg's Cursor is underneath.
+    def execute(self, query: Any, params: Any = None, **kwargs: Any) -> Any:
+        try:
+            return super().execute(query, params, **kwargs)  # type: ignore[misc]
+        except errors.FeatureNotSupported as exc:
+            connection: psycopg.Connection[Any] = self.connection  # type: ignore[attr-defined]
+            if _STALE_PLAN not in str(exc) or connection.info.transaction_status != pq.TransactionStatus.IDLE:
+                raise
+            connection.execute("DEALLOCATE ALL")
+            return super().execute(query, params, **kwargs)  # type: ignore[misc]
 
 
 class DatabaseWrapper(PostgresWrapper):
@@ -18,3 +46,9 @@ class DatabaseWrapper(PostgresWrapper):
         if pool is not None and pool._check is not check_unless_recent:
             pool._check = check_unless_recent  # where psycopg_pool keeps it; tests/test_db.py checks it is used
         return pool
+
+    def get_connection_params(self) -> dict[str, Any]:
+        params = super().get_connection_params()
+        if params.get("cursor_factory") is ServerBindingCursor:
+            params["cursor_factory"] = PreparedCursor
+        return params
