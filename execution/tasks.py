@@ -15,7 +15,7 @@ from django.db import InterfaceError, OperationalError
 from execution.sandbox import process
 from execution.sandbox.pool import warm_pool
 from execution.services.calls import tool_call_abort, tool_call_execute, tool_calls_heartbeat
-from execution.services.jobs import exec_job_run, exec_jobs_reap, worker_name
+from execution.services.jobs import CALL_ID_HEADER, exec_job_run, exec_jobs_reap, worker_name
 from execution.services.retention import exec_jobs_purge
 from execution.services.sessions import exec_sessions_heartbeat, exec_sessions_shutdown
 from ptcproject import metrics, queues
@@ -38,10 +38,11 @@ logger = logging.getLogger("ptc.execution")
     retry_jitter=False,
     max_retries=settings.PTC_QUEUED_MAX_SECONDS // 5,
 )
-def run_exec(job_id: str, call_id: str = "") -> None:
+def run_exec(job_id: str) -> None:
     # The node name routes a session's later jobs here, to its direct queue (<nodename>.dq2). The
     # warm pool's refill waits for the job's end, not to share the cores with it.
     with warm_pool().busy():
+        call_id = (run_exec.request.headers or {}).get(CALL_ID_HEADER, "")
         exec_job_run(job_id=job_id, worker=worker_name(), node=run_exec.request.hostname or "", call_id=call_id)
 
 

@@ -53,12 +53,23 @@ def _fit_worker_to_queue(conf: Any = None, options: dict[str, Any] | None = None
         conf.worker_send_task_events = False
 
 
-def task_publish(task: Any, producer: Any, args: tuple[Any, ...], *, queue: str, retry: bool = True, argsrepr: str = "") -> None:
+def task_publish(
+    task: Any,
+    producer: Any,
+    args: tuple[Any, ...],
+    *,
+    queue: str,
+    retry: bool = True,
+    argsrepr: str = "",
+    headers: dict[str, str] | None = None,
+) -> None:
     """Publish ``task(*args)`` to the queue named ``queue``: Celery's own task message (protocol 2,
     from ``create_task_message``) straight to the queue, as ``apply_async`` sends a task to a
     direct queue. Without ``apply_async``'s option merging, router and per-message queue
     declaration (the workers declare their queues), which were half the CPU of each enqueue.
-    ``argsrepr`` is what the worker's log shows of the arguments (by default, all of them).
+    ``argsrepr`` is what the worker's log shows of the arguments (by default, all of them);
+    ``headers`` go with Celery's (the task reads them in ``request.headers``; a worker that does
+    not know one ignores it, where an argument it does not take would fail the task).
     Celery's publish signals are not sent: nothing of ours listens to them."""
     message = task.app.amqp.create_task_message(
         uuid.uuid4().hex, task.name, args, {}, ignore_result=True, argsrepr=argsrepr or repr(args), kwargsrepr="{}"
@@ -67,7 +78,7 @@ def task_publish(task: Any, producer: Any, args: tuple[Any, ...], *, queue: str,
         message.body,
         exchange="",
         routing_key=queue,
-        headers=message.headers,
+        headers={**message.headers, **(headers or {})},
         serializer="json",
         retry=retry,
         retry_policy=task.app.conf.task_publish_retry_policy,

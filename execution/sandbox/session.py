@@ -281,7 +281,7 @@ class Session:
             **self.extra,
         }
         self.outbox += encode(start)
-        # A cancel pushed since the job was claimed ends it here, before its code is sent.
+        # A cancel pushed since the job was last checked ends it here, before its code is sent.
         for message in self.channel.drain():
             self._on_channel(message)
         sel = selectors.DefaultSelector()
@@ -609,7 +609,11 @@ class Session:
         elif isinstance(message, Cancel):
             self._end("cancelled", "Cancelled", "the job was cancelled")
         elif isinstance(message, Resync):
-            # The channel reconnected: results pushed while it was down are lost; the records are not.
+            # The channel reconnected: a cancel or results pushed while it was down are lost; the
+            # records are not.
+            if not self.heartbeat():
+                self._end("cancelled", "Cancelled", "the job was ended while it ran")
+                return
             for call_id in list(self.in_flight):
                 reply = self.router.lookup(call_id=call_id)
                 if reply is not None:

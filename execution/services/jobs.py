@@ -69,6 +69,8 @@ from tools.selectors import toolset_keys_for_ptc, toolset_keys_named, toolsets_r
 
 logger = logging.getLogger("ptc.execution")
 Status = ExecJob.Status
+# The header of a job's message that names its call_id: its worker subscribes to its channel first.
+CALL_ID_HEADER = "ptc_call_id"
 # A job's end pushes the job with it to its waiters up to this size; above it, they read the record.
 END_PUSH_MAX_BYTES = 256 << 10
 
@@ -240,7 +242,8 @@ def _exec_job_enqueue(*, job: ExecJob, node: str = "", before: Callable[[], None
 
     try:
         with run_exec.app.producer_or_acquire() as producer:
-            task_publish(run_exec, producer, (str(job.pk), job.call_id), queue=worker_direct(node).name if node else queues.EXEC)
+            queue = worker_direct(node).name if node else queues.EXEC
+            task_publish(run_exec, producer, (str(job.pk),), queue=queue, headers={CALL_ID_HEADER: job.call_id})
     except Exception as exc:  # the broker is unreachable even after Celery's own retries
         logger.warning("could not enqueue a job; withdrawn", extra={"job_id": str(job.pk)}, exc_info=True)
         withdrawn, _ = ExecJob.objects.filter(pk=job.pk, status=Status.QUEUED).delete()
@@ -256,13 +259,15 @@ def _exec_job_enqueue(*, job: ExecJob, node: str = "", before: Callable[[], None
 def exec_job_run(*, job_id: str, worker: str, node: str = "", call_id: str = "") -> None:
     """Run a queued job in a sandbox to its end. A redelivered job that was running fails as WorkerLost.
 
-    ``call_id`` is the job's (its message says it; one queued by an older web does not, and it is
-    read). Only reading it and the claim may raise (a database error: the task retries it).
-    Whatever happens after the claim, the job's end is recorded.
+    ``call_id`` is the job's (its message's ``CALL_ID_HEADER``; one queued by an older web has
+    none, and it is read). Only the reads and writes of the job before its claim, and the claim, may raise (a
+    database error: the task retries it). Whatever happens after the claim, the job's end is recorded.
     """
-    call_id = call_id or ExecJob.objects.filter(pk=job_id).values_list("call_id", flat=True).first() or ""
     if not call_id:
-        return  # no such job (purged): nothing to run
+        logger.info("the job's message does not name its call_id (an older web sent it): read", extra={"job_id": job_id})
+        call_id = ExecJob.objects.filter(pk=job_id).values_list("call_id", flat=True).first() or ""
+        if not call_id:
+            return  # no such job (deleted): nothing to run
     try:
         # Subscribed before the claim, and confirmed while the job is claimed: a cancel can only be
         # published once the claim is committed, after Redis was sent the SUBSCRIBE on its one
@@ -362,6 +367,11 @@ def _exec_job_sandbox(*, job: ExecJob, node: str, channel: Subscription) -> Outc
     job, router, sdk_files = prepared
     event_publish(job_call_id=job.call_id, event="exec_start", data=job_start_payload(job))
     limits = Limits.from_dict(job.limits)
+    # Cancelled since its claim: no sandbox is taken for it (a session's would be lost with it).
+    # After a reconnect, a cancel pushed meanwhile is lost: the record says.
+    for message in channel.drain():
+        if isinstance(message, Cancel) or (isinstance(message, Resync) and not _exec_job_heartbeat(job_id=job.pk)):
+            return Outcome(status="cancelled")
     # Every job may bring files and gets back the files its code wrote (within the quota).
     extra: dict[str, Any] = {
         "files": job_inputs(job_id=job.pk) if job.has_inputs else {},  # type: ignore[attr-defined]  # set by the claim

@@ -2,7 +2,7 @@
 
 import time
 
-from tests.conftest import Api
+from tests.conftest import REDIS_PREFIX, Api
 
 
 def test_stdout_and_return_value(api: Api) -> None:
@@ -193,34 +193,93 @@ def test_list_is_newest_first_and_filters_by_status(api: Api) -> None:
     assert "line 1" in failed["error"]["traceback"]
 
 
-def test_a_cancel_just_after_the_claim_ends_the_job_before_its_code_runs(api: Api, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    # In this process, on the live database and Redis: the job is cancelled while its worker
-    # prepares it, after its claim. The cancel's push is waiting on the job's channel when the
-    # sandbox is handed the job, and no code is sent.
+def _queued_job(api: Api, code: str):  # type: ignore[no-untyped-def]
     from django.contrib.auth import get_user_model
 
     from execution.models import ExecJob
     from execution.services import jobs
 
     user = get_user_model().objects.get(username=api.username)
-    policy = jobs.policy_get()
-    job = ExecJob.objects.create(
-        user=user,
-        code="print('ran', flush=True)\nimport time\ntime.sleep(5)",
-        toolsets=["demo"],
-        timeout_seconds=30,
-        limits=jobs.job_limits(policy=policy, timeout=30).as_dict(),
-    )
+    limits = jobs.job_limits(policy=jobs.policy_get(), timeout=30).as_dict()
+    return ExecJob.objects.create(user=user, code=code, toolsets=["demo"], timeout_seconds=30, limits=limits)
+
+
+SLOW = "print('ran', flush=True)\nimport time\ntime.sleep(5)"
+
+
+def test_a_cancel_after_the_claim_takes_no_sandbox(api: Api, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    # In this process, on the live database and Redis: the job is cancelled while its worker
+    # prepares it. The cancel's push is on the job's channel before a sandbox is taken for it (a
+    # session's sandbox would be lost with it).
+    from execution.models import ExecJob
+    from execution.sandbox.session import Session
+    from execution.services import jobs
+
+    job = _queued_job(api, SLOW)
     prepare = jobs._exec_job_prepare
 
     def cancelled_then_prepared(*, job: ExecJob) -> object:
         assert jobs.exec_job_cancel(job=ExecJob.objects.get(pk=job.pk)).status == "cancelled"
         return prepare(job=job)
 
+    runs: list[Session] = []
     monkeypatch.setattr(jobs, "_exec_job_prepare", cancelled_then_prepared)
+    monkeypatch.setattr(Session, "run", lambda self: runs.append(self))
+    jobs.exec_job_run(job_id=str(job.pk), worker="test", call_id=job.call_id)
+    job.refresh_from_db()
+    assert (job.status, job.stdout, runs) == ("cancelled", "", [])
+    assert job.sdk_hash and len(job.sdk_hash) == 64  # the SDK it was prepared with is kept
+
+
+def test_a_cancel_as_the_sandbox_is_handed_the_job_sends_no_code(api: Api, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    # The cancel lands after that check, as the sandbox is taken: its push is drained before the
+    # job's first frame, code included, is written to the sandbox.
+    from execution.models import ExecJob
+    from execution.sandbox.session import Session
+    from execution.services import jobs
+
+    job = _queued_job(api, SLOW)
+    run, flush = Session.run, Session._flush
+    flushed: list[int] = []
+
+    def cancelled_then_run(self: Session):  # type: ignore[no-untyped-def]
+        assert jobs.exec_job_cancel(job=ExecJob.objects.get(pk=job.pk)).status == "cancelled"
+        time.sleep(0.5)  # its push reaches the channel
+        return run(self)
+
+    monkeypatch.setattr(Session, "run", cancelled_then_run)
+    monkeypatch.setattr(Session, "_flush", lambda self, sock: flushed.append(len(self.outbox)) or flush(self, sock))
     started = time.monotonic()
     jobs.exec_job_run(job_id=str(job.pk), worker="test", call_id=job.call_id)
     assert time.monotonic() - started < 4  # not run to its end, nor found cancelled by a heartbeat
     job.refresh_from_db()
-    assert (job.status, job.stdout) == ("cancelled", "")
-    assert job.sdk_hash and len(job.sdk_hash) == 64  # the SDK it was prepared with is kept
+    assert (job.status, job.stdout, flushed) == ("cancelled", "", [])
+
+
+def test_a_job_whose_message_does_not_name_its_call_id_still_runs(stack, api: Api) -> None:  # type: ignore[no-untyped-def]
+    # An older web queues a job's id alone; this one names its call_id in a header, so its worker
+    # subscribes to the job's channel without reading the job first.
+    from django.contrib.auth import get_user_model
+
+    from execution.models import ExecJob
+    from execution.services import jobs
+    from execution.tasks import run_exec
+    from ptcproject import queues
+    from ptcproject.celery import task_publish
+
+    user = get_user_model().objects.get(username=api.username)
+    limits = jobs.job_limits(policy=jobs.policy_get(), timeout=30).as_dict()
+    old = ExecJob.objects.create(user=user, code="6 * 7", toolsets=["demo"], timeout_seconds=30, limits=limits)
+    # To the stack's queue (its keys are under its own prefix).
+    with run_exec.app.connection_for_write(transport_options={"global_keyprefix": REDIS_PREFIX}) as connection:
+        task_publish(run_exec, connection.Producer(), (str(old.pk),), queue=queues.EXEC)
+    deadline = time.monotonic() + 30
+    while (old := ExecJob.objects.get(pk=old.pk)).status in ("queued", "running"):
+        assert time.monotonic() < deadline, old.status
+        time.sleep(0.1)
+    assert (old.status, old.return_value) == ("completed", 42)
+    new = api.run("6 * 7", toolsets=["demo"])
+    assert new["return_value"] == 42
+    read = [line for line in stack.exec_worker.log.read_text().splitlines() if "does not name its call_id" in line]
+    assert any(str(old.pk) in line for line in read)
+    assert not any(new["id"] in line for line in read)
