@@ -162,8 +162,6 @@ def job_start_payload(job: ExecJob) -> dict[str, Any]:
         "status": "running",
         "title": job.title,
         "toolsets": job.toolsets,
-        # The SDK it runs with: on the job's record from its end (GET shows "" while it runs).
-        "sdk_hash": job.sdk_hash,
         "started_at": job.started_at.isoformat() if job.started_at else None,
     }
 

@@ -63,7 +63,6 @@ def _order(event_id: str) -> tuple[int, int]:
 def _check_sequence(events: list[dict[str, Any]], job: dict[str, Any], with_output: bool) -> None:
     names = [e["event"] for e in events]
     assert names[0] == "exec_start" and names[-1] == "exec_end"
-    assert events[0]["data"]["sdk_hash"] == job["sdk_hash"] and len(job["sdk_hash"]) == 64  # live, before the job's end
     assert [_order(e["id"]) for e in events] == sorted({_order(e["id"]) for e in events})  # increasing, unique
     calls = [e for e in events if e["event"].startswith("tool_call")]
     assert all(e["data"]["ptc"] is True for e in calls)
