@@ -507,13 +507,14 @@ def exec_job_finish(*, job_id: Any, outcome: Outcome, user: User | None = None, 
         outcome.status, outcome.return_value = "failed", None
         outcome.error = job_error("ResourceLimit", f"the return value nests deeper than {MAX_JSON_DEPTH} levels")
     now = timezone.now()
+    sdk = {"sdk_hash": sdk_hash} if sdk_hash else {}
     output = {
         "stdout": storable(outcome.stdout),
         "stderr": storable(outcome.stderr),
         "stdout_truncated": outcome.stdout_truncated,
         "stderr_truncated": outcome.stderr_truncated,
         "timings": outcome.timings,
-        **({"sdk_hash": sdk_hash} if sdk_hash else {}),
+        **sdk,
     }
     result = {"status": outcome.status, "return_value": storable(outcome.return_value), "error": storable(outcome.error)}
 
@@ -532,7 +533,7 @@ def exec_job_finish(*, job_id: Any, outcome: Outcome, user: User | None = None, 
         except DatabaseError:  # the value itself can't be stored: the job still ends, and says why
             logger.exception("could not store a job's outcome", extra={"job_id": str(job_id)})
             error = job_error("InternalError", "the job's output could not be stored")
-            values = {"status": Status.FAILED, "error": error, "finished_at": now}
+            values = {"status": Status.FAILED, "error": error, "finished_at": now, **sdk}
             stored = rows.update_returning(ExecJob, pk=job_id, status=Status.RUNNING, values=values)
         if stored is not None and user is not None:
             stored.user = user
