@@ -8,8 +8,10 @@ background. Nothing passes between jobs: a sandbox is never given a second job, 
 not taken is killed with its worker.
 
 A start takes a core for tens of milliseconds, and on a small host it would share the cores with
-the very job that took the sandbox. So while a job runs (``busy``), the pool refills only once it
-is empty or after ``REFILL_DEFER_SECONDS``; otherwise the refill waits for the job's end.
+the very job that took the sandbox. So while a lone job runs (``busy``), the pool refills only
+once it is empty or after ``REFILL_DEFER_SECONDS``; otherwise the refill waits for the job's end.
+With several jobs running the cores are shared anyway, and a deferred refill only made the next
+job more likely to find the pool empty and start its sandbox itself (README, Benchmarks).
 
 One long-lived thread starts them: bubblewrap's ``--die-with-parent`` is tied to the *thread*
 that forked it (SANDBOX-NOTES.md), so a warm sandbox must not be started by a thread that ends.
@@ -31,7 +33,7 @@ from execution.sandbox import process
 logger = logging.getLogger("ptc.sandbox")
 # After a failed start (a host that can't run sandboxes), wait this long before the next try.
 RETRY_SECONDS = 5.0
-# While a job runs, a pool that still has a sandbox ready waits at most this long to refill.
+# While a lone job runs, a pool that still has a sandbox ready waits at most this long to refill.
 REFILL_DEFER_SECONDS = 0.25
 
 
@@ -183,7 +185,7 @@ class WarmPool:
         None until notified."""
         if len(self._ready) >= self.size:
             return None
-        if not self._ready or not self._busy or self._short_since is None:
+        if not self._ready or self._busy != 1 or self._short_since is None:
             return 0
         return max(0.0, self._short_since + REFILL_DEFER_SECONDS - time.monotonic())
 
