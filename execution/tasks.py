@@ -39,8 +39,8 @@ logger = logging.getLogger("ptc.execution")
     max_retries=settings.PTC_QUEUED_MAX_SECONDS // 5,
 )
 def run_exec(job_id: str) -> None:
-    # The node name routes a session's later jobs here, to its direct queue (<nodename>.dq2). The
-    # warm pool's refill waits for the job's end, not to share the cores with it.
+    # The node name routes a session's later jobs here, to its direct queue (<nodename>.dq2). While
+    # it is the worker's only job, the warm pool's refill waits for its end (execution/sandbox/pool.py).
     with warm_pool().busy():
         call_id = (run_exec.request.headers or {}).get(CALL_ID_HEADER, "")
         exec_job_run(job_id=job_id, worker=worker_name(), node=run_exec.request.hostname or "", call_id=call_id)
