@@ -145,6 +145,8 @@ class Subscription:
         self._queue: queue.SimpleQueue[Message] = queue.SimpleQueue()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
+        # Never blocks: a put holds the lock below while it writes, and a full pipe already wakes.
+        os.set_blocking(self._wake_w, False)
         self._closed = threading.Event()
         # A reader thread's put and the owner's close: a put after the close would write to a
         # closed pipe's number, which the process may have given to another file since.

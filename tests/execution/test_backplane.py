@@ -31,3 +31,22 @@ def test_a_subscription_never_confirmed_fails_and_is_closed(monkeypatch: pytest.
     assert subscription._closed.is_set()
     with pytest.raises(TimeoutError):
         plane.subscribe(f"ptc-test:{uuid.uuid4().hex}")  # confirmed by default: it raises at once
+
+
+def test_a_subscription_nobody_drains_still_closes() -> None:
+    # A reader thread keeps putting messages nobody drains; the owner then closes: neither waits
+    # for the other (a put holds the subscription's lock while it wakes the owner).
+    class Plain(bp.Subscription):
+        def _stop(self) -> None:
+            pass
+
+    subscription = Plain()
+    putter = threading.Thread(target=lambda: [subscription._put(Cancel()) for _ in range(70_000)], daemon=True)
+    putter.start()
+    putter.join(20)
+    assert not putter.is_alive(), "a put blocked on a full wake-up pipe"
+    closer = threading.Thread(target=subscription.close, daemon=True)
+    closer.start()
+    closer.join(5)
+    assert not closer.is_alive()
+    subscription._put(Cancel())  # after the close: dropped, not written to a closed pipe
