@@ -5,6 +5,7 @@ Django builds the psycopg pool itself and always passes it its own ``check`` (a 
 checkout with CONN_HEALTH_CHECKS, none at all without); this backend swaps in ours.
 """
 
+import logging
 from typing import Any
 
 import psycopg
@@ -14,9 +15,14 @@ from psycopg import errors, pq
 
 from ptcproject.pgcheck import check_unless_recent
 
-# What PostgreSQL says when a prepared statement's columns changed type under it (a migration
-# altered a column): the statement fails on that connection until it is deallocated.
-_STALE_PLAN = "cached plan must not change result type"
+logger = logging.getLogger("ptc.db")
+
+
+def _stale_plan(exc: errors.FeatureNotSupported) -> bool:
+    """Whether PostgreSQL refused a prepared statement whose columns changed type under it (a
+    migration altered a column): it fails on that connection until it is deallocated. By the
+    code and the server function that raise it, not the message, which the server may translate."""
+    return exc.sqlstate == "0A000" and exc.diag.source_function == "RevalidateCachedQuery"
 
 
 class PreparedCursor(ServerBindingCursor):
@@ -33,8 +39,9 @@ class PreparedCursor(ServerBindingCursor):
             return super().execute(query, params, **kwargs)  # type: ignore[misc]
         except errors.FeatureNotSupported as exc:
             connection: psycopg.Connection[Any] = self.connection  # type: ignore[attr-defined]
-            if _STALE_PLAN not in str(exc) or connection.info.transaction_status != pq.TransactionStatus.IDLE:
+            if not _stale_plan(exc) or connection.info.transaction_status != pq.TransactionStatus.IDLE:
                 raise
+            logger.info("a prepared statement outlived a migration; the connection's are dropped and it is run again")
             connection.execute("DEALLOCATE ALL")
             return super().execute(query, params, **kwargs)  # type: ignore[misc]
 
