@@ -145,10 +145,12 @@ class Session:
         # A done frame may carry files (base64) besides its value.
         self.decoder = FrameDecoder(max_frame + (max_files_bytes * 4 // 3 + (64 << 10) if max_files_bytes else 0))
         # A session's sandbox (``sandbox``, ``keep``): given, not taken from the pool, and left
-        # running after a job that ended with its result; ``kept`` says whether it was.
+        # running after a job that ended with its result, or that ended before anything of it
+        # was sent (cancelled as it started); ``kept`` says whether it was.
         self.sandbox = sandbox
         self.keep = keep
         self.kept = False
+        self.sent_any = False  # whether any of the job reached the sandbox
         # More of the start frame: a session's flag, input files, the files quota.
         self.extra = extra or {}
         self.max_frame = max_frame
@@ -208,7 +210,8 @@ class Session:
             self._close_calls()
             os.close(self._wake_r)
             os.close(self._wake_w)
-            self.kept = self.keep and self.ended is None and self.result is not None and proc.poll() is None
+            ended_well = self.ended is None and self.result is not None
+            self.kept = self.keep and (ended_well or not self.sent_any) and proc.poll() is None
             returncode = 0
             if not self.kept and self.result is not None:
                 # The job has its result: the sandbox is killed now, and reaped off this path
@@ -364,7 +367,7 @@ class Session:
             sel.close()
             for name in list(self.chunk_since):
                 self._flush_chunk(name, final=True)
-            if self.ended is not None:
+            if self.ended is not None and (self.sent_any or not self.keep):
                 # Killing bwrap tears down the sandbox's PID namespace: every descendant goes too.
                 proc.send_signal(signal.SIGKILL)
 
@@ -417,6 +420,7 @@ class Session:
             self.outbox.clear()  # the sandbox is gone; its exit is reported when the pipes close
             return
         del self.outbox[:sent]
+        self.sent_any = self.sent_any or sent > 0
 
     def _read_bridge(self, sock: socket.socket) -> bool:
         """Read and handle frames. Return False when the sandbox closed its end."""

@@ -379,45 +379,58 @@ def _exec_job_sandbox(*, job: ExecJob, node: str, channel: Subscription) -> Outc
     }
     live: LiveSession | None = None
     sent: list[tuple[int, datetime]] = []
+    session: Session | None = None
     if job.session is not None:
         taken = session_sandbox_take(session_id=job.session.pk, node=node)
         if isinstance(taken, Outcome):
             return taken
         live = taken
-        uploads, sent = session_job_inputs(session_id=job.session.pk)
-        extra.update(session=True, limits=session_guest_limits(session=job.session))
-        extra["files"] = {**uploads, **extra["files"]}
-        if live.sdk_hash == job.sdk_hash:
-            sdk_files = {}  # its sandbox has this SDK from an earlier job
-    session = Session(
-        code=job.code,
-        limits=limits,
-        sdk_files=sdk_files,
-        router=router,
-        channel=channel,
-        heartbeat=lambda: _exec_job_heartbeat(job_id=job.pk),
-        heartbeat_every=settings.PTC_JOB_HEARTBEAT_SECONDS,
-        max_frame=settings.PTC_MAX_FRAME_BYTES,
-        max_buffered=settings.PTC_MAX_BUFFERED_BYTES,
-        job_info={"call_id": job.call_id},
-        make_key=lambda: _exec_job_key(job=job),
-        on_output=lambda stream, text: event_publish(job_call_id=job.call_id, event=stream, data={"text": text}),
-        sandbox=live.sandbox if live is not None else None,
-        keep=live is not None,
-        extra=extra,
-        max_files_bytes=settings.PTC_FILES_MAX_BYTES,
-    )
     try:
-        outcome = session.run()
-    except SandboxUnavailable as exc:
-        logger.error("this host cannot run sandboxes: %s", exc, extra={"job_id": job_id})
-        outcome = Outcome(status="failed", error=job_error("SandboxCrashed", str(exc)), key_made=session.key_asked)
-    except Exception as exc:  # the worker survives anything a sandbox does; the job records it
-        logger.exception("sandbox failed", extra={"job_id": job_id})
-        outcome = Outcome(status="failed", error=job_error("SandboxCrashed", str(exc)), key_made=session.key_asked)
+        if live is not None and job.session is not None:
+            session_id = job.session.pk
+            # Nothing has reached the sandbox yet: a database that drops meanwhile is waited for.
+            uploads, sent = db_retry(
+                lambda: session_job_inputs(session_id=session_id), what="reading a session's files", job_id=job_id
+            )
+            extra.update(session=True, limits=session_guest_limits(session=job.session))
+            extra["files"] = {**uploads, **extra["files"]}
+            if live.sdk_hash == job.sdk_hash:
+                sdk_files = {}  # its sandbox has this SDK from an earlier job
+        session = Session(
+            code=job.code,
+            limits=limits,
+            sdk_files=sdk_files,
+            router=router,
+            channel=channel,
+            heartbeat=lambda: _exec_job_heartbeat(job_id=job.pk),
+            heartbeat_every=settings.PTC_JOB_HEARTBEAT_SECONDS,
+            max_frame=settings.PTC_MAX_FRAME_BYTES,
+            max_buffered=settings.PTC_MAX_BUFFERED_BYTES,
+            job_info={"call_id": job.call_id},
+            make_key=lambda: _exec_job_key(job=job),
+            on_output=lambda stream, text: event_publish(job_call_id=job.call_id, event=stream, data={"text": text}),
+            sandbox=live.sandbox if live is not None else None,
+            keep=live is not None,
+            extra=extra,
+            max_files_bytes=settings.PTC_FILES_MAX_BYTES,
+        )
+        try:
+            outcome = session.run()
+        except SandboxUnavailable as exc:
+            logger.error("this host cannot run sandboxes: %s", exc, extra={"job_id": job_id})
+            outcome = Outcome(status="failed", error=job_error("SandboxCrashed", str(exc)), key_made=session.key_asked)
+        except Exception as exc:  # the worker survives anything a sandbox does; the job records it
+            logger.exception("sandbox failed", extra={"job_id": job_id})
+            outcome = Outcome(status="failed", error=job_error("SandboxCrashed", str(exc)), key_made=session.key_asked)
     finally:
         if live is not None and job.session is not None:
-            session_sandbox_release(session_id=job.session.pk, live=live, kept=session.kept, sdk_hash=job.sdk_hash)
+            # A sandbox that nothing of this job reached (cancelled as it started, or its inputs
+            # unreadable) is still the session's, as it was: its SDK, and its uploads still to send.
+            reached = session is not None and session.sent_any
+            kept = session.kept if session is not None else live.sandbox.proc.poll() is None
+            sdk_hash = job.sdk_hash if reached else live.sdk_hash
+            session_sandbox_release(session_id=job.session.pk, live=live, kept=kept, sdk_hash=sdk_hash)
+            sent = sent if reached else []
     if live is not None and live.ended and outcome.status != "cancelled":
         outcome.status = "failed"
         outcome.error = job_error("SessionEnded", f"the session ended while the job ran: {live.ended}")

@@ -283,3 +283,52 @@ def test_a_job_whose_message_does_not_name_its_call_id_still_runs(stack, api: Ap
     read = [line for line in stack.exec_worker.log.read_text().splitlines() if "does not name its call_id" in line]
     assert any(str(old.pk) in line for line in read)
     assert not any(new["id"] in line for line in read)
+
+
+def test_a_session_job_cancelled_as_it_starts_leaves_the_session_its_sandbox(api: Api, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    # In this process: a session's first job is cancelled as its sandbox is taken, before anything
+    # of it reached the sandbox. The session goes on with the same sandbox, and its next job gets
+    # what the first never delivered: the SDK and the session's upload.
+    from django.contrib.auth import get_user_model
+    from django.db import transaction
+
+    from execution.models import ExecJob, ExecSession
+    from execution.services import jobs, sessions
+
+    user = get_user_model().objects.get(username=api.username)
+    session = sessions.exec_session_create(user=user, toolsets=["demo"], idle_timeout=None, max_lifetime=None)
+    sessions.session_file_upload(session=session, path="note.txt", content=b"delivered")
+
+    def session_job(code: str) -> ExecJob:
+        with transaction.atomic():
+            limits = sessions.session_limits(session=session, timeout=30).as_dict()
+            job = ExecJob.objects.create(
+                user=user, code=code, toolsets=list(session.toolsets), timeout_seconds=30, limits=limits, session=session
+            )
+            sessions.exec_session_take(session_id=session.pk, job=job)
+        return job
+
+    first = session_job("print('ran')")
+    take = jobs.session_sandbox_take
+
+    def taken_then_cancelled(**kwargs):  # type: ignore[no-untyped-def]
+        live = take(**kwargs)
+        jobs.exec_job_cancel(job=ExecJob.objects.get(pk=first.pk))
+        time.sleep(0.5)  # its push reaches the channel
+        return live
+
+    try:
+        monkeypatch.setattr(jobs, "session_sandbox_take", taken_then_cancelled)
+        jobs.exec_job_run(job_id=str(first.pk), worker="test", node="test-node", call_id=first.call_id)
+        monkeypatch.undo()
+        first.refresh_from_db()
+        assert (first.status, first.stdout) == ("cancelled", "")
+        assert ExecSession.objects.get(pk=session.pk).status == "active"
+
+        second = session_job("import ptc_tools.demo\nopen('/work/note.txt').read()")
+        jobs.exec_job_run(job_id=str(second.pk), worker="test", node="test-node", call_id=second.call_id)
+        second.refresh_from_db()
+        assert second.status == "completed", second.error
+        assert second.return_value == "delivered"
+    finally:
+        sessions.exec_sessions_shutdown()  # this process's session sandboxes
