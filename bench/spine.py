@@ -64,7 +64,6 @@ def sandbox_start(runs: int) -> tuple[list[float], list[float], list[float]]:
 
 PER_CALL = """
 import time
-from datetime import datetime
 from ptc_tools.demo import Demo
 Demo.echo(value=0)
 samples = []
@@ -77,7 +76,6 @@ samples
 
 THROUGHPUT = """
 import time
-from datetime import datetime
 from concurrent.futures import ThreadPoolExecutor
 from ptc_tools.demo import Demo
 t = time.perf_counter()
@@ -89,7 +87,6 @@ assert results == list(range(1000))
 
 FAN_OUT = """
 import time
-from datetime import datetime
 from concurrent.futures import ThreadPoolExecutor
 from ptc_tools.demo import Demo
 t = time.perf_counter()

@@ -79,47 +79,41 @@ class _Bridge:
             return self._next_id
 
     def call(self, toolset: str, tool: str, arguments: dict[str, Any]) -> Any:
-        done = threading.Event()
-        box: list[Any] = [done, None]
-        call_id = self._register(box)
-        self._send_call(call_id, toolset, tool, arguments)
-        done.wait()
-        return _unwrap(box[1], toolset, tool)
+        return self._ask({"op": "call", "toolset": toolset, "tool": tool, "args": arguments}, toolset, tool)
 
     async def acall(self, toolset: str, tool: str, arguments: dict[str, Any]) -> Any:
         import asyncio
 
         loop = asyncio.get_running_loop()
         future = loop.create_future()
-        call_id = self._register((loop, future))
-        self._send_call(call_id, toolset, tool, arguments)
+        message = {"op": "call", "toolset": toolset, "tool": tool, "args": arguments}
+        self._request(self._register((loop, future)), message, f"{toolset}.{tool}")
         return _unwrap(await future, toolset, tool)
 
     def job_key(self, call_id: str) -> str:
         """Ask the worker for the key of the job ``call_id`` (it makes it on the first ask) and return it."""
+        return str(self._ask({"op": "key", "call_id": call_id}, "job", "key"))
+
+    def _ask(self, message: dict[str, Any], toolset: str, tool: str) -> Any:
+        """Send a request and wait for its reply, unwrapped."""
         done = threading.Event()
         box: list[Any] = [done, None]
-        request_id = self._register(box)
+        self._request(self._register(box), message, f"{toolset}.{tool}")
+        done.wait()
+        return _unwrap(box[1], toolset, tool)
+
+    def _request(self, request_id: int, message: dict[str, Any], name: str) -> None:
+        """Send request ``request_id``; if it can't be, forget its waiter and raise ToolError."""
         try:
-            self.send({"op": "key", "id": request_id, "call_id": call_id})
+            self.send({**message, "id": request_id})
+        except ValueError as exc:
+            with self._lock:
+                self._pending.pop(request_id, None)
+            raise ToolError(f"arguments cannot be sent: {exc}", tool=name, code="invalid_arguments") from None
         except OSError as exc:
             with self._lock:
                 self._pending.pop(request_id, None)
-            raise ToolError(f"the bridge is closed: {exc}", tool="job.key", code="bridge_closed") from None
-        done.wait()
-        return str(_unwrap(box[1], "job", "key"))
-
-    def _send_call(self, call_id: int, toolset: str, tool: str, arguments: dict[str, Any]) -> None:
-        try:
-            self.send({"op": "call", "id": call_id, "toolset": toolset, "tool": tool, "args": arguments})
-        except ValueError as exc:
-            with self._lock:
-                self._pending.pop(call_id, None)
-            raise ToolError(f"arguments cannot be sent: {exc}", tool=f"{toolset}.{tool}", code="invalid_arguments") from None
-        except OSError as exc:
-            with self._lock:
-                self._pending.pop(call_id, None)
-            raise ToolError(f"the bridge is closed: {exc}", tool=f"{toolset}.{tool}", code="bridge_closed") from None
+            raise ToolError(f"the bridge is closed: {exc}", tool=name, code="bridge_closed") from None
 
     def _deliver(self, waiter: Any, reply: dict[str, Any]) -> None:
         if isinstance(waiter, list):
