@@ -110,3 +110,29 @@ class Stack:
     def stop(self) -> None:
         for process in reversed(self.processes):
             process.stop()
+
+
+def sandboxes_of(pid: int) -> list[str]:
+    """The live sandboxes under process ``pid`` (a worker): the pids of their outermost processes,
+    which the fork server names ``ptc-sandbox``."""
+    children: dict[int, list[int]] = {}
+    names: dict[int, str] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        name, rest = stat[stat.index("(") + 1 : stat.rindex(")")], stat[stat.rindex(")") + 2 :].split()
+        if rest[0] == "Z":
+            continue
+        names[int(entry)] = name
+        children.setdefault(int(rest[1]), []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            todo.append(child)
+            if names[child] == "ptc-sandbox":
+                found.append(str(child))
+    return found

@@ -297,11 +297,17 @@ def _run(job: dict[str, Any], namespace: dict[str, Any], limits: dict[str, int])
     return result
 
 
-def main() -> None:
-    bridge_fd, sdk_dir = int(sys.argv[1]), sys.argv[2]
-    # The SDK's base package is staged beside this runner: imported before the job comes, it costs
-    # the job nothing. The job brings its toolsets' modules, which join the package.
+def prepare() -> None:
+    """Import the SDK's base package, staged beside this runner: imported before the job comes
+    (by the fork server, once for all its sandboxes), it costs the job nothing. The job brings its
+    toolsets' modules, which join the package."""
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import ptc_tools  # noqa: F401
+    from ptc_tools import _protocol, _runtime, tools  # noqa: F401
+
+
+def main(bridge_fd: int, sdk_dir: str) -> None:
+    """Wait for the job on ``bridge_fd``, run it (a session's: its jobs), and exit."""
     import ptc_tools
     from ptc_tools import _protocol, _runtime, tools
 
@@ -355,7 +361,3 @@ def main() -> None:
         job = _runtime.next_job()  # None: the worker closed the bridge (the session ended)
     # Daemon threads or stray user threads must not keep the sandbox alive after the result.
     os._exit(0)
-
-
-if __name__ == "__main__":
-    main()

@@ -20,7 +20,6 @@ that forked it (SANDBOX-NOTES.md), so a warm sandbox must not be started by a th
 import logging
 import queue
 import socket
-import subprocess
 import threading
 import time
 from collections import deque
@@ -41,7 +40,7 @@ REFILL_DEFER_SECONDS = 0.25
 class Sandbox:
     """A started sandbox waiting for its job on ``bridge``, the worker's end of its socketpair."""
 
-    proc: subprocess.Popen[bytes]
+    proc: process.SandboxProcess
     bridge: socket.socket
     warm: bool
 

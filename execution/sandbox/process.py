@@ -1,18 +1,23 @@
-"""Starting and killing one sandbox: bubblewrap, a seccomp filter, an unprivileged uid.
+"""Starting and killing sandboxes: a fork server in bubblewrap, a seccomp filter, an unprivileged uid.
 
-The sandbox gets its own user, PID, network, mount, IPC and UTS namespaces; ``/usr`` read-only;
-a fresh ``/proc``, ``/dev`` and size-capped tmpfs scratch; an empty environment; and a seccomp
-filter that refuses every socket but ``AF_UNIX``. Its only way out is the bridge socket it inherits.
-Killing the bwrap process tears down the PID namespace, and with it every descendant, including
-ones that called ``setsid()``.
+Each exec worker runs one fork server (``zygote.py``) in a bubblewrap of its own: no network,
+``/usr`` read-only, an empty environment, the sandbox's uid. It has imported the runner once, and
+forks every sandbox from itself (a few milliseconds where a bubblewrap and an interpreter of
+its own cost tens). Each sandbox gets its own user, PID, network, mount, IPC, UTS and cgroup
+namespaces; a fresh ``/proc``; size-capped tmpfs scratch; no capabilities; and a seccomp filter
+that refuses every socket but ``AF_UNIX``. Its only way out is the bridge socket it is given.
+Killing it (``SandboxProcess.kill``) kills its PID 1, and with it every descendant, including
+ones that called ``setsid()``. The fork server, and every sandbox with it, ends with its worker.
 """
 
 import errno
 import functools
 import hashlib
 import itertools
+import json
 import logging
 import os
+import signal
 import socket
 import subprocess
 import tempfile
@@ -25,6 +30,7 @@ from tools.sdk import sdk_base_files
 
 logger = logging.getLogger("ptc.sandbox")
 GUEST = Path(__file__).with_name("guest.py")
+ZYGOTE = Path(__file__).with_name("zygote.py")
 SANDBOX_UID = 65534  # nobody: used only when the worker runs as root
 SETPRIV = "/usr/bin/setpriv"  # util-linux's: drops root for bubblewrap (spawn)
 MOUNT_SDK = "/opt/ptc/sdk"
@@ -33,6 +39,9 @@ SCRATCH_MB = 64
 SDK_MB = 16  # the job's generated SDK is written here: host memory, like every tmpfs
 SHM_MB = 16
 STAGED = ".staged"  # in a staged runner's folder once all of it is there
+# A spawn is a few milliseconds; a fork server that has not answered by then is wedged.
+SPAWN_TIMEOUT = 10.0
+FORK_SERVER_GONE = "the fork server exited"
 
 
 class SandboxUnavailable(Exception):
@@ -52,8 +61,13 @@ _CLONE_NAMESPACE_FLAGS = (
 )
 
 
+# What the fork server needs and each sandbox it forks gives up: a user namespace of its own and
+# the mounts in it (zygote.py). The fork server runs no job's code.
+_FORK_SERVER_NEEDS = ("unshare", "mount", "umount2")
+
+
 @functools.cache
-def _seccomp_program() -> bytes:
+def _seccomp_program(*, fork_server: bool = False) -> bytes:
     """Return the compiled BPF program: ``socket()`` of any family but AF_UNIX fails with EPERM.
 
     Also refused: io_uring (its IORING_OP_SOCKET makes sockets without ``socket()``), clone() into
@@ -91,17 +105,19 @@ def _seccomp_program() -> bytes:
         "unshare",
         "setns",
     ):
-        flt.add_rule(sc.ERRNO(errno.EPERM), name)
+        if not (fork_server and name in _FORK_SERVER_NEEDS):
+            flt.add_rule(sc.ERRNO(errno.EPERM), name)
     with tempfile.TemporaryFile() as handle:
         flt.export_bpf(handle)
         handle.seek(0)
         return handle.read()
 
 
-def _program_fd() -> int:
-    """Return a fresh fd holding the seccomp program at offset 0, for bwrap's ``--seccomp``."""
+def _program_fd(*, fork_server: bool = False) -> int:
+    """Return a fresh fd holding a seccomp program at offset 0: the fork server's, for bwrap's
+    ``--seccomp``, or the sandboxes', for the fork server to load into each."""
     fd = os.memfd_create("ptc-seccomp", 0)
-    os.write(fd, _seccomp_program())
+    os.write(fd, _seccomp_program(fork_server=fork_server))
     os.lseek(fd, 0, os.SEEK_SET)
     return fd
 
@@ -109,7 +125,8 @@ def _program_fd() -> int:
 @functools.cache
 def _guest_files() -> tuple[str, dict[str, bytes]]:
     """The runner and the SDK's base package, and the content hash they are staged under."""
-    files = {"guest.py": GUEST.read_bytes(), **{name: text.encode() for name, text in sdk_base_files().items()}}
+    files = {path.name: path.read_bytes() for path in (GUEST, ZYGOTE)}
+    files.update((name, text.encode()) for name, text in sdk_base_files().items())
     digest = hashlib.sha256(b"".join(name.encode() + content for name, content in sorted(files.items())))
     return digest.hexdigest()[:16], files
 
@@ -190,13 +207,13 @@ def check() -> None:
         raise SandboxUnavailable(f"cannot build the seccomp filter ({exc}): install 'libseccomp2' and pyseccomp.") from exc
 
 
-def command(*, bridge_fd: int, seccomp_fd: int) -> list[str]:
-    """Return the bwrap command line that runs the guest with the bridge on ``bridge_fd``. Nothing
-    in it is a job's: the job, its limits and its SDK come as the bridge's first frame."""
+def command(*, control_fd: int, seccomp_fd: int, program_fd: int) -> list[str]:
+    """Return the bwrap command line of the fork server (zygote.py), with its control socket on
+    ``control_fd``, its own seccomp filter on ``seccomp_fd`` and its sandboxes' on ``program_fd``.
+    Nothing in it is a job's: a job, its limits and its SDK come as its sandbox's first frame."""
     options: list[tuple[str, ...]] = [
         ("--unshare-all",),
         ("--unshare-user",),
-        ("--disable-userns",),  # no nested user namespace, so no capabilities to be had inside
         ("--hostname", "sandbox"),
         ("--die-with-parent",),
         ("--new-session",),  # no TIOCSTI into the worker's terminal (CVE-2017-5226)
@@ -214,14 +231,12 @@ def command(*, bridge_fd: int, seccomp_fd: int) -> list[str]:
         ("--symlink", "usr/lib", "/lib"),
         ("--symlink", "usr/lib64", "/lib64"),
         ("--ro-bind-try", "/etc/localtime", "/etc/localtime"),
+        # Bare: the kernel lets a sandbox's user namespace mount a /proc of its own only where one
+        # is fully visible, so its covers (PROC_COVERED) are put on each sandbox's (zygote.py).
         ("--proc", "/proc"),
-        ("--ro-bind", "/dev/null", "/proc/cmdline"),  # the host's boot arguments are none of its business
         ("--dev", "/dev"),
-        # Every writable place is a size-capped tmpfs: tmpfs pages are host memory.
-        ("--size", str(SHM_MB << 20), "--tmpfs", "/dev/shm"),
-        ("--size", str(SCRATCH_MB << 20), "--tmpfs", "/tmp"),
-        ("--size", str(SCRATCH_MB << 20), "--tmpfs", "/work"),
-        ("--size", str(SDK_MB << 20), "--tmpfs", MOUNT_SDK),
+        # Where each sandbox mounts its own tmpfs. The fork server writes nothing.
+        *(("--size", str(1 << 20), "--tmpfs", target) for target in _scratch()),
         ("--ro-bind", str(_guest_dir()), MOUNT_BIN),
         ("--remount-ro", "/dev"),
         ("--remount-ro", "/"),  # bwrap's root is an unsized tmpfs: read-only, so nothing can fill it
@@ -230,36 +245,261 @@ def command(*, bridge_fd: int, seccomp_fd: int) -> list[str]:
     ]
     # -u: what the code prints reaches the worker as it is printed, with or without a newline or flush.
     # The runner is imported, not run as a script, so that it loads from its staged bytecode.
-    launch = f"import sys; sys.path.insert(0, {MOUNT_BIN!r}); import guest; guest.main()"
-    guest = (settings.PTC_SANDBOX_PYTHON, "-I", "-S", "-B", "-u", "-c", launch, str(bridge_fd), MOUNT_SDK)
+    launch = f"import sys; sys.path.insert(0, {MOUNT_BIN!r}); import zygote; zygote.main()"
+    args = (str(control_fd), str(program_fd), MOUNT_SDK, json.dumps(_scratch()))
+    guest = (settings.PTC_SANDBOX_PYTHON, "-I", "-S", "-B", "-u", "-c", launch, *args)
     return [settings.PTC_BWRAP, *itertools.chain.from_iterable(options), "--", *guest]
 
 
-def spawn(*, bridge_fd: int) -> subprocess.Popen[bytes]:
+def _scratch() -> dict[str, int]:
+    """Each sandbox's writable places, and their sizes in bytes: every one is a size-capped tmpfs
+    (tmpfs pages are host memory)."""
+    return {"/dev/shm": SHM_MB << 20, "/tmp": SCRATCH_MB << 20, "/work": SCRATCH_MB << 20, MOUNT_SDK: SDK_MB << 20}
+
+
+class SandboxProcess:
+    """One sandbox the fork server forked, as the worker holds it: like a ``Popen``. Its stdout and
+    stderr are pipes, its ``pid`` is the sandbox's outermost process (on this host), killing that
+    kills everything in the sandbox, and its exit status comes from the fork server."""
+
+    def __init__(self, stdout: int, stderr: int) -> None:
+        self.stdout = open(stdout, "rb")
+        self.stderr = open(stderr, "rb")
+        self.pid: int | None = None
+        self.returncode: int | None = None
+        self._pidfd: int | None = None
+        self._lock = threading.Lock()  # the pidfd is closed at the exit, never while a signal uses it
+        self._started = threading.Event()
+        self._exited = threading.Event()
+        self._error = ""
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if not self._exited.wait(timeout):
+            raise subprocess.TimeoutExpired("sandbox", timeout or 0)
+        assert self.returncode is not None
+        return self.returncode
+
+    def send_signal(self, signum: int) -> None:
+        with self._lock:
+            if self.returncode is None and self._pidfd is not None:
+                try:
+                    signal.pidfd_send_signal(self._pidfd, signum)
+                except ProcessLookupError:  # it exited; the fork server reports it
+                    pass
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def _start(self, pidfd: int) -> None:
+        with self._lock:
+            if self.returncode is not None:  # its spawn was given up on: it must not run
+                signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+                os.close(pidfd)
+                return
+            self._pidfd = pidfd
+            self.pid = _pid_of(pidfd)
+        self._started.set()
+
+    def _fail(self, error: str) -> None:
+        """The fork server did not start it, and says why."""
+        with self._lock:
+            if self.returncode is None:
+                self._error = error
+        self._exit(-signal.SIGKILL)
+
+    def _exit(self, returncode: int) -> None:
+        with self._lock:
+            if self.returncode is not None:
+                return
+            self.returncode = returncode
+            if self._pidfd is not None:
+                os.close(self._pidfd)
+                self._pidfd = None
+        self._started.set()
+        self._exited.set()
+
+
+def _pid_of(pidfd: int) -> int | None:
+    """The pid, in this process's PID namespace, of the process ``pidfd`` refers to."""
+    with open(f"/proc/self/fdinfo/{pidfd}") as info:
+        for line in info:
+            if line.startswith("Pid:"):
+                return int(line.split()[1])
+    return None
+
+
+class ForkServer:
+    """This process's fork server: one bubblewrap running zygote.py, started when first needed and
+    again after it died. Its thread starts it (bubblewrap's ``--die-with-parent`` is tied to the
+    thread that forked it: SANDBOX-NOTES.md) and reads its reports."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._control: socket.socket | None = None  # set while a fork server runs
+        self._failure: str | None = None  # why the last start failed
+        self._wanted = False
+        self._sandboxes: dict[int, SandboxProcess] = {}  # by request id, until their exit
+        self._ids = itertools.count(1)
+
+    def spawn(self, bridge_fd: int) -> SandboxProcess:
+        """Fork a sandbox that waits for its job on ``bridge_fd``. The caller owns it and must
+        ``kill`` and ``wait`` it. Raise SandboxUnavailable when the fork server can't run here.
+
+        A fork server that dies under a spawn is started again, once, for it."""
+        for attempt in (1, 2):
+            sandbox = self._spawn(bridge_fd)
+            if not sandbox._error:
+                return sandbox
+            _close(sandbox)
+            if sandbox._error != FORK_SERVER_GONE or attempt == 2:
+                raise SandboxUnavailable(f"the fork server could not start a sandbox: {sandbox._error}")
+        raise AssertionError("unreachable")
+
+    def _spawn(self, bridge_fd: int) -> SandboxProcess:
+        control = self._running()
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        sandbox = SandboxProcess(out_r, err_r)
+        request_id = next(self._ids)
+        with self._lock:
+            self._sandboxes[request_id] = sandbox
+        try:
+            request = json.dumps({"op": "spawn", "id": request_id}).encode()
+            socket.send_fds(control, [request], [bridge_fd, out_w, err_w])
+        except OSError:
+            sandbox._fail(FORK_SERVER_GONE)  # its thread says why
+        finally:
+            os.close(out_w)
+            os.close(err_w)
+        if not sandbox._started.wait(SPAWN_TIMEOUT):
+            sandbox._fail(f"no answer within {SPAWN_TIMEOUT} s")
+        return sandbox
+
+    def _running(self) -> socket.socket:
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._serve, name="ptc-fork-server", daemon=True)
+                self._thread.start()
+            if self._control is None:
+                self._wanted, self._failure = True, None
+                self._lock.notify_all()
+                while self._control is None and self._failure is None:
+                    self._lock.wait()
+                if self._control is None:
+                    raise SandboxUnavailable(f"the sandboxes' fork server could not start: {self._failure}")
+            return self._control
+
+    def _serve(self) -> None:
+        while True:
+            with self._lock:
+                while not self._wanted:
+                    self._lock.wait()
+                self._wanted = False
+            try:
+                proc, control = self._start()
+            except Exception as exc:  # said to every caller waiting for it
+                with self._lock:
+                    self._failure = str(exc) or type(exc).__name__
+                    self._lock.notify_all()
+                continue
+            with self._lock:
+                self._control, self._wanted = control, False
+                self._lock.notify_all()
+            try:
+                self._read(control)
+            finally:
+                with self._lock:
+                    self._control = None
+                    orphans, self._sandboxes = list(self._sandboxes.values()), {}
+                control.close()
+                # Its PID namespace is gone, and every sandbox in it.
+                for sandbox in orphans:
+                    if sandbox._started.is_set():
+                        sandbox._exit(-signal.SIGKILL)
+                    else:
+                        sandbox._fail(FORK_SERVER_GONE)
+                proc.kill()
+                proc.wait()
+                stderr = proc.stderr.read().decode(errors="replace").strip() if proc.stderr else ""
+                if proc.stderr:
+                    proc.stderr.close()
+                logger.error("the sandboxes' fork server exited (status %s): %s", proc.returncode, stderr or "no message")
+
+    def _start(self) -> tuple[subprocess.Popen[bytes], socket.socket]:
+        check()
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        seccomp_fd = _program_fd(fork_server=True)
+        program_fd = _program_fd()
+        try:
+            argv = command(control_fd=theirs.fileno(), seccomp_fd=seccomp_fd, program_fd=program_fd)
+            if os.geteuid() == 0:
+                # A worker running as root starts bubblewrap as nobody, through setpriv rather than
+                # Popen's user=: with it, Python forks (copying the worker's page tables, milliseconds
+                # of CPU with every thread stopped); without it, Python uses vfork.
+                uid = str(SANDBOX_UID)
+                argv = [SETPRIV, f"--reuid={uid}", f"--regid={uid}", "--clear-groups", *argv]
+            proc = subprocess.Popen(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                pass_fds=(theirs.fileno(), seccomp_fd, program_fd),
+                env={},
+                cwd="/",
+                start_new_session=True,
+            )
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
+            os.close(seccomp_fd)
+            os.close(program_fd)
+        return proc, ours
+
+    def _read(self, control: socket.socket) -> None:
+        """Hand each report of the fork server to its sandbox, until the fork server ends."""
+        while True:
+            try:
+                data, fds, _, _ = socket.recv_fds(control, 4096, 1)
+            except OSError:
+                return
+            if not data:
+                return
+            report = json.loads(data)
+            with self._lock:
+                sandbox = self._sandboxes.get(report.get("id"))
+                if sandbox is not None and report["op"] in ("exit", "failed"):
+                    del self._sandboxes[report["id"]]
+            if sandbox is None:  # a spawn its caller gave up on
+                for fd in fds:
+                    os.close(fd)
+                continue
+            if report["op"] == "started" and fds:
+                sandbox._start(fds[0])
+            elif report["op"] == "exit":
+                sandbox._exit(report["status"])
+            else:
+                sandbox._fail(str(report.get("error")))
+
+
+def _close(sandbox: SandboxProcess) -> None:
+    for pipe in (sandbox.stdout, sandbox.stderr):
+        pipe.close()
+
+
+_fork_server = ForkServer()
+
+
+def spawn(*, bridge_fd: int) -> SandboxProcess:
     """Start a sandbox that waits for its job on ``bridge_fd``. The caller owns the returned
     process and must ``kill`` and ``wait`` it.
 
     Raise SandboxUnavailable, saying what to install, when this host can't run one.
     """
     check()
-    seccomp_fd = _program_fd()
-    try:
-        argv = command(bridge_fd=bridge_fd, seccomp_fd=seccomp_fd)  # stages the runner if it must
-        if os.geteuid() == 0:
-            # A worker running as root starts bubblewrap as nobody, through setpriv rather than
-            # Popen's user=: with it, Python forks (copying the worker's page tables, milliseconds of
-            # CPU with every thread stopped); without it, Python uses vfork.
-            uid = str(SANDBOX_UID)
-            argv = [SETPRIV, f"--reuid={uid}", f"--regid={uid}", "--clear-groups", *argv]
-        return subprocess.Popen(
-            argv,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            pass_fds=(bridge_fd, seccomp_fd),
-            env={},
-            cwd="/",
-            start_new_session=True,
-        )
-    finally:
-        os.close(seccomp_fd)
+    return _fork_server.spawn(bridge_fd)

@@ -6,6 +6,8 @@ this path polls: every wake-up is a frame, a chunk of output, a pushed message o
 """
 
 import codecs
+import contextlib
+import io
 import logging
 import os
 import queue
@@ -25,6 +27,7 @@ from execution.backplane import Approved, Cancel, Message, Result, Resync
 from execution.sandbox.limits import Limits
 from execution.sandbox.output import CappedOutput
 from execution.sandbox.pool import Sandbox, sandbox_reap, warm_pool
+from execution.sandbox.process import SandboxProcess
 from ptcproject.errors import call_error, job_error
 from ptcproject.storage import MAX_JSON_DEPTH
 from tools.sdk_runtime.protocol import FrameDecoder, FrameError, encode
@@ -32,6 +35,8 @@ from tools.sdk_runtime.protocol import FrameDecoder, FrameError, encode
 logger = logging.getLogger("ptc.sandbox")
 # A call whose result has not been pushed by then is looked up in the database, the source of truth.
 CALL_GRACE_SECONDS = 30.0
+# A sandbox whose streams all closed before its result is given this long to exit by itself.
+EXIT_GRACE_SECONDS = 2.0
 # Calls waiting for a free slot, at most; past that the bridge stops reading and the code's next
 # call blocks in its own send(), so a flood of calls costs the worker nothing.
 MAX_WAITING_CALLS = 64
@@ -218,8 +223,13 @@ class Session:
                 # (bubblewrap's teardown of its namespaces is milliseconds the client needn't wait).
                 sandbox_reap(sandbox)
             elif not self.kept:
+                if self.ended is None:
+                    # Its streams closed by themselves: it is exiting, and its status (which the
+                    # fork server reports a moment later) says how. Killed, it would say nothing.
+                    with contextlib.suppress(subprocess.TimeoutExpired):
+                        proc.wait(EXIT_GRACE_SECONDS)
                 sandbox.discard()
-                returncode = proc.returncode
+                returncode = proc.wait()
         outcome = self.ended or self._outcome(returncode)
         outcome.key_made = self.key_asked
         outcome.stdout, outcome.stdout_truncated = self.stdout.text(), self.stdout.truncated
@@ -271,7 +281,7 @@ class Session:
             self.waited += now - self.awaiting_since
             self.awaiting_since = None
 
-    def _loop(self, proc: subprocess.Popen[bytes], sock: socket.socket, *, base_deadline: float) -> None:
+    def _loop(self, proc: SandboxProcess, sock: socket.socket, *, base_deadline: float) -> None:
         sock.setblocking(False)
         start = {
             "op": "start",
@@ -288,7 +298,6 @@ class Session:
         for message in self.channel.drain():
             self._on_channel(message)
         sel = selectors.DefaultSelector()
-        assert proc.stdout is not None and proc.stderr is not None
         sel.register(sock, selectors.EVENT_READ | selectors.EVENT_WRITE, "bridge")
         sel.register(proc.stdout, selectors.EVENT_READ, "stdout")
         sel.register(proc.stderr, selectors.EVENT_READ, "stderr")
@@ -372,16 +381,17 @@ class Session:
                 proc.send_signal(signal.SIGKILL)
 
     # -- output --------------------------------------------------------------------------------
-    def _drain_output(self, proc: subprocess.Popen[bytes]) -> None:
+    def _drain_output(self, proc: SandboxProcess) -> None:
         """Read what the code printed before its result (written before the done frame was sent,
         so already in the pipes) without waiting for the streams to close: they stay open."""
-        streams = {"stdout": proc.stdout, "stderr": proc.stderr}
+        streams: dict[str, io.BufferedReader | None] = {"stdout": proc.stdout, "stderr": proc.stderr}
         while True:
             readable = [name for name, pipe in streams.items() if pipe is not None and _readable(pipe)]
             if not readable:
                 return
             for name in readable:
-                data = streams[name].read1(1 << 16)  # type: ignore[union-attr]
+                pipe = streams[name]
+                data = pipe.read1(1 << 16) if pipe is not None else b""
                 if not data:
                     streams[name] = None
                     continue

@@ -22,7 +22,6 @@ import base64
 import binascii
 import logging
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -301,10 +300,6 @@ class LiveSession:
 
 _live: dict[str, LiveSession] = {}
 _live_lock = threading.Lock()
-# Session sandboxes are started on this one thread, which lives as long as the process:
-# bubblewrap's --die-with-parent is tied to the thread that started it (SANDBOX-NOTES.md), and a
-# session outlives the task thread of its first job by design.
-_host = ThreadPoolExecutor(1, thread_name_prefix="ptc-session-host")
 
 
 def session_sandbox_take(*, session_id: Any, node: str) -> "LiveSession | Outcome":
@@ -332,7 +327,7 @@ def session_sandbox_take(*, session_id: Any, node: str) -> "LiveSession | Outcom
         # Started before on a worker that is gone, or restarted under the same name: its state is gone.
         return _unavailable(session_id=session_id, reason="its sandbox is gone: the exec worker holding it stopped")
     try:
-        sandbox = _host.submit(sandbox_start).result()
+        sandbox = sandbox_start()
     except Exception as exc:  # SandboxUnavailable, or any start failure: the session can't live
         _session_end(session_id=session_id, status=Status.LOST, reason=f"its sandbox could not start: {exc}")
         return Outcome(status="failed", error=job_error("SandboxCrashed", f"the session's sandbox could not start: {exc}"))

@@ -1,5 +1,7 @@
 """The sandbox reaches nothing but its bridge, and sees none of the worker's secrets."""
 
+import time
+
 import pytest
 
 from tests.conftest import WORKER_SECRET, Api
@@ -71,3 +73,88 @@ def test_runs_as_an_unprivileged_user_with_a_fresh_scratch_dir(api: Api) -> None
     assert first["return_value"] == ["/work", 65534]
     second = api.run("import os\nos.listdir('.')", toolsets=["demo"])
     assert second["return_value"] == []
+
+
+def test_the_code_runs_without_privileges_under_its_filter(api: Api) -> None:
+    code = """
+status = dict(line.split(":\\t", 1) for line in open("/proc/self/status").read().splitlines() if ":\\t" in line)
+{k: status[k].strip() for k in ("CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb", "NoNewPrivs", "Seccomp")}
+"""
+    job = api.run(code, toolsets=["demo"])
+    assert job["status"] == "completed", job["error"]
+    zero = "0000000000000000"
+    assert job["return_value"] == {
+        "CapInh": zero,
+        "CapPrm": zero,
+        "CapEff": zero,
+        "CapBnd": zero,
+        "CapAmb": zero,
+        "NoNewPrivs": "1",
+        "Seccomp": "2",
+    }
+
+
+# Holds a file, an abstract socket, a pseudo-terminal and 200 processes while its siblings look for them. With one
+# count of processes for all sandboxes, a sibling's 100 more would pass the limit of 256
+# (PTC_MAX_PROCESSES).
+HOLDER = """
+import os, signal, socket, time
+until = time.monotonic() + 8
+open("/work/mine", "w").write("secret")
+server = socket.socket(socket.AF_UNIX)
+server.bind("\\0ptc-sibling")
+server.listen()
+terminal = os.openpty()
+children = []
+for _ in range(200):
+    pid = os.fork()
+    if pid == 0:
+        signal.pause()
+        os._exit(0)
+    children.append(pid)
+print("ready", flush=True)
+time.sleep(max(0.0, until - time.monotonic()))
+(open("/work/mine").read(), sum(os.waitpid(pid, os.WNOHANG)[0] == 0 for pid in children))
+"""
+
+LOOKER = """
+import os, glob, random, signal, socket
+seen = {"work": os.listdir("/work"), "pids": len(glob.glob("/proc/[0-9]*")), "random": random.getrandbits(64)}
+seen["ptys"] = os.listdir("/dev/pts")
+try:
+    socket.socket(socket.AF_UNIX).connect("\\0ptc-sibling")
+    seen["socket"] = "connected"
+except OSError as exc:
+    seen["socket"] = type(exc).__name__
+children = []
+for _ in range(100):
+    pid = os.fork()
+    if pid == 0:
+        signal.pause()
+        os._exit(0)
+    children.append(pid)
+seen["forked"] = len(children)
+os.kill(-1, signal.SIGKILL)  # every process it may signal but itself: its own children only
+seen
+"""
+
+
+def test_sibling_sandboxes_share_nothing(api: Api) -> None:
+    holder = api.run(HOLDER, toolsets=["demo"], wait=0, timeout=60)
+    assert api.until_printed(holder["id"]) == "ready\n"
+    looks = [api.run(LOOKER, toolsets=["demo"], timeout=60) for _ in range(2)]
+    for job in looks:
+        assert job["status"] == "completed", job["error"]
+        seen = job["return_value"]
+        assert seen["work"] == []
+        assert seen["pids"] <= 3  # its own init, its runner, the glob's listing: not the holder's 201
+        assert seen["socket"] == "ConnectionRefusedError"
+        assert seen["ptys"] == ["ptmx"]
+        assert seen["forked"] == 100
+    assert looks[0]["return_value"]["random"] != looks[1]["return_value"]["random"]
+    deadline = time.monotonic() + 30
+    while (ended := api.get(f"/api/v1/exec/{holder['id']}").json())["status"] in ("queued", "running"):
+        assert time.monotonic() < deadline, "the holder should have ended"
+        time.sleep(0.2)
+    assert ended["status"] == "completed", ended["error"]
+    assert ended["return_value"] == ["secret", 200]  # its file, and every one of its processes

@@ -4,7 +4,6 @@ its sandbox; a worker that is stopped or dies ends its sessions ``lost``, never 
 A deployment of its own (its database and queues): these tests stop and kill its exec workers."""
 
 import os
-import subprocess
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -14,7 +13,7 @@ import pytest
 
 from tests.conftest import REDIS_PREFIX, TEST_DATABASE_URL, Api
 from tests.servers import api_key, database_drop, migrated_database
-from tests.stack import BIN, Process, Stack, free_port
+from tests.stack import BIN, Process, Stack, free_port, sandboxes_of
 
 
 class Fleet:
@@ -62,10 +61,6 @@ def _node(fleet: Fleet, session_id: str) -> str:
     return str(fleet.sql("SELECT worker FROM execution_execsession WHERE id = %s", session_id)[0][0])
 
 
-def _sandboxes(pid: int) -> list[str]:
-    return subprocess.run(["pgrep", "-P", str(pid), "bwrap"], capture_output=True, text=True).stdout.split()
-
-
 def _until_status(api: Api, session_id: str, seconds: float) -> dict[str, Any]:
     deadline = time.monotonic() + seconds
     while (session := api.get(f"/api/v1/sessions/{session_id}").json())["status"] == "active":
@@ -97,10 +92,10 @@ def test_the_holder_kills_the_sandbox_of_an_expired_session(fleet: Fleet) -> Non
     response = api.post("/api/v1/sessions", json={"toolsets": ["demo"], "idle_timeout": 2})
     session_id = response.json()["id"]
     pids = {process.proc.pid for process in (fleet.stack.exec_worker, fleet.second) if process.proc}
-    before = {pid for worker in pids for pid in _sandboxes(worker)}
+    before = {pid for worker in pids for pid in sandboxes_of(worker)}
     assert api.run("import time\ntime.sleep(0.5)", session=session_id)["status"] == "completed"
-    started = {pid for worker in pids for pid in _sandboxes(worker)} - before
-    assert started, "the session's sandbox should be a child of an exec worker"
+    started = {pid for worker in pids for pid in sandboxes_of(worker)} - before
+    assert started, "the session's sandbox should be under an exec worker"
     assert _until_status(api, session_id, 20)["status"] == "expired"
     # Within a lease round (1 s here) of its expiry, its worker kills its sandbox.
     deadline = time.monotonic() + 10
@@ -130,8 +125,8 @@ def test_a_killed_worker_ends_its_sessions_lost_and_their_queued_job_fails(fleet
     assert api.run("kept = 1\nprint('ready')", session=session_id)["stdout"] == "ready\n"
     worker = fleet.worker(_node(fleet, session_id))
     assert worker.proc is not None
-    sandboxes = _sandboxes(worker.proc.pid)
-    assert sandboxes, "the session's sandbox should be a child of its worker"
+    sandboxes = sandboxes_of(worker.proc.pid)
+    assert sandboxes, "the session's sandbox should be under its worker"
     try:
         worker.kill()  # SIGKILL: no goodbye
         time.sleep(0.5)
