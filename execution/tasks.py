@@ -39,11 +39,9 @@ logger = logging.getLogger("ptc.execution")
     max_retries=settings.PTC_QUEUED_MAX_SECONDS // 5,
 )
 def run_exec(job_id: str) -> None:
-    # The node name routes a session's later jobs here, to its direct queue (<nodename>.dq2). While
-    # it is the worker's only job, the warm pool's refill waits for its end (execution/sandbox/pool.py).
-    with warm_pool().busy():
-        call_id = (run_exec.request.headers or {}).get(CALL_ID_HEADER, "")
-        exec_job_run(job_id=job_id, worker=worker_name(), node=run_exec.request.hostname or "", call_id=call_id)
+    # The node name routes a session's later jobs here, to its direct queue (<nodename>.dq2).
+    call_id = (run_exec.request.headers or {}).get(CALL_ID_HEADER, "")
+    exec_job_run(job_id=job_id, worker=worker_name(), node=run_exec.request.hostname or "", call_id=call_id)
 
 
 @shared_task(queue=queues.MAINTENANCE, acks_late=True)
@@ -118,6 +116,7 @@ def _leases_while_up(sender: Any = None, **_: Any) -> None:
         run_every("ptc-session-leases", settings.PTC_JOB_HEARTBEAT_SECONDS, exec_sessions_heartbeat)
         try:
             process.check()
+            process.trial()
         except process.SandboxUnavailable as exc:  # said at start, not first at a user's job
             logger.error("this exec worker cannot run sandboxes: %s", exc)
         else:

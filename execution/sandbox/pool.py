@@ -1,20 +1,11 @@
-"""Warm sandboxes: started before their job, each used for one job only, then killed.
+"""Warm sandboxes: forked before their job, each used for one job only, then killed.
 
-A sandbox's start (bubblewrap, namespaces, seccomp, an interpreter) costs tens of milliseconds;
-a job should not wait for it. Each exec worker keeps ``PTC_SANDBOX_POOL_SIZE`` sandboxes started
+A sandbox's start (a fork of the fork server, its namespaces, its mounts) is about 1.5 ms; a job
+should not wait even for that. Each exec worker keeps ``PTC_SANDBOX_POOL_SIZE`` sandboxes started
 and waiting for their job (``guest.py`` blocks on the bridge's first frame before anything of a job
-is in it: no code, no SDK, no limits). A job takes one and the pool starts another in the
+is in it: no code, no SDK, no limits). A job takes one and the pool's thread starts another in the
 background. Nothing passes between jobs: a sandbox is never given a second job, and one that was
 not taken is killed with its worker.
-
-A start takes a core for tens of milliseconds, and on a small host it would share the cores with
-the very job that took the sandbox. So while a lone job runs (``busy``), the pool refills only
-once it is empty or after ``REFILL_DEFER_SECONDS``; otherwise the refill waits for the job's end.
-With several jobs running the cores are shared anyway, and a deferred refill only made the next
-job more likely to find the pool empty and start its sandbox itself (README, Benchmarks).
-
-One long-lived thread starts them: bubblewrap's ``--die-with-parent`` is tied to the *thread*
-that forked it (SANDBOX-NOTES.md), so a warm sandbox must not be started by a thread that ends.
 """
 
 import logging
@@ -23,8 +14,6 @@ import socket
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 from execution.sandbox import process
@@ -32,8 +21,6 @@ from execution.sandbox import process
 logger = logging.getLogger("ptc.sandbox")
 # After a failed start (a host that can't run sandboxes), wait this long before the next try.
 RETRY_SECONDS = 5.0
-# While a lone job runs, a pool that still has a sandbox ready waits at most this long to refill.
-REFILL_DEFER_SECONDS = 0.25
 
 
 @dataclass
@@ -104,8 +91,6 @@ class WarmPool:
         self._wanted = threading.Condition()
         self._closed = False
         self._thread: threading.Thread | None = None
-        self._busy = 0  # jobs running (``busy``)
-        self._short_since: float | None = None  # when the pool last fell short of its size
 
     def start(self) -> None:
         """Start the thread that fills the pool. Idempotent; a size of 0 starts nothing."""
@@ -120,25 +105,13 @@ class WarmPool:
         with self._wanted:
             while self._ready:
                 sandbox = self._ready.popleft()
-                self._short_since = self._short_since or time.monotonic()
                 self._wanted.notify()
                 if sandbox.proc.poll() is None:
                     return sandbox
-                logger.warning("a warm sandbox had exited (status %s); discarded", sandbox.proc.returncode)
+                said = sandbox.proc.stderr.read1(1024).decode(errors="replace").strip()
+                logger.warning("a warm sandbox had exited (status %s); discarded: %s", sandbox.proc.returncode, said)
                 sandbox.discard()
         return sandbox_start()
-
-    @contextmanager
-    def busy(self) -> Iterator[None]:
-        """Mark a job running for the block's length: refills wait for its end (see the module)."""
-        with self._wanted:
-            self._busy += 1
-        try:
-            yield
-        finally:
-            with self._wanted:
-                self._busy -= 1
-                self._wanted.notify()
 
     def ready(self) -> int:
         """How many warm sandboxes wait for a job now."""
@@ -157,8 +130,8 @@ class WarmPool:
     def _fill(self) -> None:
         while True:
             with self._wanted:
-                while not self._closed and (wait := self._refill_wait()) != 0:
-                    self._wanted.wait(wait)
+                while not self._closed and len(self._ready) >= self.size:
+                    self._wanted.wait()
                 if self._closed:
                     return
             try:
@@ -174,19 +147,8 @@ class WarmPool:
                 else:
                     self._ready.append(sandbox)
                     keep = True
-                    if len(self._ready) >= self.size:
-                        self._short_since = None
             if not keep:
                 sandbox.discard()
-
-    def _refill_wait(self) -> float | None:
-        """How long the fill thread waits before the next start (the lock held): 0 to start now,
-        None until notified."""
-        if len(self._ready) >= self.size:
-            return None
-        if not self._ready or self._busy != 1 or self._short_since is None:
-            return 0
-        return max(0.0, self._short_since + REFILL_DEFER_SECONDS - time.monotonic())
 
 
 _pool: WarmPool | None = None

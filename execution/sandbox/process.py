@@ -10,6 +10,7 @@ Killing it (``SandboxProcess.kill``) kills its PID 1, and with it every descenda
 ones that called ``setsid()``. The fork server, and every sandbox with it, ends with its worker.
 """
 
+import contextlib
 import errno
 import functools
 import hashlib
@@ -17,12 +18,16 @@ import itertools
 import json
 import logging
 import os
+import select
+import selectors
 import signal
 import socket
 import subprocess
 import tempfile
 import threading
+import time
 from pathlib import Path
+from typing import Any
 
 from django.conf import settings
 
@@ -42,6 +47,8 @@ STAGED = ".staged"  # in a staged runner's folder once all of it is there
 # A spawn is a few milliseconds; a fork server that has not answered by then is wedged.
 SPAWN_TIMEOUT = 10.0
 FORK_SERVER_GONE = "the fork server exited"
+# A sandbox whose exit the fork server has not reported this long after it ended is taken as killed.
+REPORT_GRACE = 2.0
 
 
 class SandboxUnavailable(Exception):
@@ -116,7 +123,7 @@ def _seccomp_program(*, fork_server: bool = False) -> bytes:
 def _program_fd(*, fork_server: bool = False) -> int:
     """Return a fresh fd holding a seccomp program at offset 0: the fork server's, for bwrap's
     ``--seccomp``, or the sandboxes', for the fork server to load into each."""
-    fd = os.memfd_create("ptc-seccomp", 0)
+    fd = os.memfd_create("ptc-seccomp", os.MFD_CLOEXEC)
     os.write(fd, _seccomp_program(fork_server=fork_server))
     os.lseek(fd, 0, os.SEEK_SET)
     return fd
@@ -207,6 +214,26 @@ def check() -> None:
         raise SandboxUnavailable(f"cannot build the seccomp filter ({exc}): install 'libseccomp2' and pyseccomp.") from exc
 
 
+def trial() -> None:
+    """Start one sandbox and let it go unused; raise SandboxUnavailable, with what it said, if it
+    could not set itself up (a host that refuses a user namespace inside bubblewrap's, say)."""
+    ours, theirs = socket.socketpair()
+    try:
+        sandbox = spawn(bridge_fd=theirs.fileno())
+    finally:
+        theirs.close()
+    ours.close()  # its runner reads the bridge's end before any job, and exits 0
+    try:
+        status = sandbox.wait(SPAWN_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        sandbox.kill()
+        status = sandbox.wait()
+    said = sandbox.stderr.read().decode(errors="replace").strip()
+    _close(sandbox)
+    if status != 0:
+        raise SandboxUnavailable(f"a sandbox could not start (status {status}): {said or 'it said nothing'}")
+
+
 def command(*, control_fd: int, seccomp_fd: int, program_fd: int) -> list[str]:
     """Return the bwrap command line of the fork server (zygote.py), with its control socket on
     ``control_fd``, its own seccomp filter on ``seccomp_fd`` and its sandboxes' on ``program_fd``.
@@ -238,9 +265,10 @@ def command(*, control_fd: int, seccomp_fd: int, program_fd: int) -> list[str]:
         # Where each sandbox mounts its own tmpfs. The fork server writes nothing.
         *(("--size", str(1 << 20), "--tmpfs", target) for target in _scratch()),
         ("--ro-bind", str(_guest_dir()), MOUNT_BIN),
+        *(("--remount-ro", target) for target in _scratch()),
         ("--remount-ro", "/dev"),
         ("--remount-ro", "/"),  # bwrap's root is an unsized tmpfs: read-only, so nothing can fill it
-        ("--chdir", "/work"),
+        ("--chdir", "/"),
         ("--seccomp", str(seccomp_fd)),
     ]
     # -u: what the code prints reaches the worker as it is printed, with or without a newline or flush.
@@ -277,8 +305,17 @@ class SandboxProcess:
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
-        if not self._exited.wait(timeout):
-            raise subprocess.TimeoutExpired("sandbox", timeout or 0)
+        """Wait for the fork server's report of its exit. One that has not come ``REPORT_GRACE``
+        after the sandbox's outermost process ended (a wedged fork server) is not waited for."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self._exited.wait(REPORT_GRACE if deadline is None else min(REPORT_GRACE, deadline - time.monotonic())):
+            if deadline is not None and time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired("sandbox", timeout or 0)
+            with self._lock:
+                ended = self._pidfd is not None and bool(select.select([self._pidfd], [], [], 0)[0])
+            if ended and not self._exited.wait(REPORT_GRACE):
+                logger.error("the fork server did not report a sandbox's exit: taken as killed")
+                self._exit(-signal.SIGKILL)
         assert self.returncode is not None
         return self.returncode
 
@@ -296,7 +333,8 @@ class SandboxProcess:
     def _start(self, pidfd: int) -> None:
         with self._lock:
             if self.returncode is not None:  # its spawn was given up on: it must not run
-                signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+                with contextlib.suppress(ProcessLookupError):
+                    signal.pidfd_send_signal(pidfd, signal.SIGKILL)
                 os.close(pidfd)
                 return
             self._pidfd = pidfd
@@ -327,18 +365,20 @@ def _pid_of(pidfd: int) -> int | None:
     with open(f"/proc/self/fdinfo/{pidfd}") as info:
         for line in info:
             if line.startswith("Pid:"):
-                return int(line.split()[1])
+                pid = int(line.split()[1])
+                return pid if pid > 0 else None  # -1: it has been reaped
     return None
 
 
 class ForkServer:
     """This process's fork server: one bubblewrap running zygote.py, started when first needed and
     again after it died. Its thread starts it (bubblewrap's ``--die-with-parent`` is tied to the
-    thread that forked it: SANDBOX-NOTES.md) and reads its reports."""
+    thread that forked it: SANDBOX-NOTES.md) and reads its reports and its stderr."""
 
     def __init__(self) -> None:
         self._lock = threading.Condition()
         self._thread: threading.Thread | None = None
+        self._proc: subprocess.Popen[bytes] | None = None
         self._control: socket.socket | None = None  # set while a fork server runs
         self._failure: str | None = None  # why the last start failed
         self._wanted = False
@@ -369,28 +409,43 @@ class ForkServer:
             self._sandboxes[request_id] = sandbox
         try:
             request = json.dumps({"op": "spawn", "id": request_id}).encode()
-            socket.send_fds(control, [request], [bridge_fd, out_w, err_w])
+            # Never blocks: a fork server that let its socket fill up is wedged.
+            socket.send_fds(control, [request], [bridge_fd, out_w, err_w], socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            sandbox._fail("the fork server is not reading its requests")
+            self._replace(sandbox._error)
         except OSError:
             sandbox._fail(FORK_SERVER_GONE)  # its thread says why
         finally:
             os.close(out_w)
             os.close(err_w)
         if not sandbox._started.wait(SPAWN_TIMEOUT):
-            sandbox._fail(f"no answer within {SPAWN_TIMEOUT} s")
+            sandbox._fail(f"the fork server did not answer within {SPAWN_TIMEOUT} s")
+            self._replace(sandbox._error)
         return sandbox
+
+    def _replace(self, why: str) -> None:
+        """Kill a wedged fork server (its sandboxes with it): the next spawn starts another."""
+        with self._lock:
+            proc = self._proc if self._control is not None else None
+        if proc is not None:
+            logger.error("killing the sandboxes' fork server: %s", why)
+            proc.kill()
 
     def _running(self) -> socket.socket:
         with self._lock:
-            if self._thread is None:
+            if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._serve, name="ptc-fork-server", daemon=True)
                 self._thread.start()
             if self._control is None:
                 self._wanted, self._failure = True, None
                 self._lock.notify_all()
-                while self._control is None and self._failure is None:
-                    self._lock.wait()
+                deadline = time.monotonic() + SPAWN_TIMEOUT
+                while self._control is None and self._failure is None and time.monotonic() < deadline:
+                    self._lock.wait(deadline - time.monotonic())
                 if self._control is None:
-                    raise SandboxUnavailable(f"the sandboxes' fork server could not start: {self._failure}")
+                    why = self._failure or f"not started within {SPAWN_TIMEOUT} s"
+                    raise SandboxUnavailable(f"the sandboxes' fork server could not start: {why}")
             return self._control
 
     def _serve(self) -> None:
@@ -398,36 +453,40 @@ class ForkServer:
             with self._lock:
                 while not self._wanted:
                     self._lock.wait()
-                self._wanted = False
             try:
                 proc, control = self._start()
             except Exception as exc:  # said to every caller waiting for it
                 with self._lock:
-                    self._failure = str(exc) or type(exc).__name__
+                    self._failure, self._wanted = str(exc) or type(exc).__name__, False
                     self._lock.notify_all()
                 continue
             with self._lock:
-                self._control, self._wanted = control, False
+                self._proc, self._control, self._wanted = proc, control, False
                 self._lock.notify_all()
             try:
-                self._read(control)
+                self._read(proc, control)
+            except Exception:  # the thread must live on: every later spawn depends on it
+                logger.exception("the sandboxes' fork server's reports could not be read")
             finally:
-                with self._lock:
-                    self._control = None
-                    orphans, self._sandboxes = list(self._sandboxes.values()), {}
-                control.close()
-                # Its PID namespace is gone, and every sandbox in it.
-                for sandbox in orphans:
-                    if sandbox._started.is_set():
-                        sandbox._exit(-signal.SIGKILL)
-                    else:
-                        sandbox._fail(FORK_SERVER_GONE)
-                proc.kill()
-                proc.wait()
-                stderr = proc.stderr.read().decode(errors="replace").strip() if proc.stderr else ""
-                if proc.stderr:
-                    proc.stderr.close()
-                logger.error("the sandboxes' fork server exited (status %s): %s", proc.returncode, stderr or "no message")
+                self._ended(proc, control)
+
+    def _ended(self, proc: subprocess.Popen[bytes], control: socket.socket) -> None:
+        with self._lock:
+            self._control = None
+            orphans, self._sandboxes = list(self._sandboxes.values()), {}
+        control.close()
+        # Its PID namespace is gone, and every sandbox in it.
+        for sandbox in orphans:
+            if sandbox._started.is_set():
+                sandbox._exit(-signal.SIGKILL)
+            else:
+                sandbox._fail(FORK_SERVER_GONE)
+        proc.kill()
+        proc.wait()
+        assert proc.stderr is not None
+        said = proc.stderr.read().decode(errors="replace").strip()
+        proc.stderr.close()
+        logger.error("the sandboxes' fork server exited (status %s): %s", proc.returncode, said or "no message")
 
     def _start(self) -> tuple[subprocess.Popen[bytes], socket.socket]:
         check()
@@ -461,30 +520,46 @@ class ForkServer:
             os.close(program_fd)
         return proc, ours
 
-    def _read(self, control: socket.socket) -> None:
-        """Hand each report of the fork server to its sandbox, until the fork server ends."""
-        while True:
-            try:
-                data, fds, _, _ = socket.recv_fds(control, 4096, 1)
-            except OSError:
-                return
-            if not data:
-                return
-            report = json.loads(data)
-            with self._lock:
-                sandbox = self._sandboxes.get(report.get("id"))
-                if sandbox is not None and report["op"] in ("exit", "failed"):
-                    del self._sandboxes[report["id"]]
-            if sandbox is None:  # a spawn its caller gave up on
-                for fd in fds:
-                    os.close(fd)
-                continue
-            if report["op"] == "started" and fds:
-                sandbox._start(fds[0])
-            elif report["op"] == "exit":
-                sandbox._exit(report["status"])
-            else:
-                sandbox._fail(str(report.get("error")))
+    def _read(self, proc: subprocess.Popen[bytes], control: socket.socket) -> None:
+        """Hand each report of the fork server to its sandbox, and log what it says on stderr
+        (read as it comes: a full pipe would stop it), until it ends."""
+        assert proc.stderr is not None
+        with selectors.DefaultSelector() as sel:
+            sel.register(control, selectors.EVENT_READ, "control")
+            sel.register(proc.stderr, selectors.EVENT_READ, "stderr")
+            while True:
+                for key, _ in sel.select():
+                    if key.data == "stderr":
+                        said = os.read(proc.stderr.fileno(), 1 << 16)
+                        if not said:
+                            return
+                        logger.warning("the sandboxes' fork server: %s", said.decode(errors="replace").strip())
+                        continue
+                    try:
+                        data, fds, _, _ = socket.recv_fds(control, 4096, 1)
+                    except OSError:
+                        return
+                    if not data:
+                        return
+                    self._report(json.loads(data), fds)
+
+    def _report(self, report: dict[str, Any], fds: list[int]) -> None:
+        with self._lock:
+            sandbox = self._sandboxes.get(report.get("id"))  # type: ignore[arg-type]
+            if sandbox is not None and report["op"] in ("exit", "failed"):
+                del self._sandboxes[report["id"]]
+        if sandbox is None:  # a spawn its caller gave up on
+            for fd in fds:
+                os.close(fd)
+            return
+        if report["op"] == "started" and fds:
+            sandbox._start(fds[0])
+        elif report["op"] == "started":
+            sandbox._fail("the fork server's report came without the sandbox's pidfd")
+        elif report["op"] == "exit":
+            sandbox._exit(report["status"])
+        else:
+            sandbox._fail(str(report.get("error")))
 
 
 def _close(sandbox: SandboxProcess) -> None:

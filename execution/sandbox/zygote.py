@@ -29,6 +29,7 @@ import fcntl
 import gc
 import json
 import os
+import resource
 import select
 import signal
 import socket
@@ -90,11 +91,14 @@ def _name(name: str) -> None:
 
 
 def _write(path: str, text: str) -> None:
-    fd = os.open(path, os.O_WRONLY)
     try:
-        os.write(fd, text.encode())
-    finally:
-        os.close(fd)
+        fd = os.open(path, os.O_WRONLY)
+        try:
+            os.write(fd, text.encode())
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        raise OSError(exc.errno, f"write {path}: {exc.strerror}") from None
 
 
 def _drop_capabilities(last_cap: int) -> None:
@@ -119,59 +123,82 @@ class Server:
         self.children: dict[int, tuple[int, int]] = {}  # pidfd -> (request id, pid)
         self.poll = select.poll()  # the control socket, and a pidfd per child: readable at its exit
 
-    def serve(self) -> None:
+    def serve(self) -> list[int]:
+        """Serve spawn requests until the worker closes the control socket, then exit. Return only
+        in a forked child: its bridge, stdout and stderr, with nothing of the serving left on its
+        stack (a sandbox's code can read every frame above its own)."""
         self.poll.register(self.control, select.POLLIN)
         while True:
             for fd, _ in self.poll.poll():
-                if fd == self.control.fileno():
-                    self._request()
-                else:
+                if fd != self.control.fileno():
                     self._reap(fd)
+                    continue
+                try:
+                    data, fds, _, _ = socket.recv_fds(self.control, 4096, 3)
+                except ConnectionError:
+                    data, fds = b"", []
+                if not data:
+                    os._exit(0)  # the worker closed the socket (it exits): every sandbox goes with this process
+                if self._spawn(json.loads(data), fds):
+                    return fds
 
-    def _request(self) -> None:
+    def _spawn(self, request: dict, fds: list[int]) -> bool:
+        """Fork a sandbox for ``request``; return True in the child. One failed spawn (the fds in
+        flight of this uid at their limit, a fork refused) is reported, and the serving goes on."""
+        pid = 0
         try:
-            data, fds, _, _ = socket.recv_fds(self.control, 4096, 3)
-        except ConnectionError:
-            data, fds = b"", []
-        if not data:
-            os._exit(0)  # the worker closed the socket (it exits): every sandbox goes with this process
-        request = json.loads(data)
-        if request.get("op") != "spawn" or len(fds) != 3:
-            for fd in fds:
-                os.close(fd)
-            self._send({"op": "failed", "id": request.get("id"), "error": "a spawn request brings three fds"})
-            return
-        try:
+            if request.get("op") != "spawn" or len(fds) != 3:
+                raise ValueError("a spawn request brings three fds")
             pid = os.fork()
-        except OSError as exc:
-            for fd in fds:
-                os.close(fd)
-            self._send({"op": "failed", "id": request["id"], "error": f"fork: {exc}"})
-            return
-        if pid == 0:
-            self._child(fds)  # never returns
-        for fd in fds:
-            os.close(fd)
-        pidfd = os.pidfd_open(pid)
-        self.children[pidfd] = (request["id"], pid)
-        self.poll.register(pidfd, select.POLLIN)
-        self._send({"op": "started", "id": request["id"]}, fds=[pidfd])
+            if pid == 0:
+                return True
+            pidfd = os.pidfd_open(pid)
+            try:
+                self._send({"op": "started", "id": request["id"]}, fds=[pidfd])
+            except BaseException:
+                os.close(pidfd)
+                raise
+            self.children[pidfd] = (request["id"], pid)
+            self.poll.register(pidfd, select.POLLIN)
+        except Exception as exc:
+            if pid:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+            self._report({"op": "failed", "id": request.get("id"), "error": f"{type(exc).__name__}: {exc}"})
+        finally:
+            if pid != 0:
+                for fd in fds:
+                    os.close(fd)
+        return False
 
     def _reap(self, pidfd: int) -> None:
         request_id, pid = self.children.pop(pidfd)
         self.poll.unregister(pidfd)
         os.close(pidfd)
         _, status = os.waitpid(pid, 0)
-        self._send({"op": "exit", "id": request_id, "status": os.waitstatus_to_exitcode(status)})
+        self._report({"op": "exit", "id": request_id, "status": os.waitstatus_to_exitcode(status)})
 
     def _send(self, message: dict, fds: list[int] = ()) -> None:  # type: ignore[assignment]
         socket.send_fds(self.control, [json.dumps(message).encode()], list(fds))
 
+    def _report(self, message: dict) -> None:
+        """Send a report that carries no fd, and so can't be refused for the fds in flight."""
+        try:
+            self._send(message)
+        except OSError as exc:  # the worker is gone: the next read of the socket ends this process
+            os.write(2, f"ptc: a report was lost: {exc}\n".encode())
+
     # -- in the forked child ------------------------------------------------------------------
-    def _child(self, fds: list[int]) -> NoReturn:
+    def sandbox(self, fds: list[int]) -> NoReturn:
         """C: make the sandbox's namespaces and scratch, fork its PID 1, exit as it does."""
         try:
             _name("ptc-sandbox")
+            # Nothing of the fork server's other children for the code to find in this object.
+            self.children.clear()
+            del self.poll
+            # Python's KeyboardInterrupt handler would let the code interrupt its PID 1; the
+            # runner gets it back.
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
             os.setsid()
             # Out of the way of the numbers they go to first: they may hold any of them.
             high = [fcntl.fcntl(fd, fcntl.F_DUPFD, FD_MOVED_TO) for fd in fds]
@@ -190,6 +217,7 @@ class Server:
                 _mount("tmpfs", target, "tmpfs", MS_NOSUID | MS_NODEV, f"size={size},mode=0755")
             # Pseudo-terminals of its own: in the fork server's, a sibling could open its ptys.
             _mount("devpts", "/dev/pts", "devpts", MS_NOSUID | MS_NOEXEC, "newinstance,ptmxmode=0666,mode=620")
+            os.chdir("/")
             parent_gone_r, parent_gone_w = os.pipe()
             pid = os.fork()
         except BaseException as exc:
@@ -241,6 +269,7 @@ class Server:
             _check(_libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "PR_SET_NO_NEW_PRIVS")
             program = _SockFprog(len(self.seccomp) // 8, ctypes.cast(self.seccomp, ctypes.c_void_p))
             _check(_libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(program), 0, 0), "seccomp")
+            signal.signal(signal.SIGINT, signal.default_int_handler)
             os.chdir("/work")
         except BaseException as exc:
             self._fail(exc)
@@ -273,8 +302,12 @@ def main() -> None:
     # What is imported now stays out of the collector's sight: a sandbox's collections would
     # otherwise touch, and so copy, every page of it that the fork shares.
     gc.freeze()
-    control = socket.socket(fileno=control_fd)
-    Server(control, seccomp, sdk_dir, limits).serve()
+    # Each spawn sends a pidfd, which counts against the fds in flight of this uid, the sandboxes'
+    # too: at their sum's soft limit, the kernel would refuse it.
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    server = Server(socket.socket(fileno=control_fd), seccomp, sdk_dir, limits)
+    server.sandbox(server.serve())
 
 
 if __name__ == "__main__":

@@ -2,9 +2,14 @@
 died is started again. In this process, with no stack: the pool and jobs build on these."""
 
 import os
+import signal
+import socket
 import time
 from pathlib import Path
 
+import pytest
+
+from execution.sandbox import process
 from execution.sandbox.pool import sandbox_start
 from tests.stack import sandboxes_of
 
@@ -85,3 +90,42 @@ def _is_fork_server(pid: int) -> bool:
         return names == ("ptc-fork-server", "bwrap")
     except (FileNotFoundError, ProcessLookupError):
         return False
+
+
+def test_the_workers_start_up_trial_passes_here() -> None:
+    process.trial()  # what an exec worker runs before its pool: here, a sandbox sets itself up
+
+
+def test_a_bad_request_is_refused_and_the_fork_server_serves_on() -> None:
+    running = sandbox_start()
+    control = process._fork_server._running()
+    request = process.json.dumps({"op": "spawn", "id": -1}).encode()
+    socket.send_fds(control, [request], [running.bridge.fileno()])  # one fd, not three
+    later = sandbox_start()
+    try:
+        assert running.proc.poll() is None and later.proc.poll() is None
+    finally:
+        running.discard()
+        later.discard()
+
+
+def test_a_wedged_fork_server_is_replaced(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(process, "SPAWN_TIMEOUT", 1.0)
+    monkeypatch.setattr(process, "REPORT_GRACE", 0.2)
+    running = sandbox_start()
+    server = next(pid for pid in _tree(os.getpid()) if _is_fork_server(pid))
+    os.kill(server, signal.SIGSTOP)
+    try:
+        running.proc.kill()  # its exit can't be reported: the wait gives up on the report
+        assert running.proc.wait(5) == -9
+        with pytest.raises(process.SandboxUnavailable, match="did not answer"):
+            sandbox_start()
+    finally:
+        os.kill(server, signal.SIGCONT)
+    running.discard()
+    assert _gone([server])  # killed for it
+    later = sandbox_start()
+    try:
+        assert later.proc.poll() is None
+    finally:
+        later.discard()

@@ -158,3 +158,26 @@ def test_sibling_sandboxes_share_nothing(api: Api) -> None:
         time.sleep(0.2)
     assert ended["status"] == "completed", ended["error"]
     assert ended["return_value"] == ["secret", 200]  # its file, and every one of its processes
+
+
+def test_the_code_can_neither_interrupt_its_init_nor_read_the_fork_servers_state(api: Api) -> None:
+    code = """
+import os, signal, sys, time
+os.kill(1, signal.SIGINT)  # its PID 1 has no handler: the kernel drops it
+time.sleep(0.2)
+frames, frame = [], sys._getframe()
+while frame is not None:
+    frames.append(frame.f_locals)
+    frame = frame.f_back
+servers = [v for f in frames for v in f.values() if hasattr(v, "children")]
+(signal.getsignal(signal.SIGINT) is signal.default_int_handler,
+ any("request" in f for f in frames),
+ [dict(s.children) for s in servers])
+"""
+    job = api.run(code, toolsets=["demo"])
+    assert job["status"] == "completed", job["error"]
+    # Ctrl-C still raises KeyboardInterrupt in the code; no request of the fork server's, and
+    # none of its other children, are left above the code's frame.
+    interruptible, request_left, children_seen = job["return_value"]
+    assert interruptible and not request_left
+    assert children_seen and all(children == {} for children in children_seen)

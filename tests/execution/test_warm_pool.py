@@ -100,38 +100,3 @@ def test_the_pool_refills_discards_the_dead_and_kills_the_unused_when_closed() -
         assert not cold.warm and cold.proc.poll() is None
     finally:
         cold.discard()
-
-
-def test_while_a_lone_job_runs_the_pool_refills_once_empty_or_after_a_while(monkeypatch) -> None:
-    from execution.sandbox import pool as pool_module
-
-    monkeypatch.setattr(pool_module, "REFILL_DEFER_SECONDS", 30.0)
-    pool = WarmPool(2)
-    pool.start()
-    taken = []
-    try:
-        _wait_ready(pool, 2)
-        with pool.busy():
-            taken.append(pool.take())
-            time.sleep(1.0)  # ample for a start (tens of ms): the refill waits for the job
-            assert pool.ready() == 1
-        _wait_ready(pool, 2)  # the job ended: refilled
-
-        with pool.busy():
-            taken += [pool.take(), pool.take()]
-            _wait_ready(pool, 1)  # empty: refilled while the job runs
-        _wait_ready(pool, 2)
-
-        with pool.busy(), pool.busy():
-            taken.append(pool.take())
-            _wait_ready(pool, 2)  # two jobs share the cores anyway: refilled at once
-
-        monkeypatch.setattr(pool_module, "REFILL_DEFER_SECONDS", 0.2)
-        _wait_ready(pool, 2)
-        with pool.busy():
-            taken.append(pool.take())
-            _wait_ready(pool, 2)  # a long job does not hold the refill past the deferral
-    finally:
-        pool.close()
-        for sandbox in taken:
-            sandbox.discard()
