@@ -67,9 +67,8 @@ def test_a_sandbox_let_go_unused_exits_and_says_so() -> None:
 
 def test_a_fork_server_that_died_is_started_again() -> None:
     running = sandbox_start()
-    servers = [pid for pid in _tree(os.getpid()) if _is_fork_server(pid)]
-    assert len(servers) == 1, servers
-    os.kill(servers[0], 9)
+    server = _fork_server()
+    os.kill(server, 9)
     # Its sandboxes died with it, and are reported killed.
     assert running.proc.wait(5) == -9
     running.discard()
@@ -80,6 +79,15 @@ def test_a_fork_server_that_died_is_started_again() -> None:
         assert later.proc.wait(5) == 0
     finally:
         later.discard()
+
+
+def _fork_server() -> int:
+    """This process's fork server (not an exec worker's, which a test stack may have started)."""
+    bwrap = process._fork_server._proc
+    assert bwrap is not None
+    servers = [pid for pid in _tree(bwrap.pid) if _is_fork_server(pid)]
+    assert len(servers) == 1, servers
+    return servers[0]
 
 
 def _is_fork_server(pid: int) -> bool:
@@ -113,7 +121,7 @@ def test_a_wedged_fork_server_is_replaced(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setattr(process, "SPAWN_TIMEOUT", 1.0)
     monkeypatch.setattr(process, "REPORT_GRACE", 0.2)
     running = sandbox_start()
-    server = next(pid for pid in _tree(os.getpid()) if _is_fork_server(pid))
+    server = _fork_server()
     os.kill(server, signal.SIGSTOP)
     try:
         running.proc.kill()  # its exit can't be reported: the wait gives up on the report
