@@ -1,11 +1,8 @@
 """The sandbox's main program. Runs under the sandbox's own interpreter, standard library only.
 
-    python3 -I -S -B -c "import sys; sys.path.insert(0, DIR); import guest; guest.main()" BRIDGE_FD SDK_DIR
-
-(imported rather than run as a script, so that it loads from the bytecode staged beside it.)
-
-It may start long before its job (a warm sandbox): it imports the SDK's base package and waits
-for the job, the first bridge frame, which carries the code, the limits and the modules of the
+The fork server (``zygote.py``) imports it and the SDK's base package (``prepare``) once, and each
+sandbox it forks calls ``main(BRIDGE_FD, SDK_DIR)``. It may run long before its job (a warm
+sandbox): it waits for the job, the first bridge frame, which carries the code, the limits and the modules of the
 job's toolsets, written to SDK_DIR (a tmpfs of this sandbox's own). It sets its own resource
 limits before any user code runs (it has no capabilities, so the code can never raise them
 again), runs the code, and sends one ``done`` frame with the value of the last expression or the

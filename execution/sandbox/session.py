@@ -220,7 +220,7 @@ class Session:
             returncode = 0
             if not self.kept and self.result is not None:
                 # The job has its result: the sandbox is killed now, and reaped off this path
-                # (bubblewrap's teardown of its namespaces is milliseconds the client needn't wait).
+                # (the teardown of its namespaces is milliseconds the client needn't wait).
                 sandbox_reap(sandbox)
             elif not self.kept:
                 if self.ended is None:
@@ -377,7 +377,7 @@ class Session:
             for name in list(self.chunk_since):
                 self._flush_chunk(name, final=True)
             if self.ended is not None and (self.sent_any or not self.keep):
-                # Killing bwrap tears down the sandbox's PID namespace: every descendant goes too.
+                # Killing the sandbox kills its PID 1, and its PID namespace: every descendant goes too.
                 proc.send_signal(signal.SIGKILL)
 
     # -- output --------------------------------------------------------------------------------
