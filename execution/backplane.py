@@ -223,6 +223,8 @@ class _RedisSubscription(Subscription):
 
 # How long a subscription waits for Redis to confirm it before it counts as failed.
 SUBSCRIBE_TIMEOUT = 5.0
+# How long the reader waits on its connection at a time.
+READ_TIMEOUT = 1.0
 
 
 class _RedisHub:
@@ -293,12 +295,15 @@ class _RedisHub:
                     if broken:
                         self._pubsub.ping()  # reconnects here, under the lock (resubscribing), or raises
                     connection = self._pubsub.connection
-                connection.can_read(timeout=1.0)  # blocks on the socket, outside the lock
+                ready = connection.can_read(timeout=READ_TIMEOUT)  # blocks on the socket, outside the lock
                 with self._lock:
                     messages = []
                     while (message := self._pubsub.get_message(timeout=0)) is not None:
                         messages.append(message)
-                    idle = not messages and not self._pubsub.subscribed
+                    # Data that redis-py won't read (it reads nothing while nothing is subscribed):
+                    # only then would the loop spin. A wait that timed out is no reason to sleep: a
+                    # SUBSCRIBE sent during that sleep had its confirmation wait up to 50 ms.
+                    idle = ready and not messages and not self._pubsub.subscribed
             except Exception:  # Redis went away; retried every half second
                 broken = True
                 time.sleep(0.5)
