@@ -19,6 +19,7 @@ from execution.services.jobs import CALL_ID_HEADER, exec_job_run, exec_jobs_reap
 from execution.services.retention import exec_jobs_purge
 from execution.services.sessions import exec_sessions_heartbeat, exec_sessions_shutdown
 from ptcproject import metrics, queues
+from ptcproject.heap import heap_freeze
 from ptcproject.periodic import run_every
 
 logger = logging.getLogger("ptc.execution")
@@ -123,6 +124,12 @@ def _leases_while_up(sender: Any = None, **_: Any) -> None:
             warm_pool().start()
     if _consumes(sender, queues.TOOLS):
         run_every("ptc-call-leases", settings.PTC_JOB_HEARTBEAT_SECONDS, tool_calls_heartbeat)
+
+
+@worker_ready.connect
+def _heap_frozen(**_: Any) -> None:
+    """What the worker's start made is frozen out of the collector's sight (ptcproject/heap.py)."""
+    heap_freeze()
 
 
 @worker_shutdown.connect
