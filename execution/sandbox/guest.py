@@ -22,6 +22,7 @@ import errno
 import json
 import os
 import resource
+import select
 import signal
 import socket
 import stat
@@ -46,6 +47,8 @@ MAX_JOB_FRAME = 64 << 20
 WORK = "/work"
 # A /work of more files than this is not walked further for the files a job changed.
 MAX_SCANNED_FILES = 10_000
+# Written and removed in the SDK's folder by the warm-up: no module can have the name.
+WARM_UP_FILE = ".warm-up"
 
 
 def _set_limits(limits: dict[str, int]) -> None:
@@ -303,11 +306,33 @@ def prepare() -> None:
     from ptc_tools import _protocol, _runtime, tools  # noqa: F401
 
 
+def _warm_up(sdk_dir: str, protocol: Any) -> None:
+    """Take once, while this sandbox waits for its job, the paths every job takes in here: a file
+    written to the SDK's folder, a thread started, code compiled and run, a frame encoded and
+    decoded, /work scanned. A forked sandbox's pages are the fork server's until it first writes
+    them, and merely using an object writes to it (its reference count): a job paid those copies
+    on its own path, about 1.5 ms of the 2.5 it spent in here. Leaves nothing behind."""
+    _install_sdk({WARM_UP_FILE: ""}, sdk_dir)
+    os.unlink(os.path.join(sdk_dir, WARM_UP_FILE))
+    thread = threading.Thread(target=int, daemon=True)
+    thread.start()
+    thread.join()
+    code, _ = _compile("x = 1\nx")
+    eval(code, {"__builtins__": builtins})
+    protocol.FrameDecoder(1 << 10).feed(protocol.encode({"op": "done", "return_value": None, "error": None}))
+    _scan()
+
+
 def main(bridge_fd: int, sdk_dir: str) -> None:
     """Wait for the job on ``bridge_fd``, run it (a session's: its jobs), and exit."""
     import ptc_tools
     from ptc_tools import _protocol, _runtime, tools
 
+    if not select.select([bridge_fd], [], [], 0)[0]:  # a warm sandbox: its job is not here yet
+        try:
+            _warm_up(sdk_dir, _protocol)
+        except Exception:  # only ever a saving: the job takes the same paths, and says what fails
+            pass
     job: dict[str, Any] | None = _read_job(bridge_fd, _protocol)
     assert job is not None
     _install_sdk(job.pop("sdk", {}), sdk_dir)

@@ -100,3 +100,21 @@ def test_the_pool_refills_discards_the_dead_and_kills_the_unused_when_closed() -
         assert not cold.warm and cold.proc.poll() is None
     finally:
         cold.discard()
+
+
+FIND_WARM_UP = """
+import os, threading
+[sorted(os.listdir("/opt/ptc/sdk")), sorted(os.listdir("/work")), [t.name for t in threading.enumerate()]]
+"""
+
+
+def test_a_warm_sandboxs_warm_up_leaves_its_job_nothing(api: Api) -> None:
+    # A warm sandbox takes the job's paths once while it waits (guest._warm_up): no file of it in
+    # the SDK's folder or /work, no thread of it left beside the code's and the bridge's reader.
+    job = _warm_job(api, FIND_WARM_UP)
+    assert job["status"] == "completed", job["error"]
+    assert api_job_warm(job)
+    sdk, work, threads = job["return_value"]
+    assert ".warm-up" not in sdk and sdk == ["ptc_tools"]
+    assert work == []
+    assert sorted(threads) == ["MainThread", "ptc-bridge"]
