@@ -70,6 +70,9 @@ class Outcome:
     files_removed: list[str] = field(default_factory=list)
     # Whether the code asked for its job-scoped key (made then): a job that never did has none.
     key_made: bool = False
+    # The output not yet passed on when the job ended, ``(stream, text)``: it goes out with the
+    # job's end, in the same round trip (Session's ``on_output`` had the rest).
+    tail: list[tuple[str, str]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -172,6 +175,7 @@ class Session:
         self.chunks: dict[str, bytearray] = {"stdout": bytearray(), "stderr": bytearray()}
         self.chunk_since: dict[str, float] = {}
         self.streamed: dict[str, int] = {}
+        self.tail: list[tuple[str, str]] = []  # the last chunks, held for the job's end (Outcome.tail)
         self.decoders = {name: codecs.getincrementaldecoder("utf-8")("replace") for name in self.chunks}
         self.stdout = CappedOutput(limits.max_output_bytes)
         self.stderr = CappedOutput(limits.max_output_bytes)
@@ -232,6 +236,7 @@ class Session:
                 returncode = proc.wait()
         outcome = self.ended or self._outcome(returncode)
         outcome.key_made = self.key_asked
+        outcome.tail = self.tail
         outcome.stdout, outcome.stdout_truncated = self.stdout.text(), self.stdout.truncated
         outcome.stderr, outcome.stderr_truncated = self.stderr.text(), self.stderr.truncated
         finished = time.monotonic()
@@ -414,10 +419,13 @@ class Session:
             self._flush_chunk(name)
 
     def _flush_chunk(self, name: str, final: bool = False) -> None:
+        """Pass on what ``name`` has gathered; the last of it (``final``) is held in ``tail``."""
         data, self.chunks[name] = bytes(self.chunks[name]), bytearray()
         self.chunk_since.pop(name, None)
         text = self.decoders[name].decode(data, final=final)
-        if text and self.on_output is not None:
+        if text and final:
+            self.tail.append((name, text))
+        elif text and self.on_output is not None:
             self.on_output(name, text)
 
     # -- the bridge ------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ from django.utils import timezone
 from execution.backplane import Cancel, End, Resync, Subscription, backplane, job_channel, job_end_channel
 from execution.events import (
     event_publish,
+    events_publish_by_job,
     job_end_payload,
     job_start_payload,
     job_view,
@@ -299,7 +300,7 @@ def exec_job_run(*, job_id: str, worker: str, node: str = "", call_id: str = "")
             logger.exception("the job's run failed", extra={"job_id": job_id})
             error = job_error("InternalError", f"the worker failed while running the job: {exc}")
             outcome = Outcome(status="failed", error=error, key_made=True)  # whether it made one is not known: revoke
-    exec_job_finish(job_id=job_id, outcome=outcome, user=job.user, sdk_hash=job.sdk_hash)
+    exec_job_finish(job_id=job_id, call_id=call_id, outcome=outcome, user=job.user, sdk_hash=job.sdk_hash)
 
 
 @functools.cache
@@ -419,9 +420,11 @@ def _exec_job_sandbox(*, job: ExecJob, node: str, channel: Subscription) -> Outc
         except SandboxUnavailable as exc:
             logger.error("this host cannot run sandboxes: %s", exc, extra={"job_id": job_id})
             outcome = Outcome(status="failed", error=job_error("SandboxCrashed", str(exc)), key_made=session.key_asked)
+            outcome.tail = session.tail
         except Exception as exc:  # the worker survives anything a sandbox does; the job records it
             logger.exception("sandbox failed", extra={"job_id": job_id})
             outcome = Outcome(status="failed", error=job_error("SandboxCrashed", str(exc)), key_made=session.key_asked)
+            outcome.tail = session.tail
     finally:
         if live is not None and job.session is not None:
             # A sandbox that nothing of this job reached (cancelled as it started, or its inputs
@@ -507,10 +510,11 @@ def _exec_job_heartbeat(*, job_id: Any) -> bool:
         return True
 
 
-def exec_job_finish(*, job_id: Any, outcome: Outcome, user: User | None = None, sdk_hash: str = "") -> None:
-    """Record the outcome of a running job, close it and announce its end. A cancelled job stays
-    cancelled, with what the code printed and the ``sdk_hash`` of the SDK it ran with (if it got
-    that far). ``user``: the job's, if the caller has it at hand.
+def exec_job_finish(*, job_id: Any, call_id: str, outcome: Outcome, user: User | None = None, sdk_hash: str = "") -> None:
+    """Record the outcome of a running job, close it and announce its end, with the output its
+    events had not carried yet (``outcome.tail``). A cancelled job stays cancelled, with what the
+    code printed and the ``sdk_hash`` of the SDK it ran with (if it got that far). ``user``: the
+    job's, if the caller has it at hand.
 
     While the database is unreachable it retries (PTC_DB_RETRY_SECONDS); a value it cannot store
     ends the job failed with a short error. If the database stays away longer, the job's lease
@@ -557,13 +561,19 @@ def exec_job_finish(*, job_id: Any, outcome: Outcome, user: User | None = None, 
         stored = db_retry(store, what="storing a job's outcome", job_id=job_id)
         job = db_retry(
             lambda: _exec_job_close(
-                job_id=job_id, job=stored, bridge_calls=None if calls is None else int(calls), key_made=outcome.key_made
+                job_id=job_id,
+                job=stored,
+                bridge_calls=None if calls is None else int(calls),
+                key_made=outcome.key_made,
+                tail=outcome.tail,
             ),
             what="closing a job",
             job_id=job_id,
         )
     except DatabaseError:
         logger.exception("could not record a job's end; the reaper will", extra={"job_id": str(job_id)})
+        # What the code printed last goes out now: the reaper stores the output the events carried.
+        events_publish_by_job([(call_id, (stream, {"text": text})) for stream, text in outcome.tail])
         return
     logger.info("job finished", extra={"job_id": str(job_id), "status": job.status, **outcome.timings})
     job_finished_observe(
@@ -573,15 +583,21 @@ def exec_job_finish(*, job_id: Any, outcome: Outcome, user: User | None = None, 
 
 
 def _exec_job_close(
-    *, job_id: Any, job: ExecJob | None = None, bridge_calls: int | None = None, key_made: bool = True
+    *,
+    job_id: Any,
+    job: ExecJob | None = None,
+    bridge_calls: int | None = None,
+    key_made: bool = True,
+    tail: list[tuple[str, str]] | None = None,
 ) -> ExecJob:
     """What follows every job's end, however it ended: its job key is revoked, its calls still
     queued fail as never run (a tools worker that claimed one finishes it), and its end is
     announced. Idempotent. Return the job.
 
     ``job`` is the job as its end was just stored, if the caller has it (else it is read),
-    ``bridge_calls`` how many calls its sandbox made, if known, and ``key_made`` False when its
-    worker knows its code never asked for its key (so none was made, or used)."""
+    ``bridge_calls`` how many calls its sandbox made, if known, ``key_made`` False when its
+    worker knows its code never asked for its key (so none was made, or used), and ``tail`` the
+    output its events had not carried yet, ``(stream, text)``: they go out before its end."""
     key_used = job_keys_revoke(exec_job_id=job_id) if key_made else False
     if job is None:
         # The job and its calls in one read: what its end announces, and the calls it left open.
@@ -607,18 +623,20 @@ def _exec_job_close(
             tool_call_finish(call_id=call.call_id, error=error)
     if left:
         job = exec_job_with_calls(job_id=job_id)  # their ends are part of the job's
-    _exec_job_ended(job)
+    _exec_job_ended(job, tail=tail or [])
     return job
 
 
-def _exec_job_ended(job: ExecJob) -> str:
-    """Announce a job's end: its last event, then the ``End`` on its end channel that wakes its
-    waiters, with the job as the API shows it (unless too large to push). ``job`` comes with its
-    calls. Return its status."""
+def _exec_job_ended(job: ExecJob, *, tail: list[tuple[str, str]]) -> str:
+    """Announce a job's end: the output its events had not carried yet (``tail``) and its last
+    event, then the ``End`` on its end channel that wakes its waiters, with the job as the API
+    shows it (unless too large to push), all in one round trip. ``job`` comes with its calls.
+    Return its status."""
     view = job_view(job)
     pushed = view if len(json.dumps(view, default=str)) <= END_PUSH_MAX_BYTES else None
+    output = [(stream, {"text": text}) for stream, text in tail]
     backplane().append_then_publish(
-        [(job.call_id, [("exec_end", job_end_payload(view))])],
+        [(job.call_id, [*output, ("exec_end", job_end_payload(view))])],
         [(job_end_channel(job.call_id), End(status=view["status"], job=pushed))],
     )
     return view["status"]
