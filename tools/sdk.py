@@ -11,11 +11,11 @@ import json
 import keyword
 import re
 import textwrap
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ptcproject.kept import Kept
 from tools.classification import direct_only_tools, tool_is_ptc
 from tools.models import Tool, Toolset
 
@@ -361,9 +361,7 @@ def sdk_build_of(per_toolset: list[tuple[Toolset, list[Tool]]]) -> Sdk:
 
 # Builds by hash, for GET /sdk: the same definitions are asked for again and again, and a build of a
 # large toolset (GitHub's 114 tools) costs tens of milliseconds.
-_BUILDS: dict[str, Sdk] = {}
-_BUILDS_KEPT = 32
-_builds_lock = threading.Lock()
+_BUILDS: Kept[str, Sdk] = Kept(32)
 
 
 def sdk_cached(
@@ -376,13 +374,9 @@ def sdk_cached(
     """
     per_toolset = ptc_tools_of(toolsets, direct_only) + list(extra or [])
     digest = sdk_hash_of(per_toolset)
-    with _builds_lock:
-        hit = _BUILDS.get(digest)
+    hit = _BUILDS.get(digest)
     if hit is not None:
         return hit
     sdk = sdk_build_of(per_toolset)
-    with _builds_lock:
-        if len(_BUILDS) >= _BUILDS_KEPT:
-            _BUILDS.pop(next(iter(_BUILDS)))
-        _BUILDS[digest] = sdk
+    _BUILDS.put(digest, sdk)
     return sdk

@@ -1,4 +1,3 @@
-import threading
 import time
 from collections.abc import Iterable
 from typing import Any
@@ -9,6 +8,7 @@ from django.db.models import Prefetch, Q, QuerySet
 
 from ptcproject import rows
 from ptcproject.errors import ApplicationError
+from ptcproject.kept import Kept
 from tools.models import Tool, Toolset
 
 
@@ -61,24 +61,18 @@ def _toolsets_with_tools(*, user_id: int, keys: list[str]) -> list[Toolset]:
     if connection.vendor != "postgresql" or connection.in_atomic_block:
         return _toolsets_built(user_id=user_id, keys=keys)
     digest = _digest(user_id=user_id, keys=keys)
-    with _built_lock:
-        hit = _BUILT.get(digest)
+    hit = _BUILT.get(digest)
     if hit is not None:
         return hit
+    # Rows changed since the digest are newer versions: that digest is never asked for again.
     found = _toolsets_built(user_id=user_id, keys=keys)
-    if _digest(user_id=user_id, keys=keys) == digest:  # nothing changed while they were read
-        with _built_lock:
-            if len(_BUILT) >= _BUILT_KEPT:
-                _BUILT.pop(next(iter(_BUILT)))
-            _BUILT[digest] = found
+    _BUILT.put(digest, found)
     return found
 
 
 # Toolsets with their tools as built, by the digest of which rows they are (_digest): users who
 # see the same rows share them.
-_BUILT: dict[str, list[Toolset]] = {}
-_BUILT_KEPT = 64
-_built_lock = threading.Lock()
+_BUILT: Kept[str, list[Toolset]] = Kept(64)
 
 
 def _digest(*, user_id: int, keys: list[str]) -> str:
