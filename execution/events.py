@@ -12,7 +12,7 @@ import functools
 import json
 import logging
 import re
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ParamSpec, TypeVar
 
@@ -94,6 +94,11 @@ def events_publish_by_job(events: list[tuple[str, tuple[str, dict[str, Any]]]]) 
         if job_call_id:
             by_job.setdefault(job_call_id, []).append(event)
     backplane().publish_then_append([], list(by_job.items()))
+
+
+def output_events(output: Sequence[tuple[str, str]]) -> Events:
+    """Text a job printed, ``(stream, text)``, as its events: ``stdout`` or ``stderr``, with the text."""
+    return [(stream, {"text": text}) for stream, text in output]
 
 
 def output_from_stream(*, job_call_id: str) -> dict[str, str]:

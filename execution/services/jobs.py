@@ -6,7 +6,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from datetime import datetime, timedelta
 from typing import Any
@@ -25,6 +25,7 @@ from execution.events import (
     job_end_payload,
     job_start_payload,
     job_view,
+    output_events,
     output_from_stream,
 )
 from execution.models import ExecJob, ExecSession, ToolCall, WorkFile, new_exec_call_id
@@ -409,7 +410,9 @@ def _exec_job_sandbox(*, job: ExecJob, node: str, channel: Subscription) -> Outc
             max_buffered=settings.PTC_MAX_BUFFERED_BYTES,
             job_info={"call_id": job.call_id},
             make_key=lambda: _exec_job_key(job=job),
-            on_output=lambda stream, text: event_publish(job_call_id=job.call_id, event=stream, data={"text": text}),
+            on_output=lambda stream, text: events_publish_by_job(
+                [(job.call_id, event) for event in output_events([(stream, text)])]
+            ),
             sandbox=live.sandbox if live is not None else None,
             keep=live is not None,
             extra=extra,
@@ -420,11 +423,10 @@ def _exec_job_sandbox(*, job: ExecJob, node: str, channel: Subscription) -> Outc
         except SandboxUnavailable as exc:
             logger.error("this host cannot run sandboxes: %s", exc, extra={"job_id": job_id})
             outcome = Outcome(status="failed", error=job_error("SandboxCrashed", str(exc)), key_made=session.key_asked)
-            outcome.tail = session.tail
         except Exception as exc:  # the worker survives anything a sandbox does; the job records it
             logger.exception("sandbox failed", extra={"job_id": job_id})
             outcome = Outcome(status="failed", error=job_error("SandboxCrashed", str(exc)), key_made=session.key_asked)
-            outcome.tail = session.tail
+        outcome.tail = session.tail  # whatever ended it: what the code printed last goes with its end
     finally:
         if live is not None and job.session is not None:
             # A sandbox that nothing of this job reached (cancelled as it started, or its inputs
@@ -573,7 +575,7 @@ def exec_job_finish(*, job_id: Any, call_id: str, outcome: Outcome, user: User |
     except DatabaseError:
         logger.exception("could not record a job's end; the reaper will", extra={"job_id": str(job_id)})
         # What the code printed last goes out now: the reaper stores the output the events carried.
-        events_publish_by_job([(call_id, (stream, {"text": text})) for stream, text in outcome.tail])
+        events_publish_by_job([(call_id, event) for event in output_events(outcome.tail)])
         return
     logger.info("job finished", extra={"job_id": str(job_id), "status": job.status, **outcome.timings})
     job_finished_observe(
@@ -588,7 +590,7 @@ def _exec_job_close(
     job: ExecJob | None = None,
     bridge_calls: int | None = None,
     key_made: bool = True,
-    tail: list[tuple[str, str]] | None = None,
+    tail: Sequence[tuple[str, str]] = (),
 ) -> ExecJob:
     """What follows every job's end, however it ended: its job key is revoked, its calls still
     queued fail as never run (a tools worker that claimed one finishes it), and its end is
@@ -623,20 +625,19 @@ def _exec_job_close(
             tool_call_finish(call_id=call.call_id, error=error)
     if left:
         job = exec_job_with_calls(job_id=job_id)  # their ends are part of the job's
-    _exec_job_ended(job, tail=tail or [])
+    _exec_job_ended(job, tail=tail)
     return job
 
 
-def _exec_job_ended(job: ExecJob, *, tail: list[tuple[str, str]]) -> str:
+def _exec_job_ended(job: ExecJob, *, tail: Sequence[tuple[str, str]]) -> str:
     """Announce a job's end: the output its events had not carried yet (``tail``) and its last
     event, then the ``End`` on its end channel that wakes its waiters, with the job as the API
     shows it (unless too large to push), all in one round trip. ``job`` comes with its calls.
     Return its status."""
     view = job_view(job)
     pushed = view if len(json.dumps(view, default=str)) <= END_PUSH_MAX_BYTES else None
-    output = [(stream, {"text": text}) for stream, text in tail]
     backplane().append_then_publish(
-        [(job.call_id, [*output, ("exec_end", job_end_payload(view))])],
+        [(job.call_id, [*output_events(tail), ("exec_end", job_end_payload(view))])],
         [(job_end_channel(job.call_id), End(status=view["status"], job=pushed))],
     )
     return view["status"]
