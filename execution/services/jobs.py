@@ -434,7 +434,7 @@ def _exec_job_sandbox(*, job: ExecJob, node: str, channel: Subscription) -> Outc
             reached = session is not None and session.sent_any
             kept = session.kept if session is not None else live.sandbox.proc.poll() is None
             sdk_hash = job.sdk_hash if reached else live.sdk_hash
-            session_sandbox_release(session_id=job.session.pk, live=live, kept=kept, sdk_hash=sdk_hash)
+            _exec_job_session_release(job=job, live=live, kept=kept, sdk_hash=sdk_hash)
             sent = sent if reached else []
     if live is not None and live.ended and outcome.status != "cancelled":
         outcome.status = "failed"
@@ -443,6 +443,21 @@ def _exec_job_sandbox(*, job: ExecJob, node: str, channel: Subscription) -> Outc
     assert job.started_at is not None, "the job was loaded after exec_job_run's claim set started_at"
     outcome.timings["queue_ms"] = round((job.started_at - job.created_at).total_seconds() * 1000, 2)
     return outcome
+
+
+def _exec_job_session_release(*, job: ExecJob, live: LiveSession, kept: bool, sdk_hash: str) -> None:
+    """Hand a session's sandbox back after its job (session_sandbox_release). A failure here loses
+    the session, not the job: what the code did and printed is still recorded as its end. A
+    session whose end could not be stored is ended ``lost`` by its lapsed lease."""
+    assert job.session_id is not None
+    try:
+        db_retry(
+            lambda: session_sandbox_release(session_id=job.session_id, live=live, kept=kept, sdk_hash=sdk_hash),
+            what="handing a session's sandbox back",
+            job_id=str(job.pk),
+        )
+    except Exception:
+        logger.exception("could not hand a session's sandbox back", extra={"job_id": str(job.pk)})
 
 
 def _exec_job_files_done(*, job: ExecJob, outcome: Outcome, sent: list[tuple[int, datetime]]) -> None:

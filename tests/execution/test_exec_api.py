@@ -332,3 +332,40 @@ def test_a_session_job_cancelled_as_it_starts_leaves_the_session_its_sandbox(api
         assert second.return_value == "delivered"
     finally:
         sessions.exec_sessions_shutdown()  # this process's session sandboxes
+
+
+def test_a_session_job_keeps_its_end_when_its_sandbox_cant_be_handed_back(api: Api, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    # In this process: handing the session's sandbox back fails after the job's code ran. That
+    # loses the session (its lease lapses), not the job: what the code did and printed is its end.
+    from django.contrib.auth import get_user_model
+    from django.db import transaction
+
+    from execution.models import ExecJob
+    from execution.services import jobs, sessions
+
+    user = get_user_model().objects.get(username=api.username)
+    session = sessions.exec_session_create(user=user, toolsets=["demo"], idle_timeout=None, max_lifetime=None)
+    with transaction.atomic():
+        limits = sessions.session_limits(session=session, timeout=30).as_dict()
+        job = ExecJob.objects.create(
+            user=user,
+            code="print('ran')\n2 + 3",
+            toolsets=list(session.toolsets),
+            timeout_seconds=30,
+            limits=limits,
+            session=session,
+        )
+        sessions.exec_session_take(session_id=session.pk, job=job)
+    release = jobs.session_sandbox_release
+
+    def released_then_failed(**kwargs):  # type: ignore[no-untyped-def]
+        release(**kwargs)
+        raise RuntimeError("the session's row could not be written")
+
+    try:
+        monkeypatch.setattr(jobs, "session_sandbox_release", released_then_failed)
+        jobs.exec_job_run(job_id=str(job.pk), worker="test", node="test-node", call_id=job.call_id)
+        job.refresh_from_db()
+        assert (job.status, job.error, job.stdout, job.return_value) == ("completed", None, "ran\n", 5)
+    finally:
+        sessions.exec_sessions_shutdown()
