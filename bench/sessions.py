@@ -49,7 +49,7 @@ def second_call(runs: int) -> list[float]:
             pass
 
     try:
-        sandbox.bridge.sendall(encode({**_start("import json\nx = 1"), "sdk": {}}))
+        sandbox.bridge.sendall(encode({**_start("import json\nx = 1"), "sdk": []}))
         done()
         frame = encode(_start("print(x)"))
         samples = []

@@ -32,7 +32,7 @@ def sandbox_start(runs: int) -> tuple[list[float], list[float], list[float]]:
     sdk = sdk_cached(toolsets=list(Toolset.objects.filter(key="demo").prefetch_related("tools")))
     limits = sandbox_limits()
     job = {"op": "start", "code": "print(1)", "limits": limits.guest(), "max_frame": 1 << 20, "max_depth": 100, "job": {}}
-    frame = encode({**job, "sdk": sdk_job_files(sdk)})
+    frame = encode({**job, "sdk": sorted(sdk_job_files(sdk))})
 
     def first_line(take) -> float:
         start = time.perf_counter()

@@ -2,8 +2,9 @@
 
 The fork server (``zygote.py``) imports it and the SDK's base package (``prepare``) once, and each
 sandbox it forks calls ``main(BRIDGE_FD, SDK_DIR)``. It may run long before its job (a warm
-sandbox): it waits for the job, the first bridge frame, which carries the code, the limits and the modules of the
-job's toolsets, written to SDK_DIR (a tmpfs of this sandbox's own). It sets its own resource
+sandbox): it waits for the job, the first bridge frame, which carries the code, the limits and the names
+of the job's SDK files (its toolsets' modules and their catalog), each asked of the worker when
+first used and written to SDK_DIR (a tmpfs of this sandbox's own). It sets its own resource
 limits before any user code runs (it has no capabilities, so the code can never raise them
 again), runs the code, and sends one ``done`` frame with the value of the last expression or the
 error.
@@ -19,6 +20,7 @@ import base64
 import builtins
 import collections
 import errno
+import importlib.util
 import json
 import os
 import resource
@@ -184,6 +186,39 @@ def _install_sdk(files: dict[str, str], sdk_dir: str) -> None:
             f.write(content)
 
 
+class _LazySdk:
+    """The job's SDK files, each fetched from the worker when first used: a toolset's module when
+    it is imported, the catalog when ``describe``, ``search`` or the flat ``tools`` first read it.
+    A job that never imports GitHub's module does not carry its source, nor the catalog of its
+    tools (hundreds of kilobytes, each way encoded and decoded). An import hook (``sys.meta_path``):
+    the file is written to the SDK's folder, then imported from there as any source file."""
+
+    def __init__(self, sdk_dir: str, fetch: Any) -> None:
+        self.sdk_dir = sdk_dir
+        self.fetch = fetch  # the runtime's sdk_file: a file's content, asked of the worker
+        self.names: frozenset[str] = frozenset()  # the job's SDK files
+        self.written: set[str] = set()
+
+    def reset(self, names: list[str]) -> None:
+        """A job's SDK: its files' names. A session's job whose SDK changed: the earlier one's files
+        written so far go (modules already imported stay, as the session's globals do)."""
+        for name in self.written:
+            os.unlink(os.path.join(self.sdk_dir, name))
+        self.names, self.written = frozenset(names), set()
+
+    def need(self, name: str) -> None:
+        if name in self.names and name not in self.written:
+            _install_sdk({name: self.fetch(name)}, self.sdk_dir)
+            self.written.add(name)
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+        name = fullname.replace(".", "/") + ".py"
+        if name not in self.names:
+            return None
+        self.need(name)
+        return importlib.util.spec_from_file_location(fullname, os.path.join(self.sdk_dir, name))
+
+
 def _work_path(path: str) -> str:
     """The absolute path of ``path`` under /work, or ValueError: the worker checked it already;
     this is the guard, against a symlink the code made, too."""
@@ -335,7 +370,9 @@ def main(bridge_fd: int, sdk_dir: str) -> None:
             pass
     job: dict[str, Any] | None = _read_job(bridge_fd, _protocol)
     assert job is not None
-    _install_sdk(job.pop("sdk", {}), sdk_dir)
+    sdk = _LazySdk(sdk_dir, _runtime.sdk_file)
+    sys.meta_path.insert(0, sdk)
+    _runtime.sdk_need = sdk.need
     ptc_tools.__path__.append(os.path.join(sdk_dir, "ptc_tools"))
     _runtime.connect(bridge_fd, job)
     # Set once: a session's later jobs run under the same limits (its rlimits can't be raised again).
@@ -346,7 +383,8 @@ def main(bridge_fd: int, sdk_dir: str) -> None:
     # The seed's flat style: ``tools.list_files(path=".")`` without an import.
     namespace: dict[str, Any] = {"__name__": "__main__", "__builtins__": builtins, "tools": tools}
     while job is not None:
-        _install_sdk(job.pop("sdk", None) or {}, sdk_dir)  # a session's later job brings it only if it changed
+        if job.get("sdk") is not None:  # a session's later job names its SDK's files only if it changed
+            sdk.reset(job.pop("sdk"))
         # The job's call_id, and its job-scoped key (made when first read): what a sandbox
         # elsewhere would call back with.
         _runtime.job_info = _runtime.JobInfo(job.get("job", {}))

@@ -47,6 +47,8 @@ SUBMIT_THREADS = 4
 MAX_EARLY_RESULTS = 1024
 # A job's code asks for its key once (its runtime keeps it); past this many asks the bridge is abused.
 MAX_KEY_ASKS = 16
+# Each SDK file is asked for once, when first used: a few per job; past this many the bridge is abused.
+MAX_SDK_ASKS = 256
 # Output goes out as events in chunks: every 50 ms or 4 KB, whichever comes first.
 OUTPUT_CHUNK_SECONDS = 0.05
 OUTPUT_CHUNK_BYTES = 4096
@@ -130,6 +132,7 @@ class Session:
         limits: Limits,
         sdk_files: dict[str, str],
         router: CallRouter,
+        sdk_new: bool = True,
         channel: Subscription,
         heartbeat: Callable[[], bool],
         heartbeat_every: float,
@@ -145,7 +148,11 @@ class Session:
     ) -> None:
         self.code = code
         self.limits = limits
+        # The job's SDK files, given to the sandbox one by one as it asks (``op: sdk``). A session's
+        # sandbox that has this SDK from an earlier job (not ``sdk_new``) is not told their names again.
         self.sdk_files = sdk_files
+        self.sdk_new = sdk_new
+        self.sdk_asks = 0
         self.router = router
         self.channel = channel
         self.heartbeat = heartbeat
@@ -295,7 +302,7 @@ class Session:
             "max_frame": self.max_frame,
             "max_depth": MAX_JSON_DEPTH,
             "job": self.job_info,
-            "sdk": self.sdk_files,
+            "sdk": sorted(self.sdk_files) if self.sdk_new else None,
             **self.extra,
         }
         self.outbox += encode(start)
@@ -480,6 +487,17 @@ class Session:
                 self._end("failed", "BridgeError", f"the sandbox asked for its job's key over {MAX_KEY_ASKS} times")
             else:
                 self._send({"id": message["id"], **self._job_key(message.get("call_id"))})
+        elif op == "sdk" and isinstance(message.get("id"), int):
+            self.sdk_asks += 1
+            if self.sdk_asks > MAX_SDK_ASKS:
+                self._end("failed", "BridgeError", f"the sandbox asked for its SDK's files over {MAX_SDK_ASKS} times")
+            else:
+                content = self.sdk_files.get(str(message.get("name")))
+                if content is None:
+                    error = call_error("not_found", f"the job's SDK has no file {message.get('name')!r}")
+                    self._send({"id": message["id"], "ok": False, "error": error})
+                else:
+                    self._send({"id": message["id"], "ok": True, "result": content})
         elif op == "done" and self.result is None and _valid_result(message):
             self.result = message
         elif op == "done":

@@ -396,12 +396,11 @@ def _exec_job_sandbox(*, job: ExecJob, node: str, channel: Subscription) -> Outc
             )
             extra.update(session=True, limits=session_guest_limits(session=job.session))
             extra["files"] = {**uploads, **extra["files"]}
-            if live.sdk_hash == job.sdk_hash:
-                sdk_files = {}  # its sandbox has this SDK from an earlier job
         session = Session(
             code=job.code,
             limits=limits,
             sdk_files=sdk_files,
+            sdk_new=live is None or live.sdk_hash != job.sdk_hash,  # a session's sandbox has it from an earlier job
             router=router,
             channel=channel,
             heartbeat=lambda: _exec_job_heartbeat(job_id=job.pk),

@@ -1,3 +1,10 @@
+"""The demo toolset, the generated SDK, and how a job's SDK reaches its sandbox."""
+
+from collections.abc import Callable
+from typing import Any
+
+from tests.conftest import Api
+from tests.tools.conftest import unique_key
 from tools.models import Tool, Toolset
 from tools.sdk import class_name, sdk_build
 
@@ -36,3 +43,95 @@ def test_a_direct_tool_never_enters_the_sdk() -> None:
     assert "def _lookup(" in source
     assert "_complete" not in source and "_notify" not in source
     toolset.delete()
+
+
+LAZY_SDK = """
+import os
+import ptc_tools
+folder = "/opt/ptc/sdk/ptc_tools"
+listed = lambda: sorted(os.listdir(folder)) if os.path.isdir(folder) else []
+seen = [listed()]
+from ptc_tools.demo import Demo
+seen.append(listed())
+doc = ptc_tools.describe("demo.echo")
+seen.append(listed())
+[seen, doc["name"], Demo.echo(value="called")]
+"""
+
+
+def test_a_jobs_sdk_files_reach_the_sandbox_as_its_code_first_uses_them(
+    staff: Api, create_toolset: Callable[..., dict[str, Any]]
+) -> None:
+    # A toolset the code never imports costs the job nothing: its module and the catalog are asked
+    # of the worker only when the code imports the one or reads the other.
+    key = _http_toolset(create_toolset, ["lookup"])
+    job = staff.run(LAZY_SDK, toolsets=["demo", key])
+    assert job["status"] == "completed", job["error"]
+    seen, name, echoed = job["return_value"]
+    assert seen == [[], ["demo.py"], ["_catalog.json", "demo.py"]]
+    assert (name, echoed) == ("echo", "called")
+
+
+def test_a_sessions_job_gets_its_changed_sdk_not_the_last_ones_files(
+    staff: Api, create_toolset: Callable[..., dict[str, Any]]
+) -> None:
+    key = _http_toolset(create_toolset, ["lookup"])
+    session = staff.post("/api/v1/sessions", json={"toolsets": [key]}).json()
+    tools = f"import importlib, ptc_tools.{key} as m\nm = importlib.reload(m)\nsorted(n for n in vars(m.{class_name(key)}) if not n.startswith('_'))"
+    try:
+        first = staff.run(tools, session=session["id"])
+        assert (first["status"], first["return_value"]) == ("completed", ["lookup"]), first["error"]
+        schema = {"type": "object", "properties": {}}
+        edit = staff.http.patch(
+            f"/api/v1/toolsets/{key}",
+            json={
+                "tools": [
+                    {"name": name, "input_schema": schema, "http": {"method": "GET", "path": f"/{name}"}}
+                    for name in ("lookup", "search")
+                ]
+            },
+        )
+        assert edit.status_code == 200, edit.text
+        second = staff.run(tools, session=session["id"])
+        assert (second["status"], second["return_value"]) == ("completed", ["lookup", "search"]), second["error"]
+    finally:
+        staff.http.delete(f"/api/v1/sessions/{session['id']}")
+
+
+def test_a_sandbox_gets_only_its_jobs_sdk_files_and_asks_a_bounded_number_of_times(staff: Api) -> None:
+    code = """
+from ptc_tools import _runtime, ToolError
+for name in ("../../etc/passwd", "ptc_tools/_runtime.py", "ptc_tools/other.py"):
+    try:
+        _runtime.sdk_file(name)
+    except ToolError as e:
+        print(e.code)
+while True:
+    _runtime.sdk_file("ptc_tools/demo.py")
+"""
+    job = staff.run(code, toolsets=["demo"])
+    assert job["stdout"] == "not_found\n" * 3
+    assert (job["status"], job["error"]["type"]) == ("failed", "BridgeError")
+    assert "asked for its SDK's files over" in job["error"]["message"]
+
+
+def _http_toolset(create_toolset: Callable[..., dict[str, Any]], names: list[str]) -> str:
+    key = unique_key("lazy")
+    create_toolset(
+        {
+            "key": key,
+            "name": "Lazy",
+            "kind": "http",
+            "is_global": False,  # the staff member's own: no other test sees it
+            "config": {"base_url": "http://127.0.0.1:9", "timeout": 1},
+            "tools": [
+                {
+                    "name": name,
+                    "input_schema": {"type": "object", "properties": {}},
+                    "http": {"method": "GET", "path": f"/{name}"},
+                }
+                for name in names
+            ],
+        }
+    )
+    return key

@@ -19,7 +19,9 @@ def _tools() -> list[dict[str, Any]]:
     global _catalog
     if _catalog is None:
         import ptc_tools
+        from ptc_tools import _runtime
 
+        _runtime.sdk_need("ptc_tools/_catalog.json")
         # Beside the toolsets' modules, which may sit apart from this file (a warm sandbox imports
         # the package before its job brings them): the package's path has both.
         for folder in reversed(ptc_tools.__path__):

@@ -11,6 +11,7 @@ import os
 import queue
 import socket
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from ptc_tools import _protocol
@@ -93,6 +94,10 @@ class _Bridge:
     def job_key(self, call_id: str) -> str:
         """Ask the worker for the key of the job ``call_id`` (it makes it on the first ask) and return it."""
         return str(self._ask({"op": "key", "call_id": call_id}, "job", "key"))
+
+    def sdk_file(self, name: str) -> str:
+        """Ask the worker for the content of the job's SDK file ``name``."""
+        return str(self._ask({"op": "sdk", "name": name}, "sdk", name))
 
     def _ask(self, message: dict[str, Any], toolset: str, tool: str) -> Any:
         """Send a request and wait for its reply, unwrapped."""
@@ -183,6 +188,18 @@ class JobInfo(dict[str, Any]):
 
 job_info: JobInfo = JobInfo()
 _bridge: _Bridge | None = None
+
+
+def sdk_file(name: str) -> str:
+    """Return the content of the job's SDK file ``name`` (``ptc_tools/github.py``), from the worker."""
+    if _bridge is None:
+        raise ToolError(_NO_BRIDGE, tool=f"sdk.{name}", code="no_bridge")
+    return _bridge.sdk_file(name)
+
+
+# In a sandbox: makes sure the job's SDK file ``name`` is on disk, fetched from the worker on first
+# use (the runner sets it). Elsewhere (an SDK downloaded whole) every file is there already.
+sdk_need: Callable[[str], None] = lambda name: None  # noqa: E731
 _NO_BRIDGE = "tools can be called only from the sandbox's main process (not outside PTC, nor from a fork)"
 
 
