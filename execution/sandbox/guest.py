@@ -22,6 +22,7 @@ import collections
 import errno
 import importlib.util
 import json
+import marshal
 import os
 import resource
 import select
@@ -198,25 +199,44 @@ class _LazySdk:
         self.fetch = fetch  # the runtime's sdk_file: a file's content, asked of the worker
         self.names: frozenset[str] = frozenset()  # the job's SDK files
         self.written: set[str] = set()
+        self.code: dict[str, Any] = {}  # a module's code the worker compiled, until it is imported
 
     def reset(self, names: list[str]) -> None:
         """A job's SDK: its files' names. A session's job whose SDK changed: the earlier one's files
         written so far go (modules already imported stay, as the session's globals do)."""
         for name in self.written:
             os.unlink(os.path.join(self.sdk_dir, name))
-        self.names, self.written = frozenset(names), set()
+        self.names, self.written, self.code = frozenset(names), set(), {}
 
     def need(self, name: str) -> None:
         if name in self.names and name not in self.written:
-            _install_sdk({name: self.fetch(name)}, self.sdk_dir)
+            got = self.fetch(name, importlib.util.MAGIC_NUMBER.hex())
+            _install_sdk({name: got["text"]}, self.sdk_dir)
             self.written.add(name)
+            if got.get("code"):
+                self.code[name] = marshal.loads(base64.b64decode(got["code"]))  # noqa: S302 - the worker, which sent the job
 
     def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
         name = fullname.replace(".", "/") + ".py"
         if name not in self.names:
             return None
         self.need(name)
-        return importlib.util.spec_from_file_location(fullname, os.path.join(self.sdk_dir, name))
+        code = self.code.pop(name, None)  # once: a reload compiles the file, which may have changed
+        loader: Any = None if code is None else _CodeLoader(code)  # a loader as importlib.abc's, without importing it
+        return importlib.util.spec_from_file_location(fullname, os.path.join(self.sdk_dir, name), loader=loader)
+
+
+class _CodeLoader:
+    """Runs a module's code, compiled by the worker (its source is on disk beside, for tracebacks)."""
+
+    def __init__(self, code: Any) -> None:
+        self.code = code
+
+    def create_module(self, spec: Any) -> None:
+        return None
+
+    def exec_module(self, module: Any) -> None:
+        exec(self.code, module.__dict__)  # noqa: S102 - the SDK's own module, compiled by the worker
 
 
 def _work_path(path: str) -> str:

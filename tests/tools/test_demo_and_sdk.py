@@ -55,7 +55,9 @@ from ptc_tools.demo import Demo
 seen.append(listed())
 doc = ptc_tools.describe("demo.echo")
 seen.append(listed())
-[seen, doc["name"], Demo.echo(value="called")]
+import inspect, sys
+loaded = [type(sys.modules["ptc_tools.demo"].__loader__).__name__, inspect.getsource(Demo.echo).split("(")[0]]
+[seen, doc["name"], Demo.echo(value="called"), loaded]
 """
 
 
@@ -67,9 +69,12 @@ def test_a_jobs_sdk_files_reach_the_sandbox_as_its_code_first_uses_them(
     key = _http_toolset(create_toolset, ["lookup"])
     job = staff.run(LAZY_SDK, toolsets=["demo", key])
     assert job["status"] == "completed", job["error"]
-    seen, name, echoed = job["return_value"]
+    seen, name, echoed, loaded = job["return_value"]
     assert seen == [[], ["demo.py"], ["_catalog.json", "demo.py"]]
     assert (name, echoed) == ("echo", "called")
+    # The module came compiled by the worker (the sandbox's interpreter reads its bytecode); its
+    # source is there beside it, for tracebacks and inspect.
+    assert loaded == ["_CodeLoader", "def _echo"]
 
 
 def test_a_sessions_job_gets_its_changed_sdk_not_the_last_ones_files(

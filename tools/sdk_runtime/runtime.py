@@ -95,9 +95,9 @@ class _Bridge:
         """Ask the worker for the key of the job ``call_id`` (it makes it on the first ask) and return it."""
         return str(self._ask({"op": "key", "call_id": call_id}, "job", "key"))
 
-    def sdk_file(self, name: str) -> str:
-        """Ask the worker for the content of the job's SDK file ``name``."""
-        return str(self._ask({"op": "sdk", "name": name}, "sdk", name))
+    def sdk_file(self, name: str, magic: str) -> dict[str, Any]:
+        """Ask the worker for the job's SDK file ``name``: ``{"text", "code"}`` (see ``sdk_file``)."""
+        return dict(self._ask({"op": "sdk", "name": name, "magic": magic}, "sdk", name))
 
     def _ask(self, message: dict[str, Any], toolset: str, tool: str) -> Any:
         """Send a request and wait for its reply, unwrapped."""
@@ -190,11 +190,13 @@ job_info: JobInfo = JobInfo()
 _bridge: _Bridge | None = None
 
 
-def sdk_file(name: str) -> str:
-    """Return the content of the job's SDK file ``name`` (``ptc_tools/github.py``), from the worker."""
+def sdk_file(name: str, magic: str = "") -> dict[str, Any]:
+    """Return the job's SDK file ``name`` (``ptc_tools/github.py``) from the worker: its ``text``,
+    and for a module, when the worker's interpreter has this bytecode ``magic``, its ``code``
+    (marshalled, base64), else None."""
     if _bridge is None:
         raise ToolError(_NO_BRIDGE, tool=f"sdk.{name}", code="no_bridge")
-    return _bridge.sdk_file(name)
+    return _bridge.sdk_file(name, magic)
 
 
 # In a sandbox: makes sure the job's SDK file ``name`` is on disk, fetched from the worker on first
