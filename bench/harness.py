@@ -6,6 +6,7 @@ process, because these machines are noisy: the ratio travels, the absolute figur
 
 import os
 import statistics
+import subprocess
 import sys
 import time
 import uuid
@@ -94,22 +95,8 @@ def running_stack(
         argv = [*stack.tools_worker.argv[:-4], "-n", f"tools{n + 1}-{os.getpid()}@%h", "-l", "info"]
         stack.processes.insert(0, Process(f"tools-worker-{n + 1}", argv, env, ready=" ready."))
     try:
-        import subprocess
-
-        py = str(Path(sys.executable))
-        subprocess.run([py, "manage.py", "migrate", "-v0"], cwd=ROOT, env=env, check=True)
-        key = (
-            subprocess.run(
-                [py, "manage.py", "create_api_key", "bench", "--create-user", "--credits", "100000000"],
-                cwd=ROOT,
-                env=env,
-                check=True,
-                capture_output=True,
-                text=True,
-            )
-            .stdout.strip()
-            .splitlines()[-1]
-        )
+        subprocess.run([sys.executable, "manage.py", "migrate", "-v0"], cwd=ROOT, env=env, check=True)
+        key = api_key(env, "bench", "--create-user", "--credits", "100000000")
         stack.start(beat=False)
         client = httpx.Client(base_url=stack.base_url, headers={"Authorization": f"Bearer {key}"}, timeout=120)
         # This process's own full collections (27 ms seen) would land on a figure or its baseline.
@@ -119,6 +106,19 @@ def running_stack(
         stack.stop()
         with psycopg.connect(server, autocommit=True) as conn:
             conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+def api_key(env: dict[str, str], username: str, *flags: str) -> str:
+    """Make an API key for ``username`` with ``manage.py create_api_key`` and its ``flags``; return it."""
+    made = subprocess.run(
+        [sys.executable, "manage.py", "create_api_key", username, *flags],
+        cwd=ROOT,
+        env=env,
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    return made.stdout.strip().splitlines()[-1]
 
 
 def run_job(client: httpx.Client, code: str, **body: Any) -> dict[str, Any]:
