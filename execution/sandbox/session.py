@@ -51,8 +51,6 @@ SUBMIT_THREADS = 4
 MAX_EARLY_RESULTS = 1024
 # A job's code asks for its key once (its runtime keeps it); past this many asks the bridge is abused.
 MAX_KEY_ASKS = 16
-# Each SDK file is asked for once, when first used: a few per job; past this many the bridge is abused.
-MAX_SDK_ASKS = 256
 # Output goes out as events in chunks: every 50 ms or 4 KB, whichever comes first.
 OUTPUT_CHUNK_SECONDS = 0.05
 OUTPUT_CHUNK_BYTES = 4096
@@ -176,7 +174,7 @@ class Session:
         # sandbox that has this SDK from an earlier job (not ``sdk_new``) is not told their names again.
         self.sdk_files = sdk_files
         self.sdk_new = sdk_new
-        self.sdk_asks = 0
+        self.sdk_sent: set[str] = set()
         self.router = router
         self.channel = channel
         self.heartbeat = heartbeat
@@ -512,11 +510,13 @@ class Session:
             else:
                 self._send({"id": message["id"], **self._job_key(message.get("call_id"))})
         elif op == "sdk" and isinstance(message.get("id"), int):
-            self.sdk_asks += 1
-            if self.sdk_asks > MAX_SDK_ASKS:
-                self._end("failed", "BridgeError", f"the sandbox asked for its SDK's files over {MAX_SDK_ASKS} times")
+            wanted = message.get("name")
+            if not isinstance(wanted, str) or wanted not in self.sdk_files or wanted in self.sdk_sent:
+                # Its runtime asks for each file of the job's SDK once, when first used: nothing else.
+                self._end("failed", "BridgeError", f"the sandbox asked for {wanted!r}: no file of its SDK, or one sent already")
             else:
-                self._send({"id": message["id"], **self._sdk_file(message)})
+                self.sdk_sent.add(wanted)
+                self._send({"id": message["id"], "ok": True, "result": self._sdk_file(wanted, message.get("magic"))})
         elif op == "done" and self.result is None and _valid_result(message):
             self.result = message
         elif op == "done":
@@ -524,15 +524,11 @@ class Session:
         else:
             self._end("failed", "BridgeError", f"the sandbox sent an unknown bridge frame (op={op!r})")
 
-    def _sdk_file(self, ask: dict[str, Any]) -> dict[str, Any]:
-        """The reply to the sandbox's ask for an SDK file: its text, and a module's bytecode too when
-        the sandbox's interpreter reads this one's (``magic``), so the import compiles nothing."""
-        name = str(ask.get("name"))
-        text = self.sdk_files.get(name)
-        if text is None:
-            return {"ok": False, "error": call_error("not_found", f"the job's SDK has no file {ask.get('name')!r}")}
-        code = module_bytecode(name, text) if name.endswith(".py") and ask.get("magic") == MAGIC else None
-        return {"ok": True, "result": {"text": text, "code": code}}
+    def _sdk_file(self, name: str, magic: Any) -> dict[str, Any]:
+        """The SDK file ``name``, for the sandbox: its text, and a module's bytecode too when the
+        sandbox's interpreter reads this one's (``magic``), so the import compiles nothing."""
+        text = self.sdk_files[name]
+        return {"text": text, "code": module_bytecode(name, text) if name.endswith(".py") and magic == MAGIC else None}
 
     def _job_key(self, call_id: Any) -> dict[str, Any]:
         """The reply to the code's ask for the key of job ``call_id``: made on the first ask, the
