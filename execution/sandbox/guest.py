@@ -194,19 +194,27 @@ class _LazySdk:
     tools (hundreds of kilobytes, each way encoded and decoded). An import hook (``sys.meta_path``):
     the file is written to the SDK's folder, then imported from there as any source file."""
 
-    def __init__(self, sdk_dir: str, fetch: Any) -> None:
+    def __init__(self, sdk_dir: str, fetch: Any, forget: Any) -> None:
         self.sdk_dir = sdk_dir
         self.fetch = fetch  # the runtime's sdk_file: a file's content, asked of the worker
+        self.forget = forget  # the discovery's: the catalog it read is read again
         self.names: frozenset[str] = frozenset()  # the job's SDK files
         self.written: set[str] = set()
         self.code: dict[str, Any] = {}  # a module's code the worker compiled, until it is imported
 
     def reset(self, names: list[str]) -> None:
-        """A job's SDK: its files' names. A session's job whose SDK changed: the earlier one's files
-        written so far go (modules already imported stay, as the session's globals do)."""
+        """A job's SDK: its files' names. A session's job whose SDK changed forgets the earlier
+        one: its files written so far, its modules imported (an import imports the new one; what
+        the session's globals hold stays as it was) and the catalog read."""
+        package = sys.modules["ptc_tools"]
+        for name in self.names:
+            module = name[: -len(".py")].replace("/", ".") if name.endswith(".py") else ""
+            if sys.modules.pop(module, None) is not None:
+                vars(package).pop(module.rpartition(".")[2], None)  # ``from ptc_tools import x`` reads it
         for name in self.written:
             os.unlink(os.path.join(self.sdk_dir, name))
         self.names, self.written, self.code = frozenset(names), set(), {}
+        self.forget()
 
     def need(self, name: str) -> None:
         if name in self.names and name not in self.written:
@@ -381,7 +389,7 @@ def _warm_up(sdk_dir: str, protocol: Any) -> None:
 def main(bridge_fd: int, sdk_dir: str) -> None:
     """Wait for the job on ``bridge_fd``, run it (a session's: its jobs), and exit."""
     import ptc_tools
-    from ptc_tools import _protocol, _runtime, tools
+    from ptc_tools import _discovery, _protocol, _runtime, tools
 
     if not select.select([bridge_fd], [], [], 0)[0]:  # a warm sandbox: its job is not here yet
         try:
@@ -390,7 +398,7 @@ def main(bridge_fd: int, sdk_dir: str) -> None:
             pass
     job: dict[str, Any] | None = _read_job(bridge_fd, _protocol)
     assert job is not None
-    sdk = _LazySdk(sdk_dir, _runtime.sdk_file)
+    sdk = _LazySdk(sdk_dir, _runtime.sdk_file, _discovery.forget)
     sys.meta_path.insert(0, sdk)
     _runtime.sdk_need = sdk.need
     ptc_tools.__path__.append(os.path.join(sdk_dir, "ptc_tools"))

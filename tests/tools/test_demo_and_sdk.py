@@ -84,10 +84,15 @@ def test_a_sessions_job_gets_its_changed_sdk_not_the_last_ones_files(
 ) -> None:
     key = _http_toolset(create_toolset, ["lookup"])
     session = staff.post("/api/v1/sessions", json={"toolsets": [key]}).json()
-    tools = f"import importlib, ptc_tools.{key} as m\nm = importlib.reload(m)\nsorted(n for n in vars(m.{class_name(key)}) if not n.startswith('_'))"
+    # A plain import (no reload), the package's attribute, and the flat names: each the new SDK's.
+    cls = class_name(key)
+    tools = (
+        f"import ptc_tools\nfrom ptc_tools.{key} import {cls}\n"
+        f"[sorted(n for n in vars({cls}) if not n.startswith('_')), ptc_tools.{key}.{cls} is {cls}, repr(getattr(tools, 'search', None))]"
+    )
     try:
         first = staff.run(tools, session=session["id"])
-        assert (first["status"], first["return_value"]) == ("completed", ["lookup"]), first["error"]
+        assert (first["status"], first["return_value"]) == ("completed", [["lookup"], True, "None"]), first["error"]
         schema = {"type": "object", "properties": {}}
         edit = staff.http.patch(
             f"/api/v1/toolsets/{key}",
@@ -100,7 +105,8 @@ def test_a_sessions_job_gets_its_changed_sdk_not_the_last_ones_files(
         )
         assert edit.status_code == 200, edit.text
         second = staff.run(tools, session=session["id"])
-        assert (second["status"], second["return_value"]) == ("completed", ["lookup", "search"]), second["error"]
+        assert second["status"] == "completed", second["error"]
+        assert second["return_value"] == [["lookup", "search"], True, f"<tool {key}.search>"]
     finally:
         staff.http.delete(f"/api/v1/sessions/{session['id']}")
 

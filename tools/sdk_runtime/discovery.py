@@ -15,6 +15,12 @@ _catalog: list[dict[str, Any]] | None = None
 _WORD = re.compile(r"[a-z0-9]+")
 
 
+def forget() -> None:
+    """A session's job whose SDK changed: the catalog is read again, the new one."""
+    global _catalog
+    _catalog = None
+
+
 def _tools() -> list[dict[str, Any]]:
     global _catalog
     if _catalog is None:
