@@ -32,6 +32,7 @@ import stat
 import sys
 import threading
 import traceback
+import zlib
 from typing import Any
 
 # Every module imported here is paid for by every sandbox's start: not ``ast`` (its C core, ``_ast``,
@@ -218,11 +219,11 @@ class _LazySdk:
 
     def need(self, name: str) -> None:
         if name in self.names and name not in self.written:
-            got = self.fetch(name, importlib.util.MAGIC_NUMBER.hex())
-            _install_sdk({name: got["text"]}, self.sdk_dir)
+            got = self.fetch(name, importlib.util.MAGIC_NUMBER.hex())  # packed: zlib, then base64
+            _install_sdk({name: _unpack(got["text"]).decode()}, self.sdk_dir)
             self.written.add(name)
             if got.get("code"):
-                self.code[name] = marshal.loads(base64.b64decode(got["code"]))  # noqa: S302 - the worker, which sent the job
+                self.code[name] = marshal.loads(_unpack(got["code"]))  # noqa: S302 - from the worker, which sent the job
 
     def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
         name = fullname.replace(".", "/") + ".py"
@@ -232,6 +233,10 @@ class _LazySdk:
         code = self.code.pop(name, None)  # once: a reload compiles the file, which may have changed
         loader: Any = None if code is None else _CodeLoader(code)  # a loader as importlib.abc's, without importing it
         return importlib.util.spec_from_file_location(fullname, os.path.join(self.sdk_dir, name), loader=loader)
+
+
+def _unpack(data: str) -> bytes:
+    return zlib.decompress(base64.b64decode(data))
 
 
 class _CodeLoader:

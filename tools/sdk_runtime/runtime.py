@@ -193,7 +193,7 @@ _bridge: _Bridge | None = None
 def sdk_file(name: str, magic: str = "") -> dict[str, Any]:
     """Return the job's SDK file ``name`` (``ptc_tools/github.py``) from the worker: its ``text``,
     and for a module, when the worker's interpreter has this bytecode ``magic``, its ``code``
-    (marshalled, base64), else None."""
+    (marshalled), else None; each zlib-compressed, then base64."""
     if _bridge is None:
         raise ToolError(_NO_BRIDGE, tool=f"sdk.{name}", code="no_bridge")
     return _bridge.sdk_file(name, magic)
