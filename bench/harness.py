@@ -22,7 +22,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from ptcproject.heap import heap_freeze  # noqa: E402
-from tests.stack import Process, Stack  # noqa: E402  (after the path is set)
+from tests.servers import api_key  # noqa: E402  (after the path is set)
+from tests.stack import Process, Stack  # noqa: E402
 
 
 def p95(values: list[float]) -> float:
@@ -96,7 +97,7 @@ def running_stack(
         stack.processes.insert(0, Process(f"tools-worker-{n + 1}", argv, env, ready=" ready."))
     try:
         subprocess.run([sys.executable, "manage.py", "migrate", "-v0"], cwd=ROOT, env=env, check=True)
-        key = api_key(env, "bench", "--create-user", "--credits", "100000000")
+        key = api_key(env, "bench", credits=100_000_000)
         stack.start(beat=False)
         client = httpx.Client(base_url=stack.base_url, headers={"Authorization": f"Bearer {key}"}, timeout=120)
         # This process's own full collections (27 ms seen) would land on a figure or its baseline.
@@ -106,19 +107,6 @@ def running_stack(
         stack.stop()
         with psycopg.connect(server, autocommit=True) as conn:
             conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-
-
-def api_key(env: dict[str, str], username: str, *flags: str) -> str:
-    """Make an API key for ``username`` with ``manage.py create_api_key`` and its ``flags``; return it."""
-    made = subprocess.run(
-        [sys.executable, "manage.py", "create_api_key", username, *flags],
-        cwd=ROOT,
-        env=env,
-        check=True,
-        capture_output=True,
-        text=True,
-    )
-    return made.stdout.strip().splitlines()[-1]
 
 
 def run_job(client: httpx.Client, code: str, **body: Any) -> dict[str, Any]:

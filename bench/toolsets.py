@@ -4,37 +4,16 @@ the demo, against the demo alone, by turns in one stack.
 Run it with `make bench`, or `python bench/toolsets.py` with TEST_DATABASE_URL and REDIS_URL set.
 """
 
-import json
 from collections.abc import Callable
-from pathlib import Path
 
 import httpx
-from harness import api_key, print_table, row, run_job, running_stack
+from harness import print_table, row, run_job, running_stack
 from spine import apart, interleaved
 
-CATALOG = Path(__file__).resolve().parent.parent / "tests" / "tools" / "data" / "github-mcp-tools.json"
+from tests.servers import api_key
+from tests.tools.github import github_toolset
+
 IMPORTS = "from ptc_tools.github import Github\n1"
-
-
-def github_toolset(client: httpx.Client) -> None:
-    """Create the GitHub MCP server's toolset (its tools as listed; never started here)."""
-    raw = json.loads(CATALOG.read_text())["tools"]
-    body = {
-        "key": "github",
-        "name": "GitHub",
-        "kind": "mcp",
-        "config": {"transport": "stdio", "command": "github-mcp-server", "args": ["stdio"]},
-        "tools": [
-            {
-                "name": t["name"],
-                "description": t["description"],
-                "input_schema": t["inputSchema"],
-                "read_only": bool(t.get("annotations", {}).get("readOnlyHint")),
-            }
-            for t in raw
-        ],
-    }
-    client.post("/api/v1/toolsets", json=body).raise_for_status()
 
 
 def submits(client: httpx.Client, toolsets: list[str], code: str) -> Callable[[], list[float]]:
@@ -46,9 +25,9 @@ def main() -> None:
     with running_stack() as (stack, client):
         # The benchmark's user, made staff to create the toolset.
         staff = httpx.Client(
-            base_url=stack.base_url, headers={"Authorization": f"Bearer {api_key(stack.env, 'bench', '--staff')}"}
+            base_url=stack.base_url, headers={"Authorization": f"Bearer {api_key(stack.env, 'bench', staff=True)}"}
         )
-        github_toolset(staff)
+        staff.post("/api/v1/toolsets", json=github_toolset("github")).raise_for_status()
         both = ["demo", "github"]
         for toolsets, code in ((["demo"], "1"), (both, "1"), (both, IMPORTS)):  # each path warm
             run_job(client, code, toolsets=toolsets)

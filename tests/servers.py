@@ -116,10 +116,12 @@ def database_drop(url: str) -> None:
         conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
-def api_key(env: dict[str, str], username: str, credits: int = 1000) -> str:
-    """Create ``username`` with a key on the stack ``env`` points at, as an operator would."""
+def api_key(env: dict[str, str], username: str, credits: int = 1000, staff: bool = False) -> str:
+    """Create ``username`` (unless there is one) with a key on the stack ``env`` points at, as an
+    operator would; with ``credits`` granted, and made staff with ``staff``."""
+    flags = ["--create-user", "--credits", str(credits), *(["--staff"] if staff else [])]
     done = subprocess.run(
-        [str(Path(os.sys.executable)), "manage.py", "create_api_key", username, "--create-user", "--credits", str(credits)],
+        [str(Path(os.sys.executable)), "manage.py", "create_api_key", username, *flags],
         cwd=ROOT,
         env=env,
         check=True,

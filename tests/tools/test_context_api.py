@@ -1,19 +1,15 @@
 """POST /api/v1/ptc/context: direct tools in full, one exec_code with the compact reference, the
 system-prompt partial, provider formats, the policy's say, and the context economy on a real catalog."""
 
-import json
 import re
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests.conftest import Api
 from tests.tools.conftest import unique_key
-
-# The GitHub MCP server's real tool list (MIT; its source is named inside), also the benchmark's input.
-GITHUB_TOOLS = Path(__file__).resolve().parent / "data" / "github-mcp-tools.json"
+from tests.tools.github import github_tools, github_toolset
 
 
 @pytest.fixture
@@ -125,25 +121,9 @@ def _required(tool: dict[str, Any]) -> list[str]:
 
 
 def test_the_context_economy_on_the_github_catalog(api: Api, create_toolset: Callable[..., dict[str, Any]]) -> None:
-    catalog = json.loads(GITHUB_TOOLS.read_text())["tools"]
+    catalog = github_tools()
     key = unique_key("github")
-    create_toolset(
-        {
-            "key": key,
-            "name": "GitHub",
-            "kind": "mcp",
-            "config": {"transport": "stdio", "command": "github-mcp-server", "args": ["stdio"]},
-            "tools": [
-                {
-                    "name": t["name"],
-                    "description": t["description"],
-                    "input_schema": t["inputSchema"],
-                    "read_only": bool(t.get("annotations", {}).get("readOnlyHint")),
-                }
-                for t in catalog
-            ],
-        }
-    )
+    create_toolset(github_toolset(key))
     compact = api.post("/api/v1/ptc/context", json={"toolsets": [key]}).json()
     stats = compact["stats"]
     assert stats["schema_chars"] >= 115_000
