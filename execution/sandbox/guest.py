@@ -19,6 +19,7 @@ import _ast
 import base64
 import builtins
 import collections
+import contextlib
 import errno
 import importlib.util
 import json
@@ -193,44 +194,56 @@ class _LazySdk:
     it is imported, the catalog when ``describe``, ``search`` or the flat ``tools`` first read it.
     A job that never imports GitHub's module does not carry its source, nor the catalog of its
     tools (hundreds of kilobytes, each way encoded and decoded). An import hook (``sys.meta_path``):
-    the file is written to the SDK's folder, then imported from there as any source file."""
+    the file is written to the SDK's folder, then imported from there as any source file. Until
+    then each module is an empty file there, so that ``help(ptc_tools)`` and ``pkgutil`` list it."""
 
     def __init__(self, sdk_dir: str, fetch: Any, forget: Any) -> None:
         self.sdk_dir = sdk_dir
         self.fetch = fetch  # the runtime's sdk_file: a file's content, asked of the worker
         self.forget = forget  # the discovery's: the catalog it read is read again
         self.names: frozenset[str] = frozenset()  # the job's SDK files
+        self.fetched: dict[str, str] = {}  # their text, once asked (written again if its write failed)
         self.written: set[str] = set()
         self.code: dict[str, Any] = {}  # a module's code the worker compiled, until it is imported
+        # The code's threads import and read the catalog at once: each file is asked for once.
+        self.lock = threading.Lock()
 
     def reset(self, names: list[str]) -> None:
         """A job's SDK: its files' names. A session's job whose SDK changed forgets the earlier
-        one: its files written so far, its modules imported (an import imports the new one; what
-        the session's globals hold stays as it was) and the catalog read."""
-        package = sys.modules["ptc_tools"]
-        for name in self.names:
-            module = name[: -len(".py")].replace("/", ".") if name.endswith(".py") else ""
-            if sys.modules.pop(module, None) is not None:
-                vars(package).pop(module.rpartition(".")[2], None)  # ``from ptc_tools import x`` reads it
-        for name in self.written:
-            os.unlink(os.path.join(self.sdk_dir, name))
-        self.names, self.written, self.code = frozenset(names), set(), {}
-        self.forget()
+        one: its files (what the code left of them), its modules imported (an import imports the
+        new one; what the session's globals hold stays as it was) and the catalog read."""
+        with self.lock:
+            package = sys.modules.get("ptc_tools")
+            for name in self.names:
+                module = name[: -len(".py")].replace("/", ".") if name.endswith(".py") else ""
+                if sys.modules.pop(module, None) is not None and package is not None:
+                    vars(package).pop(module.rpartition(".")[2], None)  # ``from ptc_tools import x`` reads it
+                with contextlib.suppress(OSError):
+                    os.unlink(os.path.join(self.sdk_dir, name))
+            self.names, self.fetched, self.written, self.code = frozenset(names), {}, set(), {}
+            with contextlib.suppress(OSError):  # a folder the code broke: the imports will say
+                _install_sdk({name: "" for name in names if name.endswith(".py")}, self.sdk_dir)
+            self.forget()
 
     def need(self, name: str) -> None:
-        if name in self.names and name not in self.written:
-            got = self.fetch(name, importlib.util.MAGIC_NUMBER.hex())  # packed: zlib, then base64
-            _install_sdk({name: _unpack(got["text"]).decode()}, self.sdk_dir)
+        with self.lock:
+            if name not in self.names or name in self.written:
+                return
+            if name not in self.fetched:
+                got = self.fetch(name, importlib.util.MAGIC_NUMBER.hex())  # packed: zlib, then base64
+                if got.get("code"):
+                    self.code[name] = marshal.loads(_unpack(got["code"]))  # noqa: S302 - from the worker, which sent the job
+                self.fetched[name] = _unpack(got["text"]).decode()
+            _install_sdk({name: self.fetched[name]}, self.sdk_dir)
             self.written.add(name)
-            if got.get("code"):
-                self.code[name] = marshal.loads(_unpack(got["code"]))  # noqa: S302 - from the worker, which sent the job
 
     def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
         name = fullname.replace(".", "/") + ".py"
         if name not in self.names:
             return None
         self.need(name)
-        code = self.code.pop(name, None)  # once: a reload compiles the file, which may have changed
+        with self.lock:
+            code = self.code.pop(name, None)  # once: a reload compiles the file, which may have changed
         loader: Any = None if code is None else _CodeLoader(code)  # a loader as importlib.abc's, without importing it
         return importlib.util.spec_from_file_location(fullname, os.path.join(self.sdk_dir, name), loader=loader)
 

@@ -52,6 +52,8 @@ SUBMIT_THREADS = 4
 MAX_EARLY_RESULTS = 1024
 # A job's code asks for its key once (its runtime keeps it); past this many asks the bridge is abused.
 MAX_KEY_ASKS = 16
+# The runtime asks for each SDK file once, when first used; past this many asks the bridge is abused.
+MAX_SDK_ASKS = 256
 # Output goes out as events in chunks: every 50 ms or 4 KB, whichever comes first.
 OUTPUT_CHUNK_SECONDS = 0.05
 OUTPUT_CHUNK_BYTES = 4096
@@ -131,7 +133,7 @@ class _InFlight:
 # job after job, from the SDK's cache: hashed once). GitHub's module is 179 KB of source, 10 ms to
 # compile, and with its bytecode 480 KB of frame; packed, 130 KB.
 MAGIC = importlib.util.MAGIC_NUMBER.hex()
-_PACKED: Kept[tuple[str, bool], dict[str, str | None]] = Kept(32)
+_PACKED: Kept[tuple[str, str, bool], dict[str, str | None]] = Kept(32)
 
 
 def sdk_file_packed(name: str, text: str, *, compiled: bool) -> dict[str, str | None]:
@@ -139,17 +141,23 @@ def sdk_file_packed(name: str, text: str, *, compiled: bool) -> dict[str, str | 
     (zlib, then base64), and with ``compiled`` (a module, for an interpreter that reads this one's
     bytecode) its ``code`` compiled and marshalled, compressed too; None if it can't be (the
     sandbox compiles it then, and says why)."""
-    packed = _PACKED.get((text, compiled))
+    packed = _PACKED.get((name, text, compiled))
     if packed is None:
         code = None
         if compiled:
             try:
-                code = _pack(marshal.dumps(compile(text, f"{MOUNT_SDK}/{name}", "exec", dont_inherit=True)))
+                code = _pack(marshal.dumps(compile(text, f"{MOUNT_SDK}/{name}", "exec", dont_inherit=True, optimize=0)))
             except Exception:  # its import says why, in the sandbox
                 code = None
         packed = {"text": _pack(text.encode()), "code": code}
-        _PACKED.put((text, compiled), packed)
+        _PACKED.put((name, text, compiled), packed)
     return packed
+
+
+def _shown(value: Any) -> str:
+    """What the sandbox sent, as an error message quotes it: at most 80 characters of it."""
+    text = repr(value)
+    return text if len(text) <= 80 else f"{text[:77]}..."
 
 
 def _pack(data: bytes) -> str:
@@ -185,6 +193,7 @@ class Session:
         self.sdk_files = sdk_files
         self.sdk_new = sdk_new
         self.sdk_sent: set[str] = set()
+        self.sdk_asks = 0
         self.router = router
         self.channel = channel
         self.heartbeat = heartbeat
@@ -520,10 +529,15 @@ class Session:
             else:
                 self._send({"id": message["id"], **self._job_key(message.get("call_id"))})
         elif op == "sdk" and isinstance(message.get("id"), int):
+            self.sdk_asks += 1
             wanted = message.get("name")
-            if not isinstance(wanted, str) or wanted not in self.sdk_files or wanted in self.sdk_sent:
-                # Its runtime asks for each file of the job's SDK once, when first used: nothing else.
-                self._end("failed", "BridgeError", f"the sandbox asked for {wanted!r}: no file of its SDK, or one sent already")
+            if self.sdk_asks > MAX_SDK_ASKS:
+                self._end("failed", "BridgeError", f"the sandbox asked for its SDK's files over {MAX_SDK_ASKS} times")
+            elif not isinstance(wanted, str) or wanted not in self.sdk_files or wanted in self.sdk_sent:
+                # A thread an earlier job of the session left may ask for that job's files: an error
+                # for it, not this job's end. Nothing is sent twice.
+                error = call_error("not_found", f"no file {_shown(wanted)} of this job's SDK is left to send")
+                self._send({"id": message["id"], "ok": False, "error": error})
             else:
                 self.sdk_sent.add(wanted)
                 self._send({"id": message["id"], "ok": True, "result": self._sdk_file(wanted, message.get("magic"))})
@@ -532,7 +546,7 @@ class Session:
         elif op == "done":
             self._end("failed", "BridgeError", "the sandbox sent a second or malformed result frame")
         else:
-            self._end("failed", "BridgeError", f"the sandbox sent an unknown bridge frame (op={op!r})")
+            self._end("failed", "BridgeError", f"the sandbox sent an unknown bridge frame (op={_shown(op)})")
 
     def _sdk_file(self, name: str, magic: Any) -> dict[str, Any]:
         """The SDK file ``name``, for the sandbox: its text, and a module's bytecode too when the

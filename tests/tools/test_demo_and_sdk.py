@@ -1,9 +1,11 @@
 """The demo toolset, the generated SDK, and how a job's SDK reaches its sandbox."""
 
+import importlib.util
+import subprocess
 from collections.abc import Callable
 from typing import Any
 
-import pytest
+from django.conf import settings
 
 from tests.conftest import Api
 from tests.tools.conftest import unique_key
@@ -51,7 +53,9 @@ LAZY_SDK = """
 import os
 import ptc_tools
 folder = "/opt/ptc/sdk/ptc_tools"
-listed = lambda: sorted(os.listdir(folder)) if os.path.isdir(folder) else []
+listed = lambda: {name: os.path.getsize(os.path.join(folder, name)) > 0 for name in os.listdir(folder)}
+import pkgutil
+modules = sorted(m.name for m in pkgutil.iter_modules(ptc_tools.__path__) if not m.name.startswith("_"))
 seen = [listed()]
 from ptc_tools.demo import Demo
 seen.append(listed())
@@ -59,7 +63,7 @@ doc = ptc_tools.describe("demo.echo")
 seen.append(listed())
 import inspect, sys
 loaded = [type(sys.modules["ptc_tools.demo"].__loader__).__name__, inspect.getsource(Demo.echo).split("(")[0]]
-[seen, doc["name"], Demo.echo(value="called"), loaded]
+[seen, doc["name"], Demo.echo(value="called"), loaded, modules]
 """
 
 
@@ -68,15 +72,38 @@ def test_a_jobs_sdk_files_reach_the_sandbox_as_its_code_first_uses_them(
 ) -> None:
     # A toolset the code never imports costs the job nothing: its module and the catalog are asked
     # of the worker only when the code imports the one or reads the other.
+    # Until then each module is an empty file, so that pkgutil and help(ptc_tools) list it.
     key = _http_toolset(create_toolset, ["lookup"])
     job = staff.run(LAZY_SDK, toolsets=["demo", key])
     assert job["status"] == "completed", job["error"]
-    seen, name, echoed, loaded = job["return_value"]
-    assert seen == [[], ["demo.py"], ["_catalog.json", "demo.py"]]
+    seen, name, echoed, loaded, modules = job["return_value"]
+    module = f"{key}.py"
+    assert seen == [
+        {"demo.py": False, module: False},
+        {"demo.py": True, module: False},
+        {"demo.py": True, module: False, "_catalog.json": True},
+    ]
+    assert modules == ["demo", key]
     assert (name, echoed) == ("echo", "called")
-    # The module came compiled by the worker (the sandbox's interpreter reads its bytecode); its
-    # source is there beside it, for tracebacks and inspect.
-    assert loaded == ["_CodeLoader", "def _echo"]
+    # The module came compiled by the worker when the sandbox's interpreter reads the worker's
+    # bytecode (else it compiles the source); the source is there beside it, for inspect.
+    same = (
+        subprocess.run(
+            [settings.PTC_SANDBOX_PYTHON, "-c", "import importlib.util; print(importlib.util.MAGIC_NUMBER.hex())"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        == importlib.util.MAGIC_NUMBER.hex()
+    )
+    assert loaded == ["_CodeLoader" if same else "SourceFileLoader", "def _echo"]
+
+
+def test_threads_that_first_read_the_catalog_at_once_ask_for_it_once(staff: Api) -> None:
+    # The flat names read the catalog: eight threads do it at once, and each gets its tool.
+    code = "from concurrent.futures import ThreadPoolExecutor\nlist(ThreadPoolExecutor(8).map(lambda i: tools.echo(value=i), range(8)))"
+    job = staff.run(code, toolsets=["demo"])
+    assert (job["status"], job["return_value"]) == ("completed", list(range(8))), job["error"]
 
 
 def test_a_sessions_job_gets_its_changed_sdk_not_the_last_ones_files(
@@ -86,12 +113,13 @@ def test_a_sessions_job_gets_its_changed_sdk_not_the_last_ones_files(
     session = staff.post("/api/v1/sessions", json={"toolsets": [key]}).json()
     # A plain import (no reload), the package's attribute, and the flat names: each the new SDK's.
     cls = class_name(key)
-    tools = (
-        f"import ptc_tools\nfrom ptc_tools.{key} import {cls}\n"
-        f"[sorted(n for n in vars({cls}) if not n.startswith('_')), ptc_tools.{key}.{cls} is {cls}, repr(getattr(tools, 'search', None))]"
-    )
+    imports = f"import ptc_tools\nfrom ptc_tools.{key} import {cls}\n"
+    found = f"[sorted(n for n in vars({cls}) if not n.startswith('_')), ptc_tools.{key}.{cls} is {cls}, repr(getattr(tools, 'search', None))]"
     try:
-        first = staff.run(tools, session=session["id"])
+        # The first job also leaves the SDK's folder gone: the next job's SDK goes in all the same.
+        first = staff.run(
+            f"{imports}found = {found}\nimport shutil\nshutil.rmtree('/opt/ptc/sdk/ptc_tools')\nfound", session=session["id"]
+        )
         assert (first["status"], first["return_value"]) == ("completed", [["lookup"], True, "None"]), first["error"]
         schema = {"type": "object", "properties": {}}
         edit = staff.http.patch(
@@ -104,21 +132,33 @@ def test_a_sessions_job_gets_its_changed_sdk_not_the_last_ones_files(
             },
         )
         assert edit.status_code == 200, edit.text
-        second = staff.run(tools, session=session["id"])
+        second = staff.run(imports + found, session=session["id"])
         assert second["status"] == "completed", second["error"]
         assert second["return_value"] == [["lookup", "search"], True, f"<tool {key}.search>"]
     finally:
         staff.http.delete(f"/api/v1/sessions/{session['id']}")
 
 
-@pytest.mark.parametrize("asks", [["ptc_tools/other.py"], ["../../etc/passwd"], [["a list"]], ["ptc_tools/demo.py"] * 2])
-def test_a_sandbox_that_asks_for_what_is_no_file_of_its_sdk_or_a_file_again_ends_its_job(staff: Api, asks: list[Any]) -> None:
-    # Its runtime asks for each file once, when first used: a sandbox that asks for anything else
-    # is not the runtime, and the worker sends it nothing more (no SDK twice a job, either).
-    code = f"from ptc_tools import _runtime\nfor name in {asks!r}:\n    _runtime.sdk_file(name)"
+def test_a_sandbox_gets_only_its_jobs_sdk_files_each_once_and_asks_a_bounded_number_of_times(staff: Api) -> None:
+    # Its runtime asks for each file once, when first used. Any other ask gets not_found (a thread
+    # an earlier job of a session left may ask for that job's files); nothing is sent twice; and a
+    # sandbox that keeps asking is not the runtime: its job ends.
+    code = """
+from ptc_tools import _runtime, ToolError
+def ask(name):
+    try:
+        _runtime.sdk_file(name)
+        return "sent"
+    except ToolError as e:
+        return e.code
+print([ask(name) for name in ("../../etc/passwd", ["a list"], "ptc_tools/other.py", "ptc_tools/demo.py", "ptc_tools/demo.py")])
+while True:
+    ask("ptc_tools/demo.py")
+"""
     job = staff.run(code, toolsets=["demo"])
+    assert job["stdout"] == str(["not_found"] * 3 + ["sent", "not_found"]) + "\n"
     assert (job["status"], job["error"]["type"]) == ("failed", "BridgeError")
-    assert "no file of its SDK, or one sent already" in job["error"]["message"]
+    assert "asked for its SDK's files over" in job["error"]["message"]
 
 
 def _http_toolset(create_toolset: Callable[..., dict[str, Any]], names: list[str]) -> str:
