@@ -206,7 +206,8 @@ class _LazySdk:
         self.written: set[str] = set()
         self.code: dict[str, Any] = {}  # a module's code the worker compiled, until it is imported
         # The code's threads import and read the catalog at once: each file is asked for once.
-        self.lock = threading.Lock()
+        # Reentrant: nothing under it imports today, and a change that did must not hang the job.
+        self.lock = threading.RLock()
 
     def reset(self, names: list[str]) -> None:
         """A job's SDK: its files' names. A session's job whose SDK changed forgets the earlier
