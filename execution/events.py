@@ -101,6 +101,11 @@ def output_events(output: Sequence[tuple[str, str]]) -> Events:
     return [(stream, {"text": text}) for stream, text in output]
 
 
+def output_publish(*, job_call_id: str, output: Sequence[tuple[str, str]]) -> None:
+    """Append what job ``job_call_id`` printed, ``(stream, text)``, to its events, in one round trip."""
+    events_publish_by_job([(job_call_id, event) for event in output_events(output)])
+
+
 def output_from_stream(*, job_call_id: str) -> dict[str, str]:
     """Return what a job printed (``stdout``, ``stderr``) as its live events carried it: for a job
     whose worker died before it could store the output. Empty without an event log."""

@@ -33,7 +33,6 @@ import stat
 import sys
 import threading
 import traceback
-import zlib
 from typing import Any
 
 # Every module imported here is paid for by every sandbox's start: not ``ast`` (its C core, ``_ast``,
@@ -199,7 +198,7 @@ class _LazySdk:
 
     def __init__(self, sdk_dir: str, fetch: Any, forget: Any) -> None:
         self.sdk_dir = sdk_dir
-        self.fetch = fetch  # the runtime's sdk_file: a file's content, asked of the worker
+        self.fetch = fetch  # the runtime's sdk_file: a file's text and bytecode, asked of the worker
         self.forget = forget  # the discovery's: the catalog it read is read again
         self.names: frozenset[str] = frozenset()  # the job's SDK files
         self.fetched: dict[str, str] = {}  # their text, once asked (written again if its write failed)
@@ -231,10 +230,10 @@ class _LazySdk:
             if name not in self.names or name in self.written:
                 return
             if name not in self.fetched:
-                got = self.fetch(name, importlib.util.MAGIC_NUMBER.hex())  # packed: zlib, then base64
-                if got.get("code"):
-                    self.code[name] = marshal.loads(_unpack(got["code"]))  # noqa: S302 - from the worker, which sent the job
-                self.fetched[name] = _unpack(got["text"]).decode()
+                text, code = self.fetch(name, importlib.util.MAGIC_NUMBER.hex())
+                if code is not None:
+                    self.code[name] = marshal.loads(code)  # noqa: S302 - from the worker, which sent the job
+                self.fetched[name] = text
             _install_sdk({name: self.fetched[name]}, self.sdk_dir)
             self.written.add(name)
 
@@ -247,10 +246,6 @@ class _LazySdk:
             code = self.code.pop(name, None)  # once: a reload compiles the file, which may have changed
         loader: Any = None if code is None else _CodeLoader(code)  # a loader as importlib.abc's, without importing it
         return importlib.util.spec_from_file_location(fullname, os.path.join(self.sdk_dir, name), loader=loader)
-
-
-def _unpack(data: str) -> bytes:
-    return zlib.decompress(base64.b64decode(data))
 
 
 class _CodeLoader:

@@ -5,7 +5,6 @@ job's channel (tool results pushed by tools workers, and cancel), with ``selecto
 this path polls: every wake-up is a frame, a chunk of output, a pushed message or a deadline.
 """
 
-import base64
 import codecs
 import contextlib
 import importlib.util
@@ -20,7 +19,6 @@ import socket
 import subprocess
 import threading
 import time
-import zlib
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -35,7 +33,7 @@ from execution.sandbox.process import MOUNT_SDK, SandboxProcess
 from ptcproject.errors import call_error, job_error
 from ptcproject.kept import Kept
 from ptcproject.storage import MAX_JSON_DEPTH
-from tools.sdk_runtime.protocol import FrameDecoder, FrameError, encode
+from tools.sdk_runtime.protocol import FrameDecoder, FrameError, encode, pack
 
 logger = logging.getLogger("ptc.sandbox")
 # A call whose result has not been pushed by then is looked up in the database, the source of truth.
@@ -137,19 +135,19 @@ _PACKED: Kept[tuple[str, str, bool], dict[str, str | None]] = Kept(32)
 
 
 def sdk_file_packed(name: str, text: str, *, compiled: bool) -> dict[str, str | None]:
-    """Return the SDK file ``name`` (``text``) as the sandbox is sent it: ``text`` compressed
-    (zlib, then base64), and with ``compiled`` (a module, for an interpreter that reads this one's
-    bytecode) its ``code`` compiled and marshalled, compressed too; None if it can't be (the
+    """Return the SDK file ``name`` (``text``) as the sandbox is sent it: ``text`` packed
+    (protocol.pack), and with ``compiled`` (a module, for an interpreter that reads this one's
+    bytecode) its ``code`` compiled and marshalled, packed too; None if it can't be (the
     sandbox compiles it then, and says why)."""
     packed = _PACKED.get((name, text, compiled))
     if packed is None:
         code = None
         if compiled:
             try:
-                code = _pack(marshal.dumps(compile(text, f"{MOUNT_SDK}/{name}", "exec", dont_inherit=True, optimize=0)))
+                code = pack(marshal.dumps(compile(text, f"{MOUNT_SDK}/{name}", "exec", dont_inherit=True, optimize=0)))
             except Exception:  # its import says why, in the sandbox
                 code = None
-        packed = {"text": _pack(text.encode()), "code": code}
+        packed = {"text": pack(text.encode()), "code": code}
         _PACKED.put((name, text, compiled), packed)
     return packed
 
@@ -158,10 +156,6 @@ def _shown(value: Any) -> str:
     """What the sandbox sent, as an error message quotes it: at most 80 characters of it."""
     text = repr(value)
     return text if len(text) <= 80 else f"{text[:77]}..."
-
-
-def _pack(data: bytes) -> str:
-    return base64.b64encode(zlib.compress(data)).decode()
 
 
 class Session:

@@ -21,12 +21,12 @@ from django.utils import timezone
 from execution.backplane import Cancel, End, Resync, Subscription, backplane, job_channel, job_end_channel
 from execution.events import (
     event_publish,
-    events_publish_by_job,
     job_end_payload,
     job_start_payload,
     job_view,
     output_events,
     output_from_stream,
+    output_publish,
 )
 from execution.models import ExecJob, ExecSession, ToolCall, WorkFile, new_exec_call_id
 from execution.sandbox.limits import Limits
@@ -409,9 +409,7 @@ def _exec_job_sandbox(*, job: ExecJob, node: str, channel: Subscription) -> Outc
             max_buffered=settings.PTC_MAX_BUFFERED_BYTES,
             job_info={"call_id": job.call_id},
             make_key=lambda: _exec_job_key(job=job),
-            on_output=lambda stream, text: events_publish_by_job(
-                [(job.call_id, event) for event in output_events([(stream, text)])]
-            ),
+            on_output=lambda stream, text: output_publish(job_call_id=job.call_id, output=[(stream, text)]),
             sandbox=live.sandbox if live is not None else None,
             keep=live is not None,
             extra=extra,
@@ -589,7 +587,7 @@ def exec_job_finish(*, job_id: Any, call_id: str, outcome: Outcome, user: User |
     except DatabaseError:
         logger.exception("could not record a job's end; the reaper will", extra={"job_id": str(job_id)})
         # What the code printed last goes out now: the reaper stores the output the events carried.
-        events_publish_by_job([(call_id, event) for event in output_events(outcome.tail)])
+        output_publish(job_call_id=call_id, output=outcome.tail)
         return
     logger.info("job finished", extra={"job_id": str(job_id), "status": job.status, **outcome.timings})
     job_finished_observe(

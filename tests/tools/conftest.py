@@ -20,6 +20,19 @@ def unique_key(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex[:8]}"
 
 
+def private_http_toolset(key: str, name: str, tools: list[dict[str, Any]]) -> dict[str, Any]:
+    """The body of ``POST /api/v1/toolsets`` for an http toolset of the staff member's own (no other
+    test sees it), whose server never answers."""
+    return {
+        "key": key,
+        "name": name,
+        "kind": "http",
+        "is_global": False,
+        "config": {"base_url": "http://127.0.0.1:9", "timeout": 1},
+        "tools": tools,
+    }
+
+
 def children(pid: int) -> list[tuple[int, str]]:
     """Return the live (pid, command line) of ``pid``'s child processes, from /proc."""
     found = []

@@ -8,7 +8,7 @@ from typing import Any
 from django.conf import settings
 
 from tests.conftest import Api
-from tests.tools.conftest import unique_key
+from tests.tools.conftest import private_http_toolset, unique_key
 from tools.models import Tool, Toolset
 from tools.sdk import class_name, sdk_build
 
@@ -121,16 +121,7 @@ def test_a_sessions_job_gets_its_changed_sdk_not_the_last_ones_files(
             f"{imports}found = {found}\nimport shutil\nshutil.rmtree('/opt/ptc/sdk/ptc_tools')\nfound", session=session["id"]
         )
         assert (first["status"], first["return_value"]) == ("completed", [["lookup"], True, "None"]), first["error"]
-        schema = {"type": "object", "properties": {}}
-        edit = staff.http.patch(
-            f"/api/v1/toolsets/{key}",
-            json={
-                "tools": [
-                    {"name": name, "input_schema": schema, "http": {"method": "GET", "path": f"/{name}"}}
-                    for name in ("lookup", "search")
-                ]
-            },
-        )
+        edit = staff.http.patch(f"/api/v1/toolsets/{key}", json={"tools": _get_tools(["lookup", "search"])})
         assert edit.status_code == 200, edit.text
         second = staff.run(imports + found, session=session["id"])
         assert second["status"] == "completed", second["error"]
@@ -163,21 +154,13 @@ while True:
 
 def _http_toolset(create_toolset: Callable[..., dict[str, Any]], names: list[str]) -> str:
     key = unique_key("lazy")
-    create_toolset(
-        {
-            "key": key,
-            "name": "Lazy",
-            "kind": "http",
-            "is_global": False,  # the staff member's own: no other test sees it
-            "config": {"base_url": "http://127.0.0.1:9", "timeout": 1},
-            "tools": [
-                {
-                    "name": name,
-                    "input_schema": {"type": "object", "properties": {}},
-                    "http": {"method": "GET", "path": f"/{name}"},
-                }
-                for name in names
-            ],
-        }
-    )
+    create_toolset(private_http_toolset(key, "Lazy", _get_tools(names)))
     return key
+
+
+def _get_tools(names: list[str]) -> list[dict[str, Any]]:
+    """http tools ``GET /<name>``, taking no arguments."""
+    return [
+        {"name": n, "input_schema": {"type": "object", "properties": {}}, "http": {"method": "GET", "path": f"/{n}"}}
+        for n in names
+    ]

@@ -5,7 +5,7 @@ from collections.abc import Callable
 from typing import Any
 
 from tests.conftest import Api
-from tests.tools.conftest import unique_key
+from tests.tools.conftest import private_http_toolset, unique_key
 from tools.models import Toolset
 from tools.sdk import sdk_build
 
@@ -39,14 +39,7 @@ def test_a_name_in_two_granted_toolsets_is_a_clear_error(staff: Api, create_tool
     key = unique_key("calc")
     schema = {"type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}}, "required": ["a", "b"]}
     create_toolset(
-        {
-            "key": key,
-            "name": "Calc",
-            "kind": "http",
-            "is_global": False,  # the staff member's own: no other test sees it
-            "config": {"base_url": "http://127.0.0.1:9", "timeout": 1},
-            "tools": [{"name": "add", "input_schema": schema, "http": {"method": "POST", "path": "/add"}}],
-        }
+        private_http_toolset(key, "Calc", [{"name": "add", "input_schema": schema, "http": {"method": "POST", "path": "/add"}}])
     )
     code = """
 from ptc_tools import ToolError

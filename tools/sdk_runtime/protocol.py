@@ -6,8 +6,10 @@ inside the sandbox.
 A frame is a 4-byte big-endian length, then that many bytes of UTF-8 JSON holding one object.
 """
 
+import base64
 import json
 import struct
+import zlib
 from typing import Any
 
 HEADER = struct.Struct(">I")
@@ -44,6 +46,16 @@ def encode(message: dict[str, Any]) -> bytes:
     except UnicodeEncodeError:  # a lone surrogate: JSON can still carry it, escaped
         body = json.dumps(message, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode()
     return HEADER.pack(len(body)) + body
+
+
+def pack(data: bytes) -> str:
+    """Bytes as a frame carries them: zlib-compressed, then base64 (an SDK file and its bytecode)."""
+    return base64.b64encode(zlib.compress(data)).decode()
+
+
+def unpack(data: str) -> bytes:
+    """The bytes ``pack`` made ``data`` of."""
+    return zlib.decompress(base64.b64decode(data))
 
 
 class FrameDecoder:

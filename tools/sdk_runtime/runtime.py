@@ -96,7 +96,7 @@ class _Bridge:
         return str(self._ask({"op": "key", "call_id": call_id}, "job", "key"))
 
     def sdk_file(self, name: str, magic: str) -> dict[str, Any]:
-        """Ask the worker for the job's SDK file ``name``: ``{"text", "code"}`` (see ``sdk_file``)."""
+        """Ask the worker for the job's SDK file ``name``: ``{"text", "code"}``, packed (see ``sdk_file``)."""
         return dict(self._ask({"op": "sdk", "name": name, "magic": magic}, "sdk", name))
 
     def _ask(self, message: dict[str, Any], toolset: str, tool: str) -> Any:
@@ -190,13 +190,15 @@ job_info: JobInfo = JobInfo()
 _bridge: _Bridge | None = None
 
 
-def sdk_file(name: str, magic: str = "") -> dict[str, Any]:
-    """Return the job's SDK file ``name`` (``ptc_tools/github.py``) from the worker: its ``text``,
-    and for a module, when the worker's interpreter has this bytecode ``magic``, its ``code``
-    (marshalled), else None; each zlib-compressed, then base64."""
+def sdk_file(name: str, magic: str = "") -> tuple[str, bytes | None]:
+    """Return the job's SDK file ``name`` (``ptc_tools/github.py``) from the worker: its text, and
+    for a module, when the worker's interpreter has this bytecode ``magic``, its code
+    (marshalled), else None."""
     if _bridge is None:
         raise ToolError(_NO_BRIDGE, tool=f"sdk.{name}", code="no_bridge")
-    return _bridge.sdk_file(name, magic)
+    got = _bridge.sdk_file(name, magic)
+    code = got.get("code")
+    return _protocol.unpack(got["text"]).decode(), None if code is None else _protocol.unpack(code)
 
 
 # In a sandbox: makes sure the job's SDK file ``name`` is on disk, fetched from the worker on first
