@@ -4,7 +4,8 @@ Filesystem (the embedded default): kombu writes a message into its final file na
 listing the folder can take the file before its content is written, read nothing, and die on the
 JSON (Celery calls that unrecoverable). Here a message is written under another name and renamed
 into place: a rename is atomic, so a consumer sees a whole message or none. And a reader can find
-an exchange table that kombu has created but not yet written (empty): it reads again shortly.
+an exchange table that kombu has created but not yet written (empty), as can a worker binding its
+queue to it: each reads again shortly.
 
 Redis:
 
@@ -30,6 +31,7 @@ ACL that refuses INFO), or with ``pop_most`` 1, it is kombu's BRPOP.
 import logging
 import os
 import uuid
+from collections.abc import Callable
 from queue import Empty
 from time import monotonic, sleep, time
 from typing import Any
@@ -220,16 +222,25 @@ class FilesystemChannel(filesystem.Channel):
             handle.write(dumps(payload).encode())
         os.replace(partial, final)
 
+    # kombu creates a new exchange table with open("wb") before it locks and writes it, so another
+    # worker binding its queue (or a reader) can lock and read the empty file in between, and die
+    # on the JSON: the quickstart's two workers start at once. Empty means "being written": the
+    # writer takes its lock at once, so read again shortly. Nothing was written before the read.
     def get_table(self, exchange: str) -> Any:
-        # kombu creates a new exchange table with open("wb") before it locks and writes it, so a
-        # reader can lock and read the empty file in between. Empty means "being written": the
-        # writer takes its lock at once, so read again shortly.
-        for _ in range(TABLE_READ_TRIES):
-            try:
-                return super().get_table(exchange)
-            except ValueError:  # JSONDecodeError of the empty file
-                sleep(0.005)
-        return super().get_table(exchange)
+        return _while_written(lambda: super(FilesystemChannel, self).get_table(exchange))
+
+    def _queue_bind(self, exchange: str, routing_key: str, pattern: str, queue: str) -> None:
+        _while_written(lambda: super(FilesystemChannel, self)._queue_bind(exchange, routing_key, pattern, queue))
+
+
+def _while_written(read: Callable[[], Any]) -> Any:
+    """``read()`` an exchange table, again while it is found empty (being written)."""
+    for _ in range(TABLE_READ_TRIES):
+        try:
+            return read()
+        except ValueError:  # JSONDecodeError of the empty file
+            sleep(0.005)
+    return read()
 
 
 class FilesystemTransport(filesystem.Transport):

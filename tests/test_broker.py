@@ -54,6 +54,28 @@ def test_filesystem_messages_are_whole_or_absent(tmp_path: Path) -> None:
     assert all(message == body for message in received)
 
 
+def test_a_queue_bound_to_an_exchange_table_being_written_waits_for_it(tmp_path: Path) -> None:
+    # kombu creates a table empty, then locks and writes it: a second worker binding its queue in
+    # between read the empty file and died (the quickstart's exec and tools workers start at once).
+    control = tmp_path / "control"
+    control.mkdir()
+    table = control / "race.exchange"
+    table.write_bytes(b"")
+    options = {"data_folder_in": str(tmp_path), "data_folder_out": str(tmp_path), "control_folder": str(control)}
+
+    def written() -> None:
+        table.write_text('[["first", "", "first"]]')
+
+    writer = threading.Timer(0.1, written)
+    writer.start()
+    with Connection(transport="ptcproject.broker:FilesystemTransport", transport_options=options) as conn:
+        channel = conn.channel()
+        channel._queue_bind("race", "second", "", "second")
+        bound = {entry.queue for entry in channel.get_table("race")}
+    writer.join()
+    assert bound == {"first", "second"}
+
+
 @dataclass
 class _Broker:
     """A queue on our Redis transport, under a prefix of its own, and Redis itself to look in."""
