@@ -378,6 +378,12 @@ def prepare() -> None:
     """Import the SDK's base package, staged beside this runner: imported before the job comes
     (by the fork server, once for all its sandboxes), it costs the job nothing. The job brings its
     toolsets' modules, which join the package."""
+    # The interpreter runs with -S: the builtins ``site`` adds (help, exit, quit), which code
+    # written for a plain Python uses, are added here, and only those: sys.path stays as it is.
+    import site
+
+    site.sethelper()
+    site.setquit()
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import ptc_tools  # noqa: F401
     from ptc_tools import _protocol, _runtime, tools  # noqa: F401

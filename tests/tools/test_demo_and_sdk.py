@@ -63,7 +63,11 @@ doc = ptc_tools.describe("demo.echo")
 seen.append(listed())
 import inspect, sys
 loaded = [type(sys.modules["ptc_tools.demo"].__loader__).__name__, inspect.getsource(Demo.echo).split("(")[0]]
-[seen, doc["name"], Demo.echo(value="called"), loaded, modules]
+import contextlib, io
+shown = io.StringIO()
+with contextlib.redirect_stdout(shown):
+    help(ptc_tools)
+[seen, doc["name"], Demo.echo(value="called"), loaded, modules, "demo" in shown.getvalue(), callable(exit) and callable(quit)]
 """
 
 
@@ -76,7 +80,8 @@ def test_a_jobs_sdk_files_reach_the_sandbox_as_its_code_first_uses_them(
     key = _http_toolset(create_toolset, ["lookup"])
     job = staff.run(LAZY_SDK, toolsets=["demo", key])
     assert job["status"] == "completed", job["error"]
-    seen, name, echoed, loaded, modules = job["return_value"]
+    seen, name, echoed, loaded, modules, helped, quits = job["return_value"]
+    assert helped and quits  # the builtins of a plain Python (site's), though the sandbox runs with -S
     module = f"{key}.py"
     assert seen == [
         {"demo.py": False, module: False},
