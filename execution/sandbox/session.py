@@ -38,6 +38,8 @@ from tools.sdk_runtime.protocol import FrameDecoder, FrameError, encode, pack
 logger = logging.getLogger("ptc.sandbox")
 # A call whose result has not been pushed by then is looked up in the database, the source of truth.
 CALL_GRACE_SECONDS = 30.0
+# A session's sandbox is given this long to take what its job's end sends it (_hand_back).
+HAND_BACK_SECONDS = 2.0
 # A sandbox whose streams all closed before its result is given this long to exit by itself.
 EXIT_GRACE_SECONDS = 2.0
 # Calls waiting for a free slot, at most; past that the bridge stops reading and the code's next
@@ -258,11 +260,15 @@ class Session:
             with self.submit_lock:
                 self.submit_stopped = True
             self.submitter.shutdown(wait=True, cancel_futures=True)
-            self._close_calls()
+            unanswered = self._close_calls()
             os.close(self._wake_r)
             os.close(self._wake_w)
             ended_well = self.ended is None and self.result is not None
             self.kept = self.keep and (ended_well or not self.sent_any) and proc.poll() is None
+            # Kept with nothing of the job sent (cancelled as it started): its start frame is not sent now.
+            if self.kept and self.sent_any and not self._hand_back(ours, unanswered):
+                self.kept = False
+                proc.send_signal(signal.SIGKILL)
             returncode = 0
             if not self.kept and self.result is not None:
                 # The job has its result: the sandbox is killed now, and reaped off this path
@@ -291,15 +297,21 @@ class Session:
         }
         return outcome
 
-    def _close_calls(self) -> None:
+    def _close_calls(self) -> list[int]:
         """Tell the router which calls the job left unanswered: in flight, or submitted after the loop
-        stopped reading. A failure here is logged: the job's end is recorded regardless."""
+        stopped reading. A failure here is logged: the job's end is recorded regardless. Return the
+        request ids of every call of the sandbox left without an answer (those, and the ones never
+        submitted)."""
         open_calls = list(self.in_flight)
+        unanswered = [call.request_id for call in self.in_flight.values()]
+        unanswered += [request_id for request_id, *_ in self.to_submit + self.unsubmitted]
+        unanswered += [message["id"] for message in self.waiting]
         while True:
             try:
-                _, submitted = self.submitted.get_nowait()
+                request_id, submitted = self.submitted.get_nowait()
             except queue.Empty:
                 break
+            unanswered.append(request_id)
             if isinstance(submitted, Dispatched):
                 open_calls.append(submitted.call_id)
         if open_calls:
@@ -307,6 +319,31 @@ class Session:
                 self.router.closed(open_calls=open_calls)
             except Exception:
                 logger.exception("could not close the calls a job left open")
+        return unanswered
+
+    def _hand_back(self, sock: socket.socket, unanswered: list[int]) -> bool:
+        """Before a session's sandbox waits for its next job: answer every call the job left open
+        (a thread of its code still waits on each) and send what is still to send (the replies to
+        frames read with the result: an SDK file a thread is importing holds the sandbox's import
+        lock until it comes). Return False if the sandbox does not take it within HAND_BACK_SECONDS."""
+        error = call_error("job_ended", "the job this call was made in has ended; no result comes back to it")
+        for request_id in unanswered:
+            self.outbox += encode({"id": request_id, "ok": False, "call_id": "", "error": error})
+        deadline = time.monotonic() + HAND_BACK_SECONDS
+        with selectors.DefaultSelector() as sel:
+            sel.register(sock, selectors.EVENT_WRITE)
+            while self.outbox:
+                left = deadline - time.monotonic()
+                if left <= 0 or not sel.select(left):
+                    logger.warning("a session's sandbox did not read its bridge at its job's end; not kept")
+                    return False
+                try:
+                    del self.outbox[: sock.send(self.outbox)]
+                except BlockingIOError:
+                    continue
+                except OSError:
+                    return False
+        return True
 
     def _client_wait(self, now: float) -> float:
         """Return the seconds of waiting on the client the job's clock does not count (so far)."""
@@ -708,7 +745,10 @@ class Session:
     # -- the result ------------------------------------------------------------------------------
     def _outcome(self, returncode: int) -> Outcome:
         if self.result is not None:
-            error = self.result.get("error")
+            error = self.result.get("error")  # _valid_result: None, or its type and message are text
+            if error:  # as the API shows a job's error, whatever else the sandbox put in it
+                trace = error.get("traceback")
+                error = job_error(error["type"], error["message"], trace if isinstance(trace, str) else "")
             return Outcome(
                 status="failed" if error else "completed",
                 return_value=self.result.get("return_value"),

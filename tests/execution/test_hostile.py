@@ -127,6 +127,18 @@ time.sleep(5)
     assert job["error"]["type"] == "BridgeError"
 
 
+def test_a_result_frames_error_is_shown_as_the_api_promises(api: Api) -> None:
+    # The code may send its own result: its error is taken as type, message and a text traceback.
+    code = """
+import time
+from ptc_tools import _runtime
+_runtime.send({"op": "done", "return_value": None, "error": {"type": "X", "message": "m", "traceback": 5, "code": [1]}})
+time.sleep(5)
+"""
+    job = api.run(code, toolsets=["demo"], timeout=20)
+    assert job["error"] == {"type": "X", "message": "m", "traceback": ""}
+
+
 def test_unknown_api_paths_answer_in_the_error_shape(api: Api) -> None:
     for path in ("/api/v1/nope", "/api/v1/exec/not-a-uuid"):
         response = api.get(path)

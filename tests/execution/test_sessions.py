@@ -56,6 +56,42 @@ def test_globals_imports_and_files_persist_between_jobs(api: Api) -> None:
     assert session["id"] in [s["id"] for s in listed]
 
 
+LEAVE_A_CALL_AND_AN_ASK = """
+import threading
+from ptc_tools import _runtime, describe
+from ptc_tools.demo import Demo
+outcomes = []
+def call():
+    try:
+        outcomes.append(Demo.sleep(ms=3000))
+    except Exception as exc:
+        outcomes.append(getattr(exc, "code", repr(exc)))
+caller = threading.Thread(target=call, daemon=True)
+caller.start()
+while not _runtime._bridge._pending:  # the call is out before the job ends
+    pass
+# The catalog's first read asks for it, holding the SDK's lock until the answer comes: the ask is
+# held back to go out with the job's result.
+lock = _runtime._bridge._send_lock
+lock.acquire()
+threading.Thread(target=describe, args=("demo.add",), daemon=True).start()
+threading.Timer(0.02, lock.release).start()
+"""
+
+
+def test_what_a_session_job_leaves_asking_is_answered_before_the_next_job(api: Api) -> None:
+    # A thread of the code still waiting on a call, or on an SDK file it asked for as the job
+    # ended, is answered then: the next job's calls and imports are not held up behind it.
+    for _ in range(3):
+        session = _session(api)
+        first = _run(api, session, LEAVE_A_CALL_AND_AN_ASK)
+        assert first["status"] == "completed", first["error"]
+        after = "caller.join(10)\n[outcomes, Demo.add(a=1, b=2), describe('demo.add') is not None]"
+        second = _run(api, session, after, timeout=20)
+        assert second["status"] == "completed", second["error"]
+        assert second["return_value"] == [["job_ended"], 3, True]
+
+
 def test_one_job_at_a_time_the_second_is_409(api: Api) -> None:
     session = _session(api)
     running = _run(api, session, "import time\nprint('in', flush=True)\ntime.sleep(2)\n'first'", wait=0)
