@@ -576,6 +576,8 @@ class Session:
             self.result = message
         elif op == "done":
             self._end("failed", "BridgeError", "the sandbox sent a second or malformed result frame")
+        elif op in ("call", "key", "sdk"):
+            self._end("failed", "BridgeError", f"the sandbox sent a bridge frame (op={_shown(op)}) without a whole-number id")
         else:
             self._end("failed", "BridgeError", f"the sandbox sent an unknown bridge frame (op={_shown(op)})")
 

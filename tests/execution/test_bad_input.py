@@ -107,6 +107,7 @@ def test_toolset_not_granted_to_the_job(api: Api) -> None:
         (b"\\x00\\x00\\x00\\x05hello", "not valid JSON"),
         (b"\\x00\\x00\\x00\\x02[]", "not a JSON object"),
         (b'\\x00\\x00\\x00\\x0c{"op":"zap"}', "unknown bridge frame"),
+        (b'\\x00\\x00\\x00\\x15{"op":"sdk","id":1.5}', "without a whole-number id"),
     ],
 )
 def test_malformed_frames_end_the_job_clearly(api: Api, frame: bytes, message: str) -> None:
