@@ -2,13 +2,16 @@
 
 A trivial task on its own queue and worker (the threads pool, as ours), with a Redis result
 backend so a round trip can be timed with ``.get()``. Nothing of ours is in it: no database, no
-records, no billing, no events.
+records, no billing, no events. Beside it, the same task with the one thing of ours the
+architecture's invariants require of every task: its record, before and after (``recorded``).
 
     celery -A bare worker -Q bare -P threads -c 64    (from bench/, with REDIS_URL set)
 """
 
 import os
+import threading
 
+import psycopg
 from celery import Celery
 
 QUEUE = f"bare-{os.environ.get('PTC_REDIS_PREFIX', '')}bench"
@@ -30,3 +33,25 @@ app.conf.update(
 @app.task(name="bare.add")
 def add(a: int, b: int) -> int:
     return a + b
+
+
+# What the invariants alone add to a task: its record written (committed) before the work and
+# updated after, two statements on PostgreSQL, as a tools worker's claim and finish are. Nothing
+# else of ours: no signing, no billing, no events, no Django.
+RECORDS = "bare_record"
+_connections = threading.local()
+
+
+def _db() -> psycopg.Connection:
+    if getattr(_connections, "conn", None) is None:
+        _connections.conn = psycopg.connect(os.environ["DATABASE_URL"], autocommit=True)
+        _connections.conn.execute(f"CREATE TABLE IF NOT EXISTS {RECORDS} (id text PRIMARY KEY, status text, output jsonb)")
+    return _connections.conn
+
+
+@app.task(name="bare.recorded")
+def recorded(call_id: str, value: int) -> int:
+    db = _db()
+    db.execute(f"INSERT INTO {RECORDS} (id, status) VALUES (%s, 'executing')", (call_id,), prepare=True)
+    db.execute(f"UPDATE {RECORDS} SET status = 'completed', output = %s WHERE id = %s", (str(value), call_id), prepare=True)
+    return value
