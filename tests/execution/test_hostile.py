@@ -139,6 +139,12 @@ time.sleep(5)
     assert job["error"] == {"type": "X", "message": "m", "traceback": ""}
 
 
+def test_reloading_the_runtime_keeps_the_sandboxs_bridge(api: Api) -> None:
+    code = "import importlib, ptc_tools._runtime as rt\nimportlib.reload(rt)\nfrom ptc_tools.demo import Demo\nDemo.add(a=1, b=1)"
+    job = api.run(code, toolsets=["demo"])
+    assert (job["status"], job["return_value"]) == ("completed", 2), job["error"]
+
+
 def test_unknown_api_paths_answer_in_the_error_shape(api: Api) -> None:
     for path in ("/api/v1/nope", "/api/v1/exec/not-a-uuid"):
         response = api.get(path)

@@ -187,7 +187,9 @@ class JobInfo(dict[str, Any]):
 
 
 job_info: JobInfo = JobInfo()
-_bridge: _Bridge | None = None
+# The sandbox's bridge (the runner connects it), kept should the code reload this module:
+# importlib.reload runs it again in the same namespace, and the bridge is the sandbox's, not the module's.
+_bridge: _Bridge | None = globals().get("_bridge")
 
 
 def sdk_file(name: str, magic: str = "") -> tuple[str, bytes | None]:
@@ -202,8 +204,9 @@ def sdk_file(name: str, magic: str = "") -> tuple[str, bytes | None]:
 
 
 # In a sandbox: makes sure the job's SDK file ``name`` is on disk, fetched from the worker on first
-# use (the runner sets it). Elsewhere (an SDK downloaded whole) every file is there already.
-sdk_need: Callable[[str], None] = lambda name: None  # noqa: E731
+# use (the runner sets it; kept across a reload, as the bridge is). Elsewhere (an SDK downloaded
+# whole) every file is there already.
+sdk_need: Callable[[str], None] = globals().get("sdk_need") or (lambda name: None)
 _NO_BRIDGE = "tools can be called only from the sandbox's main process (not outside PTC, nor from a fork)"
 
 
