@@ -563,7 +563,10 @@ class RedisBackplane(Backplane):
         """A new asyncio client, for one reader that follows a job's log with a blocking XREAD."""
         import redis.asyncio as aioredis
 
-        return aioredis.Redis.from_url(settings.REDIS_URL, socket_connect_timeout=2)
+        # Its reads block up to a heartbeat's interval (XREAD BLOCK): redis-py's default read timeout
+        # (5 s) would cut every stream that is quiet longer, as if Redis had gone.
+        timeout = settings.PTC_EVENTS_HEARTBEAT_SECONDS + 10
+        return aioredis.Redis.from_url(settings.REDIS_URL, socket_connect_timeout=2, socket_timeout=timeout)
 
 
 class LocalBackplane(Backplane):

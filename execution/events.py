@@ -282,10 +282,15 @@ async def event_stream(*, job_id: Any, last_event_id: str | None = None) -> Asyn
         cursor = last_event_id or "0-0"
         live = False  # the first read is the backlog: its age is not lag
         while True:
-            reply = await client.xread({key: cursor}, block=int(settings.PTC_EVENTS_HEARTBEAT_SECONDS * 1000), count=500)
+            # A job that has ended has its whole log there: read what is left of it, without waiting.
+            block = None if ended else int(settings.PTC_EVENTS_HEARTBEAT_SECONDS * 1000)
+            reply = await client.xread({key: cursor}, block=block, count=500)
             if not reply:
-                call_id, ended = await _job_state(job_id)
-                if ended and not await client.exists(key):
+                if not ended:
+                    call_id, ended = await _job_state(job_id)
+                if ended:
+                    # Nothing after the cursor: the client has the end (a reconnect after it), or
+                    # the log lacks it (its worker died before announcing it): the records tell it.
                     async for item in _from_records(job_id, cursor):
                         yield item
                     return

@@ -1,5 +1,6 @@
 """GET /api/v1/exec/{id}/events: order, completeness, resume, late connect, rebuilt history, privacy."""
 
+import asyncio
 import json
 import subprocess
 import sys
@@ -10,6 +11,7 @@ import httpx
 import redis
 
 from execution.backplane import RedisBackplane
+from execution.events import event_stream
 from tests.conftest import REDIS_URL, Api
 from tests.stack import ROOT
 
@@ -118,6 +120,36 @@ def test_a_quiet_stream_sends_heartbeats(api: Api) -> None:
     job = api.run("import time\ntime.sleep(2.5)", toolsets=["demo"], wait=0)
     _, comments = read_events(api, job["id"])
     assert ": heartbeat" in comments
+
+
+def test_a_stream_stays_open_while_its_job_is_quiet_longer_than_a_redis_read_timeout(api: Api, settings: Any) -> None:
+    # redis-py gives up on a read after 5 s unless told otherwise: with heartbeats further apart
+    # than that (15 s by default), every quiet stream was cut as if Redis had gone. Followed here
+    # in this process, with heartbeats 6 s apart, through a job quiet for 7 s.
+    settings.PTC_EVENTS_HEARTBEAT_SECONDS = 6
+    job = api.run("print('start', flush=True)\nimport time\ntime.sleep(7)", toolsets=["demo"], wait=0)
+
+    async def follow() -> list[str | None]:
+        return [None if item is None else item.event async for item in event_stream(job_id=job["id"])]
+
+    names = asyncio.run(follow())
+    assert names[0] == "exec_start" and "stdout" in names and None in names  # a heartbeat, not a cut
+    assert names[-1] == "exec_end"
+
+
+def test_a_reconnect_after_the_end_closes_at_once(api: Api) -> None:
+    # A browser's EventSource reconnects by itself once a stream closes, with the last id it had.
+    job = api.run("print(1)", toolsets=["demo"])
+    events, _ = read_events(api, job["id"])
+    assert events[-1]["event"] == "exec_end"
+    started, lines = time.monotonic(), []
+    headers = {"Last-Event-ID": events[-1]["id"]}
+    with api.http.stream("GET", f"/api/v1/exec/{job['id']}/events", headers=headers, timeout=10) as response:
+        for line in response.iter_lines():
+            lines.append(line)
+            assert time.monotonic() - started < 10, f"still open, sending {lines[-3:]}"
+    assert [line for line in lines if line.startswith(("id:", "event:", "data:"))] == []
+    assert time.monotonic() - started < 5
 
 
 def test_another_users_stream_is_404_and_no_key_is_401(make_api) -> None:  # type: ignore[no-untyped-def]
