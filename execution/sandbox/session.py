@@ -748,9 +748,11 @@ class Session:
     def _outcome(self, returncode: int) -> Outcome:
         if self.result is not None:
             error = self.result.get("error")  # _valid_result: None, or its type and message are text
-            if error:  # as the API shows a job's error, whatever else the sandbox put in it
+            if error:  # as the API shows a job's error (a ToolError's with its tool, call and code), nothing else
                 trace = error.get("traceback")
-                error = job_error(error["type"], error["message"], trace if isinstance(trace, str) else "")
+                shown = job_error(error["type"], error["message"], trace if isinstance(trace, str) else "")
+                shown.update({name: error[name] for name in ("tool", "call_id", "code") if isinstance(error.get(name), str)})
+                error = shown
             return Outcome(
                 status="failed" if error else "completed",
                 return_value=self.result.get("return_value"),
