@@ -5,12 +5,15 @@ caller decides how to show them. Paths read like ``tools[2].input_schema``.
 """
 
 import keyword
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
 import jsonschema
+import referencing
+import referencing.exceptions
+import referencing.jsonschema
 
 from tools.kinds.http import METHODS, path_params
 from tools.kinds.mcp import TRANSPORTS
@@ -40,6 +43,33 @@ def identifier_problem(name: Any) -> str | None:
     return None
 
 
+def _refs(schema: Any) -> Iterator[str]:
+    if isinstance(schema, dict):
+        if isinstance(schema.get("$ref"), str):
+            yield schema["$ref"]
+        for value in schema.values():
+            yield from _refs(value)
+    elif isinstance(schema, list):
+        for value in schema:
+            yield from _refs(value)
+
+
+def _unresolved_ref(schema: dict[str, Any]) -> str | None:
+    """Return a ``$ref`` within the schema (``#...``) that names nothing in it, if any. One to
+    elsewhere is never fetched: its calls fail with invalid_arguments (tools/arguments.py)."""
+    resource = referencing.jsonschema.specification_with(
+        schema.get("$schema", ""), default=referencing.jsonschema.DRAFT202012
+    ).create_resource(schema)
+    resolver = referencing.Registry().with_resource(uri="", resource=resource).resolver()
+    for ref in _refs(schema):
+        if ref.startswith("#"):
+            try:
+                resolver.lookup(ref)
+            except referencing.exceptions.Unresolvable:
+                return ref
+    return None
+
+
 def schema_errors(schema: Any, *, path: str, object_root: bool) -> list[FieldError]:
     """Return what is wrong with ``schema`` as a JSON Schema (an object schema if ``object_root``)."""
     if not isinstance(schema, dict):
@@ -51,6 +81,8 @@ def schema_errors(schema: Any, *, path: str, object_root: bool) -> list[FieldErr
         return [
             FieldError(path, "invalid_json_schema", f"not a valid JSON Schema{f' at {where}' if where else ''}: {exc.message}")
         ]
+    if (unresolved := _unresolved_ref(schema)) is not None:
+        return [FieldError(path, "invalid_json_schema", f"$ref {unresolved!r} names nothing in the schema")]
     if object_root:
         if schema.get("type", "object") != "object":
             return [FieldError(path, "invalid_json_schema", 'must describe keyword arguments: {"type": "object", ...}')]

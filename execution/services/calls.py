@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-import jsonschema
 from django.conf import settings
 from django.contrib.auth.models import User
 from django.core import signing
@@ -52,6 +51,7 @@ from ptcproject.metrics import tool_call_observe
 from ptcproject.policy.models import Policy
 from ptcproject.policy.selectors import policy_get
 from ptcproject.storage import MAX_JSON_DEPTH, json_depth_exceeds, storable
+from tools.arguments import arguments_error, arguments_validator
 from tools.classification import tool_is_ptc
 from tools.errors import ToolFailure
 from tools.kinds import tool_run
@@ -103,9 +103,8 @@ class CallChecker:
             raise ToolFailure("invalid_arguments", f"arguments nest deeper than {MAX_JSON_DEPTH} levels")
         validator = self.validators.get(tool.pk)
         if validator is None:
-            cls = jsonschema.validators.validator_for(tool.input_schema)
-            validator = self.validators[tool.pk] = cls(tool.input_schema, format_checker=cls.FORMAT_CHECKER)
-        error = jsonschema.exceptions.best_match(validator.iter_errors(arguments))
+            validator = self.validators[tool.pk] = arguments_validator(tool.input_schema)
+        error = arguments_error(validator, arguments)  # or ToolFailure, for a schema that can't be checked
         if error is not None:
             where = "/".join(str(p) for p in error.absolute_path) or "arguments"
             raise ToolFailure("invalid_arguments", f"{where}: {error.message}")

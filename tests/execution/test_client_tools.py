@@ -257,6 +257,10 @@ def test_waiting_counts_past_max_client_wait(api: Api, staff: Api) -> None:
         ([{"name": "not-python"}], "client_tools[0].name"),
         ([{"name": "x", "input_schema": {"type": "array"}}], "client_tools[0].input_schema"),
         ([{"name": "x", "input_schema": {"type": 5}}], "client_tools[0].input_schema"),
+        (
+            [{"name": "x", "input_schema": {"type": "object", "properties": {"a": {"$ref": "#/nope"}}}}],
+            "client_tools[0].input_schema",
+        ),
         ([{"name": "x"}, {"name": "x"}], "client_tools[1].name"),
         ([{"name": f"t{i}"} for i in range(65)], "client_tools"),
         ([{"name": "x", "description": "d" * 9000} for _ in range(40)], "client_tools"),
@@ -269,6 +273,18 @@ def test_bad_client_tools_are_400_and_nothing_is_created(api: Api, client_tools:
     assert response.json()["error"]["code"] == "validation_error"
     assert any(key.startswith(field) for key in response.json()["error"]["details"]), response.json()
     assert api.get("/api/v1/exec").json()["count"] == before
+
+
+def test_a_client_tools_pattern_that_backtracks_without_end_fails_its_call_not_the_worker(api: Api) -> None:
+    # The schema's pattern is checked in the exec worker: matched by re, this held its GIL (every
+    # job on it) for hours; now it gives up within 0.1 s and the call fails.
+    evil = {"type": "object", "properties": {"s": {"type": "string", "pattern": "^(a|aa)+$"}}, "required": ["s"]}
+    code = "from ptc_tools import ToolError\nfrom ptc_tools.client import Client\ntry:\n    got = Client.f(s='a' * 60 + '!')\nexcept ToolError as e:\n    got = e.code\ngot"
+    started = time.monotonic()
+    job = api.run(code, toolsets=["demo"], client_tools=[{"name": "f", "input_schema": evil}], timeout=10)
+    assert (job["status"], job["return_value"]) == ("completed", "invalid_arguments"), job["error"]
+    assert time.monotonic() - started < 8
+    assert api.run("1 + 1", toolsets=["demo"])["return_value"] == 2
 
 
 def test_a_shared_client_toolset_waits_on_the_client_and_is_billed_when_priced(make_api: Callable[..., Api], staff: Api) -> None:

@@ -1,0 +1,119 @@
+"""A call's arguments checked against its tool's input schema: jsonschema, its patterns bounded.
+
+jsonschema matches ``pattern`` and ``patternProperties`` with Python's ``re``, which backtracks:
+``^(a+)+$`` against 40 characters runs for days, holding the GIL of the process that checks (an
+exec worker's bridge: every job on it). A tool's schema comes from whoever defined it (a job's own
+client tools, a user's toolset, a remote MCP server), so here those keywords match with the
+``regex`` module, which gives up after ``PATTERN_SECONDS`` and lets other threads run meanwhile.
+A schema whose checks can't finish (a pattern that gives up, a ``$ref`` that names nothing or
+loops) fails the call, not the worker.
+"""
+
+from collections.abc import Iterator
+from typing import Any
+
+import jsonschema
+import regex
+from jsonschema.exceptions import ValidationError
+from referencing.exceptions import Unresolvable
+
+from tools.errors import ToolFailure
+
+PATTERN_SECONDS = 0.1
+
+
+def _unchecked(why: str) -> ToolFailure:
+    """The failure of a call whose arguments its tool's schema can't check, and ``why``."""
+    return ToolFailure("invalid_arguments", f"the tool's input schema {why}; the call was not run")
+
+
+def _search(pattern: str, text: str) -> bool:
+    try:
+        return regex.search(pattern, text, timeout=PATTERN_SECONDS, concurrent=True) is not None
+    except TimeoutError:
+        shown = pattern if len(pattern) <= 80 else f"{pattern[:80]}..."
+        raise _unchecked(f"has a pattern ({shown!r}) that took over {PATTERN_SECONDS:g} s to match") from None
+
+
+# jsonschema's own keywords, with their matches made by _search: (validator, the keyword's value,
+# the instance, the schema) -> the instance's errors.
+Errors = Iterator[ValidationError]
+
+
+def _pattern(validator: Any, pattern: str, instance: Any, schema: dict[str, Any]) -> Errors:
+    if validator.is_type(instance, "string") and not _search(pattern, instance):
+        yield ValidationError(f"{instance!r} does not match {pattern!r}")
+
+
+def _pattern_properties(
+    validator: Any, patterns: dict[str, Any], instance: Any, schema: dict[str, Any]
+) -> Iterator[ValidationError]:
+    if not validator.is_type(instance, "object"):
+        return
+    for pattern, subschema in patterns.items():
+        for key, value in instance.items():
+            if _search(pattern, key):
+                yield from validator.descend(value, subschema, path=key, schema_path=pattern)
+
+
+def _additional_properties(validator: Any, additional: Any, instance: Any, schema: dict[str, Any]) -> Errors:
+    if not validator.is_type(instance, "object"):
+        return
+    known, patterns = schema.get("properties", {}), schema.get("patternProperties", {})
+    extras = [key for key in instance if key not in known and not any(_search(p, key) for p in patterns)]
+    if validator.is_type(additional, "object"):
+        for extra in extras:
+            yield from validator.descend(instance[extra], additional, path=extra)
+    elif not additional and extras:
+        listed = ", ".join(repr(extra) for extra in sorted(extras, key=str))
+        yield ValidationError(f"Additional properties are not allowed ({listed} unexpected)")
+
+
+def _unevaluated_properties(validator: Any, unevaluated: Any, instance: Any, schema: dict[str, Any]) -> Errors:
+    # jsonschema finds the properties a schema evaluated with ``re``, through every subschema and
+    # reference: with patternProperties anywhere, the combination is refused rather than rewritten.
+    if _has_key(validator.schema, "patternProperties"):
+        raise _unchecked("uses unevaluatedProperties with patternProperties, which PTC does not check")
+    yield from _UNEVALUATED(validator, unevaluated, instance, schema)
+
+
+_UNEVALUATED = jsonschema.Draft202012Validator.VALIDATORS["unevaluatedProperties"]
+
+
+def _has_key(schema: Any, key: str) -> bool:
+    if isinstance(schema, dict):
+        return key in schema or any(_has_key(value, key) for value in schema.values())
+    if isinstance(schema, list):
+        return any(_has_key(value, key) for value in schema)
+    return False
+
+
+_BOUNDED = {
+    "pattern": _pattern,
+    "patternProperties": _pattern_properties,
+    "additionalProperties": _additional_properties,
+    "unevaluatedProperties": _unevaluated_properties,
+}
+
+
+def arguments_validator(schema: dict[str, Any]) -> Any:
+    """Return a validator of arguments for ``schema``: its draft's, its pattern keywords bounded."""
+    base = jsonschema.validators.validator_for(schema)
+    bounded = {name: check for name, check in _BOUNDED.items() if name in base.VALIDATORS}
+    cls = jsonschema.validators.extend(base, bounded)
+    return cls(schema, format_checker=base.FORMAT_CHECKER)
+
+
+def arguments_error(validator: Any, arguments: Any) -> ValidationError | None:
+    """Return the most relevant reason ``arguments`` don't match, or None if they do. Raise
+    ToolFailure ``invalid_arguments`` if the schema's checks can't finish."""
+    try:
+        return jsonschema.exceptions.best_match(validator.iter_errors(arguments))
+    except Unresolvable as exc:
+        raise ToolFailure(
+            "invalid_arguments", f"the tool's input schema has a $ref that names nothing ({exc}); the call was not run"
+        ) from None
+    except RecursionError:
+        raise ToolFailure(
+            "invalid_arguments", "the tool's input schema refers to itself without end ($ref); the call was not run"
+        ) from None
