@@ -259,6 +259,12 @@ def _job_state(job_id: Any) -> tuple[str, bool]:
     return job["call_id"], job["status"] in ExecJob.FINISHED
 
 
+async def _has_end(client: Any, key: str, cursor: str) -> bool:
+    """Whether the log ``key`` ends with ``exec_end`` at or before ``cursor``: a reader there has it all."""
+    last = await client.xrevrange(key, count=1)
+    return bool(last) and last[0][1].get(b"event") == b"exec_end" and _order(last[0][0].decode()) <= _order(cursor)
+
+
 async def event_stream(*, job_id: Any, last_event_id: str | None = None) -> AsyncIterator[Event | None]:
     """Yield the job's events after ``last_event_id`` as they happen, ending with ``exec_end``.
 
@@ -282,15 +288,14 @@ async def event_stream(*, job_id: Any, last_event_id: str | None = None) -> Asyn
         cursor = last_event_id or "0-0"
         live = False  # the first read is the backlog: its age is not lag
         while True:
-            # A job that has ended has its whole log there: read what is left of it, without waiting.
-            block = None if ended else int(settings.PTC_EVENTS_HEARTBEAT_SECONDS * 1000)
-            reply = await client.xread({key: cursor}, block=block, count=500)
+            if ended and await _has_end(client, key, cursor):
+                return  # a reconnect after the end (EventSource makes one by itself): nothing is left
+            reply = await client.xread({key: cursor}, block=int(settings.PTC_EVENTS_HEARTBEAT_SECONDS * 1000), count=500)
             if not reply:
-                if not ended:
-                    call_id, ended = await _job_state(job_id)
-                if ended:
-                    # Nothing after the cursor: the client has the end (a reconnect after it), or
-                    # the log lacks it (its worker died before announcing it): the records tell it.
+                # An ended job's end may still be on its way (a cancel is recorded before its
+                # worker announces the end): wait for it, unless its log has expired meanwhile.
+                call_id, ended = await _job_state(job_id)
+                if ended and not await client.exists(key):
                     async for item in _from_records(job_id, cursor):
                         yield item
                     return
