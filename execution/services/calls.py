@@ -434,13 +434,15 @@ def tool_call_finish(
     record: ToolCall | None = None,
     from_statuses: tuple[str, ...] = ToolCall.OPEN,
     extra: dict[str, Any] | None = None,
+    job_running: bool = False,
 ) -> bool:
     """Move an open call (executing, or awaiting its client or an approval; only ``from_statuses``)
     to completed or failed, settling or releasing its credits in the same transaction, and publish
     its event (unless ``event=False``: the caller does, later). Return False if it had already
     finished (a redelivery: nothing changes). ``billed=False`` says the tool is never billed, which
     skips the books. ``record``, the call's row, is brought up to date. ``extra`` fields are written
-    in the same UPDATE (who decided, when the client answered)."""
+    in the same UPDATE (who decided, when the client answered). With ``job_running``, only while the
+    call's job runs (an answer to it: once its job has ended, its end closes its calls)."""
     fields = {**_finished_fields(output=output, error=error, now=timezone.now()), **(extra or {})}
     credits = 0
     settles = billed and not error
@@ -451,7 +453,10 @@ def tool_call_finish(
     # The call's row first (a redelivery finds it finished and charges nothing), the ledger last:
     # the account's row lock is held from its statement to the commit only.
     with transaction.atomic() if settles else nullcontext():
-        finished = bool(ToolCall.objects.filter(call_id=call_id, status__in=from_statuses).update(**fields))
+        open_calls = ToolCall.objects.filter(call_id=call_id, status__in=from_statuses)
+        if job_running:
+            open_calls = open_calls.filter(exec_job__status=ExecJob.Status.RUNNING)
+        finished = bool(open_calls.update(**fields))
         if finished and settles:
             credits = credits_settle(tool_call_id=call_id)
     if finished and billed and error:

@@ -43,6 +43,15 @@ def client_content(content: Any) -> Any:
     return content
 
 
+def _job_ended_refusal(call: ToolCall, job: ExecJob) -> ApplicationError:
+    return ApplicationError(
+        "call_not_awaiting",
+        f"Call {call.call_id} takes no answer: its job has ended ('{job.status}'), and its end closes its calls.",
+        status=409,
+        details={"tool_use_id": call.call_id, "job_status": job.status},
+    )
+
+
 def _claim_refusal(call: ToolCall) -> ApplicationError:
     """Return why a result for ``call`` can't be taken: answered already, or not waiting on a client."""
     # claimed_at on a client call is set by the answer that won it (no tools worker claims one).
@@ -118,10 +127,12 @@ def tool_results_submit(*, job: ExecJob, results: list[dict[str, Any]]) -> list[
                 record=call,
                 from_statuses=(ToolCall.Status.AWAITING_CLIENT,),
                 extra={"claimed_at": now},
+                job_running=True,  # its job may have ended (a cancel) while the call still waits
             )
             if not claimed:
                 call.refresh_from_db()
-                raise _claim_refusal(call)
+                job.refresh_from_db(fields=["status"])
+                raise _claim_refusal(call) if call.status != ToolCall.Status.AWAITING_CLIENT else _job_ended_refusal(call, job)
             replies[call.call_id] = tool_call_reply(call)
     for call_id in ids:
         call = calls[call_id]
@@ -150,11 +161,10 @@ def tool_call_decide(*, call: ToolCall, actor: User, approve: bool, reason: str 
         "decision_reason": reason[:500],
     }
     if approve:
-        claimed = bool(
-            ToolCall.objects.filter(pk=call.pk, status=ToolCall.Status.AWAITING_APPROVAL).update(
-                status=ToolCall.Status.EXECUTING, **decided
-            )
+        awaiting = ToolCall.objects.filter(
+            pk=call.pk, status=ToolCall.Status.AWAITING_APPROVAL, exec_job__status=ExecJob.Status.RUNNING
         )
+        claimed = bool(awaiting.update(status=ToolCall.Status.EXECUTING, **decided))
     else:
         who = f" by {actor.get_username()}" + (f": {reason}" if reason else "")
         claimed = tool_call_finish(
@@ -162,8 +172,11 @@ def tool_call_decide(*, call: ToolCall, actor: User, approve: bool, reason: str 
             error=call_error("denied", f"the call was denied{who}"),
             from_statuses=(ToolCall.Status.AWAITING_APPROVAL,),
             extra=decided,
+            job_running=True,
         )
     call.refresh_from_db()
+    if not claimed and call.status == ToolCall.Status.AWAITING_APPROVAL and call.exec_job is not None:
+        raise _job_ended_refusal(call, call.exec_job)  # its job ended: its end closes it
     if not claimed:
         if call.decision:
             raise ApplicationError(

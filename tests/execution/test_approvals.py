@@ -126,6 +126,25 @@ except ToolError as e:
     assert (call["decision"], call["decided_by"]) == ("denied", staff.username)
 
 
+@pytest.mark.parametrize("approve", [True, False])
+def test_a_decision_after_its_jobs_end_is_refused_before_the_worker_closes_the_call(
+    api: Api, staff: Api, http_api: HttpApi, approve: bool
+) -> None:
+    from execution.models import ExecJob, ToolCall
+
+    key = shop(staff, http_api)
+    job = submit(api, f"from ptc_tools.{key} import {class_name(key)} as S\nS.buy(city='x')", [key])
+    [block] = pending(api, job["id"])
+    # What a cancel writes first; the job's worker closes its calls at its next heartbeat.
+    ExecJob.objects.filter(pk=job["id"]).update(status=ExecJob.Status.CANCELLED)
+    late = api.post(f"/api/v1/tool-calls/{block['id']}/approval", json={"approve": approve})
+    assert late.status_code == 409 and late.json()["error"]["code"] == "call_not_awaiting", late.text
+    final = finished(api, job["id"])
+    assert final["status"] == "cancelled"
+    call = ToolCall.objects.get(call_id=block["id"])
+    assert (call.decision, call.error["code"]) == ("", "job_ended")
+
+
 def test_toolset_approval_and_the_policy_for_writes(make_api: Callable[..., Api], staff: Api, http_api: HttpApi) -> None:
     gated = shop(staff, http_api, toolset_approval=True, tool_approval=False)
     api = make_api()

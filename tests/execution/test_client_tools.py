@@ -219,6 +219,22 @@ def test_cancel_while_waiting_ends_the_job_and_fails_the_call(api: Api) -> None:
     assert late.status_code == 409
 
 
+def test_an_answer_after_its_jobs_end_is_refused_before_the_worker_closes_the_call(api: Api) -> None:
+    from execution.models import ExecJob, ToolCall
+
+    job = submit(api, "from ptc_tools.client import Client\nClient.wait(n=1)", [tool("wait")])
+    block = first_pending(api, job["id"])
+    # What a cancel writes first; the job's worker closes its calls a moment later (at its next
+    # heartbeat here, no Cancel pushed). An answer in between must not land on the ended job.
+    ExecJob.objects.filter(pk=job["id"]).update(status=ExecJob.Status.CANCELLED)
+    late = api.post(f"/api/v1/exec/{job['id']}/tool-results", json=[{"tool_use_id": block["id"], "content": 1}])
+    assert late.status_code == 409 and late.json()["error"]["code"] == "call_not_awaiting", late.text
+    assert "job has ended" in late.json()["error"]["message"]
+    final = finished(api, job["id"])
+    assert final["status"] == "cancelled"
+    assert ToolCall.objects.get(call_id=block["id"]).error["code"] == "job_ended"
+
+
 def _slow_answer(seconds: float) -> Callable[[str, dict[str, Any]], dict[str, Any]]:
     def answer(name: str, args: dict[str, Any]) -> dict[str, Any]:
         time.sleep(seconds)
