@@ -7,6 +7,7 @@ from django.db.models import QuerySet
 from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
 from django.http.response import HttpResponseBase
 from django.shortcuts import get_object_or_404
+from django.views.decorators.csrf import csrf_exempt
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema
 from rest_framework import status
@@ -385,15 +386,18 @@ class ToolExecuteApi(APIView):
 
 @db_read
 def _authenticate(request: HttpRequest) -> Any:
-    """The user of a Bearer key (not a job-scoped one) or of an admin session; None if neither."""
+    """The user of a Bearer key (not a job-scoped one) or of an admin session, or the error
+    response that refuses the request, as DRF's views answer it."""
     header = request.headers.get("Authorization", "")
     if header.lower().startswith("bearer "):
         key = api_key_authenticate(plaintext=header[7:].strip())
-        if key is None or key.exec_job_id is not None:
-            return None
+        if key is None:
+            return _error(401, "authentication_failed", "The API key is unknown, expired or revoked.")
+        if key.exec_job_id is not None:
+            return _error(403, "permission_denied", "A job-scoped key can only call POST /api/v1/tools/execute.")
         return key.user
     user = request.user
-    return user if user.is_authenticated else None
+    return user if user.is_authenticated else _error(401, "not_authenticated", "Send Authorization: Bearer <api key>.")
 
 
 @db_read
@@ -405,6 +409,7 @@ def _error(status: int, code: str, message: str) -> JsonResponse:
     return JsonResponse(error_body(code, message), status=status)
 
 
+@csrf_exempt  # a Bearer key's request, as DRF's views are; other methods than GET answer 405 below
 async def exec_events_api(request: HttpRequest, job_id: UUID) -> HttpResponseBase:
     """GET /api/v1/exec/{id}/events: the job's events as Server-Sent Events, pushed as they happen.
 
@@ -415,8 +420,8 @@ async def exec_events_api(request: HttpRequest, job_id: UUID) -> HttpResponseBas
     if request.method != "GET":
         return _error(405, "method_not_allowed", "Use GET.")
     user = await _authenticate(request)
-    if user is None:
-        return _error(401, "not_authenticated", "Send Authorization: Bearer <api key>.")
+    if isinstance(user, JsonResponse):
+        return user
     if not await _job_visible(user, job_id):
         return _error(404, "not_found", f"No such endpoint or object: {request.path}")
     last_event_id = request.headers.get("Last-Event-ID") or request.GET.get("last_event_id")

@@ -187,12 +187,18 @@ def test_a_body_nested_too_deep_to_parse_is_a_parse_error(api: Api) -> None:
         ("/api/v1/exec?status=%00", 400),
         ("/api/v1/tool-calls?exec=%00", 400),
         ("/api/v1/exec/%00", 404),
+        ("/api/v1/toolsets/%00", 404),
     ],
 )
 def test_a_nul_in_a_path_or_query_is_refused_not_a_500(api: Api, path: str, status: int) -> None:
     response = api.get(path)
     assert response.status_code == status
     assert response.json()["error"]["code"] == ("not_found" if status == 404 else "validation_error")
+
+
+def test_a_call_id_that_no_call_can_have_is_404_not_a_500(api: Api) -> None:
+    response = api.post("/api/v1/tool-calls/%00%ff/approval", json={"approve": True})
+    assert (response.status_code, response.json()["error"]["code"]) == (404, "not_found")
 
 
 def test_timeout_above_the_maximum_is_refused_not_clamped(api: Api) -> None:

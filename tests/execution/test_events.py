@@ -9,9 +9,12 @@ from typing import Any
 
 import httpx
 import redis
+from django.contrib.auth.models import User
 
 from execution.backplane import RedisBackplane
 from execution.events import event_stream
+from execution.models import ExecJob
+from ptcproject.accounts.services import api_key_create
 from tests.conftest import REDIS_URL, Api
 from tests.stack import ROOT
 
@@ -159,7 +162,15 @@ def test_another_users_stream_is_404_and_no_key_is_401(make_api) -> None:  # typ
     assert response.status_code == 404
     assert response.json()["error"]["code"] == "not_found"
     anonymous = httpx.get(f"{alice.http.base_url}/api/v1/exec/{job['id']}/events")
-    assert anonymous.status_code == 401
+    assert (anonymous.status_code, anonymous.json()["error"]["code"]) == (401, "not_authenticated")
+    # As DRF's views answer: an unknown key, a job-scoped key, a method other than GET.
+    unknown = httpx.get(anonymous.url, headers={"Authorization": "Bearer ptc_nope_nope"})
+    assert (unknown.status_code, unknown.json()["error"]["code"]) == (401, "authentication_failed")
+    _, key = api_key_create(user=User.objects.get(username=alice.username), exec_job=ExecJob.objects.get(pk=job["id"]))
+    scoped = httpx.get(anonymous.url, headers={"Authorization": f"Bearer {key}"})
+    assert (scoped.status_code, scoped.json()["error"]["code"]) == (403, "permission_denied")
+    posted = alice.post(f"/api/v1/exec/{job['id']}/events")
+    assert (posted.status_code, posted.json()["error"]["code"]) == (405, "method_not_allowed")
 
 
 def test_a_cancelled_queued_job_still_ends_its_stream(api: Api) -> None:
