@@ -67,6 +67,14 @@ class Approved:
 
 
 @dataclass(frozen=True)
+class Admitted:
+    """A call of the job was admitted over HTTP, with its key: it counts against the job's
+    max_tool_calls in its sandbox too."""
+
+    call_id: str
+
+
+@dataclass(frozen=True)
 class Cancel:
     """The job was cancelled: its worker kills the sandbox."""
 
@@ -90,13 +98,15 @@ class Changed:
     """The job's records changed (the local backplane's stand-in for its event log)."""
 
 
-Message = Result | Approved | Cancel | End | Resync | Changed
+Message = Result | Approved | Admitted | Cancel | End | Resync | Changed
 # A job's events in order, ``(name, data)``; several jobs' events, ``(job call_id, events)``; and
 # messages to push, ``(channel, message)``.
 Events = list[tuple[str, dict[str, Any]]]
 JobsEvents = list[tuple[str, Events]]
 Pushes = list[tuple[str, Message]]
-_KINDS: dict[str, type[Message]] = {cls.__name__.lower(): cls for cls in (Result, Approved, Cancel, End, Resync, Changed)}
+_KINDS: dict[str, type[Message]] = {
+    cls.__name__.lower(): cls for cls in (Result, Approved, Admitted, Cancel, End, Resync, Changed)
+}
 
 
 def _wire_json(data: dict[str, Any]) -> str:

@@ -25,7 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from execution.backplane import Approved, Cancel, Message, Result, Resync
+from execution.backplane import Admitted, Approved, Cancel, Message, Result, Resync
 from execution.sandbox.limits import Limits
 from execution.sandbox.output import CappedOutput
 from execution.sandbox.pool import Sandbox, sandbox_reap, warm_pool
@@ -236,6 +236,7 @@ class Session:
         self.early: dict[str, dict[str, Any]] = {}
         self.waiting: deque[dict[str, Any]] = deque()
         self.calls = 0
+        self.key_calls = 0  # the job's calls made over HTTP with its key, which count against its limit too
         # Calls waiting on the client or an approval. While any does, the job's clock is stopped,
         # up to limits.max_client_wait in all: ``waited`` is what was credited so far.
         self.awaiting: set[str] = set()
@@ -547,7 +548,7 @@ class Session:
             for name in list(self.chunk_since):
                 self._flush_chunk(name)
             self.calls += 1
-            if self.calls > self.limits.max_tool_calls:
+            if self.calls + self.key_calls > self.limits.max_tool_calls:
                 self._end("failed", "ResourceLimit", f"tool-call limit of {self.limits.max_tool_calls} per job reached")
             elif self._busy() >= self.limits.max_parallel_tool_calls:
                 self.waiting.append(message)  # waits for a free slot; it does not fail
@@ -727,6 +728,8 @@ class Session:
             if call is not None and message.call_id in self.awaiting:
                 self._set_awaiting(message.call_id, False)
                 call.deadline = time.monotonic() + message.timeout + CALL_GRACE_SECONDS
+        elif isinstance(message, Admitted):
+            self.key_calls += 1
         elif isinstance(message, Cancel):
             self._end("cancelled", "Cancelled", "the job was cancelled")
         elif isinstance(message, Resync):

@@ -32,7 +32,7 @@ from billing.services import (
     price_quote,
     reservations_held,
 )
-from execution.backplane import Result, backplane, call_channel, job_channel
+from execution.backplane import Admitted, Result, backplane, call_channel, job_channel
 from execution.events import (
     event_publish,
     events_publish_by_job,
@@ -363,6 +363,10 @@ def tool_call_standalone(
             assert job is not None
             _job_call_admit(job=job)
         call = _tool_call_record(**record, found=found, error=error)
+    if admit:
+        assert job is not None
+        # The job's sandbox counts it with its own calls (a lost push: one fewer counted there).
+        backplane().publish(job_channel(job.call_id), Admitted(call_id=call_id))
     if found is None:
         return call
     refused = tool_calls_reserve(calls=[(call_id, found)], user=user, job=job)

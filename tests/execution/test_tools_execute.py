@@ -71,6 +71,33 @@ def _job_key(api: Api, job_id: str) -> str:
         time.sleep(0.05)
 
 
+KEY_THEN_CODE = """
+import time
+from ptc_tools import _runtime
+from ptc_tools.demo import Demo
+Demo.echo(value=_runtime.job_info["key"])
+time.sleep(4)  # the test calls with the job's key meanwhile
+Demo.add(a=1, b=1)
+"""
+
+
+def test_calls_made_with_the_jobs_key_count_against_its_limit_in_its_sandbox(api: Api, staff: Api) -> None:
+    assert staff.http.patch("/api/v1/policy", json={"max_tool_calls": 3}).status_code == 200
+    job = api.run(KEY_THEN_CODE, toolsets=["demo"], wait=0)
+    client = httpx.Client(base_url=api.http.base_url, headers={"Authorization": f"Bearer {_job_key(api, job['id'])}"})
+    for _ in range(2):  # the echo and these two: the job's three
+        call = execute(
+            client, {"toolset": "demo", "tool": "add", "arguments": {"a": 1, "b": 1}}, **{"x-ptc-call-id": job["call_id"]}
+        )
+        assert (call.status_code, call.json()["status"]) == (200, "completed"), call.text
+    deadline = time.monotonic() + 30
+    while (final := api.get(f"/api/v1/exec/{job['id']}").json())["status"] == "running":
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    assert (final["status"], final["error"]["type"]) == ("failed", "ResourceLimit"), final["error"]
+    assert len(final["tool_calls"]) == 3  # its code's add was refused, not run
+
+
 def test_the_job_scoped_key_lifecycle(api: Api, make_api) -> None:  # type: ignore[no-untyped-def]
     job = api.run(JOB, toolsets=["demo"], wait=0)
     key = _job_key(api, job["id"])
