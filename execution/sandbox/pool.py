@@ -6,12 +6,6 @@ and waiting for their job (``guest.py`` blocks on the bridge's first frame befor
 is in it: no code, no SDK, no limits). A job takes one and the pool's thread starts another in the
 background. Nothing passes between jobs: a sandbox is never given a second job, and one that was
 not taken is killed with its worker.
-
-A job's own upkeep waits for its end (``upkeep_after``): the start of the sandbox that replaces the
-one it took, and the kill of the one it used, run once its end is pushed. Both are milliseconds of
-CPU (a sandbox's namespaces, mounts and runner; three processes' exit): on 2 cores they competed
-with the job's last steps, its store and its answer. A job that leaves the pool empty has its
-replacement started at once: the next job must not start cold for it.
 """
 
 import logging
@@ -20,8 +14,6 @@ import socket
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 from execution.sandbox import process
@@ -50,50 +42,14 @@ class Sandbox:
                 pipe.close()
 
 
-# The upkeep a job on this thread has put off until its end (upkeep_after), or None outside one.
-_upkeep = threading.local()
-
-
-@contextmanager
-def upkeep_after() -> Iterator[None]:
-    """Put off the sandbox upkeep that what runs inside causes (``sandbox_reap``'s kill, the refill
-    after ``WarmPool.take``) until it is done, however it ends."""
-    outer = getattr(_upkeep, "deferred", None)
-    deferred: list[Callable[[], None]] = []
-    _upkeep.deferred = deferred
-    try:
-        yield
-    finally:
-        _upkeep.deferred = outer
-        for step in deferred:
-            try:
-                step()
-            except Exception:  # one step's failure must not skip the others (a kill among them)
-                logger.exception("a sandbox's upkeep failed")
-
-
-def _when_due(step: Callable[[], None]) -> None:
-    """Run ``step`` now, or at the end of the ``upkeep_after`` this thread is in."""
-    deferred = getattr(_upkeep, "deferred", None)
-    if deferred is None:
-        step()
-    else:
-        deferred.append(step)
-
-
 _reaped: "queue.SimpleQueue[Sandbox]" = queue.SimpleQueue()
 _reaper_lock = threading.Lock()
 _reaper: threading.Thread | None = None
 
 
 def sandbox_reap(sandbox: Sandbox) -> None:
-    """Kill a used sandbox (now, or at the end of this thread's ``upkeep_after``) and leave its
-    reaping (the wait for bubblewrap's exit, closing what the worker holds of it) to this process's
-    reaper thread."""
-    _when_due(lambda: _sandbox_kill(sandbox))
-
-
-def _sandbox_kill(sandbox: Sandbox) -> None:
+    """Kill a used sandbox now and leave its reaping (the wait for bubblewrap's exit, closing what
+    the worker holds of it) to this process's reaper thread."""
     global _reaper
     if sandbox.proc.poll() is None:
         sandbox.proc.kill()
@@ -145,25 +101,17 @@ class WarmPool:
             self._thread.start()
 
     def take(self) -> Sandbox:
-        """Return a sandbox for one job: a warm one if the pool has one alive, else a new one. Its
-        replacement is started now if the pool is left empty, else when ``upkeep_after`` says."""
+        """Return a sandbox for one job: a warm one if the pool has one alive, else a new one."""
         with self._wanted:
             while self._ready:
                 sandbox = self._ready.popleft()
-                if self._ready:
-                    _when_due(self._refill)  # now (the Condition's lock is reentrant), or after the job
-                else:
-                    self._wanted.notify()
+                self._wanted.notify()
                 if sandbox.proc.poll() is None:
                     return sandbox
                 said = sandbox.proc.stderr.read1(1024).decode(errors="replace").strip()
                 logger.warning("a warm sandbox had exited (status %s); discarded: %s", sandbox.proc.returncode, said)
                 sandbox.discard()
         return sandbox_start()
-
-    def _refill(self) -> None:
-        with self._wanted:
-            self._wanted.notify()
 
     def ready(self) -> int:
         """How many warm sandboxes wait for a job now."""

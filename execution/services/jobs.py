@@ -30,7 +30,6 @@ from execution.events import (
 )
 from execution.models import ExecJob, ExecSession, ToolCall, WorkFile, new_exec_call_id
 from execution.sandbox.limits import Limits
-from execution.sandbox.pool import upkeep_after
 from execution.sandbox.process import SDK_MB, SandboxUnavailable
 from execution.sandbox.session import Outcome, Session
 from execution.selectors import CALLS_IN_ORDER, exec_job_with_calls
@@ -259,8 +258,6 @@ def _exec_job_enqueue(*, job: ExecJob, node: str = "", before: Callable[[], None
         # It was taken after all: the message went out before the error.
 
 
-# The sandbox upkeep a job causes (its sandbox's kill, the start of its replacement) waits for its end.
-@upkeep_after()
 def exec_job_run(*, job_id: str, worker: str, node: str = "", call_id: str = "") -> None:
     """Run a queued job in a sandbox to its end. A redelivered job that was running fails as WorkerLost.
 

@@ -2,7 +2,7 @@
 
 import time
 
-from execution.sandbox.pool import WarmPool, sandbox_reap, upkeep_after
+from execution.sandbox.pool import WarmPool
 from tests.conftest import Api
 
 LEAVE_TRACES = """
@@ -100,32 +100,6 @@ def test_the_pool_refills_discards_the_dead_and_kills_the_unused_when_closed() -
         assert not cold.warm and cold.proc.poll() is None
     finally:
         cold.discard()
-
-
-def test_a_jobs_upkeep_waits_for_its_end_unless_the_pool_is_left_empty() -> None:
-    # The kill of a job's sandbox and the start of its replacement compete with the job's last
-    # steps: inside upkeep_after they wait for its end; a pool left empty is refilled at once.
-    pool = WarmPool(2)
-    pool.start()
-    try:
-        _wait_ready(pool, 2)
-        with upkeep_after():
-            used = pool.take()
-            sandbox_reap(used)
-            time.sleep(0.5)
-            assert pool.ready() == 1  # its replacement waits for the job's end
-            assert used.proc.poll() is None  # and so does its kill
-        used.proc.wait(10)
-        _wait_ready(pool, 2)
-
-        with upkeep_after():
-            first, last = pool.take(), pool.take()
-            _wait_ready(pool, 1)  # the pool was left empty: refilled without waiting for the end
-        for sandbox in (first, last):
-            sandbox.discard()
-        _wait_ready(pool, 2)
-    finally:
-        pool.close()
 
 
 FIND_WARM_UP = """
