@@ -43,7 +43,7 @@ CODES: dict[str, tuple[int, str]] = {
     "invalid_last_event_id": (400, "Last-Event-ID is not an event id"),
     # Client tools and approvals
     "call_not_found": (404, "no call of this job (or visible to you) has this id"),
-    "call_not_awaiting": (409, "the call is not waiting for this answer: a server tool's, or it timed out or ended"),
+    "call_not_awaiting": (409, "the call is not waiting for this answer: a server tool's, or it (or its job) ended or timed out"),
     "result_conflict": (409, "the call already has its result; a second answer changes nothing"),
     "decision_conflict": (409, "the call was already approved or denied; a second decision changes nothing"),
     # Sessions and files of /work
