@@ -134,6 +134,10 @@ LOGGING = {
         "ptc": {"handlers": ["console"], "level": LOG_LEVEL, "propagate": False},
         # Unhandled errors in requests: a 500 must leave its traceback in the log.
         "django.request": {"handlers": ["console"], "level": "ERROR", "propagate": False},
+        # httpx logs each request's status line at INFO: a tool server's reason phrase may echo a
+        # secret header back (tools/kinds/http.py redacts it from what it reports).
+        "httpx": {"level": "WARNING"},
+        "httpcore": {"level": "WARNING"},
     },
 }
 

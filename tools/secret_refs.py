@@ -5,6 +5,7 @@ A toolset's secrets are write-only (PRODUCT.md). Config values name them; only t
 built from a response goes through ``secrets_redact`` before it is stored, logged or shown.
 """
 
+import json
 import re
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -52,12 +53,17 @@ def secrets_render_map(values: Mapping[str, Any] | None, secrets: Mapping[str, s
 
 
 def secrets_redact(text: str, secrets: Iterable[str]) -> str:
-    """Return ``text`` with every secret value replaced by ``[redacted]``, longest first.
+    """Return ``text`` with every secret value replaced by ``[redacted]``, longest first, as it is
+    and as a message may quote it escaped (a value pasted with its newline shows in httpx's error
+    as ``\\n``; JSON escapes it too).
 
     Longest first, so a secret that contains another is redacted whole.
     """
-    for value in sorted({str(s) for s in secrets if s and len(str(s)) >= _MIN_REDACT_LENGTH}, key=len, reverse=True):
-        text = text.replace(value, REDACTED)
+    forms = set()
+    for secret in {str(s) for s in secrets if s and len(str(s)) >= _MIN_REDACT_LENGTH}:
+        forms |= {secret, secret.encode("unicode_escape").decode("ascii"), json.dumps(secret)[1:-1]}
+    for form in sorted(forms, key=len, reverse=True):
+        text = text.replace(form, REDACTED)
     return text
 
 

@@ -1,7 +1,9 @@
 """A small HTTP API for the http-kind tests, served from a thread of the test process.
 
 The tools worker (another process) calls it on 127.0.0.1. It answers JSON, a 500 whose body echoes
-the request's ``X-Key`` header (a secret, which must come back redacted), HTML, or nothing in time.
+the request's ``X-Key`` header (a secret, which must come back redacted), HTML, or nothing in time;
+and hostile answers: the secret in the status line, a body over the output limit, JSON nested
+5,000 deep.
 """
 
 import json
@@ -46,6 +48,22 @@ class _Handler(BaseHTTPRequestHandler):
             self._send(200, "{}")
         elif parts[0] == "empty":
             self._send(204, "")
+        elif parts[0] == "reason":  # the status line itself echoes the secret header
+            self.send_response(500, f"Bad key {key}")
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+        elif parts[0] == "huge":  # a JSON string of ``bytes`` bytes, sent in pieces
+            size = int(query.get("bytes", 0))
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(size))
+            self.end_headers()
+            self.wfile.write(b'"')
+            for start in range(1, size - 1, 1 << 16):
+                self.wfile.write(b"x" * min(1 << 16, size - 1 - start))
+            self.wfile.write(b'"')
+        elif parts[0] == "deep":
+            self._send(200, "[" * 5000 + "]" * 5000)
         else:
             self._send(404, json.dumps({"error": "no such route"}))
 

@@ -49,6 +49,9 @@ def weather(http_api: HttpApi, create_toolset: Callable[..., dict[str, Any]]) ->
                 _tool("html", "GET", "/html", {}, [], []),
                 _tool("slow", "GET", "/slow", {"seconds": {"type": "number"}}, [], ["seconds"], timeout=1),
                 _tool("empty", "DELETE", "/empty", {}, [], []),
+                _tool("reason", "GET", "/reason", {}, [], []),
+                _tool("huge", "GET", "/huge", {"bytes": {"type": "integer"}}, [], ["bytes"]),
+                _tool("deep", "GET", "/deep", {}, [], []),
             ],
         }
     )
@@ -111,3 +114,46 @@ def test_a_missing_path_argument_is_refused_before_the_request(api: Api, weather
     )
     assert job["status"] == "failed"
     assert "city" in job["error"]["message"]
+
+
+def test_hostile_answers_and_path_arguments_end_as_tool_errors(
+    api: Api, weather: str, http_api: HttpApi, create_toolset: Callable[..., dict[str, Any]]
+) -> None:
+    from django.conf import settings
+
+    # A secret pasted with its newline: httpx refuses the header, and its error quotes it escaped.
+    pasted = unique_key("pasted")
+    create_toolset(
+        {
+            "key": pasted,
+            "name": "Pasted",
+            "kind": "http",
+            "config": {"base_url": http_api.url, "headers": {"X-Key": "{{secrets.K}}"}},
+            "secrets": {"K": SECRET + "\n"},
+            "tools": [_tool("whoami", "GET", "/whoami", {}, [], [])],
+        }
+    )
+    over = settings.PTC_MAX_TOOL_OUTPUT_BYTES + 1
+    code = f"""
+from ptc_tools import ToolError
+from ptc_tools.{weather} import {class_name(weather)} as W
+from ptc_tools.{pasted} import {class_name(pasted)} as P
+calls = (W.reason, lambda: W.huge(bytes={over}), W.deep, lambda: W.forecast(city=".."), lambda: W.forecast(city="."), P.whoami)
+for call in calls:
+    try:
+        call()
+    except ToolError as e:
+        print(e.code, "|", e.message)
+"""
+    job = api.run(code, toolsets=[weather, pasted])
+    assert job["status"] == "completed", job["error"]
+    reason, huge, deep, up, here, newline = job["stdout"].splitlines()
+    assert reason == "http_error | GET /reason answered HTTP 500 Bad key [redacted]:"
+    assert huge.startswith(f"output_too_large | GET /huge answered over {over - 1} bytes")
+    assert deep.startswith("http_invalid_json | GET /deep answered HTTP 200 with JSON nested too deep")
+    assert up.startswith("invalid_arguments | 'city' can't be '..'") and here.startswith(
+        "invalid_arguments | 'city' can't be '.'"
+    )
+    assert newline.startswith("http_connection_error") and "[redacted]" in newline
+    assert SECRET not in json.dumps(job)
+    assert SECRET not in (ARTIFACTS / "tools-worker.log").read_text(errors="replace")

@@ -14,6 +14,7 @@ from typing import Any
 from urllib.parse import quote
 
 import httpx
+from django.conf import settings
 
 from tools.errors import ToolFailure
 from tools.models import Tool, Toolset
@@ -25,6 +26,8 @@ METHODS = ("GET", "POST", "PUT", "PATCH", "DELETE")
 BODY_METHODS = ("POST", "PUT", "PATCH")
 PATH_PARAM = re.compile(r"\{([^{}]*)\}")
 EXCERPT_CHARS = 300
+# An error's body is read this far, for its excerpt (a multi-byte text needs more bytes than characters).
+EXCERPT_BYTES = 4 * EXCERPT_CHARS
 
 # One client per tools-worker thread: connections to the same API are reused across calls, and no
 # client is shared between threads.
@@ -65,7 +68,10 @@ def request_parts(spec: dict[str, Any], arguments: dict[str, Any]) -> tuple[str,
         if arguments.get(name) is None:
             raise ToolFailure("invalid_arguments", f"'{name}' is required: the request path needs it")
         used.add(name)
-        return quote(_scalar(arguments[name]), safe="")
+        value = _scalar(arguments[name])
+        if value in (".", ".."):  # a dot segment: the URL would resolve it to another path
+            raise ToolFailure("invalid_arguments", f"'{name}' can't be {value!r}: in the request path it would name another path")
+        return quote(value, safe="")
 
     path = PATH_PARAM.sub(fill, template)
     query_names = set(spec.get("query") or [])
@@ -101,29 +107,47 @@ def run(*, toolset: Toolset, tool: Tool, arguments: dict[str, Any], timeout: flo
     limit = tool.timeout or min(float(config.get("timeout") or timeout), timeout)
     url = str(config.get("base_url", "")).rstrip("/") + "/" + path.lstrip("/")
     where = f"{method} {path}"
+    most = settings.PTC_MAX_TOOL_OUTPUT_BYTES
     try:
-        response = _client().request(
+        with _client().stream(
             method, url, params=query, json=body, headers={"Accept": "application/json", **headers}, timeout=limit
-        )
+        ) as response:
+            # Read no more than a result may be (an error's body, no more than its excerpt needs):
+            # a server's 300 MB answer is not held in the worker's memory, every call's worker.
+            text = _body(response, most if response.is_success else EXCERPT_BYTES)
     except httpx.TimeoutException:
         raise ToolFailure("http_timeout", f"{where} got no answer within {limit:g} s") from None
     except httpx.HTTPError as exc:
         message = _excerpt(f"{type(exc).__name__}: {exc}", secrets)
         raise ToolFailure("http_connection_error", f"{where} could not reach the server: {message}") from None
-    text = response.text
+    if text is None:
+        raise ToolFailure("output_too_large", f"{where} answered over {most} bytes; the limit is {most}")
     if not response.is_success:
-        raise ToolFailure(
-            "http_error", f"{where} answered HTTP {response.status_code} {response.reason_phrase}: {_excerpt(text, secrets)}"
-        )
+        # The status line is the server's too: a reason phrase may echo a header back.
+        answered = _excerpt(f"HTTP {response.status_code} {response.reason_phrase}: {text}", secrets)
+        raise ToolFailure("http_error", f"{where} answered {answered}")
     if not text.strip():
         return None
     try:
         output = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError) as exc:
         kind = response.headers.get("content-type", "no content type").split(";")[0]
+        why = "JSON nested too deep" if isinstance(exc, RecursionError) else f"{kind}, not JSON"
         raise ToolFailure(
-            "http_invalid_json",
-            f"{where} answered HTTP {response.status_code} with {kind}, not JSON: {_excerpt(text, secrets)}",
+            "http_invalid_json", f"{where} answered HTTP {response.status_code} with {why}: {_excerpt(text, secrets)}"
         ) from None
     # An API that echoes a header back must not carry the secret into the sandbox.
     return secrets_redact_value(output, secrets)
+
+
+def _body(response: httpx.Response, most: int) -> str | None:
+    """The response's body as text, read up to ``most`` bytes (decompressed): None past that for a
+    success (its result would be over the limit), the start for an error (its excerpt)."""
+    read = bytearray()
+    for chunk in response.iter_bytes():
+        read += chunk
+        if len(read) > most:
+            if response.is_success:
+                return None
+            break
+    return read[:most].decode(response.encoding or "utf-8", errors="replace")
