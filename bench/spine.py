@@ -158,16 +158,15 @@ def submit_phased(client: Any, phases: list[dict[str, float]]) -> None:
     phases.append({label: (at[end] - at[start]) * 1000 for label, start, end in PHASES})
 
 
-def interleaved(
-    rounds: int, baseline: Callable[[], list[float]], ours: Callable[[], list[float]]
-) -> tuple[list[float], list[float]]:
-    """Run ``baseline`` and ``ours`` by turns, ``rounds`` times each: the machine's slow spells fall
-    on both alike, so their ratio holds where each figure alone drifts."""
-    base, mine = [], []
+def interleaved(rounds: int, *runs: Callable[[], list[float]]) -> tuple[list[float], ...]:
+    """Run ``runs`` (a baseline, then ours) by turns, ``rounds`` times each, and return each one's
+    figures: the machine's slow spells fall on all alike, so their ratio holds where each figure
+    alone drifts."""
+    figures: tuple[list[float], ...] = tuple([] for _ in runs)
     for _ in range(rounds):
-        base += baseline()
-        mine += ours()
-    return base, mine
+        for run, taken in zip(runs, figures, strict=True):
+            taken += run()
+    return figures
 
 
 def main() -> None:
@@ -184,11 +183,12 @@ def main() -> None:
             run_job(client, "print(1)")  # warm: first job on fresh workers pays connection set-up
             bare_round_trips(1)
             recorded_round_trips(1)
-            round_trip, floor, per_call = [], [], []
-            for _ in range(5):  # by turns, as interleaved
-                round_trip += bare_round_trips(40)
-                floor += recorded_round_trips(40)
-                per_call += run_job(client, PER_CALL.replace("N", "40"))["return_value"]
+            round_trip, floor, per_call = interleaved(
+                5,
+                lambda: bare_round_trips(40),
+                lambda: recorded_round_trips(40),
+                lambda: run_job(client, PER_CALL.replace("N", "40"))["return_value"],
+            )
             burst_rate, throughput = interleaved(
                 3, lambda: [2000 / (bare_burst(2000) / 1000)], lambda: [run_job(client, THROUGHPUT)["return_value"]]
             )

@@ -69,37 +69,42 @@ def _additional_properties(validator: Any, additional: Any, instance: Any, schem
         yield ValidationError(f"Additional properties are not allowed ({listed} unexpected)")
 
 
-def _unevaluated_properties(validator: Any, unevaluated: Any, instance: Any, schema: dict[str, Any]) -> Errors:
+def _unevaluated_refused(validator: Any, unevaluated: Any, instance: Any, schema: dict[str, Any]) -> None:
     # jsonschema finds the properties a schema evaluated with ``re``, through every subschema and
     # reference: with patternProperties anywhere, the combination is refused rather than rewritten.
-    if _has_key(validator.schema, "patternProperties"):
-        raise _unchecked("uses unevaluatedProperties with patternProperties, which PTC does not check")
-    yield from _UNEVALUATED(validator, unevaluated, instance, schema)
-
-
-_UNEVALUATED = jsonschema.Draft202012Validator.VALIDATORS["unevaluatedProperties"]
-
-
-def _has_key(schema: Any, key: str) -> bool:
-    if isinstance(schema, dict):
-        return key in schema or any(_has_key(value, key) for value in schema.values())
-    if isinstance(schema, list):
-        return any(_has_key(value, key) for value in schema)
-    return False
+    raise _unchecked("uses unevaluatedProperties with patternProperties, which PTC does not check")
 
 
 _BOUNDED = {
     "pattern": _pattern,
     "patternProperties": _pattern_properties,
     "additionalProperties": _additional_properties,
-    "unevaluatedProperties": _unevaluated_properties,
 }
+
+
+def keyword_values(schema: Any, key: str) -> Iterator[Any]:
+    """Yield the value of every ``key`` anywhere in ``schema`` (its subschemas, definitions, lists)."""
+    if isinstance(schema, dict):
+        if key in schema:
+            yield schema[key]
+        for value in schema.values():
+            yield from keyword_values(value, key)
+    elif isinstance(schema, list):
+        for value in schema:
+            yield from keyword_values(value, key)
+
+
+def _anywhere(schema: Any, key: str) -> bool:
+    return any(True for _ in keyword_values(schema, key))
 
 
 def arguments_validator(schema: dict[str, Any]) -> Any:
     """Return a validator of arguments for ``schema``: its draft's, its pattern keywords bounded."""
     base = jsonschema.validators.validator_for(schema)
     bounded = {name: check for name, check in _BOUNDED.items() if name in base.VALIDATORS}
+    if "unevaluatedProperties" in base.VALIDATORS and _anywhere(schema, "unevaluatedProperties"):
+        if _anywhere(schema, "patternProperties"):
+            bounded["unevaluatedProperties"] = _unevaluated_refused
     cls = jsonschema.validators.extend(base, bounded)
     return cls(schema, format_checker=base.FORMAT_CHECKER)
 
@@ -110,10 +115,6 @@ def arguments_error(validator: Any, arguments: Any) -> ValidationError | None:
     try:
         return jsonschema.exceptions.best_match(validator.iter_errors(arguments))
     except Unresolvable as exc:
-        raise ToolFailure(
-            "invalid_arguments", f"the tool's input schema has a $ref that names nothing ({exc}); the call was not run"
-        ) from None
+        raise _unchecked(f"has a $ref that names nothing ({exc})") from None
     except RecursionError:
-        raise ToolFailure(
-            "invalid_arguments", "the tool's input schema refers to itself without end ($ref); the call was not run"
-        ) from None
+        raise _unchecked("refers to itself without end ($ref)") from None

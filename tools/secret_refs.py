@@ -52,19 +52,25 @@ def secrets_render_map(values: Mapping[str, Any] | None, secrets: Mapping[str, s
     return {str(k): secrets_render(str(v), secrets) for k, v in (values or {}).items()}
 
 
-def secrets_redact(text: str, secrets: Iterable[str]) -> str:
-    """Return ``text`` with every secret value replaced by ``[redacted]``, longest first, as it is
-    and as a message may quote it escaped (a value pasted with its newline shows in httpx's error
-    as ``\\n``; JSON escapes it too).
-
-    Longest first, so a secret that contains another is redacted whole.
-    """
+def _forms(secrets: Iterable[str]) -> list[str]:
+    """The texts to redact for ``secrets``: each value as it is and as a message may quote it
+    escaped (a value pasted with its newline shows in httpx's error as ``\\n``; JSON escapes it
+    too), longest first, so a secret that contains another is redacted whole."""
     forms = set()
     for secret in {str(s) for s in secrets if s and len(str(s)) >= _MIN_REDACT_LENGTH}:
         forms |= {secret, secret.encode("unicode_escape").decode("ascii"), json.dumps(secret)[1:-1]}
-    for form in sorted(forms, key=len, reverse=True):
+    return sorted(forms, key=len, reverse=True)
+
+
+def _redacted(text: str, forms: list[str]) -> str:
+    for form in forms:
         text = text.replace(form, REDACTED)
     return text
+
+
+def secrets_redact(text: str, secrets: Iterable[str]) -> str:
+    """Return ``text`` with every secret value replaced by ``[redacted]`` (``_forms``)."""
+    return _redacted(text, _forms(secrets))
 
 
 def secrets_redact_value(value: Any, secrets: Iterable[str]) -> Any:
@@ -72,13 +78,15 @@ def secrets_redact_value(value: Any, secrets: Iterable[str]) -> Any:
 
     A server that echoes a header or its environment back must not carry a secret into the sandbox.
     """
-    secrets = [s for s in secrets if s and len(s) >= _MIN_REDACT_LENGTH]
-    if not secrets:
-        return value
+    forms = _forms(secrets)
+    return _redacted_value(value, forms) if forms else value
+
+
+def _redacted_value(value: Any, forms: list[str]) -> Any:
     if isinstance(value, str):
-        return secrets_redact(value, secrets)
+        return _redacted(value, forms)
     if isinstance(value, list):
-        return [secrets_redact_value(v, secrets) for v in value]
+        return [_redacted_value(v, forms) for v in value]
     if isinstance(value, dict):
-        return {secrets_redact(str(k), secrets): secrets_redact_value(v, secrets) for k, v in value.items()}
+        return {_redacted(str(k), forms): _redacted_value(v, forms) for k, v in value.items()}
     return value

@@ -5,7 +5,7 @@ caller decides how to show them. Paths read like ``tools[2].input_schema``.
 """
 
 import keyword
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -15,6 +15,7 @@ import referencing
 import referencing.exceptions
 import referencing.jsonschema
 
+from tools.arguments import keyword_values
 from tools.kinds.http import METHODS, path_params
 from tools.kinds.mcp import TRANSPORTS
 from tools.models import Tool, Toolset
@@ -43,17 +44,6 @@ def identifier_problem(name: Any) -> str | None:
     return None
 
 
-def _refs(schema: Any) -> Iterator[str]:
-    if isinstance(schema, dict):
-        if isinstance(schema.get("$ref"), str):
-            yield schema["$ref"]
-        for value in schema.values():
-            yield from _refs(value)
-    elif isinstance(schema, list):
-        for value in schema:
-            yield from _refs(value)
-
-
 def _unresolved_ref(schema: dict[str, Any]) -> str | None:
     """Return a ``$ref`` within the schema (``#...``) that names nothing in it, if any. One to
     elsewhere is never fetched: its calls fail with invalid_arguments (tools/arguments.py)."""
@@ -61,8 +51,8 @@ def _unresolved_ref(schema: dict[str, Any]) -> str | None:
         schema.get("$schema", ""), default=referencing.jsonschema.DRAFT202012
     ).create_resource(schema)
     resolver = referencing.Registry().with_resource(uri="", resource=resource).resolver()
-    for ref in _refs(schema):
-        if ref.startswith("#"):
+    for ref in keyword_values(schema, "$ref"):
+        if isinstance(ref, str) and ref.startswith("#"):
             try:
                 resolver.lookup(ref)
             except referencing.exceptions.Unresolvable:

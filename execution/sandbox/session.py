@@ -338,11 +338,7 @@ class Session:
                 if left <= 0 or not sel.select(left):
                     logger.warning("a session's sandbox did not read its bridge at its job's end; not kept")
                     return False
-                try:
-                    del self.outbox[: sock.send(self.outbox)]
-                except BlockingIOError:
-                    continue
-                except OSError:
+                if not self._flush(sock):
                     return False
         return True
 
@@ -509,16 +505,18 @@ class Session:
             self.on_output(name, text)
 
     # -- the bridge ------------------------------------------------------------------------------
-    def _flush(self, sock: socket.socket) -> None:
+    def _flush(self, sock: socket.socket) -> bool:
+        """Send what the socket takes now. Return False if the sandbox's end is closed."""
         try:
             sent = sock.send(self.outbox)
         except BlockingIOError:
-            return
+            return True
         except OSError:
             self.outbox.clear()  # the sandbox is gone; its exit is reported when the pipes close
-            return
+            return False
         del self.outbox[:sent]
         self.sent_any = self.sent_any or sent > 0
+        return True
 
     def _read_bridge(self, sock: socket.socket) -> bool:
         """Read and handle frames. Return False when the sandbox closed its end."""
