@@ -416,6 +416,7 @@ class ForkServer:
             self._replace(sandbox._error)
         except OSError:
             sandbox._fail(FORK_SERVER_GONE)  # its thread says why
+            self._forgotten(control)  # so that the spawn's second attempt starts another
         finally:
             os.close(out_w)
             os.close(err_w)
@@ -423,6 +424,14 @@ class ForkServer:
             sandbox._fail(f"the fork server did not answer within {SPAWN_TIMEOUT} s")
             self._replace(sandbox._error)
         return sandbox
+
+    def _forgotten(self, control: socket.socket) -> None:
+        """Wait (up to SPAWN_TIMEOUT) until the thread has ended the dead fork server behind
+        ``control``: until then ``_running`` would hand it out again."""
+        deadline = time.monotonic() + SPAWN_TIMEOUT
+        with self._lock:
+            while self._control is control and time.monotonic() < deadline:
+                self._lock.wait(deadline - time.monotonic())
 
     def _replace(self, why: str) -> None:
         """Kill a wedged fork server (its sandboxes with it): the next spawn starts another."""
@@ -474,6 +483,7 @@ class ForkServer:
         with self._lock:
             self._control = None
             orphans, self._sandboxes = list(self._sandboxes.values()), {}
+            self._lock.notify_all()  # a spawn that found it dead waits for this (_forgotten)
         control.close()
         # Its PID namespace is gone, and every sandbox in it.
         for sandbox in orphans:

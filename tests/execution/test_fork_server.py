@@ -1,6 +1,7 @@
 """The fork server: each sandbox is killed whole, its exit is reported, and a fork server that
 died is started again. In this process, with no stack: the pool and jobs build on these."""
 
+import contextlib
 import os
 import signal
 import socket
@@ -129,7 +130,8 @@ def test_a_wedged_fork_server_is_replaced(monkeypatch: pytest.MonkeyPatch) -> No
         with pytest.raises(process.SandboxUnavailable, match="did not answer"):
             sandbox_start()
     finally:
-        os.kill(server, signal.SIGCONT)
+        with contextlib.suppress(ProcessLookupError):  # killed for it, and reaped already
+            os.kill(server, signal.SIGCONT)
     running.discard()
     assert _gone([server])  # killed for it
     later = sandbox_start()
