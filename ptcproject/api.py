@@ -18,8 +18,17 @@ from ptcproject.errors import ApplicationError, error_body
 
 
 class Pagination(PageNumberPagination):
+    """DRF's page numbers, where a page that is not a positive number (``0``, ``-1``, ``abc``) is a
+    400 saying so; DRF answers 404 "Invalid page.", as for a page past the last, which exists in form."""
+
     page_size_query_param = "page_size"
     max_page_size = 500
+
+    def paginate_queryset(self, queryset: Any, request: Any, view: Any = None) -> Any:
+        page = request.query_params.get(self.page_query_param)
+        if page and page not in self.last_page_strings and not (page.isdecimal() and int(page) > 0):
+            raise exceptions.ValidationError({self.page_query_param: "must be a whole number from 1 (or 'last')"})
+        return super().paginate_queryset(queryset, request, view)
 
 
 _DEFAULT_CODES = {

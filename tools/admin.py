@@ -12,6 +12,7 @@ from ptcproject.errors import ApplicationError
 from ptcproject.queues import tools_queue_problem
 from tools.models import Tool, Toolset
 from tools.sdk import tool_signature
+from tools.secret_refs import secret_names_problem
 from tools.services import TOOL_FIELDS, mcp_toolset_sync
 from tools.validation import FieldError, config_errors, identifier_problem, tool_errors
 
@@ -99,6 +100,9 @@ class ToolsetForm(forms.ModelForm):
         value = self.cleaned_data.get("set_secrets") or {}
         if not isinstance(value, dict) or not all(isinstance(v, str | None) for v in value.values()):
             raise forms.ValidationError('must be a JSON object of strings: {"NAME": "value"}')
+        problem = secret_names_problem(value)
+        if problem:
+            raise forms.ValidationError(problem)
         return value
 
     def clean(self) -> dict[str, Any]:

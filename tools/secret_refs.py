@@ -10,10 +10,20 @@ import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-SECRET_REF = re.compile(r"\{\{\s*secrets\.([A-Za-z_][A-Za-z0-9_]*)\s*\}\}")
+# What a secret may be named: what a reference can name.
+REF_NAME = r"[A-Za-z_][A-Za-z0-9_]*"
+SECRET_REF = re.compile(r"\{\{\s*secrets\.(" + REF_NAME + r")\s*\}\}")
 REDACTED = "[redacted]"
 # Shorter values would redact ordinary words and digits out of every message.
 _MIN_REDACT_LENGTH = 4
+
+
+def secret_names_problem(names: Iterable[str]) -> str | None:
+    """What is wrong with the first of ``names`` that no ``{{secrets.NAME}}`` could name, or None."""
+    for name in names:
+        if not re.fullmatch(REF_NAME, name):
+            return f"{name!r} is not a secret's name: letters, digits and _, not first a digit ({{{{secrets.NAME}}}} names it)"
+    return None
 
 
 class MissingSecret(KeyError):

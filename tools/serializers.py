@@ -13,6 +13,7 @@ from tools.classification import direct_only_tools, tool_is_ptc
 from tools.context import FORMATS
 from tools.models import Tool, Toolset
 from tools.sdk import tool_signature
+from tools.secret_refs import secret_names_problem
 from tools.services import TOOLSET_FIELDS
 
 
@@ -180,6 +181,12 @@ class ToolsetWriteSerializer(serializers.Serializer):
     def validate_config(self, value: Any) -> Any:
         if not isinstance(value, dict):
             raise serializers.ValidationError("must be an object")
+        return value
+
+    def validate_secrets(self, value: dict[str, Any]) -> dict[str, Any]:
+        problem = secret_names_problem(value)
+        if problem:
+            raise serializers.ValidationError(problem)
         return value
 
 

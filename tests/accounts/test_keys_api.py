@@ -132,3 +132,15 @@ def test_the_admin_audits_what_it_does_to_keys(api: Api) -> None:
         ("expiry_set", staff, "admin"),
         ("revoked", staff, "admin"),
     ]
+
+
+def test_a_page_that_is_not_a_positive_number_is_a_400(api: Api) -> None:
+    for page in ("0", "-1", "abc", "1.5"):
+        response = api.get("/api/v1/keys", params={"page": page})
+        assert response.status_code == 400, (page, response.text)
+        assert response.json()["error"]["code"] == "validation_error"
+        assert "page" in response.json()["error"]["message"]
+    assert api.get("/api/v1/keys", params={"page": "1"}).json()["count"] == 1
+    assert api.get("/api/v1/keys", params={"page": "last"}).status_code == 200
+    # A page past the last exists in form: DRF's 404, as before.
+    assert api.get("/api/v1/keys", params={"page": "9"}).json()["error"]["code"] == "not_found"

@@ -58,6 +58,9 @@ def test_admin_checks_a_toolset_like_the_api(admin_client: Client) -> None:
     page = admin_client.post("/admin/tools/toolset/add/", _form(key, "forecast", ""))
     assert "unknown_secret" in page.content.decode()
     assert not Toolset.objects.filter(key=key).exists()
+    page = admin_client.post("/admin/tools/toolset/add/", _form(key, "forecast", '{"KEY": "v4lue-1", "bad key!": "x"}'))
+    assert "is not a secret&#x27;s name" in page.content.decode()
+    assert not Toolset.objects.filter(key=key).exists()
 
 
 def test_admin_secrets_are_write_only(admin_client: Client) -> None:

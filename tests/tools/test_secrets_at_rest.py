@@ -79,6 +79,12 @@ def test_a_secret_set_through_the_api_is_only_a_token_in_the_database_and_still_
         )
         patched = staff.http.patch(f"/api/v1/toolsets/{key}", json={"secrets": {"OTHER": other}})
         assert patched.status_code == 200, patched.text
+        # A name no {{secrets.NAME}} can name is refused, and nothing of the request is kept.
+        for name in ("bad key!", "9LIVES", "a-b", "X\n"):
+            refused = staff.http.patch(f"/api/v1/toolsets/{key}", json={"secrets": {name: "x", "KEPT": "y"}})
+            assert refused.status_code == 400, (name, refused.text)
+            assert refused.json()["error"]["code"] == "validation_error"
+            assert "secret's name" in refused.json()["error"]["message"]
 
         stored = raw_secrets("key = %s AND owner_id IS NULL", [key])
         assert stored.startswith("gAAAAA")  # a Fernet token (version byte 0x80)
