@@ -62,6 +62,11 @@ class _Handler(BaseHTTPRequestHandler):
             for start in range(1, size - 1, 1 << 16):
                 self.wfile.write(b"x" * min(1 << 16, size - 1 - start))
             self.wfile.write(b'"')
+        elif parts[0] == "moved":  # a redirect whose Location carries the secret header
+            self.send_response(302)
+            self.send_header("Location", f"https://elsewhere.example/v2/?key={key}")
+            self.send_header("Content-Length", "0")
+            self.end_headers()
         elif parts[0] == "deep":
             self._send(200, "[" * 5000 + "]" * 5000)
         else:

@@ -52,6 +52,7 @@ def weather(http_api: HttpApi, create_toolset: Callable[..., dict[str, Any]]) ->
                 _tool("reason", "GET", "/reason", {}, [], []),
                 _tool("huge", "GET", "/huge", {"bytes": {"type": "integer"}}, [], ["bytes"]),
                 _tool("deep", "GET", "/deep", {}, [], []),
+                _tool("moved", "GET", "/moved", {}, [], []),
             ],
         }
     )
@@ -138,7 +139,9 @@ def test_hostile_answers_and_path_arguments_end_as_tool_errors(
 from ptc_tools import ToolError
 from ptc_tools.{weather} import {class_name(weather)} as W
 from ptc_tools.{pasted} import {class_name(pasted)} as P
-calls = (W.reason, lambda: W.huge(bytes={over}), W.deep, lambda: W.forecast(city=".."), lambda: W.forecast(city="."), P.whoami)
+calls = (
+    W.reason, lambda: W.huge(bytes={over}), W.deep, lambda: W.forecast(city=".."), lambda: W.forecast(city="."), P.whoami, W.moved
+)
 for call in calls:
     try:
         call()
@@ -147,7 +150,7 @@ for call in calls:
 """
     job = api.run(code, toolsets=[weather, pasted])
     assert job["status"] == "completed", job["error"]
-    reason, huge, deep, up, here, newline = job["stdout"].splitlines()
+    reason, huge, deep, up, here, newline, moved = job["stdout"].splitlines()
     assert reason == "http_error | GET /reason answered HTTP 500 Bad key [redacted]:"
     assert huge.startswith(f"output_too_large | GET /huge answered over {over - 1} bytes")
     assert deep.startswith("http_invalid_json | GET /deep answered HTTP 200 with JSON nested too deep")
@@ -155,5 +158,9 @@ for call in calls:
         "invalid_arguments | 'city' can't be '.'"
     )
     assert newline.startswith("http_connection_error") and "[redacted]" in newline
+    assert moved == (
+        "http_error | GET /moved answered HTTP 302 Found: a redirect to https://elsewhere.example/v2/?key=[redacted],"
+        " not followed (point the toolset's base_url there)"
+    )
     assert SECRET not in json.dumps(job)
     assert SECRET not in (ARTIFACTS / "tools-worker.log").read_text(errors="replace")

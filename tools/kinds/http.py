@@ -124,7 +124,11 @@ def run(*, toolset: Toolset, tool: Tool, arguments: dict[str, Any], timeout: flo
         raise ToolFailure("output_too_large", f"{where} answered over {most} bytes; the limit is {most}")
     if not response.is_success:
         # The status line is the server's too: a reason phrase may echo a header back.
-        answered = _excerpt(f"HTTP {response.status_code} {response.reason_phrase}: {text}", secrets)
+        if response.is_redirect:  # its body is usually empty: where it points is what says something
+            moved = f"a redirect to {response.headers['location']}, not followed (point the toolset's base_url there)"
+            answered = _excerpt(f"HTTP {response.status_code} {response.reason_phrase}: {moved}", secrets)
+        else:
+            answered = _excerpt(f"HTTP {response.status_code} {response.reason_phrase}: {text}", secrets)
         raise ToolFailure("http_error", f"{where} answered {answered}")
     if not text.strip():
         return None
