@@ -25,6 +25,30 @@ def _text(value: str) -> str:
     return value.replace("\x00", "\ufffd") if "\x00" in value else value
 
 
+def unstorable(value: Any) -> str | None:
+    """Say what of ``value`` ``storable`` would have to change, where (``path: what``), or None: a
+    string or key with a NUL or a lone surrogate, a float that is NaN or infinite. Iterative; the
+    depth is ``json_depth_exceeds``'s to check."""
+    stack: list[tuple[Any, str]] = [(value, "")]
+    while stack:
+        item, path = stack.pop()
+        if isinstance(item, str):
+            if "\x00" in item:
+                return f"{path or 'a string'}: holds a NUL character (U+0000), which can't be stored"
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                return f"{path or 'a string'}: holds a lone surrogate, which is not text"
+        elif isinstance(item, float) and not math.isfinite(item):
+            return f"{path or 'a number'}: {item} is not a JSON number"
+        elif isinstance(item, dict):
+            for k, v in item.items():
+                stack.extend([(str(k), f"{path}/{k}".lstrip("/") + " (a key)"), (v, f"{path}/{k}".lstrip("/"))])
+        elif isinstance(item, list | tuple):
+            stack.extend((v, f"{path}/{i}".lstrip("/")) for i, v in enumerate(item))
+    return None
+
+
 def json_depth_exceeds(value: Any, limit: int = MAX_JSON_DEPTH) -> bool:
     """Return True if ``value`` has lists or dicts nested more than ``limit`` deep. Iterative."""
     return nests_deeper(value, limit)

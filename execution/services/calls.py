@@ -50,7 +50,7 @@ from ptcproject.errors import ApplicationError, call_error
 from ptcproject.metrics import tool_call_observe
 from ptcproject.policy.models import Policy
 from ptcproject.policy.selectors import policy_get
-from ptcproject.storage import MAX_JSON_DEPTH, json_depth_exceeds, storable
+from ptcproject.storage import MAX_JSON_DEPTH, json_depth_exceeds, storable, unstorable
 from tools.arguments import arguments_error, arguments_validator
 from tools.classification import tool_is_ptc
 from tools.errors import ToolFailure
@@ -101,6 +101,9 @@ class CallChecker:
             raise ToolFailure("invalid_arguments", "arguments must be a JSON object of keyword arguments")
         if json_depth_exceeds(arguments):  # before the schema: its validator recurses
             raise ToolFailure("invalid_arguments", f"arguments nest deeper than {MAX_JSON_DEPTH} levels")
+        problem = unstorable(arguments)  # the tool gets its arguments as recorded: never altered to fit
+        if problem:
+            raise ToolFailure("invalid_arguments", problem)
         validator = self.validators.get(tool.pk)
         if validator is None:
             validator = self.validators[tool.pk] = arguments_validator(tool.input_schema)
@@ -135,12 +138,12 @@ def tool_call_build(
         exec_job=job,
         ptc_call_id=job.call_id if job else "",
         user=user,
-        toolset_key=toolset[:64],
-        tool_name=tool[:128],
+        toolset_key=storable(toolset[:64]),  # as the code named them, NUL and all
+        tool_name=storable(tool[:128]),
         tool=found,
         input=storable(arguments if isinstance(arguments, dict) else {"value": arguments}),
         status=ToolCall.Status.FAILED if error else status,
-        error=error,
+        error=storable(error),  # its message may quote what the code sent (a tool's name, a key)
         started_at=now,
         finished_at=now if error else None,
         caller=caller,

@@ -80,6 +80,8 @@ import time; time.sleep(300)
         ("_rt.call('demo', 'nope', {})", "unknown_tool"),
         ("_rt.call('demo', 'add', {'a': 1})", "invalid_arguments"),
         ("_rt.call('demo', 'sleep', {'ms': 10**9})", "invalid_arguments"),
+        # A name with a NUL: its error quotes it, and is recorded all the same.
+        ("_rt.call('demo', 'no\\x00pe', {})", "unknown_tool"),
     ],
 )
 def test_bad_calls_get_a_tool_error_with_a_stable_code(api: Api, call: str, code: str) -> None:

@@ -60,11 +60,30 @@ sizes = {p: os.statvfs(p).f_blocks * os.statvfs(p).f_frsize >> 20 for p in ("/wo
 
 
 def test_nul_characters_are_stored_not_fatal(api: Api) -> None:
-    job = api.run('from ptc_tools.demo import Demo\nprint("a\\x00b")\nDemo.echo(value="c\\x00d")', toolsets=["demo"])
+    code = """
+from ptc_tools import ToolError
+from ptc_tools.demo import Demo
+print("a\\x00b")
+for value in ("c\\x00d", {"k\\x00": 1}, ["\\ud800"], float("nan")):
+    try:
+        Demo.echo(value=value)
+    except ToolError as e:
+        print(e.code, "|", e.message)
+Demo.echo(value="c\\ufffdd")
+"""
+    job = api.run(code, toolsets=["demo"])
     assert job["status"] == "completed", job["error"]
-    assert job["stdout"] == "a\ufffdb\n"
+    # What the code printed is output: stored with the NUL replaced. Arguments are what the tool
+    # gets, as recorded: refused rather than changed to fit.
+    printed, nul, key, surrogate, nan = job["stdout"].splitlines()
+    assert printed == "a\ufffdb"
+    assert nul == "invalid_arguments | value: holds a NUL character (U+0000), which can't be stored"
+    assert key == "invalid_arguments | value/k\ufffd (a key): holds a NUL character (U+0000), which can't be stored"
+    assert surrogate == "invalid_arguments | value/0: holds a lone surrogate, which is not text"
+    assert nan.startswith("invalid_arguments | arguments cannot be sent: Out of range float")  # by the SDK
     assert job["return_value"] == "c\ufffdd"
-    assert job["tool_calls"][0]["input"] == {"value": "c\ufffdd"}
+    assert [c["status"] for c in job["tool_calls"]] == ["failed"] * 3 + ["completed"]
+    assert job["tool_calls"][0]["input"] == {"value": "c\ufffdd"}  # the refused call's record, stored
     failed = api.run('raise ValueError("x\\x00y")', toolsets=["demo"])
     assert failed["status"] == "failed"
     assert failed["error"]["message"] == "x\ufffdy"
