@@ -229,7 +229,10 @@ class _Session:
                     initialized = True
                 self._init_scope = None
                 if not initialized:
-                    raise self._init_failure()
+                    # Said now: closing the stack waits for the server to exit (the SDK gives a
+                    # stdio server 2 s to, before it terminates it), which the caller need not.
+                    self.ready.set_exception(self._init_failure())
+                    return
                 self.session = session
                 self.ready.set_result(self)
                 await self.closing.wait()
@@ -489,6 +492,8 @@ def tools_list(*, toolset: Toolset) -> list[ListedTool]:
             ]
         finally:
             session.close()
-            await asyncio.wait([session.task], timeout=_CLOSE_SECONDS)
+            if session.session is not None:  # it started: it is shut down before the answer
+                await asyncio.wait([session.task], timeout=_CLOSE_SECONDS)
+            # One that never started is shut down by its own task, after the failure was said.
 
     return _pool.run(listing, server.init_timeout + 60)
