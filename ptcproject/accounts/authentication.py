@@ -6,7 +6,7 @@ from drf_spectacular.extensions import OpenApiAuthenticationExtension
 from rest_framework import authentication, exceptions
 from rest_framework.request import Request
 
-from ptcproject.accounts.services import api_key_authenticate
+from ptcproject.accounts.services import api_key_authenticate, job_key_ended
 
 
 def signed_in_user(request: HttpRequest | Request) -> User:
@@ -37,9 +37,12 @@ class ApiKeyAuthentication(authentication.BaseAuthentication):
         if not token:
             raise exceptions.AuthenticationFailed("The Authorization header has no key after 'Bearer'.")
         key = api_key_authenticate(plaintext=token)
-        if key is None:
-            raise exceptions.AuthenticationFailed("The API key is unknown, expired or revoked.")
         view = (request.parser_context or {}).get("view")
+        if key is None:
+            ended = job_key_ended(plaintext=token) if getattr(view, "allow_job_keys", False) else None
+            if ended is not None:
+                raise ended
+            raise exceptions.AuthenticationFailed("The API key is unknown, expired or revoked.")
         if key.exec_job_id is not None and not getattr(view, "allow_job_keys", False):
             raise exceptions.PermissionDenied("A job-scoped key can only call POST /api/v1/tools/execute.")
         return key.user, key

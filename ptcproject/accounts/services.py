@@ -147,6 +147,23 @@ def api_key_authenticate(*, plaintext: str) -> ApiKey | None:
     return key
 
 
+def job_key_ended(*, plaintext: str) -> ApplicationError | None:
+    """For a job-scoped key that no longer works because its job ended, the 409 ``job_ended`` to
+    answer (its holder, a sandbox elsewhere, learns the job is over rather than that its key is
+    wrong); None for any other key that does not authenticate. Read only on that failure path."""
+    if not plaintext.startswith(KEY_PREFIX):
+        return None
+    prefix = plaintext[len(KEY_PREFIX) :].split("_", 1)[0]
+    key = ApiKey.objects.filter(prefix=prefix, exec_job__isnull=False).select_related("exec_job").first()
+    if key is None or not hmac.compare_digest(key.key_hash, _hash(plaintext)) or key.exec_job is None:
+        return None
+    job = key.exec_job
+    if job.status not in job.FINISHED:  # revoked while it runs (an admin's doing): not its end
+        return None
+    message = f"Job {job.call_id} has ended (it is {job.status}); its key no longer works and no call can start."
+    return ApplicationError("job_ended", message, status=409)
+
+
 @transaction.atomic
 def user_with_key_create(*, username: str, create_user: bool, staff: bool, name: str = "", credits: int = 0) -> tuple[User, str]:
     """Find (or with ``create_user``, create) ``username`` and give it a new key.

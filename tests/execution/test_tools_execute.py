@@ -135,8 +135,16 @@ def test_the_job_scoped_key_lifecycle(api: Api, make_api) -> None:  # type: igno
     ended = execute(
         client, {"toolset": "demo", "tool": "add", "arguments": {"a": 1, "b": 1}}, **{"x-ptc-call-id": job["call_id"]}
     )
-    assert ended.status_code == 401
+    # Its key is revoked with its end: the caller is told the job ended, not that its key is wrong.
+    assert ended.status_code == 409, ended.text
+    assert ended.json()["error"]["code"] == "job_ended"
+    assert f"Job {job['call_id']} has ended (it is completed)" in ended.json()["error"]["message"]
     assert ApiKey.objects.get(exec_job_id=job["id"]).revoked_at is not None
+    # Only there: the key at any other endpoint, or a wrong key of the same prefix, is still a 401.
+    assert client.get("/api/v1/exec").status_code == 401
+    forged = client.headers["Authorization"][:-4] + "abcd"
+    wrong = client.post("/api/v1/tools/execute", json={}, headers={"Authorization": forged})
+    assert wrong.status_code == 401
     finished = api.get(f"/api/v1/exec/{job['id']}").json()
     assert [c["tool"] for c in finished["tool_calls"]] == ["echo", "add"]
     outside.delete()
