@@ -39,10 +39,12 @@ Look tools up from code: ``print(describe("demo.add"))``, ``search("product cata
 Or by bare name, whatever the toolset: ``tools.add(a=1, b=2)`` (the seed's flat style).
 """
 
+from ptc_tools import _runtime
 from ptc_tools._discovery import describe, search
 from ptc_tools._flat import tools
 from ptc_tools._runtime import ToolError
 
+__path__ += [path for path in _runtime.sdk_paths if path not in __path__]  # the job's SDK, after a reload too
 __all__ = ["ToolError", "describe", "search", "tools"]
 '''
 

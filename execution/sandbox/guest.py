@@ -421,7 +421,8 @@ def main(bridge_fd: int, sdk_dir: str) -> None:
     sdk = _LazySdk(sdk_dir, _runtime.sdk_file, _discovery.forget)
     sys.meta_path.insert(0, sdk)
     _runtime.sdk_need = sdk.need
-    ptc_tools.__path__.append(os.path.join(sdk_dir, "ptc_tools"))
+    _runtime.sdk_paths.append(os.path.join(sdk_dir, "ptc_tools"))
+    ptc_tools.__path__.append(_runtime.sdk_paths[-1])
     _runtime.connect(bridge_fd, job)
     # Set once: a session's later jobs run under the same limits (its rlimits can't be raised again).
     limits = job["limits"]

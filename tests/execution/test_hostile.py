@@ -162,6 +162,15 @@ def test_reloading_the_runtime_keeps_the_sandboxs_bridge(api: Api) -> None:
     code = "import importlib, ptc_tools._runtime as rt\nimportlib.reload(rt)\nfrom ptc_tools.demo import Demo\nDemo.add(a=1, b=1)"
     job = api.run(code, toolsets=["demo"])
     assert (job["status"], job["return_value"]) == ("completed", 2), job["error"]
+    # The package too: its path still has the job's SDK, for imports and for describe and search.
+    code = """
+import importlib, ptc_tools
+importlib.reload(ptc_tools)
+from ptc_tools.demo import Demo
+[Demo.add(a=1, b=1), ptc_tools.search("add two numbers")[0].split("(")[0], ptc_tools.describe("demo.add")["name"]]
+"""
+    job = api.run(code, toolsets=["demo"])
+    assert (job["status"], job["return_value"]) == ("completed", [2, "demo.add", "add"]), job["error"]
 
 
 def test_unknown_api_paths_answer_in_the_error_shape(api: Api) -> None:

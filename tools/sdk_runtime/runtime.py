@@ -207,6 +207,9 @@ def sdk_file(name: str, magic: str = "") -> tuple[str, bytes | None]:
 # use (the runner sets it; kept across a reload, as the bridge is). Elsewhere (an SDK downloaded
 # whole) every file is there already.
 sdk_need: Callable[[str], None] = globals().get("sdk_need") or (lambda name: None)
+# In a sandbox: the folders of the job's SDK, which the runner adds to the package's path; the
+# package adds them again when it is reloaded (which resets its path). Kept across a reload too.
+sdk_paths: list[str] = globals().get("sdk_paths") or []
 _NO_BRIDGE = "tools can be called only from the sandbox's main process (not outside PTC, nor from a fork)"
 
 
