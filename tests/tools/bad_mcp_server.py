@@ -1,6 +1,8 @@
 """MCP servers that fail: ``exit`` dies at once, ``hang`` never answers initialize, ``garbage`` answers
-with HTML. python bad_mcp_server.py MODE [--marker=ANYTHING]"""
+with HTML, ``rpc_error`` starts and answers every call with a JSON-RPC server error (-32000) whose
+message is 100 KB. python bad_mcp_server.py MODE [--marker=ANYTHING]"""
 
+import json
 import sys
 import time
 
@@ -15,3 +17,15 @@ if mode == "hang":
 if mode == "garbage":
     for _ in sys.stdin:
         print("<html><body>502 Bad Gateway</body></html>", flush=True)
+if mode == "rpc_error":
+    for line in sys.stdin:
+        message = json.loads(line)
+        if "id" not in message:
+            continue
+        if message["method"] == "initialize":
+            info = {"name": "rpc-error", "version": "1"}
+            answer = {"protocolVersion": message["params"]["protocolVersion"], "capabilities": {"tools": {}}, "serverInfo": info}
+            print(json.dumps({"jsonrpc": "2.0", "id": message["id"], "result": answer}), flush=True)
+        else:
+            error = {"code": -32000, "message": "quota exceeded " + "x" * 100_000}
+            print(json.dumps({"jsonrpc": "2.0", "id": message["id"], "error": error}), flush=True)

@@ -286,6 +286,23 @@ def test_the_pool_in_one_process_shares_a_server_and_closes_it() -> None:
     assert not alive(servers[0])
 
 
+def test_a_server_error_is_the_servers_error_not_a_lost_connection() -> None:
+    """JSON-RPC's server error -32000 is also the code the SDK gives a closed connection: a server
+    that answers with it said something, and its session stays."""
+    marker = uuid.uuid4().hex
+    toolset = Toolset(
+        id=uuid.uuid4(), key=unique_key("rpcerr"), kind="mcp", config=mcp_stdio_config(marker, BAD_MCP_SERVER, "rpc_error")
+    )
+    for _ in range(2):
+        with pytest.raises(ToolFailure) as failure:
+            mcp.run(toolset=toolset, tool=Tool(name="anything"), arguments={}, timeout=10)
+        assert failure.value.code == "mcp_error", failure.value
+        assert len(failure.value.message) < 3000
+    [server] = _servers(os.getpid(), marker)  # one session, not restarted after each answer
+    mcp.sessions_close()
+    assert not alive(server)
+
+
 def test_worker_shutdown_stops_its_servers(api: Api, stack: Stack, stdio_toolset: tuple[str, str]) -> None:
     """A second tools worker takes some calls; stopped, it must leave no MCP server behind."""
     key, marker = stdio_toolset

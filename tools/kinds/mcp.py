@@ -166,6 +166,11 @@ class _StderrTail:
             os.close(self._read_fd)
 
 
+# What the SDK says when the connection closed (mcp's jsonrpc_dispatcher): its code alone, -32000,
+# is also JSON-RPC's first server-error code, which a server may answer a call with.
+_SDK_CLOSED = "Connection closed"
+
+
 class _Session:
     """One live connection to one server, opened and closed by its own owner task."""
 
@@ -294,7 +299,7 @@ class _Session:
             except MCPError as exc:
                 if exc.error.code == REQUEST_TIMEOUT:
                     raise ToolFailure("mcp_timeout", f"{where} did not answer within {timeout:g} s") from None
-                if exc.error.code == CONNECTION_CLOSED:
+                if exc.error.code == CONNECTION_CLOSED and exc.error.message == _SDK_CLOSED:
                     self.close()
                     raise ToolFailure("mcp_connection_lost", f"the connection to the server of {where} closed") from None
                 raise ToolFailure("mcp_error", f"{where}: {_excerpt(exc.error.message, self.server)}") from None
