@@ -36,7 +36,7 @@ def unstorable(value: Any) -> str | None:
             if "\x00" in item:
                 return f"{path or 'a string'}: holds a NUL character (U+0000), which can't be stored"
             try:
-                item.encode("utf-8")
+                item.isascii() or item.encode("utf-8")  # the former, without a copy, for most
             except UnicodeEncodeError:
                 return f"{path or 'a string'}: holds a lone surrogate, which is not text"
         elif isinstance(item, float) and not math.isfinite(item):
