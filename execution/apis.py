@@ -42,6 +42,7 @@ from execution.services.sessions import (
     exec_session_create,
     exec_session_delete,
     session_file_upload,
+    session_file_withdraw,
     work_files_decode,
     work_path_check,
 )
@@ -250,6 +251,18 @@ class SessionFileApi(APIView):
         session = get_object_or_404(sessions_for(user=signed_in_user(request)), pk=session_id)
         work_path_check(file_path)
         return _file_response(get_object_or_404(WorkFile.objects.filter(session=session), path=file_path))
+
+    @extend_schema(
+        responses={
+            204: None,
+            409: OpenApiResponse(description="conflict (in /work already: the code removes it) or session_busy (a job runs)."),
+        }
+    )
+    def delete(self, request: Request, session_id: str, file_path: str) -> Response:
+        """Withdraw an upload the session's sandbox has not received yet (one that can't be written to /work)."""
+        session = get_object_or_404(sessions_for(user=signed_in_user(request)), pk=session_id)
+        session_file_withdraw(session=session, path=work_path_check(file_path))
+        return Response(status=204)
 
 
 class ExecDetailApi(APIView):

@@ -2,6 +2,7 @@ import uuid
 
 from django.conf import settings
 from django.db import models
+from django.utils import timezone
 
 
 def new_exec_call_id() -> str:
@@ -224,6 +225,15 @@ class ExecSession(models.Model):
 
     def __str__(self) -> str:
         return str(self.id)
+
+    def state(self) -> tuple[str, str]:
+        """Its status and end reason as of now: one past its time but not reaped yet is expired
+        now, not at the reaper's next round (which records it)."""
+        if self.status == self.Status.ACTIVE and self.expires_at <= timezone.now():
+            if self.expires_at >= self.max_expires_at:
+                return self.Status.EXPIRED, f"it reached its max_lifetime of {self.max_lifetime_seconds:g} s"
+            return self.Status.EXPIRED, f"it was idle for its idle_timeout of {self.idle_timeout_seconds:g} s"
+        return self.status, self.end_reason
 
 
 class WorkFile(models.Model):

@@ -248,6 +248,9 @@ class SessionCreateSerializer(serializers.Serializer):
 
 
 class SessionSerializer(serializers.ModelSerializer):
+    # As of now: a session past its time is expired, though the reaper has not recorded it yet.
+    status = serializers.SerializerMethodField()
+    end_reason = serializers.SerializerMethodField()
     toolsets = serializers.ListField(child=serializers.CharField())
     limits = serializers.JSONField()
     idle_timeout = serializers.FloatField(source="idle_timeout_seconds")
@@ -272,6 +275,13 @@ class SessionSerializer(serializers.ModelSerializer):
             "max_expires_at",
             "ended_at",
         ]
+
+    @extend_schema_field(serializers.ChoiceField(choices=ExecSession.Status.choices))
+    def get_status(self, session: ExecSession) -> str:
+        return session.state()[0]
+
+    def get_end_reason(self, session: ExecSession) -> str:
+        return session.state()[1]
 
 
 class SessionListQuerySerializer(serializers.Serializer):

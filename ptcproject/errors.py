@@ -117,6 +117,7 @@ JOB_ERROR_TYPES = {
     "InternalError": "the worker failed around the job (see its log)",
     "SystemExit": "the code exited with a non-zero status",
     "SessionEnded": "the job's session ended (expired, deleted or lost) before or while the job ran",
+    "InputFiles": "a file sent with the job, or uploaded to its session, could not be written to /work; the code was not run",
 }
 
 

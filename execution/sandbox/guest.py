@@ -274,21 +274,34 @@ def _work_path(path: str) -> str:
     return target
 
 
+class InputFileError(Exception):
+    """An input file could not be written under /work: the job ends ``InputFiles`` before its code runs."""
+
+
 def _write_files(files: dict[str, str]) -> None:
-    """Write the job's input files (base64) under /work; a symlink in their place is not followed."""
+    """Write the job's input files (base64) under /work; a symlink in their place is not followed.
+    Raise InputFileError naming the first that can't be (a folder or a symlink the code made in its
+    place, a name too long)."""
     for path, data in files.items():
-        target = _work_path(path)
-        os.makedirs(os.path.dirname(target), exist_ok=True)
-        if os.path.realpath(os.path.dirname(target)) != os.path.dirname(target):
-            raise ValueError(f"the file path {path!r} leads out of /work")
-        fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
-        with os.fdopen(fd, "wb") as f:
-            f.write(base64.b64decode(data))
+        try:
+            target = _work_path(path)
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            if os.path.realpath(os.path.dirname(target)) != os.path.dirname(target):
+                raise ValueError(f"the file path {path!r} leads out of /work")
+            fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+            with os.fdopen(fd, "wb") as f:
+                f.write(base64.b64decode(data))
+        except (OSError, ValueError) as exc:
+            why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+            raise InputFileError(
+                f"the file {path!r} could not be written to /work ({why}), so the code was not run; "
+                "it stays to be sent with the next job: replace or delete it"
+            ) from None
 
 
-def _scan() -> dict[str, tuple[int, int, int]]:
+def _scan() -> tuple[dict[str, tuple[int, int, int]], bool]:
     """The regular files under /work (symlinks are not followed nor reported), with what tells a
-    changed one: inode, size, mtime."""
+    changed one: inode, size, mtime; and whether that is all of them (at most MAX_SCANNED_FILES)."""
     seen: dict[str, tuple[int, int, int]] = {}
     for root, dirs, names in os.walk(WORK):
         dirs.sort()
@@ -301,14 +314,14 @@ def _scan() -> dict[str, tuple[int, int, int]]:
             if stat.S_ISREG(st.st_mode):
                 seen[os.path.relpath(full, WORK)] = (st.st_ino, st.st_size, st.st_mtime_ns)
             if len(seen) >= MAX_SCANNED_FILES:
-                return seen
-    return seen
+                return seen, False
+    return seen, True
 
 
 def _changed_files(before: dict[str, tuple[int, int, int]], quota: dict[str, int]) -> dict[str, Any]:
     """The files the code wrote or changed (base64, within the quota: the rest are named in
     ``files_omitted``) and those it removed."""
-    after = _scan()
+    after, whole = _scan()
     files: list[dict[str, str]] = []
     omitted: list[str] = []
     total = 0
@@ -331,7 +344,9 @@ def _changed_files(before: dict[str, tuple[int, int, int]], quota: dict[str, int
             continue
         total += len(data)
         files.append({"path": path, "data": base64.b64encode(data).decode()})
-    return {"files": files, "files_omitted": omitted, "files_removed": sorted(set(before) - set(after))}
+    # A scan cut short at MAX_SCANNED_FILES did not see every file: what it missed was not removed.
+    removed = sorted(set(before) - set(after)) if whole else []
+    return {"files": files, "files_omitted": omitted, "files_removed": removed}
 
 
 def _run(job: dict[str, Any], namespace: dict[str, Any], limits: dict[str, int]) -> dict[str, Any]:
@@ -442,9 +457,12 @@ def main(bridge_fd: int, sdk_dir: str) -> None:
         try:
             _write_files(job.get("files") or {})
             if quota:
-                before = _scan()
-        except BaseException as exc:  # an input file that can't be written fails the job, not the sandbox
-            result: dict[str, Any] = {"op": "done", "return_value": None, "error": _error(exc, limits)}
+                before, _ = _scan()
+        except InputFileError as exc:  # fails the job, not the sandbox (a session's goes on)
+            error = {"type": "InputFiles", "message": str(exc), "traceback": ""}
+            result: dict[str, Any] = {"op": "done", "return_value": None, "error": error}
+        except BaseException as exc:
+            result = {"op": "done", "return_value": None, "error": _error(exc, limits)}
         else:
             result = _run(job, namespace, limits)
             if quota:

@@ -436,6 +436,8 @@ def _exec_job_sandbox(*, job: ExecJob, node: str, channel: Subscription) -> Outc
     if live is not None and live.ended and outcome.status != "cancelled":
         outcome.status = "failed"
         outcome.error = job_error("SessionEnded", f"the session ended while the job ran: {live.ended}")
+    if outcome.error and outcome.error.get("type") == "InputFiles":
+        sent = []  # the session's uploads did not all reach /work: they go again with the next job
     _exec_job_files_done(job=job, outcome=outcome, sent=sent)
     assert job.started_at is not None, "the job was loaded after exec_job_run's claim set started_at"
     outcome.timings["queue_ms"] = round((job.started_at - job.created_at).total_seconds() * 1000, 2)

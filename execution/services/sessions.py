@@ -39,10 +39,13 @@ from execution.sandbox.session import Outcome
 from execution.services.quotas import exec_quota_check
 from ptcproject.errors import ApplicationError, job_error
 from ptcproject.policy.selectors import policy_get, ptc_decision, quotas_for
+from ptcproject.storage import storable, unstorable
 from tools.selectors import toolset_keys_for_ptc, toolset_keys_named
 
 logger = logging.getLogger("ptc.execution")
 Status = ExecSession.Status
+# The longest name of one file or folder Linux takes, in bytes.
+NAME_MAX = 255
 
 
 # -- Paths and quotas ----------------------------------------------------------------------------
@@ -53,6 +56,10 @@ def work_path_check(path: Any) -> str:
         reason = "a path of 1 to 1024 characters"
     elif "\0" in path or "\\" in path or any(ord(c) < 32 for c in path):
         reason = "no NUL, backslash or control character"
+    elif unstorable(path):  # a name the code made of bytes that are not UTF-8
+        reason = "a path that is text (UTF-8)"
+    elif any(len(part.encode()) > NAME_MAX for part in path.split("/")):
+        reason = f"no file or folder name over {NAME_MAX} bytes"
     elif path.startswith("/"):
         reason = "a path relative to /work, not an absolute one"
     elif any(part in ("", ".", "..") for part in path.split("/")):
@@ -61,6 +68,25 @@ def work_path_check(path: Any) -> str:
         return path
     shown = path[:100] if isinstance(path, str) else repr(path)[:100]
     raise ApplicationError("invalid_path", f"The file path {shown!r} is invalid: use {reason}.", details={"path": shown})
+
+
+def work_paths_clash(paths: list[str], existing: Any = ()) -> None:
+    """Raise ``invalid_path`` (400) if one of ``paths`` is a folder of another, or of one of
+    ``existing``, or the other way round (``a`` and ``a/b``): /work can't hold both as files."""
+    files = set(existing) | set(paths)
+    for path in paths:
+        parts = path.split("/")
+        folders = ["/".join(parts[:i]) for i in range(1, len(parts))]
+        clash = next((folder for folder in folders if folder in files), None)
+        if clash is None:
+            clash = next((other for other in files if other.startswith(path + "/")), None)
+        if clash is not None:
+            shown = path[:100]
+            raise ApplicationError(
+                "invalid_path",
+                f"The file path {shown!r} clashes with {clash[:100]!r}: /work can't hold a file and a folder of one name.",
+                details={"path": shown},
+            )
 
 
 def _quota_check(*, count: int, size: int) -> None:
@@ -95,6 +121,7 @@ def work_files_decode(*, files: dict[str, Any]) -> dict[str, bytes]:
                 f"The file {path[:100]!r} is not base64.",
                 details={"files": [f"{path[:100]}: not base64"]},
             ) from None
+    work_paths_clash(list(decoded))
     _quota_check(count=len(decoded), size=sum(len(data) for data in decoded.values()))
     return decoded
 
@@ -149,7 +176,7 @@ def exec_session_create(
         User.objects.select_for_update().filter(pk=user.pk).first()
         # An open session holds a sandbox: it counts against the user's jobs-at-once quota.
         exec_quota_check(user=user, quotas=quotas_for(policy=policy, user=user))
-        active = ExecSession.objects.filter(user=user, status=Status.ACTIVE).count()
+        active = ExecSession.objects.filter(user=user, status=Status.ACTIVE, expires_at__gt=now).count()
         if active >= settings.PTC_MAX_SESSIONS_PER_USER:
             raise ApplicationError(
                 "too_many_sessions",
@@ -175,10 +202,7 @@ def exec_session_create(
 def exec_session_usable(*, session: ExecSession) -> None:
     """Raise 410 ``session_expired`` (expired or deleted) or ``session_lost`` unless ``session`` is
     active; details say its status, why it ended and ``expires_at``."""
-    status, reason = session.status, session.end_reason
-    if status == Status.ACTIVE and session.expires_at <= timezone.now():
-        # Past its time, not reaped yet: it is expired now, not at the reaper's next round (which records it).
-        status, reason = Status.EXPIRED, _expiry_reason(session)
+    status, reason = session.state()
     if status == Status.ACTIVE:
         return
     raise ApplicationError(
@@ -236,6 +260,7 @@ def session_file_upload(*, session: ExecSession, path: str, content: bytes) -> W
         session = ExecSession.objects.select_for_update().get(pk=session.pk)
         exec_session_usable(session=session)
         others = WorkFile.objects.filter(session=session).exclude(path=path)
+        work_paths_clash([path], others.values_list("path", flat=True))
         _quota_check(count=others.count() + 1, size=(others.aggregate(n=Sum("size"))["n"] or 0) + len(content))
         row, _ = WorkFile.objects.update_or_create(
             session=session,
@@ -243,12 +268,6 @@ def session_file_upload(*, session: ExecSession, path: str, content: bytes) -> W
             defaults={"content": content, "size": len(content), "kind": WorkFile.Kind.INPUT, "pending": True},
         )
     return row
-
-
-def _expiry_reason(session: ExecSession) -> str:
-    if session.expires_at >= session.max_expires_at:
-        return f"it reached its max_lifetime of {session.max_lifetime_seconds:g} s"
-    return f"it was idle for its idle_timeout of {session.idle_timeout_seconds:g} s"
 
 
 def _session_end(*, session_id: Any, status: str, reason: str) -> bool:
@@ -274,7 +293,8 @@ def exec_sessions_reap() -> int:
     now = timezone.now()
     ended = 0
     for session in ExecSession.objects.filter(status=Status.ACTIVE, expires_at__lte=now):
-        ended += _session_end(session_id=session.pk, status=Status.EXPIRED, reason=_expiry_reason(session))
+        status, reason = session.state()
+        ended += _session_end(session_id=session.pk, status=status, reason=reason)
     stale = now - timedelta(seconds=settings.PTC_JOB_LEASE_SECONDS)
     lost = ExecSession.objects.filter(status=Status.ACTIVE, heartbeat_at__lt=stale).exclude(worker="")
     for session_id in lost.values_list("pk", flat=True):
@@ -369,6 +389,32 @@ def session_sandbox_release(*, session_id: Any, live: LiveSession, kept: bool, s
         )
 
 
+def session_file_withdraw(*, session: ExecSession, path: str) -> None:
+    """Withdraw an upload the session's sandbox has not received yet (one that can't be written
+    there, say). Raise ``not_found`` (404), ``conflict`` (409) for a file already in /work (the
+    code removes it), ``session_busy`` (409) while a job runs (it may be taking the upload)."""
+    with transaction.atomic():
+        session = ExecSession.objects.select_for_update().get(pk=session.pk)
+        row = WorkFile.objects.filter(session=session, path=path).first()
+        if row is None:
+            raise ApplicationError("not_found", f"The session has no file {path[:100]!r}.", status=404)
+        if not row.pending:
+            raise ApplicationError(
+                "conflict",
+                f"The file {path[:100]!r} is in the session's /work already: remove it from code (os.remove).",
+            )
+        running = session.current_job_id and ExecJob.objects.filter(pk=session.current_job_id).exclude(
+            status__in=ExecJob.FINISHED
+        )
+        if running and running.exists():
+            raise ApplicationError(
+                "session_busy",
+                "A job is queued or running in this session, and may be taking the upload; withdraw it after.",
+                details={"job": str(session.current_job_id)},
+            )
+        row.delete()
+
+
 def session_job_done(*, job_id: Any, session_id: Any, outcome: Outcome, files_sent: list[tuple[int, datetime]]) -> None:
     """Record what a session's job left: its files under /work (upserted within the session's
     quota, removed ones deleted), the uploads it received, and the session's next expiry."""
@@ -379,7 +425,8 @@ def session_job_done(*, job_id: Any, session_id: Any, outcome: Outcome, files_se
             return  # deleted while the job ran: its files went with it
         for pk, updated_at in files_sent:  # an upload replaced meanwhile stays pending: it was not the one sent
             WorkFile.objects.filter(pk=pk, updated_at=updated_at).update(pending=False)
-        WorkFile.objects.filter(session=session, path__in=outcome.files_removed, pending=False).delete()
+        removed = [path for path in outcome.files_removed if not unstorable(path)]  # no row has any other
+        WorkFile.objects.filter(session=session, path__in=removed, pending=False).delete()
         written, omitted = _store_files(
             outcome=outcome, existing=WorkFile.objects.filter(session=session), lookup={"session": session}
         )
@@ -418,16 +465,24 @@ def _store_files(
     set while the set stays within the quota. Return the files stored (``{"path", "size"}``) and the
     paths left out."""
     sizes = dict(existing.values_list("path", "size"))
+    # A session's upload that came while the job ran is newer than what the code wrote: it stays.
+    uploaded = set(existing.filter(pending=True).values_list("path", flat=True))
     written: list[dict[str, Any]] = []
-    omitted = list(outcome.files_omitted)
+    omitted = [storable(path) for path in outcome.files_omitted]
     for item in outcome.files:
         path, data = item.get("path"), item.get("data")
         try:
             work_path_check(path)
             content = base64.b64decode(data if isinstance(data, str) else "", validate=True)
         except (ApplicationError, binascii.Error, ValueError):
-            continue  # a sandbox that sends a bad path or encoding gets nothing stored for it
+            # A name that can't be a stored file's (not UTF-8, a newline, too long): named, as
+            # storable, among those left out; the job's other files are stored all the same.
+            if isinstance(path, str):
+                omitted.append(storable(path))
+            continue
         assert isinstance(path, str)
+        if path in uploaded:
+            continue
         others = {p: s for p, s in sizes.items() if p != path}
         if len(others) + 1 > settings.PTC_FILES_MAX_COUNT or sum(others.values()) + len(content) > settings.PTC_FILES_MAX_BYTES:
             omitted.append(path)

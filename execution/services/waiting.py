@@ -25,6 +25,7 @@ from execution.selectors import tool_call_is_client
 from execution.services.calls import tool_call_finish, tool_call_reply, tool_calls_enqueue
 from ptcproject import queues
 from ptcproject.errors import ApplicationError, call_error
+from ptcproject.storage import unstorable
 
 logger = logging.getLogger("ptc.execution")
 # How much of a failed client result's content its recorded error message keeps.
@@ -85,6 +86,11 @@ def tool_results_submit(*, job: ExecJob, results: list[dict[str, Any]]) -> list[
     if repeated:
         raise ApplicationError(
             "validation_error", "Each tool_use_id may appear once.", details={"tool_use_id": [f"repeated: {', '.join(repeated)}"]}
+        )
+    unfit = [f"{r['tool_use_id']}: {problem}" for r in results if (problem := unstorable(r.get("content")))]
+    if unfit:  # the code gets a result as it is recorded: never changed to fit
+        raise ApplicationError(
+            "validation_error", f"A result's content can't be stored as given: {unfit[0]}.", details={"content": unfit}
         )
     limit = settings.PTC_MAX_TOOL_OUTPUT_BYTES
     large = [r["tool_use_id"] for r in results if len(json.dumps(r.get("content"))) > limit]

@@ -1,6 +1,7 @@
 """Client tools: tools the job's caller runs. The code blocks on them; a real client loop reads the
 SSE stream and answers through POST /api/v1/exec/{id}/tool-results. Real workers, real HTTP."""
 
+import json
 import time
 import uuid
 from collections.abc import Callable
@@ -161,6 +162,12 @@ def test_a_second_answer_is_409_and_changes_nothing(api: Api) -> None:
     job = submit(api, "from ptc_tools.client import Client\nClient.once(n=1)", [tool("once")])
     block = first_pending(api, job["id"])
     url = f"/api/v1/exec/{job['id']}/tool-results"
+    # Content that can't be stored as given is refused, not changed: the call still waits.
+    for content in ("a\u0000b", {"k\u0000": 1}, ["\ud800"]):
+        body = json.dumps([{"tool_use_id": block["id"], "content": content}])  # escaped: a lone surrogate is no UTF-8
+        unfit = api.post(url, content=body, headers={"Content-Type": "application/json"})
+        assert unfit.status_code == 400, unfit.text
+        assert unfit.json()["error"]["code"] == "validation_error" and "can't be stored" in unfit.json()["error"]["message"]
     first = api.post(url, json=[{"tool_use_id": block["id"], "content": "first"}])
     assert first.status_code == 200, first.text
     second = api.post(url, json=[{"tool_use_id": block["id"], "content": "second"}])

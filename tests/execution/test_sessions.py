@@ -271,7 +271,9 @@ def test_an_upload_is_never_written_through_a_symlink_the_code_made(api: Api) ->
         assert api.post(base, files={"file": ("x", b"planted")}, data={"path": path}).status_code == 201
         refused = _run(api, session, "import os\nsorted(os.listdir('/tmp'))")
         assert refused["status"] == "failed", refused
-        assert refused["error"]["type"] in ("ValueError", "OSError"), refused["error"]
+        assert refused["error"]["type"] == "InputFiles", refused["error"]
+        assert f"the file '{path}' could not be written to /work" in refused["error"]["message"]
+        assert api.http.delete(f"{base}/{path}").status_code == 204  # or it would go with every next job
     # Nothing reached /tmp, and the session goes on.
     assert _run(api, session, "import os\nsorted(os.listdir('/tmp'))")["return_value"] == []
 
@@ -359,3 +361,76 @@ def test_admin_pages_for_sessions_and_files(api: Api) -> None:
         assert response.status_code == 200, page
     detail = client.get(f"/admin/execution/execsession/{session['id']}/change/").content.decode()
     assert "seen.txt" in detail and "made.txt" in detail
+
+
+def test_a_bad_name_or_a_full_scan_of_work_loses_nothing(api: Api) -> None:
+    session = _session(api)
+    base = f"/api/v1/sessions/{session['id']}/files"
+    assert api.post(base, files={"file": ("x", b"original")}, data={"path": "up.txt"}).status_code == 201
+    # A name of bytes that are not UTF-8 can't be a stored file's: it is named among those left
+    # out, and the job's other files (and the upload's delivery) are stored all the same.
+    code = "import os\nopen('good.txt', 'w').write('good')\nos.close(os.open(b'bad\\xff.txt', os.O_WRONLY | os.O_CREAT))"
+    job = _run(api, session, code)
+    assert job["status"] == "completed", job["error"]
+    assert (job["output_files"], job["output_files_omitted"]) == ([{"path": "good.txt", "size": 4}], ["bad?.txt"])
+    edited = _run(api, session, "open('up.txt', 'w').write('edited')\nimport os\nos.remove(b'bad\\xff.txt')")
+    assert edited["status"] == "completed", edited["error"]
+    assert api.get(f"{base}/up.txt").content == b"edited"
+    # More files than one scan of /work reads (10,000): those past it were not removed.
+    many = _run(api, session, "for i in range(10_001):\n    open(f'a{i:05d}', 'w').close()")
+    assert many["status"] == "completed", many["error"]
+    assert api.get(f"{base}/good.txt").content == b"good" and api.get(f"{base}/up.txt").content == b"edited"
+
+
+def test_an_upload_that_cant_be_written_is_refused_or_waits_named(api: Api) -> None:
+    session = _session(api)
+    base = f"/api/v1/sessions/{session['id']}/files"
+    assert api.post(base, files={"file": ("x", b"y")}, data={"path": "dir/file.txt"}).status_code == 201
+    for path in ("n" * 256 + ".txt", "dir", "dir/file.txt/below"):  # a name past 255 bytes; a file and a folder of one name
+        refused = api.post(base, files={"file": ("x", b"y")}, data={"path": path})
+        assert refused.status_code == 400 and refused.json()["error"]["code"] == "invalid_path", (path, refused.text)
+    inline = api.post("/api/v1/exec", json={"code": "1", "files": {"a": "eA==", "a/b": "eA=="}})
+    assert inline.status_code == 400 and "clashes with" in inline.json()["error"]["message"]
+    # A folder the code made where an upload goes: the job ends InputFiles before its code runs,
+    # naming it, and the uploads stay to be sent; once it is deleted, the session goes on.
+    assert _run(api, session, "import os\nos.makedirs('made')")["status"] == "completed"
+    assert api.post(base, files={"file": ("x", b"y")}, data={"path": "made"}).status_code == 201
+    failed = _run(api, session, "ran = True")
+    assert (failed["status"], failed["error"]["type"]) == ("failed", "InputFiles"), failed
+    assert "'made' could not be written to /work (Is a directory)" in failed["error"]["message"]
+    pending = {f["path"]: f["pending"] for f in api.get(base).json()["results"]}
+    assert pending == {"dir/file.txt": False, "made": True}  # the former reached /work with the job before
+    assert api.http.delete(f"{base}/made").status_code == 204
+    delivered = api.http.delete(f"{base}/dir/file.txt")  # in /work already: the code removes it
+    assert delivered.status_code == 409 and delivered.json()["error"]["code"] == "conflict"
+    assert api.http.delete(f"{base}/made").status_code == 404
+    after = _run(api, session, "import os\n[open('dir/file.txt').read(), os.path.isdir('made'), 'ran' in globals()]")
+    assert after["return_value"] == ["y", True, False], after
+
+
+def test_an_upload_while_a_job_runs_is_newer_than_what_the_job_wrote(api: Api) -> None:
+    session = _session(api)
+    code = "import time\nopen('w.txt', 'w').write('code')\ntime.sleep(2.5)"
+    job = api.post("/api/v1/exec", json={"code": code, "session": session["id"], "wait": 0}).json()
+    _until(api, f"/api/v1/exec/{job['id']}", lambda j: j["status"] == "running")
+    time.sleep(0.5)  # the code has written w.txt, and sleeps
+    base = f"/api/v1/sessions/{session['id']}/files"
+    assert api.post(base, files={"file": ("x", b"upload")}, data={"path": "w.txt"}).status_code == 201
+    ended = _until(api, f"/api/v1/exec/{job['id']}", lambda j: j["status"] != "running")
+    assert ended["status"] == "completed" and ended["output_files"] == [], ended
+    [row] = api.get(base).json()["results"]
+    assert (row["path"], row["kind"], row["pending"]) == ("w.txt", "input", True)
+    assert api.get(f"{base}/w.txt").content == b"upload"
+    assert _run(api, session, "open('w.txt').read()")["return_value"] == "upload"
+
+
+def test_a_session_past_its_time_reads_expired_before_the_reaper_records_it(api: Api) -> None:
+    from execution.models import ExecSession
+    from execution.serializers import SessionSerializer
+
+    session = ExecSession.objects.get(pk=_session(api, idle_timeout=600)["id"])
+    session.expires_at = session.last_used_at  # as if its idle_timeout had passed; still active in the database
+    shown = SessionSerializer(session).data
+    assert (shown["status"], shown["end_reason"]) == ("expired", "it was idle for its idle_timeout of 600 s")
+    assert session.status == "active"
+    api.http.delete(f"/api/v1/sessions/{session.pk}")
