@@ -92,6 +92,9 @@ class McpHttp:
         # Which user opened each session: the SDK caps sessions per process only, so one user
         # could otherwise take every slot.
         self.owners: dict[str, int] = {}
+        # Requests that may open a session, by user, until their response names it (or they end):
+        # counted with the open ones, or a burst of them all passed the check before any opened.
+        self.opening: dict[int, int] = {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if not self.running:
@@ -113,16 +116,26 @@ class McpHttp:
                 AccessToken(token=key.prefix, client_id=f"key-{key.pk}", scopes=[], subject=str(key.user_id))
             ),
         }
-        if not _header(scope, b"mcp-session-id"):  # a request that opens a session
-            opened = self._sessions_of(key.user_id)
+        opening = not _header(scope, b"mcp-session-id")  # a request that opens a session
+        if opening:
+            opened = self._sessions_of(key.user_id) + self.opening.get(key.user_id, 0)
             if opened >= settings.PTC_MCP_SESSIONS_PER_USER:
                 message = (
-                    f"You have {opened} MCP sessions open, the most one user may "
+                    f"You have {opened} MCP sessions open or opening, the most one user may "
                     f"(PTC_MCP_SESSIONS_PER_USER); close one (DELETE /mcp) or wait for one to go idle."
                 )
                 await _refuse(send, ApplicationError("throttled", message, status=429))
                 return
-            send = self._owned_by(key.user_id, send)
+            # Taken with the check, no await between: this process's requests run on one loop.
+            self.opening[key.user_id] = self.opening.get(key.user_id, 0) + 1
+            send, settled = self._owned_by(key.user_id, send)
+        try:
+            await self._handle(scope, receive, send)
+        finally:
+            if opening:
+                settled()
+
+    async def _handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope.get("method") == "POST":
             # Read the body here, held to the API's limit: a client that goes away mid-body is let
             # go quietly (the SDK would log it as an error, with a traceback, every time).
@@ -143,17 +156,31 @@ class McpHttp:
             del self.owners[session_id]
         return sum(1 for owner in self.owners.values() if owner == user_id)
 
-    def _owned_by(self, user_id: int, send: Send) -> Send:
-        """Wrap ``send`` to note the user of the session its response opens."""
+    def _owned_by(self, user_id: int, send: Send) -> tuple[Send, Callable[[], None]]:
+        """Wrap ``send`` to note the user of the session its response opens; return it and what
+        gives back the request's place among those opening (once: at its response's start, or at
+        its end if none started)."""
+        done = False
+
+        def settled() -> None:
+            nonlocal done
+            if not done:
+                done = True
+                left = self.opening[user_id] - 1
+                if left:
+                    self.opening[user_id] = left
+                else:
+                    del self.opening[user_id]
 
         async def sending(message: MutableMapping[str, Any]) -> None:
             if message["type"] == "http.response.start":
                 for name, value in message.get("headers", []):
                     if name.lower() == b"mcp-session-id":
                         self.owners[value.decode("latin-1")] = user_id
+                settled()
             await send(message)
 
-        return sending
+        return sending, settled
 
 
 async def _body(receive: Receive, *, limit: int) -> bytes | None:

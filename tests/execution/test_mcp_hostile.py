@@ -88,8 +88,31 @@ def test_one_user_cannot_take_every_session_slot(stack_env: dict[str, str], make
         assert r.headers["retry-after"]
         r = httpx.post(url, json=INIT, headers={**HEADERS, "Authorization": f"Bearer {victim.key}"}, timeout=30)
         assert r.status_code == 200, f"another user's sessions locked this user out: {r.status_code} {r.text}"
+
+        # A burst sent at once is held to the cap too: the opening ones count before any has opened.
+        async def burst(key: str, n: int) -> list[int]:
+            async with httpx.AsyncClient(timeout=30, headers={**HEADERS, "Authorization": f"Bearer {key}"}) as client:
+                answers = await anyio_gather(*[client.post(url, json=INIT) for _ in range(n)])
+            return [a.status_code for a in answers]
+
+        third = make_api()
+        statuses = anyio.run(burst, third.key, 40)
+        assert sorted(statuses) == [200] * 3 + [429] * 37, statuses
     finally:
         web.stop()
+
+
+async def anyio_gather(*awaitables: Any) -> list[Any]:
+    """``asyncio.gather`` for anyio: every awaitable at once, their results in order."""
+    results: list[Any] = [None] * len(awaitables)
+
+    async def one(i: int, awaitable: Any) -> None:
+        results[i] = await awaitable
+
+    async with anyio.create_task_group() as group:
+        for i, awaitable in enumerate(awaitables):
+            group.start_soon(one, i, awaitable)
+    return results
 
 
 def test_a_client_that_drops_mid_body_logs_no_error(stack: Stack, api: Api) -> None:
