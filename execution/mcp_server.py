@@ -37,10 +37,11 @@ from execution.models import ExecJob
 from execution.selectors import exec_jobs_for
 from execution.serializers import ExecCreateSerializer, ExecJobSerializer
 from execution.services.jobs import exec_job_cancel, exec_job_create
-from ptcproject.api import outage_error
+from ptcproject.api import first_message, outage_error
 from ptcproject.errors import ApplicationError, error_body
 from ptcproject.policy.selectors import policy_get
 from tools.context import EXEC_CODE, ptc_context, tools_split
+from tools.models import Toolset
 from tools.sdk import catalog_entry, class_name
 from tools.selectors import toolset_keys_for_ptc, toolsets_named
 
@@ -69,7 +70,11 @@ class McpUser:
 
 # -- Reads and writes, each on a pooled connection handed back at once (db_read) ------------------
 def _user(user_id: int) -> User:
-    return User.objects.get(pk=user_id, is_active=True)
+    """The caller, or 401 ``authentication_failed`` if it was deactivated (or deleted) since it connected."""
+    user = User.objects.filter(pk=user_id, is_active=True).first()
+    if user is None:
+        raise ApplicationError("authentication_failed", "The user this MCP server runs as is no longer active; nothing was run.")
+    return user
 
 
 @db_read
@@ -99,7 +104,7 @@ def _tool_list(user_id: int, discovery: bool) -> list[types.Tool]:
                     "toolsets": {
                         "type": "array",
                         "items": {"type": "string"},
-                        "description": "Toolset keys to grant; default: every toolset you may use with PTC.",
+                        "description": "Toolset keys to grant; default: every PTC toolset you may use, but client toolsets.",
                     },
                     "timeout": _TIMEOUT,
                     "title": {"type": "string", "description": "A title for the job (the debug opt-in/opt-out rules read it)."},
@@ -151,10 +156,12 @@ def _tool_list(user_id: int, discovery: bool) -> list[types.Tool]:
 
 
 def _ptc_tools(user: User) -> list[tuple[Any, list[Any]]]:
-    """The user's PTC toolsets with their PTC tools, as the SDK of a job without ``toolsets`` has them."""
+    """The user's PTC toolsets with their PTC tools, as the SDK of an MCP job without ``toolsets``
+    has them: client toolsets left out (their calls wait for a result no MCP client can send)."""
     policy = policy_get()
     keys = toolset_keys_for_ptc(user=user, allowlist=policy.toolset_allowlist, blocklist=policy.toolset_blocklist)
-    _, per_toolset = tools_split(toolsets=toolsets_named(user=user, keys=keys), direct_only=frozenset(policy.direct_only_tools))
+    named = [toolset for toolset in toolsets_named(user=user, keys=keys) if toolset.kind != Toolset.Kind.CLIENT]
+    _, per_toolset = tools_split(toolsets=named, direct_only=frozenset(policy.direct_only_tools))
     return per_toolset
 
 
@@ -201,13 +208,15 @@ def _job_create(user_id: int, body: Mapping[str, Any]) -> Any:
     """Validate ``body`` as ``POST /api/v1/exec`` does and create the job. Return its id."""
     serializer = ExecCreateSerializer(data=body)
     if not serializer.is_valid():
-        errors = serializer.errors
-        field, messages = next(iter(errors.items()))
-        raise ApplicationError("validation_error", f"Invalid input. {field}: {messages[0]}", details=dict(errors))
+        raise ApplicationError(
+            "validation_error", f"Invalid input. {first_message(serializer.errors)}", details=dict(serializer.errors)
+        )
     data = serializer.validated_data
-    job = exec_job_create(
-        user=_user(user_id), code=data["code"], toolsets=data.get("toolsets"), timeout=data.get("timeout"), title=data["title"]
-    )
+    user = _user(user_id)
+    toolsets = data.get("toolsets")
+    if toolsets is None:  # a client toolset's calls wait for a result no MCP client can send: not by default
+        toolsets = [toolset.key for toolset, _ in _ptc_tools(user)]
+    job = exec_job_create(user=user, code=data["code"], toolsets=toolsets, timeout=data.get("timeout"), title=data["title"])
     return job.pk
 
 
@@ -229,18 +238,31 @@ def _job_cancel(user_id: int, job_id: Any) -> None:
 
 
 # -- Running a job -------------------------------------------------------------------------------
-def _progress_message(name: str, data: Mapping[str, Any]) -> str | None:
-    """A line for the client's progress display, or None for events it need not see."""
+def _progress_message(name: str, data: Mapping[str, Any], job_id: Any) -> str | None:
+    """A line for the client's progress display of job ``job_id``, or None for events it need not see."""
     if name in ("stdout", "stderr"):
         return f"{name}: {data.get('text', '')}"
     if not name.startswith("tool_call_"):
         return None
+    if name == "tool_call_pending":  # a tool_use block: the call waits on the job's caller, or an approval
+        label = f"{data.get('toolset')}.{data.get('name')}"
+        if data.get("awaiting") == "approval":
+            return (
+                f"tool call waits for an approval: {label} {data.get('id')} (POST /api/v1/tool-calls/{data.get('id')}/approval)"
+            )
+        return (
+            f"tool call waits for its result from the client: {label} {data.get('id')} (POST /api/v1/exec/{job_id}/tool-results)"
+        )
     label = f"{data.get('toolset')}.{data.get('tool')}"
     if name == "tool_call_start":
         return f"tool call started: {label} {data.get('call_id')}"
+    if name == "tool_call_approved":
+        return f"tool call approved: {label} {data.get('call_id')}"
     took = f" in {data['duration_ms']:.0f} ms" if data.get("duration_ms") is not None else ""
     if name == "tool_call_end":
         return f"tool call finished: {label} {data.get('call_id')}{took}"
+    if name != "tool_call_error":
+        return None  # an event of a later version: nothing to say of it
     error = (data.get("error") or {}).get("message", "")
     return f"tool call failed: {label} {data.get('call_id')}{took}: {error}"
 
@@ -274,7 +296,7 @@ async def job_run(ctx: ServerRequestContext[Any, Any], *, user_id: int, body: Ma
                 if event.event == "exec_end":
                     logger.info("mcp job ended", extra={"job_id": str(job_id), "status": event.data.get("status")})
                     return await _job_get(user_id, job_id)
-                message = _progress_message(event.event, event.data)
+                message = _progress_message(event.event, event.data, job_id)
                 if message is not None:
                     sent += 1
                     await ctx.session.report_progress(sent, None, message)
@@ -378,8 +400,13 @@ async def _call(ctx: ServerRequestContext[Any, Any], caller: McpUser, name: str,
         filename = args.get("filename")
         if filename is not None and (not isinstance(filename, str) or len(filename) > 255):
             raise ApplicationError("validation_error", "Invalid input. filename: a string of at most 255 characters.")
-        timeout = args["timeout"] if "timeout" in args else min(SEED_DEFAULT_TIMEOUT, await _max_timeout())
-        body = {"code": args.get("code"), "timeout": timeout, "title": filename or ""}
+        timeout = args.get("timeout")  # left out or null: the seed's default
+        body = {
+            "timeout": min(SEED_DEFAULT_TIMEOUT, await _max_timeout()) if timeout is None else timeout,
+            "title": filename or "",
+        }
+        if "code" in args:  # left out, the serializer says it is required
+            body["code"] = args["code"]
         return _result(seed_result(await job_run(ctx, user_id=caller.user_id, body=body), file_path=filename))
     if name == LIST_TOOLSETS:
         return _result(await _toolsets(caller.user_id))
@@ -398,7 +425,10 @@ def mcp_server_build(*, user: McpUser | None = None) -> Server[Any]:
         ctx: ServerRequestContext[Any, Any], params: types.PaginatedRequestParams | None
     ) -> types.ListToolsResult:
         caller = _caller(ctx, user)
-        return types.ListToolsResult(tools=await _tool_list(caller.user_id, caller.discovery))
+        try:
+            return types.ListToolsResult(tools=await _tool_list(caller.user_id, caller.discovery))
+        except ApplicationError as exc:  # the user was deactivated since this server started
+            raise MCPError(types.INVALID_REQUEST, exc.message) from None
 
     async def on_call_tool(ctx: ServerRequestContext[Any, Any], params: types.CallToolRequestParams) -> types.CallToolResult:
         caller = _caller(ctx, user)

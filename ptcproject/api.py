@@ -45,12 +45,13 @@ _DEFAULT_CODES = {
 }
 
 
-def _first_message(detail: Any) -> str:
+def first_message(detail: Any) -> str:
+    """The first of DRF's error details as one line (``field: message``, ``0: message`` for a list's item)."""
     if isinstance(detail, list) and detail:
-        return _first_message(detail[0])
+        return first_message(detail[0])
     if isinstance(detail, dict) and detail:
         key, value = next(iter(detail.items()))
-        text = _first_message(value)
+        text = first_message(value)
         return text if key == "non_field_errors" else f"{key}: {text}"
     return str(detail)
 
@@ -118,7 +119,7 @@ def exception_handler(exc: Exception, context: dict[str, Any]) -> Response | Non
     if isinstance(exc, exceptions.ValidationError):
         body = {
             "code": "validation_error",
-            "message": f"Invalid input. {_first_message(exc.detail)}",
+            "message": f"Invalid input. {first_message(exc.detail)}",
             "details": exc.detail if isinstance(exc.detail, dict) else {"non_field_errors": exc.detail},
         }
     else:
@@ -127,7 +128,7 @@ def exception_handler(exc: Exception, context: dict[str, Any]) -> Response | Non
             detail_code = getattr(exc.detail, "code", None)
             if detail_code and detail_code not in ("invalid", "error"):
                 code = detail_code
-        body = {"code": code, "message": _first_message(response.data.get("detail", response.data)), "details": {}}
+        body = {"code": code, "message": first_message(response.data.get("detail", response.data)), "details": {}}
     response.data = {"error": body}
     return response
 

@@ -422,3 +422,84 @@ def test_without_the_lifespan_mcp_says_why_and_django_is_unchanged(stack_env: di
         assert httpx.get(f"{base}/api/v1/exec", headers={"Authorization": f"Bearer {api.key}"}).status_code == 200
     finally:
         web.stop()
+
+
+def test_a_client_toolset_is_left_out_by_default_and_its_waiting_calls_say_how_to_answer(stack: Stack, staff: Api) -> None:
+    """No MCP client can send a client tool's result: an exec_code without toolsets leaves client
+    toolsets out; granted by name, a call of one says where its result is posted (the REST API)."""
+    key = f"ui_{uuid.uuid4().hex[:6]}"
+    cls = "".join(part.capitalize() for part in key.split("_"))
+    confirm = {"name": "confirm", "input_schema": {"type": "object", "properties": {"q": {"type": "string"}}}}
+    created = staff.post("/api/v1/toolsets", json={"key": key, "name": "UI", "kind": "client", "tools": [confirm]})
+    assert created.status_code == 201, created.text
+    waiting: list[str] = []
+    pending = anyio.Event()
+
+    async def on_progress(value: float, total: float | None, message: str | None) -> None:
+        if (message or "").startswith("tool call waits"):
+            waiting.append(message or "")
+            pending.set()
+
+    async def main() -> tuple[Any, Any]:
+        async with http_client(stack, staff.key) as client:
+            default = await call(client, "exec_code", {"code": f"import ptc_tools.{key}"})
+            answered: dict[str, Any] = {}
+
+            async def calling() -> None:
+                code = f"from ptc_tools.{key} import {cls}\n{cls}.confirm(q='ok?')"
+                answered["job"] = await call(
+                    client, "exec_code", {"code": code, "toolsets": [key]}, progress_callback=on_progress
+                )
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(calling)
+                with anyio.fail_after(30):
+                    await pending.wait()
+                words = waiting[0].split()
+                url, call_id = words[-1].rstrip(")"), words[-3]
+                body = [{"tool_use_id": call_id, "content": "yes"}]
+                posted = await anyio.to_thread.run_sync(lambda: staff.post(url, json=body))
+                assert posted.status_code == 200, posted.text
+            return default, answered["job"]
+
+    try:
+        default, job = run(main)
+    finally:
+        staff.http.delete(f"/api/v1/toolsets/{key}")
+    assert default["status"] == "failed" and default["error"]["type"] == "ModuleNotFoundError", default
+    assert waiting[0].startswith(f"tool call waits for its result from the client: {key}.confirm ptc_"), waiting
+    assert (job["status"], job["return_value"]) == ("completed", "yes"), job
+
+
+def test_input_errors_read_as_the_apis_and_the_seed_tools_defaults_hold(stack: Stack, api: Api) -> None:
+    async def main() -> tuple[types.CallToolResult, types.CallToolResult, Any]:
+        async with http_client(stack, api.key) as client:
+            nulls = await client.call_tool("exec_code", {"code": "1", "toolsets": [None]})
+            missing = await client.call_tool("programmatic_tool_calling", {})
+            default = await call(client, "programmatic_tool_calling", {"code": "1", "timeout": None})
+            return nulls, missing, default
+
+    nulls, missing, default = run(main)
+    assert data(nulls)["error"]["message"] == "Invalid input. toolsets: 0: This field may not be null."
+    assert data(missing)["error"]["message"] == "Invalid input. code: This field is required."
+    assert default["success"] is True and default["timeout_limit_seconds"] == 30
+
+
+def test_stdio_says_so_when_its_user_is_deactivated(stack_env: dict[str, str], make_api: Callable[..., Api]) -> None:
+    from django.contrib.auth import get_user_model
+
+    user = make_api()
+
+    async def main() -> tuple[str, types.CallToolResult]:
+        async with stdio_client(stack_env, user.username) as client:
+            await client.list_tools()
+            await anyio.to_thread.run_sync(
+                lambda: get_user_model().objects.filter(username=user.username).update(is_active=False)
+            )
+            with pytest.raises(Exception) as listing:
+                await client.list_tools()
+            return str(listing.value), await client.call_tool("exec_code", {"code": "1"})
+
+    listing, refused = run(main)
+    assert "no longer active" in listing
+    assert refused.is_error and data(refused)["error"]["code"] == "authentication_failed"
