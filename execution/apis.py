@@ -7,6 +7,7 @@ from django.db.models import QuerySet
 from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
 from django.http.response import HttpResponseBase
 from django.shortcuts import get_object_or_404
+from django.utils.http import content_disposition_header
 from django.views.decorators.csrf import csrf_exempt
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema
@@ -128,7 +129,8 @@ class ExecListCreateApi(FilteredListApi):
 
 def _file_response(row: WorkFile) -> HttpResponse:
     response = HttpResponse(bytes(row.content), content_type="application/octet-stream")
-    response["Content-Disposition"] = f'attachment; filename="{row.path.rsplit("/", 1)[-1].replace(chr(34), "")}"'
+    # RFC 6266's filename*= for a name that is not ASCII (Django's header, quoted and escaped).
+    response["Content-Disposition"] = content_disposition_header(True, row.path.rsplit("/", 1)[-1])
     return response
 
 

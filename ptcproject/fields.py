@@ -1,5 +1,5 @@
-"""Serializer fields every app's input shares: numbers that are numbers, and JSON values that readers
-can walk without running out of stack."""
+"""Serializer fields every app's input shares: numbers that are numbers, text that is text, and JSON
+values that readers can walk without running out of stack."""
 
 from typing import Any
 
@@ -14,6 +14,18 @@ class NumberField(serializers.FloatField):
     def to_internal_value(self, data: Any) -> float:
         if isinstance(data, bool):
             self.fail("invalid")
+        return super().to_internal_value(data)
+
+
+class TextField(serializers.CharField):
+    """A string that must be sent as one: DRF's CharField turns ``123`` into ``"123"``, and code sent
+    as a number would run as that number's digits."""
+
+    default_error_messages = {"not_text": "Send a string, not {kind}."}
+
+    def to_internal_value(self, data: Any) -> str:
+        if not isinstance(data, str):
+            self.fail("not_text", kind=type(data).__name__)
         return super().to_internal_value(data)
 
 

@@ -148,6 +148,8 @@ def test_invalid_request_body_is_a_field_error(api: Api) -> None:
         ({"timeout": True}, "timeout"),  # a boolean is not a number, not 1 second
         ({"wait": True}, "wait"),
         ({"timeout": "nan"}, "timeout"),
+        ({"code": 123}, "code"),  # not run as "123"
+        ({"title": 5}, "title"),
     ],
 )
 def test_numbers_out_of_range_or_not_numbers_are_field_errors(api: Api, body: dict, field: str) -> None:
@@ -156,6 +158,8 @@ def test_numbers_out_of_range_or_not_numbers_are_field_errors(api: Api, body: di
     error = response.json()["error"]
     assert error["code"] == "validation_error"
     assert set(error["details"]) == {field}
+    if field in ("code", "title"):
+        assert error["message"] == f"Invalid input. {field}: Send a string, not int."
 
 
 def test_a_body_over_the_upload_limit_is_413_in_json(api: Api) -> None:

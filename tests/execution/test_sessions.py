@@ -243,10 +243,14 @@ def test_files_in_and_out_of_a_session(api: Api) -> None:
     got = api.get(f"{base}/out/result.txt")
     assert got.status_code == 200 and got.content == b"2"
     assert got.headers["content-type"] == "application/octet-stream"
+    assert got.headers["content-disposition"] == 'attachment; filename="result.txt"'
+    assert api.post(base, files={"file": ("x", b"cv")}, data={"path": 'r\u00e9sum\u00e9 "1".txt'}).status_code == 201
+    named = api.get(f'{base}/r\u00e9sum\u00e9 "1".txt').headers["content-disposition"]
+    assert named == "attachment; filename*=utf-8''r%C3%A9sum%C3%A9%20%221%22.txt"  # RFC 6266: readable by clients
     assert api.get(f"{base}/nope.txt").status_code == 404
     # The code removes a file: the session's copy goes too.
     assert _run(api, session, "import os\nos.remove('out/result.txt')")["status"] == "completed"
-    assert {f["path"] for f in api.get(base).json()["results"]} == {"in/data.csv"}
+    assert {f["path"] for f in api.get(base).json()["results"]} == {"in/data.csv", 'r\u00e9sum\u00e9 "1".txt'}
 
 
 @pytest.mark.parametrize("path", ["../escape.txt", "/etc/passwd", "a/../../b", "a//b", "./a", "a\x00b", "a\\b", ""])
