@@ -93,7 +93,7 @@ def test_the_sdk_calls_over_http_within_the_jobs_limits(api: Api, tmp_path: Path
         assert out["sleeps_s"] >= 1.1
     finally:
         assert api.post(f"/api/v1/exec/{job['id']}/cancel").status_code == 200
-    # The job has ended: its key is revoked and the remote SDK's calls fail.
+    # The job has ended: its key is revoked and the remote SDK's calls fail, saying the job ended.
     time.sleep(0.5)
     done = subprocess.run(
         [
@@ -111,4 +111,4 @@ def test_the_sdk_calls_over_http_within_the_jobs_limits(api: Api, tmp_path: Path
         text=True,
         timeout=60,
     )
-    assert done.stdout.strip() == "authentication_failed", done.stderr
+    assert done.stdout.strip() == "job_ended", done.stderr
