@@ -54,7 +54,10 @@ CODES: dict[str, tuple[int, str]] = {
         "the session's sandbox is gone: its worker died or shut down, or a job's timeout, cancel or crash killed it",
     ),
     "too_many_sessions": (409, "the user has PTC_MAX_SESSIONS_PER_USER active sessions"),
-    "invalid_path": (400, "a file path is absolute, has '..', '.', an empty part, a NUL or is too long"),
+    "invalid_path": (
+        400,
+        "a file path is absolute, has '..', '.', an empty part, a NUL, is too long, or names a file beside a folder of its name",
+    ),
     "files_too_large": (413, "the files are over PTC_FILES_MAX_BYTES in all"),
     "too_many_files": (413, "the files are over PTC_FILES_MAX_COUNT"),
     # Toolsets
@@ -78,7 +81,10 @@ CODES: dict[str, tuple[int, str]] = {
     "denied": (403, "the call needed an approval and was denied"),
     # Tool calls: failed while or after running
     "client_error": (502, "the client that runs this client tool reported an error (is_error)"),
-    "job_ended": (409, "the job ended before the call started; it was not run"),
+    "job_ended": (
+        409,
+        "the job ended before the call started; it was not run (also a call made with the key of a job that has ended)",
+    ),
     "worker_lost": (500, "the tools worker running the call died; it was not run again"),
     "tool_timeout": (504, "no result within the tool's timeout"),
     "tool_error": (500, "the call failed"),
