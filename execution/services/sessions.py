@@ -22,6 +22,7 @@ import base64
 import binascii
 import logging
 import threading
+from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -70,7 +71,7 @@ def work_path_check(path: Any) -> str:
     raise ApplicationError("invalid_path", f"The file path {shown!r} is invalid: use {reason}.", details={"path": shown})
 
 
-def work_paths_clash(paths: list[str], existing: Any = ()) -> None:
+def work_paths_clash(paths: list[str], existing: Iterable[str] = ()) -> None:
     """Raise ``invalid_path`` (400) if one of ``paths`` is a folder of another, or of one of
     ``existing``, or the other way round (``a`` and ``a/b``): /work can't hold both as files."""
     files = set(existing) | set(paths)
