@@ -237,6 +237,8 @@ class SessionFilesApi(FilteredListApi):
                 status=413,
                 details={"size": size, "limit": settings.PTC_FILES_MAX_BYTES},
             )
+        if len(request.FILES.getlist("file")) > 1:  # the serializer would keep the last and drop the rest
+            raise ApplicationError("validation_error", "Send one file per upload.", details={"file": ["one file per upload"]})
         body = WorkFileUploadSerializer(data=request.data)
         body.is_valid(raise_exception=True)
         upload = body.validated_data["file"]

@@ -251,6 +251,22 @@ def add_event_stream_path(result: dict[str, Any], generator: Any, request: Any, 
     return result
 
 
+class LengthRequiredMiddleware:
+    """A body sent chunked, without a Content-Length, is 411 in the API's error shape: Django reads
+    a body only as far as its Content-Length, so it would be taken for empty ("code: This field is
+    required", "No file was submitted")."""
+
+    def __init__(self, get_response: Any) -> None:
+        self.get_response = get_response
+
+    def __call__(self, request: HttpRequest) -> HttpResponse:
+        chunked = "chunked" in request.META.get("HTTP_TRANSFER_ENCODING", "").lower()
+        if chunked and "CONTENT_LENGTH" not in request.META and request.path.startswith("/api/"):
+            message = "Send the body with a Content-Length: a chunked body is not read."
+            return JsonResponse(error_body("length_required", message), status=411)
+        return self.get_response(request)
+
+
 class OutageMiddleware:
     """A view outside DRF (SSE, probes, admin) that hits an unreachable database or broker answers
     503 in the API's error shape under /api/, rather than a 500 page."""

@@ -28,6 +28,7 @@ CODES: dict[str, tuple[int, str]] = {
     "conflict": (409, "the request conflicts with the object's state"),
     "code_too_large": (413, "the code, or the whole body, is over its limit"),
     "unsupported_media_type": (415, "the body is not application/json"),
+    "length_required": (411, "the body was sent chunked, without a Content-Length"),
     "throttled": (429, "too many requests; wait as Retry-After says"),
     "rate_limited": (
         429,

@@ -216,3 +216,10 @@ def test_timeout_above_the_maximum_is_refused_not_clamped(api: Api) -> None:
 def test_after_all_that_the_worker_still_runs_jobs(api: Api) -> None:
     job = api.run("from ptc_tools.demo import Demo\nDemo.add(a=40, b=2)", toolsets=["demo"])
     assert job["return_value"] == 42
+
+
+def test_a_chunked_body_is_411_not_read_as_empty(api: Api) -> None:
+    body = iter([b'{"code": "1", ', b'"toolsets": ["demo"]}'])  # no Content-Length: sent chunked
+    response = api.http.post("/api/v1/exec", content=body, headers={"Content-Type": "application/json"})
+    assert response.status_code == 411, response.text
+    assert response.json()["error"]["code"] == "length_required"
