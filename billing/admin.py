@@ -46,6 +46,11 @@ class CreditAccountAdmin(admin.ModelAdmin):
     def has_add_permission(self, request: HttpRequest) -> bool:
         return False  # created with the user's first credits; balances move through the ledger
 
+    def save_model(self, request: HttpRequest, obj: CreditAccount, form: Any, change: bool) -> None:
+        # The plan only: a whole row's save wrote back the balance and the amount held as the form
+        # read them, over the holds and charges of calls running meanwhile (the ledger broke).
+        obj.save(update_fields=["plan", "plan_expires_at", "updated_at"])
+
 
 @admin.register(LedgerEntry)
 class LedgerEntryAdmin(ReadOnlyAdmin):

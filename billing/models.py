@@ -37,7 +37,8 @@ class CreditAccount(models.Model):
 
 
 class Discount(models.Model):
-    """A percentage off the list price, for a plan's users or for a toolset. The largest one applies."""
+    """A percentage off the list price: for a plan's users, for a toolset, or for a plan's users on
+    a toolset (both set). The largest that applies to a call applies."""
 
     plan = models.ForeignKey(Plan, null=True, blank=True, on_delete=models.CASCADE, related_name="discounts")
     toolset = models.ForeignKey("tools.Toolset", null=True, blank=True, on_delete=models.CASCADE, related_name="discounts")

@@ -13,7 +13,7 @@ from typing import Any
 
 from django.contrib.auth.models import User
 from django.db import transaction
-from django.db.models import F, Max, Sum
+from django.db.models import F, Max, Q, Sum
 from django.utils import timezone
 
 from billing.ledger import Hold, ledger
@@ -66,9 +66,12 @@ def price_quote(*, user: User, toolset: Toolset, tool: Tool) -> Quote | None:
         plan = None  # expired: neither free access nor the plan's discounts
     if plan is not None and plan.free_tool_access:
         return Quote(amount=0, due_amount=due, meta=meta, account_id=account.pk)
-    discounts = Discount.objects.filter(toolset=toolset)
-    if plan is not None:
-        discounts = discounts | Discount.objects.filter(plan=plan)
+    # A discount names a plan, a toolset, or both (that plan's users on that toolset): each one it
+    # names must be the call's. Either alone matched before, so a plan's discount on one toolset
+    # went to everyone on it, and to the plan's users on every toolset.
+    discounts = Discount.objects.filter(Q(toolset=toolset) | Q(toolset__isnull=True)).filter(
+        Q(plan=plan) | Q(plan__isnull=True) if plan is not None else Q(plan__isnull=True)
+    )
     percent = discounts.aggregate(best=Max("percent"))["best"] or 0
     amount = math.ceil(due * (100 - percent) / 100)
     if due > 0:

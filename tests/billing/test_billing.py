@@ -8,6 +8,8 @@ import httpx
 import pytest
 from django.contrib.auth import get_user_model
 from django.core.management import call_command
+from django.db.models import F
+from django.db.models.signals import pre_save
 from django.test import Client
 from django.utils import timezone
 
@@ -263,6 +265,53 @@ def test_price_rules() -> None:
     toolset.billing_free, toolset.is_global = False, False
     assert price_quote(user=user, toolset=toolset, tool=tool) is None  # only global toolsets are billed
     toolset.delete()
+
+
+def test_a_discount_for_a_plan_on_a_toolset_is_for_that_plans_users_on_that_toolset_only() -> None:
+    users = get_user_model().objects
+    member, other = (users.create_user(username=f"disc-{uuid.uuid4().hex[:6]}") for _ in range(2))
+    gold = Plan.objects.create(key=f"gold_{uuid.uuid4().hex[:6]}", name="Gold")
+    account = account_get(user=member)
+    account.plan = gold
+    account.save(update_fields=["plan"])
+    on, off = (Toolset.objects.create(key=f"disc_{uuid.uuid4().hex[:6]}", name="D", kind="http", price=10) for _ in range(2))
+    Discount.objects.create(plan=gold, toolset=on, percent=90)
+    try:
+        amounts = [
+            price_quote(user=user, toolset=toolset, tool=Tool(toolset=toolset, name="x", input_schema={})).amount
+            for user, toolset in ((member, on), (other, on), (member, off))
+        ]
+        assert amounts == [1, 10, 10]  # the plan's users on that toolset; not everyone on it, nor them elsewhere
+    finally:
+        Toolset.objects.filter(pk__in=[on.pk, off.pk]).delete()
+        gold.delete()
+
+
+def test_the_admin_changes_a_plan_and_nothing_else_of_the_account(api: Api) -> None:
+    """A whole row's save wrote back the balance and the held amount the form had read, over the
+    calls charged meanwhile."""
+    admin = get_user_model().objects.create_superuser(username=f"admin-{uuid.uuid4().hex[:6]}", password="x")
+    client = Client()
+    client.force_login(admin)
+    account = CreditAccount.objects.get(user__username=api.username)
+    gold = Plan.objects.create(key=f"gold_{uuid.uuid4().hex[:6]}", name="Gold")
+    before = account.balance
+
+    def charged_meanwhile(sender: object, instance: CreditAccount, **kwargs: object) -> None:
+        # Between the admin's read of the row and its write: a call's charge and another's hold.
+        CreditAccount.objects.filter(pk=instance.pk).update(balance=F("balance") - 5, reserved=F("reserved") + 2)
+
+    form = {"plan": str(gold.pk), "plan_expires_at_0": "", "plan_expires_at_1": ""}
+    pre_save.connect(charged_meanwhile, sender=CreditAccount)
+    try:
+        assert client.post(f"/admin/billing/creditaccount/{account.pk}/change/", form).status_code == 302
+        pre_save.disconnect(charged_meanwhile, sender=CreditAccount)
+        account.refresh_from_db()
+        assert (account.plan_id, account.balance) == (gold.pk, before - 5)
+    finally:
+        pre_save.disconnect(charged_meanwhile, sender=CreditAccount)
+        CreditAccount.objects.filter(pk=account.pk).update(balance=before, reserved=F("reserved") - 2, plan=None)
+        gold.delete()
 
 
 def test_staff_grant_credits_through_the_ledger(make_api: Callable[..., Api], api: Api) -> None:
