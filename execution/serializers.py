@@ -6,7 +6,7 @@ from rest_framework import serializers
 
 from execution.models import ExecJob, ExecSession, ToolCall, WorkFile
 from ptcproject.errors import ApplicationError
-from ptcproject.fields import JsonValueField, NumberField, TextField
+from ptcproject.fields import MAX_NAMES, JsonValueField, NumberField, TextField
 from ptcproject.storage import MAX_JSON_DEPTH, POSITIVE_INT_MAX, json_depth_exceeds
 from tools.serializers import ClientToolSerializer
 
@@ -164,7 +164,9 @@ class ToolExecuteSerializer(serializers.Serializer):
 class ExecCreateSerializer(serializers.Serializer):
     # The size limit is checked in the service, which answers 413 rather than a field error.
     code = TextField(trim_whitespace=False, allow_blank=True)
-    toolsets = serializers.ListField(child=serializers.CharField(max_length=64), required=False, allow_null=True)
+    toolsets = serializers.ListField(
+        child=serializers.CharField(max_length=64), max_length=MAX_NAMES, required=False, allow_null=True
+    )
     timeout = NumberField(required=False, allow_null=True, min_value=0.1)
     wait = NumberField(required=False, default=0, min_value=0, max_value=settings.PTC_MAX_WAIT)
     title = TextField(required=False, allow_blank=True, default="", max_length=500)
@@ -229,7 +231,9 @@ class SessionLimitsSerializer(serializers.Serializer):
 
 
 class SessionCreateSerializer(serializers.Serializer):
-    toolsets = serializers.ListField(child=serializers.CharField(max_length=64), required=False, allow_null=True)
+    toolsets = serializers.ListField(
+        child=serializers.CharField(max_length=64), max_length=MAX_NAMES, required=False, allow_null=True
+    )
     limits = SessionLimitsSerializer(required=False, default=dict)
     idle_timeout = NumberField(
         required=False,

@@ -17,6 +17,12 @@ class NumberField(serializers.FloatField):
         return super().to_internal_value(data)
 
 
+# The most names one request's list may hold (toolsets; a policy's lists of users, toolsets and
+# tools): far above any real one, and far below PostgreSQL's 65,535 parameters of one statement,
+# past which its lookup failed as if the database were down (503, "try again").
+MAX_NAMES = 10_000
+
+
 class TextField(serializers.CharField):
     """A string that must be sent as one: DRF's CharField turns ``123`` into ``"123"``, and code sent
     as a number would run as that number's digits."""
