@@ -53,7 +53,7 @@ def price_quote(*, user: User, toolset: Toolset, tool: Tool) -> Quote | None:
     Billed only for global toolsets that are not free and whose tool is not free. The tool's
     price overrides the toolset's. A plan with free tool access makes it 0 (the list price is still
     recorded); otherwise the largest discount for the user's plan or the toolset applies, rounded
-    up, and a price above zero costs at least 1.
+    up, and a price above zero costs at least 1 unless the discount is 100%.
     """
     if not billable(toolset=toolset, tool=tool):
         return None
@@ -74,7 +74,7 @@ def price_quote(*, user: User, toolset: Toolset, tool: Tool) -> Quote | None:
     )
     percent = discounts.aggregate(best=Max("percent"))["best"] or 0
     amount = math.ceil(due * (100 - percent) / 100)
-    if due > 0:
+    if due > 0 and percent < 100:  # rounding never makes a priced call free; 100% off does
         amount = max(amount, 1)
     return Quote(amount=amount, due_amount=due, meta=meta, account_id=account.pk)
 

@@ -257,6 +257,9 @@ def test_price_rules() -> None:
     Discount.objects.create(toolset=toolset, percent=99)
     quote = price_quote(user=user, toolset=toolset, tool=tool)
     assert (quote.amount, quote.due_amount) == (1, 3)  # above zero costs at least 1
+    Discount.objects.create(toolset=toolset, percent=100)
+    assert price_quote(user=user, toolset=toolset, tool=tool).amount == 0  # but 100% off is free
+    Discount.objects.filter(toolset=toolset, percent=100).delete()
     tool.billing_free = True
     assert price_quote(user=user, toolset=toolset, tool=tool) is None
     tool.billing_free = False
