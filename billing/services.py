@@ -69,9 +69,7 @@ def price_quote(*, user: User, toolset: Toolset, tool: Tool) -> Quote | None:
     # A discount names a plan, a toolset, or both (that plan's users on that toolset): each one it
     # names must be the call's. Either alone matched before, so a plan's discount on one toolset
     # went to everyone on it, and to the plan's users on every toolset.
-    discounts = Discount.objects.filter(Q(toolset=toolset) | Q(toolset__isnull=True)).filter(
-        Q(plan=plan) | Q(plan__isnull=True) if plan is not None else Q(plan__isnull=True)
-    )
+    discounts = Discount.objects.filter(Q(toolset=toolset) | Q(toolset__isnull=True), Q(plan=plan) | Q(plan__isnull=True))
     percent = discounts.aggregate(best=Max("percent"))["best"] or 0
     amount = math.ceil(due * (100 - percent) / 100)
     if due > 0 and percent < 100:  # rounding never makes a priced call free; 100% off does

@@ -49,7 +49,7 @@ from execution.services.sessions import (
 )
 from execution.services.waiting import tool_call_decide, tool_results_submit
 from ptcproject import rows
-from ptcproject.accounts.authentication import signed_in_user
+from ptcproject.accounts.authentication import JOB_KEY_ELSEWHERE, KEY_REFUSED, signed_in_user
 from ptcproject.accounts.models import ApiKey
 from ptcproject.accounts.services import api_key_authenticate
 from ptcproject.errors import ApplicationError, error_body
@@ -409,9 +409,9 @@ def _authenticate(request: HttpRequest) -> Any:
     if header.lower().startswith("bearer "):
         key = api_key_authenticate(plaintext=header[7:].strip())
         if key is None:
-            return _error(401, "authentication_failed", "The API key is unknown, expired or revoked.")
+            return _error(401, "authentication_failed", KEY_REFUSED)
         if key.exec_job_id is not None:
-            return _error(403, "permission_denied", "A job-scoped key can only call POST /api/v1/tools/execute.")
+            return _error(403, "permission_denied", JOB_KEY_ELSEWHERE)
         return key.user
     user = request.user
     return user if user.is_authenticated else _error(401, "not_authenticated", "Send Authorization: Bearer <api key>.")

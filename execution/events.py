@@ -286,10 +286,10 @@ async def event_stream(*, job_id: Any, last_event_id: str | None = None) -> Asyn
                 yield item
             return
         cursor = last_event_id or "0-0"
+        if ended and last_event_id and await _has_end(client, key, cursor):
+            return  # a reconnect after the end (EventSource makes one by itself): nothing is left
         live = False  # the first read is the backlog: its age is not lag
         while True:
-            if ended and await _has_end(client, key, cursor):
-                return  # a reconnect after the end (EventSource makes one by itself): nothing is left
             reply = await client.xread({key: cursor}, block=int(settings.PTC_EVENTS_HEARTBEAT_SECONDS * 1000), count=500)
             if not reply:
                 # An ended job's end may still be on its way (a cancel is recorded before its

@@ -22,6 +22,7 @@ from mcp.server.streamable_http_manager import StreamableHTTPSessionManager
 
 from execution.events import db_read
 from execution.mcp_server import SCOPE_DISCOVERY, SCOPE_USER_ID, mcp_server_build
+from ptcproject.accounts.authentication import KEY_REFUSED
 from ptcproject.accounts.models import ApiKey
 from ptcproject.accounts.services import api_key_authenticate
 from ptcproject.api import outage_error
@@ -69,7 +70,7 @@ async def _authenticate(scope: Scope) -> ApiKey:
             raise
         raise outage from exc
     if key is None:
-        raise ApplicationError("authentication_failed", "The API key is unknown, expired or revoked.")
+        raise ApplicationError("authentication_failed", KEY_REFUSED)
     if key.exec_job_id is not None:
         raise ApplicationError("permission_denied", "A job-scoped key can only call POST /api/v1/tools/execute, not MCP.")
     return key

@@ -39,10 +39,11 @@ from execution.serializers import ExecCreateSerializer, ExecJobSerializer
 from execution.services.jobs import exec_job_cancel, exec_job_create
 from ptcproject.api import first_message, outage_error
 from ptcproject.errors import ApplicationError, error_body
+from ptcproject.policy.models import Policy
 from ptcproject.policy.selectors import policy_get
-from tools.context import EXEC_CODE, ptc_context, tools_split
-from tools.models import Toolset
-from tools.sdk import catalog_entry, class_name
+from tools.context import EXEC_CODE, ptc_context
+from tools.models import Tool, Toolset
+from tools.sdk import catalog_entry, class_name, ptc_tools_of
 from tools.selectors import toolset_keys_for_ptc, toolsets_named
 
 logger = logging.getLogger("ptc.mcp")
@@ -155,14 +156,18 @@ def _tool_list(user_id: int, discovery: bool) -> list[types.Tool]:
     ]
 
 
-def _ptc_tools(user: User) -> list[tuple[Any, list[Any]]]:
-    """The user's PTC toolsets with their PTC tools, as the SDK of an MCP job without ``toolsets``
-    has them: client toolsets left out (their calls wait for a result no MCP client can send)."""
+def _mcp_toolsets(user: User) -> tuple[Policy, list[Toolset]]:
+    """The policy, and the toolsets an MCP job without ``toolsets`` is granted: the user's PTC
+    toolsets but client ones (their calls wait for a result no MCP client can send)."""
     policy = policy_get()
     keys = toolset_keys_for_ptc(user=user, allowlist=policy.toolset_allowlist, blocklist=policy.toolset_blocklist)
-    named = [toolset for toolset in toolsets_named(user=user, keys=keys) if toolset.kind != Toolset.Kind.CLIENT]
-    _, per_toolset = tools_split(toolsets=named, direct_only=frozenset(policy.direct_only_tools))
-    return per_toolset
+    return policy, [toolset for toolset in toolsets_named(user=user, keys=keys) if toolset.kind != Toolset.Kind.CLIENT]
+
+
+def _ptc_tools(user: User) -> list[tuple[Toolset, list[Tool]]]:
+    """Those toolsets with their PTC tools, as the SDK of such a job has them."""
+    policy, toolsets = _mcp_toolsets(user)
+    return ptc_tools_of(toolsets, frozenset(policy.direct_only_tools))
 
 
 @db_read
@@ -215,7 +220,7 @@ def _job_create(user_id: int, body: Mapping[str, Any]) -> Any:
     user = _user(user_id)
     toolsets = data.get("toolsets")
     if toolsets is None:  # a client toolset's calls wait for a result no MCP client can send: not by default
-        toolsets = [toolset.key for toolset, _ in _ptc_tools(user)]
+        toolsets = sorted(toolset.key for toolset in _mcp_toolsets(user)[1])
     job = exec_job_create(user=user, code=data["code"], toolsets=toolsets, timeout=data.get("timeout"), title=data["title"])
     return job.pk
 

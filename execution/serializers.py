@@ -6,7 +6,7 @@ from rest_framework import serializers
 
 from execution.models import ExecJob, ExecSession, ToolCall, WorkFile
 from ptcproject.errors import ApplicationError
-from ptcproject.fields import MAX_NAMES, JsonValueField, NumberField, TextField
+from ptcproject.fields import JsonValueField, NamesField, NumberField, TextField
 from ptcproject.storage import MAX_JSON_DEPTH, POSITIVE_INT_MAX, json_depth_exceeds
 from tools.serializers import ClientToolSerializer
 
@@ -164,9 +164,7 @@ class ToolExecuteSerializer(serializers.Serializer):
 class ExecCreateSerializer(serializers.Serializer):
     # The size limit is checked in the service, which answers 413 rather than a field error.
     code = TextField(trim_whitespace=False, allow_blank=True)
-    toolsets = serializers.ListField(
-        child=serializers.CharField(max_length=64), max_length=MAX_NAMES, required=False, allow_null=True
-    )
+    toolsets = NamesField(max_name=64, required=False, allow_null=True)
     timeout = NumberField(required=False, allow_null=True, min_value=0.1)
     wait = NumberField(required=False, default=0, min_value=0, max_value=settings.PTC_MAX_WAIT)
     title = TextField(required=False, allow_blank=True, default="", max_length=500)
@@ -231,9 +229,7 @@ class SessionLimitsSerializer(serializers.Serializer):
 
 
 class SessionCreateSerializer(serializers.Serializer):
-    toolsets = serializers.ListField(
-        child=serializers.CharField(max_length=64), max_length=MAX_NAMES, required=False, allow_null=True
-    )
+    toolsets = NamesField(max_name=64, required=False, allow_null=True)
     limits = SessionLimitsSerializer(required=False, default=dict)
     idle_timeout = NumberField(
         required=False,
@@ -252,9 +248,7 @@ class SessionCreateSerializer(serializers.Serializer):
 
 
 class SessionSerializer(serializers.ModelSerializer):
-    # As of now: a session past its time is expired, though the reaper has not recorded it yet.
-    status = serializers.SerializerMethodField()
-    end_reason = serializers.SerializerMethodField()
+    # As of now (to_representation): a session past its time is expired, though the reaper has not recorded it yet.
     toolsets = serializers.ListField(child=serializers.CharField())
     limits = serializers.JSONField()
     idle_timeout = serializers.FloatField(source="idle_timeout_seconds")
@@ -280,12 +274,10 @@ class SessionSerializer(serializers.ModelSerializer):
             "ended_at",
         ]
 
-    @extend_schema_field(serializers.ChoiceField(choices=ExecSession.Status.choices))
-    def get_status(self, session: ExecSession) -> str:
-        return session.state()[0]
-
-    def get_end_reason(self, session: ExecSession) -> str:
-        return session.state()[1]
+    def to_representation(self, session: ExecSession) -> dict[str, Any]:
+        data = super().to_representation(session)
+        data["status"], data["end_reason"] = session.state()  # one reading of the clock for both
+        return data
 
 
 class SessionListQuerySerializer(serializers.Serializer):

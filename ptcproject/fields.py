@@ -23,6 +23,14 @@ class NumberField(serializers.FloatField):
 MAX_NAMES = 10_000
 
 
+class NamesField(serializers.ListField):
+    """A list of names (toolset keys, usernames, tool names), each at most ``max_name`` characters,
+    and at most MAX_NAMES of them."""
+
+    def __init__(self, *, max_name: int, **kwargs: Any) -> None:
+        super().__init__(child=serializers.CharField(max_length=max_name), max_length=MAX_NAMES, **kwargs)
+
+
 class TextField(serializers.CharField):
     """A string that must be sent as one: DRF's CharField turns ``123`` into ``"123"``, and code sent
     as a number would run as that number's digits."""

@@ -28,25 +28,41 @@ def _text(value: str) -> str:
 def unstorable(value: Any) -> str | None:
     """Say what of ``value`` ``storable`` would have to change, where (``path: what``), or None: a
     string or key with a NUL or a lone surrogate, a float that is NaN or infinite. Iterative; the
-    depth is ``json_depth_exceeds``'s to check."""
-    stack: list[tuple[Any, str]] = [(value, "")]
+    depth is ``json_depth_exceeds``'s to check. The path is spelled out only for a problem found:
+    every call's arguments go through this."""
+    # Each item with where it is: None at the top, else (where its parent is, its key, whether it is the key).
+    stack: list[tuple[Any, Any]] = [(value, None)]
     while stack:
-        item, path = stack.pop()
+        item, where = stack.pop()
+        problem = None
         if isinstance(item, str):
             if "\x00" in item:
-                return f"{path or 'a string'}: holds a NUL character (U+0000), which can't be stored"
-            try:
-                item.isascii() or item.encode("utf-8")  # the former, without a copy, for most
-            except UnicodeEncodeError:
-                return f"{path or 'a string'}: holds a lone surrogate, which is not text"
+                problem = "holds a NUL character (U+0000), which can't be stored"
+            else:
+                try:
+                    item.isascii() or item.encode("utf-8")  # the former, without a copy, for most
+                except UnicodeEncodeError:
+                    problem = "holds a lone surrogate, which is not text"
         elif isinstance(item, float) and not math.isfinite(item):
-            return f"{path or 'a number'}: {item} is not a JSON number"
+            problem = f"{item} is not a JSON number"
         elif isinstance(item, dict):
             for k, v in item.items():
-                stack.extend([(str(k), f"{path}/{k}".lstrip("/") + " (a key)"), (v, f"{path}/{k}".lstrip("/"))])
+                stack.extend([(str(k), (where, k, True)), (v, (where, k, False))])
         elif isinstance(item, list | tuple):
-            stack.extend((v, f"{path}/{i}".lstrip("/")) for i, v in enumerate(item))
+            stack.extend((v, (where, i, False)) for i, v in enumerate(item))
+        if problem:
+            return f"{_path(where) or ('a string' if isinstance(item, str) else 'a number')}: {problem}"
     return None
+
+
+def _path(where: Any) -> str:
+    """``a/b/0``, or ``a/b (a key)``, for a place ``unstorable`` tracks; "" at the top."""
+    parts: list[str] = []
+    is_key = bool(where and where[2])
+    while where is not None:
+        where, key, _ = where
+        parts.append(str(key))
+    return "/".join(reversed(parts)) + (" (a key)" if is_key else "")
 
 
 def json_depth_exceeds(value: Any, limit: int = MAX_JSON_DEPTH) -> bool:

@@ -45,9 +45,7 @@ def _pattern(validator: Any, pattern: str, instance: Any, schema: dict[str, Any]
         yield ValidationError(f"{instance!r} does not match {pattern!r}")
 
 
-def _pattern_properties(
-    validator: Any, patterns: dict[str, Any], instance: Any, schema: dict[str, Any]
-) -> Iterator[ValidationError]:
+def _pattern_properties(validator: Any, patterns: dict[str, Any], instance: Any, schema: dict[str, Any]) -> Errors:
     if not validator.is_type(instance, "object"):
         return
     for pattern, subschema in patterns.items():

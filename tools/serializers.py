@@ -5,7 +5,7 @@ from typing import Any
 from django.conf import settings
 from rest_framework import serializers
 
-from ptcproject.fields import MAX_NAMES, JsonValueField, NumberField
+from ptcproject.fields import JsonValueField, NamesField, NumberField
 from ptcproject.queues import tools_queue_problem
 from ptcproject.storage import POSITIVE_INT_MAX
 from tools.anthropic_managed import CODE_EXECUTION_VERSIONS
@@ -217,9 +217,7 @@ class ClientToolSerializer(serializers.Serializer):
 
 
 class ContextRequestSerializer(serializers.Serializer):
-    toolsets = serializers.ListField(
-        child=serializers.CharField(max_length=64), max_length=MAX_NAMES, required=False, allow_null=True
-    )
+    toolsets = NamesField(max_name=64, required=False, allow_null=True)
     title = serializers.CharField(required=False, allow_blank=True, default="", max_length=500)
     format = serializers.ChoiceField(choices=FORMATS, required=False, default="anthropic")
     discovery = serializers.BooleanField(

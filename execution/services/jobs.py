@@ -49,7 +49,7 @@ from execution.services.sessions import (
     exec_sessions_reap,
     job_files_done,
     job_inputs,
-    session_file_upload,
+    session_files_put,
     session_guest_limits,
     session_job_done,
     session_job_inputs,
@@ -186,10 +186,10 @@ def exec_job_create(
         )
         # A session's later jobs go to the worker holding its sandbox; its first, to any.
         node = exec_session_take(session_id=session.pk, job=job).worker if session is not None else ""
-        for path, content in (files or {}).items():
-            if session is not None:  # the session's files then: listed and kept as its uploads are, and sent as they are
-                session_file_upload(session=session, path=path, content=content)
-            else:
+        if session is not None:  # the session's files then: listed and kept as its uploads are, and sent as they are
+            session_files_put(session=session, files=files or {})
+        else:
+            for path, content in (files or {}).items():
                 WorkFile.objects.create(exec_job=job, kind=WorkFile.Kind.INPUT, path=path, content=content, size=len(content))
         transaction.on_commit(lambda: _exec_job_enqueue(job=job, node=node, before=before_enqueue))
     logger.info("job queued", extra={"job_id": str(job.id)})

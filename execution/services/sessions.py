@@ -30,7 +30,7 @@ from typing import Any
 from django.conf import settings
 from django.contrib.auth.models import User
 from django.db import transaction
-from django.db.models import QuerySet, Sum
+from django.db.models import QuerySet
 from django.utils import timezone
 
 from execution.models import ExecJob, ExecSession, WorkFile
@@ -219,10 +219,7 @@ def exec_session_take(*, session_id: Any, job: ExecJob) -> ExecSession:
     exec_session_usable) or 409 ``session_busy`` if a job is queued or running in it."""
     session = ExecSession.objects.select_for_update().get(pk=session_id)
     exec_session_usable(session=session)
-    current = (
-        session.current_job_id and ExecJob.objects.filter(pk=session.current_job_id).values_list("status", flat=True).first()
-    )
-    if current and current not in ExecJob.FINISHED:
+    if _job_in_progress(session):
         raise ApplicationError(
             "session_busy",
             "A job is queued or running in this session; a session runs one job at a time. Wait for it to end.",
@@ -231,6 +228,12 @@ def exec_session_take(*, session_id: Any, job: ExecJob) -> ExecSession:
     # A job queued or running keeps the session from idling out; max_lifetime still holds.
     ExecSession.objects.filter(pk=session.pk).update(current_job=job, expires_at=session.max_expires_at)
     return session
+
+
+def _job_in_progress(session: ExecSession) -> bool:
+    """Whether a job is queued or running in ``session``."""
+    current = session.current_job_id
+    return current is not None and ExecJob.objects.filter(pk=current).exclude(status__in=ExecJob.FINISHED).exists()
 
 
 def exec_session_delete(*, session: ExecSession) -> ExecSession:
@@ -260,15 +263,28 @@ def session_file_upload(*, session: ExecSession, path: str, content: bytes) -> W
     with transaction.atomic():
         session = ExecSession.objects.select_for_update().get(pk=session.pk)
         exec_session_usable(session=session)
-        others = WorkFile.objects.filter(session=session).exclude(path=path)
-        work_paths_clash([path], others.values_list("path", flat=True))
-        _quota_check(count=others.count() + 1, size=(others.aggregate(n=Sum("size"))["n"] or 0) + len(content))
+        [row] = session_files_put(session=session, files={path: content})
+    return row
+
+
+def session_files_put(*, session: ExecSession, files: dict[str, bytes]) -> list[WorkFile]:
+    """Store ``files`` (paths checked) as the session's uploads, each within the quota and clashing
+    with no other file, in order; return their rows. In the caller's transaction, which holds the
+    session's row (an upload, or a job that brings files)."""
+    sizes = dict(WorkFile.objects.filter(session=session).values_list("path", "size"))
+    put = []
+    for path, content in files.items():
+        others = {other: size for other, size in sizes.items() if other != path}
+        work_paths_clash([path], others)
+        _quota_check(count=len(others) + 1, size=sum(others.values()) + len(content))
         row, _ = WorkFile.objects.update_or_create(
             session=session,
             path=path,
             defaults={"content": content, "size": len(content), "kind": WorkFile.Kind.INPUT, "pending": True},
         )
-    return row
+        sizes[path] = len(content)
+        put.append(row)
+    return put
 
 
 def _session_end(*, session_id: Any, status: str, reason: str) -> bool:
@@ -404,10 +420,7 @@ def session_file_withdraw(*, session: ExecSession, path: str) -> None:
                 "conflict",
                 f"The file {path[:100]!r} is in the session's /work already: remove it from code (os.remove).",
             )
-        running = session.current_job_id and ExecJob.objects.filter(pk=session.current_job_id).exclude(
-            status__in=ExecJob.FINISHED
-        )
-        if running and running.exists():
+        if _job_in_progress(session):
             raise ApplicationError(
                 "session_busy",
                 "A job is queued or running in this session, and may be taking the upload; withdraw it after.",
@@ -465,9 +478,10 @@ def _store_files(
     """Upsert the files of ``outcome`` (rows found by ``lookup`` and the path) into ``existing``'s
     set while the set stays within the quota. Return the files stored (``{"path", "size"}``) and the
     paths left out."""
-    sizes = dict(existing.values_list("path", "size"))
+    stored = list(existing.values_list("path", "size", "pending"))
+    sizes = {path: size for path, size, _ in stored}
     # A session's upload that came while the job ran is newer than what the code wrote: it stays.
-    uploaded = set(existing.filter(pending=True).values_list("path", flat=True))
+    uploaded = {path for path, _, pending in stored if pending}
     written: list[dict[str, Any]] = []
     omitted = [storable(path) for path in outcome.files_omitted]
     for item in outcome.files:

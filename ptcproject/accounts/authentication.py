@@ -8,6 +8,10 @@ from rest_framework.request import Request
 
 from ptcproject.accounts.services import api_key_authenticate, job_key_ended
 
+# What a request with a key that won't do is told, here and at the SSE endpoint alike.
+KEY_REFUSED = "The API key is unknown, expired or revoked."
+JOB_KEY_ELSEWHERE = "A job-scoped key can only call POST /api/v1/tools/execute."
+
 
 def signed_in_user(request: HttpRequest | Request) -> User:
     """Return the user a request was authenticated as, in a view no anonymous request reaches.
@@ -42,9 +46,9 @@ class ApiKeyAuthentication(authentication.BaseAuthentication):
             ended = job_key_ended(plaintext=token) if getattr(view, "allow_job_keys", False) else None
             if ended is not None:
                 raise ended
-            raise exceptions.AuthenticationFailed("The API key is unknown, expired or revoked.")
+            raise exceptions.AuthenticationFailed(KEY_REFUSED)
         if key.exec_job_id is not None and not getattr(view, "allow_job_keys", False):
-            raise exceptions.PermissionDenied("A job-scoped key can only call POST /api/v1/tools/execute.")
+            raise exceptions.PermissionDenied(JOB_KEY_ELSEWHERE)
         return key.user, key
 
     def authenticate_header(self, request: Request) -> str:

@@ -131,13 +131,20 @@ def _key_with_user(*, prefix: str) -> ApiKey | None:
     return key
 
 
+def _key_prefix(plaintext: str) -> str | None:
+    """The prefix a key's row is found by (``ptc_<prefix>_<secret>``), or None for no key of ours."""
+    return plaintext[len(KEY_PREFIX) :].split("_", 1)[0] if plaintext.startswith(KEY_PREFIX) else None
+
+
+def _is_key(key: ApiKey | None, plaintext: str) -> bool:
+    return key is not None and hmac.compare_digest(key.key_hash, _hash(plaintext))
+
+
 def api_key_authenticate(*, plaintext: str) -> ApiKey | None:
     """Return the active key row for ``plaintext``, or None if it is unknown, expired or revoked."""
-    if not plaintext.startswith(KEY_PREFIX):
-        return None
-    prefix = plaintext[len(KEY_PREFIX) :].split("_", 1)[0]
-    key = _key_with_user(prefix=prefix)
-    if key is None or not hmac.compare_digest(key.key_hash, _hash(plaintext)):
+    prefix = _key_prefix(plaintext)
+    key = _key_with_user(prefix=prefix) if prefix is not None else None
+    if key is None or not _is_key(key, plaintext):
         return None
     if not key.is_active or not key.user.is_active:
         return None
@@ -151,11 +158,9 @@ def job_key_ended(*, plaintext: str) -> ApplicationError | None:
     """For a job-scoped key that no longer works because its job ended, the 409 ``job_ended`` to
     answer (its holder, a sandbox elsewhere, learns the job is over rather than that its key is
     wrong); None for any other key that does not authenticate. Read only on that failure path."""
-    if not plaintext.startswith(KEY_PREFIX):
-        return None
-    prefix = plaintext[len(KEY_PREFIX) :].split("_", 1)[0]
-    key = ApiKey.objects.filter(prefix=prefix, exec_job__isnull=False).select_related("exec_job").first()
-    if key is None or not hmac.compare_digest(key.key_hash, _hash(plaintext)) or key.exec_job is None:
+    prefix = _key_prefix(plaintext)
+    key = ApiKey.objects.filter(prefix=prefix, exec_job__isnull=False).select_related("exec_job").first() if prefix else None
+    if key is None or not _is_key(key, plaintext) or key.exec_job is None:
         return None
     job = key.exec_job
     if job.status not in job.FINISHED:  # revoked while it runs (an admin's doing): not its end

@@ -4,7 +4,7 @@ from django.conf import settings
 from django.contrib.auth import get_user_model
 from rest_framework import serializers
 
-from ptcproject.fields import MAX_NAMES
+from ptcproject.fields import NamesField
 from ptcproject.policy.models import Policy
 from ptcproject.policy.seed import BOUNDS
 from tools.models import Toolset
@@ -30,10 +30,10 @@ def _bounded(name: str) -> serializers.IntegerField:
 
 
 class PolicySerializer(serializers.ModelSerializer):
-    user_allowlist = serializers.ListField(child=serializers.CharField(max_length=150), max_length=MAX_NAMES, required=False)
-    toolset_allowlist = serializers.ListField(child=serializers.CharField(max_length=64), max_length=MAX_NAMES, required=False)
-    toolset_blocklist = serializers.ListField(child=serializers.CharField(max_length=64), max_length=MAX_NAMES, required=False)
-    direct_only_tools = serializers.ListField(child=serializers.CharField(max_length=128), max_length=MAX_NAMES, required=False)
+    user_allowlist = NamesField(max_name=150, required=False)
+    toolset_allowlist = NamesField(max_name=64, required=False)
+    toolset_blocklist = NamesField(max_name=64, required=False)
+    direct_only_tools = NamesField(max_name=128, required=False)
     rollout_percent = _bounded("rollout_percent")
     debug = DebugField(required=False, allow_blank=True)
     default_timeout = serializers.IntegerField(min_value=1, max_value=settings.PTC_TIMEOUT_CEILING, required=False)

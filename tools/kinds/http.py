@@ -124,11 +124,13 @@ def run(*, toolset: Toolset, tool: Tool, arguments: dict[str, Any], timeout: flo
         raise ToolFailure("output_too_large", f"{where} answered over {most} bytes; the limit is {most}")
     if not response.is_success:
         # The status line is the server's too: a reason phrase may echo a header back.
-        if response.is_redirect:  # its body is usually empty: where it points is what says something
-            moved = f"a redirect to {response.headers['location']}, not followed (point the toolset's base_url there)"
-            answered = _excerpt(f"HTTP {response.status_code} {response.reason_phrase}: {moved}", secrets)
-        else:
-            answered = _excerpt(f"HTTP {response.status_code} {response.reason_phrase}: {text}", secrets)
+        # A redirect's body is usually empty: where it points is what says something.
+        said = (
+            f"a redirect to {response.headers['location']}, not followed (point the toolset's base_url there)"
+            if response.is_redirect
+            else text
+        )
+        answered = _excerpt(f"HTTP {response.status_code} {response.reason_phrase}: {said}", secrets)
         raise ToolFailure("http_error", f"{where} answered {answered}")
     if not text.strip():
         return None
