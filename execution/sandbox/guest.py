@@ -486,5 +486,10 @@ def main(bridge_fd: int, sdk_dir: str) -> None:
             break
         del result
         job = _runtime.next_job()  # None: the worker closed the bridge (the session ended)
+    if not persistent:
+        # The worker kills it once the job's end is out: its teardown is not on the client's path.
+        # Its end of the bridge closing (the worker gone) ends it too.
+        with contextlib.suppress(BaseException):
+            select.select([bridge_fd], [], [])
     # Daemon threads or stray user threads must not keep the sandbox alive after the result.
     os._exit(0)

@@ -4,16 +4,21 @@ A sandbox's start (a fork of the fork server, its namespaces, its mounts) is abo
 should not wait even for that. Each exec worker keeps ``PTC_SANDBOX_POOL_SIZE`` sandboxes started
 and waiting for their job (``guest.py`` blocks on the bridge's first frame before anything of a job
 is in it: no code, no SDK, no limits). A job takes one and the pool's thread starts another in the
-background. Nothing passes between jobs: a sandbox is never given a second job, and one that was
-not taken is killed with its worker.
+background: once the job is done with it (its sandbox discarded, after its end was announced), or
+``REFILL_AFTER_SECONDS`` after it was taken, whichever comes first. A short job's end is not kept
+waiting by the CPU of the next sandbox's start, on a machine of few cores. Nothing passes between
+jobs: a sandbox is never given a second job, and one that was not taken is killed with its worker.
 """
 
+import functools
+import itertools
 import logging
 import queue
 import socket
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from execution.sandbox import process
@@ -21,6 +26,9 @@ from execution.sandbox import process
 logger = logging.getLogger("ptc.sandbox")
 # After a failed start (a host that can't run sandboxes), wait this long before the next try.
 RETRY_SECONDS = 5.0
+# A taken sandbox's place in the pool is filled when its job is done with it, or this long after it
+# was taken: a long job (or a session's, which keeps its sandbox) does not leave the pool short.
+REFILL_AFTER_SECONDS = 0.25
 
 
 @dataclass
@@ -30,16 +38,23 @@ class Sandbox:
     proc: process.SandboxProcess
     bridge: socket.socket
     warm: bool
+    # Called once it is discarded: the pool it came from fills its place.
+    on_discard: Callable[[], None] | None = None
 
     def discard(self) -> None:
-        """Kill an unused sandbox and close what the worker holds of it."""
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait()
-        self.bridge.close()
-        for pipe in (self.proc.stdout, self.proc.stderr):
-            if pipe:
-                pipe.close()
+        """Kill a sandbox and close what the worker holds of it."""
+        try:
+            if self.proc.poll() is None:
+                self.proc.kill()
+            self.proc.wait()
+            self.bridge.close()
+            for pipe in (self.proc.stdout, self.proc.stderr):
+                if pipe:
+                    pipe.close()
+        finally:
+            done, self.on_discard = self.on_discard, None
+            if done is not None:
+                done()
 
 
 _reaped: "queue.SimpleQueue[Sandbox]" = queue.SimpleQueue()
@@ -88,6 +103,9 @@ class WarmPool:
     def __init__(self, size: int) -> None:
         self.size = size
         self._ready: deque[Sandbox] = deque()
+        # Sandboxes taken whose places are not to be filled yet: when each one's is filled anyway.
+        self._lent: dict[int, float] = {}
+        self._lending = itertools.count()
         self._wanted = threading.Condition()
         self._closed = False
         self._thread: threading.Thread | None = None
@@ -105,8 +123,11 @@ class WarmPool:
         with self._wanted:
             while self._ready:
                 sandbox = self._ready.popleft()
-                self._wanted.notify()
                 if sandbox.proc.poll() is None:
+                    lent = next(self._lending)
+                    self._lent[lent] = time.monotonic() + REFILL_AFTER_SECONDS
+                    sandbox.on_discard = functools.partial(self._returned, lent)
+                    self._wanted.notify()  # to wait for the time its place is filled at the latest
                     return sandbox
                 said = sandbox.proc.stderr.read1(1024).decode(errors="replace").strip()
                 logger.warning("a warm sandbox had exited (status %s); discarded: %s", sandbox.proc.returncode, said)
@@ -127,11 +148,24 @@ class WarmPool:
         for sandbox in ready:
             sandbox.discard()
 
+    def _returned(self, lent: int) -> None:
+        with self._wanted:
+            if self._lent.pop(lent, None) is not None:
+                self._wanted.notify()
+
+    def _short(self) -> float | None:
+        """0 if a sandbox is to be started now, else how long until one is (None: until told)."""
+        now = time.monotonic()
+        self._lent = {lent: due for lent, due in self._lent.items() if due > now}
+        if len(self._ready) + len(self._lent) < self.size:
+            return 0
+        return min(self._lent.values()) - now if self._lent else None
+
     def _fill(self) -> None:
         while True:
             with self._wanted:
-                while not self._closed and len(self._ready) >= self.size:
-                    self._wanted.wait()
+                while not self._closed and (wait := self._short()) != 0:
+                    self._wanted.wait(wait)
                 if self._closed:
                     return
             try:

@@ -28,7 +28,7 @@ from typing import Any, Protocol
 from execution.backplane import Admitted, Approved, Cancel, Message, Result, Resync
 from execution.sandbox.limits import Limits
 from execution.sandbox.output import CappedOutput
-from execution.sandbox.pool import Sandbox, sandbox_reap, warm_pool
+from execution.sandbox.pool import Sandbox, warm_pool
 from execution.sandbox.process import MOUNT_SDK, SandboxProcess
 from ptcproject.errors import call_error, job_error
 from ptcproject.kept import Kept
@@ -80,6 +80,9 @@ class Outcome:
     # The output not yet passed on when the job ended, ``(stream, text)``: it goes out with the
     # job's end, in the same round trip (Session's ``on_output`` had the rest).
     tail: list[tuple[str, str]] = field(default_factory=list)
+    # The sandbox that gave the result, still alive, for the caller to reap (sandbox_reap) once
+    # the job's end is announced: its teardown, and the warm one that takes its place, come after.
+    spent: Sandbox | None = None
 
 
 @dataclass(frozen=True)
@@ -271,10 +274,11 @@ class Session:
                 self.kept = False
                 proc.send_signal(signal.SIGKILL)
             returncode = 0
+            spent = None
             if not self.kept and self.result is not None:
-                # The job has its result: the sandbox is killed now, and reaped off this path
-                # (the teardown of its namespaces is milliseconds the client needn't wait).
-                sandbox_reap(sandbox)
+                # The job has its result: its sandbox waits to be killed (outcome.spent) until its
+                # end is out (the teardown of its namespaces is milliseconds the client needn't wait).
+                spent = sandbox
             elif not self.kept:
                 if self.ended is None:
                     # Its streams closed by themselves: it is exiting, and its status (which the
@@ -284,6 +288,7 @@ class Session:
                 sandbox.discard()
                 returncode = proc.wait()
         outcome = self.ended or self._outcome(returncode)
+        outcome.spent = spent
         outcome.key_made = self.key_asked
         outcome.tail = self.tail
         outcome.stdout, outcome.stdout_truncated = self.stdout.text(), self.stdout.truncated

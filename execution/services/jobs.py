@@ -30,6 +30,7 @@ from execution.events import (
 )
 from execution.models import ExecJob, ExecSession, ToolCall, WorkFile, new_exec_call_id
 from execution.sandbox.limits import Limits
+from execution.sandbox.pool import sandbox_reap
 from execution.sandbox.process import SDK_MB, SandboxUnavailable
 from execution.sandbox.session import Outcome, Session
 from execution.selectors import CALLS_IN_ORDER, exec_job_with_calls
@@ -305,7 +306,11 @@ def exec_job_run(*, job_id: str, worker: str, node: str = "", call_id: str = "")
             logger.exception("the job's run failed", extra={"job_id": job_id})
             error = job_error("InternalError", f"the worker failed while running the job: {exc}")
             outcome = Outcome(status="failed", error=error, key_made=True)  # whether it made one is not known: revoke
-    exec_job_finish(job_id=job_id, call_id=call_id, outcome=outcome, user=job.user, sdk_hash=job.sdk_hash)
+    try:
+        exec_job_finish(job_id=job_id, call_id=call_id, outcome=outcome, user=job.user, sdk_hash=job.sdk_hash)
+    finally:
+        if outcome.spent is not None:
+            sandbox_reap(outcome.spent)
 
 
 @functools.cache

@@ -1,7 +1,10 @@
 """Warm sandboxes: started before their job, used once, nothing carried from one job to the next."""
 
+import contextlib
 import time
+from pathlib import Path
 
+from execution.sandbox import pool as pool_module
 from execution.sandbox.pool import WarmPool
 from tests.conftest import Api
 
@@ -100,6 +103,53 @@ def test_the_pool_refills_discards_the_dead_and_kills_the_unused_when_closed() -
         assert not cold.warm and cold.proc.poll() is None
     finally:
         cold.discard()
+
+
+def test_a_taken_sandboxs_place_is_filled_once_its_job_is_done_with_it_or_a_moment_after(monkeypatch) -> None:
+    # Its job's end is not slowed by the next sandbox's start: the pool waits for the discard, but
+    # never longer than REFILL_AFTER_SECONDS (a long job, or a session's sandbox, kept for hours).
+    monkeypatch.setattr(pool_module, "REFILL_AFTER_SECONDS", 1.5)
+    pool = WarmPool(2)
+    pool.start()
+    try:
+        _wait_ready(pool, 2)
+        taken = pool.take()
+        time.sleep(0.5)  # a sandbox starts in milliseconds: had it been wanted, it would be ready
+        assert pool.ready() == 1
+        taken.discard()
+        _wait_ready(pool, 2)
+
+        held = pool.take()
+        started = time.monotonic()
+        _wait_ready(pool, 2)  # not discarded, and its place is filled anyway
+        assert 1.3 < time.monotonic() - started < 10
+        held.discard()
+        time.sleep(0.5)
+        assert pool.ready() == 2  # its discard, later, asks for no more than the pool's size
+    finally:
+        pool.close()
+
+
+def test_a_jobs_sandbox_is_killed_once_its_job_has_ended(api: Api) -> None:
+    # Its result given, it waits for its job's end to be announced, then it is killed: a thread of
+    # the code still sleeping does not keep it alive. Each job names its runner, seen from outside.
+    names = [f"ptc-spent-{n}" for n in range(3)]
+    for name in names:
+        code = f"import threading, time\nthreading.Thread(target=time.sleep, args=(60,)).start()\nopen('/proc/self/comm', 'w').write({name!r})"
+        job = api.run(code)
+        assert job["status"] == "completed", job["error"]
+    deadline = time.monotonic() + 10
+    while left := [name for name in _process_names() if name in names]:
+        assert time.monotonic() < deadline, f"sandboxes left alive after their jobs: {left}"
+        time.sleep(0.1)
+
+
+def _process_names() -> list[str]:
+    names = []
+    for comm in Path("/proc").glob("[0-9]*/comm"):
+        with contextlib.suppress(OSError):
+            names.append(comm.read_text().strip())
+    return names
 
 
 FIND_WARM_UP = """
