@@ -433,6 +433,7 @@ def test_a_client_toolset_is_left_out_by_default_and_its_waiting_calls_say_how_t
     created = staff.post("/api/v1/toolsets", json={"key": key, "name": "UI", "kind": "client", "tools": [confirm]})
     assert created.status_code == 201, created.text
     waiting: list[str] = []
+    described: dict[str, str] = {}
     pending = anyio.Event()
 
     async def on_progress(value: float, total: float | None, message: str | None) -> None:
@@ -442,6 +443,8 @@ def test_a_client_toolset_is_left_out_by_default_and_its_waiting_calls_say_how_t
 
     async def main() -> tuple[Any, Any]:
         async with http_client(stack, staff.key) as client:
+            listed = await client.list_tools()
+            described["exec_code"] = next(tool.description for tool in listed.tools if tool.name == "exec_code") or ""
             default = await call(client, "exec_code", {"code": f"import ptc_tools.{key}"})
             answered: dict[str, Any] = {}
 
@@ -466,6 +469,7 @@ def test_a_client_toolset_is_left_out_by_default_and_its_waiting_calls_say_how_t
         default, job = run(main)
     finally:
         staff.http.delete(f"/api/v1/toolsets/{key}")
+    assert "ptc_tools.demo" in described["exec_code"] and key not in described["exec_code"]  # not offered
     assert default["status"] == "failed" and default["error"]["type"] == "ModuleNotFoundError", default
     assert waiting[0].startswith(f"tool call waits for its result from the client: {key}.confirm ptc_"), waiting
     assert (job["status"], job["return_value"]) == ("completed", "yes"), job
