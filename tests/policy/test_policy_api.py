@@ -30,6 +30,13 @@ def test_a_change_is_recorded_who_when_old_to_new(staff: Api) -> None:
     assert change.changes == {"rollout_percent": [old, 37]}
 
 
+def test_a_policy_read_can_be_sent_back_as_it_is(staff: Api) -> None:
+    shown = staff.get("/api/v1/policy").json()
+    response = staff.http.patch("/api/v1/policy", json={**shown, "rollout_percent": 41})  # updated_at with it
+    assert response.status_code == 200, response.text
+    assert response.json()["rollout_percent"] == 41
+
+
 @pytest.mark.parametrize(
     ("values", "field"),
     [
@@ -61,6 +68,8 @@ def test_a_change_is_recorded_who_when_old_to_new(staff: Api) -> None:
         # Past PostgreSQL's parameters of one statement, its lookup said the database was down (503).
         ({"toolset_allowlist": [f"t{i}" for i in range(70_000)]}, "toolset_allowlist"),
         ({"user_allowlist": [f"u{i}" for i in range(10_001)]}, "user_allowlist"),
+        # A setting misspelt: it was ignored with a 200, and the change it meant was never made.
+        ({"rollout_percnt": 0, "mode": "off"}, "rollout_percnt"),
     ],
 )
 def test_bad_values_get_a_field_error_and_change_nothing(staff: Api, values: dict, field: str) -> None:
