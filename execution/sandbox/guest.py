@@ -53,6 +53,9 @@ WORK = "/work"
 MAX_SCANNED_FILES = 10_000
 # Written and removed in the SDK's folder by the warm-up: no module can have the name.
 WARM_UP_FILE = ".warm-up"
+# What the runner waits with after its job's result, taken before the code runs: the code shares
+# the ``select`` module, and may change it.
+_select = select.select
 
 
 def _set_limits(limits: dict[str, int]) -> None:
@@ -490,6 +493,6 @@ def main(bridge_fd: int, sdk_dir: str) -> None:
         # The worker kills it once the job's end is out: its teardown is not on the client's path.
         # Its end of the bridge closing (the worker gone) ends it too.
         with contextlib.suppress(BaseException):
-            select.select([bridge_fd], [], [])
+            _select([bridge_fd], [], [])
     # Daemon threads or stray user threads must not keep the sandbox alive after the result.
     os._exit(0)

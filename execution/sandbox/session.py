@@ -7,6 +7,7 @@ this path polls: every wake-up is a frame, a chunk of output, a pushed message o
 
 import codecs
 import contextlib
+import fcntl
 import importlib.util
 import io
 import logging
@@ -17,6 +18,8 @@ import selectors
 import signal
 import socket
 import subprocess
+import sys
+import termios
 import threading
 import time
 from collections import deque
@@ -28,7 +31,7 @@ from typing import Any, Protocol
 from execution.backplane import Admitted, Approved, Cancel, Message, Result, Resync
 from execution.sandbox.limits import Limits
 from execution.sandbox.output import CappedOutput
-from execution.sandbox.pool import Sandbox, warm_pool
+from execution.sandbox.pool import Sandbox, sandbox_reap, warm_pool
 from execution.sandbox.process import MOUNT_SDK, SandboxProcess
 from ptcproject.errors import call_error, job_error
 from ptcproject.kept import Kept
@@ -257,8 +260,10 @@ class Session:
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         self.submitter = ThreadPoolExecutor(SUBMIT_THREADS, thread_name_prefix="ptc-submit")
+        looped = False
         try:
             self._loop(proc, ours, base_deadline=spawned + self.limits.timeout)
+            looped = True
         finally:
             # Submissions not started are dropped (never recorded); started ones finish first.
             with self.submit_lock:
@@ -277,8 +282,12 @@ class Session:
             spent = None
             if not self.kept and self.result is not None:
                 # The job has its result: its sandbox waits to be killed (outcome.spent) until its
-                # end is out (the teardown of its namespaces is milliseconds the client needn't wait).
-                spent = sandbox
+                # end is out (the teardown of its namespaces is milliseconds the client needn't
+                # wait). A run that fails instead has no end to wait for: it is killed now.
+                if looped:
+                    spent = sandbox
+                else:
+                    sandbox_reap(sandbox)
             elif not self.kept:
                 if self.ended is None:
                     # Its streams closed by themselves: it is exiting, and its status (which the
@@ -287,7 +296,12 @@ class Session:
                         proc.wait(EXIT_GRACE_SECONDS)
                 sandbox.discard()
                 returncode = proc.wait()
-        outcome = self.ended or self._outcome(returncode)
+        try:
+            outcome = self.ended or self._outcome(returncode)
+        except BaseException:
+            if spent is not None:
+                sandbox_reap(spent)
+            raise
         outcome.spent = spent
         outcome.key_made = self.key_asked
         outcome.tail = self.tail
@@ -469,18 +483,16 @@ class Session:
     # -- output --------------------------------------------------------------------------------
     def _drain_output(self, proc: SandboxProcess) -> None:
         """Read what the code printed before its result (written before the done frame was sent,
-        so already in the pipes) without waiting for the streams to close: they stay open."""
-        streams: dict[str, io.BufferedReader | None] = {"stdout": proc.stdout, "stderr": proc.stderr}
-        while True:
-            readable = [name for name, pipe in streams.items() if pipe is not None and _readable(pipe)]
-            if not readable:
-                return
-            for name in readable:
-                pipe = streams[name]
-                data = pipe.read1(1 << 16) if pipe is not None else b""
+        so already in the pipes) without waiting for the streams to close: they stay open. What
+        is in a pipe now, and no more: a thread of the code that goes on writing can't hold the
+        job's end."""
+        for name, pipe in (("stdout", proc.stdout), ("stderr", proc.stderr)):
+            left = _pending(pipe) if pipe is not None and not pipe.closed else 0
+            while left > 0 and pipe is not None:
+                data = pipe.read1(left)
                 if not data:
-                    streams[name] = None
-                    continue
+                    break
+                left -= len(data)
                 (self.stdout if name == "stdout" else self.stderr).feed(data)
                 self._chunk(name, data)
 
@@ -781,10 +793,12 @@ class Session:
         return Outcome(status="failed", error=job_error(kind, text))
 
 
-def _readable(pipe: Any) -> bool:
-    with selectors.DefaultSelector() as sel:
-        sel.register(pipe, selectors.EVENT_READ)
-        return bool(sel.select(0))
+def _pending(pipe: io.BufferedReader) -> int:
+    """How many bytes wait in ``pipe``. Only the kernel's: ``read1`` of a size past the buffer's,
+    as the loop reads, leaves nothing read ahead in it."""
+    waiting = bytearray(4)
+    fcntl.ioctl(pipe.fileno(), termios.FIONREAD, waiting)
+    return int.from_bytes(waiting, sys.byteorder)
 
 
 def _list_of(value: Any, kind: type) -> list[Any]:

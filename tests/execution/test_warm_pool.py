@@ -113,11 +113,12 @@ def test_a_taken_sandboxs_place_is_filled_once_its_job_is_done_with_it_or_a_mome
     pool.start()
     try:
         _wait_ready(pool, 2)
-        taken = pool.take()
+        taken, taken_at = pool.take(), time.monotonic()
         time.sleep(0.5)  # a sandbox starts in milliseconds: had it been wanted, it would be ready
         assert pool.ready() == 1
         taken.discard()
         _wait_ready(pool, 2)
+        assert time.monotonic() - taken_at < 1.3  # filled for its discard, not by the clock
 
         held = pool.take()
         started = time.monotonic()
@@ -142,6 +143,28 @@ def test_a_jobs_sandbox_is_killed_once_its_job_has_ended(api: Api) -> None:
     while left := [name for name in _process_names() if name in names]:
         assert time.monotonic() < deadline, f"sandboxes left alive after their jobs: {left}"
         time.sleep(0.1)
+
+
+def test_a_thread_that_goes_on_printing_does_not_hold_its_jobs_end(api: Api) -> None:
+    # What the code printed before its result is read; what its threads print after is not waited
+    # for (its sandbox lives on until the job's end is announced). A read that waited for the
+    # pipes to fall quiet would wait here for the threads' CPU limit.
+    code = (
+        "import fcntl, os, threading\n"
+        "print('before the result', flush=True)\n"
+        "fcntl.fcntl(1, 1031, 1 << 20)  # F_SETPIPE_SZ: room for a megabyte between two reads\n"
+        "def spam():\n"
+        "    while True:\n"
+        "        os.write(1, b'x' * 65536)\n"
+        "for _ in range(3):\n"
+        "    threading.Thread(target=spam, daemon=True).start()\n"
+        "1"
+    )
+    started = time.monotonic()
+    job = api.run(code, timeout=30)
+    assert time.monotonic() - started < 10
+    assert (job["status"], job["return_value"]) == ("completed", 1), job["error"]
+    assert job["stdout"].startswith("before the result\n")  # the head of what it kept
 
 
 def _process_names() -> list[str]:
