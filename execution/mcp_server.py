@@ -89,8 +89,8 @@ def _tool_list(user_id: int, discovery: bool) -> list[types.Tool]:
     of ``POST /api/v1/ptc/context`` (its compact reference and system prompt) for the toolsets an
     exec_code without ``toolsets`` is granted, and the discovery tools."""
     user = _user(user_id)
-    keys = [toolset.key for toolset in _mcp_toolsets(user)[1]]
-    context = ptc_context(user=user, keys=keys, title="", fmt="anthropic", discovery=discovery)
+    toolsets = _mcp_toolsets(user)[1]
+    context = ptc_context(user=user, keys=None, toolsets=toolsets, title="", fmt="anthropic", discovery=discovery)
     if context["ptc_enabled"]:
         exec_code = next(tool for tool in context["tools"] if tool["name"] == EXEC_CODE)
         description = f"{exec_code['description']}\n\n{context['system_prompt']}"
