@@ -66,16 +66,27 @@ async def call(client: Client, name: str, arguments: dict[str, Any], **options: 
 
 
 # -- Streamable HTTP ------------------------------------------------------------------------------
-def test_http_lists_the_tools_with_the_users_compact_reference(stack: Stack, api: Api) -> None:
+def test_http_lists_the_tools_with_the_users_compact_reference(stack: Stack, api: Api, staff: Api) -> None:
     async def main() -> list[types.Tool]:
         async with http_client(stack, api.key) as client:
             return (await client.list_tools()).tools
 
-    tools = {tool.name: tool for tool in run(main)}
+    # A client toolset is there, as in any deployment with an app's UI tools.
+    ui = f"ui_{uuid.uuid4().hex[:6]}"
+    confirm = {"name": "confirm", "input_schema": {"type": "object", "properties": {}}}
+    created = staff.post("/api/v1/toolsets", json={"key": ui, "name": "UI", "kind": "client", "tools": [confirm]})
+    assert created.status_code == 201, created.text
+    try:
+        tools = {tool.name: tool for tool in run(main)}
+        # The compact reference of POST /api/v1/ptc/context, for the toolsets an exec_code without
+        # toolsets is granted: this user's, but client ones.
+        keys = [toolset["key"] for toolset in api.get("/api/v1/toolsets").json() if toolset["kind"] != "client"]
+        context = api.post("/api/v1/ptc/context", json={"toolsets": keys}).json()
+    finally:
+        staff.http.delete(f"/api/v1/toolsets/{ui}")
     assert set(tools) == {"exec_code", "programmatic_tool_calling", "list_toolsets", "describe_tool"}
     description = tools["exec_code"].description or ""
-    # The compact reference of POST /api/v1/ptc/context, for this user's toolsets.
-    context = api.post("/api/v1/ptc/context", json={}).json()
+    assert ui not in description
     reference = next(t for t in context["tools"] if t["name"] == "exec_code")["description"]
     assert description.startswith(reference)
     assert "from ptc_tools.demo import Demo" in description and "add(a: number, b: number)" in description
