@@ -20,9 +20,10 @@ def db_reset() -> None:
         pass
 
 
-def db_retry(work: Callable[[], T], *, what: str, job_id: Any) -> T:
+def db_retry(work: Callable[[], T], *, what: str, job_id: Any, on_wait: Callable[[], None] | None = None) -> T:
     """Run ``work``; while the database is unreachable, retry it on a fresh connection with backoff,
-    for up to PTC_DB_RETRY_SECONDS. Raise the last error after that."""
+    for up to PTC_DB_RETRY_SECONDS. Raise the last error after that. ``on_wait`` is called once,
+    before the first wait: what must not wait as long as the database does."""
     deadline = time.monotonic() + settings.PTC_DB_RETRY_SECONDS
     delay = 0.2
     while True:
@@ -31,6 +32,9 @@ def db_retry(work: Callable[[], T], *, what: str, job_id: Any) -> T:
         except (OperationalError, InterfaceError):
             if time.monotonic() + delay > deadline:
                 raise
+            if on_wait is not None:
+                on_wait()
+                on_wait = None
             logger.warning("database unreachable while %s; retrying in %.1f s", what, delay, extra={"job_id": str(job_id)})
             db_reset()
             time.sleep(delay)

@@ -4,6 +4,7 @@ Each process is started with the exact commands of ARCHITECTURE.md, on the test 
 and stopped at the end of the session.
 """
 
+import contextlib
 import os
 import signal
 import socket
@@ -110,6 +111,15 @@ class Stack:
     def stop(self) -> None:
         for process in reversed(self.processes):
             process.stop()
+
+
+def process_names() -> list[str]:
+    """The names of this host's processes (``/proc/<pid>/comm``): a job's code may name its own."""
+    names = []
+    for comm in Path("/proc").glob("[0-9]*/comm"):
+        with contextlib.suppress(OSError):
+            names.append(comm.read_text().strip())
+    return names
 
 
 def sandboxes_of(pid: int) -> list[str]:

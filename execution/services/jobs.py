@@ -309,8 +309,15 @@ def exec_job_run(*, job_id: str, worker: str, node: str = "", call_id: str = "")
     try:
         exec_job_finish(job_id=job_id, call_id=call_id, outcome=outcome, user=job.user, sdk_hash=job.sdk_hash)
     finally:
-        if outcome.spent is not None:
-            sandbox_reap(outcome.spent)
+        _spent_reap(outcome)
+
+
+def _spent_reap(outcome: Outcome) -> None:
+    """Kill the sandbox that gave the job its result (``outcome.spent``) and reap it off this path,
+    if that is not done yet."""
+    spent, outcome.spent = outcome.spent, None
+    if spent is not None:
+        sandbox_reap(spent)
 
 
 @functools.cache
@@ -582,8 +589,11 @@ def exec_job_finish(*, job_id: Any, call_id: str, outcome: Outcome, user: User |
         return stored
 
     calls = outcome.timings.get("tool_calls")
+    # The job's sandbox waits for its end to be out (outcome.spent), not for a database that is away:
+    # what its threads do meanwhile is no longer read, and its memory is held.
+    sandbox_gone = functools.partial(_spent_reap, outcome)
     try:
-        stored = db_retry(store, what="storing a job's outcome", job_id=job_id)
+        stored = db_retry(store, what="storing a job's outcome", job_id=job_id, on_wait=sandbox_gone)
         job = db_retry(
             lambda: _exec_job_close(
                 job_id=job_id,
@@ -594,12 +604,14 @@ def exec_job_finish(*, job_id: Any, call_id: str, outcome: Outcome, user: User |
             ),
             what="closing a job",
             job_id=job_id,
+            on_wait=sandbox_gone,
         )
     except DatabaseError:
         logger.exception("could not record a job's end; the reaper will", extra={"job_id": str(job_id)})
         # What the code printed last goes out now: the reaper stores the output the events carried.
         output_publish(job_call_id=call_id, output=outcome.tail)
         return
+    sandbox_gone()  # its end is out
     logger.info("job finished", extra={"job_id": str(job_id), "status": job.status, **outcome.timings})
     job_finished_observe(
         status=job.status, toolsets=job.toolsets, seconds=job.execution_time_seconds, spawn_ms=outcome.timings.get("spawn_ms")

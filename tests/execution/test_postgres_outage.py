@@ -4,6 +4,7 @@ These tests run their own PostgreSQL and their own stack on it, so they can stop
 """
 
 import time
+import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -12,7 +13,7 @@ import pytest
 
 from tests.conftest import REDIS_PREFIX
 from tests.servers import PostgresServer, api_key, migrated_database
-from tests.stack import Stack
+from tests.stack import Stack, process_names
 
 
 @pytest.fixture(scope="module")
@@ -84,10 +85,14 @@ Demo.add(a=2, b=2)
 
 
 def test_a_job_that_ends_while_postgres_is_down_is_recorded_when_it_is_back(pg: PostgresServer, http: httpx.Client) -> None:
-    job = http.post("/api/v1/exec", json={"code": "import time\nprint('kept')\ntime.sleep(1)\n'done'"}).json()
+    # Its runner names itself: its sandbox, done with, is killed while its end waits for the database.
+    name = f"ptc-out-{uuid.uuid4().hex[:6]}"
+    code = f"import time\nprint('kept')\nopen('/proc/self/comm', 'w').write({name!r})\ntime.sleep(1)\n'done'"
+    job = http.post("/api/v1/exec", json={"code": code}).json()
     _wait_running(http, job["id"])
     pg.stop()
     time.sleep(5)  # the job ends meanwhile; its worker keeps trying to record that
+    assert name not in process_names()
     pg.start()
     final = _final(http, job["id"], 60)
     assert final["status"] == "completed", final["error"]

@@ -1,12 +1,11 @@
 """Warm sandboxes: started before their job, used once, nothing carried from one job to the next."""
 
-import contextlib
 import time
-from pathlib import Path
 
 from execution.sandbox import pool as pool_module
 from execution.sandbox.pool import WarmPool
 from tests.conftest import Api
+from tests.stack import process_names
 
 LEAVE_TRACES = """
 import importlib, os, subprocess
@@ -140,7 +139,7 @@ def test_a_jobs_sandbox_is_killed_once_its_job_has_ended(api: Api) -> None:
         job = api.run(code)
         assert job["status"] == "completed", job["error"]
     deadline = time.monotonic() + 10
-    while left := [name for name in _process_names() if name in names]:
+    while left := [name for name in process_names() if name in names]:
         assert time.monotonic() < deadline, f"sandboxes left alive after their jobs: {left}"
         time.sleep(0.1)
 
@@ -165,14 +164,6 @@ def test_a_thread_that_goes_on_printing_does_not_hold_its_jobs_end(api: Api) -> 
     assert time.monotonic() - started < 10
     assert (job["status"], job["return_value"]) == ("completed", 1), job["error"]
     assert job["stdout"].startswith("before the result\n")  # the head of what it kept
-
-
-def _process_names() -> list[str]:
-    names = []
-    for comm in Path("/proc").glob("[0-9]*/comm"):
-        with contextlib.suppress(OSError):
-            names.append(comm.read_text().strip())
-    return names
 
 
 FIND_WARM_UP = """
