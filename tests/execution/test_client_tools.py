@@ -322,33 +322,41 @@ def test_a_shared_client_toolset_waits_on_the_client_and_is_billed_when_priced(m
         json={"key": key, "name": "App UI", "kind": "client", "is_global": True, "price": 2, "tools": [confirm]},
     )
     assert created.status_code == 201, created.text
-    assert created.json()["kind"] == "client"
-    api = make_api(credits=100)
-    cls = "".join(part.capitalize() for part in key.split("_"))
-    context = api.post("/api/v1/ptc/context", json={"toolsets": [key], "client_tools": [WEATHER]}).json()
-    exec_code = next(t for t in context["tools"] if t["name"] == "exec_code")
-    assert f"from ptc_tools.{key} import {cls}" in exec_code["description"]
-    assert "from ptc_tools.client import Client" in exec_code["description"]
-    assert "get_weather(city: str)" in exec_code["description"]
-    code = f"from ptc_tools.{key} import {cls}\n{cls}.confirm(question='ship it?')"
-    response = api.post("/api/v1/exec", json={"code": code, "toolsets": [key], "wait": 0})
-    assert response.status_code == 201, response.text
-    job = response.json()
-    with ClientLoop(api, job["id"], lambda name, args: {"content": name == "confirm" and args["question"] == "ship it?"}) as loop:
-        pass
-    assert not loop.errors, loop.errors
-    assert loop.pending[0]["toolset"] == key
-    final = api.get(f"/api/v1/exec/{job['id']}").json()
-    assert final["status"] == "completed", final["error"]
-    assert final["return_value"] is True
-    assert final["tool_calls"][0]["credits"] == 2
-    assert api.get("/api/v1/billing/balance").json()["balance"] == 98
-    again = api.post(f"/api/v1/exec/{job['id']}/tool-results", json=[{"tool_use_id": loop.pending[0]["id"], "content": False}])
-    assert again.status_code == 409 and again.json()["error"]["code"] == "result_conflict"
-    # The timeline draws its whole span as waited on the client (read in-process: the page only reads).
-    admin = Client()
-    admin.force_login(
-        get_user_model().objects.create_user(username=f"a-{uuid.uuid4().hex[:6]}", is_staff=True, is_superuser=True)
-    )
-    page = admin.get(f"/admin/execution/execjob/{job['id']}/change/").content.decode()
-    assert 'class="ptc-tl-wait" style="width:100.0%"' in page
+    try:
+        assert created.json()["kind"] == "client"
+        api = make_api(credits=100)
+        cls = "".join(part.capitalize() for part in key.split("_"))
+        context = api.post("/api/v1/ptc/context", json={"toolsets": [key], "client_tools": [WEATHER]}).json()
+        exec_code = next(t for t in context["tools"] if t["name"] == "exec_code")
+        assert f"from ptc_tools.{key} import {cls}" in exec_code["description"]
+        assert "from ptc_tools.client import Client" in exec_code["description"]
+        assert "get_weather(city: str)" in exec_code["description"]
+        code = f"from ptc_tools.{key} import {cls}\n{cls}.confirm(question='ship it?')"
+        response = api.post("/api/v1/exec", json={"code": code, "toolsets": [key], "wait": 0})
+        assert response.status_code == 201, response.text
+        job = response.json()
+        with ClientLoop(
+            api, job["id"], lambda name, args: {"content": name == "confirm" and args["question"] == "ship it?"}
+        ) as loop:
+            pass
+        assert not loop.errors, loop.errors
+        assert loop.pending[0]["toolset"] == key
+        final = api.get(f"/api/v1/exec/{job['id']}").json()
+        assert final["status"] == "completed", final["error"]
+        assert final["return_value"] is True
+        assert final["tool_calls"][0]["credits"] == 2
+        assert api.get("/api/v1/billing/balance").json()["balance"] == 98
+        again = api.post(
+            f"/api/v1/exec/{job['id']}/tool-results", json=[{"tool_use_id": loop.pending[0]["id"], "content": False}]
+        )
+        assert again.status_code == 409 and again.json()["error"]["code"] == "result_conflict"
+        # The timeline draws its whole span as waited on the client (read in-process: the page only reads).
+        admin = Client()
+        admin.force_login(
+            get_user_model().objects.create_user(username=f"a-{uuid.uuid4().hex[:6]}", is_staff=True, is_superuser=True)
+        )
+        page = admin.get(f"/admin/execution/execjob/{job['id']}/change/").content.decode()
+        assert 'class="ptc-tl-wait" style="width:100.0%"' in page
+    finally:  # a global toolset: every later test's user would see it
+        deleted = staff.http.delete(f"/api/v1/toolsets/{key}")
+    assert deleted.status_code == 204, deleted.text
