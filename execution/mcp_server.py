@@ -89,8 +89,7 @@ def _tool_list(user_id: int, discovery: bool) -> list[types.Tool]:
     of ``POST /api/v1/ptc/context`` (its compact reference and system prompt) for the toolsets an
     exec_code without ``toolsets`` is granted, and the discovery tools."""
     user = _user(user_id)
-    toolsets = _mcp_toolsets(user)[1]
-    context = ptc_context(user=user, keys=None, toolsets=toolsets, title="", fmt="anthropic", discovery=discovery)
+    context = ptc_context(user=user, keys=_mcp_keys(user, policy_get()), title="", fmt="anthropic", discovery=discovery)
     if context["ptc_enabled"]:
         exec_code = next(tool for tool in context["tools"] if tool["name"] == EXEC_CODE)
         description = f"{exec_code['description']}\n\n{context['system_prompt']}"
@@ -159,18 +158,16 @@ def _tool_list(user_id: int, discovery: bool) -> list[types.Tool]:
     ]
 
 
-def _mcp_toolsets(user: User) -> tuple[Policy, list[Toolset]]:
-    """The policy, and the toolsets an MCP job without ``toolsets`` is granted: the user's PTC
-    toolsets but client ones (their calls wait for a result no MCP client can send)."""
-    policy = policy_get()
-    keys = toolset_keys_for_ptc(user=user, allowlist=policy.toolset_allowlist, blocklist=policy.toolset_blocklist)
-    return policy, [toolset for toolset in toolsets_named(user=user, keys=keys) if toolset.kind != Toolset.Kind.CLIENT]
+def _mcp_keys(user: User, policy: Policy) -> list[str]:
+    """The toolsets an MCP job without ``toolsets`` is granted: the user's PTC toolsets but client
+    ones (their calls wait for a result no MCP client can send)."""
+    return toolset_keys_for_ptc(user=user, allowlist=policy.toolset_allowlist, blocklist=policy.toolset_blocklist, client=False)
 
 
 def _ptc_tools(user: User) -> list[tuple[Toolset, list[Tool]]]:
     """Those toolsets with their PTC tools, as the SDK of such a job has them."""
-    policy, toolsets = _mcp_toolsets(user)
-    return ptc_tools_of(toolsets, frozenset(policy.direct_only_tools))
+    policy = policy_get()
+    return ptc_tools_of(toolsets_named(user=user, keys=_mcp_keys(user, policy)), frozenset(policy.direct_only_tools))
 
 
 @db_read
@@ -222,8 +219,8 @@ def _job_create(user_id: int, body: Mapping[str, Any]) -> Any:
     data = serializer.validated_data
     user = _user(user_id)
     toolsets = data.get("toolsets")
-    if toolsets is None:  # a client toolset's calls wait for a result no MCP client can send: not by default
-        toolsets = sorted(toolset.key for toolset in _mcp_toolsets(user)[1])
+    if toolsets is None:
+        toolsets = _mcp_keys(user, policy_get())
     job = exec_job_create(user=user, code=data["code"], toolsets=toolsets, timeout=data.get("timeout"), title=data["title"])
     return job.pk
 

@@ -262,8 +262,9 @@ class LengthRequiredMiddleware:
     def __call__(self, request: HttpRequest) -> HttpResponse:
         chunked = "chunked" in request.META.get("HTTP_TRANSFER_ENCODING", "").lower()
         if chunked and "CONTENT_LENGTH" not in request.META and request.path.startswith("/api/"):
-            message = "Send the body with a Content-Length: a chunked body is not read."
-            return JsonResponse(error_body("length_required", message), status=411)
+            return error_response(
+                ApplicationError("length_required", "Send the body with a Content-Length: a chunked body is not read.")
+            )
         return self.get_response(request)
 
 

@@ -286,12 +286,10 @@ def ptc_context(
     discovery: bool,
     client_tools: list[dict[str, Any]] | None = None,
     code_execution_version: str | None = None,
-    toolsets: list[Toolset] | None = None,
 ) -> dict[str, Any]:
     """Return the prompt context of a turn (API.md): the policy's decision, the tools, the prompt, stats.
 
-    ``keys`` None means every toolset the user may use with PTC; ``toolsets``, if given, are the
-    toolsets already resolved (``keys`` is not read then). ``client_tools`` are the job's own
+    ``keys`` None means every toolset the user may use with PTC. ``client_tools`` are the job's own
     (``ptc_tools.client``), in the reference like any toolset's. Raise ApplicationError for unknown
     keys or invalid client tools.
 
@@ -301,10 +299,9 @@ def ptc_context(
     """
     client = client_tools_clean(client_tools or [])
     policy = policy_get()
-    if toolsets is None:
-        if keys is None:
-            keys = toolset_keys_for_ptc(user=user, allowlist=policy.toolset_allowlist, blocklist=policy.toolset_blocklist)
-        toolsets = toolsets_named(user=user, keys=keys)
+    if keys is None:
+        keys = toolset_keys_for_ptc(user=user, allowlist=policy.toolset_allowlist, blocklist=policy.toolset_blocklist)
+    toolsets = toolsets_named(user=user, keys=keys)
     decision = ptc_decision(policy=policy, user=user, toolsets=[ts.key for ts in toolsets], title=title)
     direct, per_toolset = tools_split(toolsets=toolsets, direct_only=frozenset(policy.direct_only_tools))
     if client:

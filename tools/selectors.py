@@ -174,10 +174,12 @@ def _visible(user_id: int, keys: list[str]) -> tuple[str, list[Any]]:
     return where, [*keys, user_id, user_id]
 
 
-def toolset_keys_for_ptc(*, user: User, allowlist: Iterable[str], blocklist: Iterable[str]) -> list[str]:
-    """Return the keys of every toolset ``user`` may use with PTC: the visible ones the policy's lists admit."""
+def toolset_keys_for_ptc(*, user: User, allowlist: Iterable[str], blocklist: Iterable[str], client: bool = True) -> list[str]:
+    """Return the keys of every toolset ``user`` may use with PTC: the visible ones the policy's
+    lists admit, in order; with ``client`` False, but client toolsets."""
     allowed, blocked = set(allowlist), set(blocklist)
-    keys = _toolsets_of(user=user).values_list("key", flat=True)
+    toolsets = _toolsets_of(user=user) if client else _toolsets_of(user=user).exclude(kind=Toolset.Kind.CLIENT)
+    keys = toolsets.values_list("key", flat=True)
     return [key for key in keys if key not in blocked and (not allowed or key in allowed)]
 
 

@@ -219,21 +219,19 @@ def exec_session_take(*, session_id: Any, job: ExecJob) -> ExecSession:
     exec_session_usable) or 409 ``session_busy`` if a job is queued or running in it."""
     session = ExecSession.objects.select_for_update().get(pk=session_id)
     exec_session_usable(session=session)
-    if _job_in_progress(session):
-        raise ApplicationError(
-            "session_busy",
-            "A job is queued or running in this session; a session runs one job at a time. Wait for it to end.",
-            details={"job": str(session.current_job_id)},
-        )
+    _session_idle_check(session, "a session runs one job at a time. Wait for it to end.")
     # A job queued or running keeps the session from idling out; max_lifetime still holds.
     ExecSession.objects.filter(pk=session.pk).update(current_job=job, expires_at=session.max_expires_at)
     return session
 
 
-def _job_in_progress(session: ExecSession) -> bool:
-    """Whether a job is queued or running in ``session``."""
+def _session_idle_check(session: ExecSession, then: str) -> None:
+    """Raise 409 ``session_busy``, its message ending with ``then``, if a job is queued or running in ``session``."""
     current = session.current_job_id
-    return current is not None and ExecJob.objects.filter(pk=current).exclude(status__in=ExecJob.FINISHED).exists()
+    if current is not None and ExecJob.objects.filter(pk=current).exclude(status__in=ExecJob.FINISHED).exists():
+        raise ApplicationError(
+            "session_busy", f"A job is queued or running in this session; {then}", details={"job": str(current)}
+        )
 
 
 def exec_session_delete(*, session: ExecSession) -> ExecSession:
@@ -420,12 +418,7 @@ def session_file_withdraw(*, session: ExecSession, path: str) -> None:
                 "conflict",
                 f"The file {path[:100]!r} is in the session's /work already: remove it from code (os.remove).",
             )
-        if _job_in_progress(session):
-            raise ApplicationError(
-                "session_busy",
-                "A job is queued or running in this session, and may be taking the upload; withdraw it after.",
-                details={"job": str(session.current_job_id)},
-            )
+        _session_idle_check(session, "it may be taking the upload: withdraw it after.")
         row.delete()
 
 

@@ -136,8 +136,8 @@ def _key_prefix(plaintext: str) -> str | None:
     return plaintext[len(KEY_PREFIX) :].split("_", 1)[0] if plaintext.startswith(KEY_PREFIX) else None
 
 
-def _is_key(key: ApiKey | None, plaintext: str) -> bool:
-    return key is not None and hmac.compare_digest(key.key_hash, _hash(plaintext))
+def _is_key(key: ApiKey, plaintext: str) -> bool:
+    return hmac.compare_digest(key.key_hash, _hash(plaintext))
 
 
 def api_key_authenticate(*, plaintext: str) -> ApiKey | None:
@@ -159,7 +159,11 @@ def job_key_ended(*, plaintext: str) -> ApplicationError | None:
     answer (its holder, a sandbox elsewhere, learns the job is over rather than that its key is
     wrong); None for any other key that does not authenticate. Read only on that failure path."""
     prefix = _key_prefix(plaintext)
-    key = ApiKey.objects.filter(prefix=prefix, exec_job__isnull=False).select_related("exec_job").first() if prefix else None
+    key = (
+        ApiKey.objects.filter(prefix=prefix, exec_job__isnull=False).select_related("exec_job").first()
+        if prefix is not None
+        else None
+    )
     if key is None or not _is_key(key, plaintext) or key.exec_job is None:
         return None
     job = key.exec_job
