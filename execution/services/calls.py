@@ -17,7 +17,7 @@ from django.conf import settings
 from django.contrib.auth.models import User
 from django.core import signing
 from django.db import connection, transaction
-from django.db.models import OuterRef, Subquery
+from django.db.models import Exists, OuterRef, Subquery
 from django.db.models.functions import Coalesce
 from django.utils import timezone
 
@@ -419,6 +419,14 @@ def _job_call_admit(*, job: ExecJob) -> None:
         )
 
 
+def call_job_running() -> Exists:
+    """The condition "the call's job is running", for an UPDATE of calls: an EXISTS, never a filter
+    across the join. Django writes that one as ``WHERE id IN (SELECT ...)``, and PostgreSQL does not
+    test such a subquery again once it has waited for a row another UPDATE held: of two answers to
+    one waiting call at once, both would pass its status test, and both win."""
+    return Exists(ExecJob.objects.filter(pk=OuterRef("exec_job_id"), status=ExecJob.Status.RUNNING))
+
+
 def tool_needs_approval(*, tool: Tool, policy: Policy) -> bool:
     """Return True if each call of ``tool`` waits for an approval: the tool or its toolset says so,
     or the policy does for every tool that is not read_only."""
@@ -462,7 +470,7 @@ def tool_call_finish(
     with transaction.atomic() if settles else nullcontext():
         open_calls = ToolCall.objects.filter(call_id=call_id, status__in=from_statuses)
         if job_running:
-            open_calls = open_calls.filter(exec_job__status=ExecJob.Status.RUNNING)
+            open_calls = open_calls.filter(call_job_running())
         finished = bool(open_calls.update(**fields))
         if finished and settles:
             credits = credits_settle(tool_call_id=call_id)

@@ -36,6 +36,7 @@ from execution.sandbox.session import Outcome, Session
 from execution.selectors import CALLS_IN_ORDER, exec_job_with_calls
 from execution.services.calls import (
     JOB_ENDED_MESSAGE,
+    call_job_running,
     tool_call_finish,
     tool_calls_close_held,
     tool_calls_fail_queued,
@@ -799,9 +800,7 @@ def exec_jobs_reap() -> int:
     exec_sessions_reap()
     stale = timezone.now() - timedelta(seconds=settings.PTC_JOB_LEASE_SECONDS)
     abandoned = timezone.now() - timedelta(seconds=settings.PTC_DEFAULT_TOOL_TIMEOUT * 2 + settings.PTC_JOB_LEASE_SECONDS)
-    ToolCall.objects.filter(status=ToolCall.Status.EXECUTING, started_at__lt=abandoned).exclude(
-        exec_job__status=Status.RUNNING
-    ).update(
+    ToolCall.objects.filter(~call_job_running(), status=ToolCall.Status.EXECUTING, started_at__lt=abandoned).update(
         status=ToolCall.Status.FAILED,
         error=call_error("worker_lost", "no tools worker finished this call; it was abandoned"),
         finished_at=timezone.now(),

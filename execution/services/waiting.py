@@ -22,7 +22,7 @@ from execution.backplane import Approved, Result, backplane, job_channel
 from execution.events import event_publish, tool_call_payload
 from execution.models import ExecJob, ToolCall
 from execution.selectors import tool_call_is_client
-from execution.services.calls import tool_call_finish, tool_call_reply, tool_calls_enqueue
+from execution.services.calls import call_job_running, tool_call_finish, tool_call_reply, tool_calls_enqueue
 from ptcproject import queues
 from ptcproject.errors import ApplicationError, call_error
 from ptcproject.storage import unstorable
@@ -167,9 +167,7 @@ def tool_call_decide(*, call: ToolCall, actor: User, approve: bool, reason: str 
         "decision_reason": reason[:500],
     }
     if approve:
-        awaiting = ToolCall.objects.filter(
-            pk=call.pk, status=ToolCall.Status.AWAITING_APPROVAL, exec_job__status=ExecJob.Status.RUNNING
-        )
+        awaiting = ToolCall.objects.filter(call_job_running(), pk=call.pk, status=ToolCall.Status.AWAITING_APPROVAL)
         claimed = bool(awaiting.update(status=ToolCall.Status.EXECUTING, **decided))
     else:
         who = f" by {actor.get_username()}" + (f": {reason}" if reason else "")

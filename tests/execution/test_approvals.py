@@ -9,6 +9,7 @@ import pytest
 
 from tests.conftest import Api
 from tests.execution.client_loop import ClientLoop, sse_events
+from tests.execution.rival import rival_answer
 from tests.tools.conftest import unique_key
 from tests.tools.http_api import HttpApi
 from tools.sdk import class_name
@@ -143,6 +144,26 @@ def test_a_decision_after_its_jobs_end_is_refused_before_the_worker_closes_the_c
     assert final["status"] == "cancelled"
     call = ToolCall.objects.get(call_id=block["id"])
     assert (call.decision, call.error["code"]) == ("", "job_ended")
+
+
+@pytest.mark.parametrize("approve", [True, False])
+def test_of_two_decisions_at_once_only_the_first_holds(api: Api, staff: Api, http_api: HttpApi, approve: bool) -> None:
+    from execution.models import ToolCall
+
+    key = shop(staff, http_api)
+    job = submit(api, f"from ptc_tools.{key} import {class_name(key)} as S\nS.buy(city='x')", [key])
+    [block] = pending(api, job["id"])
+    url = f"/api/v1/tool-calls/{block['id']}/approval"
+    # The rival decided the other way and has not committed: this decision waits for the call's row.
+    rival = {"decision": ToolCall.Decision.DENIED if approve else ToolCall.Decision.APPROVED}
+    rival["status"] = ToolCall.Status.FAILED if approve else ToolCall.Status.EXECUTING
+    with rival_answer(block["id"], **rival) as send:
+        second = send(lambda: api.post(url, json={"approve": approve}))
+    assert second.result().status_code == 409, second.result().text
+    assert second.result().json()["error"]["code"] == "decision_conflict"
+    call = ToolCall.objects.get(call_id=block["id"])
+    assert (call.status, call.decision, call.decided_by_id) == (rival["status"], rival["decision"], None)
+    assert api.post(f"/api/v1/exec/{job['id']}/cancel").status_code == 200
 
 
 def test_toolset_approval_and_the_policy_for_writes(make_api: Callable[..., Api], staff: Api, http_api: HttpApi) -> None:

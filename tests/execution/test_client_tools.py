@@ -13,6 +13,7 @@ from django.test import Client
 
 from tests.conftest import Api
 from tests.execution.client_loop import ClientLoop, sse_events
+from tests.execution.rival import rival_answer
 
 WEATHER = {
     "name": "get_weather",
@@ -240,6 +241,24 @@ def test_an_answer_after_its_jobs_end_is_refused_before_the_worker_closes_the_ca
     final = finished(api, job["id"])
     assert final["status"] == "cancelled"
     assert ToolCall.objects.get(call_id=block["id"]).error["code"] == "job_ended"
+
+
+def test_of_two_answers_at_once_only_the_first_holds(api: Api) -> None:
+    from django.utils import timezone
+
+    from execution.models import ToolCall
+
+    job = submit(api, "from ptc_tools.client import Client\nprint(Client.wait(n=1))", [tool("wait")])
+    block = first_pending(api, job["id"])
+    # The rival answer has made its UPDATE and not committed: this one waits for the call's row.
+    with rival_answer(block["id"], status=ToolCall.Status.COMPLETED, output="first", claimed_at=timezone.now()) as send:
+        second = send(
+            lambda: api.post(f"/api/v1/exec/{job['id']}/tool-results", json=[{"tool_use_id": block["id"], "content": "second"}])
+        )
+    assert second.result().status_code == 409, second.result().text
+    assert second.result().json()["error"]["code"] == "result_conflict"
+    assert ToolCall.objects.get(call_id=block["id"]).output == "first"
+    assert api.post(f"/api/v1/exec/{job['id']}/cancel").status_code == 200
 
 
 def _slow_answer(seconds: float) -> Callable[[str, dict[str, Any]], dict[str, Any]]:
