@@ -27,7 +27,7 @@ from ptcproject.metrics import event_lag_observe
 
 logger = logging.getLogger("ptc.events")
 # An event id as Redis Streams and this module write it: "<ms>-<seq>" (or "<ms>").
-EVENT_ID = re.compile(r"\d{1,20}(-\d{1,20})?")
+EVENT_ID = re.compile(r"[0-9]{1,20}(-[0-9]{1,20})?")  # not \d: any script's digits, which Redis refuses
 P = ParamSpec("P")
 R = TypeVar("R")
 

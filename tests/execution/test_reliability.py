@@ -27,6 +27,10 @@ def test_a_bad_last_event_id_is_refused_and_holds_nothing(api: Api) -> None:
             response = api.get(f"/api/v1/exec/{job['id']}/events", headers={"Last-Event-ID": bad})
             assert response.status_code == 400, (bad, response.text)
             assert response.json()["error"]["code"] == "invalid_last_event_id"
+    for bad in ["１２３", "١٢٣-٠"]:  # digits, but not ASCII ones: a header can't carry them, the query can
+        response = api.get(f"/api/v1/exec/{job['id']}/events", params={"last_event_id": bad})
+        assert response.status_code == 400, (bad, response.text)
+        assert response.json()["error"]["code"] == "invalid_last_event_id"
     started = time.monotonic()
     assert api.get("/api/v1/exec").status_code == 200
     assert time.monotonic() - started < 2
