@@ -152,6 +152,7 @@ REST_FRAMEWORK = {
     # JSON in and out (API.md); a body nested too deep for the decoder is a 400, not a 500.
     "DEFAULT_PARSER_CLASSES": ["ptcproject.parsers.JsonParser"],
     "DEFAULT_PAGINATION_CLASS": "ptcproject.api.Pagination",
+    "DEFAULT_CONTENT_NEGOTIATION_CLASS": "ptcproject.parsers.ContentNegotiation",
     "PAGE_SIZE": 50,
     "EXCEPTION_HANDLER": "ptcproject.api.exception_handler",
     "UNAUTHENTICATED_USER": None,

@@ -1,5 +1,8 @@
 """Bad input gets a stable error and harms nothing: the worker takes the next job."""
 
+import json
+from typing import Any
+
 import pytest
 
 from tests.conftest import Api
@@ -186,6 +189,42 @@ def test_a_body_nested_too_deep_to_parse_is_a_parse_error(api: Api) -> None:
     response = api.post("/api/v1/exec", content="[" * 100_000 + "]" * 100_000, headers={"Content-Type": "application/json"})
     assert response.status_code == 400
     assert response.json()["error"]["code"] == "parse_error"
+
+
+# Bodies with a lone surrogate where no field's own check reads it first: a files key, a client
+# tool's schema, a choice echoed in its error, a staff toolset's config, the policy's mode.
+LONE_SURROGATES = [
+    ("post", "/api/v1/exec", {"code": "1", "files": {"a\ud800": "YQ=="}}),
+    ("post", "/api/v1/exec", {"code": "1", "client_tools": [{"name": "t", "input_schema": {"type": "object", "x\ud800": 1}}]}),
+    ("post", "/api/v1/ptc/context", {"format": "x\ud800"}),
+    ("post", "/api/v1/toolsets", {"key": "s", "name": "S", "kind": "x\ud800", "config": {"headers": {"h": "\udfff"}}}),
+    ("patch", "/api/v1/policy", {"mode": "x\ud800"}),
+]
+
+
+@pytest.mark.parametrize(("method", "path", "body"), LONE_SURROGATES)
+def test_a_lone_surrogate_anywhere_in_a_body_is_a_parse_error_not_a_500(
+    staff: Api, method: str, path: str, body: dict[str, Any]
+) -> None:
+    from execution.models import ExecJob
+
+    jobs = ExecJob.objects.count()
+    sent = staff.http.request(method, path, content=json.dumps(body), headers={"Content-Type": "application/json"})
+    assert sent.status_code == 400, sent.text
+    assert sent.json()["error"]["code"] == "parse_error" and "lone surrogate" in sent.json()["error"]["message"]
+    assert ExecJob.objects.count() == jobs
+    # An escaped pair is one character, not a lone surrogate: an emoji as ensure_ascii writes it.
+    emoji = staff.post(
+        "/api/v1/exec", content=json.dumps({"code": "'\U0001f600'", "wait": 30}), headers={"Content-Type": "application/json"}
+    )
+    assert emoji.status_code == 201 and emoji.json()["return_value"] == "\U0001f600", emoji.text
+
+
+def test_a_format_no_renderer_gives_is_406_as_for_an_accept_header(api: Api) -> None:
+    for response in (api.get("/api/v1/exec?format=xml"), api.get("/api/v1/exec", headers={"Accept": "application/xml"})):
+        assert response.status_code == 406, response.text
+        assert response.json()["error"]["code"] == "not_acceptable"
+    assert api.get("/api/v1/exec?format=json").status_code == 200
 
 
 @pytest.mark.parametrize(
