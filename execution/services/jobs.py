@@ -800,7 +800,10 @@ def exec_jobs_reap() -> int:
     exec_sessions_reap()
     stale = timezone.now() - timedelta(seconds=settings.PTC_JOB_LEASE_SECONDS)
     abandoned = timezone.now() - timedelta(seconds=settings.PTC_DEFAULT_TOOL_TIMEOUT * 2 + settings.PTC_JOB_LEASE_SECONDS)
-    ToolCall.objects.filter(~call_job_running(), status=ToolCall.Status.EXECUTING, started_at__lt=abandoned).update(
+    # Never taken by a tools worker (its message lost) and its job over: a call a worker claimed is
+    # its lease's to end (tool_calls_reap), however long its tool may run.
+    unclaimed = ToolCall.objects.filter(~call_job_running(), status=ToolCall.Status.EXECUTING, claimed_at__isnull=True)
+    unclaimed.filter(started_at__lt=abandoned).update(
         status=ToolCall.Status.FAILED,
         error=call_error("worker_lost", "no tools worker finished this call; it was abandoned"),
         finished_at=timezone.now(),

@@ -9,6 +9,7 @@ from django.utils import timezone
 from execution.models import ExecJob
 from execution.services.jobs import exec_jobs_reap
 from tests.conftest import Api
+from tests.factories import demo_call
 
 
 def test_io_uring_and_new_namespaces_are_refused(api: Api) -> None:
@@ -189,6 +190,20 @@ def test_a_job_whose_queue_message_was_lost_is_failed() -> None:
     assert job.status == "failed"
     assert job.error["type"] == "WorkerLost"
     assert "queue message was lost" in job.error["message"]
+
+
+def test_the_reaper_fails_an_unclaimed_call_left_behind_but_not_a_long_call_under_its_lease() -> None:
+    user = get_user_model().objects.create_user(username=f"long-{uuid.uuid4().hex[:6]}")
+    long_ago = timezone.now() - timedelta(hours=2)
+    # A standalone call a tools worker claimed two hours ago and still renews (a tool timeout of
+    # up to PTC_TIMEOUT_CEILING), and one no worker ever took.
+    running = demo_call(user=user, tool="sleep", started_at=long_ago, claimed_at=long_ago, heartbeat_at=timezone.now())
+    lost = demo_call(user=user, started_at=long_ago)
+    exec_jobs_reap()
+    running.refresh_from_db()
+    lost.refresh_from_db()
+    assert (running.status, running.error) == ("executing", None)
+    assert (lost.status, lost.error["code"]) == ("failed", "worker_lost")
 
 
 def test_sandbox_hostname_and_boot_arguments_stay_private(api: Api) -> None:
