@@ -71,6 +71,9 @@ class ExecJob(models.Model):
     created_at = models.DateTimeField(auto_now_add=True, db_index=True)
     started_at = models.DateTimeField(null=True, blank=True)
     finished_at = models.DateTimeField(null=True, blank=True)
+    # Set with its final status by whoever then closes it (its calls, its key, its end announced).
+    # A cancel of a running job leaves that to its worker: if the worker dies first, the reaper does.
+    closed_at = models.DateTimeField(null=True, blank=True, editable=False)
     # Set when retention emptied its code, output, return value and its calls' inputs and outputs
     # (execution/services/retention.py); the rows and their charges stay.
     purged_at = models.DateTimeField(null=True, blank=True, editable=False)
@@ -82,6 +85,8 @@ class ExecJob(models.Model):
             models.Index(fields=["status", "heartbeat_at"]),
             # Retention's scan: finished jobs not purged yet, oldest first.
             models.Index(fields=["finished_at"], condition=models.Q(purged_at__isnull=True), name="execjob_unpurged_finished"),
+            # The reaper's scan for ended jobs nobody closed (few: those running or queued, mostly).
+            models.Index(fields=["finished_at"], condition=models.Q(closed_at__isnull=True), name="execjob_unclosed"),
         ]
         constraints = [
             models.UniqueConstraint(

@@ -15,7 +15,7 @@ from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.contrib.auth.models import User
 from django.db import DatabaseError, IntegrityError, InterfaceError, OperationalError, connection, transaction
-from django.db.models import Exists, OuterRef, prefetch_related_objects
+from django.db.models import Case, Exists, F, OuterRef, TextField, Value, When, prefetch_related_objects
 from django.utils import timezone
 
 from execution.backplane import Cancel, End, Resync, Subscription, backplane, job_channel, job_end_channel
@@ -573,17 +573,17 @@ def exec_job_finish(*, job_id: Any, call_id: str, outcome: Outcome, user: User |
         # found the job no longer running (BEGIN and COMMIT were two round trips on every job's end).
         # Each returns the job as stored (None: not in that status), so its close need not read it.
         try:
-            ended = {"finished_at": now, **result, **output}
+            ended = {"finished_at": now, "closed_at": now, **result, **output}
             stored = rows.update_returning(ExecJob, pk=job_id, status=Status.RUNNING, values=ended)
             if stored is None:
                 # Cancelled while it ran: keep that status, but keep what the code printed too.
-                stored = rows.update_returning(ExecJob, pk=job_id, status=Status.CANCELLED, values=output)
+                stored = rows.update_returning(ExecJob, pk=job_id, status=Status.CANCELLED, values={"closed_at": now, **output})
         except (OperationalError, InterfaceError):
             raise
         except DatabaseError:  # the value itself can't be stored: the job still ends, and says why
             logger.exception("could not store a job's outcome", extra={"job_id": str(job_id)})
             error = job_error("InternalError", "the job's output could not be stored")
-            values = {"status": Status.FAILED, "error": error, "finished_at": now, **sdk}
+            values = {"status": Status.FAILED, "error": error, "finished_at": now, "closed_at": now, **sdk}
             stored = rows.update_returning(ExecJob, pk=job_id, status=Status.RUNNING, values=values)
         if stored is not None and user is not None:
             stored.user = user
@@ -684,7 +684,8 @@ def _exec_job_fail_if(*, job_id: str, status: str, kind: str, message: str, stal
     jobs = ExecJob.objects.filter(pk=job_id, status=status)
     if stale:
         jobs = jobs.filter(heartbeat_at__lt=timezone.now() - timedelta(seconds=settings.PTC_JOB_LEASE_SECONDS))
-    fields: dict[str, Any] = {"status": Status.FAILED, "finished_at": timezone.now(), "error": job_error(kind, message)}
+    now = timezone.now()
+    fields: dict[str, Any] = {"status": Status.FAILED, "finished_at": now, "closed_at": now, "error": job_error(kind, message)}
     if status == Status.RUNNING:
         # Its worker died holding the output in memory; what the code printed went out as events.
         # Stored with the status, in one UPDATE: whoever sees the job failed sees its output too.
@@ -758,13 +759,16 @@ def exec_job_cancel(*, job: ExecJob) -> ExecJob:
 
     Raise ApplicationError ``job_finished`` (409) if it has already ended.
     """
+    now = timezone.now()
     cancelled = {
         "status": Status.CANCELLED,
-        "finished_at": timezone.now(),
+        "finished_at": now,
         "error": {"type": "Cancelled", "message": "the job was cancelled", "traceback": ""},
     }
-    was_queued = ExecJob.objects.filter(pk=job.pk, status=Status.QUEUED).update(**cancelled)
-    was_running = not was_queued and ExecJob.objects.filter(pk=job.pk, status=Status.RUNNING).update(**cancelled)
+    # Closed here if it never started, or is a container's (no worker); else its worker closes it.
+    was_queued = ExecJob.objects.filter(pk=job.pk, status=Status.QUEUED).update(**cancelled, closed_at=now)
+    closed = {"closed_at": now} if job.container_id else {}
+    was_running = not was_queued and ExecJob.objects.filter(pk=job.pk, status=Status.RUNNING).update(**cancelled, **closed)
     job.refresh_from_db()
     if not (was_queued or was_running):
         raise ApplicationError("job_finished", f"The job has already finished with status '{job.status}'.", status=409)
@@ -816,6 +820,7 @@ def exec_jobs_reap() -> int:
             kind="WorkerLost",
             message=f"no exec worker took the job within {settings.PTC_QUEUED_MAX_SECONDS} s; its queue message was lost",
         )
+    _exec_jobs_close_left()
     reaped = 0
     # A managed container's job has no worker and no lease: it is not reaped.
     running = ExecJob.objects.run_here().filter(status=Status.RUNNING, heartbeat_at__lt=stale)
@@ -828,6 +833,23 @@ def exec_jobs_reap() -> int:
             message="the worker running this job stopped renewing its lease; the job was ended",
         )
     return reaped
+
+
+def _exec_jobs_close_left() -> None:
+    """Close the jobs that ended a lease ago and that nobody closed: cancelled while they ran, their
+    worker died before it could (their calls left open and their prices held, and their end never
+    announced). What the code printed is kept from the events, as for a job whose worker died."""
+    stale = timezone.now() - timedelta(seconds=settings.PTC_JOB_LEASE_SECONDS)
+    left = ExecJob.objects.filter(status__in=ExecJob.FINISHED, closed_at__isnull=True, finished_at__lt=stale)
+    for job_id, call_id in left.values_list("pk", "call_id"):
+        logger.warning("a job ended and its worker did not close it; closing it", extra={"job_id": str(job_id)})
+        printed = output_from_stream(job_call_id=call_id)
+        output = {
+            name: Case(When(**{name: ""}, then=Value(storable(text))), default=F(name), output_field=TextField())
+            for name, text in printed.items()
+        }
+        if ExecJob.objects.filter(pk=job_id, closed_at__isnull=True).update(closed_at=timezone.now(), **output):
+            _exec_job_close(job_id=job_id)
 
 
 def worker_name() -> str:

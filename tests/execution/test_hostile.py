@@ -9,7 +9,7 @@ from django.utils import timezone
 from execution.models import ExecJob
 from execution.services.jobs import exec_jobs_reap
 from tests.conftest import Api
-from tests.factories import demo_call
+from tests.factories import demo_call, running_job
 
 
 def test_io_uring_and_new_namespaces_are_refused(api: Api) -> None:
@@ -204,6 +204,28 @@ def test_the_reaper_fails_an_unclaimed_call_left_behind_but_not_a_long_call_unde
     lost.refresh_from_db()
     assert (running.status, running.error) == ("executing", None)
     assert (lost.status, lost.error["code"]) == ("failed", "worker_lost")
+
+
+def test_a_job_cancelled_as_its_worker_died_is_closed_by_the_reaper() -> None:
+    from execution.backplane import backplane
+    from execution.events import output_publish
+
+    user = get_user_model().objects.create_user(username=f"orphan-{uuid.uuid4().hex[:6]}")
+    job = running_job(user=user)
+    waiting = demo_call(user=user, job=job, status="awaiting_approval")
+    output_publish(job_call_id=job.call_id, output=[("stdout", "printed before the kill\n")])
+    # What a cancel writes on a running job, leaving the rest to its worker, which died meanwhile.
+    ExecJob.objects.filter(pk=job.pk).update(status="cancelled", finished_at=timezone.now() - timedelta(hours=1))
+    exec_jobs_reap()
+    job.refresh_from_db()
+    waiting.refresh_from_db()
+    assert job.closed_at is not None and (job.status, job.stdout) == ("cancelled", "printed before the kill\n")
+    assert (waiting.status, waiting.error["code"]) == ("failed", "job_ended")
+    assert [name for _, name, _ in backplane().events_read(job.call_id)][-2:] == ["tool_call_error", "exec_end"]
+    closed = job.closed_at
+    exec_jobs_reap()  # closed once
+    job.refresh_from_db()
+    assert job.closed_at == closed
 
 
 def test_sandbox_hostname_and_boot_arguments_stay_private(api: Api) -> None:
