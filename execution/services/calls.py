@@ -270,7 +270,7 @@ def tool_calls_fail_queued(calls: list[ToolCall], *, error: dict[str, str], runn
         row = copy.copy(call)
         row.status, row.error, row.finished_at = ToolCall.Status.FAILED, storable(error), now
         failed.append(row)
-    placeholders = ", ".join(["(" + ", ".join(["%s"] * len(_ROW_FIELDS)) + ")"] * len(failed))
+    placeholders = ", ".join([f"({_row_values()})"] * len(failed))
     unclaimed = "" if running else f"AND {ToolCall._meta.db_table}.claimed_at IS NULL"
     sql = _FAIL_QUEUED_SQL.format(rows=placeholders, unclaimed=unclaimed)
     params = [value for row in failed for value in rows.prepared(row, _ROW_FIELDS)]
@@ -539,19 +539,33 @@ RETURNING {rows.columns(ToolCall)}
 # of it yet), and the failure of queued calls the bridge gave up on. Every column but the id.
 _ROW_FIELDS = [field for field in _CALL_FIELDS if not field.primary_key]
 _ROW_COLUMNS = ", ".join(str(field.column) for field in _ROW_FIELDS)
+
+
+def _row_values(cast: bool = False) -> str:
+    """A row of these statements' values, a placeholder each, ``cast`` to its column's type (a VALUES
+    list in a FROM has its own types, not the table's). The tool is written only if it still exists:
+    one deleted while its calls waited in the queue would fail its foreign key at commit, and with it
+    every call the statement writes."""
+    values = [f"%s::{field.cast_db_type(connection)}" if cast else "%s" for field in _ROW_FIELDS]
+    return ", ".join(
+        f"(SELECT tt.id FROM {Tool._meta.db_table} tt WHERE tt.id = {value})" if field.name == "tool" else value  # noqa: S608
+        for field, value in zip(_ROW_FIELDS, values, strict=True)
+    )
+
+
 _JOB_RUNNING = f"SELECT 1 FROM {ExecJob._meta.db_table} j WHERE j.id = {{job}} AND j.status = 'running'"  # noqa: S608
 _RECORD_CLAIMED_SQL = f"""
 INSERT INTO {ToolCall._meta.db_table} ({_ROW_COLUMNS})
 SELECT * FROM (VALUES {{rows}}) AS v ({_ROW_COLUMNS})
 WHERE v.exec_job_id IS NULL OR EXISTS ({_JOB_RUNNING.format(job="v.exec_job_id")})
 ON CONFLICT (call_id) DO NOTHING
-RETURNING call_id, id
+RETURNING call_id, id, tool_id
 """  # noqa: S608
 _RECORD_CLAIMED_ONE_SQL = f"""
 INSERT INTO {ToolCall._meta.db_table} ({_ROW_COLUMNS})
-SELECT {", ".join(["%s"] * len(_ROW_FIELDS))} WHERE %s IS NULL OR EXISTS ({_JOB_RUNNING.format(job="%s")})
+SELECT {_row_values()} WHERE %s IS NULL OR EXISTS ({_JOB_RUNNING.format(job="%s")})
 ON CONFLICT (call_id) DO NOTHING
-RETURNING call_id, id
+RETURNING call_id, id, tool_id
 """
 _FAIL_QUEUED_SQL = f"""
 INSERT INTO {ToolCall._meta.db_table} ({_ROW_COLUMNS}) VALUES {{rows}}
@@ -563,9 +577,8 @@ RETURNING call_id
 
 @functools.cache
 def _claimed_row() -> str:
-    """One row of _RECORD_CLAIMED_SQL's VALUES on PostgreSQL, each value cast to its column's type
-    (a VALUES list's types are its own, not the table's)."""
-    return "(" + ", ".join(f"%s::{field.cast_db_type(connection)}" for field in _ROW_FIELDS) + ")"
+    """One row of _RECORD_CLAIMED_SQL's VALUES on PostgreSQL."""
+    return f"({_row_values(cast=True)})"
 
 
 # A batch of calls that ran, finished in one statement on PostgreSQL: each open call moves to its
@@ -704,17 +717,17 @@ def _tool_calls_record_claimed(calls: list[ToolCall], *, now: datetime) -> dict[
         params = [value for call in calls for value in rows.prepared(call, _ROW_FIELDS)]
         with connection.cursor() as cursor:
             cursor.execute(_RECORD_CLAIMED_SQL.format(rows=placeholders), params)
-            written = dict(cursor.fetchall())
+            written = {call_id: (pk, tool_id) for call_id, pk, tool_id in cursor.fetchall()}
     else:  # SQLite: a statement a call, each its own check of the job
         written = {}
         with connection.cursor() as cursor:
             for call in calls:
                 job = call.exec_job_id and ExecJob._meta.pk.get_db_prep_save(call.exec_job_id, connection)
                 cursor.execute(_RECORD_CLAIMED_ONE_SQL, [*rows.prepared(call, _ROW_FIELDS), job, job])
-                written.update(cursor.fetchall())
+                written.update((call_id, (pk, tool_id)) for call_id, pk, tool_id in cursor.fetchall())
     for call in calls:
         if call.call_id in written:
-            call.pk = written[call.call_id]
+            call.pk, call.tool_id = written[call.call_id]  # no tool: deleted since the call was checked
             call._state.adding = False
             call._state.db = connection.alias
         else:

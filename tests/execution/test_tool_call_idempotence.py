@@ -15,7 +15,7 @@ from execution.backplane import backplane, job_channel
 from execution.models import ExecJob, ToolCall
 from execution.services import calls as services
 from tests.factories import demo_call, running_job
-from tools.models import Tool
+from tools.models import Tool, Toolset
 
 
 @pytest.fixture
@@ -162,3 +162,37 @@ def test_a_job_that_ends_first_records_its_untaken_calls_as_never_run(queued_cal
         taken.call_id
     ]
     assert ToolCall.objects.get(call_id=taken.call_id).error["code"] == "tool_timeout"
+
+
+def test_a_call_whose_tool_was_deleted_while_it_waited_fails_alone(runs: list) -> None:
+    user = get_user_model().objects.create_user(username=f"gone-{uuid.uuid4().hex[:6]}")
+    job = running_job(user=user)
+    toolset = Toolset.objects.create(key=f"gone_{uuid.uuid4().hex[:6]}", name="Gone", kind="http", owner=user)
+    gone_tool = Tool.objects.create(toolset=toolset, name="look", input_schema={"type": "object"})
+    demo = Tool.objects.select_related("toolset").get(toolset__key="demo", toolset__owner=None, name="add")
+
+    def checked(tool: Tool, arguments: dict[str, Any]) -> ToolCall:
+        call_id = f"ptc_{uuid.uuid4().hex}"
+        return services.tool_call_build(
+            call_id=call_id, user=user, job=job, toolset=tool.toolset.key, tool=tool.name, arguments=arguments, found=tool
+        )
+
+    gone, add, later, never = (
+        checked(gone_tool, {}),
+        checked(demo, {"a": 1, "b": 2}),
+        checked(gone_tool, {}),
+        checked(gone_tool, {}),
+    )
+    toolset.delete()  # while its calls wait in the queue, their records (in their messages) naming it
+    # Claimed in one statement with another toolset's call, as a worker's coinciding claims are.
+    claimed = services._tool_calls_claim([(gone.call_id, gone), (add.call_id, add)])
+    assert [call is not None and call.tool_id for call in claimed] == [None, demo.pk]
+    # Its task records it failed, the tool no longer being there; the other call stays claimed.
+    services.tool_call_execute(call_id=later.call_id, record=services.tool_call_signed(later))
+    failed = ToolCall.objects.get(call_id=later.call_id)
+    assert (failed.status, failed.error["code"], failed.tool_id) == ("failed", "unknown_tool", None)
+    services.tool_call_execute(call_id=add.call_id, record=services.tool_call_signed(add))
+    assert runs == [] and ToolCall.objects.get(call_id=add.call_id).status == "executing"  # claimed above: a duplicate
+    # A job's end records its untaken calls as never run, the tool gone or not.
+    assert services.tool_calls_fail_queued([never], error={"code": "job_ended", "message": "x"}, running=False) == [never.call_id]
+    assert ToolCall.objects.get(call_id=never.call_id).tool_id is None
