@@ -200,7 +200,8 @@ class Session:
         self.channel = channel
         self.heartbeat = heartbeat
         self.heartbeat_every = heartbeat_every
-        # A done frame may carry files (base64) besides its value.
+        # A done frame may carry files (base64) besides its value: others are held to max_frame, as
+        # the sandbox's runtime holds them (a frame written by hand is checked here).
         self.decoder = FrameDecoder(max_frame + (max_files_bytes * 4 // 3 + (64 << 10) if max_files_bytes else 0))
         # A session's sandbox (``sandbox``, ``keep``): given, not taken from the pool, and left
         # running after a job that ended with its result, or that ended before anything of it
@@ -546,17 +547,17 @@ class Session:
         if not data:
             return False
         try:
-            messages = self.decoder.feed(data)
+            messages = self.decoder.feed_sized(data)
         except FrameError as exc:
             self._end("failed", "BridgeError", f"the sandbox sent a malformed bridge frame: {exc}")
             return False
-        for message in messages:
-            self._on_frame(message)
+        for message, size in messages:
+            self._on_frame(message, size)
             if self.ended is not None:
                 return False
         return True
 
-    def _on_frame(self, message: dict[str, Any]) -> None:
+    def _on_frame(self, message: dict[str, Any], size: int) -> None:
         op = message.get("op")
         if op == "call" and isinstance(message.get("id"), int):
             # What the code printed before this call goes out before it: the events read in order.
@@ -565,6 +566,9 @@ class Session:
             self.calls += 1
             if self.calls + self.key_calls > self.limits.max_tool_calls:
                 self._end("failed", "ResourceLimit", f"tool-call limit of {self.limits.max_tool_calls} per job reached")
+            elif size > self.max_frame:  # the SDK refuses such arguments before they are sent
+                error = call_error("invalid_arguments", f"the call is {size} bytes of JSON; the limit is {self.max_frame}")
+                self._send({"id": message["id"], "ok": False, "error": error})
             elif self._busy() >= self.limits.max_parallel_tool_calls:
                 self.waiting.append(message)  # waits for a free slot; it does not fail
             else:
@@ -589,7 +593,7 @@ class Session:
                 self.sdk_sent.add(wanted)
                 self._send({"id": message["id"], "ok": True, "result": self._sdk_file(wanted, message.get("magic"))})
         elif op == "done" and self.result is None and _valid_result(message):
-            self.result = message
+            self.result = message if size <= self.max_frame else _result_held_to(message, self.max_frame)
         elif op == "done":
             self._end("failed", "BridgeError", "the sandbox sent a second or malformed result frame")
         elif op in ("call", "key", "sdk"):
@@ -811,6 +815,17 @@ def _signal_name(signum: int) -> str:
         return signal.Signals(signum).name
     except ValueError:
         return str(signum)
+
+
+def _result_held_to(message: dict[str, Any], max_frame: int) -> dict[str, Any]:
+    """A done frame over ``max_frame``, as the runner sends one whose value is over it (a frame sent
+    by hand is not checked by the runner): its files are the quota's, but its value, or its error,
+    is refused: ResourceLimit."""
+    size = len(encode({key: value for key, value in message.items() if key != "files"}))
+    if size <= max_frame:
+        return message
+    error = f"the return value is {size} bytes of JSON; the limit is {max_frame}: print it instead"
+    return {**message, "return_value": None, "error": {"type": "ResourceLimit", "message": error, "traceback": ""}}
 
 
 def _valid_result(message: dict[str, Any]) -> bool:

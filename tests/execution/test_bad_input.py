@@ -127,6 +127,28 @@ time.sleep(10)
     assert message in job["error"]["message"]
 
 
+def test_frames_written_by_hand_are_held_to_the_limits_the_sdk_keeps(api: Api) -> None:
+    code = """
+import time
+from ptc_tools import ToolError, _runtime
+from ptc_tools.demo import Demo
+send = _runtime._bridge.send
+_runtime._bridge.send = lambda message, checked=True: send(message, checked=False)  # as code writing its frames
+try:
+    Demo.echo(value="x" * (2 << 20))
+except ToolError as e:
+    print(e.code, "|", e.message)
+print(Demo.add(a=1, b=2))
+_runtime.send({"op": "done", "return_value": [0] * (1 << 20), "error": None}, checked=False)
+time.sleep(10)
+"""
+    job = api.run(code, toolsets=["demo"], timeout=20)
+    _assert_error(job, "failed", "ResourceLimit")
+    assert "the return value is" in job["error"]["message"] and job["return_value"] is None
+    assert job["stdout"].startswith("invalid_arguments | the call is ") and job["stdout"].endswith("\n3\n")
+    assert [call["tool"] for call in job["tool_calls"]] == ["add"]  # the refused one never reached a worker
+
+
 def test_unknown_toolset_in_the_request_is_400(api: Api) -> None:
     response = api.post("/api/v1/exec", json={"code": "1", "toolsets": ["nope"]})
     assert response.status_code == 400

@@ -66,6 +66,10 @@ class FrameDecoder:
         self._buffer = bytearray()
 
     def feed(self, data: bytes) -> list[dict[str, Any]]:
+        return [message for message, _ in self.feed_sized(data)]
+
+    def feed_sized(self, data: bytes) -> list[tuple[dict[str, Any], int]]:
+        """``feed``, each message with its frame's size in bytes."""
         self._buffer += data
         messages = []
         while len(self._buffer) >= HEADER.size:
@@ -84,7 +88,7 @@ class FrameDecoder:
                 raise FrameError("frame's JSON is nested too deep to read") from None
             if not isinstance(message, dict):
                 raise FrameError("frame is not a JSON object")
-            messages.append(message)
+            messages.append((message, size))
         return messages
 
     @property
