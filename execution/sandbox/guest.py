@@ -480,6 +480,9 @@ def main(bridge_fd: int, sdk_dir: str) -> None:
                 stream.flush()
             except Exception:  # a closed or broken stream must not hide the result
                 pass
+        # Its job's call_id, which the worker checks: a result the code sent itself for a job of
+        # the session's that has ended can't be taken for the next one's.
+        result["job"] = (job.get("job") or {}).get("call_id")
         try:
             _runtime.send(result, checked=False)
         except Exception as exc:  # the worker reports a missing result as SandboxCrashed; say why here

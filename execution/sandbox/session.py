@@ -592,6 +592,12 @@ class Session:
             else:
                 self.sdk_sent.add(wanted)
                 self._send({"id": message["id"], "ok": True, "result": self._sdk_file(wanted, message.get("magic"))})
+        elif op == "done" and self.keep and message.get("job") != self.job_info.get("call_id"):
+            # A session's earlier job's (its code sent one itself, then its runner its own): not this
+            # job's result, whatever it says. A sandbox of one job has no other job's to send.
+            logger.warning(
+                "a result frame of another job of the session was dropped", extra={"call_id": self.job_info.get("call_id")}
+            )
         elif op == "done" and self.result is None and _valid_result(message):
             self.result = message if size <= self.max_frame else _result_held_to(message, self.max_frame)
         elif op == "done":

@@ -92,6 +92,23 @@ def test_what_a_session_job_leaves_asking_is_answered_before_the_next_job(api: A
         assert second["return_value"] == [["job_ended"], 3, True]
 
 
+def test_a_result_a_job_sent_itself_is_not_the_next_jobs(api: Api) -> None:
+    session = _session(api)
+    forged = """
+import time
+from ptc_tools import _runtime
+_runtime.send({"op": "done", "return_value": "sent by the code", "error": None, "job": _runtime.job_info["call_id"]})
+time.sleep(0.5)
+'its runner sends this one after'
+"""
+    first = _run(api, session, forged)
+    assert (first["status"], first["return_value"]) == ("completed", "sent by the code")  # its own to choose
+    second = _run(api, session, "import time\ntime.sleep(1)\n'the second'")
+    assert (second["status"], second["return_value"]) == ("completed", "the second"), second
+    third = _run(api, session, "'the third'")
+    assert (third["status"], third["return_value"]) == ("completed", "the third"), third
+
+
 def test_one_job_at_a_time_the_second_is_409(api: Api) -> None:
     session = _session(api)
     running = _run(api, session, "import time\nprint('in', flush=True)\ntime.sleep(2)\n'first'", wait=0)
