@@ -83,6 +83,8 @@ import time; time.sleep(300)
         ("_rt.call('demo', 'nope', {})", "unknown_tool"),
         ("_rt.call('demo', 'add', {'a': 1})", "invalid_arguments"),
         ("_rt.call('demo', 'sleep', {'ms': 10**9})", "invalid_arguments"),
+        # A search costs a pass over the catalog a word: queries are held to 1,000 characters.
+        ("_rt.call('demo', 'catalog_search', {'query': 'a ' * 501})", "invalid_arguments"),
         # A name with a NUL: its error quotes it, and is recorded all the same.
         ("_rt.call('demo', 'no\\x00pe', {})", "unknown_tool"),
     ],

@@ -59,7 +59,7 @@ def fail(message: str) -> Any:
 
 
 def catalog_search(query: str, category: str | None = None, limit: int = 10) -> list[dict[str, Any]]:
-    words = query.lower().split()
+    words = set(query.lower().split())  # each word is looked for once, however often it is repeated
     hits = [
         p
         for p in CATALOG
@@ -135,7 +135,7 @@ TOOLSET = BuiltinToolset(
             input_schema={
                 "type": "object",
                 "properties": {
-                    "query": {"type": "string"},
+                    "query": {"type": "string", "maxLength": 1000},
                     "category": {"type": "string", "enum": list(CATEGORIES)},
                     "limit": {"type": "integer", "minimum": 1, "maximum": 100, "default": 10},
                 },
