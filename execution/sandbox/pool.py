@@ -21,7 +21,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from execution.sandbox import process
+from execution.sandbox import cgroups, process
 
 logger = logging.getLogger("ptc.sandbox")
 # After a failed start (a host that can't run sandboxes), wait this long before the next try.
@@ -38,6 +38,8 @@ class Sandbox:
     proc: process.SandboxProcess
     bridge: socket.socket
     warm: bool
+    # Its processes' memory cgroup, limited when its job starts (None: rlimits alone hold them).
+    memory: cgroups.MemoryGroup | None = None
     # Called once it is discarded: the pool it came from fills its place.
     on_discard: Callable[[], None] | None = None
 
@@ -51,6 +53,8 @@ class Sandbox:
             for pipe in (self.proc.stdout, self.proc.stderr):
                 if pipe:
                     pipe.close()
+            if self.memory is not None:
+                self.memory.remove()
         finally:
             done, self.on_discard = self.on_discard, None
             if done is not None:
@@ -94,7 +98,7 @@ def sandbox_start() -> Sandbox:
         raise
     finally:
         theirs.close()
-    return Sandbox(proc=proc, bridge=ours, warm=False)
+    return Sandbox(proc=proc, bridge=ours, warm=False, memory=cgroups.memory_group(proc.pid))
 
 
 class WarmPool:

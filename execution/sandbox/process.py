@@ -285,6 +285,11 @@ def _scratch() -> dict[str, int]:
     return {"/dev/shm": SHM_MB << 20, "/tmp": SCRATCH_MB << 20, "/work": SCRATCH_MB << 20, MOUNT_SDK: SDK_MB << 20}
 
 
+def scratch_bytes() -> int:
+    """What a sandbox's scratch filesystems may hold together, in bytes: memory its job may use."""
+    return sum(_scratch().values())
+
+
 class SandboxProcess:
     """One sandbox the fork server forked, as the worker holds it: like a ``Popen``. Its stdout and
     stderr are pipes, its ``pid`` is the sandbox's outermost process (on this host), killing that

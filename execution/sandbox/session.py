@@ -32,7 +32,7 @@ from execution.backplane import Admitted, Approved, Cancel, Message, Result, Res
 from execution.sandbox.limits import Limits
 from execution.sandbox.output import CappedOutput
 from execution.sandbox.pool import Sandbox, sandbox_reap, warm_pool
-from execution.sandbox.process import MOUNT_SDK, SandboxProcess
+from execution.sandbox.process import MOUNT_SDK, SandboxProcess, scratch_bytes
 from ptcproject.errors import call_error, job_error
 from ptcproject.kept import Kept
 from ptcproject.storage import MAX_JSON_DEPTH
@@ -251,12 +251,16 @@ class Session:
         self.waited = 0.0
         self.result: dict[str, Any] | None = None
         self.ended: Outcome | None = None  # set when the worker ends the job (timeout, cancel, limit)
+        self.out_of_memory = False  # whether the kernel killed one of its processes for its memory cgroup's limit
 
     # -- the loop --------------------------------------------------------------------------------
     def run(self) -> Outcome:
         started = time.monotonic()
         sandbox = self.sandbox or warm_pool().take()
         proc, ours = sandbox.proc, sandbox.bridge
+        if sandbox.memory is not None:  # its processes together: its memory, and what its scratch holds
+            guest = self.extra.get("limits") or self.limits.guest()  # a session's, for its whole life
+            sandbox.memory.limit(guest["memory_bytes"] + scratch_bytes())
         spawned = time.monotonic()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
@@ -290,6 +294,7 @@ class Session:
                 else:
                     sandbox_reap(sandbox)
             elif not self.kept:
+                self.out_of_memory = sandbox.memory is not None and sandbox.memory.oom_kills() > 0
                 if self.ended is None:
                     # Its streams closed by themselves: it is exiting, and its status (which the
                     # fork server reports a moment later) says how. Killed, it would say nothing.
@@ -795,6 +800,9 @@ class Session:
                 # A session's sandbox was given its own, for its whole life, in the start frame.
                 cpu = self.extra.get("limits", {}).get("cpu_seconds", self.limits.cpu_seconds)
                 kind, text = "ResourceLimit", f"CPU time limit of {cpu} s reached"
+            elif signum == signal.SIGKILL and self.out_of_memory:
+                memory = self.extra.get("limits", {}).get("memory_bytes", self.limits.memory_mb << 20) >> 20
+                kind, text = "ResourceLimit", f"memory limit of {memory} MiB reached by the job's processes together"
             else:
                 kind, text = "SandboxCrashed", f"the sandbox was killed by signal {_signal_name(signum)}"
         else:

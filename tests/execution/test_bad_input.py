@@ -1,6 +1,8 @@
 """Bad input gets a stable error and harms nothing: the worker takes the next job."""
 
 import json
+import os
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -29,6 +31,36 @@ def test_allocating_10_gb(api: Api) -> None:
     job = api.run("x = bytearray(10 * 1024**3)", toolsets=["demo"])
     _assert_error(job, "failed", "ResourceLimit")
     assert "memory" in job["error"]["message"]
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or not Path("/sys/fs/cgroup/memory").is_dir(),
+    reason="a worker holds a job's processes together only with a writable memory cgroup (v1, as root)",
+)
+def test_a_jobs_processes_are_held_to_its_memory_together(api: Api) -> None:
+    # Four processes of 300 MiB: each within the job's 512 MiB, together over it and its scratch.
+    code = """
+import os, time
+children = []
+for _ in range(4):
+    pid = os.fork()
+    if pid == 0:
+        block = bytearray(300 << 20)
+        for i in range(0, len(block), 4096):
+            block[i] = 1
+        time.sleep(4)
+        os._exit(0)
+    children.append(pid)
+print(sorted(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in children))
+"""
+    job = api.run(code, toolsets=["demo"], timeout=60)
+    if job["status"] == "failed":  # the kernel took the runner itself
+        _assert_error(job, "failed", "ResourceLimit")
+        assert "the job's processes together" in job["error"]["message"]
+    else:
+        statuses = json.loads(job["stdout"])
+        assert -9 in statuses, statuses  # killed by the kernel for the job's memory
+    assert api.run("1", toolsets=["demo"])["return_value"] == 1
 
 
 def test_fork_bomb(api: Api) -> None:
