@@ -643,7 +643,11 @@ def tool_call_execute(*, call_id: str, record: str | None = None) -> None:
     if call is None:
         call = ToolCall.objects.filter(call_id=call_id).first()
     if call is None and queued is not None:
-        # Its job no longer runs: it is recorded as never run (or as whatever recorded it meanwhile).
+        # Its job no longer runs: it is recorded as never run (or as whatever recorded it meanwhile),
+        # without its input if retention has emptied the job since (its worker died with it queued).
+        purged = ExecJob.objects.filter(purged_at__isnull=False)
+        if queued.exec_job_id is not None and purged.filter(pk=queued.exec_job_id).exists():
+            queued.input = {}
         tool_calls_fail_queued([queued], error=call_error("job_ended", JOB_ENDED_MESSAGE), running=False)
         call = ToolCall.objects.filter(call_id=call_id).first()
     if call is None:

@@ -14,7 +14,7 @@ from uuid import UUID
 
 from django.conf import settings
 from django.db import transaction
-from django.db.models import Q, QuerySet
+from django.db.models import Exists, OuterRef, Q, QuerySet
 from django.utils import timezone
 
 from execution.backplane import backplane
@@ -80,7 +80,12 @@ def exec_jobs_purge(*, now: datetime | None = None, batch_size: int = PURGE_BATC
     Return how many jobs this run purged (0 when run again at once).
     """
     now = now or timezone.now()
-    unpurged = ExecJob.objects.filter(status__in=ExecJob.FINISHED, purged_at__isnull=True, finished_at__isnull=False)
+    # Not while a call of it is still open: one a tools worker took before the job ended finishes
+    # after it, and would write its output (and its events) back into the purged job.
+    still_open = ToolCall.objects.filter(exec_job=OuterRef("pk"), status__in=ToolCall.OPEN)
+    unpurged = ExecJob.objects.filter(
+        ~Exists(still_open), status__in=ExecJob.FINISHED, purged_at__isnull=True, finished_at__isnull=False
+    )
     holding = ToolCall.objects.filter(exec_job__isnull=True, finished_at__isnull=False).filter(
         ~Q(input={}) | Q(output__isnull=False)
     )

@@ -1,6 +1,7 @@
 """Retention: old finished jobs lose their code, output and tool I/O; every charge stays."""
 
 import time
+import uuid
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -14,6 +15,7 @@ from execution.models import ExecJob, ToolCall
 from execution.services.retention import exec_jobs_purge
 from ptcproject.accounts.models import UserSettings
 from tests.conftest import Api
+from tools.models import Tool
 
 CODE = """
 from ptc_tools.demo import Demo
@@ -115,3 +117,35 @@ def test_the_default_purges_only_jobs_past_it_in_batches_and_twice_is_a_no_op(
     ExecJob.objects.filter(pk=theirs["id"]).update(finished_at=timezone.now() - timedelta(days=8))
     exec_jobs_purge()
     assert ExecJob.objects.get(pk=theirs["id"]).purged_at is None
+
+
+def test_a_job_is_purged_once_its_calls_have_ended_and_a_late_record_brings_no_input() -> None:
+    from execution.services import calls as services
+    from tests.factories import demo_call, running_job
+
+    user = get_user_model().objects.create_user(username=f"late-{uuid.uuid4().hex[:6]}")
+    UserSettings.objects.create(user=user, retention_days=0)
+    job = running_job(user=user)
+    running = demo_call(user=user, job=job, claimed_at=timezone.now())  # a tools worker took it before the end
+    ExecJob.objects.filter(pk=job.pk).update(status="cancelled", finished_at=timezone.now(), closed_at=timezone.now())
+    exec_jobs_purge()
+    assert ExecJob.objects.get(pk=job.pk).purged_at is None  # its call would write its output back
+    services.tool_call_finish(call_id=running.call_id, output={"private": "output"})
+    exec_jobs_purge()
+    assert ExecJob.objects.get(pk=job.pk).purged_at is not None
+    assert ToolCall.objects.get(pk=running.pk).output is None
+    # A call queued when the job's worker died, taken by a tools worker after the purge: recorded as
+    # never run, its input not brought back.
+    tool = Tool.objects.select_related("toolset").get(toolset__key="demo", toolset__owner=None, name="echo")
+    queued = services.tool_call_build(
+        call_id=f"ptc_{uuid.uuid4().hex}",
+        user=user,
+        job=job,
+        toolset="demo",
+        tool="echo",
+        arguments={"value": "private"},
+        found=tool,
+    )
+    services.tool_call_execute(call_id=queued.call_id, record=services.tool_call_signed(queued))
+    late = ToolCall.objects.get(call_id=queued.call_id)
+    assert (late.status, late.error["code"], late.input) == ("failed", "job_ended", {})
