@@ -22,7 +22,6 @@ import collections
 import contextlib
 import errno
 import importlib.util
-import json
 import marshal
 import os
 import resource
@@ -33,6 +32,7 @@ import stat
 import sys
 import threading
 import traceback
+from json import dumps as _dumps  # bound before the code runs: it may replace json.dumps
 from typing import Any
 
 # Every module imported here is paid for by every sandbox's start: not ``ast`` (its C core, ``_ast``,
@@ -81,7 +81,7 @@ def _set_limits(limits: dict[str, int]) -> None:
 def _jsonable(value: Any) -> Any:
     """Return ``value`` if it is strict JSON, else its repr (or a placeholder if even that fails)."""
     try:
-        json.dumps(value, allow_nan=False)
+        _dumps(value, allow_nan=False)
         return value
     except (TypeError, ValueError, RecursionError):
         pass

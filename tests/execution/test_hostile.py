@@ -159,6 +159,13 @@ time.sleep(5)
     assert job["error"] == {"type": "X", "message": "m", "traceback": ""}
 
 
+def test_code_that_replaces_json_keeps_its_bridge(api: Api) -> None:
+    # Code may patch json (to encode its own types, say): the runner and the SDK encode with their own.
+    code = "import json\njson.dumps = json.loads = None\nfrom ptc_tools.demo import Demo\n[Demo.add(a=1, b=2), {'k': 1}]"
+    job = api.run(code, toolsets=["demo"])
+    assert (job["status"], job["return_value"]) == ("completed", [3, {"k": 1}]), job["error"]
+
+
 def test_reloading_the_runtime_keeps_the_sandboxs_bridge(api: Api) -> None:
     code = "import importlib, ptc_tools._runtime as rt\nimportlib.reload(rt)\nfrom ptc_tools.demo import Demo\nDemo.add(a=1, b=1)"
     job = api.run(code, toolsets=["demo"])
