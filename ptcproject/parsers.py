@@ -1,12 +1,14 @@
 """The API's one parser, and its content negotiation. Apart from ptcproject.api: DRF's settings
 import both while APIView is being defined, so this must not import rest_framework.views."""
 
+import codecs
 import io
 import json
 import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from django.conf import settings
 from rest_framework import exceptions
 from rest_framework.negotiation import DefaultContentNegotiation
 from rest_framework.parsers import JSONParser
@@ -27,9 +29,16 @@ class JsonParser(JSONParser):
 
     def parse(self, stream: Any, media_type: str | None = None, parser_context: Mapping[str, Any] | None = None) -> Any:
         body = stream.read()  # as json.load would: the body is read whole
+        encoding = str((parser_context or {}).get("encoding") or settings.DEFAULT_CHARSET)
+        # The escapes are looked for in the bytes only when they are UTF-8's (or ASCII's); a body
+        # in another charset (UTF-16 has NULs between its characters) is checked whole.
+        try:
+            utf8 = codecs.lookup(encoding).name in ("utf-8", "ascii")
+        except LookupError:
+            raise exceptions.ParseError("JSON parse error - the body's charset is not one this server knows.") from None
         try:
             data = super().parse(io.BytesIO(body), media_type, parser_context)
-            alone = _SURROGATE_ESCAPE.search(body) is not None and _has_lone_surrogate(data)
+            alone = (not utf8 or _SURROGATE_ESCAPE.search(body) is not None) and _has_lone_surrogate(data)
         except RecursionError:
             raise exceptions.ParseError("JSON parse error - the body is nested too deep; send a flatter value.") from None
         if alone:

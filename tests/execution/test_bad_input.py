@@ -276,6 +276,21 @@ def test_a_lone_surrogate_anywhere_in_a_body_is_a_parse_error_not_a_500(
     assert emoji.status_code == 201 and emoji.json()["return_value"] == "\U0001f600", emoji.text
 
 
+def test_a_lone_surrogate_in_a_body_of_another_charset_is_a_parse_error_too(api: Api) -> None:
+    body = json.dumps({"code": "1", "files": {"a\ud800": "YQ=="}})
+    for charset in ("utf-16", "utf-32"):  # NULs between its characters: its escapes are read whole
+        sent = api.post(
+            "/api/v1/exec", content=body.encode(charset), headers={"Content-Type": f"application/json; charset={charset}"}
+        )
+        assert sent.status_code == 400 and sent.json()["error"]["code"] == "parse_error", (charset, sent.text)
+    fine = api.post(
+        "/api/v1/exec",
+        content=json.dumps({"code": "'é'", "wait": 30}).encode("utf-16"),
+        headers={"Content-Type": "application/json; charset=utf-16"},
+    )
+    assert fine.status_code == 201 and fine.json()["return_value"] == "é", fine.text
+
+
 def test_a_format_no_renderer_gives_is_406_as_for_an_accept_header(api: Api) -> None:
     for response in (api.get("/api/v1/exec?format=xml"), api.get("/api/v1/exec", headers={"Accept": "application/xml"})):
         assert response.status_code == 406, response.text
