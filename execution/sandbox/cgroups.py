@@ -69,12 +69,18 @@ def _parent(pid: int) -> Path | None:
             for line in Path("/proc/self/cgroup").read_text().splitlines()
             if line.split(":", 2)[1] == "memory"
         )
+        if not Path(f"/proc/{pid}/task/{pid}/children").exists():
+            raise OSError("this kernel does not list a process's children (CONFIG_PROC_CHILDREN)")
         parent = V1_MEMORY / own.lstrip("/") / f"ptc-{pid}"
         parent.mkdir(exist_ok=True)
     except (OSError, StopIteration, IndexError) as exc:
         logger.warning("no writable memory cgroup (%s): each sandbox's processes are held to its memory limit one by one", exc)
         return None
     _sweep(parent.parent)
+    for left in parent.iterdir():  # a worker gone that had this pid (a container restarted) left these
+        if left.is_dir():
+            with contextlib.suppress(OSError):
+                left.rmdir()
     logger.info("each sandbox's processes are held to its memory limit together, in a memory cgroup (%s)", parent)
     return parent
 
@@ -111,12 +117,17 @@ def memory_group(pid: int | None) -> MemoryGroup | None:
     if tree is None:
         return None
     group = MemoryGroup(parent / str(next(_numbers)))
+    moved: list[int] = []
     try:
         group.path.mkdir()
         for member in tree:
             (group.path / "cgroup.procs").write_text(str(member))
+            moved.append(member)
     except OSError as exc:
         logger.warning("a sandbox could not be put in its memory cgroup: %s", exc)
+        for member in moved:  # back where they were, so that the group can go
+            with contextlib.suppress(OSError):
+                (parent.parent / "cgroup.procs").write_text(str(member))
         group.remove()
         return None
     return group
@@ -136,6 +147,9 @@ def _tree(pid: int) -> list[int] | None:
                 tree.append(int(children[0]))
         if len(tree) == 3:
             return tree
-        if time.monotonic() > deadline or not Path(f"/proc/{pid}").exists():
+        if not Path(f"/proc/{pid}").exists():
+            return None
+        if time.monotonic() > deadline:
+            logger.warning("a sandbox's runner was not forked within %g s: no memory cgroup for it", TREE_SECONDS)
             return None
         time.sleep(0.001)

@@ -252,6 +252,8 @@ class Session:
         self.result: dict[str, Any] | None = None
         self.ended: Outcome | None = None  # set when the worker ends the job (timeout, cancel, limit)
         self.out_of_memory = False  # whether the kernel killed one of its processes for its memory cgroup's limit
+        self.oom_kills = 0  # how many its sandbox's memory cgroup had seen when the job started
+        self.foreign_results = 0  # result frames of the session's earlier jobs, dropped
 
     # -- the loop --------------------------------------------------------------------------------
     def run(self) -> Outcome:
@@ -260,7 +262,11 @@ class Session:
         proc, ours = sandbox.proc, sandbox.bridge
         if sandbox.memory is not None:  # its processes together: its memory, and what its scratch holds
             guest = self.extra.get("limits") or self.limits.guest()  # a session's, for its whole life
-            sandbox.memory.limit(guest["memory_bytes"] + scratch_bytes())
+            self.oom_kills = sandbox.memory.oom_kills()  # a session's sandbox counts them for its life
+            try:
+                sandbox.memory.limit(guest["memory_bytes"] + scratch_bytes())
+            except OSError as exc:  # its rlimits still hold each process
+                logger.warning("could not limit a sandbox's memory cgroup: %s", exc)
         spawned = time.monotonic()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
@@ -294,7 +300,7 @@ class Session:
                 else:
                     sandbox_reap(sandbox)
             elif not self.kept:
-                self.out_of_memory = sandbox.memory is not None and sandbox.memory.oom_kills() > 0
+                self.out_of_memory = sandbox.memory is not None and sandbox.memory.oom_kills() > self.oom_kills
                 if self.ended is None:
                     # Its streams closed by themselves: it is exiting, and its status (which the
                     # fork server reports a moment later) says how. Killed, it would say nothing.
@@ -599,10 +605,12 @@ class Session:
                 self._send({"id": message["id"], "ok": True, "result": self._sdk_file(wanted, message.get("magic"))})
         elif op == "done" and self.keep and message.get("job") != self.job_info.get("call_id"):
             # A session's earlier job's (its code sent one itself, then its runner its own): not this
-            # job's result, whatever it says. A sandbox of one job has no other job's to send.
-            logger.warning(
-                "a result frame of another job of the session was dropped", extra={"call_id": self.job_info.get("call_id")}
-            )
+            # job's result, whatever it says. A sandbox of one job has no other job's to send. Said
+            # once a job: code sending them by the thousand must not flood the log.
+            if not self.foreign_results:
+                job = self.job_info.get("call_id")
+                logger.warning("a result frame of another job of the session was dropped", extra={"call_id": job})
+            self.foreign_results += 1
         elif op == "done" and self.result is None and _valid_result(message):
             self.result = message if size <= self.max_frame else _result_held_to(message, self.max_frame)
         elif op == "done":
@@ -833,9 +841,9 @@ def _signal_name(signum: int) -> str:
 
 def _result_held_to(message: dict[str, Any], max_frame: int) -> dict[str, Any]:
     """A done frame over ``max_frame``, as the runner sends one whose value is over it (a frame sent
-    by hand is not checked by the runner): its files are the quota's, but its value, or its error,
-    is refused: ResourceLimit."""
-    size = len(encode({key: value for key, value in message.items() if key != "files"}))
+    by hand is not checked by the runner): what it says of the files is the quota's, but its value,
+    or its error, measured as the runner measures them, is refused: ResourceLimit."""
+    size = len(encode({"op": "done", "return_value": message.get("return_value"), "error": message.get("error")}))
     if size <= max_frame:
         return message
     error = f"the return value is {size} bytes of JSON; the limit is {max_frame}: print it instead"
