@@ -73,6 +73,7 @@ class ExecJob(models.Model):
     finished_at = models.DateTimeField(null=True, blank=True)
     # Set with its final status by whoever then closes it (its calls, its key, its end announced).
     # A cancel of a running job leaves that to its worker: if the worker dies first, the reaper does.
+    # Jobs that ended before it was added have it only if they were cancelled.
     closed_at = models.DateTimeField(null=True, blank=True, editable=False)
     # Set when retention emptied its code, output, return value and its calls' inputs and outputs
     # (execution/services/retention.py); the rows and their charges stay.
@@ -85,8 +86,10 @@ class ExecJob(models.Model):
             models.Index(fields=["status", "heartbeat_at"]),
             # Retention's scan: finished jobs not purged yet, oldest first.
             models.Index(fields=["finished_at"], condition=models.Q(purged_at__isnull=True), name="execjob_unpurged_finished"),
-            # The reaper's scan for ended jobs nobody closed (few: those running or queued, mostly).
-            models.Index(fields=["finished_at"], condition=models.Q(closed_at__isnull=True), name="execjob_unclosed"),
+            # The reaper's scan for jobs cancelled as they ran that nobody closed (a handful at most).
+            models.Index(
+                fields=["finished_at"], condition=models.Q(status="cancelled", closed_at__isnull=True), name="execjob_unclosed"
+            ),
         ]
         constraints = [
             models.UniqueConstraint(

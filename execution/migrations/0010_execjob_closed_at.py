@@ -5,8 +5,9 @@ from django.db import migrations, models
 from django.db.models.functions import Coalesce, Now
 
 
-def ended_jobs_closed(apps, schema_editor):
-    jobs = apps.get_model("execution", "ExecJob").objects.filter(status__in=["completed", "failed", "timeout", "cancelled"])
+def cancelled_jobs_closed(apps, schema_editor):
+    # The reaper looks only at cancelled jobs: those cancelled so far were closed as they ended.
+    jobs = apps.get_model("execution", "ExecJob").objects.filter(status="cancelled")
     jobs.update(closed_at=Coalesce("finished_at", Now()))
 
 
@@ -23,10 +24,9 @@ class Migration(migrations.Migration):
             name='closed_at',
             field=models.DateTimeField(blank=True, editable=False, null=True),
         ),
-        # Every job ended so far was closed as it ended: only jobs that end from here on are the reaper's.
-        migrations.RunPython(ended_jobs_closed, migrations.RunPython.noop),
+        migrations.RunPython(cancelled_jobs_closed, migrations.RunPython.noop),
         migrations.AddIndex(
             model_name='execjob',
-            index=models.Index(condition=models.Q(('closed_at__isnull', True)), fields=['finished_at'], name='execjob_unclosed'),
+            index=models.Index(condition=models.Q(('closed_at__isnull', True), ('status', 'cancelled')), fields=['finished_at'], name='execjob_unclosed'),
         ),
     ]

@@ -15,7 +15,7 @@ from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.contrib.auth.models import User
 from django.db import DatabaseError, IntegrityError, InterfaceError, OperationalError, connection, transaction
-from django.db.models import Case, Exists, F, OuterRef, TextField, Value, When, prefetch_related_objects
+from django.db.models import Case, Exists, F, OuterRef, Q, TextField, Value, When, prefetch_related_objects
 from django.utils import timezone
 
 from execution.backplane import Cancel, End, Resync, Subscription, backplane, job_channel, job_end_channel
@@ -803,11 +803,14 @@ def exec_jobs_reap() -> int:
     tool_calls_reap()
     exec_sessions_reap()
     stale = timezone.now() - timedelta(seconds=settings.PTC_JOB_LEASE_SECONDS)
+    # Abandoned: a call no tools worker ever claimed (its message lost) whose job is over, or one
+    # claimed past any tool's timeout (its worker renews its lease, but its tool never returned). A
+    # claimed call within that is its lease's to end (tool_calls_reap), however long its tool runs.
     abandoned = timezone.now() - timedelta(seconds=settings.PTC_DEFAULT_TOOL_TIMEOUT * 2 + settings.PTC_JOB_LEASE_SECONDS)
-    # Never taken by a tools worker (its message lost) and its job over: a call a worker claimed is
-    # its lease's to end (tool_calls_reap), however long its tool may run.
-    unclaimed = ToolCall.objects.filter(~call_job_running(), status=ToolCall.Status.EXECUTING, claimed_at__isnull=True)
-    unclaimed.filter(started_at__lt=abandoned).update(
+    overdue = timezone.now() - timedelta(seconds=settings.PTC_TIMEOUT_CEILING + 2 * settings.PTC_JOB_LEASE_SECONDS)
+    never_taken = Q(~call_job_running()) & Q(claimed_at__isnull=True, started_at__lt=abandoned)
+    stuck = Q(claimed_at__isnull=False, started_at__lt=overdue)
+    ToolCall.objects.filter(never_taken | stuck, status=ToolCall.Status.EXECUTING).update(
         status=ToolCall.Status.FAILED,
         error=call_error("worker_lost", "no tools worker finished this call; it was abandoned"),
         finished_at=timezone.now(),
@@ -836,11 +839,16 @@ def exec_jobs_reap() -> int:
 
 
 def _exec_jobs_close_left() -> None:
-    """Close the jobs that ended a lease ago and that nobody closed: cancelled while they ran, their
-    worker died before it could (their calls left open and their prices held, and their end never
-    announced). What the code printed is kept from the events, as for a job whose worker died."""
-    stale = timezone.now() - timedelta(seconds=settings.PTC_JOB_LEASE_SECONDS)
-    left = ExecJob.objects.filter(status__in=ExecJob.FINISHED, closed_at__isnull=True, finished_at__lt=stale)
+    """Close the jobs cancelled while they ran whose worker died before it closed them (their calls
+    left open and their prices held, their end never announced): the only ones ended and left to
+    someone else to close. Once their worker, alive, would have given up recording their end (a
+    lease, and its retries through a database outage). What the code printed is kept from the
+    events, as for a job whose worker died.
+
+    ``closed_at`` is written with the end, by whoever then closes the job: a close that fails
+    after it (the database gone past the retries) is not found here."""
+    stale = timezone.now() - timedelta(seconds=settings.PTC_JOB_LEASE_SECONDS + settings.PTC_DB_RETRY_SECONDS)
+    left = ExecJob.objects.filter(status=Status.CANCELLED, closed_at__isnull=True, finished_at__lt=stale)
     for job_id, call_id in left.values_list("pk", "call_id"):
         logger.warning("a job ended and its worker did not close it; closing it", extra={"job_id": str(job_id)})
         printed = output_from_stream(job_call_id=call_id)

@@ -161,9 +161,15 @@ time.sleep(5)
 
 def test_code_that_replaces_json_keeps_its_bridge(api: Api) -> None:
     # Code may patch json (to encode its own types, say): the runner and the SDK encode with their own.
-    code = "import json\njson.dumps = json.loads = None\nfrom ptc_tools.demo import Demo\n[Demo.add(a=1, b=2), {'k': 1}]"
+    code = """
+import json
+json.dumps = json.loads = json.load = None
+import ptc_tools
+from ptc_tools.demo import Demo
+[Demo.add(a=1, b=2), {'k': 1}, ptc_tools.describe('demo.add')['name'], 'input_schema' in str(ptc_tools.describe('demo.add'))]
+"""
     job = api.run(code, toolsets=["demo"])
-    assert (job["status"], job["return_value"]) == ("completed", [3, {"k": 1}]), job["error"]
+    assert (job["status"], job["return_value"]) == ("completed", [3, {"k": 1}, "add", True]), job["error"]
 
 
 def test_reloading_the_runtime_keeps_the_sandboxs_bridge(api: Api) -> None:
@@ -200,16 +206,22 @@ def test_a_job_whose_queue_message_was_lost_is_failed() -> None:
 
 
 def test_the_reaper_fails_an_unclaimed_call_left_behind_but_not_a_long_call_under_its_lease() -> None:
+    from django.conf import settings
+
     user = get_user_model().objects.create_user(username=f"long-{uuid.uuid4().hex[:6]}")
-    long_ago = timezone.now() - timedelta(hours=2)
-    # A standalone call a tools worker claimed two hours ago and still renews (a tool timeout of
-    # up to PTC_TIMEOUT_CEILING), and one no worker ever took.
-    running = demo_call(user=user, tool="sleep", started_at=long_ago, claimed_at=long_ago, heartbeat_at=timezone.now())
-    lost = demo_call(user=user, started_at=long_ago)
+    now = timezone.now()
+    half_an_hour_ago, past_any_timeout = now - timedelta(minutes=30), now - timedelta(seconds=settings.PTC_TIMEOUT_CEILING + 600)
+    # A standalone call a tools worker claimed half an hour ago and still renews (a tool's timeout
+    # may be up to PTC_TIMEOUT_CEILING), one claimed past any tool's timeout (its lease renewed, its
+    # tool never returned), and one no worker ever took.
+    running = demo_call(user=user, tool="sleep", started_at=half_an_hour_ago, claimed_at=half_an_hour_ago, heartbeat_at=now)
+    stuck = demo_call(user=user, tool="sleep", started_at=past_any_timeout, claimed_at=past_any_timeout, heartbeat_at=now)
+    lost = demo_call(user=user, started_at=half_an_hour_ago)
     exec_jobs_reap()
-    running.refresh_from_db()
-    lost.refresh_from_db()
+    for call in (running, stuck, lost):
+        call.refresh_from_db()
     assert (running.status, running.error) == ("executing", None)
+    assert (stuck.status, stuck.error["code"]) == ("failed", "worker_lost")
     assert (lost.status, lost.error["code"]) == ("failed", "worker_lost")
 
 
