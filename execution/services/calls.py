@@ -545,10 +545,12 @@ def _row_values(cast: bool = False) -> str:
     """A row of these statements' values, a placeholder each, ``cast`` to its column's type (a VALUES
     list in a FROM has its own types, not the table's). The tool is written only if it still exists:
     one deleted while its calls waited in the queue would fail its foreign key at commit, and with it
-    every call the statement writes."""
+    every call the statement writes. On PostgreSQL its row is locked (KEY SHARE) until the commit: a
+    delete under way is waited for (and the tool is then not written), a later one waits for this."""
     values = [f"%s::{field.cast_db_type(connection)}" if cast else "%s" for field in _ROW_FIELDS]
+    lock = " FOR KEY SHARE" if connection.vendor == "postgresql" else ""
     return ", ".join(
-        f"(SELECT tt.id FROM {Tool._meta.db_table} tt WHERE tt.id = {value})" if field.name == "tool" else value  # noqa: S608
+        f"(SELECT tt.id FROM {Tool._meta.db_table} tt WHERE tt.id = {value}{lock})" if field.name == "tool" else value  # noqa: S608
         for field, value in zip(_ROW_FIELDS, values, strict=True)
     )
 
