@@ -32,7 +32,6 @@ import stat
 import sys
 import threading
 import traceback
-from json import dumps as _dumps  # bound before the code runs: it may replace json.dumps
 from typing import Any
 
 # Every module imported here is paid for by every sandbox's start: not ``ast`` (its C core, ``_ast``,
@@ -80,8 +79,10 @@ def _set_limits(limits: dict[str, int]) -> None:
 
 def _jsonable(value: Any) -> Any:
     """Return ``value`` if it is strict JSON, else its repr (or a placeholder if even that fails)."""
+    from ptc_tools import _protocol  # its json's: the code may have replaced the module's
+
     try:
-        _dumps(value, allow_nan=False)
+        _protocol.json_dumps(value, allow_nan=False)
         return value
     except (TypeError, ValueError, RecursionError):
         pass

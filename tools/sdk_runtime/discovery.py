@@ -6,7 +6,6 @@ the SDK generator writes beside the toolsets' modules: the definitions of the jo
 else (no config, no secrets). No network is needed, and the catalog is read on first use only.
 """
 
-import json
 import os
 import re
 from typing import Any
@@ -25,7 +24,7 @@ def _tools() -> list[dict[str, Any]]:
     global _catalog
     if _catalog is None:
         import ptc_tools
-        from ptc_tools import _runtime
+        from ptc_tools import _protocol, _runtime
 
         _runtime.sdk_need("ptc_tools/_catalog.json")
         # Beside the toolsets' modules, which may sit apart from this file (a warm sandbox imports
@@ -34,7 +33,7 @@ def _tools() -> list[dict[str, Any]]:
             path = os.path.join(folder, "_catalog.json")
             if os.path.exists(path):
                 with open(path, encoding="utf-8") as f:
-                    _catalog = json.load(f)["tools"]
+                    _catalog = _protocol.json_loads(f.read())["tools"]  # json's as it was: the code may replace it
                 break
         else:
             _catalog = []
@@ -52,9 +51,9 @@ class ToolDoc(dict):
         if self["parameters"]:
             lines += ["", "Parameters:"]
             lines += [f"    {p}" for p in self["parameters"]]
-        lines += ["", f"Returns: {self['returns']}", "", "input_schema: " + json.dumps(self["input_schema"], sort_keys=True)]
+        lines += ["", f"Returns: {self['returns']}", "", "input_schema: " + _json_dumps(self["input_schema"], sort_keys=True)]
         if self["output_schema"] is not None:
-            lines.append("output_schema: " + json.dumps(self["output_schema"], sort_keys=True))
+            lines.append("output_schema: " + _json_dumps(self["output_schema"], sort_keys=True))
         return "\n".join(lines)
 
     __repr__ = __str__
@@ -109,3 +108,9 @@ def search(query: str, limit: int = 10) -> list[str]:
         summary = f"  # {tool['summary']}" if tool["summary"] else ""
         out.append(f"{tool['toolset']}.{tool['signature']}{summary}")
     return out
+
+
+def _json_dumps(value: Any, **options: Any) -> str:
+    from ptc_tools import _protocol  # json's as it was when the runner started: the code may replace it
+
+    return _protocol.json_dumps(value, **options)

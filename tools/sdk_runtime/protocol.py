@@ -9,8 +9,11 @@ A frame is a 4-byte big-endian length, then that many bytes of UTF-8 JSON holdin
 import base64
 import struct
 import zlib
-from json import dumps as _dumps  # bound here: code that replaces json.dumps or json.loads
-from json import loads as _loads  # (to encode its own types, say) can't break the bridge
+
+# Bound as the runner imports this, before the code runs: code that replaces json.dumps or
+# json.loads (to encode its own types, say) can't break the bridge, nor the SDK's other readers.
+from json import dumps as json_dumps
+from json import loads as json_loads
 from typing import Any
 
 HEADER = struct.Struct(">I")
@@ -43,9 +46,9 @@ def _reject_constant(name: str) -> Any:
 def encode(message: dict[str, Any]) -> bytes:
     """Return ``message`` as one frame. Raise ValueError if it is not strict JSON."""
     try:
-        body = _dumps(message, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
+        body = json_dumps(message, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
     except UnicodeEncodeError:  # a lone surrogate: JSON can still carry it, escaped
-        body = _dumps(message, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode()
+        body = json_dumps(message, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode()
     return HEADER.pack(len(body)) + body
 
 
@@ -82,7 +85,7 @@ class FrameDecoder:
             body = bytes(self._buffer[HEADER.size : HEADER.size + size])
             del self._buffer[: HEADER.size + size]
             try:
-                message = _loads(body, parse_constant=_reject_constant)
+                message = json_loads(body, parse_constant=_reject_constant)
             except (ValueError, UnicodeDecodeError) as exc:
                 raise FrameError(f"frame is not valid JSON: {exc}") from None
             except RecursionError:
