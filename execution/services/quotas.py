@@ -10,8 +10,10 @@ from datetime import timedelta
 
 from django.contrib.auth import get_user_model
 from django.contrib.auth.models import User
+from django.db.models import Exists, OuterRef
 from django.utils import timezone
 
+from billing.models import Reservation
 from execution.models import ExecJob, ExecSession, ToolCall
 from ptcproject.errors import ApplicationError
 from ptcproject.policy.selectors import Quotas
@@ -56,6 +58,11 @@ def exec_quota_check(*, user: User, quotas: Quotas, session: ExecSession | None 
             )
     if quotas.concurrent_tool_calls:
         in_flight = ToolCall.objects.filter(user=user, status=ToolCall.Status.EXECUTING).count()
+        # A job's calls for tools workers have no row until a worker claims one: those queued are
+        # counted by the prices held for them (a free tool's, queued, is not seen).
+        recorded = ToolCall.objects.filter(call_id=OuterRef("tool_call_id"))
+        held = Reservation.objects.filter(account__user=user, status=Reservation.Status.HELD)
+        in_flight += held.filter(~Exists(recorded)).count()
         if in_flight >= quotas.concurrent_tool_calls:
             raise _limited(
                 f"You have {in_flight} tool calls in flight; your quota is {quotas.concurrent_tool_calls}. "

@@ -102,6 +102,29 @@ def test_tool_calls_in_flight_are_capped_per_job_and_at_submission(make_api: Cal
     assert api.post("/api/v1/exec", json={"code": "1", "wait": 0}).status_code == 201
 
 
+def test_a_call_still_in_the_queue_counts_as_in_flight(api: Api) -> None:
+    from execution.services.calls import tool_call_build, tool_calls_reserve
+    from tests.factories import running_job
+    from tools.models import Tool
+
+    _quota(api, max_concurrent_tool_calls=1)
+    user = get_user_model().objects.get(username=api.username)
+    job = running_job(user=user)
+    tool = Tool.objects.select_related("toolset").get(toolset__key="demo", toolset__owner=None, name="add")
+    # As a job's bridge sends a call to a tools worker: its price held, no row until a worker claims it.
+    call = tool_call_build(
+        call_id=f"ptc_{uuid.uuid4().hex}", user=user, job=job, toolset="demo", tool="add", arguments={}, found=tool
+    )
+    assert tool_calls_reserve(calls=[(call.call_id, tool)], user=user, job=job) == {}
+    refused = api.post("/api/v1/exec", json={"code": "1", "wait": 0})
+    assert refused.status_code == 429 and refused.json()["error"]["details"]["quota"] == "concurrent_tool_calls", refused.text
+    ExecJob.objects.filter(pk=job.pk).update(status="cancelled")
+    from billing.services import credits_release
+
+    credits_release(tool_call_id=call.call_id)  # never taken: its job's end gives its price back
+    assert api.post("/api/v1/exec", json={"code": "1", "wait": 0}).status_code == 201
+
+
 def test_a_users_own_quota_overrides_the_policys(api: Api) -> None:
     user = get_user_model().objects.get(username=api.username)
     policy: Any = policy_get()
