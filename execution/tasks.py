@@ -13,7 +13,6 @@ from django.conf import settings
 from django.db import InterfaceError, OperationalError
 
 from execution.sandbox import process
-from execution.sandbox.cgroups import memory_groups_close
 from execution.sandbox.pool import warm_pool
 from execution.services.calls import tool_call_abort, tool_call_execute, tool_calls_heartbeat
 from execution.services.jobs import CALL_ID_HEADER, exec_job_run, exec_jobs_reap, worker_name
@@ -139,4 +138,3 @@ def _pool_down(**_: Any) -> None:
     sessions' sandboxes, and those sessions end ``lost`` (a warm shutdown has let their jobs end)."""
     exec_sessions_shutdown()
     warm_pool().close()
-    memory_groups_close()

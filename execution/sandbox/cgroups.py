@@ -12,6 +12,7 @@ Where no memory controller is writable (a worker not root, cgroup v2 without del
 rlimits alone hold, and the worker says so once in its log.
 """
 
+import atexit
 import contextlib
 import functools
 import itertools
@@ -77,6 +78,7 @@ def _parent(pid: int) -> Path | None:
         logger.warning("no writable memory cgroup (%s): each sandbox's processes are held to its memory limit one by one", exc)
         return None
     _sweep(parent.parent)
+    atexit.register(memory_groups_close)  # its sandboxes die with it: their groups, then its folder, go too
     for left in parent.iterdir():  # a worker gone that had this pid (a container restarted) left these
         if left.is_dir():
             with contextlib.suppress(OSError):
@@ -98,10 +100,14 @@ def _sweep(own: Path) -> None:
 
 
 def memory_groups_close() -> None:
-    """Remove this process's folder of groups, as it exits (its sandboxes gone, and theirs)."""
-    parent = _parent(os.getpid()) if _parent.cache_info().currsize else None
+    """Remove this process's folder of groups as it exits, with the groups its sandboxes left
+    (empty once they died with it). Run at exit by whichever process made one."""
+    parent = _parent(os.getpid())
     if parent is not None:
         with contextlib.suppress(OSError):
+            for group in parent.iterdir():
+                if group.is_dir():
+                    group.rmdir()
             parent.rmdir()
 
 
