@@ -150,15 +150,22 @@ class Api:
 
 
 @pytest.fixture
-def make_api(stack: Stack) -> Callable[..., Api]:
+def make_api(stack: Stack) -> Iterator[Callable[..., Api]]:
+    """Make clients, each a new user's; their connections are closed after the test (left to the
+    collector, their sockets were closed at any moment of a later test, warning as they went)."""
     from ptcproject.accounts.services import user_with_key_create
+
+    made: list[Api] = []
 
     def make(staff: bool = False, credits: int = 10_000) -> Api:
         username = f"user-{uuid.uuid4().hex[:8]}"
         _, key = user_with_key_create(username=username, create_user=True, staff=staff, credits=credits)
-        return Api(stack.base_url, key, username)
+        made.append(Api(stack.base_url, key, username))
+        return made[-1]
 
-    return make
+    yield make
+    for client in made:
+        client.http.close()
 
 
 @pytest.fixture

@@ -4,6 +4,7 @@ through POST /api/v1/exec/{id}/tool-results, as an agent runtime would."""
 import json
 import threading
 from collections.abc import Callable, Iterator
+from contextlib import closing
 from typing import Any
 
 from tests.conftest import Api
@@ -56,26 +57,27 @@ class ClientLoop:
     def _run(self) -> None:
         try:
             waiting: list[dict[str, Any]] = []
-            for event, data in sse_events(self.api, self.job_id):
-                self.events.append(event)
-                if event == "tool_call_pending" and data["awaiting"] == "approval" and self.approver is not None:
+            with closing(sse_events(self.api, self.job_id)) as events:  # closed here, not when collected
+                for event, data in events:
+                    self.events.append(event)
+                    if event == "tool_call_pending" and data["awaiting"] == "approval" and self.approver is not None:
+                        self.pending.append(data)
+                        decided = self.api.post(f"/api/v1/tool-calls/{data['id']}/approval", json=self.approver(data))
+                        self.answers.append((decided.status_code, decided.json()))
+                    if event != "tool_call_pending" or data["awaiting"] != "client":
+                        continue
                     self.pending.append(data)
-                    decided = self.api.post(f"/api/v1/tool-calls/{data['id']}/approval", json=self.approver(data))
-                    self.answers.append((decided.status_code, decided.json()))
-                if event != "tool_call_pending" or data["awaiting"] != "client":
-                    continue
-                self.pending.append(data)
-                waiting.append(data)
-                if len(waiting) < self.batch:
-                    continue
-                results = []
-                for block in waiting:
-                    answer = self.handler(block["name"], block["input"])
-                    if answer is not None:
-                        results.append({"type": "tool_result", "tool_use_id": block["id"], **answer})
-                waiting = []
-                if results:
-                    response = self.api.post(f"/api/v1/exec/{self.job_id}/tool-results", json=results)
-                    self.answers.append((response.status_code, response.json()))
+                    waiting.append(data)
+                    if len(waiting) < self.batch:
+                        continue
+                    results = []
+                    for block in waiting:
+                        answer = self.handler(block["name"], block["input"])
+                        if answer is not None:
+                            results.append({"type": "tool_result", "tool_use_id": block["id"], **answer})
+                    waiting = []
+                    if results:
+                        response = self.api.post(f"/api/v1/exec/{self.job_id}/tool-results", json=results)
+                        self.answers.append((response.status_code, response.json()))
         except BaseException as exc:  # reported by the test, not lost on the thread
             self.errors.append(exc)

@@ -3,6 +3,7 @@ read_only when the policy says approval_for_writes, waits as awaiting_approval u
 job's owner approve it (it runs) or deny it (ToolError code "denied"). Real workers, real HTTP."""
 
 from collections.abc import Callable, Iterator
+from contextlib import closing
 from typing import Any
 
 import pytest
@@ -60,18 +61,20 @@ def submit(api: Api, code: str, toolsets: list[str], **body: Any) -> dict[str, A
 
 def pending(api: Api, job_id: str, count: int = 1) -> list[dict[str, Any]]:
     found = []
-    for event, data in sse_events(api, job_id):
-        if event == "tool_call_pending":
-            found.append(data)
-            if len(found) == count:
-                return found
+    with closing(sse_events(api, job_id)) as events:  # closed here, not when collected
+        for event, data in events:
+            if event == "tool_call_pending":
+                found.append(data)
+                if len(found) == count:
+                    return found
     raise AssertionError(f"the job ended with {len(found)} pending calls, not {count}")
 
 
 def finished(api: Api, job_id: str) -> dict[str, Any]:
-    for event, _ in sse_events(api, job_id):
-        if event == "exec_end":
-            return api.get(f"/api/v1/exec/{job_id}").json()
+    with closing(sse_events(api, job_id)) as events:  # closed here, not when collected
+        for event, _ in events:
+            if event == "exec_end":
+                return api.get(f"/api/v1/exec/{job_id}").json()
     raise AssertionError("no exec_end")
 
 

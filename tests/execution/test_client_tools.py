@@ -5,6 +5,7 @@ import json
 import time
 import uuid
 from collections.abc import Callable
+from contextlib import closing
 from typing import Any
 
 import pytest
@@ -37,16 +38,18 @@ def submit(api: Api, code: str, client_tools: list[dict[str, Any]], **body: Any)
 
 def finished(api: Api, job_id: str, seconds: float = 60) -> dict[str, Any]:
     """The job once it has ended (the stream's exec_end is what the loop waited for)."""
-    for event, _data in sse_events(api, job_id, timeout=seconds):
-        if event == "exec_end":
-            return api.get(f"/api/v1/exec/{job_id}").json()
+    with closing(sse_events(api, job_id, timeout=seconds)) as events:  # closed here, not when collected
+        for event, _data in events:
+            if event == "exec_end":
+                return api.get(f"/api/v1/exec/{job_id}").json()
     raise AssertionError("the stream ended without exec_end")
 
 
 def first_pending(api: Api, job_id: str) -> dict[str, Any]:
-    for event, data in sse_events(api, job_id):
-        if event == "tool_call_pending":
-            return data
+    with closing(sse_events(api, job_id)) as events:  # closed here, not when collected
+        for event, data in events:
+            if event == "tool_call_pending":
+                return data
     raise AssertionError("the job ended without a pending call")
 
 
