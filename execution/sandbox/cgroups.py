@@ -78,11 +78,8 @@ def _parent(pid: int) -> Path | None:
         logger.warning("no writable memory cgroup (%s): each sandbox's processes are held to its memory limit one by one", exc)
         return None
     _sweep(parent.parent)
-    atexit.register(memory_groups_close)  # its sandboxes die with it: their groups, then its folder, go too
-    for left in parent.iterdir():  # a worker gone that had this pid (a container restarted) left these
-        if left.is_dir():
-            with contextlib.suppress(OSError):
-                left.rmdir()
+    _remove(parent, keep=True)  # what a worker gone that had this pid (a container restarted) left
+    atexit.register(_remove, parent)  # its sandboxes die with it: their groups, then its folder, go too
     logger.info("each sandbox's processes are held to its memory limit together, in a memory cgroup (%s)", parent)
     return parent
 
@@ -92,23 +89,18 @@ def _sweep(own: Path) -> None:
     for folder in own.glob("ptc-*"):
         pid = folder.name.removeprefix("ptc-")
         if pid.isdecimal() and not Path(f"/proc/{pid}").exists():
-            with contextlib.suppress(OSError):
-                for group in folder.iterdir():
-                    if group.is_dir():
-                        group.rmdir()
-                folder.rmdir()
+            _remove(folder)
 
 
-def memory_groups_close() -> None:
-    """Remove this process's folder of groups as it exits, with the groups its sandboxes left
-    (empty once they died with it). Run at exit by whichever process made one."""
-    parent = _parent(os.getpid())
-    if parent is not None:
-        with contextlib.suppress(OSError):
-            for group in parent.iterdir():
-                if group.is_dir():
-                    group.rmdir()
-            parent.rmdir()
+def _remove(folder: Path, keep: bool = False) -> None:
+    """Remove a process's folder of groups (unless ``keep``) and the groups in it, those that are
+    empty: a group whose sandbox is still alive stays, and so does its folder."""
+    with contextlib.suppress(OSError):
+        for group in folder.iterdir():
+            if group.is_dir():
+                group.rmdir()
+        if not keep:
+            folder.rmdir()
 
 
 def memory_group(pid: int | None) -> MemoryGroup | None:

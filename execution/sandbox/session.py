@@ -261,10 +261,10 @@ class Session:
         sandbox = self.sandbox or warm_pool().take()
         proc, ours = sandbox.proc, sandbox.bridge
         if sandbox.memory is not None:  # its processes together: its memory, and what its scratch holds
-            guest = self.extra.get("limits") or self.limits.guest()  # a session's, for its whole life
-            self.oom_kills = sandbox.memory.oom_kills()  # a session's sandbox counts them for its life
+            # A session's sandbox counts its kills for its whole life; a new one has none.
+            self.oom_kills = sandbox.memory.oom_kills() if self.keep else 0
             try:
-                sandbox.memory.limit(guest["memory_bytes"] + scratch_bytes())
+                sandbox.memory.limit(self._guest_limits()["memory_bytes"] + scratch_bytes())
             except OSError as exc:  # its rlimits still hold each process
                 logger.warning("could not limit a sandbox's memory cgroup: %s", exc)
         spawned = time.monotonic()
@@ -786,6 +786,11 @@ class Session:
             self.ended = Outcome(status=status, error=job_error(kind, message))
 
     # -- the result ------------------------------------------------------------------------------
+    def _guest_limits(self) -> dict[str, int]:
+        """The limits the sandbox runs under: a session's were given in its first start frame, for
+        its whole life (``extra["limits"]``), a job's own sandbox gets the job's."""
+        return self.extra.get("limits") or self.limits.guest()
+
     def _outcome(self, returncode: int) -> Outcome:
         if self.result is not None:
             error = self.result.get("error")  # _valid_result: None, or its type and message are text
@@ -805,11 +810,9 @@ class Session:
         if returncode < 0 or returncode > 128:
             signum = -returncode if returncode < 0 else returncode - 128
             if signum == signal.SIGXCPU:
-                # A session's sandbox was given its own, for its whole life, in the start frame.
-                cpu = self.extra.get("limits", {}).get("cpu_seconds", self.limits.cpu_seconds)
-                kind, text = "ResourceLimit", f"CPU time limit of {cpu} s reached"
+                kind, text = "ResourceLimit", f"CPU time limit of {self._guest_limits()['cpu_seconds']} s reached"
             elif signum == signal.SIGKILL and self.out_of_memory:
-                memory = self.extra.get("limits", {}).get("memory_bytes", self.limits.memory_mb << 20) >> 20
+                memory = self._guest_limits()["memory_bytes"] >> 20
                 kind, text = "ResourceLimit", f"memory limit of {memory} MiB reached by the job's processes together"
             else:
                 kind, text = "SandboxCrashed", f"the sandbox was killed by signal {_signal_name(signum)}"

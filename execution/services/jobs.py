@@ -692,7 +692,7 @@ def _exec_job_fail_if(*, job_id: str, status: str, kind: str, message: str, stal
         call_id = jobs.values_list("call_id", flat=True).first()
         if call_id is None:
             return False
-        fields.update({name: storable(text) for name, text in output_from_stream(job_call_id=call_id).items()})
+        fields.update(_printed_from_events(call_id))
     updated = jobs.update(**fields)
     if updated:
         _exec_job_close(job_id=job_id)
@@ -851,13 +851,19 @@ def _exec_jobs_close_left() -> None:
     left = ExecJob.objects.filter(status=Status.CANCELLED, closed_at__isnull=True, finished_at__lt=stale)
     for job_id, call_id in left.values_list("pk", "call_id"):
         logger.warning("a job ended and its worker did not close it; closing it", extra={"job_id": str(job_id)})
-        printed = output_from_stream(job_call_id=call_id)
-        output = {
-            name: Case(When(**{name: ""}, then=Value(storable(text))), default=F(name), output_field=TextField())
-            for name, text in printed.items()
-        }
-        if ExecJob.objects.filter(pk=job_id, closed_at__isnull=True).update(closed_at=timezone.now(), **output):
+        printed = _printed_from_events(call_id)
+        if ExecJob.objects.filter(pk=job_id, closed_at__isnull=True).update(closed_at=timezone.now(), **printed):
             _exec_job_close(job_id=job_id)
+
+
+def _printed_from_events(call_id: str) -> dict[str, Any]:
+    """What a job's code printed, as its events carried it, for a job whose worker died holding its
+    output: each stream's text, written where the job has none stored (a worker that stored its
+    own before it died keeps it)."""
+    return {
+        name: Case(When(**{name: ""}, then=Value(storable(text))), default=F(name), output_field=TextField())
+        for name, text in output_from_stream(job_call_id=call_id).items()
+    }
 
 
 def worker_name() -> str:
