@@ -163,23 +163,31 @@ def _toolset_keys_visible(*, user_id: int, keys: list[str]) -> set[str]:
         return {key for (key,) in cursor.fetchall()}
 
 
-def _visible(user_id: int, keys: list[str]) -> tuple[str, list[Any]]:
+def _visible(user_id: int, keys: list[str] | None) -> tuple[str, list[Any]]:
     """``_toolsets_of`` as a WHERE clause for the fixed statements, and its parameters: enabled, one
-    of ``keys``, and the user's own or a global one the user does not shadow."""
-    toolsets, marks = rows.table(Toolset), ", ".join(["%s"] * len(keys))
+    of ``keys`` (any if None), and the user's own or a global one the user does not shadow."""
+    toolsets = rows.table(Toolset)
+    named = "" if keys is None else f"key IN ({', '.join(['%s'] * len(keys))}) AND "
     where = (
-        f"enabled AND key IN ({marks}) AND (owner_id = %s OR "  # noqa: S608 - placeholders only
+        f"enabled AND {named}(owner_id = %s OR "  # noqa: S608 - placeholders only
         f"(owner_id IS NULL AND key NOT IN (SELECT key FROM {toolsets} WHERE owner_id = %s)))"
     )
-    return where, [*keys, user_id, user_id]
+    return where, [*(keys or []), user_id, user_id]
 
 
 def toolset_keys_for_ptc(*, user: User, allowlist: Iterable[str], blocklist: Iterable[str], client: bool = True) -> list[str]:
     """Return the keys of every toolset ``user`` may use with PTC: the visible ones the policy's
-    lists admit, in order; with ``client`` False, but client toolsets."""
+    lists admit, in order; with ``client`` False, but client toolsets.
+
+    ``_toolsets_of`` as one fixed statement (ptcproject/rows.py): every POST /exec that names no
+    toolsets asks, and the queryset took 1.5 ms to build and compile, five times its query."""
     allowed, blocked = set(allowlist), set(blocklist)
-    toolsets = _toolsets_of(user=user) if client else _toolsets_of(user=user).exclude(kind=Toolset.Kind.CLIENT)
-    keys = toolsets.values_list("key", flat=True)
+    where, params = _visible(user.pk, None)
+    if not client:
+        where, params = f"{where} AND kind <> %s", [*params, Toolset.Kind.CLIENT.value]
+    with connection.cursor() as cursor:
+        cursor.execute(f"SELECT key FROM {rows.table(Toolset)} WHERE {where} ORDER BY key", params)  # noqa: S608
+        keys = [key for (key,) in cursor.fetchall()]
     return [key for key in keys if key not in blocked and (not allowed or key in allowed)]
 
 
