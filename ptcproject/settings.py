@@ -202,7 +202,8 @@ CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_WORKER_POOL = "threads"
 # Task events feed `celery events` and flower: observable by default (STYLE.md §14). Exec workers
 # send them; tools workers only with PTC_TOOLS_TASK_EVENTS (every call already has its record and
-# its live events, and three publishes per task cost a busy tools worker more than anything else).
+# its live events, and three publishes per task cost a busy tools worker more than anything else),
+# which also brings back Celery's per-task INFO lines there (each call logs its own line anyway).
 # The "sent" event is left off: it would add a publish to every tool call's hot path.
 CELERY_WORKER_SEND_TASK_EVENTS = True
 PTC_TOOLS_TASK_EVENTS = env.bool("PTC_TOOLS_TASK_EVENTS", default=False)

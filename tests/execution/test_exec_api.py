@@ -369,3 +369,22 @@ def test_a_session_job_keeps_its_end_when_its_sandbox_cant_be_handed_back(api: A
         assert (job.status, job.error, job.stdout, job.return_value) == ("completed", None, "ran\n", 5)
     finally:
         sessions.exec_sessions_shutdown()
+
+
+def test_a_tools_worker_logs_each_call_once_with_its_call_id(api: Api, stack) -> None:  # type: ignore[no-untyped-def]
+    # Celery's own "received" and "succeeded" lines are left to exec workers (PTC_TOOLS_TASK_EVENTS
+    # brings them back on tools workers); a tool call's line is ours, and names the call.
+    logs = {process: process.log.stat().st_size for process in (stack.tools_worker, stack.exec_worker)}
+    job = api.run("from ptc_tools.demo import Demo\nDemo.add(a=1, b=2)", toolsets=["demo"])
+    assert job["return_value"] == 3
+    [call] = job["tool_calls"]
+
+    def written(process) -> list[str]:  # type: ignore[no-untyped-def]
+        with process.log.open("rb") as handle:
+            handle.seek(logs[process])
+            return handle.read().decode().splitlines()
+
+    tools = written(stack.tools_worker)
+    assert [line for line in tools if call["call_id"] in line and "tool call ran" in line]
+    assert not [line for line in tools if "execution.tasks.execute_tool[" in line]
+    assert [line for line in written(stack.exec_worker) if "execution.tasks.run_exec[" in line and "received" in line]
