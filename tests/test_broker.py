@@ -218,6 +218,42 @@ def test_redis_a_server_that_refuses_info_is_consumed_one_message_at_a_time() ->
         server.acl_deluser(user)
 
 
+def test_acks_in_the_event_loop_go_to_redis_together_at_the_end_of_its_turn() -> None:
+    from kombu.asynchronous import Hub
+
+    with _redis_queue("turn", most=16) as broker:
+        received: list[Any] = []
+        broker.publish(5)
+        with broker.conn.channel() as channel, Consumer(channel, [broker.queue], callbacks=[lambda _, m: received.append(m)]):
+            broker.drain(lambda: len(received) >= 5)
+            assert broker.unacked() == 5
+            transport = broker.conn.transport
+            # Outside an event loop (none registered yet), an ack goes at once, as kombu's does.
+            received[0].ack()
+            assert broker.unacked() == 4
+            transport._loop_thread = threading.get_ident()  # as registering with a loop (below) sets it
+            for message in received[1:]:
+                message.ack()
+            assert broker.unacked() == 4  # held until the turn ends
+            transport._acks_flush()
+            assert broker.unacked() == 0 and broker.waiting() == 0
+
+    # A worker's loop ends every turn with the flush; its acks from other threads go at once.
+    with _redis_queue("loop", most=16) as broker:
+        hub = Hub()
+        try:
+            transport = broker.conn.transport
+            transport.register_with_event_loop(broker.conn.connection, hub)
+            assert transport._acks_flush in hub.on_tick and transport.in_loop()
+            elsewhere: list[bool] = []
+            other = threading.Thread(target=lambda: elsewhere.append(transport.in_loop()))
+            other.start()
+            other.join()
+            assert elsewhere == [False]
+        finally:
+            hub.close()
+
+
 def test_only_tools_workers_take_several_messages_at_once() -> None:
     from types import SimpleNamespace
 

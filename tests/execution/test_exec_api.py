@@ -388,3 +388,23 @@ def test_a_tools_worker_logs_each_call_once_with_its_call_id(api: Api, stack) ->
     assert [line for line in tools if call["call_id"] in line and "tool call ran" in line]
     assert not [line for line in tools if "execution.tasks.execute_tool[" in line]
     assert [line for line in written(stack.exec_worker) if "execution.tasks.run_exec[" in line and "received" in line]
+
+
+def test_a_workers_acks_reach_redis(api: Api) -> None:
+    # Acks made in a worker's event loop are sent together at the end of its turn
+    # (ptcproject/broker.py): none is left behind, or its message would run again after the
+    # visibility timeout.
+    import redis
+
+    from tests.conftest import REDIS_URL
+
+    code = "from concurrent.futures import ThreadPoolExecutor\nfrom ptc_tools.demo import Demo\n"
+    code += "with ThreadPoolExecutor(8) as pool:\n    list(pool.map(lambda n: Demo.add(a=n, b=1), range(40)))"
+    job = api.run(code, toolsets=["demo"])
+    assert job["status"] == "completed" and len(job["tool_calls"]) == 40
+    ours = [call["call_id"].encode() for call in job["tool_calls"]] + [job["call_id"].encode()]
+    server = redis.Redis.from_url(REDIS_URL)
+    deadline = time.monotonic() + 10
+    while left := [entry for entry in server.hvals(f"{REDIS_PREFIX}unacked") if any(name in entry for name in ours)]:
+        assert time.monotonic() < deadline, f"{len(left)} messages of the job were never acked"
+        time.sleep(0.05)
