@@ -56,8 +56,8 @@ def _fit_worker_to_queue(conf: Any = None, options: dict[str, Any] | None = None
         # spends most on between calls; each call already has its record and its live events.
         conf.worker_send_task_events = False
         # And Celery's two INFO lines a task ("received", on that thread too, and "succeeded"):
-        # each call logs its own line ("tool call ran", with its call_id, tool and time). Their
-        # writes cost a busy tools worker a third of its CPU (1,000 calls from one job, by turns).
+        # each call logs its own line ("tool call ran", with its call_id, tool and time). They
+        # cost a busy tools worker a sixth of its CPU (1,000 calls from one job, by turns).
         for name in TASK_LOGGERS:
             logging.getLogger(name).setLevel(logging.WARNING)
 
