@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from ptcproject.heap import heap_freeze  # noqa: E402
-from tests.servers import api_key  # noqa: E402  (after the path is set)
+from tests.servers import api_key, redis_keys_drop  # noqa: E402  (after the path is set)
 from tests.stack import Process, Stack  # noqa: E402
 
 
@@ -107,6 +107,7 @@ def running_stack(
         stack.stop()
         with psycopg.connect(server, autocommit=True) as conn:
             conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        redis_keys_drop(redis, f"{name}:")
 
 
 def run_job(client: httpx.Client, code: str, **body: Any) -> dict[str, Any]:

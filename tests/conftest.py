@@ -16,6 +16,7 @@ import pytest
 from django.conf import settings
 from django.db import connections
 
+from tests.servers import redis_keys_drop
 from tests.stack import Stack
 
 TEST_DATABASE_URL = os.environ.get("TEST_DATABASE_URL", "")
@@ -63,6 +64,7 @@ def django_db_setup(django_db_blocker: Any) -> Iterator[str]:
             connections[alias].close()
     with psycopg.connect(admin_url, autocommit=True) as conn:
         conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    redis_keys_drop(REDIS_URL, REDIS_PREFIX)  # every stack of the run is under it, and stopped by now
 
 
 @pytest.fixture(scope="session", autouse=True)

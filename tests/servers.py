@@ -116,6 +116,19 @@ def database_drop(url: str) -> None:
         conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
+def redis_keys_drop(url: str, prefix: str) -> None:
+    """Delete every key under ``prefix`` on the Redis at ``url``: a run's queues, bindings and event
+    streams, the Redis half of the database it drops (a shared Redis would keep them for good)."""
+    import redis
+
+    server = redis.Redis.from_url(url)
+    try:
+        for key in server.scan_iter(match=f"{prefix}*", count=1000):
+            server.unlink(key)
+    finally:
+        server.close()
+
+
 def api_key(env: dict[str, str], username: str, credits: int = 1000, staff: bool = False) -> str:
     """Create ``username`` (unless there is one) with a key on the stack ``env`` points at, as an
     operator would; with ``credits`` granted, and made staff with ``staff``."""
