@@ -403,8 +403,8 @@ def test_a_workers_acks_reach_redis(api: Api) -> None:
     job = api.run(code, toolsets=["demo"])
     assert job["status"] == "completed" and len(job["tool_calls"]) == 40
     ours = [call["call_id"].encode() for call in job["tool_calls"]] + [job["call_id"].encode()]
-    server = redis.Redis.from_url(REDIS_URL)
     deadline = time.monotonic() + 10
-    while left := [entry for entry in server.hvals(f"{REDIS_PREFIX}unacked") if any(name in entry for name in ours)]:
-        assert time.monotonic() < deadline, f"{len(left)} messages of the job were never acked"
-        time.sleep(0.05)
+    with redis.Redis.from_url(REDIS_URL) as server:  # its messages' headers name the calls (argsrepr) and the job
+        while left := [entry for entry in server.hvals(f"{REDIS_PREFIX}unacked") if any(name in entry for name in ours)]:
+            assert time.monotonic() < deadline, f"{len(left)} messages of the job were never acked"
+            time.sleep(0.05)
