@@ -792,10 +792,10 @@ def _tool_call_run(*, call: ToolCall, tool: Tool) -> None:
     else:
         reply = {"ok": True, "result": output}
     finished = _finishes(_Ran(call=call, reply=reply, billed=billable(toolset=tool.toolset, tool=tool)))
-    logger.info(
-        "tool call ran",
-        extra={"call_id": call_id, "tool": str(tool), "ok": reply["ok"], "ms": round((time.monotonic() - started) * 1000, 2)},
-    )
+    # A tools worker's one line a call (Celery's own per-task lines are off there): STYLE.md §14's ids.
+    job = {"job_id": str(call.exec_job_id)} if call.exec_job_id else {}
+    ms = round((time.monotonic() - started) * 1000, 2)
+    logger.info("tool call ran", extra={**job, "call_id": call_id, "tool": str(tool), "ok": reply["ok"], "ms": ms})
     tool_call_observe(toolset=tool.toolset.key, ok=reply["ok"], seconds=(timezone.now() - call.started_at).total_seconds())
     if not finished:
         # The bridge gave up on it meanwhile (and told the watchers): the record's word is final.

@@ -385,7 +385,7 @@ def test_a_tools_worker_logs_each_call_once_with_its_call_id(api: Api, stack) ->
             return handle.read().decode().splitlines()
 
     tools = written(stack.tools_worker)
-    assert [line for line in tools if call["call_id"] in line and "tool call ran" in line]
+    assert [line for line in tools if call["call_id"] in line and "tool call ran" in line and f"job_id={job['id']}" in line]
     assert not [line for line in tools if "execution.tasks.execute_tool[" in line]
     assert [line for line in written(stack.exec_worker) if "execution.tasks.run_exec[" in line and "received" in line]
 

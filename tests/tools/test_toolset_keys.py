@@ -19,15 +19,15 @@ def test_keys_for_ptc_are_the_visible_toolsets_the_lists_admit() -> None:
     Toolset.objects.create(key=client, name="Client", kind=Toolset.Kind.CLIENT, owner=user, is_global=False, config={})
     mine = {shadowed, own, foreign, disabled, client}
 
-    def keys(allowlist: list[str] = [], blocklist: list[str] = [], **kwargs: bool) -> list[str]:  # noqa: B006 - read only
+    def keys(allowlist: tuple[str, ...] = (), blocklist: tuple[str, ...] = (), **kwargs: bool) -> list[str]:
         found = toolset_keys_for_ptc(user=user, allowlist=allowlist, blocklist=blocklist, **kwargs)
         assert found == sorted(found)
         return [key for key in found if key in mine]
 
     assert keys() == sorted([shadowed, own, client])
     assert keys(client=False) == sorted([shadowed, own])
-    assert keys(blocklist=[own]) == sorted([shadowed, client])
-    assert keys(allowlist=[own, foreign, disabled]) == [own]
+    assert keys(blocklist=(own,)) == sorted([shadowed, client])
+    assert keys(allowlist=(own, foreign, disabled)) == [own]
     # The shadowed global one is visible to the other user; their own is not to ours.
     theirs = toolset_keys_for_ptc(user=other, allowlist=[], blocklist=[])
     assert shadowed in theirs and foreign in theirs and own not in theirs
