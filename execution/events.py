@@ -293,11 +293,14 @@ async def event_stream(*, job_id: Any, last_event_id: str | None = None) -> Asyn
             reply = await client.xread({key: cursor}, block=int(settings.PTC_EVENTS_HEARTBEAT_SECONDS * 1000), count=500)
             if not reply:
                 # An ended job's end may still be on its way (a cancel is recorded before its
-                # worker announces the end): wait for it, unless its log has expired meanwhile.
+                # worker announces the end): wait for it, unless its log has expired meanwhile, or
+                # its end is behind the cursor (a Last-Event-ID ahead of every event the job wrote).
                 call_id, ended = await _job_state(job_id)
                 if ended and not await client.exists(key):
                     async for item in _from_records(job_id, cursor):
                         yield item
+                    return
+                if ended and await _has_end(client, key, cursor):
                     return
                 yield None
                 continue

@@ -155,6 +155,22 @@ def test_a_reconnect_after_the_end_closes_at_once(api: Api) -> None:
     assert time.monotonic() - started < 5
 
 
+def test_a_last_event_id_ahead_of_every_event_still_closes_at_the_end(api: Api) -> None:
+    # Well formed, so not a 400, but ahead of every id the job's log will hold: its exec_end lands
+    # behind the cursor, and the stream must still close once the job has ended.
+    job = api.run("import time\ntime.sleep(1)\n1", toolsets=["demo"], wait=0)
+    ahead = f"{int(time.time() * 1000) + 10**9}-0"
+    started, lines = time.monotonic(), []
+    headers = {"Last-Event-ID": ahead}
+    with api.http.stream("GET", f"/api/v1/exec/{job['id']}/events", headers=headers, timeout=15) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            lines.append(line)
+            assert time.monotonic() - started < 12, f"still open after the job's end, sending {lines[-3:]}"
+    assert api.get(f"/api/v1/exec/{job['id']}").json()["status"] == "completed"
+    assert [line for line in lines if line.startswith(("id:", "event:", "data:"))] == []
+
+
 def test_another_users_stream_is_404_and_no_key_is_401(make_api) -> None:  # type: ignore[no-untyped-def]
     alice, bob = make_api(), make_api()
     job = alice.run("1", toolsets=["demo"])
