@@ -30,7 +30,7 @@ from typing import Any
 from django.conf import settings
 from django.contrib.auth.models import User
 from django.db import transaction
-from django.db.models import QuerySet
+from django.db.models import Q, QuerySet
 from django.utils import timezone
 
 from execution.models import ExecJob, ExecSession, WorkFile
@@ -226,9 +226,12 @@ def exec_session_take(*, session_id: Any, job: ExecJob) -> ExecSession:
 
 
 def _session_idle_check(session: ExecSession, then: str) -> None:
-    """Raise 409 ``session_busy``, its message ending with ``then``, if a job is queued or running in ``session``."""
+    """Raise 409 ``session_busy``, its message ending with ``then``, if a job is queued or running in
+    ``session``. A job cancelled while it ran still holds the session until its worker closes it:
+    the worker still has its sandbox (and, killed by the cancel, ends the session ``lost`` with it)."""
     current = session.current_job_id
-    if current is not None and ExecJob.objects.filter(pk=current).exclude(status__in=ExecJob.FINISHED).exists():
+    unfinished = ~Q(status__in=ExecJob.FINISHED) | Q(status=ExecJob.Status.CANCELLED, closed_at__isnull=True)
+    if current is not None and ExecJob.objects.filter(unfinished, pk=current).exists():
         raise ApplicationError(
             "session_busy", f"A job is queued or running in this session; {then}", details={"job": str(current)}
         )

@@ -184,6 +184,23 @@ def test_cancelling_a_running_job_ends_its_session_lost(api: Api) -> None:
     assert ended["status"] == "lost"
 
 
+def test_a_job_submitted_as_a_running_job_is_cancelled_is_busy_then_lost(api: Api) -> None:
+    # The job reads cancelled at once, but its worker still holds the sandbox until it has killed
+    # it: a submit meanwhile is 409 session_busy, and then 410 session_lost, never a job let in to
+    # find the sandbox taken. 300 MB touched make the kill take a moment, widening the window.
+    for _ in range(3):
+        session = _session(api)
+        code = "import time\nheld = b'x' * (300 << 20)\nprint('in', flush=True)\ntime.sleep(60)"
+        job = _run(api, session, code, wait=0, timeout=120)
+        assert api.until_printed(job["id"]) == "in\n"
+        assert api.post(f"/api/v1/exec/{job['id']}/cancel").status_code == 200
+        deadline = time.monotonic() + 20
+        while (late := api.post("/api/v1/exec", json={"code": "1", "session": session["id"]})).status_code == 409:
+            assert late.json()["error"]["code"] == "session_busy"
+            assert time.monotonic() < deadline, "the cancelled job held its session for 20 s"
+        assert late.status_code == 410 and late.json()["error"]["code"] == "session_lost", late.text
+
+
 def test_the_memory_limit_holds_across_calls(api: Api) -> None:
     session = _session(api, limits={"memory_mb": 256})
     assert session["limits"]["memory_mb"] == 256
