@@ -205,7 +205,8 @@ def _describe(user_id: int, name: str) -> dict[str, Any]:
             f"'{wanted}' is in several toolsets ({', '.join(t['toolset'] for t in found)}): name it as toolset.tool.",
             details={"toolsets": [t["toolset"] for t in found]},
         )
-    raise ApplicationError("unknown_tool", f"There is no tool '{wanted}' you may use: list_toolsets lists them.")
+    shown = wanted if len(wanted) <= 200 else f"{wanted[:200]}…"  # longer than any toolset.tool
+    raise ApplicationError("unknown_tool", f"There is no tool '{shown}' you may use: list_toolsets lists them.")
 
 
 @db_read

@@ -394,23 +394,26 @@ def test_stdio_refuses_an_unknown_user(stack_env: dict[str, str]) -> None:
 
 # -- Discovery -----------------------------------------------------------------------------------
 def test_list_toolsets_and_describe_tool(stack: Stack, api: Api) -> None:
-    async def main() -> tuple[Any, Any, types.CallToolResult, list[types.Tool]]:
+    async def main() -> tuple[Any, Any, types.CallToolResult, types.CallToolResult, list[types.Tool]]:
         async with http_client(stack, api.key) as client:
             listed = await call(client, "list_toolsets", {})
             described = await call(client, "describe_tool", {"name": "Demo.sleep"})
             unknown = await client.call_tool("describe_tool", {"name": "demo.nope"})
+            long = await client.call_tool("describe_tool", {"name": "x" * 100_000})
         # ?discovery=1: exec_code names tools only.
         http = httpx2.AsyncClient(headers={"Authorization": f"Bearer {api.key}"})
         async with Client(streamable_http_client(f"{stack.base_url}/mcp?discovery=1", http_client=http)) as client:
             tools = (await client.list_tools()).tools
-        return listed, described, unknown, tools
+        return listed, described, unknown, long, tools
 
-    listed, described, unknown, tools = run(main)
+    listed, described, unknown, long, tools = run(main)
     demo = next(t for t in listed["toolsets"] if t["key"] == "demo")
     assert demo["import"] == "from ptc_tools.demo import Demo"
     assert "add(a: number, b: number) -> number" in demo["tools"]
     assert described["name"] == "sleep" and described["input_schema"]["required"] == ["ms"]
     assert unknown.is_error is True and data(unknown)["error"]["code"] == "unknown_tool"
+    # A name no tool can have is not quoted back whole: a readable message, as the REST API's.
+    assert data(long)["error"]["code"] == "unknown_tool" and len(data(long)["error"]["message"]) < 300
     discovery = next(t for t in tools if t.name == "exec_code").description or ""
     assert "demo.Demo: add, catalog_search, echo, fail, sleep" in discovery
     assert "add(a: number" not in discovery
