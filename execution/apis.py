@@ -237,8 +237,12 @@ class SessionFilesApi(FilteredListApi):
                 status=413,
                 details={"size": size, "limit": settings.PTC_FILES_MAX_BYTES},
             )
-        if len(request.FILES.getlist("file")) > 1:  # the serializer would keep the last and drop the rest
-            raise ApplicationError("validation_error", "Send one file per upload.", details={"file": ["one file per upload"]})
+        # One of each: the serializer would keep the last and drop the rest.
+        for field, parts in (("file", request.FILES), ("path", request.POST)):
+            if len(parts.getlist(field)) > 1:
+                raise ApplicationError(
+                    "validation_error", f"Send one {field} per upload.", details={field: [f"one {field} per upload"]}
+                )
         body = WorkFileUploadSerializer(data=request.data)
         body.is_valid(raise_exception=True)
         upload = body.validated_data["file"]

@@ -426,6 +426,10 @@ def test_an_upload_that_cant_be_written_is_refused_or_waits_named(api: Api) -> N
     assert api.post(base, files={"file": ("x", b"y")}, data={"path": "dir/file.txt"}).status_code == 201
     two = api.post(base, files=[("file", ("a", b"1")), ("file", ("b", b"2"))])  # one would be dropped
     assert two.status_code == 400 and two.json()["error"]["message"] == "Send one file per upload.", two.text
+    paths = api.post(base, files={"file": ("x", b"y")}, data={"path": ["keep/me.txt", "other.txt"]})
+    assert paths.status_code == 400 and paths.json()["error"]["message"] == "Send one path per upload.", paths.text
+    as_json = api.post(base, json={"path": "j.txt"})  # uploads are multipart only
+    assert as_json.status_code == 415 and as_json.json()["error"]["code"] == "unsupported_media_type", as_json.text
     for path in ("n" * 256 + ".txt", "dir", "dir/file.txt/below"):  # a name past 255 bytes; a file and a folder of one name
         refused = api.post(base, files={"file": ("x", b"y")}, data={"path": path})
         assert refused.status_code == 400 and refused.json()["error"]["code"] == "invalid_path", (path, refused.text)
