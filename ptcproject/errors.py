@@ -66,6 +66,19 @@ CODES: dict[str, tuple[int, str]] = {
     "key_mismatch": (400, "the body's key differs from the URL's"),
     "builtin_toolset": (400, "builtin toolsets are defined in code"),
     "not_mcp": (400, "only an MCP toolset can be synced"),
+    # Toolset writes: the first problem's code; `details` has every problem by field
+    "invalid_key": (400, "a toolset write's key is not a Python identifier, or is a name the SDK uses itself"),
+    "invalid_config": (400, "a toolset write's config is not what its kind takes"),
+    "unknown_secret": (400, "a toolset's config names `{{secrets.NAME}}` for a secret it does not set"),
+    "invalid_tool_name": (400, "a tool's name is not a Python identifier the SDK can use"),
+    "duplicate_tool_name": (400, "a toolset write defines one tool name twice"),
+    "invalid_json_schema": (400, "a tool's input or output schema is not a valid JSON Schema of keyword arguments"),
+    "invalid_http_spec": (400, "an http tool's `http` is not `{method, path, query}`, or a tool of another kind has one"),
+    "unknown_http_parameter": (
+        400,
+        "an http tool's path or query names a parameter its input schema lacks (a path's must be required)",
+    ),
+    "invalid_allowed_callers": (400, "a tool's allowed_callers holds a value that is not a caller"),
     # Tool calls: refused before they run
     "unknown_toolset": (400, "there is no such toolset"),
     "unknown_tool": (400, "the toolset has no such tool"),

@@ -7,7 +7,7 @@ from ptcproject.errors import CODES, JOB_ERROR_TYPES
 from tests.stack import ROOT
 
 APPS = ("ptcproject", "tools", "execution", "billing")
-# Calls that take an error code first (``_tool_call_fail`` takes the call's id first, then the code).
+# Calls that take an error code, and where (``_tool_call_fail`` takes the call's id first, then the code).
 ERROR_CALLS = {
     "ApplicationError": 0,
     "ToolFailure": 0,
@@ -15,6 +15,7 @@ ERROR_CALLS = {
     "call_error": 0,
     "error_body": 0,
     "_tool_call_fail": 1,
+    "FieldError": 1,  # a toolset write's problem: (path, code, message); the 400 answers the first one's code
 }
 
 
