@@ -83,6 +83,27 @@ def secrets_redact(text: str, secrets: Iterable[str]) -> str:
     return _redacted(text, _forms(secrets))
 
 
+def secrets_tail(text: str, size: int, secrets: Iterable[str]) -> str:
+    """Return the end of ``text`` to keep of a stream: its last ``size`` characters, or more, never
+    the end of a secret without its start (which ``secrets_redact`` could not find).
+
+    A secret the cut would fall in is kept whole; so is one whose end is still to come (``size`` is
+    raised to the longest secret's), because the next cut keeps it whole once it is.
+    """
+    forms = _forms(secrets)
+    start = len(text) - max([size, *map(len, forms)])
+    if start <= 0:
+        return text
+    moved = True
+    while moved:  # keeping a secret whole may put the cut inside another
+        moved = False
+        for form in forms:
+            found = text.find(form, max(0, start - len(form) + 1))
+            if -1 < found < start:
+                start, moved = found, True
+    return text[start:]
+
+
 def secrets_redact_value(value: Any, secrets: Iterable[str]) -> Any:
     """Return a JSON value with ``secrets_redact`` applied to every string in it.
 

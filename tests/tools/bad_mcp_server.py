@@ -1,14 +1,19 @@
-"""MCP servers that fail: ``exit`` dies at once, ``hang`` never answers initialize, ``garbage`` answers
+"""MCP servers that fail: ``exit`` dies at once, ``exit_token`` too, after printing its TOKEN on stderr
+where a 4,000-character tail would cut it, ``hang`` never answers initialize, ``garbage`` answers
 with HTML, ``rpc_error`` starts and answers every call with a JSON-RPC server error (-32000) whose
 message is 100 KB. python bad_mcp_server.py MODE [--marker=ANYTHING]"""
 
 import json
+import os
 import sys
 import time
 
 mode = sys.argv[1]
 if mode == "exit":
     print("fatal: cannot start without a license file", file=sys.stderr)
+    sys.exit(3)
+if mode == "exit_token":
+    print(f"fatal: the upstream refused token {os.environ['TOKEN']}" + "\n" * 3990, file=sys.stderr)
     sys.exit(3)
 if mode == "hang":
     for _ in sys.stdin:

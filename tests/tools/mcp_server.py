@@ -48,6 +48,12 @@ def whoami() -> str:
     return f'{{"pid": {os.getpid()}, "token": "{os.environ.get("TOKEN", "")}"}}'
 
 
+@server.tool()
+def refused() -> str:
+    """Always fails quoting the token, as an upstream's "401: bad token ..." does: it must come back redacted."""
+    raise ToolError(f"401 Unauthorized: token {os.environ.get('TOKEN', '')} was refused")
+
+
 @server.tool(name="get-thing", structured_output=False)
 def get_thing(thing_id: str) -> str:
     """A tool whose name Python can't spell."""

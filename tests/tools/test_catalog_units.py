@@ -13,7 +13,14 @@ from tools.kinds.http import request_parts
 from tools.kinds.mcp import result_output
 from tools.models import Tool, Toolset
 from tools.sdk import _TypeDefs, shape, summary
-from tools.secret_refs import MissingSecret, secret_names_used, secrets_redact, secrets_redact_value, secrets_render
+from tools.secret_refs import (
+    MissingSecret,
+    secret_names_used,
+    secrets_redact,
+    secrets_redact_value,
+    secrets_render,
+    secrets_tail,
+)
 from tools.services import python_name
 from tools.validation import toolset_errors
 
@@ -38,6 +45,18 @@ def test_secret_references() -> None:
     assert secrets_redact("got abcd1234-and-more and abcd1234", secrets.values()) == "got [redacted] and [redacted]"
     assert secrets_redact_value({"abcd1234": ["x abcd1234", 1]}, ["abcd1234"]) == {"[redacted]": ["x [redacted]", 1]}
     assert secrets_redact("a b", ["a"]) == "a b"  # too short to redact without mangling text
+
+
+def test_a_streams_tail_is_cut_where_no_secret_is() -> None:
+    assert secrets_tail("0123456789", 4, []) == "6789"
+    secrets = ["abcd1234", "abcd1234-and-more"]
+    # A secret the cut falls in is kept whole, so redacting the tail finds it.
+    assert secrets_tail("x" * 30 + "abcd1234-and-more" + "yy", 10, secrets) == "abcd1234-and-more" + "yy"
+    assert secrets_tail("x" * 30 + "abcd1234" + "y" * 20, 25, secrets) == "abcd1234" + "y" * 20
+    # One still being written is kept whole: the tail is never shorter than the longest secret.
+    assert secrets_tail("x" * 30 + "abcd1234-an", 4, secrets) == "x" * 6 + "abcd1234-an"
+    # Keeping one whole may put the cut in another.
+    assert secrets_tail("zz" + "aaaa-1111-bbbb", 5, ["aaaa-1111", "1111-bbbb"]) == "aaaa-1111-bbbb"
 
 
 def test_http_request_parts() -> None:
@@ -69,16 +88,21 @@ def _result(*content: Any, structured: Any = None, error: bool = False) -> Any:
 
 
 def test_mcp_results_become_outputs() -> None:
-    assert result_output(_result(_text("{}"), structured={"a": 1}), "t") == {"a": 1}
-    assert result_output(_result(_text('[1, {"b": 2}]')), "t") == [1, {"b": 2}]
-    assert result_output(_result(_text("plain words")), "t") == "plain words"
-    assert result_output(_result(_text("{not json")), "t") == "{not json"
-    assert result_output(_result(_text("one"), _text("two")), "t") == "one\ntwo"
+    assert result_output(_result(_text("{}"), structured={"a": 1}), "t", ()) == {"a": 1}
+    assert result_output(_result(_text('[1, {"b": 2}]')), "t", ()) == [1, {"b": 2}]
+    assert result_output(_result(_text("plain words")), "t", ()) == "plain words"
+    assert result_output(_result(_text("{not json")), "t", ()) == "{not json"
+    assert result_output(_result(_text("one"), _text("two")), "t", ()) == "one\ntwo"
     image = SimpleNamespace(type="image", model_dump=lambda **_: {"type": "image", "data": "AAA=", "mimeType": "image/png"})
-    assert result_output(_result(_text("caption"), image), "t")[1]["type"] == "image"
+    assert result_output(_result(_text("caption"), image), "t", ())[1]["type"] == "image"
     with pytest.raises(ToolFailure) as failed:
-        result_output(_result(_text("rate limited"), error=True), "t")
+        result_output(_result(_text("rate limited"), error=True), "t", ())
     assert (failed.value.code, failed.value.message) == ("mcp_tool_error", "rate limited")
+    # Redacted before it is cut: the cut can't keep the start of a secret out of redaction's sight.
+    with pytest.raises(ToolFailure) as failed:
+        result_output(_result(_text("x" * 1990 + " token abcd1234 refused"), error=True), "t", ("abcd1234",))
+    assert failed.value.message == "x" * 1990 + " token [re"
+    assert result_output(_result(_text('{"token": "abcd1234"}')), "t", ("abcd1234",)) == {"token": "[redacted]"}
 
 
 def _tool(**fields: Any) -> dict[str, Any]:

@@ -62,7 +62,7 @@ def test_sync_lists_the_servers_tools(staff: Api, stdio_toolset: tuple[str, str]
     key, _ = stdio_toolset
     toolset = staff.get(f"/api/v1/toolsets/{key}").json()
     tools = {t["name"]: t for t in toolset["tools"]}
-    assert set(tools) == {"add", "weather", "boom", "whoami", "get_thing", "slow", "extra"}
+    assert set(tools) == {"add", "weather", "boom", "whoami", "refused", "get_thing", "slow", "extra"}
     assert tools["add"]["read_only"] is True and tools["boom"]["read_only"] is False
     assert tools["add"]["description"] == "Add two integers."
     assert tools["add"]["signature"] == "add(a: int, b: int) -> dict"
@@ -99,6 +99,27 @@ print("still running")
     assert lines[4] == "mcp_tool_error Error executing tool boom: kaput"
     assert lines[5] == "still running"
     assert TOKEN not in json.dumps(job)
+
+
+def test_a_tool_error_that_quotes_the_secret_is_redacted(api: Api, stdio_toolset: tuple[str, str]) -> None:
+    """An error result is the server's text, as much as a result is: it reaches the code, the call's
+    record and the job's events redacted."""
+    key, _ = stdio_toolset
+    code = f"""
+from ptc_tools import ToolError
+from ptc_tools.{key} import {class_name(key)} as M
+try:
+    M.refused()
+except ToolError as e:
+    print(e.code, "|", e.message)
+"""
+    job = api.run(code, toolsets=[key])
+    assert job["status"] == "completed", job["error"]
+    assert job["stdout"] == "mcp_tool_error | Error executing tool refused: 401 Unauthorized: token [redacted] was refused\n"
+    events = api.get(f"/api/v1/exec/{job['id']}/events", timeout=30).text
+    calls = api.get("/api/v1/tool-calls", params={"exec": job["id"]}).text
+    assert "[redacted]" in calls
+    assert [where for where, text in (("job", json.dumps(job)), ("events", events), ("calls", calls)) if TOKEN in text] == []
 
 
 def test_one_server_per_worker_process_and_none_left_behind(
@@ -301,6 +322,23 @@ def test_a_server_error_is_the_servers_error_not_a_lost_connection() -> None:
     [server] = _servers(os.getpid(), marker)  # one session, not restarted after each answer
     mcp.sessions_close()
     assert not alive(server)
+
+
+def test_a_servers_stderr_is_cut_where_no_secret_is() -> None:
+    """A server that dies says why from the end of its stderr: where that end is cut must not keep the
+    end of a secret without its start, which redacting could not find."""
+    toolset = Toolset(
+        id=uuid.uuid4(),
+        key=unique_key("stderr"),
+        kind="mcp",
+        config=mcp_stdio_config(uuid.uuid4().hex, BAD_MCP_SERVER, "exit_token", TOKEN="{{secrets.TOKEN}}"),
+        secrets={"TOKEN": TOKEN},
+    )
+    with pytest.raises(ToolFailure) as failure:
+        mcp.run(toolset=toolset, tool=Tool(name="anything"), arguments={}, timeout=10)
+    assert failure.value.code == "mcp_start_failed"
+    assert failure.value.message.endswith("exited while starting; its stderr ends: [redacted]"), failure.value.message
+    mcp.sessions_close()
 
 
 def test_worker_shutdown_stops_its_servers(api: Api, stack: Stack, stdio_toolset: tuple[str, str]) -> None:

@@ -17,6 +17,7 @@ it up. Closing a stdio session closes the server's stdin, then terminates its pr
 
 import asyncio
 import atexit
+import codecs
 import concurrent.futures
 import contextlib
 import hashlib
@@ -31,7 +32,7 @@ from typing import Any, TypeVar
 
 from tools.errors import ToolFailure
 from tools.models import Tool, Toolset
-from tools.secret_refs import MissingSecret, secrets_redact, secrets_redact_value, secrets_render_map
+from tools.secret_refs import MissingSecret, secrets_redact, secrets_redact_value, secrets_render_map, secrets_tail
 
 logger = logging.getLogger("ptc.tools")
 
@@ -42,7 +43,7 @@ IDLE_SECONDS = 600.0
 _REAP_EVERY = 30.0
 # Closing waits for each server to exit: the SDK gives it 2 s after stdin closes, then 2 s after SIGTERM.
 _CLOSE_SECONDS = 10.0
-_STDERR_TAIL_BYTES = 4000
+_STDERR_TAIL_CHARS = 4000
 _EXCERPT_CHARS = 300
 T = TypeVar("T")
 
@@ -123,15 +124,18 @@ class _StderrTail:
     """A stdio server's stderr: a pipe whose last few KB are kept, to say why a server failed.
 
     Read by the event loop, so nothing blocks on a chatty server, and nothing of it is logged: a
-    server may print its own configuration, secrets included.
+    server may print its own configuration, secrets included. What is kept is cut where no secret
+    is (``secrets_tail``), and read redacted.
     """
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, secrets: tuple[str, ...]) -> None:
         self._loop = loop
+        self._secrets = secrets
         self._read_fd, write_fd = os.pipe()
         os.set_blocking(self._read_fd, False)
         self.writer = os.fdopen(write_fd, "w")
-        self._tail = bytearray()
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._tail = ""
         self._open = True
         loop.add_reader(self._read_fd, self._drain)
 
@@ -151,12 +155,12 @@ class _StderrTail:
             if not data:
                 self.close()
                 return
-            self._tail += data
-            del self._tail[:-_STDERR_TAIL_BYTES]
+            self._tail = secrets_tail(self._tail + self._decoder.decode(data), _STDERR_TAIL_CHARS, self._secrets)
 
     def text(self) -> str:
+        """Return the end of what the server wrote on stderr, its secrets redacted."""
         self._drain()
-        return self._tail.decode(errors="replace")
+        return secrets_redact(self._tail, self._secrets)
 
     def close(self) -> None:
         self.spawned()
@@ -197,7 +201,7 @@ class _Session:
         from mcp.shared._httpx_utils import create_mcp_http_client
 
         if self.server.transport == "stdio":
-            self.stderr = _StderrTail(self.loop)
+            self.stderr = _StderrTail(self.loop, self.server.secrets)
             params = StdioServerParameters(command=self.server.command, args=list(self.server.args), env=dict(self.server.env))
             try:
                 streams = await stack.enter_async_context(stdio_client(params, errlog=self.stderr.writer))
@@ -318,17 +322,24 @@ class _Session:
                 self.last_used = time.monotonic()
         if scope.cancelled_caught:
             raise ToolFailure("mcp_bad_response", f"{where}: {self.broken or 'the session was closed'}")
-        return secrets_redact_value(result_output(result, where), self.server.secrets)
+        return result_output(result, where, self.server.secrets)
 
 
-def result_output(result: Any, where: str) -> Any:
-    """Return a CallToolResult as JSON: structured content, else JSON text decoded, else the text.
+def result_output(result: Any, where: str, secrets: tuple[str, ...]) -> Any:
+    """Return a CallToolResult as JSON, ``secrets`` redacted: structured content, else JSON text
+    decoded, else the text.
 
-    Raise ToolFailure ``mcp_tool_error`` for an ``isError`` result, with its text as the message.
+    Raise ToolFailure ``mcp_tool_error`` for an ``isError`` result, with its text as the message
+    (redacted before it is cut: an upstream's "401: bad token ..." quotes it).
     """
     texts = [block.text for block in result.content if getattr(block, "type", "") == "text"]
     if result.is_error:
-        raise ToolFailure("mcp_tool_error", "\n".join(texts).strip()[:2000] or f"{where} reported an error")
+        message = secrets_redact("\n".join(texts), secrets).strip()[:2000]
+        raise ToolFailure("mcp_tool_error", message or f"{where} reported an error")
+    return secrets_redact_value(_output(result, texts), secrets)
+
+
+def _output(result: Any, texts: list[str]) -> Any:
     if result.structured_content is not None:
         return result.structured_content
     if len(texts) == len(result.content) == 1:
@@ -363,14 +374,20 @@ class _Pool:
                 self._loop, self._thread, self._sessions, self._reaper = loop, thread, {}, None
             return self._loop
 
-    def run(self, make: Callable[[], Awaitable[T]], timeout: float) -> T:
-        """Run a coroutine on the loop from any thread; give up after ``timeout`` seconds."""
+    def run(self, make: Callable[[], Awaitable[T]], timeout: float, secrets: tuple[str, ...]) -> T:
+        """Run a coroutine on the loop from any thread; give up after ``timeout`` seconds.
+
+        Raise ToolFailure with ``secrets`` redacted from its message, whatever built it: the
+        message goes to the sandbox, the call's record, its events and the logs.
+        """
         future = asyncio.run_coroutine_threadsafe(_awaited(make), self._running_loop())
         try:
             return future.result(timeout)
         except concurrent.futures.TimeoutError:
             future.cancel()
             raise ToolFailure("mcp_timeout", f"no answer from the MCP server within {timeout:g} s") from None
+        except ToolFailure as failure:
+            raise ToolFailure(failure.code, secrets_redact(failure.message, secrets)) from None
 
     async def session(self, key: str, server: Server) -> _Session:
         """Return the live session for ``key``, opening one if there is none or its config changed."""
@@ -456,7 +473,7 @@ def run(*, toolset: Toolset, tool: Tool, arguments: dict[str, Any], timeout: flo
         session = await _pool.session(_key(toolset), server)
         return await session.call(name, arguments, timeout)
 
-    return _pool.run(call, server.init_timeout + timeout + 5)
+    return _pool.run(call, server.init_timeout + timeout + 5, server.secrets)
 
 
 @dataclass(frozen=True)
@@ -501,4 +518,4 @@ def tools_list(*, toolset: Toolset) -> list[ListedTool]:
                 await asyncio.wait([session.task], timeout=_CLOSE_SECONDS)
             # One that never started is shut down by its own task, after the failure was said.
 
-    return _pool.run(listing, server.init_timeout + 60)
+    return _pool.run(listing, server.init_timeout + 60, server.secrets)
