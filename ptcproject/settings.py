@@ -139,6 +139,12 @@ LOGGING = {
         # secret header back (tools/kinds/http.py redacts it from what it reports).
         "httpx": {"level": "WARNING"},
         "httpcore": {"level": "WARNING"},
+        # The mcp SDK's client logs what a server sent that it could not parse (a stdio server's
+        # stdout line, an HTTP body) with pydantic's quote of it: a server may print its secrets.
+        # The mcp kind logs its own line, naming the server (tools/kinds/mcp.py). Its ClientSession
+        # logs as "client" (a notification it could not validate, quoted too).
+        "mcp.client": {"level": "CRITICAL"},
+        "client": {"level": "CRITICAL"},
     },
 }
 

@@ -1,6 +1,7 @@
 """MCP servers that fail: ``exit`` dies at once, ``exit_token`` too, after printing its TOKEN on stderr
 where a 4,000-character tail would cut it, ``hang`` never answers initialize, ``garbage`` answers
-with HTML, ``rpc_error`` starts and answers every call with a JSON-RPC server error (-32000) whose
+with HTML, ``stdout_token`` prints its TOKEN on stdout before it answers initialize (a debug line,
+as servers that log to stdout print), ``rpc_error`` starts and answers every call with a JSON-RPC server error (-32000) whose
 message is 100 KB. python bad_mcp_server.py MODE [--marker=ANYTHING]"""
 
 import json
@@ -22,6 +23,14 @@ if mode == "hang":
 if mode == "garbage":
     for _ in sys.stdin:
         print("<html><body>502 Bad Gateway</body></html>", flush=True)
+if mode == "stdout_token":
+    for line in sys.stdin:
+        message = json.loads(line)
+        if message.get("method") == "initialize":
+            print(f"debug: token={os.environ['TOKEN']}", flush=True)
+            info = {"name": "stdout-token", "version": "1"}
+            answer = {"protocolVersion": message["params"]["protocolVersion"], "capabilities": {"tools": {}}, "serverInfo": info}
+            print(json.dumps({"jsonrpc": "2.0", "id": message["id"], "result": answer}), flush=True)
 if mode == "rpc_error":
     for line in sys.stdin:
         message = json.loads(line)

@@ -268,6 +268,36 @@ def test_a_bad_server_is_a_clear_error_and_leaves_nothing_running(
     assert _wait_for(lambda: not _servers(worker, marker), 10), children(worker)
 
 
+def test_a_server_that_prints_its_token_on_stdout_keeps_it_out_of_the_logs(
+    api: Api, staff: Api, stack: Stack, create_toolset: Callable[..., dict[str, Any]]
+) -> None:
+    """A server that logs to stdout breaks the protocol. The SDK logs the line it could not parse, what
+    the server said included; the logs of the web (a sync) and of the tools worker (a call) say which
+    server broke it, never what it said."""
+    secret = f"tok-{uuid.uuid4().hex}"
+    key = unique_key("noisy")
+    config = {**mcp_stdio_config(uuid.uuid4().hex, BAD_MCP_SERVER, "stdout_token", TOKEN="{{secrets.TOKEN}}"), "init_timeout": 2}
+    tool = {"name": "anything", "input_schema": {"type": "object", "properties": {}}}
+    create_toolset({"key": key, "name": "Noisy", "kind": "mcp", "config": config, "tools": [tool], "secrets": {"TOKEN": secret}})
+    logs = {process.log: process.log.stat().st_size for process in (stack.web, stack.tools_worker)}
+
+    sync = staff.post(f"/api/v1/toolsets/{key}/sync")
+    assert sync.status_code == 502 and sync.json()["error"]["code"] == "mcp_bad_response", sync.text
+    job = api.run(
+        f"from ptc_tools import ToolError\nfrom ptc_tools.{key} import {class_name(key)} as M\n"
+        "try:\n    M.anything()\nexcept ToolError as e:\n    print(e.code)",
+        toolsets=[key],
+    )
+    assert job["stdout"] == "mcp_bad_response\n", job
+    for log, offset in logs.items():
+        with log.open("rb") as f:
+            f.seek(offset)
+            written = f.read().decode(errors="replace")
+        # Not a piece of it either: pydantic's error quotes a long line's start and end.
+        assert [part for part in (secret[:12], secret[-12:]) if part in written] == [], log.name
+        assert f"mcp server sent an unparseable message; closing its session: of toolset '{key}'" in written, log.name
+
+
 def test_a_server_that_cannot_start_at_all(api: Api, create_toolset: Callable[..., dict[str, Any]]) -> None:
     key = unique_key("nocmd")
     config = {"transport": "stdio", "command": "/nonexistent/mcp-server"}
