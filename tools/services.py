@@ -10,6 +10,7 @@ from django.contrib.auth.models import User
 from django.db import transaction
 
 from ptcproject.errors import ApplicationError
+from ptcproject.storage import unstorable
 from tools.builtin import registry
 from tools.errors import ToolFailure
 from tools.kinds import mcp
@@ -243,19 +244,42 @@ def toolset_delete(*, toolset: Toolset) -> None:
 
 
 _NOT_NAME_CHARS = re.compile(r"\W", re.ASCII)
+_NAME_LENGTH = Tool._meta.get_field("name").max_length or 0
+_REMOTE_NAME_LENGTH = Tool._meta.get_field("remote_name").max_length or 0
 
 
 def python_name(remote: str, taken: set[str]) -> str:
-    """Return a Python method name for an MCP tool name: ``get-issue`` → ``get_issue``; unique in ``taken``."""
+    """Return a Python method name for an MCP tool name: ``get-issue`` → ``get_issue``; unique in
+    ``taken``, and cut to fit a Tool's name."""
     name = _NOT_NAME_CHARS.sub("_", remote).lstrip("_") or "tool"
     if name[0].isdigit():
         name = f"t_{name}"
     if keyword.iskeyword(name):
         name += "_"
-    candidate, n = name, 2
+    candidate, n = name[:_NAME_LENGTH], 2
     while candidate in taken:
-        candidate, n = f"{name}_{n}", n + 1
+        suffix = f"_{n}"
+        candidate, n = name[: _NAME_LENGTH - len(suffix)] + suffix, n + 1
     return candidate
+
+
+def _listed_tool_problem(item: mcp.ListedTool) -> str | None:
+    """Return why a tool an MCP server listed can't be a Tool row as listed (``where: what``), or None."""
+    if len(item.name) > _REMOTE_NAME_LENGTH:
+        return f"name: longer than {_REMOTE_NAME_LENGTH} characters, which can't be stored"
+    listed = {
+        "name": item.name,
+        "description": item.description,
+        "inputSchema": item.input_schema,
+        "outputSchema": item.output_schema,
+    }
+    # PostgreSQL's text and jsonb hold no NUL: the row would fail to save, and the whole sync with it.
+    if (problem := unstorable(listed)) is not None:
+        return problem
+    problems = schema_errors(item.input_schema, path="inputSchema", object_root=True)
+    if item.output_schema is not None:
+        problems += schema_errors(item.output_schema, path="outputSchema", object_root=False)
+    return f"{problems[0].path}: {problems[0].message}" if problems else None
 
 
 @dataclass
@@ -269,8 +293,9 @@ class McpSync:
 def mcp_toolset_sync(*, toolset: Toolset) -> McpSync:
     """List the MCP server's tools into the toolset's Tool rows, and return what changed.
 
-    Tools the server no longer lists are disabled, not deleted. A tool whose input schema is not a
-    valid JSON Schema object is skipped and reported. Raise ApplicationError ``not_mcp`` (400), or
+    Tools the server no longer lists are disabled, not deleted. A tool that can't be one as listed
+    (its input schema is not a valid JSON Schema object, its name is too long to store, a text of it
+    holds a NUL) is skipped and reported: the others are synced. Raise ApplicationError ``not_mcp`` (400), or
     the failure's own code (``mcp_start_failed``, ``mcp_init_timeout``, ...) as a 502.
     """
     if toolset.kind != Toolset.Kind.MCP:
@@ -291,11 +316,8 @@ def mcp_toolset_sync(*, toolset: Toolset) -> McpSync:
         taken = {t.name for t in existing.values()}
         kept = []
         for item in listed:
-            problems = schema_errors(item.input_schema, path="inputSchema", object_root=True)
-            if item.output_schema is not None:
-                problems += schema_errors(item.output_schema, path="outputSchema", object_root=False)
-            if problems:
-                result.skipped.append({"name": item.name, "reason": f"{problems[0].path}: {problems[0].message}"})
+            if (problem := _listed_tool_problem(item)) is not None:
+                result.skipped.append({"name": item.name, "reason": problem})
                 continue
             tool = existing.get(item.name)
             if tool is None:

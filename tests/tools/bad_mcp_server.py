@@ -1,7 +1,8 @@
 """MCP servers that fail: ``exit`` dies at once, ``exit_token`` too, after printing its TOKEN on stderr
 where a 4,000-character tail would cut it, ``hang`` never answers initialize, ``garbage`` answers
 with HTML, ``stdout_token`` prints its TOKEN on stdout before it answers initialize (a debug line,
-as servers that log to stdout print), ``rpc_error`` starts and answers every call with a JSON-RPC server error (-32000) whose
+as servers that log to stdout print), ``odd_list`` lists tools the database can't hold as they
+are beside ones it can, ``rpc_error`` starts and answers every call with a JSON-RPC server error (-32000) whose
 message is 100 KB. python bad_mcp_server.py MODE [--marker=ANYTHING]"""
 
 import json
@@ -31,6 +32,25 @@ if mode == "stdout_token":
             info = {"name": "stdout-token", "version": "1"}
             answer = {"protocolVersion": message["params"]["protocolVersion"], "capabilities": {"tools": {}}, "serverInfo": info}
             print(json.dumps({"jsonrpc": "2.0", "id": message["id"], "result": answer}), flush=True)
+if mode == "odd_list":
+    schema = {"type": "object", "properties": {}}
+    tools = [
+        {"name": "whoami", "inputSchema": schema},
+        {"name": "a" * 200, "inputSchema": schema},  # a Python name is cut to fit; the server's is kept
+        {"name": "n" * 300, "inputSchema": schema},
+        {"name": "nul_desc", "description": "a\u0000b", "inputSchema": schema},
+        {"name": "nul_schema", "inputSchema": {"type": "object", "properties": {"q": {"description": "\u0000"}}}},
+    ]
+    for line in sys.stdin:
+        message = json.loads(line)
+        if "id" not in message:
+            continue
+        if message["method"] == "initialize":
+            info = {"name": "odd-list", "version": "1"}
+            answer = {"protocolVersion": message["params"]["protocolVersion"], "capabilities": {"tools": {}}, "serverInfo": info}
+        else:
+            answer = {"tools": tools}
+        print(json.dumps({"jsonrpc": "2.0", "id": message["id"], "result": answer}), flush=True)
 if mode == "rpc_error":
     for line in sys.stdin:
         message = json.loads(line)

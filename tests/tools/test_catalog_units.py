@@ -32,6 +32,9 @@ def test_python_names_for_mcp_tools() -> None:
     assert python_name("class", set()) == "class_"
     assert python_name("get-issue", {"get_issue"}) == "get_issue_2"
     assert python_name("__init__", set()) == "init__"
+    # Cut to fit a Tool's name (128), its suffix included.
+    assert python_name("x" * 200, set()) == "x" * 128
+    assert python_name("x" * 200, {"x" * 128}) == "x" * 126 + "_2"
 
 
 def test_secret_references() -> None:

@@ -174,6 +174,27 @@ print(M.get_thing(thing_id="after"))
     assert job["stdout"] == "mcp_timeout | MCP tool 'slow' did not answer within 1 s\nthing after\n"
 
 
+def test_a_server_listing_odd_tools_syncs_the_good_ones_and_reports_the_rest(
+    staff: Api, create_toolset: Callable[..., dict[str, Any]]
+) -> None:
+    """A tool the database can't hold as listed is skipped, with why, as one with a bad schema is:
+    the others are synced, not rolled back with a 500."""
+    key = unique_key("odd")
+    create_toolset(
+        {"key": key, "name": "Odd", "kind": "mcp", "config": mcp_stdio_config(uuid.uuid4().hex, BAD_MCP_SERVER, "odd_list")}
+    )
+    sync = staff.post(f"/api/v1/toolsets/{key}/sync")
+    assert sync.status_code == 200, sync.text
+    assert sync.json()["added"] == ["whoami", "a" * 128]
+    nul = "holds a NUL character (U+0000), which can't be stored"
+    assert sync.json()["skipped"] == [
+        {"name": "n" * 300, "reason": "name: longer than 256 characters, which can't be stored"},
+        {"name": "nul_desc", "reason": f"description: {nul}"},
+        {"name": "nul_schema", "reason": f"inputSchema/properties/q/description: {nul}"},
+    ]
+    assert Tool.objects.get(toolset__key=key, name="a" * 128).remote_name == "a" * 200
+
+
 def test_a_tool_the_server_drops_is_disabled_not_deleted(api: Api, staff: Api, stdio_toolset: tuple[str, str]) -> None:
     key, marker = stdio_toolset
     job = api.run(f"from ptc_tools.{key} import {class_name(key)} as M\nM.extra()", toolsets=[key])
