@@ -54,6 +54,11 @@ def refused() -> str:
     raise ToolError(f"401 Unauthorized: token {os.environ.get('TOKEN', '')} was refused")
 
 
+@server.tool(description=f"Lists with its own configuration quoted: token {os.environ.get('TOKEN', '')}.")
+def configured(endpoint: str = f"https://api.example/?key={os.environ.get('TOKEN', '')}") -> str:
+    return endpoint
+
+
 @server.tool(name="get-thing", structured_output=False)
 def get_thing(thing_id: str) -> str:
     """A tool whose name Python can't spell."""

@@ -62,7 +62,11 @@ def test_sync_lists_the_servers_tools(staff: Api, stdio_toolset: tuple[str, str]
     key, _ = stdio_toolset
     toolset = staff.get(f"/api/v1/toolsets/{key}").json()
     tools = {t["name"]: t for t in toolset["tools"]}
-    assert set(tools) == {"add", "weather", "boom", "whoami", "refused", "get_thing", "slow", "extra"}
+    assert set(tools) == {"add", "weather", "boom", "whoami", "refused", "configured", "get_thing", "slow", "extra"}
+    # What the server lists is shown to everyone the toolset is granted to: never its secrets.
+    assert TOKEN not in json.dumps(toolset)
+    assert tools["configured"]["description"] == "Lists with its own configuration quoted: token [redacted]."
+    assert tools["configured"]["input_schema"]["properties"]["endpoint"]["default"] == "https://api.example/?key=[redacted]"
     assert tools["add"]["read_only"] is True and tools["boom"]["read_only"] is False
     assert tools["add"]["description"] == "Add two integers."
     assert tools["add"]["signature"] == "add(a: int, b: int) -> dict"

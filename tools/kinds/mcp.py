@@ -486,7 +486,9 @@ class ListedTool:
 
 
 def tools_list(*, toolset: Toolset) -> list[ListedTool]:
-    """Return the server's tools, from a session opened for this and closed after (not pooled)."""
+    """Return the server's tools, from a session opened for this and closed after (not pooled).
+    Their descriptions and schemas come with the toolset's secrets redacted: they are shown to
+    everyone the toolset is granted to, and a server may quote its own configuration."""
     server = server_for(toolset)
 
     async def listing() -> list[ListedTool]:
@@ -505,9 +507,9 @@ def tools_list(*, toolset: Toolset) -> list[ListedTool]:
             return [
                 ListedTool(
                     name=t.name,
-                    description=t.description or "",
-                    input_schema=t.input_schema,
-                    output_schema=t.output_schema,
+                    description=secrets_redact(t.description or "", server.secrets),
+                    input_schema=secrets_redact_value(t.input_schema, server.secrets),
+                    output_schema=secrets_redact_value(t.output_schema, server.secrets),
                     read_only=bool(t.annotations and t.annotations.read_only_hint),
                 )
                 for t in found
