@@ -3,7 +3,7 @@
 The tools worker (another process) calls it on 127.0.0.1. It answers JSON, a 500 whose body echoes
 the request's ``X-Key`` header (a secret, which must come back redacted), HTML, or nothing in time;
 and hostile answers: the secret in the status line, a body over the output limit, JSON nested
-5,000 deep.
+5,000 deep, headers or a body sent a byte at a time (each drip's end is in ``drips``).
 """
 
 import json
@@ -67,10 +67,33 @@ class _Handler(BaseHTTPRequestHandler):
             self.send_header("Location", f"https://elsewhere.example/v2/?key={key}")
             self.send_header("Content-Length", "0")
             self.end_headers()
+        elif parts[0] == "drip":  # a byte every 0.3 s, of the headers or of a 1 MiB body, for at most ``cap`` s
+            self._drip(query.get("part", "body"), float(query.get("cap", 20)))
         elif parts[0] == "deep":
             self._send(200, "[" * 5000 + "]" * 5000)
         else:
             self._send(404, json.dumps({"error": "no such route"}))
+
+    def _drip(self, part: str, cap: float) -> None:
+        started = time.monotonic()
+        how = "server cap"
+        try:
+            self.send_response(200)
+            if part == "body":
+                self.send_header("Content-Length", str(1 << 20))
+                self.end_headers()
+            else:
+                self.flush_headers()  # the status line and the first headers, then one never ended
+            self.wfile.write(b"X-Slow: " if part == "headers" else b'"')
+            self.wfile.flush()
+            while time.monotonic() - started < cap:
+                time.sleep(0.3)
+                self.wfile.write(b"x")
+                self.wfile.flush()
+        except OSError:
+            how = "client closed"
+        self.server.drips.append({"part": part, "how": how, "seconds": time.monotonic() - started})  # type: ignore[attr-defined]
+        self.close_connection = True
 
     do_GET = do_POST = do_PUT = do_PATCH = do_DELETE = _route
 
@@ -80,8 +103,14 @@ class HttpApi:
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
         self.server.daemon_threads = True
         self.server.expected_key = expected_key  # type: ignore[attr-defined]
+        self.server.drips = []  # type: ignore[attr-defined]
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    @property
+    def drips(self) -> list[dict[str, Any]]:
+        """How each drip ended ("client closed" or "server cap"), its part and its seconds, in order."""
+        return self.server.drips  # type: ignore[attr-defined]
 
     def __enter__(self) -> "HttpApi":
         self.thread.start()

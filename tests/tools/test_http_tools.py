@@ -2,6 +2,7 @@
 back as ToolErrors with the status and an excerpt, secrets redacted, and the job carries on."""
 
 import json
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -34,6 +35,7 @@ def _tool(
 def weather(http_api: HttpApi, create_toolset: Callable[..., dict[str, Any]]) -> str:
     key = unique_key("weather")
     city = {"city": {"type": "string"}, "days": {"type": "integer"}, "metric": {"type": "boolean"}}
+    drip = {"part": {"type": "string"}, "cap": {"type": "number"}}
     create_toolset(
         {
             "key": key,
@@ -53,6 +55,7 @@ def weather(http_api: HttpApi, create_toolset: Callable[..., dict[str, Any]]) ->
                 _tool("huge", "GET", "/huge", {"bytes": {"type": "integer"}}, [], ["bytes"]),
                 _tool("deep", "GET", "/deep", {}, [], []),
                 _tool("moved", "GET", "/moved", {}, [], []),
+                _tool("drip", "GET", "/drip", drip, [], list(drip), timeout=1),
             ],
         }
     )
@@ -106,6 +109,37 @@ print("still running")
     assert SECRET not in json.dumps(job)
     # Nor in the tools worker's log.
     assert SECRET not in (ARTIFACTS / "tools-worker.log").read_text(errors="replace")
+
+
+def test_an_answer_sent_a_byte_at_a_time_ends_at_the_tools_timeout(api: Api, weather: str, http_api: HttpApi) -> None:
+    """A server that sends its headers, or then a 1 MiB body, a byte every 0.3 s: each read is quick,
+    the whole is not. The tool's timeout (1 s) bounds the whole request: the call ends http_timeout
+    then, and the tools worker closes the connection (its thread is what serves the next call)."""
+    code = f"""
+import time
+from ptc_tools import ToolError
+from ptc_tools.{weather} import {class_name(weather)} as W
+for part in ("headers", "body"):
+    started = time.monotonic()
+    try:
+        W.drip(part=part, cap=8)
+    except ToolError as e:
+        print(e.code, "|", e.message, "|", round(time.monotonic() - started, 1))
+"""
+    before = len(http_api.drips)
+    job = api.run(code, toolsets=[weather])
+    assert job["status"] == "completed", job["error"]
+    headers, body = [line.split(" | ") for line in job["stdout"].splitlines()]
+    assert headers[:2] == ["http_timeout", "GET /drip got no answer within 1 s"]
+    assert body[:2] == ["http_timeout", "GET /drip answered HTTP 200 but did not send all its body within 1 s"]
+    assert float(headers[2]) < 3 and float(body[2]) < 3
+    # The server's next writes after the worker closed the connection fail (a byte every 0.3 s).
+    deadline = time.monotonic() + 10
+    while len(http_api.drips) < before + 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    drips = http_api.drips[before:]
+    assert [(d["part"], d["how"]) for d in drips] == [("headers", "client closed"), ("body", "client closed")]
+    assert all(d["seconds"] < 3 for d in drips), drips
 
 
 def test_a_missing_path_argument_is_refused_before_the_request(api: Api, weather: str) -> None:

@@ -10,9 +10,11 @@ import json
 import logging
 import re
 import threading
+import time
 from typing import Any
 from urllib.parse import quote
 
+import httpcore
 import httpx
 from django.conf import settings
 
@@ -34,11 +36,63 @@ EXCERPT_BYTES = 4 * EXCERPT_CHARS
 _local = threading.local()
 
 
+def _left(timeout: float | None, late: type[httpcore.TimeoutException]) -> float | None:
+    """The timeout of one socket operation of this thread's request: ``timeout``, cut to what is left
+    before the request's deadline. Raise ``late`` past the deadline."""
+    deadline = getattr(_local, "deadline", None)
+    if deadline is None:
+        return timeout
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise late("the request's time is up")
+    return left if timeout is None else min(timeout, left)
+
+
+class _DeadlineStream(httpcore.NetworkStream):
+    """A connection whose every read and write ends by its thread's request's deadline."""
+
+    def __init__(self, stream: httpcore.NetworkStream) -> None:
+        self._stream = stream
+
+    def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
+        return self._stream.read(max_bytes, _left(timeout, httpcore.ReadTimeout))
+
+    def write(self, buffer: bytes, timeout: float | None = None) -> None:
+        self._stream.write(buffer, _left(timeout, httpcore.WriteTimeout))
+
+    def close(self) -> None:
+        self._stream.close()
+
+    def start_tls(self, ssl_context: Any, server_hostname: str | None = None, timeout: float | None = None) -> "_DeadlineStream":
+        return _DeadlineStream(self._stream.start_tls(ssl_context, server_hostname, _left(timeout, httpcore.ConnectTimeout)))
+
+    def get_extra_info(self, info: str) -> Any:
+        return self._stream.get_extra_info(info)
+
+
+class _DeadlineBackend(httpcore.SyncBackend):
+    """httpcore's sockets, each bounded by its thread's request's deadline (``_local.deadline``):
+    httpx's timeouts bound each connect, read and write, so a server that sends a byte at a time
+    would hold the thread for as long as it likes."""
+
+    def connect_tcp(self, host: str, port: int, timeout: float | None = None, *args: Any, **kwargs: Any) -> _DeadlineStream:
+        return _DeadlineStream(super().connect_tcp(host, port, _left(timeout, httpcore.ConnectTimeout), *args, **kwargs))
+
+
 def _client() -> httpx.Client:
     client = getattr(_local, "client", None)
     if client is None:
+        transport = httpx.HTTPTransport()
+        # httpx takes no network backend: the pool it makes (its default limits), with the deadline's.
+        transport._pool = httpcore.ConnectionPool(
+            ssl_context=httpx.create_ssl_context(),
+            max_connections=100,
+            max_keepalive_connections=20,
+            keepalive_expiry=5.0,
+            network_backend=_DeadlineBackend(),
+        )
         # Redirects are not followed: a redirect elsewhere would carry the secret headers with it.
-        client = _local.client = httpx.Client(follow_redirects=False)
+        client = _local.client = httpx.Client(follow_redirects=False, transport=transport)
     return client
 
 
@@ -108,6 +162,9 @@ def run(*, toolset: Toolset, tool: Tool, arguments: dict[str, Any], timeout: flo
     url = str(config.get("base_url", "")).rstrip("/") + "/" + path.lstrip("/")
     where = f"{method} {path}"
     most = settings.PTC_MAX_TOOL_OUTPUT_BYTES
+    response = None
+    # The whole request, from connect to the body's last byte, within ``limit`` (_DeadlineBackend).
+    _local.deadline = time.monotonic() + limit
     try:
         with _client().stream(
             method, url, params=query, json=body, headers={"Accept": "application/json", **headers}, timeout=limit
@@ -116,10 +173,17 @@ def run(*, toolset: Toolset, tool: Tool, arguments: dict[str, Any], timeout: flo
             # a server's 300 MB answer is not held in the worker's memory, every call's worker.
             text = _body(response, most if response.is_success else EXCERPT_BYTES)
     except httpx.TimeoutException:
-        raise ToolFailure("http_timeout", f"{where} got no answer within {limit:g} s") from None
+        # Leaving the ``with`` closed the connection: one cut mid-answer is never reused.
+        if response is None:
+            raise ToolFailure("http_timeout", f"{where} got no answer within {limit:g} s") from None
+        raise ToolFailure(
+            "http_timeout", f"{where} answered HTTP {response.status_code} but did not send all its body within {limit:g} s"
+        ) from None
     except httpx.HTTPError as exc:
         message = _excerpt(f"{type(exc).__name__}: {exc}", secrets)
         raise ToolFailure("http_connection_error", f"{where} could not reach the server: {message}") from None
+    finally:
+        _local.deadline = None
     if text is None:
         raise ToolFailure("output_too_large", f"{where} answered over {most} bytes; the limit is {most}")
     if not response.is_success:
