@@ -104,6 +104,23 @@ def secrets_tail(text: str, size: int, secrets: Iterable[str]) -> str:
     return text[start:]
 
 
+def secrets_reach(secrets: Iterable[str]) -> int:
+    """Return how many bytes past what a message shows a text's start must be read, so that a secret
+    starting in what it shows is read whole: the longest text ``secrets_redact`` replaces, in UTF-8."""
+    return max((len(form.encode()) for form in _forms(secrets)), default=0)
+
+
+def secrets_redact_start(text: str, secrets: Iterable[str]) -> str:
+    """Return ``secrets_redact(text)`` for the start of a longer text, less as many characters at its
+    end as the longest secret: a secret cut off there no longer matches, and its start would show.
+    Read the start ``secrets_reach`` bytes longer, so what is left is still what is shown."""
+    forms = _forms(secrets)
+    if not forms:
+        return text
+    redacted = _redacted(text, forms)
+    return redacted[: max(0, len(redacted) - len(forms[0]))]
+
+
 def secrets_redact_value(value: Any, secrets: Iterable[str]) -> Any:
     """Return a JSON value with ``secrets_redact`` applied to every string in it.
 

@@ -3,7 +3,7 @@
 The tools worker (another process) calls it on 127.0.0.1. It answers JSON, a 500 whose body echoes
 the request's ``X-Key`` header (a secret, which must come back redacted), HTML, or nothing in time;
 and hostile answers: the secret in the status line, a body over the output limit, JSON nested
-5,000 deep, headers or a body sent a byte at a time (each drip's end is in ``drips``).
+5,000 deep, an error page that echoes the secret past where its excerpt is cut, headers or a body sent a byte at a time (each drip's end is in ``drips``).
 """
 
 import json
@@ -67,6 +67,8 @@ class _Handler(BaseHTTPRequestHandler):
             self.send_header("Location", f"https://elsewhere.example/v2/?key={key}")
             self.send_header("Content-Length", "0")
             self.end_headers()
+        elif parts[0] == "padded":  # a 401 that echoes the secret header after ``pad`` spaces
+            self._send(401, "Unauthorized." + " " * int(query.get("pad", 0)) + f"key={key}", "text/plain")
         elif parts[0] == "drip":  # a byte every 0.3 s, of the headers or of a 1 MiB body, for at most ``cap`` s
             self._drip(query.get("part", "body"), float(query.get("cap", 20)))
         elif parts[0] == "deep":

@@ -56,6 +56,7 @@ def weather(http_api: HttpApi, create_toolset: Callable[..., dict[str, Any]]) ->
                 _tool("deep", "GET", "/deep", {}, [], []),
                 _tool("moved", "GET", "/moved", {}, [], []),
                 _tool("drip", "GET", "/drip", drip, [], list(drip), timeout=1),
+                _tool("padded", "GET", "/padded", {"pad": {"type": "integer"}}, [], ["pad"]),
             ],
         }
     )
@@ -109,6 +110,28 @@ print("still running")
     assert SECRET not in json.dumps(job)
     # Nor in the tools worker's log.
     assert SECRET not in (ARTIFACTS / "tools-worker.log").read_text(errors="replace")
+
+
+def test_an_error_page_cut_for_its_excerpt_mid_secret_shows_no_part_of_it(api: Api, weather: str) -> None:
+    """A 401 page: a line, spaces, then the secret header echoed back. Only its start is read, for
+    the excerpt, and the spaces collapse there: wherever the cut falls in the secret, no part of it
+    shows (a secret's start no longer matches the secret)."""
+    code = f"""
+from ptc_tools import ToolError
+from ptc_tools.{weather} import {class_name(weather)} as W
+for pad in range(1140, 1260, 6):
+    try:
+        W.padded(pad=pad)
+    except ToolError as e:
+        print(e.code, "|", e.message)
+"""
+    job = api.run(code, toolsets=[weather])
+    assert job["status"] == "completed", job["error"]
+    lines = job["stdout"].splitlines()
+    assert len(lines) == 20
+    assert all(line.startswith("http_error | GET /padded answered HTTP 401 Unauthorized: Unauthorized.") for line in lines)
+    assert lines[0].endswith("key=[redacted]")  # read whole: redacted where it is
+    assert SECRET[:5] not in json.dumps(job)  # "key-" and the first of its random characters
 
 
 def test_an_answer_sent_a_byte_at_a_time_ends_at_the_tools_timeout(api: Api, weather: str, http_api: HttpApi) -> None:

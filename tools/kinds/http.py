@@ -20,7 +20,14 @@ from django.conf import settings
 
 from tools.errors import ToolFailure
 from tools.models import Tool, Toolset
-from tools.secret_refs import MissingSecret, secrets_redact, secrets_redact_value, secrets_render_map
+from tools.secret_refs import (
+    MissingSecret,
+    secrets_reach,
+    secrets_redact,
+    secrets_redact_start,
+    secrets_redact_value,
+    secrets_render_map,
+)
 
 logger = logging.getLogger("ptc.tools")
 
@@ -171,7 +178,7 @@ def run(*, toolset: Toolset, tool: Tool, arguments: dict[str, Any], timeout: flo
         ) as response:
             # Read no more than a result may be (an error's body, no more than its excerpt needs):
             # a server's 300 MB answer is not held in the worker's memory, every call's worker.
-            text = _body(response, most if response.is_success else EXCERPT_BYTES)
+            text, whole = _body(response, most if response.is_success else EXCERPT_BYTES + secrets_reach(secrets))
     except httpx.TimeoutException:
         # Leaving the ``with`` closed the connection: one cut mid-answer is never reused.
         if response is None:
@@ -184,9 +191,11 @@ def run(*, toolset: Toolset, tool: Tool, arguments: dict[str, Any], timeout: flo
         raise ToolFailure("http_connection_error", f"{where} could not reach the server: {message}") from None
     finally:
         _local.deadline = None
-    if text is None:
+    if response.is_success and not whole:
         raise ToolFailure("output_too_large", f"{where} answered over {most} bytes; the limit is {most}")
     if not response.is_success:
+        if not whole:  # redacted before it is cut for the excerpt: a secret cut off would show its start
+            text = secrets_redact_start(text, secrets)
         # The status line is the server's too: a reason phrase may echo a header back.
         # A redirect's body is usually empty: where it points is what says something.
         said = (
@@ -210,14 +219,12 @@ def run(*, toolset: Toolset, tool: Tool, arguments: dict[str, Any], timeout: flo
     return secrets_redact_value(output, secrets)
 
 
-def _body(response: httpx.Response, most: int) -> str | None:
-    """The response's body as text, read up to ``most`` bytes (decompressed): None past that for a
-    success (its result would be over the limit), the start for an error (its excerpt)."""
+def _body(response: httpx.Response, most: int) -> tuple[str, bool]:
+    """Return the response's body as text, read up to ``most`` bytes (decompressed), and whether
+    that is all of it."""
     read = bytearray()
     for chunk in response.iter_bytes():
         read += chunk
         if len(read) > most:
-            if response.is_success:
-                return None
             break
-    return read[:most].decode(response.encoding or "utf-8", errors="replace")
+    return read[:most].decode(response.encoding or "utf-8", errors="replace"), len(read) <= most
