@@ -122,7 +122,8 @@ def secrets_redact_start(text: str, secrets: Iterable[str]) -> str:
 
 
 def secrets_redact_value(value: Any, secrets: Iterable[str]) -> Any:
-    """Return a JSON value with ``secrets_redact`` applied to every string in it.
+    """Return a JSON value with ``secrets_redact`` applied to every string and key in it, and to every
+    number as JSON writes it (a number with a secret in it becomes a string).
 
     A server that echoes a header or its environment back must not carry a secret into the sandbox.
     """
@@ -133,6 +134,12 @@ def secrets_redact_value(value: Any, secrets: Iterable[str]) -> Any:
 def _redacted_value(value: Any, forms: list[str]) -> Any:
     if isinstance(value, str):
         return _redacted(value, forms)
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        # A secret of digits (an account number, a PIN) echoed back as a number: redacted as JSON
+        # writes it, and then a string; other numbers stay numbers.
+        written = json.dumps(value)
+        redacted = _redacted(written, forms)
+        return value if redacted == written else redacted
     if isinstance(value, list):
         return [_redacted_value(v, forms) for v in value]
     if isinstance(value, dict):

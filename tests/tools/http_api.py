@@ -3,7 +3,7 @@
 The tools worker (another process) calls it on 127.0.0.1. It answers JSON, a 500 whose body echoes
 the request's ``X-Key`` header (a secret, which must come back redacted), HTML, or nothing in time;
 and hostile answers: the secret in the status line, a body over the output limit, JSON nested
-5,000 deep, an error page that echoes the secret past where its excerpt is cut, headers or a body sent a byte at a time (each drip's end is in ``drips``).
+5,000 deep, a secret of digits echoed as a number, an error page that echoes the secret past where its excerpt is cut, headers or a body sent a byte at a time (each drip's end is in ``drips``).
 """
 
 import json
@@ -39,6 +39,8 @@ class _Handler(BaseHTTPRequestHandler):
             self._send(201, json.dumps({"method": self.command, "path": url.path, "query": query, "body": body}))
         elif parts[0] == "whoami":
             self._send(200, json.dumps({"you_sent": key}))
+        elif parts[0] == "account":  # a secret of digits echoed back as a JSON number
+            self._send(200, json.dumps({"account": int(key), "balance": 12.5}))
         elif parts[0] == "explode":
             self._send(500, f"Internal error: upstream refused key {key} for this request")
         elif parts[0] == "html":

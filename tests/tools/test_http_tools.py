@@ -112,6 +112,29 @@ print("still running")
     assert SECRET not in (ARTIFACTS / "tools-worker.log").read_text(errors="replace")
 
 
+def test_a_secret_of_digits_echoed_as_a_number_is_redacted(
+    api: Api, http_api: HttpApi, create_toolset: Callable[..., dict[str, Any]]
+) -> None:
+    """An account number or a PIN as a secret header, echoed back as a JSON number: numbers are
+    redacted as JSON writes them, as strings are; the other numbers stay numbers."""
+    digits = str(uuid.uuid4().int)[:15]
+    key = unique_key("digits")
+    create_toolset(
+        {
+            "key": key,
+            "name": "Digits",
+            "kind": "http",
+            "config": {"base_url": http_api.url, "headers": {"X-Key": "{{secrets.ACCOUNT}}"}},
+            "secrets": {"ACCOUNT": digits},
+            "tools": [_tool("account", "GET", "/account", {}, [], [])],
+        }
+    )
+    job = api.run(f"from ptc_tools.{key} import {class_name(key)} as D\nprint(D.account())", toolsets=[key])
+    assert job["status"] == "completed", job["error"]
+    assert eval(job["stdout"]) == {"account": "[redacted]", "balance": 12.5}
+    assert digits not in json.dumps(job)
+
+
 def test_an_error_page_cut_for_its_excerpt_mid_secret_shows_no_part_of_it(api: Api, weather: str) -> None:
     """A 401 page: a line, spaces, then the secret header echoed back. Only its start is read, for
     the excerpt, and the spaces collapse there: wherever the cut falls in the secret, no part of it
