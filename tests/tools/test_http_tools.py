@@ -57,6 +57,7 @@ def weather(http_api: HttpApi, create_toolset: Callable[..., dict[str, Any]]) ->
                 _tool("moved", "GET", "/moved", {}, [], []),
                 _tool("drip", "GET", "/drip", drip, [], list(drip), timeout=1),
                 _tool("padded", "GET", "/padded", {"pad": {"type": "integer"}}, [], ["pad"]),
+                _tool("lookup", "GET", "/forecast/{city}", {"city": city["city"], "q": {"type": "string"}}, ["city"], ["q"]),
             ],
         }
     )
@@ -186,6 +187,29 @@ for part in ("headers", "body"):
     drips = http_api.drips[before:]
     assert [(d["part"], d["how"]) for d in drips] == [("headers", "client closed"), ("body", "client closed")]
     assert all(d["seconds"] < 3 for d in drips), drips
+
+
+def test_arguments_that_make_a_url_too_long_are_invalid_arguments(api: Api, weather: str) -> None:
+    """A 70,000-character argument, well under the arguments' limit, in the path or in the query:
+    httpx refuses a URL that long. That is the call's input, said so, not the worker failing; the
+    next call runs."""
+    code = f"""
+from ptc_tools import ToolError
+from ptc_tools.{weather} import {class_name(weather)} as W
+for call in (lambda: W.lookup(city="a" * 70000), lambda: W.lookup(city="oslo", q="a" * 70000)):
+    try:
+        call()
+    except ToolError as e:
+        print(e.code, "|", e.message)
+print(W.lookup(city="oslo", q="next"))
+"""
+    job = api.run(code, toolsets=[weather])
+    assert job["status"] == "completed", job["error"]
+    in_path, in_query, then = job["stdout"].splitlines()
+    assert in_path.startswith("invalid_arguments | GET /forecast/{city} can't be sent with these arguments: URL")
+    assert in_query.startswith("invalid_arguments | GET /forecast/{city} can't be sent with these arguments: URL")
+    assert "65,536 characters" in in_path and len(in_path) < 400
+    assert eval(then)["query"] == {"q": "next"}
 
 
 def test_a_missing_path_argument_is_refused_before_the_request(api: Api, weather: str) -> None:

@@ -37,6 +37,8 @@ PATH_PARAM = re.compile(r"\{([^{}]*)\}")
 EXCERPT_CHARS = 300
 # An error's body is read this far, for its excerpt (a multi-byte text needs more bytes than characters).
 EXCERPT_BYTES = 4 * EXCERPT_CHARS
+# httpx's limit on a URL and on each of its parts (httpx._urlparse.MAX_URL_LENGTH).
+MAX_URL_CHARS = 65536
 
 # One client per tools-worker thread: connections to the same API are reused across calls, and no
 # client is shared between threads.
@@ -166,15 +168,24 @@ def run(*, toolset: Toolset, tool: Tool, arguments: dict[str, Any], timeout: flo
         ) from None
     # A toolset-wide timeout applies when the tool sets none; the bridge never waits longer than ``timeout``.
     limit = tool.timeout or min(float(config.get("timeout") or timeout), timeout)
-    url = str(config.get("base_url", "")).rstrip("/") + "/" + path.lstrip("/")
     where = f"{method} {path}"
+    try:
+        url = httpx.URL(str(config.get("base_url", "")).rstrip("/") + "/" + path.lstrip("/")).copy_merge_params(query)
+    except httpx.InvalidURL as exc:  # not an httpx.HTTPError: raised before any request
+        # The arguments (the base_url was checked when the toolset was written); the path as the
+        # tool names it, not as they fill it in.
+        raise ToolFailure(
+            "invalid_arguments",
+            f"{method} {spec.get('path', '/')} can't be sent with these arguments: {_excerpt(str(exc), secrets)}"
+            f" (httpx refuses the URL they make; a URL, and each of its parts, is at most {MAX_URL_CHARS:,} characters)",
+        ) from None
     most = settings.PTC_MAX_TOOL_OUTPUT_BYTES
     response = None
     # The whole request, from connect to the body's last byte, within ``limit`` (_DeadlineBackend).
     _local.deadline = time.monotonic() + limit
     try:
         with _client().stream(
-            method, url, params=query, json=body, headers={"Accept": "application/json", **headers}, timeout=limit
+            method, url, json=body, headers={"Accept": "application/json", **headers}, timeout=limit
         ) as response:
             # Read no more than a result may be (an error's body, no more than its excerpt needs):
             # a server's 300 MB answer is not held in the worker's memory, every call's worker.
