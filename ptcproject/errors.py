@@ -109,6 +109,7 @@ CODES: dict[str, tuple[int, str]] = {
     "output_too_large": (500, "the tool's output is over the size limit"),
     "invalid_output": (500, "the tool's output is not JSON"),
     "secret_missing": (500, "the toolset's config names a secret it does not have"),
+    "http_config_invalid": (500, "the HTTP toolset's config can't be sent: a header (with its secrets) that is not ASCII"),
     "http_error": (502, "the HTTP tool answered a non-2xx status"),
     "http_invalid_json": (502, "the HTTP tool answered something that is not JSON"),
     "http_timeout": (504, "the HTTP tool did not answer in time"),

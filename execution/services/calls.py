@@ -781,14 +781,17 @@ def _tool_call_run(*, call: ToolCall, tool: Tool) -> None:
         output = tool_run(
             toolset=tool.toolset, tool=tool, arguments=arguments, timeout=tool.timeout or settings.PTC_DEFAULT_TOOL_TIMEOUT
         )
-        size = len(json.dumps(output, allow_nan=False))
+        # Only the output's own failure to be JSON is invalid_output: another error of the tool's run
+        # is a bug, which ends the call internal_error with the traceback logged (tool_call_abort).
+        try:
+            size = len(json.dumps(output, allow_nan=False))
+        except (TypeError, ValueError) as exc:
+            raise ToolFailure("invalid_output", f"the tool's output is not JSON: {exc}") from None
         limit = settings.PTC_MAX_TOOL_OUTPUT_BYTES
         if size > limit:
             raise ToolFailure("output_too_large", f"the tool returned {size} bytes of JSON; the limit is {limit}")
     except ToolFailure as failure:
         reply: dict[str, Any] = {"ok": False, "error": failure.as_dict()}
-    except (TypeError, ValueError) as exc:
-        reply = {"ok": False, "error": call_error("invalid_output", f"the tool's output is not JSON: {exc}")}
     else:
         reply = {"ok": True, "result": output}
     finished = _finishes(_Ran(call=call, reply=reply, billed=billable(toolset=tool.toolset, tool=tool)))

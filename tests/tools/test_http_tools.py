@@ -238,13 +238,27 @@ def test_hostile_answers_and_path_arguments_end_as_tool_errors(
             "tools": [_tool("whoami", "GET", "/whoami", {}, [], [])],
         }
     )
+    # A secret not ASCII, as HTTP headers are: httpx can't encode the header.
+    accented = unique_key("accented")
+    create_toolset(
+        {
+            "key": accented,
+            "name": "Accented",
+            "kind": "http",
+            "config": {"base_url": http_api.url, "headers": {"X-Key": "Key {{secrets.K}}"}},
+            "secrets": {"K": "pässwort-" + SECRET},
+            "tools": [_tool("whoami", "GET", "/whoami", {}, [], [])],
+        }
+    )
     over = settings.PTC_MAX_TOOL_OUTPUT_BYTES + 1
     code = f"""
 from ptc_tools import ToolError
 from ptc_tools.{weather} import {class_name(weather)} as W
 from ptc_tools.{pasted} import {class_name(pasted)} as P
+from ptc_tools.{accented} import {class_name(accented)} as A
 calls = (
-    W.reason, lambda: W.huge(bytes={over}), W.deep, lambda: W.forecast(city=".."), lambda: W.forecast(city="."), P.whoami, W.moved
+    W.reason, lambda: W.huge(bytes={over}), W.deep, lambda: W.forecast(city=".."), lambda: W.forecast(city="."), P.whoami, W.moved,
+    A.whoami,
 )
 for call in calls:
     try:
@@ -252,9 +266,9 @@ for call in calls:
     except ToolError as e:
         print(e.code, "|", e.message)
 """
-    job = api.run(code, toolsets=[weather, pasted])
+    job = api.run(code, toolsets=[weather, pasted, accented])
     assert job["status"] == "completed", job["error"]
-    reason, huge, deep, up, here, newline, moved = job["stdout"].splitlines()
+    reason, huge, deep, up, here, newline, moved, not_ascii = job["stdout"].splitlines()
     assert reason == "http_error | GET /reason answered HTTP 500 Bad key [redacted]:"
     assert huge.startswith(f"output_too_large | GET /huge answered over {over - 1} bytes")
     assert deep.startswith("http_invalid_json | GET /deep answered HTTP 200 with JSON nested too deep")
@@ -266,5 +280,9 @@ for call in calls:
         "http_error | GET /moved answered HTTP 302 Found: a redirect to https://elsewhere.example/v2/?key=[redacted],"
         " not followed (point the toolset's base_url there)"
     )
-    assert SECRET not in json.dumps(job)
+    assert not_ascii == (
+        "http_config_invalid | the toolset's header 'X-Key' (with the secret 'K') has a character that is not ASCII,"
+        " which HTTP headers are; an admin must change it (encoded as its API says)"
+    )
+    assert SECRET not in json.dumps(job) and "pässwort" not in json.dumps(job)
     assert SECRET not in (ARTIFACTS / "tools-worker.log").read_text(errors="replace")
