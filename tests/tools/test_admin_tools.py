@@ -89,7 +89,7 @@ def test_admin_sync_action(admin_client: Client) -> None:
         "/admin/tools/toolset/", {"action": "sync_mcp_tools", "_selected_action": [str(toolset.pk)]}, follow=True
     )
     assert response.status_code == 200
-    assert f"Synced &#x27;{toolset.key}&#x27;: added 6, updated 0, disabled 0." in response.content.decode()
+    assert f"Synced &#x27;{toolset.key}&#x27;: added 8, updated 0, disabled 0." in response.content.decode()
     assert toolset.tools.filter(name="get_thing", remote_name="get-thing").exists()
     mcp.sessions_close()
     toolset.delete()
