@@ -149,6 +149,16 @@ def credits_release(*, tool_call_id: str) -> None:
     ledger().release(tool_call_id=tool_call_id)
 
 
+def credits_held(*, tool_call_ids: list[str]) -> set[str]:
+    """Return which of the calls have credits held. A call's price is held as it is made, and is
+    settled or released as it ends, whatever its tool's billing says by then (a toolset turned free
+    or private while its calls waited)."""
+    if not tool_call_ids:
+        return set()
+    held = Reservation.objects.filter(tool_call_id__in=tool_call_ids, status=Reservation.Status.HELD)
+    return set(held.values_list("tool_call_id", flat=True))
+
+
 def reservations_held(*, older_than_seconds: int) -> list[str]:
     """Return the calls whose credits have been held longer than ``older_than_seconds``: the
     reaper asks execution how each ended, and settles or releases them."""

@@ -9,7 +9,7 @@ import threading
 import time
 import uuid
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -25,6 +25,7 @@ from billing.ledger import PostgresLedger
 from billing.models import Reservation
 from billing.services import (
     billable,
+    credits_held,
     credits_release,
     credits_reserve,
     credits_settle,
@@ -454,12 +455,14 @@ def tool_call_finish(
     """Move an open call (executing, or awaiting its client or an approval; only ``from_statuses``)
     to completed or failed, settling or releasing its credits in the same transaction, and publish
     its event (unless ``event=False``: the caller does, later). Return False if it had already
-    finished (a redelivery: nothing changes). ``billed=False`` says the tool is never billed, which
-    skips the books. ``record``, the call's row, is brought up to date. ``extra`` fields are written
-    in the same UPDATE (who decided, when the client answered). With ``job_running``, only while the
-    call's job runs (an answer to it: once its job has ended, its end closes its calls)."""
+    finished (a redelivery: nothing changes). ``billed=False`` says the tool is not billed (now),
+    which skips the books unless a price was held for the call as it was made. ``record``, the
+    call's row, is brought up to date. ``extra`` fields are written in the same UPDATE (who decided,
+    when the client answered). With ``job_running``, only while the call's job runs (an answer to
+    it: once its job has ended, its end closes its calls)."""
     fields = {**_finished_fields(output=output, error=error, now=timezone.now()), **(extra or {})}
     credits = 0
+    billed = billed or bool(credits_held(tool_call_ids=[call_id]))
     settles = billed and not error
     if settles:
         # What it costs is what was held for it: recorded in the same UPDATE, settled right after.
@@ -822,6 +825,10 @@ def _tool_calls_finish_ran(batch: list[_Ran]) -> list[bool]:
 
     On PostgreSQL the batch is one UPDATE (and a settle per billed call, in its transaction);
     elsewhere it is a call at a time."""
+    # A call is billed as it was made: one whose price was held is settled or released, even if its
+    # toolset has turned free or private since it was queued (then only the hold says so).
+    held = credits_held(tool_call_ids=[ran.call.call_id for ran in batch if not ran.billed])
+    batch = [replace(ran, billed=True) if ran.call.call_id in held else ran for ran in batch]
     if connection.vendor == "postgresql":
         finished = _tool_calls_finish_postgres(batch)
     else:
