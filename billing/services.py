@@ -8,7 +8,7 @@ import logging
 import math
 from contextlib import nullcontext
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 from django.contrib.auth.models import User
@@ -35,6 +35,10 @@ class Quote:
     due_amount: int  # its list price
     meta: dict[str, str]
     account_id: int  # whose credits pay for it
+    until: datetime | None = None  # when the plan it was priced by ends: a later call is priced anew
+
+    def holds_at(self, now: datetime) -> bool:
+        return self.until is None or now < self.until
 
 
 def account_get(*, user: User) -> CreditAccount:
@@ -64,8 +68,9 @@ def price_quote(*, user: User, toolset: Toolset, tool: Tool) -> Quote | None:
     plan = account.plan
     if plan is not None and account.plan_expires_at is not None and account.plan_expires_at <= now:
         plan = None  # expired: neither free access nor the plan's discounts
+    until = account.plan_expires_at if plan is not None else None
     if plan is not None and plan.free_tool_access:
-        return Quote(amount=0, due_amount=due, meta=meta, account_id=account.pk)
+        return Quote(amount=0, due_amount=due, meta=meta, account_id=account.pk, until=until)
     # A discount names a plan, a toolset, or both (that plan's users on that toolset): each one it
     # names must be the call's. Either alone matched before, so a plan's discount on one toolset
     # went to everyone on it, and to the plan's users on every toolset.
@@ -74,7 +79,7 @@ def price_quote(*, user: User, toolset: Toolset, tool: Tool) -> Quote | None:
     amount = math.ceil(due * (100 - percent) / 100)
     if due > 0 and percent < 100:  # rounding never makes a priced call free; 100% off does
         amount = max(amount, 1)
-    return Quote(amount=amount, due_amount=due, meta=meta, account_id=account.pk)
+    return Quote(amount=amount, due_amount=due, meta=meta, account_id=account.pk, until=until)
 
 
 def credits_reserve(

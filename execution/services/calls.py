@@ -509,11 +509,13 @@ def tool_calls_reserve(
     the credits suffice. Return the errors of those refused, by call id: nothing else is done with
     them (a recorded call is failed by its caller, a call not yet recorded is recorded failed).
 
-    ``quotes`` keeps a job's prices for its life, so its calls don't price the same tool again.
+    ``quotes`` keeps a job's prices for its life, so its calls don't price the same tool again;
+    those of a plan that has ended since (free tool access until a date) are priced anew.
     """
     holds = []
+    now = timezone.now()
     for call_id, tool in calls:
-        if quotes is not None and tool.pk in quotes:
+        if quotes is not None and tool.pk in quotes and (quotes[tool.pk] is None or quotes[tool.pk].holds_at(now)):
             quote = quotes[tool.pk]
         else:
             quote = price_quote(user=user, toolset=tool.toolset, tool=tool)

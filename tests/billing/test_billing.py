@@ -206,6 +206,19 @@ def test_a_plan_with_free_tools_records_the_price_and_charges_nothing(api: Api) 
     assert api.run("from ptc_tools.demo import Demo\nDemo.add(a=1, b=1)", toolsets=["demo"])["credits_charged"] == 1
 
 
+def test_free_tool_access_ends_at_its_date_in_the_middle_of_a_job(api: Api) -> None:
+    # A job prices each tool once for its life, but not past the end of the plan that priced it.
+    account = account_get(user=get_user_model().objects.get(username=api.username))
+    account.plan = Plan.objects.get(key="plus")
+    account.plan_expires_at = timezone.now() + timedelta(seconds=2)
+    account.save()
+    code = "import time\nfrom ptc_tools.demo import Demo\nDemo.add(a=1, b=1)\ntime.sleep(3)\nDemo.add(a=2, b=2)"
+    job = api.run(code, toolsets=["demo"])
+    assert job["status"] == "completed", job["error"]
+    assert [c["credits"] for c in job["tool_calls"]] == [0, 1]
+    assert job["credits_charged"] == 1
+
+
 def test_a_redelivered_tools_task_charges_once(api: Api) -> None:
     user = get_user_model().objects.get(username=api.username)
     job = running_job(user=user)
