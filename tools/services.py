@@ -263,8 +263,13 @@ def python_name(remote: str, taken: set[str]) -> str:
     return candidate
 
 
-def _listed_tool_problem(item: mcp.ListedTool) -> str | None:
-    """Return why a tool an MCP server listed can't be a Tool row as listed (``where: what``), or None."""
+def _listed_tool_problem(item: mcp.ListedTool, seen: set[str]) -> str | None:
+    """Return why a tool an MCP server listed can't be a Tool row as listed (``where: what``), or
+    None. ``seen`` holds the names listed before it."""
+    if not item.name:
+        return "name: empty, so it can't be called"
+    if item.name in seen:
+        return "name: listed twice; the first is synced"
     if len(item.name) > _REMOTE_NAME_LENGTH:
         return f"name: longer than {_REMOTE_NAME_LENGTH} characters, which can't be stored"
     listed = {
@@ -315,10 +320,12 @@ def mcp_toolset_sync(*, toolset: Toolset) -> McpSync:
         existing = {t.remote_name or t.name: t for t in toolset.tools.all()}
         taken = {t.name for t in existing.values()}
         kept = []
+        seen: set[str] = set()
         for item in listed:
-            if (problem := _listed_tool_problem(item)) is not None:
+            if (problem := _listed_tool_problem(item, seen)) is not None:
                 result.skipped.append({"name": item.name, "reason": problem})
                 continue
+            seen.add(item.name)
             tool = existing.get(item.name)
             if tool is None:
                 name = python_name(item.name, taken)

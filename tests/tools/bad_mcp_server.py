@@ -40,6 +40,8 @@ if mode == "odd_list":
         {"name": "n" * 300, "inputSchema": schema},
         {"name": "nul_desc", "description": "a\u0000b", "inputSchema": schema},
         {"name": "nul_schema", "inputSchema": {"type": "object", "properties": {"q": {"description": "\u0000"}}}},
+        {"name": "", "inputSchema": schema},  # no name to call it by
+        {"name": "whoami", "description": "listed again", "inputSchema": schema},
     ]
     for line in sys.stdin:
         message = json.loads(line)

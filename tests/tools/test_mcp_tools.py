@@ -195,6 +195,8 @@ def test_a_server_listing_odd_tools_syncs_the_good_ones_and_reports_the_rest(
         {"name": "n" * 300, "reason": "name: longer than 256 characters, which can't be stored"},
         {"name": "nul_desc", "reason": f"description: {nul}"},
         {"name": "nul_schema", "reason": f"inputSchema/properties/q/description: {nul}"},
+        {"name": "", "reason": "name: empty, so it can't be called"},
+        {"name": "whoami", "reason": "name: listed twice; the first is synced"},
     ]
     assert Tool.objects.get(toolset__key=key, name="a" * 128).remote_name == "a" * 200
 
