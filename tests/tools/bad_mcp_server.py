@@ -9,6 +9,8 @@ import json
 import os
 import sys
 import time
+from collections.abc import Iterator
+from typing import Any
 
 mode = sys.argv[1]
 if mode == "exit":
@@ -24,14 +26,33 @@ if mode == "hang":
 if mode == "garbage":
     for _ in sys.stdin:
         print("<html><body>502 Bad Gateway</body></html>", flush=True)
-if mode == "stdout_token":
+
+
+def requests() -> Iterator[dict[str, Any]]:
+    """The client's requests (notifications left out), each answered by ``answer``."""
     for line in sys.stdin:
         message = json.loads(line)
-        if message.get("method") == "initialize":
+        if "id" in message:
+            yield message
+
+
+def answer(message: dict[str, Any], **reply: Any) -> None:
+    """Answer ``message`` with ``result=`` or ``error=``; an initialize, by name, with ``started=``."""
+    if "started" in reply:
+        info = {"name": reply.pop("started"), "version": "1"}
+        reply["result"] = {
+            "protocolVersion": message["params"]["protocolVersion"],
+            "capabilities": {"tools": {}},
+            "serverInfo": info,
+        }
+    print(json.dumps({"jsonrpc": "2.0", "id": message["id"], **reply}), flush=True)
+
+
+if mode == "stdout_token":
+    for message in requests():
+        if message["method"] == "initialize":
             print(f"debug: token={os.environ['TOKEN']}", flush=True)
-            info = {"name": "stdout-token", "version": "1"}
-            answer = {"protocolVersion": message["params"]["protocolVersion"], "capabilities": {"tools": {}}, "serverInfo": info}
-            print(json.dumps({"jsonrpc": "2.0", "id": message["id"], "result": answer}), flush=True)
+            answer(message, started="stdout-token")
 if mode == "odd_list":
     schema = {"type": "object", "properties": {}}
     tools = [
@@ -43,25 +64,14 @@ if mode == "odd_list":
         {"name": "", "inputSchema": schema},  # no name to call it by
         {"name": "whoami", "description": "listed again", "inputSchema": schema},
     ]
-    for line in sys.stdin:
-        message = json.loads(line)
-        if "id" not in message:
-            continue
+    for message in requests():
         if message["method"] == "initialize":
-            info = {"name": "odd-list", "version": "1"}
-            answer = {"protocolVersion": message["params"]["protocolVersion"], "capabilities": {"tools": {}}, "serverInfo": info}
+            answer(message, started="odd-list")
         else:
-            answer = {"tools": tools}
-        print(json.dumps({"jsonrpc": "2.0", "id": message["id"], "result": answer}), flush=True)
+            answer(message, result={"tools": tools})
 if mode == "rpc_error":
-    for line in sys.stdin:
-        message = json.loads(line)
-        if "id" not in message:
-            continue
+    for message in requests():
         if message["method"] == "initialize":
-            info = {"name": "rpc-error", "version": "1"}
-            answer = {"protocolVersion": message["params"]["protocolVersion"], "capabilities": {"tools": {}}, "serverInfo": info}
-            print(json.dumps({"jsonrpc": "2.0", "id": message["id"], "result": answer}), flush=True)
+            answer(message, started="rpc-error")
         else:
-            error = {"code": -32000, "message": "quota exceeded " + "x" * 100_000}
-            print(json.dumps({"jsonrpc": "2.0", "id": message["id"], "error": error}), flush=True)
+            answer(message, error={"code": -32000, "message": "quota exceeded " + "x" * 100_000})
