@@ -31,6 +31,15 @@ def _tool(
     return {"name": name, "input_schema": schema, "http": {"method": method, "path": path, "query": query}, **extra}
 
 
+def _keyed(create: Callable[..., dict[str, Any]], url: str, secret: str, header: str, tool: dict[str, Any]) -> str:
+    """Create an http toolset that sends ``secret`` in its X-Key header (``header``, with ``{}`` for
+    the secret) and has the one ``tool``; return its key."""
+    key = unique_key(tool["name"])
+    config = {"base_url": url, "headers": {"X-Key": header.format("{{secrets.K}}")}}
+    create({"key": key, "name": key, "kind": "http", "config": config, "secrets": {"K": secret}, "tools": [tool]})
+    return key
+
+
 @pytest.fixture
 def weather(http_api: HttpApi, create_toolset: Callable[..., dict[str, Any]]) -> str:
     key = unique_key("weather")
@@ -119,17 +128,7 @@ def test_a_secret_of_digits_echoed_as_a_number_is_redacted(
     """An account number or a PIN as a secret header, echoed back as a JSON number: numbers are
     redacted as JSON writes them, as strings are; the other numbers stay numbers."""
     digits = str(uuid.uuid4().int)[:15]
-    key = unique_key("digits")
-    create_toolset(
-        {
-            "key": key,
-            "name": "Digits",
-            "kind": "http",
-            "config": {"base_url": http_api.url, "headers": {"X-Key": "{{secrets.ACCOUNT}}"}},
-            "secrets": {"ACCOUNT": digits},
-            "tools": [_tool("account", "GET", "/account", {}, [], [])],
-        }
-    )
+    key = _keyed(create_toolset, http_api.url, digits, "{}", _tool("account", "GET", "/account", {}, [], []))
     job = api.run(f"from ptc_tools.{key} import {class_name(key)} as D\nprint(D.account())", toolsets=[key])
     assert job["status"] == "completed", job["error"]
     assert eval(job["stdout"]) == {"account": "[redacted]", "balance": 12.5}
@@ -227,29 +226,10 @@ def test_hostile_answers_and_path_arguments_end_as_tool_errors(
     from django.conf import settings
 
     # A secret pasted with its newline: httpx refuses the header, and its error quotes it escaped.
-    pasted = unique_key("pasted")
-    create_toolset(
-        {
-            "key": pasted,
-            "name": "Pasted",
-            "kind": "http",
-            "config": {"base_url": http_api.url, "headers": {"X-Key": "{{secrets.K}}"}},
-            "secrets": {"K": SECRET + "\n"},
-            "tools": [_tool("whoami", "GET", "/whoami", {}, [], [])],
-        }
-    )
+    whoami = _tool("whoami", "GET", "/whoami", {}, [], [])
+    pasted = _keyed(create_toolset, http_api.url, SECRET + "\n", "{}", whoami)
     # A secret not ASCII, as HTTP headers are: httpx can't encode the header.
-    accented = unique_key("accented")
-    create_toolset(
-        {
-            "key": accented,
-            "name": "Accented",
-            "kind": "http",
-            "config": {"base_url": http_api.url, "headers": {"X-Key": "Key {{secrets.K}}"}},
-            "secrets": {"K": "pässwort-" + SECRET},
-            "tools": [_tool("whoami", "GET", "/whoami", {}, [], [])],
-        }
-    )
+    accented = _keyed(create_toolset, http_api.url, "pässwort-" + SECRET, "Key {}", whoami)
     over = settings.PTC_MAX_TOOL_OUTPUT_BYTES + 1
     code = f"""
 from ptc_tools import ToolError
