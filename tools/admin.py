@@ -115,9 +115,9 @@ class ToolsetForm(forms.ModelForm):
         if queue_problem:
             self.add_error("queue", queue_problem)
         secrets = {**(self.instance.secrets or {}), **(data.get("set_secrets") or {})}
-        names = [n for n, v in secrets.items() if v is not None]
+        secrets = {n: v for n, v in secrets.items() if v is not None}
         if data.get("kind") in (Toolset.Kind.HTTP, Toolset.Kind.MCP):
-            _add_errors(self, config_errors(data.get("config") or {}, kind=data["kind"], secret_names=names))
+            _add_errors(self, config_errors(data.get("config") or {}, kind=data["kind"], secrets=secrets))
         return data
 
     def save(self, commit: bool = True) -> Toolset:

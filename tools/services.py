@@ -180,7 +180,7 @@ def toolset_create(*, actor: User, data: Mapping[str, Any]) -> Toolset:
     secrets = _secrets_after({}, data.get("secrets"), partial=False)
     tools = list(data.get("tools") or [])
     config = data.get("config") or {}
-    errors = toolset_errors(key=data["key"], kind=data["kind"], config=config, secret_names=secrets, tools=tools)
+    errors = toolset_errors(key=data["key"], kind=data["kind"], config=config, secrets=secrets, tools=tools)
     if errors:
         raise _invalid(errors)
     owner = _owner_for(is_global=data.get("is_global", True), actor=actor)
@@ -217,7 +217,7 @@ def toolset_update(*, toolset: Toolset, actor: User, data: Mapping[str, Any], pa
     else:
         tools = [{"name": t.name, **{n: getattr(t, n) for n in TOOL_FIELDS}} for t in toolset.tools.filter(enabled=True)]
     if toolset.kind != Toolset.Kind.BUILTIN:
-        errors = toolset_errors(key=toolset.key, kind=values["kind"], config=values["config"], secret_names=secrets, tools=tools)
+        errors = toolset_errors(key=toolset.key, kind=values["kind"], config=values["config"], secrets=secrets, tools=tools)
         if errors:
             raise _invalid(errors)
     owner = toolset.owner

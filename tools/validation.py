@@ -5,7 +5,7 @@ caller decides how to show them. Paths read like ``tools[2].input_schema``.
 """
 
 import keyword
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -159,8 +159,22 @@ def _str_map_problem(value: Any) -> str | None:
     return None
 
 
-def config_errors(config: Any, *, kind: str, secret_names: Iterable[str]) -> list[FieldError]:
-    """Return what is wrong with a toolset's ``config`` for its ``kind``, and secrets it names but lacks."""
+def _headers_problem(headers: Any, secrets: Mapping[str, Any]) -> str | None:
+    """Why ``headers`` (an object of strings), their secrets filled in, can't be sent: HTTP headers
+    are ASCII. The secrets are named, never quoted."""
+    for name, template in (headers or {}).items():
+        from_secrets = sorted(n for n in secret_names_used(template) if not str(secrets.get(n) or "").isascii())
+        if from_secrets:
+            names = ", ".join(repr(n) for n in from_secrets)
+            return f"{name!r} takes a character that is not ASCII from the secret {names}, which HTTP headers can't carry"
+        if not (name.isascii() and template.isascii()):
+            return f"{name!r} has a character that is not ASCII, which HTTP headers can't carry"
+    return None
+
+
+def config_errors(config: Any, *, kind: str, secrets: Mapping[str, Any]) -> list[FieldError]:
+    """Return what is wrong with a toolset's ``config`` for its ``kind`` with its ``secrets`` (by
+    name), and secrets it names but lacks."""
     if not isinstance(config, dict):
         return [FieldError("config", "invalid_config", "must be an object")]
     errors = []
@@ -175,7 +189,7 @@ def config_errors(config: Any, *, kind: str, secret_names: Iterable[str]) -> lis
             check(name, "must be a positive number of seconds")
     if kind == Toolset.Kind.HTTP:
         check("base_url", _url_problem(config.get("base_url")))
-        check("headers", _str_map_problem(config.get("headers")))
+        check("headers", _str_map_problem(config.get("headers")) or _headers_problem(config.get("headers"), secrets))
     elif kind == Toolset.Kind.MCP:
         transport = config.get("transport")
         if transport not in TRANSPORTS:
@@ -189,8 +203,8 @@ def config_errors(config: Any, *, kind: str, secret_names: Iterable[str]) -> lis
             check("env", _str_map_problem(config.get("env")))
         else:
             check("url", _url_problem(config.get("url")))
-            check("headers", _str_map_problem(config.get("headers")))
-    missing = sorted(secret_names_used(config) - set(secret_names))
+            check("headers", _str_map_problem(config.get("headers")) or _headers_problem(config.get("headers"), secrets))
+    missing = sorted(secret_names_used(config) - set(secrets))
     if missing:
         errors.append(
             FieldError(
@@ -201,7 +215,7 @@ def config_errors(config: Any, *, kind: str, secret_names: Iterable[str]) -> lis
 
 
 def toolset_errors(
-    *, key: str, kind: str, config: Any, secret_names: Iterable[str], tools: list[Mapping[str, Any]]
+    *, key: str, kind: str, config: Any, secrets: Mapping[str, Any], tools: list[Mapping[str, Any]]
 ) -> list[FieldError]:
     """Return every problem with a whole toolset definition; an empty list means it may be saved."""
     errors = []
@@ -210,7 +224,7 @@ def toolset_errors(
         errors.append(FieldError("key", "invalid_key", problem))
     elif key in RESERVED_KEYS:
         errors.append(FieldError("key", "invalid_key", f"'{key}' is a name the SDK package uses itself"))
-    errors += config_errors(config, kind=kind, secret_names=secret_names)
+    errors += config_errors(config, kind=kind, secrets=secrets)
     seen: set[str] = set()
     for i, tool in enumerate(tools):
         errors += tool_errors(tool, kind=kind, path=f"tools[{i}]")

@@ -135,17 +135,17 @@ def _tool(**fields: Any) -> dict[str, Any]:
     ],
 )
 def test_definition_checks(kind: str, config: dict[str, Any], tool: dict[str, Any], code: str) -> None:
-    errors = toolset_errors(key="ok", kind=kind, config=config, secret_names=[], tools=[tool])
+    errors = toolset_errors(key="ok", kind=kind, config=config, secrets={}, tools=[tool])
     assert [e.code for e in errors][:1] == [code], errors
 
 
 def test_key_and_duplicate_checks() -> None:
     config = {"transport": "stdio", "command": "x"}
-    assert toolset_errors(key="search", kind="mcp", config=config, secret_names=[], tools=[])[0].code == "invalid_key"
-    assert toolset_errors(key="_x", kind="mcp", config=config, secret_names=[], tools=[])[0].code == "invalid_key"
-    twice = toolset_errors(key="ok", kind="mcp", config=config, secret_names=[], tools=[_tool(), _tool()])
+    assert toolset_errors(key="search", kind="mcp", config=config, secrets={}, tools=[])[0].code == "invalid_key"
+    assert toolset_errors(key="_x", kind="mcp", config=config, secrets={}, tools=[])[0].code == "invalid_key"
+    twice = toolset_errors(key="ok", kind="mcp", config=config, secrets={}, tools=[_tool(), _tool()])
     assert [e.code for e in twice] == ["duplicate_tool_name"]
-    assert toolset_errors(key="ok", kind="mcp", config=config, secret_names=[], tools=[_tool()]) == []
+    assert toolset_errors(key="ok", kind="mcp", config=config, secrets={}, tools=[_tool()]) == []
 
 
 def test_typed_returns_and_shapes() -> None:

@@ -13,6 +13,7 @@ from tests.conftest import Api
 from tests.stack import ARTIFACTS
 from tests.tools.conftest import unique_key
 from tests.tools.http_api import HttpApi
+from tools.models import Toolset
 from tools.sdk import class_name
 
 SECRET = f"key-{uuid.uuid4().hex}"
@@ -221,15 +222,22 @@ def test_a_missing_path_argument_is_refused_before_the_request(api: Api, weather
 
 
 def test_hostile_answers_and_path_arguments_end_as_tool_errors(
-    api: Api, weather: str, http_api: HttpApi, create_toolset: Callable[..., dict[str, Any]]
+    api: Api, staff: Api, weather: str, http_api: HttpApi, create_toolset: Callable[..., dict[str, Any]]
 ) -> None:
     from django.conf import settings
 
     # A secret pasted with its newline: httpx refuses the header, and its error quotes it escaped.
     whoami = _tool("whoami", "GET", "/whoami", {}, [], [])
     pasted = _keyed(create_toolset, http_api.url, SECRET + "\n", "{}", whoami)
-    # A secret not ASCII, as HTTP headers are: httpx can't encode the header.
-    accented = _keyed(create_toolset, http_api.url, "pässwort-" + SECRET, "Key {}", whoami)
+    # A secret not ASCII, as HTTP headers are: refused as it is written, naming it, not quoting it.
+    accented = _keyed(create_toolset, http_api.url, SECRET, "Key {}", whoami)
+    refused = staff.http.patch(f"/api/v1/toolsets/{accented}", json={"secrets": {"K": "pässwort-" + SECRET}})
+    assert refused.status_code == 400 and refused.json()["error"]["code"] == "invalid_config", refused.text
+    assert "'K'" in refused.text and "pässwort" not in refused.text and SECRET not in refused.text
+    # One written before that check (a row as it stands): httpx can't encode the header.
+    row = Toolset.objects.get(key=accented)
+    row.secrets = {"K": "pässwort-" + SECRET}
+    row.save()
     over = settings.PTC_MAX_TOOL_OUTPUT_BYTES + 1
     code = f"""
 from ptc_tools import ToolError
