@@ -58,7 +58,8 @@ def purge_jobs() -> int:
 
 
 # No soft or hard time limit: the threads pool can't enforce them. Each kind holds a call to its
-# tool's timeout (builtin: a watched thread; http: httpx's; mcp: the session's read timeout).
+# tool's timeout (builtin: a watched thread; http: a deadline on the whole request; mcp: the
+# session's read timeout).
 @shared_task(
     queue=queues.TOOLS,
     acks_late=True,

@@ -158,6 +158,24 @@ for pad in range(1140, 1260, 6):
     assert SECRET[:5] not in json.dumps(job)  # "key-" and the first of its random characters
 
 
+def test_a_proxy_the_environment_names_is_used_and_held_to_the_deadline(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A worker's own client, as a tools worker's thread makes it: the deadline's backend on every
+    # pool, and the proxy from the environment kept (giving httpx a transport would drop it).
+    from tools.kinds import http
+
+    monkeypatch.setenv("HTTPS_PROXY", "http://127.0.0.1:3128")
+    monkeypatch.delattr(http._local, "client", raising=False)
+    client = http._client()
+    try:
+        proxies = [t for pattern, t in client._mounts.items() if pattern.scheme == "https" and t is not None]
+        assert len(proxies) == 1 and type(proxies[0]._pool).__name__ == "HTTPProxy"
+        pools = [client._transport._pool, proxies[0]._pool]
+        assert all(isinstance(pool._network_backend, http._DeadlineBackend) for pool in pools)
+    finally:
+        client.close()
+        del http._local.client
+
+
 def test_an_answer_sent_a_byte_at_a_time_ends_at_the_tools_timeout(api: Api, weather: str, http_api: HttpApi) -> None:
     """A server that sends its headers, or then a 1 MiB body, a byte every 0.3 s: each read is quick,
     the whole is not. The tool's timeout (1 s) bounds the whole request: the call ends http_timeout

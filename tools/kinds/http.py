@@ -38,6 +38,8 @@ PATH_PARAM = re.compile(r"\{([^{}]*)\}")
 EXCERPT_CHARS = 300
 # An error's body is read this far, for its excerpt (a multi-byte text needs more bytes than characters).
 EXCERPT_BYTES = 4 * EXCERPT_CHARS
+# The most of a request's body sent in one go, each piece within what is left of its deadline.
+_WRITE_PIECE = 64 << 10
 # httpx's limit on a URL and on each of its parts (httpx._urlparse.MAX_URL_LENGTH).
 MAX_URL_CHARS = 65536
 
@@ -68,7 +70,10 @@ class _DeadlineStream(httpcore.NetworkStream):
         return self._stream.read(max_bytes, _left(timeout, httpcore.ReadTimeout))
 
     def write(self, buffer: bytes, timeout: float | None = None) -> None:
-        self._stream.write(buffer, _left(timeout, httpcore.WriteTimeout))
+        # httpcore sends a buffer in as many sends as it takes, each given the whole timeout: a
+        # server that reads a large body slowly is held to the deadline a piece at a time.
+        for start in range(0, len(buffer) or 1, _WRITE_PIECE):
+            self._stream.write(buffer[start : start + _WRITE_PIECE], _left(timeout, httpcore.WriteTimeout))
 
     def close(self) -> None:
         self._stream.close()
@@ -92,17 +97,15 @@ class _DeadlineBackend(httpcore.SyncBackend):
 def _client() -> httpx.Client:
     client = getattr(_local, "client", None)
     if client is None:
-        transport = httpx.HTTPTransport()
-        # httpx takes no network backend: the pool it makes (its default limits), with the deadline's.
-        transport._pool = httpcore.ConnectionPool(
-            ssl_context=httpx.create_ssl_context(),
-            max_connections=100,
-            max_keepalive_connections=20,
-            keepalive_expiry=5.0,
-            network_backend=_DeadlineBackend(),
-        )
         # Redirects are not followed: a redirect elsewhere would carry the secret headers with it.
-        client = _local.client = httpx.Client(follow_redirects=False, transport=transport)
+        client = _local.client = httpx.Client(follow_redirects=False)
+        # httpx takes no network backend: each connection pool it built, its own and one for each
+        # proxy the environment names (HTTPS_PROXY, ...), is given the deadline's (httpcore opens
+        # every connection through its pool's ``_network_backend``).
+        for transport in [client._transport, *client._mounts.values()]:
+            pool = getattr(transport, "_pool", None)
+            if pool is not None:
+                pool._network_backend = _DeadlineBackend()
     return client
 
 
