@@ -260,9 +260,14 @@ def _job_state(job_id: Any) -> tuple[str, bool]:
 
 
 async def _has_end(client: Any, key: str, cursor: str) -> bool:
-    """Whether the log ``key`` ends with ``exec_end`` at or before ``cursor``: a reader there has it all."""
-    last = await client.xrevrange(key, count=1)
-    return bool(last) and last[0][1].get(b"event") == b"exec_end" and _order(last[0][0].decode()) <= _order(cursor)
+    """Whether the log ``key`` has its ``exec_end`` at or before ``cursor``: a reader there has it
+    all. It need not be the log's last entry: a call that outlived its job ends after it."""
+    upto = cursor
+    while entries := await client.xrevrange(key, max=upto, count=100):
+        if any(fields.get(b"event") == b"exec_end" for _, fields in entries):
+            return True
+        upto = f"({entries[-1][0].decode()}"  # the page before this one, this one left out
+    return False
 
 
 async def event_stream(*, job_id: Any, last_event_id: str | None = None) -> AsyncIterator[Event | None]:

@@ -155,6 +155,29 @@ def test_a_reconnect_after_the_end_closes_at_once(api: Api) -> None:
     assert time.monotonic() - started < 5
 
 
+def test_a_reconnect_after_the_end_closes_when_a_call_outlived_the_job(api: Api) -> None:
+    # A call still running as its job ends appends its tool_call_end after exec_end: the log no
+    # longer ends with exec_end, and a reconnect from it must still close, not wait out the log.
+    code = (
+        "import threading, time\nfrom ptc_tools.demo import Demo\n"
+        "threading.Thread(target=lambda: Demo.sleep(ms=1500), daemon=True).start()\ntime.sleep(0.5)"
+    )
+    job = api.run(code, toolsets=["demo"])
+    events, _ = read_events(api, job["id"])
+    assert events[-1]["event"] == "exec_end"
+    deadline = time.monotonic() + 15
+    while api.get(f"/api/v1/exec/{job['id']}").json()["tool_calls"][0]["status"] == "executing":
+        assert time.monotonic() < deadline, "the call did not end"
+        time.sleep(0.2)
+    started, lines = time.monotonic(), []
+    headers = {"Last-Event-ID": events[-1]["id"]}
+    with api.http.stream("GET", f"/api/v1/exec/{job['id']}/events", headers=headers, timeout=15) as response:
+        for line in response.iter_lines():
+            lines.append(line)
+            assert time.monotonic() - started < 8, f"still open after the job's end, sending {lines[-3:]}"
+    assert "event: exec_end" not in lines
+
+
 def test_a_last_event_id_ahead_of_every_event_still_closes_at_the_end(api: Api) -> None:
     # Well formed, so not a 400, but ahead of every id the job's log will hold: its exec_end lands
     # behind the cursor, and the stream must still close once the job has ended.
