@@ -15,6 +15,7 @@ from tools.builtin import registry
 from tools.errors import ToolFailure
 from tools.kinds import mcp
 from tools.models import Tool, Toolset
+from tools.secret_refs import REDACTED
 from tools.validation import FieldError, schema_errors, toolset_errors
 
 # The toolset fields a write may set; ``secrets`` and ``tools`` are handled on their own.
@@ -268,6 +269,8 @@ def _listed_tool_problem(item: mcp.ListedTool, seen: set[str]) -> str | None:
     None. ``seen`` holds the names listed before it."""
     if not item.name:
         return "name: empty, so it can't be called"
+    if REDACTED in item.name:
+        return "name: holds one of the toolset's secrets, which would be shown to everyone it is granted to"
     if item.name in seen:
         return "name: listed twice; the first is synced"
     if len(item.name) > _REMOTE_NAME_LENGTH:
@@ -323,7 +326,8 @@ def mcp_toolset_sync(*, toolset: Toolset) -> McpSync:
         seen: set[str] = set()
         for item in listed:
             if (problem := _listed_tool_problem(item, seen)) is not None:
-                result.skipped.append({"name": item.name, "reason": problem})
+                shown = item.name if len(item.name) <= 200 else f"{item.name[:200]}…"
+                result.skipped.append({"name": shown, "reason": problem})
                 continue
             seen.add(item.name)
             tool = existing.get(item.name)

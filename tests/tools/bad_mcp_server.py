@@ -63,6 +63,7 @@ if mode == "odd_list":
         {"name": "nul_schema", "inputSchema": {"type": "object", "properties": {"q": {"description": "\u0000"}}}},
         {"name": "", "inputSchema": schema},  # no name to call it by
         {"name": "whoami", "description": "listed again", "inputSchema": schema},
+        {"name": f"leak_{os.environ.get('TOKEN', '')}", "inputSchema": schema},  # a name that holds its secret
     ]
     for message in requests():
         if message["method"] == "initialize":

@@ -184,19 +184,23 @@ def test_a_server_listing_odd_tools_syncs_the_good_ones_and_reports_the_rest(
     """A tool the database can't hold as listed is skipped, with why, as one with a bad schema is:
     the others are synced, not rolled back with a 500."""
     key = unique_key("odd")
-    create_toolset(
-        {"key": key, "name": "Odd", "kind": "mcp", "config": mcp_stdio_config(uuid.uuid4().hex, BAD_MCP_SERVER, "odd_list")}
-    )
+    config = mcp_stdio_config(uuid.uuid4().hex, BAD_MCP_SERVER, "odd_list", TOKEN="{{secrets.TOKEN}}")
+    create_toolset({"key": key, "name": "Odd", "kind": "mcp", "config": config, "secrets": {"TOKEN": TOKEN}})
     sync = staff.post(f"/api/v1/toolsets/{key}/sync")
     assert sync.status_code == 200, sync.text
+    assert TOKEN not in sync.text
     assert sync.json()["added"] == ["whoami", "a" * 128]
     nul = "holds a NUL character (U+0000), which can't be stored"
     assert sync.json()["skipped"] == [
-        {"name": "n" * 300, "reason": "name: longer than 256 characters, which can't be stored"},
+        {"name": "n" * 200 + "…", "reason": "name: longer than 256 characters, which can't be stored"},
         {"name": "nul_desc", "reason": f"description: {nul}"},
         {"name": "nul_schema", "reason": f"inputSchema/properties/q/description: {nul}"},
         {"name": "", "reason": "name: empty, so it can't be called"},
         {"name": "whoami", "reason": "name: listed twice; the first is synced"},
+        {
+            "name": "leak_[redacted]",
+            "reason": "name: holds one of the toolset's secrets, which would be shown to everyone it is granted to",
+        },
     ]
     assert Tool.objects.get(toolset__key=key, name="a" * 128).remote_name == "a" * 200
 

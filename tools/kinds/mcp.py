@@ -506,7 +506,7 @@ def tools_list(*, toolset: Toolset) -> list[ListedTool]:
                     break
             return [
                 ListedTool(
-                    name=t.name,
+                    name=secrets_redact(t.name, server.secrets),  # one that held a secret is not synced
                     description=secrets_redact(t.description or "", server.secrets),
                     input_schema=secrets_redact_value(t.input_schema, server.secrets),
                     output_schema=secrets_redact_value(t.output_schema, server.secrets),
