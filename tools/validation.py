@@ -8,8 +8,8 @@ import keyword
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlsplit
 
+import httpx
 import jsonschema
 import referencing
 import referencing.exceptions
@@ -142,12 +142,19 @@ def tool_errors(tool: Mapping[str, Any], *, kind: str, path: str) -> list[FieldE
     return errors
 
 
-def _url_problem(url: Any) -> str | None:
+def _url_problem(url: Any, *, base: bool = False) -> str | None:
+    """Why ``url`` can't be a server's http(s) URL, as httpx reads it, or None. A ``base`` (an http
+    toolset's, which each tool's path is added to) has no query or fragment."""
     if not isinstance(url, str):
         return "must be an http(s) URL"
-    parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.netloc:
+    try:
+        parsed = httpx.URL(url)
+    except httpx.InvalidURL as exc:
+        return f"is not a URL a request can be sent to: {exc}"
+    if parsed.scheme not in ("http", "https") or not parsed.host:
         return "must be an http(s) URL"
+    if base and (parsed.query or parsed.fragment):
+        return "can't have a query or a fragment: each tool's path is added to it, and the query is the tool's"
     return None
 
 
@@ -188,7 +195,7 @@ def config_errors(config: Any, *, kind: str, secrets: Mapping[str, Any]) -> list
         if seconds is not None and (isinstance(seconds, bool) or not isinstance(seconds, int | float) or seconds <= 0):
             check(name, "must be a positive number of seconds")
     if kind == Toolset.Kind.HTTP:
-        check("base_url", _url_problem(config.get("base_url")))
+        check("base_url", _url_problem(config.get("base_url"), base=True))
         check("headers", _str_map_problem(config.get("headers")) or _headers_problem(config.get("headers"), secrets))
     elif kind == Toolset.Kind.MCP:
         transport = config.get("transport")

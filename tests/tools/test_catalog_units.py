@@ -116,6 +116,8 @@ def _tool(**fields: Any) -> dict[str, Any]:
     ("kind", "config", "tool", "code"),
     [
         ("http", {"base_url": "ftp://x"}, _tool(http={"method": "GET", "path": "/"}), "invalid_config"),
+        ("http", {"base_url": "http://x/v1?key=k"}, _tool(http={"method": "GET", "path": "/"}), "invalid_config"),
+        ("http", {"base_url": "http://x/\x01"}, _tool(http={"method": "GET", "path": "/"}), "invalid_config"),
         ("http", {"base_url": "http://x"}, _tool(), "invalid_http_spec"),
         ("http", {"base_url": "http://x"}, _tool(http={"method": "TRACE", "path": "/"}), "invalid_http_spec"),
         ("http", {"base_url": "http://x"}, _tool(http={"method": "GET", "path": "/", "query": ["b"]}), "unknown_http_parameter"),
