@@ -4,6 +4,8 @@ import base64
 import contextlib
 import hashlib
 import io
+import os
+import signal
 import time
 import uuid
 from collections.abc import Callable
@@ -16,6 +18,7 @@ from django.test import Client
 
 from execution.models import WorkFile
 from tests.conftest import Api
+from tests.stack import Stack
 
 
 def _session(api: Api, **body: Any) -> dict[str, Any]:
@@ -184,21 +187,28 @@ def test_cancelling_a_running_job_ends_its_session_lost(api: Api) -> None:
     assert ended["status"] == "lost"
 
 
-def test_a_job_submitted_as_a_running_job_is_cancelled_is_busy_then_lost(api: Api) -> None:
+def test_a_job_submitted_as_a_running_job_is_cancelled_is_busy_then_lost(api: Api, stack: Stack) -> None:
     # The job reads cancelled at once, but its worker still holds the sandbox until it has killed
     # it: a submit meanwhile is 409 session_busy, and then 410 session_lost, never a job let in to
-    # find the sandbox taken. 300 MB touched make the kill take a moment, widening the window.
-    for _ in range(3):
-        session = _session(api)
-        code = "import time\nheld = b'x' * (300 << 20)\nprint('in', flush=True)\ntime.sleep(60)"
-        job = _run(api, session, code, wait=0, timeout=120)
-        assert api.until_printed(job["id"]) == "in\n"
+    # find the sandbox taken. The worker is stopped for the moment of the cancel, so the window is.
+    session = _session(api)
+    job = _run(api, session, "import time\nprint('in', flush=True)\ntime.sleep(60)", wait=0, timeout=120)
+    assert api.until_printed(job["id"]) == "in\n"
+    assert stack.exec_worker.proc is not None
+    worker = stack.exec_worker.proc.pid
+    os.kill(worker, signal.SIGSTOP)
+    try:
         assert api.post(f"/api/v1/exec/{job['id']}/cancel").status_code == 200
-        deadline = time.monotonic() + 20
-        while (late := api.post("/api/v1/exec", json={"code": "1", "session": session["id"]})).status_code == 409:
-            assert late.json()["error"]["code"] == "session_busy"
-            assert time.monotonic() < deadline, "the cancelled job held its session for 20 s"
-        assert late.status_code == 410 and late.json()["error"]["code"] == "session_lost", late.text
+        busy = api.post("/api/v1/exec", json={"code": "1", "session": session["id"]})
+        assert busy.status_code == 409 and busy.json()["error"]["code"] == "session_busy", busy.text
+    finally:
+        os.kill(worker, signal.SIGCONT)
+    deadline = time.monotonic() + 20
+    while (late := api.post("/api/v1/exec", json={"code": "1", "session": session["id"]})).status_code == 409:
+        assert late.json()["error"]["code"] == "session_busy"
+        assert time.monotonic() < deadline, "the cancelled job held its session for 20 s"
+        time.sleep(0.05)
+    assert late.status_code == 410 and late.json()["error"]["code"] == "session_lost", late.text
 
 
 def test_the_memory_limit_holds_across_calls(api: Api) -> None:
