@@ -5,7 +5,7 @@ from django.db.models import F, QuerySet, Sum
 from django.db.models.functions import TruncDate
 from django.utils import timezone
 
-from billing.models import CreditAccount, CreditUsage
+from billing.models import CreditAccount, CreditUsage, Reservation
 
 
 def usage_for(*, user: User) -> QuerySet[CreditUsage]:
@@ -47,3 +47,22 @@ def usage_by_day(*, days: int = 30, group: str = "toolset") -> tuple[list[str], 
         values = series.setdefault(str(row["series"]), [0] * days)
         values[dates.index(row["day"].isoformat())] += row["total"]
     return dates, series
+
+
+def credits_held(*, tool_call_ids: list[str]) -> set[str]:
+    """Return which of the calls have credits held. A call's price is held as it is made, and is
+    settled or released as it ends, whatever its tool's billing says by then (a toolset turned free
+    or private while its calls waited)."""
+    if not tool_call_ids:
+        return set()
+    held = Reservation.objects.filter(tool_call_id__in=tool_call_ids, status=Reservation.Status.HELD)
+    return set(held.values_list("tool_call_id", flat=True))
+
+
+def reservations_held(*, older_than_seconds: int) -> list[str]:
+    """Return the calls whose credits have been held longer than ``older_than_seconds``: the
+    reaper asks execution how each ended, and settles or releases them."""
+    cutoff = timezone.now() - timedelta(seconds=older_than_seconds)
+    return list(
+        Reservation.objects.filter(status=Reservation.Status.HELD, created_at__lt=cutoff).values_list("tool_call_id", flat=True)
+    )

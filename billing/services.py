@@ -8,7 +8,7 @@ import logging
 import math
 from contextlib import nullcontext
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import datetime
 from typing import Any
 
 from django.contrib.auth.models import User
@@ -152,25 +152,6 @@ def credits_settle_many(*, tool_call_ids: list[str]) -> dict[str, int]:
 def credits_release(*, tool_call_id: str) -> None:
     """Give back what was held for a call that did not succeed. A second release does nothing."""
     ledger().release(tool_call_id=tool_call_id)
-
-
-def credits_held(*, tool_call_ids: list[str]) -> set[str]:
-    """Return which of the calls have credits held. A call's price is held as it is made, and is
-    settled or released as it ends, whatever its tool's billing says by then (a toolset turned free
-    or private while its calls waited)."""
-    if not tool_call_ids:
-        return set()
-    held = Reservation.objects.filter(tool_call_id__in=tool_call_ids, status=Reservation.Status.HELD)
-    return set(held.values_list("tool_call_id", flat=True))
-
-
-def reservations_held(*, older_than_seconds: int) -> list[str]:
-    """Return the calls whose credits have been held longer than ``older_than_seconds``: the
-    reaper asks execution how each ended, and settles or releases them."""
-    cutoff = timezone.now() - timedelta(seconds=older_than_seconds)
-    return list(
-        Reservation.objects.filter(status=Reservation.Status.HELD, created_at__lt=cutoff).values_list("tool_call_id", flat=True)
-    )
 
 
 def credits_adjust(*, user: User, amount: int, reason: str, created_by: User | None = None) -> LedgerEntry:

@@ -23,15 +23,14 @@ from django.utils import timezone
 
 from billing.ledger import PostgresLedger
 from billing.models import Reservation
+from billing.selectors import credits_held, reservations_held
 from billing.services import (
     billable,
-    credits_held,
     credits_release,
     credits_reserve,
     credits_settle,
     credits_settle_many,
     price_quote,
-    reservations_held,
 )
 from execution.backplane import Admitted, Result, backplane, call_channel, job_channel
 from execution.events import (
