@@ -44,9 +44,11 @@ def test_partial_admits_only_the_user_allowlist(user) -> None:  # type: ignore[n
 
 
 def test_rollout_percent_uses_a_deterministic_bucket(user) -> None:  # type: ignore[no-untyped-def]
-    bucket = rollout_bucket(user_id=user.pk, salt="s1")
-    inside = ptc_decision(policy=_policy(rollout_percent=bucket + 1, rollout_salt="s1"), user=user, toolsets=[])
-    outside = ptc_decision(policy=_policy(rollout_percent=bucket, rollout_salt="s1"), user=user, toolsets=[])
+    # A salt that puts this user below bucket 99: a 100% rollout is everyone, and says so instead.
+    salt = next(f"s{n}" for n in range(100) if rollout_bucket(user_id=user.pk, salt=f"s{n}") < 99)
+    bucket = rollout_bucket(user_id=user.pk, salt=salt)
+    inside = ptc_decision(policy=_policy(rollout_percent=bucket + 1, rollout_salt=salt), user=user, toolsets=[])
+    outside = ptc_decision(policy=_policy(rollout_percent=bucket, rollout_salt=salt), user=user, toolsets=[])
     assert inside.enabled and f"bucket {bucket} is inside the {bucket + 1}% rollout" in inside.reason
     assert not outside.enabled
     assert outside.reason == f"user '{user.username}' is in bucket {bucket}, outside the {bucket}% rollout"
