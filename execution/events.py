@@ -266,7 +266,10 @@ async def _has_end(client: Any, key: str, cursor: str) -> bool:
     while entries := await client.xrevrange(key, max=upto, count=100):
         if any(fields.get(b"event") == b"exec_end" for _, fields in entries):
             return True
-        upto = f"({entries[-1][0].decode()}"  # the page before this one, this one left out
+        ms, seq = _order(entries[-1][0].decode())  # the page before this one, this one left out
+        if (ms, seq) == (0, 0):
+            break
+        upto = f"{ms}-{seq - 1}" if seq else f"{ms - 1}-{2**64 - 1}"  # no "(" in a range before Redis 6.2
     return False
 
 
