@@ -60,6 +60,19 @@ def read_events(
     return events, comments
 
 
+def read_to_close(api: Api, job_id: str, last_event_id: str, within: float) -> tuple[list[str], float]:
+    """Read the stream from ``last_event_id`` until it closes, failing if it is still open after
+    ``within`` seconds; return its lines and the seconds it took."""
+    started, lines = time.monotonic(), []
+    headers = {"Last-Event-ID": last_event_id}
+    with api.http.stream("GET", f"/api/v1/exec/{job_id}/events", headers=headers, timeout=within + 5) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            lines.append(line)
+            assert time.monotonic() - started < within, f"still open, sending {lines[-3:]}"
+    return lines, time.monotonic() - started
+
+
 def _order(event_id: str) -> tuple[int, int]:
     ms, seq = event_id.split("-")
     return int(ms), int(seq)
@@ -145,14 +158,9 @@ def test_a_reconnect_after_the_end_closes_at_once(api: Api) -> None:
     job = api.run("print(1)", toolsets=["demo"])
     events, _ = read_events(api, job["id"])
     assert events[-1]["event"] == "exec_end"
-    started, lines = time.monotonic(), []
-    headers = {"Last-Event-ID": events[-1]["id"]}
-    with api.http.stream("GET", f"/api/v1/exec/{job['id']}/events", headers=headers, timeout=10) as response:
-        for line in response.iter_lines():
-            lines.append(line)
-            assert time.monotonic() - started < 10, f"still open, sending {lines[-3:]}"
+    lines, took = read_to_close(api, job["id"], events[-1]["id"], within=10)
     assert [line for line in lines if line.startswith(("id:", "event:", "data:"))] == []
-    assert time.monotonic() - started < 5
+    assert took < 5
 
 
 def test_a_reconnect_after_the_end_closes_when_a_call_outlived_the_job(api: Api) -> None:
@@ -169,12 +177,7 @@ def test_a_reconnect_after_the_end_closes_when_a_call_outlived_the_job(api: Api)
     while api.get(f"/api/v1/exec/{job['id']}").json()["tool_calls"][0]["status"] == "executing":
         assert time.monotonic() < deadline, "the call did not end"
         time.sleep(0.2)
-    started, lines = time.monotonic(), []
-    headers = {"Last-Event-ID": events[-1]["id"]}
-    with api.http.stream("GET", f"/api/v1/exec/{job['id']}/events", headers=headers, timeout=15) as response:
-        for line in response.iter_lines():
-            lines.append(line)
-            assert time.monotonic() - started < 8, f"still open after the job's end, sending {lines[-3:]}"
+    lines, _ = read_to_close(api, job["id"], events[-1]["id"], within=8)
     assert "event: exec_end" not in lines
 
 
@@ -182,14 +185,7 @@ def test_a_last_event_id_ahead_of_every_event_still_closes_at_the_end(api: Api) 
     # Well formed, so not a 400, but ahead of every id the job's log will hold: its exec_end lands
     # behind the cursor, and the stream must still close once the job has ended.
     job = api.run("import time\ntime.sleep(1)\n1", toolsets=["demo"], wait=0)
-    ahead = f"{int(time.time() * 1000) + 10**9}-0"
-    started, lines = time.monotonic(), []
-    headers = {"Last-Event-ID": ahead}
-    with api.http.stream("GET", f"/api/v1/exec/{job['id']}/events", headers=headers, timeout=15) as response:
-        assert response.status_code == 200
-        for line in response.iter_lines():
-            lines.append(line)
-            assert time.monotonic() - started < 12, f"still open after the job's end, sending {lines[-3:]}"
+    lines, _ = read_to_close(api, job["id"], f"{int(time.time() * 1000) + 10**9}-0", within=12)
     assert api.get(f"/api/v1/exec/{job['id']}").json()["status"] == "completed"
     assert [line for line in lines if line.startswith(("id:", "event:", "data:"))] == []
 
