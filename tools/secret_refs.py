@@ -45,6 +45,17 @@ def secret_names_used(value: Any) -> set[str]:
     return set()
 
 
+def headers_problem(headers: Any, secrets: Mapping[str, Any]) -> str | None:
+    """Why ``headers`` (header → a value that may use ``{{secrets.NAME}}``) can't be sent with
+    ``secrets`` filled in: HTTP headers are ASCII. The secrets are named, never quoted."""
+    for name, template in (headers or {}).items():
+        culprits = sorted(n for n in secret_names_used(template) if not str(secrets.get(n) or "").isascii())
+        if culprits or not (str(name).isascii() and str(template).isascii()):
+            with_ = f" (with the secret {', '.join(repr(n) for n in culprits)})" if culprits else ""
+            return f"{name!r}{with_} has a character that is not ASCII, which HTTP headers are"
+    return None
+
+
 def secrets_render(value: str, secrets: Mapping[str, str]) -> str:
     """Return ``value`` with each ``{{secrets.NAME}}`` replaced by its value. Raise MissingSecret."""
 

@@ -19,7 +19,7 @@ from tools.arguments import keyword_values
 from tools.kinds.http import METHODS, path_params
 from tools.kinds.mcp import TRANSPORTS
 from tools.models import Tool, Toolset
-from tools.secret_refs import secret_names_used
+from tools.secret_refs import headers_problem, secret_names_used
 
 # Names the generated package itself uses: ``ptc_tools.describe`` is a function, not a toolset module.
 RESERVED_KEYS = frozenset({"describe", "search", "ToolError"})
@@ -166,19 +166,6 @@ def _str_map_problem(value: Any) -> str | None:
     return None
 
 
-def _headers_problem(headers: Any, secrets: Mapping[str, Any]) -> str | None:
-    """Why ``headers`` (an object of strings), their secrets filled in, can't be sent: HTTP headers
-    are ASCII. The secrets are named, never quoted."""
-    for name, template in (headers or {}).items():
-        from_secrets = sorted(n for n in secret_names_used(template) if not str(secrets.get(n) or "").isascii())
-        if from_secrets:
-            names = ", ".join(repr(n) for n in from_secrets)
-            return f"{name!r} takes a character that is not ASCII from the secret {names}, which HTTP headers can't carry"
-        if not (name.isascii() and template.isascii()):
-            return f"{name!r} has a character that is not ASCII, which HTTP headers can't carry"
-    return None
-
-
 def config_errors(config: Any, *, kind: str, secrets: Mapping[str, Any]) -> list[FieldError]:
     """Return what is wrong with a toolset's ``config`` for its ``kind`` with its ``secrets`` (by
     name), and secrets it names but lacks."""
@@ -196,7 +183,7 @@ def config_errors(config: Any, *, kind: str, secrets: Mapping[str, Any]) -> list
             check(name, "must be a positive number of seconds")
     if kind == Toolset.Kind.HTTP:
         check("base_url", _url_problem(config.get("base_url"), base=True))
-        check("headers", _str_map_problem(config.get("headers")) or _headers_problem(config.get("headers"), secrets))
+        check("headers", _str_map_problem(config.get("headers")) or headers_problem(config.get("headers"), secrets))
     elif kind == Toolset.Kind.MCP:
         transport = config.get("transport")
         if transport not in TRANSPORTS:
@@ -210,7 +197,7 @@ def config_errors(config: Any, *, kind: str, secrets: Mapping[str, Any]) -> list
             check("env", _str_map_problem(config.get("env")))
         else:
             check("url", _url_problem(config.get("url")))
-            check("headers", _str_map_problem(config.get("headers")) or _headers_problem(config.get("headers"), secrets))
+            check("headers", _str_map_problem(config.get("headers")) or headers_problem(config.get("headers"), secrets))
     missing = sorted(secret_names_used(config) - set(secrets))
     if missing:
         errors.append(

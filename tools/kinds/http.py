@@ -22,7 +22,7 @@ from tools.errors import ToolFailure
 from tools.models import Tool, Toolset
 from tools.secret_refs import (
     MissingSecret,
-    secret_names_used,
+    headers_problem,
     secrets_reach,
     secrets_redact,
     secrets_redact_start,
@@ -171,16 +171,11 @@ def run(*, toolset: Toolset, tool: Tool, arguments: dict[str, Any], timeout: flo
         raise ToolFailure(
             "secret_missing", f"the toolset's headers use the secret '{missing.name}', which is not set; an admin must set it"
         ) from None
-    for name, value in headers.items():
-        # httpx encodes a header as ASCII, and its error would quote the character: from a secret.
-        if not (name.isascii() and value.isascii()):
-            used = sorted(secret_names_used((config.get("headers") or {}).get(name)))
-            with_ = f" (with the secret {', '.join(repr(n) for n in used)})" if used else ""
-            raise ToolFailure(
-                "http_config_invalid",
-                f"the toolset's header {name!r}{with_} has a character that is not ASCII, which HTTP headers are;"
-                " an admin must change it (encoded as its API says)",
-            )
+    # Refused as the toolset is written; a row written before: httpx's error would quote the character.
+    if problem := headers_problem(config.get("headers"), toolset.secrets or {}):
+        raise ToolFailure(
+            "http_config_invalid", f"the toolset's header {problem}; an admin must change it (encoded as its API says)"
+        )
     # A toolset-wide timeout applies when the tool sets none; the bridge never waits longer than ``timeout``.
     limit = tool.timeout or min(float(config.get("timeout") or timeout), timeout)
     where = f"{method} {path}"
