@@ -10,11 +10,12 @@ import pytest
 from tools.context import LEVELS, Level, compact_reference, provider_tools, ptc_context_build
 from tools.errors import ToolFailure
 from tools.kinds.http import request_parts
-from tools.kinds.mcp import result_output
+from tools.kinds.mcp import result_output, server_for
 from tools.models import Tool, Toolset
 from tools.sdk import _TypeDefs, shape, summary
 from tools.secret_refs import (
     MissingSecret,
+    headers_problem,
     secret_names_used,
     secrets_redact,
     secrets_redact_value,
@@ -48,6 +49,20 @@ def test_secret_references() -> None:
     assert secrets_redact("got abcd1234-and-more and abcd1234", secrets.values()) == "got [redacted] and [redacted]"
     assert secrets_redact_value({"abcd1234": ["x abcd1234", 1]}, ["abcd1234"]) == {"[redacted]": ["x [redacted]", 1]}
     assert secrets_redact("a b", ["a"]) == "a b"  # too short to redact without mangling text
+
+
+def test_headers_that_cant_be_sent_name_their_secret_and_never_quote_it() -> None:
+    secrets = {"T": "pässwort-123", "OK": "token-123"}
+    assert headers_problem({"A": "Bearer {{secrets.OK}}"}, secrets) is None
+    problem = headers_problem({"A": "Bearer {{secrets.OK}}", "B": "x {{secrets.T}}"}, secrets)
+    assert problem == "'B' (with the secret 'T') has a character that is not ASCII, which HTTP headers are"
+    assert headers_problem({"Ä": "x"}, {}) == "'Ä' has a character that is not ASCII, which HTTP headers are"
+    # An MCP server over HTTP, written before writes refused it, fails its calls naming it too.
+    config = {"transport": "streamable_http", "url": "http://x/mcp", "headers": {"B": "{{secrets.T}}"}}
+    with pytest.raises(ToolFailure) as failed:
+        server_for(Toolset(key="remote", kind="mcp", config=config, secrets=secrets))
+    assert failed.value.code == "mcp_config_invalid" and "'T'" in failed.value.message
+    assert "pässwort" not in failed.value.message and "ä" not in failed.value.message
 
 
 def test_a_streams_tail_is_cut_where_no_secret_is() -> None:

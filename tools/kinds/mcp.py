@@ -32,7 +32,14 @@ from typing import Any, TypeVar
 
 from tools.errors import ToolFailure
 from tools.models import Tool, Toolset
-from tools.secret_refs import MissingSecret, secrets_redact, secrets_redact_value, secrets_render_map, secrets_tail
+from tools.secret_refs import (
+    MissingSecret,
+    headers_problem,
+    secrets_redact,
+    secrets_redact_value,
+    secrets_render_map,
+    secrets_tail,
+)
 
 logger = logging.getLogger("ptc.tools")
 
@@ -91,6 +98,8 @@ def server_for(toolset: Toolset) -> Server:
                 secrets=tuple(str(v) for v in secrets.values()),
             )
         if transport == "streamable_http" and config.get("url"):
+            if problem := headers_problem(config.get("headers"), secrets):  # refused as it is written
+                raise ToolFailure("mcp_config_invalid", f"toolset '{toolset.key}': its header {problem}; an admin must change it")
             return Server(
                 transport=transport,
                 toolset_key=toolset.key,
