@@ -826,10 +826,6 @@ def _tool_calls_finish_ran(batch: list[_Ran]) -> list[bool]:
 
     On PostgreSQL the batch is one UPDATE (and a settle per billed call, in its transaction);
     elsewhere it is a call at a time."""
-    # A call is billed as it was made: one whose price was held is settled or released, even if its
-    # toolset has turned free or private since it was queued (then only the hold says so).
-    held = credits_held(tool_call_ids=[ran.call.call_id for ran in batch if not ran.billed])
-    batch = [replace(ran, billed=True) if ran.call.call_id in held else ran for ran in batch]
     if connection.vendor == "postgresql":
         finished = _tool_calls_finish_postgres(batch)
     else:
@@ -855,7 +851,12 @@ def _tool_calls_finish_ran(batch: list[_Ran]) -> list[bool]:
 def _tool_calls_finish_postgres(batch: list[_Ran]) -> list[bool]:
     """``tool_call_finish`` for a batch, on PostgreSQL: the calls' rows and the settle of the billed
     ones in one statement when they are one user's (a job's usually are); else one UPDATE, then a
-    settle per user in the same transaction. What a failed billed call held is released after."""
+    settle per user in the same transaction. What a failed billed call held is released after.
+
+    A call is billed as it was made, as ``tool_call_finish`` has it: one whose price was held is
+    settled or released even if its toolset turned free or private while it was queued."""
+    held = credits_held(tool_call_ids=[ran.call.call_id for ran in batch if not ran.billed])
+    batch = [replace(ran, billed=True) if ran.call.call_id in held else ran for ran in batch]
     now = timezone.now()
     fields = [_finished_fields(output=ran.reply.get("result"), error=ran.reply.get("error"), now=now) for ran in batch]
     settles = [ran.billed and not f["error"] for ran, f in zip(batch, fields, strict=True)]
