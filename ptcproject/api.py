@@ -1,6 +1,7 @@
 """What every endpoint shares: the error shape, pagination, the error responses every operation
 documents, and the error type services raise."""
 
+import logging
 from typing import Any
 
 from django.conf import settings
@@ -15,6 +16,8 @@ from rest_framework.response import Response
 from rest_framework.views import exception_handler as drf_exception_handler
 
 from ptcproject.errors import ApplicationError, error_body
+
+logger = logging.getLogger("ptc.api")
 
 
 class Pagination(PageNumberPagination):
@@ -112,7 +115,15 @@ def exception_handler(exc: Exception, context: dict[str, Any]) -> Response | Non
     exc = outage_error(exc) or (body_too_large_error() if isinstance(exc, RequestDataTooBig) else exc)
     if isinstance(exc, ApplicationError):
         body = {"code": exc.code, "message": exc.message, "details": exc.details}
-        return Response({"error": body}, status=exc.status, headers=_retry_after(exc))
+        answer = Response({"error": body}, status=exc.status, headers=_retry_after(exc))
+        if exc.status >= 500:
+            # A failure we named (a tool server's, an outage): one line with its code, not
+            # django.request's ERROR, which is kept for the unexpected ones (with their tracebacks).
+            request = context.get("request")
+            path = request.path if request is not None else ""
+            logger.warning("request failed: %s (%d)", exc.code, exc.status, extra={"path": path})
+            answer._has_been_logged = True  # type: ignore[attr-defined]
+        return answer
     response = drf_exception_handler(exc, context)
     if response is None:
         return None

@@ -278,11 +278,17 @@ def test_a_bad_server_is_a_clear_error_and_leaves_nothing_running(
     tool = {"name": "anything", "input_schema": {"type": "object", "properties": {}}}
     create_toolset({"key": key, "name": "Bad", "kind": "mcp", "config": config, "tools": [tool]})
 
+    logged = stack.web.log.stat().st_size
     began = time.monotonic()
     sync = staff.post(f"/api/v1/toolsets/{key}/sync")
     took = time.monotonic() - began
     assert sync.status_code == 502
     assert sync.json()["error"]["code"] == code and words in sync.json()["error"]["message"]
+    # The server's failure, not ours: the web logs one warning with its code, not an ERROR "Bad Gateway".
+    with stack.web.log.open("rb") as f:
+        f.seek(logged)
+        written = f.read().decode(errors="replace")
+    assert f"WARNING ptc.api request failed: {code} (502)" in written and "Bad Gateway" not in written, written
     if mode == "hang":  # said at its timeout, not after the server's exit is waited for (the SDK's 2 s grace)
         assert took < 3.5, took
 
