@@ -131,6 +131,7 @@ LOGGING = {
         "plain": {"()": "ptcproject.logs.KeyValueFormatter", "format": "%(asctime)s %(levelname)s %(name)s %(message)s"},
     },
     "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
+    "filters": {"not_mcp": {"()": "ptcproject.logs.DropFromPackage", "package": "mcp"}},
     "loggers": {
         "ptc": {"handlers": ["console"], "level": LOG_LEVEL, "propagate": False},
         # Unhandled errors in requests: a 500 must leave its traceback in the log.
@@ -142,9 +143,10 @@ LOGGING = {
         # The mcp SDK's client logs what a server sent that it could not parse (a stdio server's
         # stdout line, an HTTP body) with pydantic's quote of it: a server may print its secrets.
         # The mcp kind logs its own line, naming the server (tools/kinds/mcp.py). Its ClientSession
-        # logs as "client" (a notification it could not validate, quoted too).
+        # logs as "client" (a notification it could not validate, quoted too): what the SDK's files
+        # log there is dropped, and any other library's "client" lines are kept.
         "mcp.client": {"level": "CRITICAL"},
-        "client": {"level": "CRITICAL"},
+        "client": {"filters": ["not_mcp"]},
     },
 }
 

@@ -335,6 +335,20 @@ def test_a_server_that_prints_its_token_on_stdout_keeps_it_out_of_the_logs(
         assert f"mcp server sent an unparseable message; closing its session: of toolset '{key}'" in written, log.name
 
 
+def test_what_the_sdk_logs_as_client_is_dropped_and_no_other_librarys_client_lines() -> None:
+    """The SDK's ClientSession logs as "client", quoting what a server sent: dropped. Another
+    library that names its logger so keeps its lines."""
+    import logging
+
+    import mcp.client.session
+
+    client = logging.getLogger("client")
+    from_sdk = client.makeRecord("client", logging.WARNING, mcp.client.session.__file__, 1, "invalid: %s", ("token",), None)
+    from_elsewhere = client.makeRecord("client", logging.WARNING, __file__, 1, "a library of ours", (), None)
+    assert (bool(client.filter(from_sdk)), bool(client.filter(from_elsewhere))) == (False, True)
+    assert client.isEnabledFor(logging.WARNING)
+
+
 def test_a_server_that_cannot_start_at_all(api: Api, create_toolset: Callable[..., dict[str, Any]]) -> None:
     key = unique_key("nocmd")
     config = {"transport": "stdio", "command": "/nonexistent/mcp-server"}
