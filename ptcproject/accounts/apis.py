@@ -22,6 +22,15 @@ from ptcproject.accounts.services import api_key_create, api_key_expire, api_key
 from ptcproject.lists import FilteredListApi
 
 REVOKED = OpenApiResponse(description="conflict: the key is revoked; its expiry can't change.")
+OUTLIVES = OpenApiResponse(
+    description="permission_denied: the request's key expires, and the key would work past that (no expiry, or a later one); "
+    "or a job-scoped key."
+)
+
+
+def _acting_key(request: Request) -> ApiKey | None:
+    """The key the request was made with (None for an admin session): what it may grant is bounded by it."""
+    return request.auth if isinstance(request.auth, ApiKey) else None
 
 
 def _own_key_or_404(request: Request, key_id: object) -> ApiKey:
@@ -46,12 +55,14 @@ class ApiKeyListCreateApi(FilteredListApi):
     def get(self, request: Request) -> Response:
         return super().get(request)
 
-    @extend_schema(request=ApiKeyCreateSerializer, responses={201: ApiKeyCreatedSerializer})
+    @extend_schema(request=ApiKeyCreateSerializer, responses={201: ApiKeyCreatedSerializer, 403: OUTLIVES})
     def post(self, request: Request) -> Response:
         body = ApiKeyCreateSerializer(data=request.data)
         body.is_valid(raise_exception=True)
         user = signed_in_user(request)
-        key, plaintext = api_key_create(user=user, actor=user, source="api", **body.validated_data)
+        key, plaintext = api_key_create(
+            user=user, actor=user, source="api", acting_key=_acting_key(request), **body.validated_data
+        )
         key.key = plaintext  # type: ignore[attr-defined]  # for the serializer only; never stored
         return Response(ApiKeyCreatedSerializer(key).data, status=status.HTTP_201_CREATED)
 
@@ -61,12 +72,18 @@ class ApiKeyDetailApi(APIView):
     def get(self, request: Request, key_id: str) -> Response:
         return Response(ApiKeySerializer(_own_key_or_404(request, key_id)).data)
 
-    @extend_schema(request=ApiKeyExpireSerializer, responses={200: ApiKeySerializer, 409: REVOKED})
+    @extend_schema(request=ApiKeyExpireSerializer, responses={200: ApiKeySerializer, 403: OUTLIVES, 409: REVOKED})
     def patch(self, request: Request, key_id: str) -> Response:
         key = _own_key_or_404(request, key_id)
         body = ApiKeyExpireSerializer(data=request.data)
         body.is_valid(raise_exception=True)
-        key = api_key_expire(key=key, expires_at=body.validated_data["expires_at"], actor=signed_in_user(request), source="api")
+        key = api_key_expire(
+            key=key,
+            expires_at=body.validated_data["expires_at"],
+            actor=signed_in_user(request),
+            source="api",
+            acting_key=_acting_key(request),
+        )
         return Response(ApiKeySerializer(key).data)
 
 

@@ -35,6 +35,27 @@ def _audit(*, key: ApiKey, actor: User | None, action: str, source: str, details
     logger.info("api key %s", action, extra=extra)
 
 
+def _within_acting_key(*, acting_key: ApiKey | None, expires_at: datetime | None) -> None:
+    """Raise ApplicationError ``permission_denied`` (403) if a request made with ``acting_key``, a
+    key that expires, would have a key work past that: never expire, or expire later.
+
+    Otherwise a key handed out for an hour, once leaked, could mint a key that never expires (or
+    lift its own expiry), and outlive itself. A key with no expiry, the admin and the CLI are not bound.
+    """
+    if acting_key is None or acting_key.expires_at is None:
+        return
+    if expires_at is not None and expires_at <= acting_key.expires_at:
+        return
+    asked = "no expiry" if expires_at is None else f"an expiry of {expires_at.isoformat()}"
+    raise ApplicationError(
+        "permission_denied",
+        f"The key this request was made with expires at {acting_key.expires_at.isoformat()}; it can't give a key "
+        f"{asked}, which would outlive it. Ask for an expiry no later than that, or use a key without an expiry.",
+        status=403,
+        details={"expires_at": [f"must be no later than {acting_key.expires_at.isoformat()}"]},
+    )
+
+
 def api_key_create(
     *,
     user: User,
@@ -43,12 +64,16 @@ def api_key_create(
     exec_job: Any = None,
     actor: User | None = None,
     source: str = "system",
+    acting_key: ApiKey | None = None,
 ) -> tuple[ApiKey, str]:
     """Create a key for ``user`` (job-scoped if ``exec_job`` is given).
 
     Return the row and the plaintext key, which is never stored. A user's own key is audited; a
-    job-scoped one is not (one per job, revoked with it, and never listed).
+    job-scoped one is not (one per job, revoked with it, and never listed). ``acting_key`` is the
+    key the request was made with: a key that expires may not make one that outlives it
+    (``permission_denied``, 403).
     """
+    _within_acting_key(acting_key=acting_key, expires_at=expires_at)
     prefix = secrets.token_hex(6)
     plaintext = f"{KEY_PREFIX}{prefix}_{secrets.token_urlsafe(32)}"
     # A job's key is one INSERT, with nothing to audit: no BEGIN and COMMIT around it (every job makes one).
@@ -88,12 +113,22 @@ def api_key_revoke(*, key: ApiKey, actor: User | None = None, source: str = "sys
     return key
 
 
-def api_key_expire(*, key: ApiKey, expires_at: datetime | None, actor: User | None = None, source: str = "system") -> ApiKey:
+def api_key_expire(
+    *,
+    key: ApiKey,
+    expires_at: datetime | None,
+    actor: User | None = None,
+    source: str = "system",
+    acting_key: ApiKey | None = None,
+) -> ApiKey:
     """Set when ``key`` stops working (a time in the past ends it now; None: never). Return the key as stored.
 
     A revoked key stays revoked: changing its expiry is refused with ``conflict``, so nobody reads
-    a new expiry as the key being usable again.
+    a new expiry as the key being usable again. ``acting_key`` is the key the request was made
+    with: a key that expires may not have any key (itself among them) work past its own end
+    (``permission_denied``, 403).
     """
+    _within_acting_key(acting_key=acting_key, expires_at=expires_at)
     with transaction.atomic():
         locked = ApiKey.objects.select_for_update().get(pk=key.pk)
         if locked.revoked_at is not None:
