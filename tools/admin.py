@@ -114,6 +114,11 @@ class ToolsetForm(forms.ModelForm):
         queue_problem = tools_queue_problem(data.get("queue") or "")
         if queue_problem:
             self.add_error("queue", queue_problem)
+        if not data.get("is_global") and data.get("owner") is None:
+            # Only a toolset's owner sees one that is not global (tools.selectors): with no owner, nobody would.
+            self.add_error(
+                "owner", "A toolset that is not global needs an owner, the one user who sees it: choose one, or tick is global."
+            )
         secrets = {**(self.instance.secrets or {}), **(data.get("set_secrets") or {})}
         secrets = {n: v for n, v in secrets.items() if v is not None}
         if data.get("kind") in (Toolset.Kind.HTTP, Toolset.Kind.MCP):

@@ -13,10 +13,14 @@ from tools.models import Tool, Toolset
 
 
 def _toolsets_of(*, user: User, include_disabled: bool = False) -> QuerySet[Toolset]:
-    """The toolsets ``user`` may use, without their tools: their own, plus global ones they don't shadow."""
+    """The toolsets ``user`` may use, without their tools: their own, plus global ones they don't shadow.
+
+    Global is ``is_global`` with no owner: a toolset with neither is nobody's, not everybody's
+    (the admin can write one), and would otherwise be used by all and never billed."""
     own_keys = Toolset.objects.filter(owner=user).values("key")
     toolsets = Toolset.objects.all() if include_disabled else Toolset.objects.filter(enabled=True)
-    return toolsets.filter(Q(owner=user) | (Q(owner__isnull=True) & ~Q(key__in=own_keys))).order_by("key")
+    shared = Q(owner__isnull=True, is_global=True) & ~Q(key__in=own_keys)
+    return toolsets.filter(Q(owner=user) | shared).order_by("key")
 
 
 def toolsets_visible(*, user: User, include_disabled: bool = False) -> QuerySet[Toolset]:
@@ -165,12 +169,12 @@ def _toolset_keys_visible(*, user_id: int, keys: list[str]) -> set[str]:
 
 def _visible(user_id: int, keys: list[str] | None) -> tuple[str, list[Any]]:
     """``_toolsets_of`` as a WHERE clause for the fixed statements, and its parameters: enabled, one
-    of ``keys`` (any if None), and the user's own or a global one the user does not shadow."""
+    of ``keys`` (any if None), and the user's own or a global one (no owner, ``is_global``) the user does not shadow."""
     toolsets = rows.table(Toolset)
     named = "" if keys is None else f"key IN ({', '.join(['%s'] * len(keys))}) AND "
     where = (
         f"enabled AND {named}(owner_id = %s OR "  # noqa: S608 - placeholders only
-        f"(owner_id IS NULL AND key NOT IN (SELECT key FROM {toolsets} WHERE owner_id = %s)))"
+        f"(owner_id IS NULL AND is_global AND key NOT IN (SELECT key FROM {toolsets} WHERE owner_id = %s)))"
     )
     return where, [*(keys or []), user_id, user_id]
 

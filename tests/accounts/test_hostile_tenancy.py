@@ -1,13 +1,19 @@
 """What a hostile user with their own key tried against other users' data and the limits of their
 keys, kept found: each of these once let a key or a user reach further than it was given."""
 
+import json
+import uuid
 from datetime import timedelta
 
 import httpx
+from django.contrib.auth import get_user_model
+from django.test import Client
 from django.utils import timezone
 
 from ptcproject.accounts.models import ApiKey
 from tests.conftest import Api
+from tests.tools.test_admin_tools import _form
+from tools.models import Toolset
 
 
 def _client(api: Api, key: str) -> httpx.Client:
@@ -51,3 +57,35 @@ def test_a_key_that_expires_cannot_make_or_keep_a_key_alive_past_its_own_end(api
     # A key that never expires (the fixture's) still sets any expiry, or none.
     assert api.http.patch(f"/api/v1/keys/{old['id']}", json={"expires_at": None}).status_code == 200
     assert api.post("/api/v1/keys", json={"name": "forever"}).status_code == 201
+
+
+def test_a_toolset_that_is_not_global_and_has_no_owner_is_nobodys(api: Api) -> None:
+    """The admin's "is global" says global toolsets are visible to all and billed. One unticked with
+    no owner (the admin's form allows it) was visible to every user all the same, and free: any
+    user could list it, run it, and have its calls unbilled."""
+    staff = get_user_model().objects.create_user(username=f"admin-{uuid.uuid4().hex[:6]}", is_staff=True, is_superuser=True)
+    admin = Client()
+    admin.force_login(staff)
+    key = f"internal_{uuid.uuid4().hex[:6]}"
+    form = {**_form(key, "forecast", json.dumps({"KEY": f"v-{uuid.uuid4().hex}"})), "price": "5"}
+    del form["is_global"]  # unticked; no owner chosen
+    added = admin.post("/admin/tools/toolset/add/", form)
+    assert added.status_code == 200, added.status_code  # the form again, saying why
+    assert "needs an owner" in added.content.decode()
+    assert not Toolset.objects.filter(key=key).exists()
+
+    # A row written so all the same (before the form refused it, or from a shell) is nobody's.
+    internal = Toolset.objects.create(
+        key=key, name="Internal", kind="http", owner=None, is_global=False, price=5, config={"base_url": "http://127.0.0.1:9"}
+    )
+    internal.tools.create(name="forecast", input_schema={"type": "object"}, http={"method": "GET", "path": "/", "query": []})
+    assert api.get(f"/api/v1/toolsets/{key}").status_code == 404
+    assert key not in api.get("/api/v1/toolsets").text
+    for path, body in (
+        ("/api/v1/exec", {"code": "1", "toolsets": [key]}),
+        ("/api/v1/tools/execute", {"toolset": key, "tool": "forecast", "arguments": {"city": "x"}}),
+    ):
+        refused = api.post(path, json=body)
+        assert refused.status_code == 400, (path, refused.text)
+        assert refused.json()["error"]["code"] == "unknown_toolset"
+    assert key not in api.run("1", wait=30)["toolsets"]  # nor among every toolset a job is given by default
