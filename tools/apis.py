@@ -1,5 +1,7 @@
 """Toolsets, their definitions and SDK, and the prompt context (API.md, "Tools" and "The PTC decision")."""
 
+from typing import Any
+
 from django.http import Http404
 from drf_spectacular.utils import OpenApiResponse, extend_schema
 from rest_framework import permissions, status
@@ -44,12 +46,18 @@ def _toolset_or_404(request: Request, key: str) -> Toolset:
     return toolset
 
 
+def _shown(request: Request, key: str) -> Any:
+    """The toolset ``key`` as the API shows it to the request's user."""
+    return ToolsetSerializer(_toolset_or_404(request, key), context={"viewer": signed_in_user(request)}).data
+
+
 class ToolsetListCreateApi(APIView):
     permission_classes = [permissions.IsAuthenticated, StaffWrites]
 
     @extend_schema(responses=ToolsetSerializer(many=True))
     def get(self, request: Request) -> Response:
-        return Response(ToolsetSerializer(toolsets_listed(user=signed_in_user(request)), many=True).data)
+        user = signed_in_user(request)
+        return Response(ToolsetSerializer(toolsets_listed(user=user), many=True, context={"viewer": user}).data)
 
     @extend_schema(request=ToolsetWriteSerializer, responses={201: ToolsetSerializer, 409: TOOLSET_EXISTS})
     def post(self, request: Request) -> Response:
@@ -57,7 +65,7 @@ class ToolsetListCreateApi(APIView):
         body.is_valid(raise_exception=True)
         toolset = toolset_create(actor=signed_in_user(request), data=body.validated_data)
         return Response(
-            ToolsetSerializer(_toolset_or_404(request, toolset.key)).data,
+            _shown(request, toolset.key),
             status=status.HTTP_201_CREATED,
             headers={"Location": f"/api/v1/toolsets/{toolset.key}"},
         )
@@ -68,14 +76,14 @@ class ToolsetDetailApi(APIView):
 
     @extend_schema(responses=ToolsetSerializer)
     def get(self, request: Request, key: str) -> Response:
-        return Response(ToolsetSerializer(_toolset_or_404(request, key)).data)
+        return Response(_shown(request, key))
 
     def _update(self, request: Request, key: str, partial: bool) -> Response:
         toolset = _toolset_or_404(request, key)
         body = ToolsetWriteSerializer(data=request.data, partial=partial)
         body.is_valid(raise_exception=True)
         toolset = toolset_update(toolset=toolset, actor=signed_in_user(request), data=body.validated_data, partial=partial)
-        return Response(ToolsetSerializer(_toolset_or_404(request, toolset.key)).data)
+        return Response(_shown(request, toolset.key))
 
     @extend_schema(request=ToolsetWriteSerializer, responses={200: ToolsetSerializer, 409: TOOLSET_EXISTS})
     def put(self, request: Request, key: str) -> Response:

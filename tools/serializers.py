@@ -57,9 +57,12 @@ class ToolSerializer(serializers.ModelSerializer):
 
 
 class ToolsetSerializer(serializers.ModelSerializer):
-    """A toolset as the API shows it: never its secrets' values, only their names."""
+    """A toolset as the API shows it: never its secrets' values, only their names; its ``config``
+    only to staff and its owner (the ``viewer`` in the context): another user's view of a global
+    toolset has none (``null``). A config holds the operator's internals (hosts, commands, an
+    MCP server's environment), which a tenant uses through the tools, never needs to read."""
 
-    config = serializers.JSONField()
+    config = serializers.JSONField(allow_null=True, help_text="null unless the caller is staff or the toolset's owner.")
     secret_names = serializers.SerializerMethodField(help_text="The names of the secrets set; values are write-only.")
     tools = ToolSerializer(many=True)
 
@@ -72,6 +75,13 @@ class ToolsetSerializer(serializers.ModelSerializer):
             "created_at",
             "updated_at",
         ]
+
+    def to_representation(self, toolset: Toolset) -> dict[str, Any]:
+        shown = super().to_representation(toolset)
+        viewer = self.context.get("viewer")
+        if viewer is None or not (viewer.is_staff or toolset.owner_id == viewer.pk):
+            shown["config"] = None
+        return shown
 
     def get_secret_names(self, toolset: Toolset) -> list[str]:
         return sorted(toolset.secrets or {})

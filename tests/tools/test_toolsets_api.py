@@ -278,3 +278,28 @@ def test_describe_and_search_inside_the_sandbox(api: Api) -> None:
     assert '"jewelry"' in job["stdout"] and "input_schema:" in job["stdout"]
     assert "missing: no tool 'demo.nope'" in job["stdout"]
     assert job["return_value"][0].startswith("demo.catalog_search(query: str")
+
+
+def test_a_toolsets_config_is_shown_to_staff_and_its_owner_only(
+    api: Api, staff: Api, create_toolset: Callable[..., dict[str, Any]]
+) -> None:
+    """A global toolset's config holds the operator's internals (an MCP server's command and
+    environment, an upstream's host): every tenant uses its tools, none reads its config."""
+    key = f"internal_{uuid.uuid4().hex[:6]}"
+    config = {"base_url": "http://10.0.0.7:8001", "headers": {"X-Key": "{{secrets.K}}"}}
+    tool = {"name": "forecast", "input_schema": {"type": "object"}, "http": {"method": "GET", "path": "/", "query": []}}
+    create_toolset({"key": key, "name": "Internal", "kind": "http", "config": config, "secrets": {"K": "s"}, "tools": [tool]})
+    assert staff.get(f"/api/v1/toolsets/{key}").json()["config"] == config
+    seen = api.get(f"/api/v1/toolsets/{key}").json()
+    assert (seen["config"], seen["secret_names"], [t["name"] for t in seen["tools"]]) == (None, ["K"], ["forecast"])
+    assert next(t for t in api.get("/api/v1/toolsets").json() if t["key"] == key)["config"] is None
+
+    own = Toolset.objects.create(
+        key=f"own_{uuid.uuid4().hex[:6]}",
+        name="Own",
+        kind="http",
+        owner=get_user_model().objects.get(username=api.username),
+        is_global=False,
+        config=config,
+    )
+    assert api.get(f"/api/v1/toolsets/{own.key}").json()["config"] == config
