@@ -163,10 +163,9 @@ def exec_job_create(
             "ptc_disabled", f"PTC is disabled here: {decision.reason}.", status=403, details={"reason": decision.reason}
         )
     quotas = quotas_for(policy=policy, user=user)
+    limits = job_limits(policy=policy, timeout=timeout, parallel_cap=quotas.parallel_cap())
     if session is not None:
-        limits = session_limits(session=session, timeout=timeout)
-    else:
-        limits = job_limits(policy=policy, timeout=timeout, parallel_cap=quotas.parallel_cap())
+        limits = session_limits(session=session, job=limits)
     # One INSERT on its own needs no transaction (BEGIN and COMMIT were two more round trips on
     # every job); the quota check's lock, the input files and the session's claim go with the job
     # or not at all. Either way the job is committed before it is enqueued.

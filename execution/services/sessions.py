@@ -520,9 +520,15 @@ def job_inputs(*, job_id: Any) -> dict[str, str]:
     return _encoded(WorkFile.objects.filter(exec_job_id=job_id, kind=WorkFile.Kind.INPUT))
 
 
-def session_limits(*, session: ExecSession, timeout: float) -> Limits:
-    """A job's limits in the session: the session's, with the job's own timeout."""
-    return Limits.from_dict({**session.limits, "timeout": timeout})
+# What a session's sandbox is started with and keeps for its life. The rest of a job's limits (its
+# timeout, calls, calls at once, output, client wait) are the policy's as that job is made.
+SANDBOX_LIMITS = ("memory_mb", "max_processes", "max_file_mb", "max_open_files")
+
+
+def session_limits(*, session: ExecSession, job: Limits) -> Limits:
+    """A job's limits in the session: ``job``'s, the policy's now (a policy made sequential, or its
+    max_tool_calls lowered, after the session opened holds its next job), with the sandbox's own."""
+    return Limits.from_dict({**job.as_dict(), **{k: session.limits[k] for k in SANDBOX_LIMITS if k in session.limits}})
 
 
 def session_guest_limits(*, session: ExecSession) -> dict[str, int]:

@@ -1,0 +1,46 @@
+"""Limits, quotas and fleet operations pushed from the wrong side, on the real stack: each test here
+is a way someone got past a limit, or an operation that misled its operator, before it was fixed."""
+
+import itertools
+from typing import Any
+
+import httpx
+
+from tests.conftest import Api
+
+
+def _patch(staff: Api, **values: Any) -> None:
+    response: httpx.Response = staff.http.patch("/api/v1/policy", json=values)
+    assert response.status_code == 200, response.text
+
+
+THREADED_SLEEPS = """
+from concurrent.futures import ThreadPoolExecutor
+from ptc_tools.demo import Demo
+with ThreadPoolExecutor(4) as pool:
+    list(pool.map(lambda _: Demo.sleep(ms=300), range({count})))
+"""
+
+
+def test_a_session_opened_before_a_policy_change_runs_its_next_job_under_the_new_policy(staff: Api, api: Api) -> None:
+    """The policy's per-job limits take effect on the next request: a job in a session opened
+    before the change is such a request. Its sandbox's memory and processes are fixed at its first
+    job (README, Sessions); how many calls the job may make, and how many at once, are not."""
+    created = api.post("/api/v1/sessions", json={"toolsets": ["demo"]})
+    assert created.status_code == 201, created.text
+    session = created.json()["id"]
+    warm = api.run("1", session=session)  # the sandbox is started under the old policy
+    assert warm["status"] == "completed", warm["error"]
+    _patch(staff, sequential=True, max_tool_calls=3)
+
+    job = api.run(THREADED_SLEEPS.format(count=3), session=session)
+    assert job["status"] == "completed", job["error"]
+    assert job["sequential"] is True
+    calls = sorted(job["tool_calls"], key=lambda c: c["started_at"])
+    assert len(calls) == 3
+    for before, after in itertools.pairwise(calls):  # one at a time, as the job's record says
+        assert before["finished_at"] <= after["started_at"], calls
+
+    over = api.run(THREADED_SLEEPS.format(count=4), session=session)
+    assert over["status"] == "failed" and over["error"]["type"] == "ResourceLimit", over
+    assert "tool-call limit of 3" in over["error"]["message"]
