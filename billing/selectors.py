@@ -1,11 +1,11 @@
 from datetime import timedelta
 
 from django.contrib.auth.models import User
-from django.db.models import F, QuerySet, Sum
-from django.db.models.functions import TruncDate
+from django.db.models import F, OuterRef, QuerySet, Subquery, Sum
+from django.db.models.functions import Coalesce, TruncDate
 from django.utils import timezone
 
-from billing.models import CreditAccount, CreditUsage, Reservation
+from billing.models import CreditAccount, CreditUsage, LedgerEntry, Reservation
 
 
 def usage_for(*, user: User) -> QuerySet[CreditUsage]:
@@ -20,14 +20,24 @@ def ledger_mismatches() -> list[tuple[CreditAccount, int, int]]:
     Also every account whose ``reserved`` is not the sum of its held reservations, as (account,
     reserved, held sum).
     """
+    # One statement, so one snapshot: calls that hold and settle credits while it reads (a live
+    # fleet) change an account and its rows in one transaction, and are seen whole or not at all.
+    # Read in two, an account's `reserved` and its reservations came from two moments.
+    ledger = LedgerEntry.objects.filter(account=OuterRef("pk")).values("account").annotate(total=Sum("delta")).values("total")
+    held = (
+        Reservation.objects.filter(account=OuterRef("pk"), status=Reservation.Status.HELD)
+        .values("account")
+        .annotate(total=Sum("amount"))
+        .values("total")
+    )
     bad: list[tuple[CreditAccount, int, int]] = []
-    for summed in CreditAccount.objects.annotate(ledger_sum=Sum("ledger__delta")):
-        if summed.balance != (summed.ledger_sum or 0):
-            bad.append((summed, summed.balance, summed.ledger_sum or 0))
-    for account in CreditAccount.objects.all():
-        held = account.reservations.filter(status="held").aggregate(total=Sum("amount"))["total"] or 0
-        if account.reserved != held:
-            bad.append((account, account.reserved, held))
+    for account in CreditAccount.objects.annotate(
+        ledger_sum=Coalesce(Subquery(ledger), 0), held_sum=Coalesce(Subquery(held), 0)
+    ).order_by("pk"):
+        if account.balance != account.ledger_sum:
+            bad.append((account, account.balance, account.ledger_sum))
+        if account.reserved != account.held_sum:
+            bad.append((account, account.reserved, account.held_sum))
     return bad
 
 

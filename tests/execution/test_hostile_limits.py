@@ -1,11 +1,16 @@
 """Limits, quotas and fleet operations pushed from the wrong side, on the real stack: each test here
 is a way someone got past a limit, or an operation that misled its operator, before it was fixed."""
 
+import io
 import itertools
+import time
 from typing import Any
 
 import httpx
+from django.core.management import call_command
+from django.core.management.base import CommandError
 
+from execution.models import ExecJob
 from tests.conftest import Api
 
 
@@ -44,3 +49,26 @@ def test_a_session_opened_before_a_policy_change_runs_its_next_job_under_the_new
     over = api.run(THREADED_SLEEPS.format(count=4), session=session)
     assert over["status"] == "failed" and over["error"]["type"] == "ResourceLimit", over
     assert "tool-call limit of 3" in over["error"]["message"]
+
+
+def test_check_ledger_finds_nothing_wrong_while_calls_are_billed(api: Api) -> None:
+    """An operator runs check_ledger on a live fleet: calls holding and settling credits as it reads
+    must not show as accounts that differ from their ledger."""
+    code = """
+from concurrent.futures import ThreadPoolExecutor
+from ptc_tools.demo import Demo
+with ThreadPoolExecutor(16) as pool:
+    list(pool.map(lambda i: Demo.add(a=i, b=1), range(600)))
+"""
+    job = api.post("/api/v1/exec", json={"code": code, "toolsets": ["demo"], "wait": 0}).json()
+    deadline = time.monotonic() + 60
+    checks = 0
+    while ExecJob.objects.filter(pk=job["id"], status__in=("queued", "running")).exists():
+        assert time.monotonic() < deadline
+        try:
+            call_command("check_ledger", stdout=io.StringIO(), stderr=io.StringIO())
+        except CommandError as exc:
+            raise AssertionError(f"check_ledger failed on a sound ledger after {checks} good checks: {exc}") from exc
+        checks += 1
+    assert ExecJob.objects.get(pk=job["id"]).status == "completed"
+    assert checks > 0
