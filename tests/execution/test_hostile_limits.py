@@ -4,9 +4,11 @@ is a way someone got past a limit, or an operation that misled its operator, bef
 import io
 import itertools
 import time
+from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 from django.core.management import call_command
 from django.core.management.base import CommandError
 
@@ -20,7 +22,6 @@ def _patch(staff: Api, **values: Any) -> None:
 
 
 THREADED_SLEEPS = """
-from concurrent.futures import ThreadPoolExecutor
 from ptc_tools.demo import Demo
 with ThreadPoolExecutor(4) as pool:
     list(pool.map(lambda _: Demo.sleep(ms=300), range({count})))
@@ -55,7 +56,6 @@ def test_check_ledger_finds_nothing_wrong_while_calls_are_billed(api: Api) -> No
     """An operator runs check_ledger on a live fleet: calls holding and settling credits as it reads
     must not show as accounts that differ from their ledger."""
     code = """
-from concurrent.futures import ThreadPoolExecutor
 from ptc_tools.demo import Demo
 with ThreadPoolExecutor(16) as pool:
     list(pool.map(lambda i: Demo.add(a=i, b=1), range(600)))
@@ -72,3 +72,27 @@ with ThreadPoolExecutor(16) as pool:
         checks += 1
     assert ExecJob.objects.get(pk=job["id"]).status == "completed"
     assert checks > 0
+
+
+BAD_PTC_EXEC = {
+    "a timeout below the API's least": ("print(1)", ["--timeout", "-5"], "timeout"),
+    "a timeout of zero": ("print(1)", ["--timeout", "0"], "timeout"),
+    "a timeout that is no number": ("print(1)", ["--timeout", "nan"], "timeout"),
+    "a title over 500 characters": ("print(1)", ["--title", "t" * 501], "title"),
+    "code with a NUL": ("print(1)\x00", [], "code"),
+    "a file that is not UTF-8": (b"\xff\xfeprint(1)", [], "UTF-8"),
+    "client tools that can't be imported": ("print(1)", ["--client-tools", "no_such_module_here_xyz"], "could not be imported"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_PTC_EXEC, ids=list(BAD_PTC_EXEC))
+def test_ptc_exec_refuses_bad_arguments_saying_why_and_queues_nothing(api: Api, tmp_path: Path, case: str) -> None:
+    content, flags, named = BAD_PTC_EXEC[case]
+    path = tmp_path / "job.py"
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    else:
+        path.write_text(content)
+    with pytest.raises(CommandError, match=named):
+        call_command("ptc_exec", str(path), "--user", api.username, *flags, stdout=io.StringIO(), stderr=io.StringIO())
+    assert not ExecJob.objects.filter(user__username=api.username).exists()

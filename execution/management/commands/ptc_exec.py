@@ -33,24 +33,32 @@ from rich.text import Text
 
 from execution.events import Event, event_stream
 from execution.models import ExecJob, ToolCall
+from execution.serializers import ExecCreateSerializer
 from execution.services.jobs import exec_job_create
 from execution.services.waiting import tool_call_decide, tool_results_submit
+from ptcproject.api import first_message
 from ptcproject.errors import ApplicationError
 
 _JSON_TYPES = {int: "integer", float: "number", str: "string", bool: "boolean", list: "array", dict: "object"}
 
 
 def _load_module(name: str) -> types.ModuleType:
-    """Import ``name``: a module name on sys.path, or the path of a .py file."""
+    """Import ``name``: a module name on sys.path, or the path of a .py file. Raise CommandError,
+    saying why, if it can't be imported: the module's own error, not a traceback of this command."""
     path = Path(name)
-    if name.endswith(".py") or path.is_file():
-        spec = importlib.util.spec_from_file_location(path.stem, path)
-        if spec is None or spec.loader is None:
-            raise CommandError(f"{name} is not a Python file that can be imported.")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
-    return importlib.import_module(name)
+    try:
+        if name.endswith(".py") or path.is_file():
+            spec = importlib.util.spec_from_file_location(path.stem, path)
+            if spec is None or spec.loader is None:
+                raise CommandError(f"{name} is not a Python file that can be imported.")
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+            return module
+        return importlib.import_module(name)
+    except CommandError:
+        raise
+    except Exception as exc:  # whatever importing it raised (ImportError, SyntaxError, its own code's)
+        raise CommandError(f"--client-tools {name} could not be imported: {type(exc).__name__}: {exc}") from None
 
 
 def _functions(module: types.ModuleType) -> dict[str, Any]:
@@ -85,6 +93,8 @@ def client_tools_from(module: types.ModuleType) -> tuple[list[dict[str, Any]], d
     """Return a module's client tool definitions and the functions that run them, by name."""
     functions = _functions(module)
     declared = getattr(module, "CLIENT_TOOLS", None)
+    if declared is not None and (not isinstance(declared, list | tuple) or not all(isinstance(d, dict) for d in declared)):
+        raise CommandError(f"{module.__name__}.CLIENT_TOOLS must be a list of tool definitions (dicts with a name).")
     definitions = list(declared) if declared is not None else [_definition(n, fn) for n, fn in sorted(functions.items())]
     missing = [d.get("name") for d in definitions if d.get("name") not in functions]
     if missing:
@@ -184,15 +194,25 @@ class Command(BaseCommand):
         self.functions: dict[str, Any] = {}
         if options["client_tools"]:
             definitions, self.functions = client_tools_from(_load_module(options["client_tools"]))
+        try:
+            code = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise CommandError(f"{path} can't be read as UTF-8 text: {exc}") from None
+        # The API's own rules for a job's body (a timeout of at least 0.1 s, a title of at most 500
+        # characters, code without NUL, client tools' definitions): the service takes them as checked.
+        body = {"code": code, "timeout": options["timeout"], "title": options["title"], "client_tools": definitions}
+        checked = ExecCreateSerializer(data={**body, **({"toolsets": toolsets} if toolsets is not None else {})})
+        if not checked.is_valid():
+            raise CommandError(f"validation_error: Invalid input. {first_message(checked.errors)}")
         started = time.monotonic()
         try:
             job = exec_job_create(
                 user=user,
-                code=path.read_text(),
+                code=code,
                 toolsets=toolsets,
-                timeout=options["timeout"],
-                title=options["title"],
-                client_tools=definitions,
+                timeout=checked.validated_data.get("timeout"),
+                title=checked.validated_data["title"],
+                client_tools=checked.validated_data["client_tools"],
             )
         except ApplicationError as exc:
             raise CommandError(f"{exc.code}: {exc.message}") from exc
