@@ -9,7 +9,8 @@ from typing import Any
 
 from django.contrib.auth import get_user_model
 from django.contrib.auth.models import User
-from django.db import connection, transaction
+from django.core.exceptions import ValidationError
+from django.db import IntegrityError, connection, transaction
 from django.utils import timezone
 
 from ptcproject import rows
@@ -208,6 +209,16 @@ def job_key_ended(*, plaintext: str) -> ApplicationError | None:
     return ApplicationError("job_ended", message, status=409)
 
 
+def _field_check(model: Any, field: str, value: str, shown: str) -> None:
+    """Raise ApplicationError ``validation_error`` naming ``shown`` if ``value`` is not one the
+    model's ``field`` takes (empty where it must not be, too long, characters its validators refuse)."""
+    try:
+        model._meta.get_field(field).clean(value, None)
+    except ValidationError as exc:
+        quoted = repr(value if len(value) <= 60 else f"{value[:60]}…")
+        raise ApplicationError("validation_error", f"{shown} {quoted} can't be used: {' '.join(exc.messages)}") from None
+
+
 @transaction.atomic
 def user_with_key_create(*, username: str, create_user: bool, staff: bool, name: str = "", credits: int = 0) -> tuple[User, str]:
     """Find (or with ``create_user``, create) ``username`` and give it a new key.
@@ -215,11 +226,17 @@ def user_with_key_create(*, username: str, create_user: bool, staff: bool, name:
     Raises ``LookupError`` when the user does not exist and ``create_user`` is false.
     """
     users = get_user_model()
+    _field_check(ApiKey, "name", name, "--name")
     user = users.objects.filter(username=username).first()
     if user is None:
         if not create_user:
             raise LookupError(f"User '{username}' does not exist; pass --create-user to create it.")
-        user = users.objects.create_user(username=username)
+        _field_check(users, "username", username, "the username")
+        try:
+            with transaction.atomic():
+                user = users.objects.create_user(username=username)
+        except IntegrityError:  # the same command, run at once, created it first: it gets a key too
+            user = users.objects.get(username=username)
     if staff and not user.is_staff:
         user.is_staff = True
         user.save(update_fields=["is_staff"])

@@ -3,14 +3,19 @@ is a way someone got past a limit, or an operation that misled its operator, bef
 
 import io
 import itertools
+import threading
 import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+from django.contrib.auth import get_user_model
 from django.core.management import call_command
 from django.core.management.base import CommandError
+from django.db import connection
 
 from execution.models import ExecJob
 from tests.conftest import Api
@@ -22,6 +27,7 @@ def _patch(staff: Api, **values: Any) -> None:
 
 
 THREADED_SLEEPS = """
+from concurrent.futures import ThreadPoolExecutor
 from ptc_tools.demo import Demo
 with ThreadPoolExecutor(4) as pool:
     list(pool.map(lambda _: Demo.sleep(ms=300), range({count})))
@@ -56,6 +62,7 @@ def test_check_ledger_finds_nothing_wrong_while_calls_are_billed(api: Api) -> No
     """An operator runs check_ledger on a live fleet: calls holding and settling credits as it reads
     must not show as accounts that differ from their ledger."""
     code = """
+from concurrent.futures import ThreadPoolExecutor
 from ptc_tools.demo import Demo
 with ThreadPoolExecutor(16) as pool:
     list(pool.map(lambda i: Demo.add(a=i, b=1), range(600)))
@@ -96,3 +103,40 @@ def test_ptc_exec_refuses_bad_arguments_saying_why_and_queues_nothing(api: Api, 
     with pytest.raises(CommandError, match=named):
         call_command("ptc_exec", str(path), "--user", api.username, *flags, stdout=io.StringIO(), stderr=io.StringIO())
     assert not ExecJob.objects.filter(user__username=api.username).exists()
+
+
+@pytest.mark.parametrize(
+    ("username", "flags", "named"),
+    [
+        ("", [], "blank"),
+        ("x" * 151, [], "at most 150"),
+        ("two words!", [], "valid username"),
+        (f"long-{uuid.uuid4().hex[:6]}", ["--name", "n" * 101], "at most 100"),
+        (f"rich-{uuid.uuid4().hex[:6]}", ["--credits", str(10**20)], "range"),
+    ],
+)
+def test_create_api_key_refuses_bad_arguments_saying_why_and_creates_nothing(username: str, flags: list[str], named: str) -> None:
+    with pytest.raises(CommandError, match=named):
+        call_command("create_api_key", username, "--create-user", *flags, stdout=io.StringIO(), stderr=io.StringIO())
+    assert not get_user_model().objects.filter(username=username).exists()
+
+
+def test_create_api_key_run_twice_at_once_for_a_new_user_gives_each_a_key() -> None:
+    username = f"twice-{uuid.uuid4().hex[:6]}"
+    start = threading.Barrier(4)
+
+    def create(_: int) -> str:
+        start.wait()
+        try:
+            out = io.StringIO()
+            call_command("create_api_key", username, "--create-user", "--credits", "5", stdout=out, stderr=io.StringIO())
+            return out.getvalue().splitlines()[-1]
+        finally:
+            connection.close()
+
+    with ThreadPoolExecutor(4) as pool:
+        keys = list(pool.map(create, range(4)))
+    user = get_user_model().objects.get(username=username)
+    assert len(set(keys)) == 4 and all(k.startswith("ptc_") for k in keys)
+    assert user.api_keys.count() == 4
+    assert user.credit_account.balance == 20

@@ -3,6 +3,7 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from ptcproject.accounts.services import user_with_key_create
+from ptcproject.errors import ApplicationError
 
 
 class Command(BaseCommand):
@@ -28,5 +29,7 @@ class Command(BaseCommand):
             )
         except LookupError as exc:
             raise CommandError(str(exc)) from exc
+        except ApplicationError as exc:  # a username, name or amount it can't take
+            raise CommandError(f"{exc.code}: {exc.message}") from exc
         self.stdout.write(f"Created an API key for '{user.username}'{' (staff)' if user.is_staff else ''}.")
         self.stdout.write(plaintext)
