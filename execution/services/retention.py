@@ -75,7 +75,7 @@ def _tool_calls_empty(calls: QuerySet[ToolCall]) -> int:
 def exec_jobs_purge(*, now: datetime | None = None, batch_size: int = PURGE_BATCH) -> int:
     """Purge every finished job past its owner's retention (UserSettings.retention_days, else
     PTC_RETENTION_DAYS; neither: kept forever), ``batch_size`` jobs per transaction, and the
-    standalone tool calls past it too.
+    standalone and managed containers' tool calls past it too.
 
     Return how many jobs this run purged (0 when run again at once).
     """
@@ -86,9 +86,15 @@ def exec_jobs_purge(*, now: datetime | None = None, batch_size: int = PURGE_BATC
     unpurged = ExecJob.objects.filter(
         ~Exists(still_open), status__in=ExecJob.FINISHED, purged_at__isnull=True, finished_at__isnull=False
     )
-    holding = ToolCall.objects.filter(exec_job__isnull=True, finished_at__isnull=False).filter(
-        ~Q(input={}) | Q(output__isnull=False)
+    # Calls no finished job carries, each purged on its own once past retention: standalone ones, and
+    # a managed container's, whose job never finishes (its container may call back for as long as it
+    # lives), so the jobs' purge never reached them.
+    holding = (
+        ToolCall.objects.filter(finished_at__isnull=False)
+        .filter(Q(exec_job__isnull=True) | Q(exec_job__container_id__gt=""))
+        .filter(~Q(input={}) | Q(output__isnull=False))
     )
+    containers: set[str] = set()
     purged = calls = 0
     for users, cutoff in _cutoffs(now=now):
         jobs = unpurged.filter(users, finished_at__lte=cutoff).order_by("finished_at")
@@ -104,7 +110,14 @@ def exec_jobs_purge(*, now: datetime | None = None, batch_size: int = PURGE_BATC
                 logger.warning("could not drop purged jobs' event logs", exc_info=True)
         standalone = holding.filter(users, finished_at__lte=cutoff).order_by("finished_at")
         while call_pks := list(standalone.values_list("pk", flat=True)[:batch_size]):
-            calls += _tool_calls_empty(ToolCall.objects.filter(pk__in=call_pks))
+            batch = ToolCall.objects.filter(pk__in=call_pks)
+            containers.update(batch.exclude(ptc_call_id="").values_list("ptc_call_id", flat=True))
+            calls += _tool_calls_empty(batch)
+    if containers:  # their jobs' live event logs repeat those calls' inputs and outputs, and never expire
+        try:
+            backplane().events_drop(sorted(containers))
+        except Exception:
+            logger.warning("could not drop managed containers' event logs", exc_info=True)
     if purged or calls:
         logger.info("retention purged old jobs", extra={"jobs": purged, "standalone_calls": calls})
     return purged

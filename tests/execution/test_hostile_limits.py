@@ -17,7 +17,9 @@ from django.core.management import call_command
 from django.core.management.base import CommandError
 from django.db import connection
 
-from execution.models import ExecJob
+from execution.backplane import RedisBackplane, backplane
+from execution.models import ExecJob, ToolCall
+from ptcproject.accounts.models import UserSettings
 from tests.conftest import Api
 
 
@@ -140,3 +142,30 @@ def test_create_api_key_run_twice_at_once_for_a_new_user_gives_each_a_key() -> N
     assert len(set(keys)) == 4 and all(k.startswith("ptc_") for k in keys)
     assert user.api_keys.count() == 4
     assert user.credit_account.balance == 20
+
+
+def test_a_managed_containers_calls_are_purged_past_retention_like_any_others(api: Api) -> None:
+    """A managed container's job never finishes (its container may call back), so retention, which
+    purges finished jobs, never reached its calls: their inputs and outputs were kept for ever."""
+    user = get_user_model().objects.get(username=api.username)
+    UserSettings.objects.create(user=user, retention_days=0)
+    container = f"container_{uuid.uuid4().hex[:12]}"
+    caller = {"type": "code_execution_20260120", "tool_id": "srvtoolu_1"}
+    body = {"toolset": "demo", "tool": "echo", "arguments": {"value": "private input"}, "caller": caller}
+    called = api.post("/api/v1/tools/execute", json={**body, "container_id": container})
+    assert called.status_code == 200 and called.json()["status"] == "completed", called.text
+    alone = api.post("/api/v1/tools/execute", json={k: body[k] for k in ("toolset", "tool", "arguments")})
+    assert alone.status_code == 200 and alone.json()["type"] == "standalone", alone.text
+    deadline = time.monotonic() + 20
+    while ToolCall.objects.get(call_id=alone.json()["call_id"]).output is not None:  # beat's round, every second here
+        assert time.monotonic() < deadline, "beat did not purge the zero-retention standalone call"
+        time.sleep(0.2)
+    time.sleep(2)  # a round more: it purges both kinds in one
+    call = ToolCall.objects.get(call_id=called.json()["call_id"])
+    assert (call.input, call.output, call.status, call.credits) == ({}, None, "completed", 0), call
+    if isinstance(backplane(), RedisBackplane):  # its job's live event log repeated them, and never expires
+        assert backplane().events_read(called.json()["ptc_call_id"]) == []
+    # The container's job goes on: its next call is recorded, and kept until its own round.
+    again = api.post("/api/v1/tools/execute", json={**body, "container_id": container})
+    assert again.status_code == 200 and again.json()["status"] == "completed", again.text
+    assert again.json()["ptc_call_id"] == called.json()["ptc_call_id"]
