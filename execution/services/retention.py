@@ -1,5 +1,5 @@
-"""Retention: empty what old finished jobs carried (code, output, return value, tool-call inputs and
-outputs), keep every record of what they did and cost.
+"""Retention: empty what old finished jobs carried (code, output, return value, files, tool-call
+inputs and outputs), keep every record of what they did and cost.
 
 The charges stay whole: ToolCall rows (with their credits, status, toolset, tool, times and error
 code), CreditUsage rows, reservations and the ledger are never touched. Run by beat
@@ -18,7 +18,7 @@ from django.db.models import Exists, OuterRef, Q, QuerySet
 from django.utils import timezone
 
 from execution.backplane import backplane
-from execution.models import ExecJob, ToolCall
+from execution.models import ExecJob, ToolCall, WorkFile
 from ptcproject.accounts.models import UserSettings
 
 logger = logging.getLogger("ptc.execution")
@@ -59,7 +59,11 @@ def _exec_jobs_purge_batch(*, ids: list[UUID], now: datetime) -> list[str]:
             # The error's type says what happened; its message and traceback may quote the code or its data.
             kept = {"type": error.get("type", ""), "message": PURGED, "traceback": ""} if isinstance(error, dict) else None
             ExecJob.objects.filter(pk=pk).update(code="", stdout="", stderr="", return_value=None, error=kept, purged_at=now)
-        _tool_calls_empty(ToolCall.objects.filter(exec_job_id__in=[pk for pk, _, _ in claimed]))
+        jobs = [pk for pk, _, _ in claimed]
+        _tool_calls_empty(ToolCall.objects.filter(exec_job_id__in=jobs))
+        # The files it was given and those its code wrote are its input and output too (its
+        # output_files still list their paths and sizes). A session's stay the session's.
+        WorkFile.objects.filter(exec_job_id__in=jobs).delete()
     return [call_id for _, call_id, _ in claimed]
 
 

@@ -1,6 +1,7 @@
 """Limits, quotas and fleet operations pushed from the wrong side, on the real stack: each test here
 is a way someone got past a limit, or an operation that misled its operator, before it was fixed."""
 
+import base64
 import io
 import itertools
 import threading
@@ -18,7 +19,7 @@ from django.core.management.base import CommandError
 from django.db import connection
 
 from execution.backplane import RedisBackplane, backplane
-from execution.models import ExecJob, ToolCall
+from execution.models import ExecJob, ToolCall, WorkFile
 from ptcproject.accounts.models import UserSettings
 from tests.conftest import Api
 
@@ -169,3 +170,18 @@ def test_a_managed_containers_calls_are_purged_past_retention_like_any_others(ap
     again = api.post("/api/v1/tools/execute", json={**body, "container_id": container})
     assert again.status_code == 200 and again.json()["status"] == "completed", again.text
     assert again.json()["ptc_call_id"] == called.json()["ptc_call_id"]
+
+
+def test_retention_purges_the_files_a_job_was_given_and_wrote(api: Api) -> None:
+    """Files are what the code read and wrote: a purged job's output, downloadable until purged."""
+    UserSettings.objects.create(user=get_user_model().objects.get(username=api.username), retention_days=0)
+    files = {"input.txt": base64.b64encode(b"private input").decode()}
+    job = api.run("open('upper.txt', 'w').write(open('input.txt').read().upper())", files=files)
+    assert job["status"] == "completed", job["error"]
+    assert api.get(f"/api/v1/exec/{job['id']}/files/upper.txt").content == b"PRIVATE INPUT"
+    deadline = time.monotonic() + 20
+    while ExecJob.objects.get(pk=job["id"]).purged_at is None:  # beat's round, every second here
+        assert time.monotonic() < deadline, "beat did not purge the zero-retention job"
+        time.sleep(0.2)
+    assert api.get(f"/api/v1/exec/{job['id']}/files/upper.txt").status_code == 404
+    assert not WorkFile.objects.filter(exec_job_id=job["id"]).exists()
