@@ -4,6 +4,8 @@ is a way someone got past a limit, or an operation that misled its operator, bef
 import base64
 import io
 import itertools
+import os
+import signal
 import threading
 import time
 import uuid
@@ -20,8 +22,10 @@ from django.db import connection
 
 from execution.backplane import RedisBackplane, backplane
 from execution.models import ExecJob, ToolCall, WorkFile
+from execution.services.retention import exec_jobs_purge
 from ptcproject.accounts.models import UserSettings
 from tests.conftest import Api
+from tests.stack import Stack
 
 
 def _patch(staff: Api, **values: Any) -> None:
@@ -185,3 +189,26 @@ def test_retention_purges_the_files_a_job_was_given_and_wrote(api: Api) -> None:
         time.sleep(0.2)
     assert api.get(f"/api/v1/exec/{job['id']}/files/upper.txt").status_code == 404
     assert not WorkFile.objects.filter(exec_job_id=job["id"]).exists()
+
+
+def test_a_job_cancelled_as_it_ran_is_purged_once_its_worker_has_closed_it(api: Api, stack: Stack) -> None:
+    """A cancel ends a running job at once; its worker then kills the sandbox and writes what the
+    code printed. Purged in between, the job got its output back after the purge, and kept it."""
+    UserSettings.objects.create(user=get_user_model().objects.get(username=api.username), retention_days=0)
+    job = api.run("import time\nprint('private output', flush=True)\ntime.sleep(60)", wait=0, timeout=120)
+    assert api.until_printed(job["id"]) == "private output\n"
+    assert stack.exec_worker.proc is not None
+    worker = stack.exec_worker.proc.pid
+    os.kill(worker, signal.SIGSTOP)  # the moment between the cancel and the worker's close, held open
+    try:
+        assert api.post(f"/api/v1/exec/{job['id']}/cancel").status_code == 200
+        exec_jobs_purge()
+    finally:
+        os.kill(worker, signal.SIGCONT)
+    deadline = time.monotonic() + 30
+    while (row := ExecJob.objects.get(pk=job["id"])).closed_at is None or row.purged_at is None:
+        assert time.monotonic() < deadline, f"closed at {row.closed_at}, purged at {row.purged_at}"
+        time.sleep(0.2)
+    exec_jobs_purge()  # a round after the close: whatever it does, the output is gone
+    row = ExecJob.objects.get(pk=job["id"])
+    assert (row.status, row.stdout, row.purged_at is not None) == ("cancelled", "", True)
