@@ -301,7 +301,7 @@ def test_a_session_job_cancelled_as_it_starts_leaves_the_session_its_sandbox(api
 
     def session_job(code: str) -> ExecJob:
         with transaction.atomic():
-            limits = sessions.session_limits(session=session, timeout=30).as_dict()
+            limits = sessions.session_limits(session=session, job=jobs.job_limits(policy=jobs.policy_get(), timeout=30)).as_dict()
             job = ExecJob.objects.create(
                 user=user, code=code, toolsets=list(session.toolsets), timeout_seconds=30, limits=limits, session=session
             )
@@ -346,7 +346,7 @@ def test_a_session_job_keeps_its_end_when_its_sandbox_cant_be_handed_back(api: A
     user = get_user_model().objects.get(username=api.username)
     session = sessions.exec_session_create(user=user, toolsets=["demo"], idle_timeout=None, max_lifetime=None)
     with transaction.atomic():
-        limits = sessions.session_limits(session=session, timeout=30).as_dict()
+        limits = sessions.session_limits(session=session, job=jobs.job_limits(policy=jobs.policy_get(), timeout=30)).as_dict()
         job = ExecJob.objects.create(
             user=user,
             code="print('ran')\n2 + 3",
