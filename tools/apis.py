@@ -113,7 +113,8 @@ class ToolsetSyncApi(APIView):
     def post(self, request: Request, key: str) -> Response:
         toolset = _toolset_or_404(request, key)
         result = mcp_toolset_sync(toolset=toolset)
-        return Response(McpSyncSerializer({**result.__dict__, "toolset": _toolset_or_404(request, key)}).data)
+        synced = {**result.__dict__, "toolset": _toolset_or_404(request, key)}
+        return Response(McpSyncSerializer(synced, context={"viewer": signed_in_user(request)}).data)
 
 
 class ToolsetDefinitionsApi(APIView):

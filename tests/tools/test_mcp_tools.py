@@ -76,6 +76,7 @@ def test_sync_lists_the_servers_tools(staff: Api, stdio_toolset: tuple[str, str]
     assert Tool.objects.get(toolset__key=key, name="get_thing").remote_name == "get-thing"
     again = staff.post(f"/api/v1/toolsets/{key}/sync").json()
     assert again["added"] == [] and again["updated"] == [] and again["disabled"] == []
+    assert toolset["config"] is not None and again["toolset"]["config"] == toolset["config"]  # staff see it in both
 
 
 def test_calls_from_code(api: Api, stdio_toolset: tuple[str, str]) -> None:
