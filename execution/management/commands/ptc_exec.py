@@ -185,9 +185,10 @@ class Command(BaseCommand):
         path = Path(options["file"])
         if not path.is_file():
             raise CommandError(f"{path} is not a file.")
-        user = get_user_model().objects.filter(username=options["user"]).first()
+        # As the API refuses a deactivated user's key (and ptc_mcp its name), so does this.
+        user = get_user_model().objects.filter(username=options["user"], is_active=True).first()
         if user is None:
-            raise CommandError(f"There is no user '{options['user']}'.")
+            raise CommandError(f"There is no active user '{options['user']}'.")
         toolsets = [t.strip() for t in options["toolsets"].split(",") if t.strip()] if options["toolsets"] else None
         self.user, self.approvals = user, options["approvals"]
         definitions: list[dict[str, Any]] = []
