@@ -33,7 +33,9 @@ def _audit(*, key: ApiKey, actor: User | None, action: str, source: str, details
     ApiKeyEvent.objects.create(key=key, actor=actor, action=action, details=details)
     actor_id = actor.pk if actor else None
     extra = {"key_id": str(key.pk), "prefix": key.prefix, "owner_id": key.user_id, "actor_id": actor_id, "details": details}
-    logger.info("api key %s", action, extra=extra)
+    # Said once it is so: a change rolled back with its transaction (a later step of the same
+    # command failed) logs nothing.
+    transaction.on_commit(lambda: logger.info("api key %s", action, extra=extra))
 
 
 def _within_acting_key(*, acting_key: ApiKey | None, expires_at: datetime | None) -> None:

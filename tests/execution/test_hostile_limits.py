@@ -4,6 +4,7 @@ is a way someone got past a limit, or an operation that misled its operator, bef
 import base64
 import io
 import itertools
+import logging
 import os
 import signal
 import threading
@@ -112,6 +113,15 @@ def test_ptc_exec_refuses_bad_arguments_saying_why_and_queues_nothing(api: Api, 
     assert not ExecJob.objects.filter(user__username=api.username).exists()
 
 
+def test_ptc_exec_refuses_a_deactivated_user(tmp_path: Path) -> None:
+    user = get_user_model().objects.create_user(username=f"gone-{uuid.uuid4().hex[:6]}", is_active=False)
+    path = tmp_path / "job.py"
+    path.write_text("print(1)")
+    with pytest.raises(CommandError, match="no active user"):
+        call_command("ptc_exec", str(path), "--user", user.username, stdout=io.StringIO(), stderr=io.StringIO())
+    assert not ExecJob.objects.filter(user=user).exists()
+
+
 @pytest.mark.parametrize(
     ("username", "flags", "named"),
     [
@@ -126,6 +136,25 @@ def test_create_api_key_refuses_bad_arguments_saying_why_and_creates_nothing(use
     with pytest.raises(CommandError, match=named):
         call_command("create_api_key", username, "--create-user", *flags, stdout=io.StringIO(), stderr=io.StringIO())
     assert not get_user_model().objects.filter(username=username).exists()
+
+
+def test_create_api_key_logs_a_key_only_once_it_is_made() -> None:
+    """The audit's log line for a key went out inside the command's transaction: a run that then
+    failed (credits out of range) rolled the key back and still logged it created."""
+    said: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = said.append  # type: ignore[method-assign]
+    audit = logging.getLogger("ptc.accounts")
+    audit.addHandler(handler)
+    try:
+        failed, made = (f"{name}-{uuid.uuid4().hex[:6]}" for name in ("failed", "made"))
+        with pytest.raises(CommandError, match="range"):
+            call_command("create_api_key", failed, "--create-user", "--credits", str(10**20), stdout=io.StringIO())
+        call_command("create_api_key", made, "--create-user", stdout=io.StringIO())
+    finally:
+        audit.removeHandler(handler)
+    owners = [getattr(record, "owner_id", None) for record in said if record.getMessage() == "api key created"]
+    assert owners == [get_user_model().objects.get(username=made).pk]
 
 
 def test_create_api_key_run_twice_at_once_for_a_new_user_gives_each_a_key() -> None:
