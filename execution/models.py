@@ -27,6 +27,7 @@ class ExecJob(models.Model):
         CANCELLED = "cancelled"
 
     FINISHED = (Status.COMPLETED, Status.FAILED, Status.TIMEOUT, Status.CANCELLED)
+    MIN_TIMEOUT = 0.1  # the least timeout a job may have, s
 
     objects = ExecJobQuerySet.as_manager()
 

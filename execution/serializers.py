@@ -165,7 +165,7 @@ class ExecCreateSerializer(serializers.Serializer):
     # The size limit is checked in the service, which answers 413 rather than a field error.
     code = TextField(trim_whitespace=False, allow_blank=True)
     toolsets = NamesField(max_name=64, required=False, allow_null=True)
-    timeout = NumberField(required=False, allow_null=True, min_value=0.1)
+    timeout = NumberField(required=False, allow_null=True, min_value=ExecJob.MIN_TIMEOUT)
     wait = NumberField(required=False, default=0, min_value=0, max_value=settings.PTC_MAX_WAIT)
     title = TextField(required=False, allow_blank=True, default="", max_length=500)
     max_credits = serializers.IntegerField(

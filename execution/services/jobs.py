@@ -137,6 +137,12 @@ def exec_job_create(
     policy = policy_get()
     if timeout is None:
         timeout = policy.default_timeout
+    if not timeout >= ExecJob.MIN_TIMEOUT:  # NaN too: every caller's serializer checks it; this holds for any other
+        raise ApplicationError(
+            "validation_error",
+            f"timeout {timeout:g} s is below the least a job may have, {ExecJob.MIN_TIMEOUT:g} s.",
+            details={"timeout": [f"Ensure this value is greater than or equal to {ExecJob.MIN_TIMEOUT:g}."]},
+        )
     if timeout > policy.max_timeout:
         raise ApplicationError(
             "validation_error",

@@ -113,6 +113,20 @@ def test_ptc_exec_refuses_bad_arguments_saying_why_and_queues_nothing(api: Api, 
     assert not ExecJob.objects.filter(user__username=api.username).exists()
 
 
+@pytest.mark.parametrize("timeout", [-5.0, 0.0, float("nan")])
+def test_a_job_with_a_timeout_no_worker_would_take_is_refused_by_the_service_itself(timeout: float) -> None:
+    """Every caller checks a job's timeout with POST /exec's serializer; one that did not (ptc_exec
+    did not) queued a job no worker took, and waited for it for ever. The service refuses it too."""
+    from execution.services.jobs import exec_job_create
+    from ptcproject.errors import ApplicationError
+
+    user = get_user_model().objects.create_user(username=f"t-{uuid.uuid4().hex[:6]}")
+    with pytest.raises(ApplicationError) as refused:
+        exec_job_create(user=user, code="print(1)", toolsets=["demo"], timeout=timeout)
+    assert (refused.value.code, list(refused.value.details)) == ("validation_error", ["timeout"])
+    assert not ExecJob.objects.filter(user=user).exists()
+
+
 def test_ptc_exec_refuses_a_deactivated_user(tmp_path: Path) -> None:
     user = get_user_model().objects.create_user(username=f"gone-{uuid.uuid4().hex[:6]}", is_active=False)
     path = tmp_path / "job.py"
