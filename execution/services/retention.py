@@ -99,7 +99,7 @@ def exec_jobs_purge(*, now: datetime | None = None, batch_size: int = PURGE_BATC
     holding = (
         ToolCall.objects.filter(finished_at__isnull=False)
         .filter(Q(exec_job__isnull=True) | Q(exec_job__container_id__gt=""))
-        .filter(~Q(input={}) | Q(output__isnull=False))
+        .filter(~Q(input={}) | Q(output__isnull=False) | (Q(error__isnull=False) & ~Q(error__message=PURGED)))
     )
     containers: set[str] = set()
     purged = calls = 0

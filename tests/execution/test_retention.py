@@ -12,9 +12,10 @@ from django.utils import timezone
 from billing.models import CreditAccount, CreditUsage, LedgerEntry
 from execution.backplane import RedisBackplane, backplane
 from execution.models import ExecJob, ToolCall
-from execution.services.retention import exec_jobs_purge
+from execution.services.retention import PURGED, exec_jobs_purge
 from ptcproject.accounts.models import UserSettings
 from tests.conftest import Api
+from tests.factories import demo_call
 from tools.models import Tool
 
 CODE = """
@@ -84,6 +85,15 @@ def test_the_default_purges_only_jobs_past_it_in_batches_and_twice_is_a_no_op(
     ).json()
     ExecJob.objects.filter(pk__in=[j["id"] for j in old]).update(finished_at=timezone.now() - timedelta(days=8))
     ToolCall.objects.filter(call_id=standalone["call_id"]).update(finished_at=timezone.now() - timedelta(days=8))
+    # One with nothing in or out but its error, whose message may quote an upstream's answer.
+    failed = demo_call(
+        user=get_user_model().objects.get(username=api.username),
+        tool="echo",
+        input={},
+        status="failed",
+        error={"code": "http_error", "message": "upstream said: private answer"},
+        finished_at=timezone.now() - timedelta(days=8),
+    )
     charges = _charges(api.username)
 
     settings.PTC_RETENTION_DAYS = None  # unset: nothing is purged
@@ -95,6 +105,8 @@ def test_the_default_purges_only_jobs_past_it_in_batches_and_twice_is_a_no_op(
         _assert_purged(job["id"])
     assert ExecJob.objects.get(pk=recent["id"]).purged_at is None
     assert ToolCall.objects.get(call_id=standalone["call_id"]).input == {}
+    failed.refresh_from_db()
+    assert failed.error == {"code": "http_error", "message": PURGED}
     assert _charges(api.username) == charges
     assert exec_jobs_purge() == 0  # idempotent
 
