@@ -1,8 +1,11 @@
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from typing import Any
 from uuid import UUID
 
 from django.conf import settings
+from django.contrib.auth import get_user_model
+from django.db import DatabaseError
 from django.db.models import QuerySet
 from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
 from django.http.response import HttpResponseBase
@@ -422,6 +425,21 @@ def _authenticate(request: HttpRequest) -> Any:
 
 
 @db_read
+def _still_signed_in(request: HttpRequest) -> bool:
+    """Whether the key (or the admin session's user) a stream was opened with is still good: not
+    revoked or expired since, its user not deactivated. A database out of reach says yes: the
+    stream was let in, and an outage is no reason to cut it."""
+    try:
+        header = request.headers.get("Authorization", "")
+        if header.lower().startswith("bearer "):
+            return api_key_authenticate(plaintext=header[7:].strip()) is not None
+        user_id = request.user.pk
+        return user_id is not None and get_user_model().objects.filter(pk=user_id, is_active=True).exists()
+    except DatabaseError:
+        return True
+
+
+@db_read
 def _job_visible(user: Any, job_id: UUID) -> bool:
     return exec_jobs_for(user=user).filter(pk=job_id).exists()
 
@@ -456,8 +474,14 @@ async def exec_events_api(request: HttpRequest, job_id: UUID) -> HttpResponseBas
 
     async def frames() -> AsyncIterator[str]:
         yield "retry: 1000\n\n"
-        async for item in event_stream(job_id=job_id, last_event_id=last_event_id):
-            yield ": heartbeat\n\n" if item is None else item.sse()
+        async with aclosing(event_stream(job_id=job_id, last_event_id=last_event_id)) as events:
+            async for item in events:
+                if item is not None:
+                    yield item.sse()
+                elif await _still_signed_in(request):
+                    yield ": heartbeat\n\n"
+                else:  # revoked since it opened: closed; the client's reconnect is told why (401)
+                    return
 
     response = StreamingHttpResponse(frames(), content_type="text/event-stream")
     response["Cache-Control"] = "no-cache"

@@ -12,7 +12,7 @@ import functools
 import json
 import logging
 import re
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ParamSpec, TypeVar
 
@@ -273,7 +273,7 @@ async def _has_end(client: Any, key: str, cursor: str) -> bool:
     return False
 
 
-async def event_stream(*, job_id: Any, last_event_id: str | None = None) -> AsyncIterator[Event | None]:
+async def event_stream(*, job_id: Any, last_event_id: str | None = None) -> AsyncGenerator[Event | None, None]:
     """Yield the job's events after ``last_event_id`` as they happen, ending with ``exec_end``.
 
     ``None`` is a heartbeat: nothing happened for PTC_EVENTS_HEARTBEAT_SECONDS.

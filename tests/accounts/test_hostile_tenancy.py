@@ -2,6 +2,7 @@
 keys, kept found: each of these once let a key or a user reach further than it was given."""
 
 import json
+import time
 import uuid
 from datetime import timedelta
 
@@ -89,3 +90,24 @@ def test_a_toolset_that_is_not_global_and_has_no_owner_is_nobodys(api: Api) -> N
         assert refused.status_code == 400, (path, refused.text)
         assert refused.json()["error"]["code"] == "unknown_toolset"
     assert key not in api.run("1", wait=30)["toolsets"]  # nor among every toolset a job is given by default
+
+
+def test_a_stream_ends_when_its_key_is_revoked(api: Api) -> None:
+    """A job's event stream was authorised once, at connect: a key revoked (or its user
+    deactivated) while it was open kept reading the job until it ended. Now the stream checks at
+    each heartbeat, closes, and the client's reconnect is told why."""
+    job = api.post("/api/v1/exec", json={"code": "import time\ntime.sleep(30)", "wait": 0}).json()
+    minted = api.post("/api/v1/keys", json={"name": "watcher"}).json()
+    watcher = _client(api, minted["key"])
+    try:
+        with watcher.stream("GET", f"/api/v1/exec/{job['id']}/events", timeout=30) as stream:
+            lines = stream.iter_lines()
+            assert next(lines).startswith("retry:")
+            assert api.post(f"/api/v1/keys/{minted['id']}/revoke").status_code == 200
+            began = time.monotonic()
+            rest = list(lines)  # until the server closes it
+        assert time.monotonic() - began < 10, rest
+        again = watcher.get(f"/api/v1/exec/{job['id']}/events")
+        assert (again.status_code, again.json()["error"]["code"]) == (401, "authentication_failed")
+    finally:
+        api.post(f"/api/v1/exec/{job['id']}/cancel")
