@@ -108,7 +108,7 @@ class ToolsetForm(forms.ModelForm):
     def clean(self) -> dict[str, Any]:
         super().clean()
         data = self.cleaned_data  # what super().clean() returns for a ModelForm, typed as a dict
-        problem = identifier_problem(data.get("key"))
+        problem = identifier_problem(data.get("key")) if "key" in self.fields else None  # read-only once made
         if problem:
             self.add_error("key", problem)
         queue_problem = tools_queue_problem(data.get("queue") or "")
@@ -143,6 +143,12 @@ class ToolsetAdmin(admin.ModelAdmin):
     inlines = [ToolInline]
     formfield_overrides = _PRETTY
     actions = ["sync_mcp_tools"]
+
+    def get_readonly_fields(self, request: HttpRequest, obj: Toolset | None = None) -> Any:
+        # A toolset's key is fixed once made, as the API says (key_mismatch): the policy's lists,
+        # the jobs' toolsets, their calls and the generated SDK name it; renamed, a blocklisted
+        # toolset would have left the blocklist.
+        return ("key",) if obj is not None else ()
 
     @admin.action(description="Sync tools from the MCP server")
     def sync_mcp_tools(self, request: HttpRequest, queryset: QuerySet[Toolset]) -> None:

@@ -93,3 +93,17 @@ def test_admin_sync_action(admin_client: Client) -> None:
     assert toolset.tools.filter(name="get_thing", remote_name="get-thing").exists()
     mcp.sessions_close()
     toolset.delete()
+
+
+def test_a_toolsets_key_is_fixed_once_made_in_the_admin_too(admin_client: Client) -> None:
+    """The API refuses a new key (key_mismatch); the admin renamed one, which took a blocklisted
+    toolset off the policy's blocklist, and left its jobs and calls naming a key no longer there."""
+    key = unique_key("fixedkey")
+    assert admin_client.post("/admin/tools/toolset/add/", _form(key, "forecast", '{"KEY": "v4lue-1"}')).status_code == 302
+    toolset = Toolset.objects.get(key=key)
+    form = {**_form(f"{key}_renamed", "forecast", ""), "name": "Renamed"}
+    form.update({"tools-INITIAL_FORMS": "1", "tools-0-id": str(toolset.tools.get().pk), "tools-0-toolset": str(toolset.pk)})
+    saved = admin_client.post(f"/admin/tools/toolset/{toolset.pk}/change/", form)
+    assert saved.status_code == 302, saved.content.decode()[:2000]
+    toolset.refresh_from_db()
+    assert (toolset.key, toolset.name) == (key, "Renamed")
