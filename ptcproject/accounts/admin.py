@@ -31,6 +31,11 @@ class ApiKeyAdmin(admin.ModelAdmin):
     actions = ("revoke",)
     inlines = (ApiKeyEventInline,)
 
+    def get_readonly_fields(self, request: HttpRequest, obj: ApiKey | None = None) -> Any:
+        # A key is its user's for life: moved to another user, whoever holds it would act as that
+        # user, with no audit of the move. To give someone a key, make them one.
+        return (*self.readonly_fields, "user") if obj is not None else self.readonly_fields
+
     def get_inlines(self, request: HttpRequest, obj: ApiKey | None) -> list[Any]:
         return list(self.inlines) if obj is not None else []  # a key being added has no history yet
 
@@ -44,7 +49,7 @@ class ApiKeyAdmin(admin.ModelAdmin):
                 except ApplicationError as error:
                     messages.error(request, error.message)
                     return
-            ApiKey.objects.filter(pk=obj.pk).update(user=obj.user, name=obj.name)
+            ApiKey.objects.filter(pk=obj.pk).update(name=obj.name)
             return
         key, plaintext = api_key_create(user=obj.user, name=obj.name, expires_at=obj.expires_at, actor=actor, source="admin")
         obj.pk, obj.prefix, obj.key_hash = key.pk, key.prefix, key.key_hash

@@ -111,3 +111,22 @@ def test_a_stream_ends_when_its_key_is_revoked(api: Api) -> None:
         assert (again.status_code, again.json()["error"]["code"]) == (401, "authentication_failed")
     finally:
         api.post(f"/api/v1/exec/{job['id']}/cancel")
+
+
+def test_a_keys_user_is_fixed_once_it_is_made_in_the_admin(api: Api) -> None:
+    """A key moved to another user in the admin let whoever held it act as that user, and the move
+    wrote no audit event. A key is its user's for life; its name may still change."""
+    staff = get_user_model().objects.create_user(username=f"su-{uuid.uuid4().hex[:6]}", is_staff=True, is_superuser=True)
+    other = get_user_model().objects.create_user(username=f"other-{uuid.uuid4().hex[:6]}")
+    admin = Client()
+    admin.force_login(staff)
+    minted = api.post("/api/v1/keys", json={"name": "mine"}).json()
+    form = {"user": other.pk, "name": "renamed", "expires_at_0": "", "expires_at_1": ""}
+    form.update(
+        {"events-TOTAL_FORMS": "0", "events-INITIAL_FORMS": "0", "events-MIN_NUM_FORMS": "0", "events-MAX_NUM_FORMS": "0"}
+    )
+    saved = admin.post(f"/admin/accounts/apikey/{minted['id']}/change/", form)
+    assert saved.status_code == 302, [line for line in saved.content.decode().splitlines() if "errornote" in line]
+    key = ApiKey.objects.get(pk=minted["id"])
+    assert (key.user.username, key.name) == (api.username, "renamed")
+    assert _client(api, minted["key"]).get("/api/v1/keys").json()["count"] >= 1  # still the same user's key
