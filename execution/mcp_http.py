@@ -21,7 +21,7 @@ from mcp.server.auth.provider import AccessToken
 from mcp.server.streamable_http_manager import StreamableHTTPSessionManager
 
 from execution.events import db_read
-from execution.mcp_server import SCOPE_DISCOVERY, SCOPE_USER_ID, mcp_server_build
+from execution.mcp_server import SCOPE_DISCOVERY, SCOPE_KEY_ID, SCOPE_USER_ID, mcp_server_build
 from ptcproject.accounts.authentication import KEY_REFUSED
 from ptcproject.accounts.models import ApiKey
 from ptcproject.accounts.services import api_key_authenticate
@@ -111,6 +111,7 @@ class McpHttp:
         scope = {
             **scope,
             SCOPE_USER_ID: key.user_id,
+            SCOPE_KEY_ID: key.pk,  # checked again while a job it started runs
             SCOPE_DISCOVERY: "discovery=1" in query.split("&") or "discovery=true" in query.split("&"),
             # The SDK binds a stateful session to the principal that opened it: here, the key.
             "user": AuthenticatedUser(

@@ -28,6 +28,7 @@ import anyio
 import anyio.lowlevel
 import mcp_types as types
 from django.contrib.auth.models import User
+from django.db import DatabaseError
 from mcp.server import Server
 from mcp.server.context import ServerRequestContext
 from mcp.shared.exceptions import MCPError
@@ -37,6 +38,7 @@ from execution.models import ExecJob
 from execution.selectors import exec_jobs_for
 from execution.serializers import ExecCreateSerializer, ExecJobSerializer
 from execution.services.jobs import exec_job_cancel, exec_job_create
+from ptcproject.accounts.models import ApiKey
 from ptcproject.api import first_message, outage_error
 from ptcproject.errors import ApplicationError, error_body
 from ptcproject.policy.models import Policy
@@ -55,6 +57,7 @@ DESCRIBE_TOOL = "describe_tool"
 SEED_DEFAULT_TIMEOUT = 30.0
 # Where the HTTP layer puts the user of the request's API key (execution.mcp_http).
 SCOPE_USER_ID = "ptc.user_id"
+SCOPE_KEY_ID = "ptc.key_id"
 SCOPE_DISCOVERY = "ptc.discovery"
 
 _CODE = {"type": "string", "description": "Python 3 source. The value of the last expression is returned."}
@@ -67,6 +70,7 @@ class McpUser:
 
     user_id: int
     discovery: bool = False
+    key_id: Any = None  # the API key of an HTTP request (None on stdio: the server's own user)
 
 
 # -- Reads and writes, each on a pooled connection handed back at once (db_read) ------------------
@@ -235,8 +239,22 @@ def _job_get(user_id: int, job_id: Any) -> dict[str, Any]:
 
 
 @db_read
+def _still_allowed(caller: McpUser) -> bool:
+    """Whether ``caller``'s user is still active and its key (over HTTP) still good: not revoked or
+    expired since the request came. A database out of reach says yes: an outage is no reason to cut."""
+    try:
+        if caller.key_id is None:
+            return User.objects.filter(pk=caller.user_id, is_active=True).exists()
+        key = ApiKey.objects.select_related("user").filter(pk=caller.key_id).first()
+        return key is not None and key.is_active and key.user.is_active
+    except DatabaseError:
+        return True
+
+
+@db_read
 def _job_cancel(user_id: int, job_id: Any) -> None:
-    job = exec_jobs_for(user=_user(user_id)).get(pk=job_id)
+    # The caller's own job, whatever has become of the caller: a revoked key's job is cancelled too.
+    job = ExecJob.objects.get(pk=job_id, user_id=user_id)
     try:
         exec_job_cancel(job=job)
     except ApplicationError:  # job_finished: it ended as the cancel came
@@ -278,12 +296,15 @@ def _progress_message(name: str, data: Mapping[str, Any], job_id: Any) -> str | 
 FOLLOWING: set[Any] = set()
 
 
-async def job_run(ctx: ServerRequestContext[Any, Any], *, user_id: int, body: Mapping[str, Any]) -> dict[str, Any]:
+async def job_run(ctx: ServerRequestContext[Any, Any], *, caller: McpUser, body: Mapping[str, Any]) -> dict[str, Any]:
     """Create a job from ``body`` (as POST /api/v1/exec takes it), follow it to its end sending its
     events as progress, and return it as GET /api/v1/exec/{id} shows it. Cancelled, it cancels the job.
 
-    Raise ApplicationError if the job is refused (policy, validation, outage): nothing ran.
+    Raise ApplicationError if the job is refused (policy, validation, outage): nothing ran; or
+    ``authentication_failed`` if the caller's key was revoked (or expired, or its user deactivated)
+    while it ran, found at a heartbeat: the job is cancelled, and its progress goes no further.
     """
+    user_id = caller.user_id
     # Shielded: a cancel that comes while the job is being created must not lose its id (the job
     # would run on, unseen); it is delivered at the checkpoint below, which cancels the job.
     with anyio.CancelScope(shield=True):
@@ -297,6 +318,15 @@ async def job_run(ctx: ServerRequestContext[Any, Any], *, user_id: int, body: Ma
         while True:
             async for event in event_stream(job_id=job_id, last_event_id=last_event_id):
                 if event is None:  # a heartbeat
+                    if not await _still_allowed(caller):
+                        with anyio.CancelScope(shield=True):
+                            await _job_cancel(user_id, job_id)
+                        logger.info("mcp job cancelled: its caller's key no longer works", extra={"job_id": str(job_id)})
+                        raise ApplicationError(
+                            "authentication_failed",
+                            "The key this call was made with was revoked or expired, or its user deactivated, while "
+                            "the job ran; the job was cancelled.",
+                        )
                     continue
                 last_event_id = event.id
                 if event.event == "exec_end":
@@ -379,7 +409,7 @@ def _caller(ctx: ServerRequestContext[Any, Any], fixed: McpUser | None) -> McpUs
     scope = getattr(ctx.request, "scope", None) or {}
     if SCOPE_USER_ID not in scope:  # the HTTP layer authenticates every request; this is a bug
         raise MCPError(types.INTERNAL_ERROR, "The request reached the MCP server unauthenticated.")
-    return McpUser(scope[SCOPE_USER_ID], bool(scope.get(SCOPE_DISCOVERY)))
+    return McpUser(scope[SCOPE_USER_ID], bool(scope.get(SCOPE_DISCOVERY)), scope.get(SCOPE_KEY_ID))
 
 
 # The arguments each tool takes; any other is refused before anything runs.
@@ -401,7 +431,7 @@ async def _call(ctx: ServerRequestContext[Any, Any], caller: McpUser, name: str,
         )
     if name == EXEC_CODE:
         body: dict[str, Any] = {k: args[k] for k in ("code", "toolsets", "timeout", "title") if k in args}
-        return _result(await job_run(ctx, user_id=caller.user_id, body=body))
+        return _result(await job_run(ctx, caller=caller, body=body))
     if name == SEED_TOOL:
         filename = args.get("filename")
         if filename is not None and (not isinstance(filename, str) or len(filename) > 255):
@@ -413,7 +443,7 @@ async def _call(ctx: ServerRequestContext[Any, Any], caller: McpUser, name: str,
         }
         if "code" in args:  # left out, the serializer says it is required
             body["code"] = args["code"]
-        return _result(seed_result(await job_run(ctx, user_id=caller.user_id, body=body), file_path=filename))
+        return _result(seed_result(await job_run(ctx, caller=caller, body=body), file_path=filename))
     if name == LIST_TOOLSETS:
         return _result(await _toolsets(caller.user_id))
     if name == DESCRIBE_TOOL:

@@ -339,6 +339,34 @@ print("never")
     assert final["status"] == "cancelled"
 
 
+def test_a_job_whose_key_is_revoked_as_it_runs_is_cancelled_and_its_call_refused(stack: Stack, api: Api) -> None:
+    """An exec_code call follows its job, sending its progress, for as long as it runs: a key revoked
+    meanwhile kept reading it. At the next heartbeat the call now ends refused, and the job goes."""
+    minted = api.post("/api/v1/keys", json={"name": "agent"}).json()
+    marker = uuid.uuid4().hex
+    code = f"import time\nprint('{marker}', flush=True)\ntime.sleep(30)\nprint('never')"
+
+    async def main() -> tuple[types.CallToolResult, float]:
+        async with http_client(stack, minted["key"]) as client:
+            async with anyio.create_task_group() as tg:
+
+                async def revoke() -> None:
+                    await anyio.sleep(3)
+                    revoked = await anyio.to_thread.run_sync(lambda: api.post(f"/api/v1/keys/{minted['id']}/revoke"))
+                    assert revoked.status_code == 200
+
+                tg.start_soon(revoke)
+                began = time.monotonic()
+                result = await client.call_tool("exec_code", {"code": code})
+                return result, time.monotonic() - began
+
+    result, took = run(main)
+    assert result.is_error and data(result)["error"]["code"] == "authentication_failed", result
+    assert took < 15, took  # the revoke at 3 s, found at a heartbeat (1 s here); not the job's 30 s
+    job = next(j for j in api.get("/api/v1/exec").json()["results"] if marker in j["code"])
+    assert _until(lambda: api.get(f"/api/v1/exec/{job['id']}").json()["status"] == "cancelled")
+
+
 # -- stdio ----------------------------------------------------------------------------------------
 def test_stdio_serves_the_same_tools_as_the_named_user(stack: Stack, stack_env: dict[str, str], api: Api) -> None:
     progress: list[str] = []
