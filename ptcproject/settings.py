@@ -6,31 +6,45 @@ PostgreSQL and Redis.
 """
 
 from pathlib import Path
+from typing import Any
 
 import environ
-from django.core.exceptions import ImproperlyConfigured
 
 from ptcproject import queues
 from ptcproject.crypto import secrets_keys
+from ptcproject.envvars import Env
 from ptcproject.policy.seed import policy_seed
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 env = environ.Env()
 if (BASE_DIR / ".env").exists():
     env.read_env(str(BASE_DIR / ".env"))
+# Every variable is read through one of these checked readers (ptcproject/envvars.py); a bad value
+# is noted, and the end of this file stops start-up naming each bad variable and what it takes.
+checked = Env()
 
-DATA_DIR = Path(env.str("PTC_DATA_DIR", default=str(BASE_DIR / "var")))
-DATA_DIR.mkdir(parents=True, exist_ok=True)
+DATA_DIR = checked.path("PTC_DATA_DIR", str(BASE_DIR / "var"))
+try:
+    DATA_DIR.mkdir(parents=True, exist_ok=True)
+except OSError as error:
+    checked.require(
+        False, f"PTC_DATA_DIR must be a folder this process can create and write; {error.strerror}: {error.filename}."
+    )
 
-DEBUG = env.bool("DJANGO_DEBUG", default=False)
+DEBUG = checked.bool("DJANGO_DEBUG", False)
 # The default key is for the embedded quickstart only; a deployment sets its own.
 SECRET_KEY = env.str("DJANGO_SECRET_KEY", default="ptc-insecure-quickstart-key-change-me-0123456789")
+checked.require(bool(SECRET_KEY.strip()), "DJANGO_SECRET_KEY must not be empty; unset it for the quickstart's key.")
 # Fernet keys for toolset secrets at rest, comma-separated: the first encrypts, all decrypt. To rotate,
 # put a new key first, keep the old after it, and run `manage.py ptc_rotate_secrets`. Unset, one key is
 # derived from SECRET_KEY, for the quickstart (ptcproject/crypto.py). A bad key stops start-up, naming
 # the variable.
-PTC_SECRETS_KEYS = secrets_keys(env.str("PTC_SECRETS_KEYS", default=""), secret_key=SECRET_KEY)
+PTC_SECRETS_KEYS: list[str] = checked.guard(
+    lambda: secrets_keys(env.str("PTC_SECRETS_KEYS", default=""), secret_key=SECRET_KEY), []
+)
 ALLOWED_HOSTS = env.list("DJANGO_ALLOWED_HOSTS", default=["127.0.0.1", "localhost", "[::1]", "testserver"])
+# An empty list answers every request 400: never what an operator meant.
+checked.require(bool(ALLOWED_HOSTS), "DJANGO_ALLOWED_HOSTS must list at least one host name (comma-separated).")
 CSRF_TRUSTED_ORIGINS = env.list("DJANGO_CSRF_TRUSTED_ORIGINS", default=[])
 
 INSTALLED_APPS = [
@@ -80,7 +94,21 @@ TEMPLATES = [
 WSGI_APPLICATION = "ptcproject.wsgi.application"
 ASGI_APPLICATION = "ptcproject.asgi.application"
 
-DATABASES = {"default": env.db("DATABASE_URL", default=f"sqlite:///{DATA_DIR / 'db.sqlite3'}")}
+DATABASE_SCHEMES = ("postgres", "postgresql", "pgsql", "sqlite")
+DATABASES = {
+    "default": environ.Env.db_url_config(checked.url("DATABASE_URL", f"sqlite:///{DATA_DIR / 'db.sqlite3'}", DATABASE_SCHEMES))
+}
+# Read whatever the database, so a bad value is found before the day PostgreSQL is switched on.
+PTC_DB_PREPARE_AFTER = checked.int("PTC_DB_PREPARE_AFTER", 5, 0, 1_000_000)
+# libpq reads 0 as "wait for ever": the very thing this timeout is here to prevent.
+PTC_DB_CONNECT_TIMEOUT = checked.int("PTC_DB_CONNECT_TIMEOUT", 2, 1, 600)
+PTC_DB_POOL_MIN = checked.int("PTC_DB_POOL_MIN", 2, 0, 1000)
+PTC_DB_POOL_MAX = checked.int("PTC_DB_POOL_MAX", 20, 1, 1000)
+checked.require(
+    PTC_DB_POOL_MIN <= PTC_DB_POOL_MAX,
+    f"PTC_DB_POOL_MAX ({PTC_DB_POOL_MAX}) must be at least PTC_DB_POOL_MIN ({PTC_DB_POOL_MIN}).",
+)
+PTC_DB_POOL_TIMEOUT = checked.float("PTC_DB_POOL_TIMEOUT", 2.0, 0, 3600, above_low=True)
 if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
     # Web, exec and tools workers write from separate processes: wait for the lock instead of
     # failing, and take it at BEGIN so two writers never deadlock on an upgrade.
@@ -99,16 +127,16 @@ elif DATABASES["default"]["ENGINE"] == "django.db.backends.postgresql":
     # a job's claim went from 0.84 to 0.47 ms. 0 turns it off, for a pooler that can't keep
     # prepared statements (PgBouncer before 1.22, or without max_prepared_statements).
     DATABASES["default"].setdefault("OPTIONS", {})["server_side_binding"] = True
-    DATABASES["default"]["OPTIONS"]["prepare_threshold"] = max(0, env.int("PTC_DB_PREPARE_AFTER", default=5)) or None
+    DATABASES["default"]["OPTIONS"]["prepare_threshold"] = PTC_DB_PREPARE_AFTER or None
     # A server that is down or unreachable is known within seconds, not after the OS's TCP timeout.
-    DATABASES["default"]["OPTIONS"]["connect_timeout"] = env.int("PTC_DB_CONNECT_TIMEOUT", default=2)
+    DATABASES["default"]["OPTIONS"]["connect_timeout"] = PTC_DB_CONNECT_TIMEOUT
     DATABASES["default"]["OPTIONS"]["pool"] = {
-        "min_size": env.int("PTC_DB_POOL_MIN", default=2),
-        "max_size": env.int("PTC_DB_POOL_MAX", default=20),
+        "min_size": PTC_DB_POOL_MIN,
+        "max_size": PTC_DB_POOL_MAX,
         # How long a request waits for a connection: while PostgreSQL is down the API answers 503
         # database_unavailable after this, rather than hold the client. No view holds a
         # connection while it waits on something else, so a healthy pool hands one out in ms.
-        "timeout": env.float("PTC_DB_POOL_TIMEOUT", default=2.0),
+        "timeout": PTC_DB_POOL_TIMEOUT,
     }
     # A connection that PostgreSQL dropped (a restart) is found and replaced when taken from the
     # pool, not handed to a query that fails; one used within the last second is trusted without
@@ -123,7 +151,7 @@ USE_TZ = True
 STATIC_URL = "static/"
 STATIC_ROOT = DATA_DIR / "static"
 
-LOG_LEVEL = env.str("PTC_LOG_LEVEL", default="INFO")
+LOG_LEVEL = checked.choice("PTC_LOG_LEVEL", "info", ("debug", "info", "warning", "error", "critical")).upper()
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
@@ -183,15 +211,15 @@ SPECTACULAR_SETTINGS = {
 }
 
 # --- Celery -------------------------------------------------------------------------------------
-CELERY_BROKER_URL = env.str("CELERY_BROKER_URL", default="filesystem://")
-REDIS_URL = env.str("REDIS_URL", default=CELERY_BROKER_URL if CELERY_BROKER_URL.startswith("redis") else "")
+CELERY_BROKER_URL = checked.url("CELERY_BROKER_URL", "filesystem://", ("filesystem", "redis", "rediss"))
+REDIS_URL = checked.url("REDIS_URL", CELERY_BROKER_URL if CELERY_BROKER_URL.startswith("redis") else "", ("redis", "rediss"))
 EMBEDDED = CELERY_BROKER_URL.startswith("filesystem")
 # Prefix for every Redis key and channel this deployment uses, so several can share one Redis
 # (the test suite gives each run its own).
 PTC_REDIS_PREFIX = env.str("PTC_REDIS_PREFIX", default="")
 # No job may run longer than this, whatever the policy says: it sets the broker's visibility timeout,
 # which must stay above the longest job, or a running job's message is handed to a second worker.
-PTC_TIMEOUT_CEILING = env.int("PTC_TIMEOUT_CEILING", default=3600)
+PTC_TIMEOUT_CEILING = checked.int("PTC_TIMEOUT_CEILING", 3600, 1, 7 * 24 * 3600)
 CELERY_TASK_HARD_LIMIT = PTC_TIMEOUT_CEILING + 60
 
 # JSON only: a message that reached the broker must never be able to run code (ARCHITECTURE.md).
@@ -214,10 +242,10 @@ CELERY_WORKER_POOL = "threads"
 # which also brings back Celery's per-task INFO lines there (each call logs its own line anyway).
 # The "sent" event is left off: it would add a publish to every tool call's hot path.
 CELERY_WORKER_SEND_TASK_EVENTS = True
-PTC_TOOLS_TASK_EVENTS = env.bool("PTC_TOOLS_TASK_EVENTS", default=False)
+PTC_TOOLS_TASK_EVENTS = checked.bool("PTC_TOOLS_TASK_EVENTS", False)
 # A cold shutdown (SIGQUIT, or SIGTERM with REMAP_SIGTERM=SIGQUIT) first lets running tasks finish
 # for this long, so a tools pod scaled down mid-call finishes its calls (keep it under the pod's grace).
-CELERY_WORKER_SOFT_SHUTDOWN_TIMEOUT = env.float("PTC_SOFT_SHUTDOWN_SECONDS", default=60.0)
+CELERY_WORKER_SOFT_SHUTDOWN_TIMEOUT = checked.float("PTC_SOFT_SHUTDOWN_SECONDS", 60.0, 0, 24 * 3600)
 # Don't let the worker hijack the root logger; our own handlers stay.
 CELERY_WORKER_HIJACK_ROOT_LOGGER = False
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
@@ -226,7 +254,10 @@ if EMBEDDED:
     CELERY_BROKER_TRANSPORT = "ptcproject.broker:FilesystemTransport"
     _broker_dir = DATA_DIR / "broker"
     for _folder in ("queue", "processed", "control"):
-        (_broker_dir / _folder).mkdir(parents=True, exist_ok=True)
+        try:
+            (_broker_dir / _folder).mkdir(parents=True, exist_ok=True)
+        except OSError:
+            pass  # PTC_DATA_DIR itself could not be made: noted above
     CELERY_BROKER_TRANSPORT_OPTIONS = {
         # One folder in and out: every process on this host reads and writes the same queues.
         "data_folder_in": str(_broker_dir / "queue"),
@@ -248,18 +279,18 @@ else:
         # The most waiting tool calls a tools worker takes in one round trip (ptcproject/broker.py),
         # never more than its free slots; 1 takes them one at a time, as kombu does. Exec workers
         # take one job at a time (ptcproject/celery.py).
-        "pop_most": env.int("PTC_BROKER_POP_MOST", default=16),
+        "pop_most": checked.int("PTC_BROKER_POP_MOST", 16, 1, 1000),
     }
 # How often beat runs the reaper that ends jobs whose worker died (ARCHITECTURE.md, "no job stays running").
-PTC_REAP_EVERY = env.float("PTC_REAP_EVERY", default=15.0)
+PTC_REAP_EVERY = checked.float("PTC_REAP_EVERY", 15.0, 0, 24 * 3600, above_low=True)
 # Retention: a finished job's code, output, return value and its tool calls' inputs and outputs are
 # emptied this many days after it finished (the rows and every charge stay). Unset: kept forever. A
 # user's own setting (admin, "User settings") overrides it; 0 purges at the next round.
-PTC_RETENTION_DAYS: int | None = env.int("PTC_RETENTION_DAYS", default=None)
-if PTC_RETENTION_DAYS is not None and PTC_RETENTION_DAYS < 0:
-    raise ImproperlyConfigured("PTC_RETENTION_DAYS must be 0 or more days (unset keeps jobs forever).")
+PTC_RETENTION_DAYS: int | None = (
+    checked.int("PTC_RETENTION_DAYS", 0, 0, 100 * 366) if env.str("PTC_RETENTION_DAYS", default="").strip() else None
+)
 # How often beat runs the purge: the longest a zero-retention user's finished job keeps its data.
-PTC_RETENTION_EVERY = env.float("PTC_RETENTION_EVERY", default=60.0)
+PTC_RETENTION_EVERY = checked.float("PTC_RETENTION_EVERY", 60.0, 0, 24 * 3600, above_low=True)
 CELERY_BEAT_SCHEDULE = {
     "reap-stuck-jobs": {"task": "execution.tasks.reap_jobs", "schedule": PTC_REAP_EVERY},
     "purge-old-jobs": {"task": "execution.tasks.purge_jobs", "schedule": PTC_RETENTION_EVERY},
@@ -268,78 +299,100 @@ CELERY_BEAT_SCHEDULE_FILENAME = str(DATA_DIR / "celerybeat-schedule")
 # The queues a toolset may route its calls to (Toolset.queue), each served by its own
 # `celery worker -Q <name>`: "tools" always, plus e.g. "tools.slow" for slow MCP servers.
 PTC_TOOLS_QUEUES: list[str] = env.list("PTC_TOOLS_QUEUES", default=[queues.TOOLS])
-if queues.TOOLS not in PTC_TOOLS_QUEUES or queues.EXEC in PTC_TOOLS_QUEUES:
-    raise ImproperlyConfigured(f"PTC_TOOLS_QUEUES must list '{queues.TOOLS}' and must not list '{queues.EXEC}'.")
+checked.require(
+    queues.TOOLS in PTC_TOOLS_QUEUES and queues.EXEC not in PTC_TOOLS_QUEUES,
+    f"PTC_TOOLS_QUEUES must list '{queues.TOOLS}' and must not list '{queues.EXEC}'.",
+)
 # Metrics (ptcproject/metrics.py). /metrics answers a bearer PTC_METRICS_TOKEN or a staff API key.
 # A worker serves its own on PTC_METRICS_PORT unless PROMETHEUS_MULTIPROC_DIR (read by
 # prometheus_client itself) gathers every process's values for the web's /metrics.
 PTC_METRICS_TOKEN = env.str("PTC_METRICS_TOKEN", default="")
-PTC_METRICS_PORT = env.int("PTC_METRICS_PORT", default=0)
+PTC_METRICS_PORT = checked.int("PTC_METRICS_PORT", 0, 0, 65535)
 # Threads per worker process when -c is not given on the command line.
-PTC_EXEC_CONCURRENCY = env.int("PTC_EXEC_CONCURRENCY", default=8)
-PTC_TOOLS_CONCURRENCY = env.int("PTC_TOOLS_CONCURRENCY", default=64)
+PTC_EXEC_CONCURRENCY = checked.int("PTC_EXEC_CONCURRENCY", 8, 1, 1024)
+PTC_TOOLS_CONCURRENCY = checked.int("PTC_TOOLS_CONCURRENCY", 64, 1, 4096)
 
 # --- Sandbox and job limits ---------------------------------------------------------------------
 # Interpreter the sandbox runs: Debian's, which an unprivileged uid can read and which starts fast.
-PTC_SANDBOX_PYTHON = env.str("PTC_SANDBOX_PYTHON", default="/usr/bin/python3")
-PTC_BWRAP = env.str("PTC_BWRAP", default="/usr/bin/bwrap")
+PTC_SANDBOX_PYTHON = str(checked.path("PTC_SANDBOX_PYTHON", "/usr/bin/python3"))
+PTC_BWRAP = str(checked.path("PTC_BWRAP", "/usr/bin/bwrap"))
 # Where generated SDKs and the runner are staged for bind-mounting; readable by the sandbox uid.
-PTC_SANDBOX_DIR = Path(env.str("PTC_SANDBOX_DIR", default="/tmp/ptc-sandbox"))
+PTC_SANDBOX_DIR = checked.path("PTC_SANDBOX_DIR", "/tmp/ptc-sandbox")
 # Sandboxes each exec worker keeps started and waiting for a job (each is used once): a job does
 # not wait for bubblewrap and an interpreter to start. 0 starts each one when its job comes.
-PTC_SANDBOX_POOL_SIZE = env.int("PTC_SANDBOX_POOL_SIZE", default=2)
+PTC_SANDBOX_POOL_SIZE = checked.int("PTC_SANDBOX_POOL_SIZE", 2, 0, 256)
 PTC_MAX_CODE_BYTES = 256 * 1024
 PTC_MAX_WAIT = 60
 # The rollout policy's first values (PTC_MODE, PTC_TIMEOUT, PTC_MAX_TOOL_CALLS, ...); see
 # ptcproject/policy/seed.py. After the row exists, the admin and PATCH /api/v1/policy own it.
-PTC_POLICY_SEED = policy_seed(env, timeout_ceiling=PTC_TIMEOUT_CEILING)
+PTC_POLICY_SEED: dict[str, Any] = checked.guard(lambda: policy_seed(env, timeout_ceiling=PTC_TIMEOUT_CEILING), {})
 # Counts threads as well as processes (RLIMIT_NPROC): room for a pool of 100 threads calling tools.
-PTC_MAX_PROCESSES = env.int("PTC_MAX_PROCESSES", default=256)
-PTC_MAX_FILE_MB = env.int("PTC_MAX_FILE_MB", default=64)
-PTC_MAX_OPEN_FILES = env.int("PTC_MAX_OPEN_FILES", default=256)
+PTC_MAX_PROCESSES = checked.int("PTC_MAX_PROCESSES", 256, 1, 1_000_000)
+PTC_MAX_FILE_MB = checked.int("PTC_MAX_FILE_MB", 64, 1, 1024 * 1024)
+PTC_MAX_OPEN_FILES = checked.int("PTC_MAX_OPEN_FILES", 256, 16, 1_000_000)
 # A tool's arguments and its output are each held to this; a bridge frame carries one of them.
-PTC_MAX_TOOL_OUTPUT_BYTES = env.int("PTC_MAX_TOOL_OUTPUT_BYTES", default=1024 * 1024)
+PTC_MAX_TOOL_OUTPUT_BYTES = checked.int("PTC_MAX_TOOL_OUTPUT_BYTES", 1024 * 1024, 1024, 256 * 1024 * 1024)
 PTC_MAX_FRAME_BYTES = PTC_MAX_TOOL_OUTPUT_BYTES + 64 * 1024
 # The largest request body read: room for code at PTC_MAX_CODE_BYTES even if JSON escapes every byte
 # (\u00XX is six), or for a tool call's arguments at their limit. Over it the API answers 413
 # code_too_large (ptcproject.api); under it, a service checks the code's own size.
 DATA_UPLOAD_MAX_MEMORY_SIZE = max(6 * PTC_MAX_CODE_BYTES, PTC_MAX_TOOL_OUTPUT_BYTES) + 64 * 1024
 # What the worker buffers for one job (replies the code has not read, calls waiting for a slot).
-PTC_MAX_BUFFERED_BYTES = env.int("PTC_MAX_BUFFERED_BYTES", default=32 * 1024 * 1024)
+PTC_MAX_BUFFERED_BYTES = checked.int("PTC_MAX_BUFFERED_BYTES", 32 * 1024 * 1024, PTC_MAX_FRAME_BYTES, 2**40)
 # A job still queued after this long lost its queue message: the reaper fails it.
-PTC_QUEUED_MAX_SECONDS = env.int("PTC_QUEUED_MAX_SECONDS", default=1800)
+PTC_QUEUED_MAX_SECONDS = checked.int("PTC_QUEUED_MAX_SECONDS", 1800, 60, 7 * 24 * 3600)
 # Sessions (README, "Sessions"): a sandbox kept between jobs on one exec worker, whose jobs reach it
 # through that worker's direct queue (<nodename>.dq2).
 CELERY_WORKER_DIRECT = True
-PTC_MAX_SESSIONS_PER_USER = env.int("PTC_MAX_SESSIONS_PER_USER", default=4)
-PTC_SESSION_IDLE_TIMEOUT = env.float("PTC_SESSION_IDLE_TIMEOUT", default=600.0)
-PTC_SESSION_MAX_IDLE_TIMEOUT = env.float("PTC_SESSION_MAX_IDLE_TIMEOUT", default=3600.0)
-PTC_SESSION_MAX_LIFETIME = env.float("PTC_SESSION_MAX_LIFETIME", default=3600.0)
-PTC_SESSION_MAX_MAX_LIFETIME = env.float("PTC_SESSION_MAX_MAX_LIFETIME", default=24 * 3600.0)
+PTC_MAX_SESSIONS_PER_USER = checked.int("PTC_MAX_SESSIONS_PER_USER", 4, 0, 10_000)
+PTC_SESSION_IDLE_TIMEOUT = checked.float("PTC_SESSION_IDLE_TIMEOUT", 600.0, 0, 365 * 24 * 3600, above_low=True)
+PTC_SESSION_MAX_IDLE_TIMEOUT = checked.float("PTC_SESSION_MAX_IDLE_TIMEOUT", 3600.0, 0, 365 * 24 * 3600, above_low=True)
+PTC_SESSION_MAX_LIFETIME = checked.float("PTC_SESSION_MAX_LIFETIME", 3600.0, 0, 365 * 24 * 3600, above_low=True)
+PTC_SESSION_MAX_MAX_LIFETIME = checked.float("PTC_SESSION_MAX_MAX_LIFETIME", 24 * 3600.0, 0, 365 * 24 * 3600, above_low=True)
+# A default above its most would make every session that takes the default a 400.
+checked.require(
+    PTC_SESSION_IDLE_TIMEOUT <= PTC_SESSION_MAX_IDLE_TIMEOUT,
+    f"PTC_SESSION_IDLE_TIMEOUT ({PTC_SESSION_IDLE_TIMEOUT:g}) must be at most "
+    f"PTC_SESSION_MAX_IDLE_TIMEOUT ({PTC_SESSION_MAX_IDLE_TIMEOUT:g}).",
+)
+checked.require(
+    PTC_SESSION_MAX_LIFETIME <= PTC_SESSION_MAX_MAX_LIFETIME,
+    f"PTC_SESSION_MAX_LIFETIME ({PTC_SESSION_MAX_LIFETIME:g}) must be at most "
+    f"PTC_SESSION_MAX_MAX_LIFETIME ({PTC_SESSION_MAX_MAX_LIFETIME:g}).",
+)
 # Files of /work kept in the database (a session's, or a job's inputs and outputs): at most this many
 # bytes in all and this many files, per session or per job.
-PTC_FILES_MAX_BYTES = env.int("PTC_FILES_MAX_BYTES", default=8 * 1024 * 1024)
-PTC_FILES_MAX_COUNT = env.int("PTC_FILES_MAX_COUNT", default=100)
+PTC_FILES_MAX_BYTES = checked.int("PTC_FILES_MAX_BYTES", 8 * 1024 * 1024, 0, 1024 * 1024 * 1024)
+PTC_FILES_MAX_COUNT = checked.int("PTC_FILES_MAX_COUNT", 100, 0, 10_000)
 # A running job refreshes its lease this often; the reaper fails jobs whose lease has run out.
-PTC_JOB_HEARTBEAT_SECONDS = env.int("PTC_JOB_HEARTBEAT_SECONDS", default=10)
-PTC_JOB_LEASE_SECONDS = env.int("PTC_JOB_LEASE_SECONDS", default=45)
+PTC_JOB_HEARTBEAT_SECONDS = checked.int("PTC_JOB_HEARTBEAT_SECONDS", 10, 1, 3600)
+PTC_JOB_LEASE_SECONDS = checked.int("PTC_JOB_LEASE_SECONDS", 45, 2, 24 * 3600)
+# A lease no longer than the beat that renews it lapses between two renewals: the reaper would
+# fail healthy running jobs as WorkerLost.
+checked.require(
+    PTC_JOB_LEASE_SECONDS >= 2 * PTC_JOB_HEARTBEAT_SECONDS,
+    f"PTC_JOB_LEASE_SECONDS ({PTC_JOB_LEASE_SECONDS}) must be at least twice "
+    f"PTC_JOB_HEARTBEAT_SECONDS ({PTC_JOB_HEARTBEAT_SECONDS}).",
+)
 # How long a worker keeps trying to record a job's end while the database is unreachable; after
 # that the job's lease lapses and the reaper ends it once the database is back.
-PTC_DB_RETRY_SECONDS = env.float("PTC_DB_RETRY_SECONDS", default=60.0)
-PTC_DEFAULT_TOOL_TIMEOUT = env.int("PTC_DEFAULT_TOOL_TIMEOUT", default=60)
+PTC_DB_RETRY_SECONDS = checked.float("PTC_DB_RETRY_SECONDS", 60.0, 0, 24 * 3600)
+PTC_DEFAULT_TOOL_TIMEOUT = checked.int("PTC_DEFAULT_TOOL_TIMEOUT", 60, 1, 24 * 3600)
 # How long a client tool's call waits for its result, and a call for its approval, unless the tool
 # says otherwise (Anthropic's managed PTC gives a client about 4 minutes).
-PTC_CLIENT_TOOL_TIMEOUT = env.int("PTC_CLIENT_TOOL_TIMEOUT", default=240)
+PTC_CLIENT_TOOL_TIMEOUT = checked.int("PTC_CLIENT_TOOL_TIMEOUT", 240, 1, 7 * 24 * 3600)
 # The most client tools one job may declare, and the size of their definitions as JSON.
-PTC_MAX_CLIENT_TOOLS = env.int("PTC_MAX_CLIENT_TOOLS", default=64)
-PTC_MAX_CLIENT_TOOLS_BYTES = env.int("PTC_MAX_CLIENT_TOOLS_BYTES", default=256 * 1024)
+PTC_MAX_CLIENT_TOOLS = checked.int("PTC_MAX_CLIENT_TOOLS", 64, 0, 10_000)
+PTC_MAX_CLIENT_TOOLS_BYTES = checked.int("PTC_MAX_CLIENT_TOOLS_BYTES", 256 * 1024, 0, 64 * 1024 * 1024)
 # How long a finished job's event stream stays in Redis; after that it is rebuilt from the records.
-PTC_EVENTS_RETENTION_SECONDS = env.int("PTC_EVENTS_RETENTION_SECONDS", default=3600)
+PTC_EVENTS_RETENTION_SECONDS = checked.int("PTC_EVENTS_RETENTION_SECONDS", 3600, 1, 30 * 24 * 3600)
 # A quiet event stream sends a comment this often, so proxies and clients know it is alive.
-PTC_EVENTS_HEARTBEAT_SECONDS = env.float("PTC_EVENTS_HEARTBEAT_SECONDS", default=15.0)
+PTC_EVENTS_HEARTBEAT_SECONDS = checked.float("PTC_EVENTS_HEARTBEAT_SECONDS", 15.0, 0, 3600, above_low=True)
 # MCP over HTTP (/mcp): a session no request has used for this long is closed, and one user may
 # have this many open at once (the SDK's own cap is one for the whole process).
-PTC_MCP_SESSION_IDLE_SECONDS = env.float("PTC_MCP_SESSION_IDLE_SECONDS", default=300.0)
-PTC_MCP_SESSIONS_PER_USER = env.int("PTC_MCP_SESSIONS_PER_USER", default=16)
+PTC_MCP_SESSION_IDLE_SECONDS = checked.float("PTC_MCP_SESSION_IDLE_SECONDS", 300.0, 0, 7 * 24 * 3600, above_low=True)
+PTC_MCP_SESSIONS_PER_USER = checked.int("PTC_MCP_SESSIONS_PER_USER", 16, 1, 10_000)
 # Where people reach the admin, for links the CLI prints.
-PTC_PUBLIC_URL = env.str("PTC_PUBLIC_URL", default="http://127.0.0.1:8000")
+PTC_PUBLIC_URL = checked.url("PTC_PUBLIC_URL", "http://127.0.0.1:8000", ("http", "https"))
+
+checked.stop()

@@ -9,6 +9,8 @@ from typing import Any
 import environ
 from django.core.exceptions import ImproperlyConfigured
 
+from ptcproject.envvars import parse_bool, parse_choice, parse_int
+
 MODES = ("off", "on", "partial")
 DEBUG_VALUES = {"": "", "false": "", "off": "", "opt-in": "opt-in", "true": "opt-in", "opt-out": "opt-out"}
 DEFAULT_DIRECT_ONLY_TOOLS = ["complete", "fail", "onboarding_handoff"]
@@ -29,19 +31,6 @@ BOUNDS = {
 }
 
 
-def _int(env: environ.Env, name: str, default: int, low: int, high: int) -> int:
-    raw = env.str(name, default="").strip()
-    if not raw:
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ImproperlyConfigured(f"{name} must be a whole number; got {raw!r}.") from None
-    if not low <= value <= high:
-        raise ImproperlyConfigured(f"{name} must be between {low} and {high}; got {value}.")
-    return value
-
-
 def _list(env: environ.Env, name: str, default: list[str] | None = None) -> list[str]:
     raw = env.str(name, default=None)
     if raw is None:
@@ -49,42 +38,31 @@ def _list(env: environ.Env, name: str, default: list[str] | None = None) -> list
     return [item.strip() for item in raw.split(",") if item.strip()]
 
 
-def _bool(env: environ.Env, name: str) -> bool:
-    raw = env.str(name, default="").strip().lower()
-    if raw in ("", "0", "false", "no", "off"):
-        return False
-    if raw in ("1", "true", "yes", "on"):
-        return True
-    raise ImproperlyConfigured(f"{name} must be true or false; got {raw!r}.")
-
-
 def policy_seed(env: environ.Env, *, timeout_ceiling: int) -> dict[str, Any]:
     """Return the policy's initial field values. Raise ImproperlyConfigured naming a bad variable."""
-    mode = env.str("PTC_MODE", default="on").strip().lower() or "on"
-    if mode not in MODES:
-        raise ImproperlyConfigured(f"PTC_MODE must be one of {', '.join(MODES)}; got {mode!r}.")
+    mode = parse_choice("PTC_MODE", "on", MODES)
     debug = env.str("PTC_DEBUG", default="").strip().lower()
     if debug not in DEBUG_VALUES:
         raise ImproperlyConfigured(f"PTC_DEBUG must be one of '', opt-in, opt-out (or legacy true); got {debug!r}.")
-    max_timeout = _int(env, "PTC_MAX_TIMEOUT", min(600, timeout_ceiling), 1, timeout_ceiling)
+    max_timeout = parse_int("PTC_MAX_TIMEOUT", min(600, timeout_ceiling), 1, timeout_ceiling)
     return {
         "mode": mode,
         "user_allowlist": _list(env, "PTC_USER_ALLOWLIST"),
         "toolset_allowlist": _list(env, "PTC_TOOLSET_ALLOWLIST"),
         "toolset_blocklist": _list(env, "PTC_TOOLSET_BLOCKLIST"),
-        "rollout_percent": _int(env, "PTC_ROLLOUT_PERCENT", 100, *BOUNDS["rollout_percent"]),
+        "rollout_percent": parse_int("PTC_ROLLOUT_PERCENT", 100, *BOUNDS["rollout_percent"]),
         "debug": DEBUG_VALUES[debug],
-        "sequential": _bool(env, "PTC_SEQUENTIAL"),
-        "default_timeout": _int(env, "PTC_TIMEOUT", min(120, max_timeout), 1, max_timeout),
+        "sequential": parse_bool("PTC_SEQUENTIAL"),
+        "default_timeout": parse_int("PTC_TIMEOUT", min(120, max_timeout), 1, max_timeout),
         "max_timeout": max_timeout,
         "direct_only_tools": _list(env, "PTC_DIRECT_ONLY_TOOLS", DEFAULT_DIRECT_ONLY_TOOLS),
-        "max_tool_calls": _int(env, "PTC_MAX_TOOL_CALLS", 1000, *BOUNDS["max_tool_calls"]),
-        "max_parallel_tool_calls": _int(env, "PTC_MAX_PARALLEL_TOOL_CALLS", 16, *BOUNDS["max_parallel_tool_calls"]),
-        "max_output_bytes": _int(env, "PTC_MAX_OUTPUT_BYTES", 1_000_000, *BOUNDS["max_output_bytes"]),
-        "memory_limit_mb": _int(env, "PTC_MEMORY_LIMIT_MB", 512, *BOUNDS["memory_limit_mb"]),
-        "max_concurrent_jobs": _int(env, "PTC_MAX_CONCURRENT_JOBS", 0, *BOUNDS["max_concurrent_jobs"]),
-        "max_concurrent_tool_calls": _int(env, "PTC_MAX_CONCURRENT_TOOL_CALLS", 0, *BOUNDS["max_concurrent_tool_calls"]),
-        "max_jobs_per_minute": _int(env, "PTC_MAX_JOBS_PER_MINUTE", 0, *BOUNDS["max_jobs_per_minute"]),
-        "max_client_wait": _int(env, "PTC_MAX_CLIENT_WAIT", 600, *BOUNDS["max_client_wait"]),
-        "approval_for_writes": _bool(env, "PTC_APPROVAL_FOR_WRITES"),
+        "max_tool_calls": parse_int("PTC_MAX_TOOL_CALLS", 1000, *BOUNDS["max_tool_calls"]),
+        "max_parallel_tool_calls": parse_int("PTC_MAX_PARALLEL_TOOL_CALLS", 16, *BOUNDS["max_parallel_tool_calls"]),
+        "max_output_bytes": parse_int("PTC_MAX_OUTPUT_BYTES", 1_000_000, *BOUNDS["max_output_bytes"]),
+        "memory_limit_mb": parse_int("PTC_MEMORY_LIMIT_MB", 512, *BOUNDS["memory_limit_mb"]),
+        "max_concurrent_jobs": parse_int("PTC_MAX_CONCURRENT_JOBS", 0, *BOUNDS["max_concurrent_jobs"]),
+        "max_concurrent_tool_calls": parse_int("PTC_MAX_CONCURRENT_TOOL_CALLS", 0, *BOUNDS["max_concurrent_tool_calls"]),
+        "max_jobs_per_minute": parse_int("PTC_MAX_JOBS_PER_MINUTE", 0, *BOUNDS["max_jobs_per_minute"]),
+        "max_client_wait": parse_int("PTC_MAX_CLIENT_WAIT", 600, *BOUNDS["max_client_wait"]),
+        "approval_for_writes": parse_bool("PTC_APPROVAL_FOR_WRITES"),
     }

@@ -1,0 +1,115 @@
+"""An operator's bad configuration: every variable settings read is checked at start-up, and a bad
+one stops every process (manage.py, a Celery worker, the web) with one line naming it and what it
+takes, never a traceback and never a value quietly read as something else."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.stack import BIN, ROOT
+
+
+@pytest.fixture
+def base_env(tmp_path: Path) -> dict[str, str]:
+    """The test process's environment without our PTC_ tuning: each test adds the values it tries."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST", "PTC_", "DJANGO_"))}
+    env.update(DJANGO_SETTINGS_MODULE="ptcproject.settings", PTC_DATA_DIR=str(tmp_path / "data"))
+    return env
+
+
+def run(env: dict[str, str], *command: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(list(command), cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def check(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return run(env, sys.executable, "manage.py", "check")
+
+
+def setting(env: dict[str, str], name: str) -> str:
+    """Return repr() of one setting as a process started with ``env`` reads it."""
+    code = f"import django; django.setup(); from django.conf import settings; print(repr(settings.{name}))"
+    result = run(env, sys.executable, "-c", code)
+    assert result.returncode == 0, result.stderr
+    return result.stdout.strip()
+
+
+def assert_one_line_each(result: subprocess.CompletedProcess[str], variables: list[str]) -> None:
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    lines = [line for line in result.stderr.splitlines() if line.startswith("ImproperlyConfigured: ")]
+    for variable in variables:
+        assert any(line.startswith(f"ImproperlyConfigured: {variable}") for line in lines), (variable, result.stderr[-3000:])
+
+
+BAD = {
+    # not a number
+    "PTC_EXEC_CONCURRENCY": "eight",
+    "PTC_REAP_EVERY": "2 minutes",  # environ's float read this as 2.0
+    "PTC_RETENTION_DAYS": "a week",
+    # negative
+    "PTC_TOOLS_CONCURRENCY": "-4",
+    "PTC_SANDBOX_POOL_SIZE": "-1",
+    "PTC_MAX_TOOL_OUTPUT_BYTES": "-1",
+    "PTC_DB_PREPARE_AFTER": "-1",  # was quietly read as 0, which turns preparing off
+    "PTC_TIMEOUT_CEILING": "-5",
+    # zero where it turns a limit off or spins
+    "PTC_QUEUED_MAX_SECONDS": "0",  # the reaper would fail every queued job at once
+    "PTC_RETENTION_EVERY": "0",
+    "PTC_DB_CONNECT_TIMEOUT": "0",  # libpq: wait for ever
+    "PTC_MCP_SESSIONS_PER_USER": "0",
+    # absurdly large, or not finite
+    "PTC_METRICS_PORT": "99999",
+    "PTC_EVENTS_HEARTBEAT_SECONDS": "nan",
+    "PTC_SESSION_IDLE_TIMEOUT": "inf",
+    # not a boolean, not a level
+    "DJANGO_DEBUG": "maybe",  # environ reads any unknown word as false
+    "PTC_TOOLS_TASK_EVENTS": "sometimes",
+    "PTC_LOG_LEVEL": "loud",
+    # wrong URL scheme, or set but empty
+    "CELERY_BROKER_URL": "amqp://guest@localhost//",
+    "REDIS_URL": "http://127.0.0.1:6379/0",
+    "DATABASE_URL": "",
+    "PTC_PUBLIC_URL": "127.0.0.1:8000",
+    # a relative path each process would resolve in its own working directory
+    "PTC_SANDBOX_DIR": "ptc-sandbox",
+}
+
+
+def test_every_bad_variable_is_named_on_one_line_by_manage_py(base_env: dict[str, str]) -> None:
+    result = check({**base_env, **BAD})
+    assert_one_line_each(result, list(BAD))
+    assert "got 'eight'" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("values", "named"),
+    [
+        ({"PTC_JOB_HEARTBEAT_SECONDS": "10", "PTC_JOB_LEASE_SECONDS": "5"}, "PTC_JOB_LEASE_SECONDS"),
+        ({"PTC_DB_POOL_MIN": "30", "PTC_DB_POOL_MAX": "10"}, "PTC_DB_POOL_MAX"),
+        ({"PTC_SESSION_IDLE_TIMEOUT": "7200"}, "PTC_SESSION_IDLE_TIMEOUT"),
+        ({"DJANGO_ALLOWED_HOSTS": ""}, "DJANGO_ALLOWED_HOSTS"),
+    ],
+)
+def test_values_that_contradict_each_other_stop_start_up(base_env: dict[str, str], values: dict[str, str], named: str) -> None:
+    assert_one_line_each(check({**base_env, **values}), [named])
+
+
+def test_a_data_dir_that_cannot_be_made_is_named(base_env: dict[str, str]) -> None:
+    assert_one_line_each(check({**base_env, "PTC_DATA_DIR": "/proc/no-such-place"}), ["PTC_DATA_DIR"])
+
+
+def test_numbers_read_as_written(base_env: dict[str, str]) -> None:
+    assert setting({**base_env, "PTC_REAP_EVERY": "1e3"}, "PTC_REAP_EVERY") == "1000.0"  # was 13.0
+    assert setting({**base_env, "PTC_RETENTION_DAYS": "0"}, "PTC_RETENTION_DAYS") == "0"
+    assert setting({**base_env, "PTC_RETENTION_DAYS": ""}, "PTC_RETENTION_DAYS") == "None"
+
+
+def test_a_worker_and_the_web_stop_at_once_naming_the_variable(base_env: dict[str, str]) -> None:
+    env = {**base_env, "PTC_EXEC_CONCURRENCY": "0"}  # Celery read 0 as "one per CPU"
+    worker = run(env, str(BIN / "celery"), "-A", "ptcproject", "worker", "-Q", "exec", "-n", "hostile@%h", timeout=30)
+    assert_one_line_each(worker, ["PTC_EXEC_CONCURRENCY"])
+    web = run(env, str(BIN / "uvicorn"), "ptcproject.asgi:application", "--port", "0", timeout=30)
+    assert_one_line_each(web, ["PTC_EXEC_CONCURRENCY"])
