@@ -211,8 +211,11 @@ SPECTACULAR_SETTINGS = {
 }
 
 # --- Celery -------------------------------------------------------------------------------------
-CELERY_BROKER_URL = checked.url("CELERY_BROKER_URL", "filesystem://", ("filesystem", "redis", "rediss"))
-REDIS_URL = checked.url("REDIS_URL", CELERY_BROKER_URL if CELERY_BROKER_URL.startswith("redis") else "", ("redis", "rediss"))
+# Either URL alone names the Redis of the deployment: the other defaults to it (README). A broker
+# left on the filesystem beside a Redis REDIS_URL would queue this process's jobs where no worker looks.
+REDIS_URL = checked.url("REDIS_URL", "", ("redis", "rediss"))
+CELERY_BROKER_URL = checked.url("CELERY_BROKER_URL", REDIS_URL or "filesystem://", ("filesystem", "redis", "rediss"))
+REDIS_URL = REDIS_URL or (CELERY_BROKER_URL if CELERY_BROKER_URL.startswith("redis") else "")
 EMBEDDED = CELERY_BROKER_URL.startswith("filesystem")
 # Prefix for every Redis key and channel this deployment uses, so several can share one Redis
 # (the test suite gives each run its own).

@@ -107,6 +107,15 @@ def test_numbers_read_as_written(base_env: dict[str, str]) -> None:
     assert setting({**base_env, "PTC_RETENTION_DAYS": ""}, "PTC_RETENTION_DAYS") == "None"
 
 
+def test_redis_url_alone_is_the_broker_too(base_env: dict[str, str]) -> None:
+    """README: "Give it DATABASE_URL and REDIS_URL (or CELERY_BROKER_URL)", and the stdio MCP config
+    gives only those two: the broker left on the filesystem queued jobs where no worker looked."""
+    env = {k: v for k, v in base_env.items() if k != "CELERY_BROKER_URL"}
+    env["REDIS_URL"] = os.environ["REDIS_URL"]
+    assert setting(env, "CELERY_BROKER_URL") == repr(os.environ["REDIS_URL"])
+    assert setting(env, "EMBEDDED") == "False"
+
+
 def test_a_worker_and_the_web_stop_at_once_naming_the_variable(base_env: dict[str, str]) -> None:
     env = {**base_env, "PTC_EXEC_CONCURRENCY": "0"}  # Celery read 0 as "one per CPU"
     worker = run(env, str(BIN / "celery"), "-A", "ptcproject", "worker", "-Q", "exec", "-n", "hostile@%h", timeout=30)
