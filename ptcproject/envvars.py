@@ -115,6 +115,18 @@ def parse_path(name: str, default: str) -> Path:
     return Path(value.strip())
 
 
+def parse_folder(name: str) -> Path | None:
+    """Return ``name`` as an existing folder this process can write, or None when unset or blank."""
+    raw = _raw(name)
+    if raw is None:
+        return None
+    if not os.path.isabs(raw) or not os.path.isdir(raw) or not os.access(raw, os.W_OK | os.X_OK):
+        raise ImproperlyConfigured(
+            f"{name} must be an absolute path to a folder that exists and this process can write; got {raw!r}."
+        )
+    return Path(raw)
+
+
 class Env:
     """The readers above, each collecting its error instead of raising, so that one start-up names
     every bad variable. A reader whose variable is bad returns its default, so reading goes on."""
@@ -152,6 +164,9 @@ class Env:
 
     def path(self, name: str, default: str) -> Path:
         return self.guard(lambda: parse_path(name, default), Path(default))
+
+    def folder(self, name: str) -> Path | None:
+        return self.guard(lambda: parse_folder(name), None)
 
     def stop(self) -> None:
         """End start-up with one line per bad variable, when there is one."""

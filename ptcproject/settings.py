@@ -310,6 +310,12 @@ checked.require(
 # A worker serves its own on PTC_METRICS_PORT unless PROMETHEUS_MULTIPROC_DIR (read by
 # prometheus_client itself) gathers every process's values for the web's /metrics.
 PTC_METRICS_TOKEN = env.str("PTC_METRICS_TOKEN", default="")
+# Read by prometheus_client and OpenTelemetry themselves, later: checked here, so a folder that is
+# not there fails start-up naming it, not every process's first metric deep in prometheus_client,
+# and an endpoint that is no URL is not found only in the exporter's thread at the first job's end.
+checked.folder("PROMETHEUS_MULTIPROC_DIR")
+if env.str("OTEL_EXPORTER_OTLP_ENDPOINT", default="").strip():
+    checked.url("OTEL_EXPORTER_OTLP_ENDPOINT", "", ("http", "https"))
 PTC_METRICS_PORT = checked.int("PTC_METRICS_PORT", 0, 0, 65535)
 # Threads per worker process when -c is not given on the command line.
 PTC_EXEC_CONCURRENCY = checked.int("PTC_EXEC_CONCURRENCY", 8, 1, 1024)

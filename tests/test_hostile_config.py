@@ -101,6 +101,15 @@ def test_a_data_dir_that_cannot_be_made_is_named(base_env: dict[str, str]) -> No
     assert_one_line_each(check({**base_env, "PTC_DATA_DIR": "/proc/no-such-place"}), ["PTC_DATA_DIR"])
 
 
+def test_the_metrics_folder_and_the_trace_endpoint_are_checked_too(base_env: dict[str, str], tmp_path: Path) -> None:
+    """Read by prometheus_client and OpenTelemetry, not by us: a missing folder was a
+    FileNotFoundError traceback from prometheus_client in every process."""
+    bad = {"PROMETHEUS_MULTIPROC_DIR": str(tmp_path / "missing"), "OTEL_EXPORTER_OTLP_ENDPOINT": "otel-collector:4318"}
+    assert_one_line_each(check({**base_env, **bad}), list(bad))
+    good = {"PROMETHEUS_MULTIPROC_DIR": str(tmp_path), "OTEL_EXPORTER_OTLP_ENDPOINT": ""}
+    assert check({**base_env, **good}).returncode == 0
+
+
 def test_numbers_read_as_written(base_env: dict[str, str]) -> None:
     assert setting({**base_env, "PTC_REAP_EVERY": "1e3"}, "PTC_REAP_EVERY") == "1000.0"  # was 13.0
     assert setting({**base_env, "PTC_RETENTION_DAYS": "0"}, "PTC_RETENTION_DAYS") == "0"
