@@ -9,9 +9,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
 
-if [ -n "${REDIS_URL:-}" ] && [ -z "${CELERY_BROKER_URL:-}" ]; then
-    export CELERY_BROKER_URL="$REDIS_URL"
-fi
 export DJANGO_SETTINGS_MODULE=ptcproject.settings
 data_dir="${PTC_DATA_DIR:-$PWD/var}"
 logs="$data_dir/log"
