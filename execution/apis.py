@@ -4,8 +4,6 @@ from typing import Any
 from uuid import UUID
 
 from django.conf import settings
-from django.contrib.auth import get_user_model
-from django.db import DatabaseError
 from django.db.models import QuerySet
 from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
 from django.http.response import HttpResponseBase
@@ -52,9 +50,8 @@ from execution.services.sessions import (
 )
 from execution.services.waiting import tool_call_decide, tool_results_submit
 from ptcproject import rows
-from ptcproject.accounts.authentication import JOB_KEY_ELSEWHERE, KEY_REFUSED, signed_in_user
-from ptcproject.accounts.models import ApiKey
-from ptcproject.accounts.services import api_key_authenticate
+from ptcproject.accounts.authentication import JOB_KEY_ELSEWHERE, KEY_REFUSED, request_key, signed_in_user
+from ptcproject.accounts.services import api_key_authenticate, still_signed_in
 from ptcproject.errors import ApplicationError, error_body
 from ptcproject.lists import FilteredListApi
 
@@ -385,7 +382,7 @@ class ToolExecuteApi(APIView):
         body = ToolExecuteSerializer(data=request.data)
         body.is_valid(raise_exception=True)
         data = body.validated_data
-        key = request.auth if isinstance(request.auth, ApiKey) else None
+        key = request_key(request)
         container_job = None
         if data.get("container_id"):
             if key is not None and key.exec_job_id is not None:
@@ -409,9 +406,9 @@ class ToolExecuteApi(APIView):
 
 
 @db_read
-def _authenticate(request: HttpRequest) -> Any:
-    """The user of a Bearer key (not a job-scoped one) or of an admin session, or the error
-    response that refuses the request, as DRF's views answer it."""
+def _authenticate(request: HttpRequest) -> tuple[Any, Any] | JsonResponse:
+    """The user of a Bearer key (not a job-scoped one) and the key's id, or of an admin session
+    (no key), or the error response that refuses the request, as DRF's views answer it."""
     header = request.headers.get("Authorization", "")
     if header.lower().startswith("bearer "):
         key = api_key_authenticate(plaintext=header[7:].strip())
@@ -419,24 +416,14 @@ def _authenticate(request: HttpRequest) -> Any:
             return _error(401, "authentication_failed", KEY_REFUSED)
         if key.exec_job_id is not None:
             return _error(403, "permission_denied", JOB_KEY_ELSEWHERE)
-        return key.user
+        return key.user, key.pk
     user = request.user
-    return user if user.is_authenticated else _error(401, "not_authenticated", "Send Authorization: Bearer <api key>.")
+    if not user.is_authenticated:
+        return _error(401, "not_authenticated", "Send Authorization: Bearer <api key>.")
+    return user, None
 
 
-@db_read
-def _still_signed_in(request: HttpRequest) -> bool:
-    """Whether the key (or the admin session's user) a stream was opened with is still good: not
-    revoked or expired since, its user not deactivated. A database out of reach says yes: the
-    stream was let in, and an outage is no reason to cut it."""
-    try:
-        header = request.headers.get("Authorization", "")
-        if header.lower().startswith("bearer "):
-            return api_key_authenticate(plaintext=header[7:].strip()) is not None
-        user_id = request.user.pk
-        return user_id is not None and get_user_model().objects.filter(pk=user_id, is_active=True).exists()
-    except DatabaseError:
-        return True
+_still_signed_in = db_read(still_signed_in)
 
 
 @db_read
@@ -458,9 +445,10 @@ async def exec_events_api(request: HttpRequest, job_id: UUID) -> HttpResponseBas
     """
     if request.method != "GET":
         return _error(405, "method_not_allowed", "Use GET.")
-    user = await _authenticate(request)
-    if isinstance(user, JsonResponse):
-        return user
+    signed_in = await _authenticate(request)
+    if isinstance(signed_in, JsonResponse):
+        return signed_in
+    user, key_id = signed_in
     if not await _job_visible(user, job_id):
         return _error(404, "not_found", f"No such endpoint or object: {request.path}")
     last_event_id = request.headers.get("Last-Event-ID") or request.GET.get("last_event_id")
@@ -478,7 +466,7 @@ async def exec_events_api(request: HttpRequest, job_id: UUID) -> HttpResponseBas
             async for item in events:
                 if item is not None:
                     yield item.sse()
-                elif await _still_signed_in(request):
+                elif await _still_signed_in(user_id=user.pk, key_id=key_id):
                     yield ": heartbeat\n\n"
                 else:  # revoked since it opened: closed; the client's reconnect is told why (401)
                     return

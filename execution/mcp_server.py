@@ -28,7 +28,6 @@ import anyio
 import anyio.lowlevel
 import mcp_types as types
 from django.contrib.auth.models import User
-from django.db import DatabaseError
 from mcp.server import Server
 from mcp.server.context import ServerRequestContext
 from mcp.shared.exceptions import MCPError
@@ -38,7 +37,7 @@ from execution.models import ExecJob
 from execution.selectors import exec_jobs_for
 from execution.serializers import ExecCreateSerializer, ExecJobSerializer
 from execution.services.jobs import exec_job_cancel, exec_job_create
-from ptcproject.accounts.models import ApiKey
+from ptcproject.accounts.services import still_signed_in
 from ptcproject.api import first_message, outage_error
 from ptcproject.errors import ApplicationError, error_body
 from ptcproject.policy.models import Policy
@@ -238,17 +237,7 @@ def _job_get(user_id: int, job_id: Any) -> dict[str, Any]:
     return data
 
 
-@db_read
-def _still_allowed(caller: McpUser) -> bool:
-    """Whether ``caller``'s user is still active and its key (over HTTP) still good: not revoked or
-    expired since the request came. A database out of reach says yes: an outage is no reason to cut."""
-    try:
-        if caller.key_id is None:
-            return User.objects.filter(pk=caller.user_id, is_active=True).exists()
-        key = ApiKey.objects.select_related("user").filter(pk=caller.key_id).first()
-        return key is not None and key.is_active and key.user.is_active
-    except DatabaseError:
-        return True
+_still_signed_in = db_read(still_signed_in)
 
 
 @db_read
@@ -318,7 +307,7 @@ async def job_run(ctx: ServerRequestContext[Any, Any], *, caller: McpUser, body:
         while True:
             async for event in event_stream(job_id=job_id, last_event_id=last_event_id):
                 if event is None:  # a heartbeat
-                    if not await _still_allowed(caller):
+                    if not await _still_signed_in(user_id=user_id, key_id=caller.key_id):
                         with anyio.CancelScope(shield=True):
                             await _job_cancel(user_id, job_id)
                         logger.info("mcp job cancelled: its caller's key no longer works", extra={"job_id": str(job_id)})

@@ -9,7 +9,7 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from ptcproject.accounts.authentication import signed_in_user
+from ptcproject.accounts.authentication import request_key, signed_in_user
 from ptcproject.accounts.models import ApiKey
 from ptcproject.accounts.selectors import api_key_listed, api_keys_listed
 from ptcproject.accounts.serializers import (
@@ -26,11 +26,6 @@ OUTLIVES = OpenApiResponse(
     description="permission_denied: the request's key expires, and the key would work past that (no expiry, or a later one); "
     "or a job-scoped key."
 )
-
-
-def _acting_key(request: Request) -> ApiKey | None:
-    """The key the request was made with (None for an admin session): what it may grant is bounded by it."""
-    return request.auth if isinstance(request.auth, ApiKey) else None
 
 
 def _own_key_or_404(request: Request, key_id: object) -> ApiKey:
@@ -61,7 +56,7 @@ class ApiKeyListCreateApi(FilteredListApi):
         body.is_valid(raise_exception=True)
         user = signed_in_user(request)
         key, plaintext = api_key_create(
-            user=user, actor=user, source="api", acting_key=_acting_key(request), **body.validated_data
+            user=user, actor=user, source="api", acting_key=request_key(request), **body.validated_data
         )
         key.key = plaintext  # type: ignore[attr-defined]  # for the serializer only; never stored
         return Response(ApiKeyCreatedSerializer(key).data, status=status.HTTP_201_CREATED)
@@ -82,7 +77,7 @@ class ApiKeyDetailApi(APIView):
             expires_at=body.validated_data["expires_at"],
             actor=signed_in_user(request),
             source="api",
-            acting_key=_acting_key(request),
+            acting_key=request_key(request),
         )
         return Response(ApiKeySerializer(key).data)
 

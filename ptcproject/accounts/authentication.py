@@ -6,6 +6,7 @@ from drf_spectacular.extensions import OpenApiAuthenticationExtension
 from rest_framework import authentication, exceptions
 from rest_framework.request import Request
 
+from ptcproject.accounts.models import ApiKey
 from ptcproject.accounts.services import api_key_authenticate, job_key_ended
 
 # What a request with a key that won't do is told, here and at the SSE endpoint alike.
@@ -23,6 +24,11 @@ def signed_in_user(request: HttpRequest | Request) -> User:
     user = request.user
     assert isinstance(user, User), f"{request.path} reached a signed-in-only view without a signed-in user"
     return user
+
+
+def request_key(request: Request) -> ApiKey | None:
+    """The API key a request was made with (None for an admin session)."""
+    return request.auth if isinstance(request.auth, ApiKey) else None
 
 
 class ApiKeyAuthentication(authentication.BaseAuthentication):

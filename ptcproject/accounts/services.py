@@ -10,7 +10,7 @@ from typing import Any
 from django.contrib.auth import get_user_model
 from django.contrib.auth.models import User
 from django.core.exceptions import ValidationError
-from django.db import IntegrityError, connection, transaction
+from django.db import DatabaseError, IntegrityError, connection, transaction
 from django.utils import timezone
 
 from ptcproject import rows
@@ -190,6 +190,20 @@ def api_key_authenticate(*, plaintext: str) -> ApiKey | None:
     if key.last_used_at is None or now - key.last_used_at > LAST_USED_RESOLUTION:
         ApiKey.objects.filter(pk=key.pk).update(last_used_at=now)
     return key
+
+
+def still_signed_in(*, user_id: Any, key_id: Any = None) -> bool:
+    """Whether a caller let in earlier, as ``user_id`` with its key ``key_id`` (None: without one,
+    an admin session or stdio's fixed user), would still be: its key not revoked or expired since,
+    its user not deactivated. For what was let in once and goes on (a job's event stream, a job an
+    MCP call follows). A database out of reach says yes: an outage is no reason to cut them."""
+    try:
+        if key_id is None:
+            return get_user_model().objects.filter(pk=user_id, is_active=True).exists()
+        key = ApiKey.objects.select_related("user").filter(pk=key_id, user_id=user_id).first()
+        return key is not None and key.is_active and key.user.is_active
+    except DatabaseError:
+        return True
 
 
 def job_key_ended(*, plaintext: str) -> ApplicationError | None:
