@@ -119,16 +119,19 @@ class ToolsetForm(forms.ModelForm):
             self.add_error(
                 "owner", "A toolset that is not global needs an owner, the one user who sees it: choose one, or tick is global."
             )
-        secrets = {**(self.instance.secrets or {}), **(data.get("set_secrets") or {})}
-        secrets = {n: v for n, v in secrets.items() if v is not None}
         if data.get("kind") in (Toolset.Kind.HTTP, Toolset.Kind.MCP):
-            _add_errors(self, config_errors(data.get("config") or {}, kind=data["kind"], secrets=secrets))
+            _add_errors(self, config_errors(data.get("config") or {}, kind=data["kind"], secrets=self._secrets()))
         return data
+
+    def _secrets(self) -> dict[str, str]:
+        """The toolset's secrets as this form would leave them: those set now over the stored ones,
+        a null one removed."""
+        merged = {**(self.instance.secrets or {}), **(self.cleaned_data.get("set_secrets") or {})}
+        return {name: value for name, value in merged.items() if value is not None}
 
     def save(self, commit: bool = True) -> Toolset:
         toolset = super().save(commit=False)
-        merged = {**(toolset.secrets or {}), **(self.cleaned_data.get("set_secrets") or {})}
-        toolset.secrets = {k: v for k, v in merged.items() if v is not None}
+        toolset.secrets = self._secrets()
         if commit:
             toolset.save()
         return toolset
