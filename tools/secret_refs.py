@@ -5,9 +5,10 @@ A toolset's secrets are write-only (PRODUCT.md). Config values name them; only t
 built from a response goes through ``secrets_redact`` before it is stored, logged or shown.
 """
 
+import functools
 import json
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 # What a secret may be named: what a reference can name.
@@ -56,6 +57,12 @@ def headers_problem(headers: Any, secrets: Mapping[str, Any]) -> str | None:
     return None
 
 
+def headers_ascii(headers: Mapping[str, str]) -> bool:
+    """Whether rendered ``headers`` can be sent as they are: the cheap check of every call, which
+    ``headers_problem`` (on the templates, naming the secret) words when it fails."""
+    return all(name.isascii() and value.isascii() for name, value in headers.items())
+
+
 def secrets_render(value: str, secrets: Mapping[str, str]) -> str:
     """Return ``value`` with each ``{{secrets.NAME}}`` replaced by its value. Raise MissingSecret."""
 
@@ -73,17 +80,24 @@ def secrets_render_map(values: Mapping[str, Any] | None, secrets: Mapping[str, s
     return {str(k): secrets_render(str(v), secrets) for k, v in (values or {}).items()}
 
 
-def _forms(secrets: Iterable[str]) -> list[str]:
+def _forms(secrets: Iterable[str]) -> tuple[str, ...]:
     """The texts to redact for ``secrets``: each value as it is and as a message may quote it
     escaped (a value pasted with its newline shows in httpx's error as ``\\n``; JSON escapes it
     too), longest first, so a secret that contains another is redacted whole."""
+    return _forms_of(frozenset(str(s) for s in secrets if s and len(str(s)) >= _MIN_REDACT_LENGTH))
+
+
+@functools.lru_cache(maxsize=256)
+def _forms_of(secrets: frozenset[str]) -> tuple[str, ...]:
+    """``_forms``, made once per set of secrets: a chatty stdio server's stderr is cut with them at
+    each chunk, and a synced tool list redacted field by field."""
     forms = set()
-    for secret in {str(s) for s in secrets if s and len(str(s)) >= _MIN_REDACT_LENGTH}:
+    for secret in secrets:
         forms |= {secret, secret.encode("unicode_escape").decode("ascii"), json.dumps(secret)[1:-1]}
-    return sorted(forms, key=len, reverse=True)
+    return tuple(sorted(forms, key=len, reverse=True))
 
 
-def _redacted(text: str, forms: list[str]) -> str:
+def _redacted(text: str, forms: Sequence[str]) -> str:
     for form in forms:
         text = text.replace(form, REDACTED)
     return text
@@ -142,7 +156,7 @@ def secrets_redact_value(value: Any, secrets: Iterable[str]) -> Any:
     return _redacted_value(value, forms) if forms else value
 
 
-def _redacted_value(value: Any, forms: list[str]) -> Any:
+def _redacted_value(value: Any, forms: Sequence[str]) -> Any:
     if isinstance(value, str):
         return _redacted(value, forms)
     if isinstance(value, int | float) and not isinstance(value, bool):

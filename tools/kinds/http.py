@@ -22,6 +22,7 @@ from tools.errors import ToolFailure
 from tools.models import Tool, Toolset
 from tools.secret_refs import (
     MissingSecret,
+    headers_ascii,
     headers_problem,
     secrets_reach,
     secrets_redact,
@@ -172,7 +173,8 @@ def run(*, toolset: Toolset, tool: Tool, arguments: dict[str, Any], timeout: flo
             "secret_missing", f"the toolset's headers use the secret '{missing.name}', which is not set; an admin must set it"
         ) from None
     # Refused as the toolset is written; a row written before: httpx's error would quote the character.
-    if problem := headers_problem(config.get("headers"), toolset.secrets or {}):
+    # The rendered headers are checked first, cheaply, on every call; the templates only to say why.
+    if not headers_ascii(headers) and (problem := headers_problem(config.get("headers"), toolset.secrets or {})):
         raise ToolFailure(
             "http_config_invalid", f"the toolset's header {problem}; an admin must change it (encoded as its API says)"
         )

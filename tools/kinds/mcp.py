@@ -34,6 +34,7 @@ from tools.errors import ToolFailure
 from tools.models import Tool, Toolset
 from tools.secret_refs import (
     MissingSecret,
+    headers_ascii,
     headers_problem,
     secrets_redact,
     secrets_redact_value,
@@ -98,13 +99,15 @@ def server_for(toolset: Toolset) -> Server:
                 secrets=tuple(str(v) for v in secrets.values()),
             )
         if transport == "streamable_http" and config.get("url"):
-            if problem := headers_problem(config.get("headers"), secrets):  # refused as it is written
+            headers = secrets_render_map(config.get("headers"), secrets)
+            # Refused as it is written; checked cheaply on every call, the templates only to say why.
+            if not headers_ascii(headers) and (problem := headers_problem(config.get("headers"), secrets)):
                 raise ToolFailure("mcp_config_invalid", f"toolset '{toolset.key}': its header {problem}; an admin must change it")
             return Server(
                 transport=transport,
                 toolset_key=toolset.key,
                 url=str(config["url"]),
-                headers=tuple(sorted(secrets_render_map(config.get("headers"), secrets).items())),
+                headers=tuple(sorted(headers.items())),
                 init_timeout=init_timeout,
                 secrets=tuple(str(v) for v in secrets.values()),
             )
