@@ -354,6 +354,9 @@ PTC_QUEUED_MAX_SECONDS = checked.int("PTC_QUEUED_MAX_SECONDS", 1800, 60, 7 * 24 
 # through that worker's direct queue (<nodename>.dq2).
 CELERY_WORKER_DIRECT = True
 PTC_MAX_SESSIONS_PER_USER = checked.int("PTC_MAX_SESSIONS_PER_USER", 4, 0, 10_000)
+# A user's own keys that work (not revoked, not expired) one may make over the API: each is a row
+# kept for good (its audit trail with it), so a key may not make them without end.
+PTC_MAX_KEYS_PER_USER = checked.int("PTC_MAX_KEYS_PER_USER", 100, 1, 100_000)
 PTC_SESSION_IDLE_TIMEOUT = checked.float("PTC_SESSION_IDLE_TIMEOUT", 600.0, 0, 365 * 24 * 3600, above_low=True)
 PTC_SESSION_MAX_IDLE_TIMEOUT = checked.float("PTC_SESSION_MAX_IDLE_TIMEOUT", 3600.0, 0, 365 * 24 * 3600, above_low=True)
 PTC_SESSION_MAX_LIFETIME = checked.float("PTC_SESSION_MAX_LIFETIME", 3600.0, 0, 365 * 24 * 3600, above_low=True)

@@ -50,13 +50,20 @@ class ApiKeyListCreateApi(FilteredListApi):
     def get(self, request: Request) -> Response:
         return super().get(request)
 
-    @extend_schema(request=ApiKeyCreateSerializer, responses={201: ApiKeyCreatedSerializer, 403: OUTLIVES})
+    @extend_schema(
+        request=ApiKeyCreateSerializer,
+        responses={
+            201: ApiKeyCreatedSerializer,
+            403: OUTLIVES,
+            409: OpenApiResponse(description="too_many_keys: PTC_MAX_KEYS_PER_USER of the user's keys work; revoke one."),
+        },
+    )
     def post(self, request: Request) -> Response:
         body = ApiKeyCreateSerializer(data=request.data)
         body.is_valid(raise_exception=True)
         user = signed_in_user(request)
         key, plaintext = api_key_create(
-            user=user, actor=user, source="api", acting_key=request_key(request), **body.validated_data
+            user=user, actor=user, source="api", acting_key=request_key(request), bounded=True, **body.validated_data
         )
         key.key = plaintext  # type: ignore[attr-defined]  # for the serializer only; never stored
         return Response(ApiKeyCreatedSerializer(key).data, status=status.HTTP_201_CREATED)

@@ -7,6 +7,7 @@ from contextlib import nullcontext
 from datetime import datetime, timedelta
 from typing import Any
 
+from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.contrib.auth.models import User
 from django.core.exceptions import ValidationError
@@ -68,19 +69,23 @@ def api_key_create(
     actor: User | None = None,
     source: str = "system",
     acting_key: ApiKey | None = None,
+    bounded: bool = False,
 ) -> tuple[ApiKey, str]:
     """Create a key for ``user`` (job-scoped if ``exec_job`` is given).
 
     Return the row and the plaintext key, which is never stored. A user's own key is audited; a
     job-scoped one is not (one per job, revoked with it, and never listed). ``acting_key`` is the
     key the request was made with: a key that expires may not make one that outlives it
-    (``permission_denied``, 403).
+    (``permission_denied``, 403). A ``bounded`` one (the user's own request) is refused with
+    ``too_many_keys`` (409) when the user has PTC_MAX_KEYS_PER_USER keys that work.
     """
     _within_acting_key(acting_key=acting_key, expires_at=expires_at)
     prefix = secrets.token_hex(6)
     plaintext = f"{KEY_PREFIX}{prefix}_{secrets.token_urlsafe(32)}"
     # A job's key is one INSERT, with nothing to audit: no BEGIN and COMMIT around it (every job makes one).
     with transaction.atomic() if exec_job is None else nullcontext():
+        if bounded:
+            _keys_within_limit(user=user)
         key = ApiKey.objects.create(
             user=user, name=name, prefix=prefix, key_hash=_hash(plaintext), expires_at=expires_at, exec_job=exec_job
         )
@@ -88,6 +93,25 @@ def api_key_create(
             details = {"name": name, "expires_at": expires_at.isoformat() if expires_at else None}
             _audit(key=key, actor=actor, action=ApiKeyEvent.Action.CREATED, source=source, details=details)
     return key, plaintext
+
+
+def _keys_within_limit(*, user: User) -> None:
+    """Raise ApplicationError ``too_many_keys`` (409) if ``user`` has PTC_MAX_KEYS_PER_USER keys of
+    their own that work. Locks the user's row till the transaction ends: two requests at once are
+    counted one after the other."""
+    list(get_user_model().objects.select_for_update().filter(pk=user.pk).values_list("pk"))
+    now = timezone.now()
+    working = ApiKey.objects.filter(user=user, exec_job__isnull=True, revoked_at__isnull=True)
+    count = working.exclude(expires_at__lte=now).count()
+    limit = settings.PTC_MAX_KEYS_PER_USER
+    if count >= limit:
+        raise ApplicationError(
+            "too_many_keys",
+            f"You have {count} keys that work; the limit is {limit}. Revoke one you no longer use "
+            "(POST /api/v1/keys/{id}/revoke) or let one expire, then make this one.",
+            status=409,
+            details={"active": count, "limit": limit},
+        )
 
 
 def job_keys_revoke(*, exec_job_id: Any) -> bool:

@@ -144,3 +144,37 @@ def test_a_page_that_is_not_a_positive_number_is_a_400(api: Api) -> None:
     assert api.get("/api/v1/keys", params={"page": "last"}).status_code == 200
     # A page past the last exists in form: DRF's 404, as before.
     assert api.get("/api/v1/keys", params={"page": "9"}).json()["error"]["code"] == "not_found"
+
+
+def test_a_user_with_the_most_keys_that_work_must_revoke_one_to_make_another(api: Api) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from django.contrib.auth.models import User
+
+    from ptcproject.accounts.services import api_key_create
+
+    user = User.objects.get(username=api.username)
+    # Keys that don't work are not counted: a revoked one, an expired one, and a job's.
+    expired = timezone.now() - timedelta(minutes=1)
+    api_key_create(user=user, name="expired", expires_at=expired)
+    revoked, _ = api_key_create(user=user, name="revoked")
+    ApiKey.objects.filter(pk=revoked.pk).update(revoked_at=timezone.now())
+    limit = 100  # PTC_MAX_KEYS_PER_USER's default, which the stack runs with
+    for n in range(limit - 2):  # with the fixture's own key: one short of the limit
+        api_key_create(user=user, name=f"k{n}")
+    # Two requests at once for the last place: one gets it.
+    with ThreadPoolExecutor(2) as pool:
+        answers = list(pool.map(lambda n: api.post("/api/v1/keys", json={"name": f"last {n}"}), range(2)))
+    assert sorted(a.status_code for a in answers) == [201, 409], [a.text for a in answers]
+    refused = next(a for a in answers if a.status_code == 409).json()["error"]
+    assert refused["code"] == "too_many_keys"
+    assert refused["details"] == {"active": limit, "limit": limit}
+    assert "Revoke one" in refused["message"]
+    assert ApiKey.objects.filter(user=user, exec_job__isnull=True).count() == limit + 2  # nothing made by the refusal
+    # Revoked, one makes room.
+    one = ApiKey.objects.get(user=user, name="k0")
+    assert api.post(f"/api/v1/keys/{one.pk}/revoke").status_code == 200
+    assert api.post("/api/v1/keys", json={"name": "again"}).status_code == 201
+    assert api.post("/api/v1/keys", json={"name": "over"}).json()["error"]["code"] == "too_many_keys"
+    # The operator's ways are not bound.
+    api_key_create(user=user, name="by the admin")
