@@ -9,7 +9,7 @@ import threading
 import time
 import uuid
 from contextlib import nullcontext
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -528,6 +528,13 @@ def tool_calls_reserve(
     return {call_id: exc.as_dict() for call_id, exc in refused.items()}
 
 
+# Whether a price is held for the call a claim returns: a call is billed as it was made, so one
+# whose toolset turned free while it was queued still settles what was held. Asked by the claim,
+# where a question after the run was a round trip more on every free call's finish.
+_PRICE_HELD = (
+    f"EXISTS (SELECT 1 FROM {Reservation._meta.db_table} r "  # noqa: S608 - table names from the models
+    f"WHERE r.tool_call_id = {ToolCall._meta.db_table}.call_id AND r.status = 'held')"
+)
 # The claim and the read of the rows in one statement (PostgreSQL and SQLite both have RETURNING):
 # executing, unclaimed, and its job (if any) still running. {ids} is a placeholder per call.
 _CALL_FIELDS = ToolCall._meta.concrete_fields
@@ -536,7 +543,7 @@ UPDATE {ToolCall._meta.db_table} SET claimed_at = %s
 WHERE call_id IN ({{ids}}) AND status = 'executing' AND claimed_at IS NULL
   AND (exec_job_id IS NULL OR EXISTS (
     SELECT 1 FROM {ExecJob._meta.db_table} j WHERE j.id = {ToolCall._meta.db_table}.exec_job_id AND j.status = 'running'))
-RETURNING {rows.columns(ToolCall)}
+RETURNING {rows.columns(ToolCall)}, {_PRICE_HELD}
 """  # noqa: S608 - table names from the models, values as parameters
 
 # A queued call's record, written by the statement that claims it (its job still running, no row
@@ -565,13 +572,13 @@ INSERT INTO {ToolCall._meta.db_table} ({_ROW_COLUMNS})
 SELECT * FROM (VALUES {{rows}}) AS v ({_ROW_COLUMNS})
 WHERE v.exec_job_id IS NULL OR EXISTS ({_JOB_RUNNING.format(job="v.exec_job_id")})
 ON CONFLICT (call_id) DO NOTHING
-RETURNING call_id, id, tool_id
+RETURNING call_id, id, tool_id, {_PRICE_HELD}
 """  # noqa: S608
 _RECORD_CLAIMED_ONE_SQL = f"""
 INSERT INTO {ToolCall._meta.db_table} ({_ROW_COLUMNS})
 SELECT {_row_values()} WHERE %s IS NULL OR EXISTS ({_JOB_RUNNING.format(job="%s")})
 ON CONFLICT (call_id) DO NOTHING
-RETURNING call_id, id, tool_id
+RETURNING call_id, id, tool_id, {_PRICE_HELD}
 """
 _FAIL_QUEUED_SQL = f"""
 INSERT INTO {ToolCall._meta.db_table} ({_ROW_COLUMNS}) VALUES {{rows}}
@@ -713,6 +720,7 @@ def _tool_calls_claim(items: list[tuple[str, ToolCall | None]]) -> list[ToolCall
             cursor.execute(sql, [now, *recorded])
             for row in cursor.fetchall():
                 call = rows.from_row(ToolCall, row)
+                call.price_held = bool(row[-1])  # type: ignore[attr-defined]  # as _CLAIM_SQL returns it
                 claimed[call.call_id] = call
     return [claimed.pop(call_id, None) for call_id, _ in items]
 
@@ -727,17 +735,18 @@ def _tool_calls_record_claimed(calls: list[ToolCall], *, now: datetime) -> dict[
         params = [value for call in calls for value in rows.prepared(call, _ROW_FIELDS)]
         with connection.cursor() as cursor:
             cursor.execute(_RECORD_CLAIMED_SQL.format(rows=placeholders), params)
-            written = {call_id: (pk, tool_id) for call_id, pk, tool_id in cursor.fetchall()}
+            written = {call_id: (pk, tool_id, held) for call_id, pk, tool_id, held in cursor.fetchall()}
     else:  # SQLite: a statement a call, each its own check of the job
         written = {}
         with connection.cursor() as cursor:
             for call in calls:
                 job = call.exec_job_id and ExecJob._meta.pk.get_db_prep_save(call.exec_job_id, connection)
                 cursor.execute(_RECORD_CLAIMED_ONE_SQL, [*rows.prepared(call, _ROW_FIELDS), job, job])
-                written.update((call_id, (pk, tool_id)) for call_id, pk, tool_id in cursor.fetchall())
+                written.update((call_id, (pk, tool_id, held)) for call_id, pk, tool_id, held in cursor.fetchall())
     for call in calls:
         if call.call_id in written:
-            call.pk, call.tool_id = written[call.call_id]  # no tool: deleted since the call was checked
+            call.pk, call.tool_id, held = written[call.call_id]  # no tool: deleted since the call was checked
+            call.price_held = bool(held)  # type: ignore[attr-defined]  # as _RECORD_CLAIMED_SQL returns it
             call._state.adding = False
             call._state.db = connection.alias
         else:
@@ -798,7 +807,9 @@ def _tool_call_run(*, call: ToolCall, tool: Tool) -> None:
         reply: dict[str, Any] = {"ok": False, "error": failure.as_dict()}
     else:
         reply = {"ok": True, "result": output}
-    finished = _finishes(_Ran(call=call, reply=reply, billed=billable(toolset=tool.toolset, tool=tool)))
+    # Billed as it was made: a price held for it (the claim says) is settled even if its toolset turned free since.
+    billed = call.price_held or billable(toolset=tool.toolset, tool=tool)  # type: ignore[attr-defined]  # set by the claim
+    finished = _finishes(_Ran(call=call, reply=reply, billed=billed))
     # A tools worker's one line a call (Celery's own per-task lines are off there): STYLE.md §14's ids.
     job = {"job_id": str(call.exec_job_id)} if call.exec_job_id else {}
     ms = round((time.monotonic() - started) * 1000, 2)
@@ -812,7 +823,8 @@ def _tool_call_run(*, call: ToolCall, tool: Tool) -> None:
 
 @dataclass(frozen=True)
 class _Ran:
-    """A call that ran on this worker, its reply for the code, and whether its tool is billed."""
+    """A call that ran on this worker, its reply for the code, and whether it is billed (its tool is,
+    or a price was held for it as it was made)."""
 
     call: ToolCall
     reply: dict[str, Any]
@@ -854,9 +866,8 @@ def _tool_calls_finish_postgres(batch: list[_Ran]) -> list[bool]:
     settle per user in the same transaction. What a failed billed call held is released after.
 
     A call is billed as it was made, as ``tool_call_finish`` has it: one whose price was held is
-    settled or released even if its toolset turned free or private while it was queued."""
-    held = credits_held(tool_call_ids=[ran.call.call_id for ran in batch if not ran.billed])
-    batch = [replace(ran, billed=True) if ran.call.call_id in held else ran for ran in batch]
+    settled or released even if its toolset turned free or private while it was queued (its claim
+    said whether a price was held: ``_Ran.billed``)."""
     now = timezone.now()
     fields = [_finished_fields(output=ran.reply.get("result"), error=ran.reply.get("error"), now=now) for ran in batch]
     settles = [ran.billed and not f["error"] for ran, f in zip(batch, fields, strict=True)]
