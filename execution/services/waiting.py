@@ -115,8 +115,10 @@ def tool_results_submit(*, job: ExecJob, results: list[dict[str, Any]]) -> list[
     now = timezone.now()
     replies: dict[str, dict[str, Any]] = {}
     # All or none: a call claimed meanwhile by another answer (or its timeout) undoes the lot.
+    # Claimed in one order whatever the request's (by id): two answers to the same calls listed in
+    # other orders would each hold a row the other waits for, and PostgreSQL would fail one (a 503).
     with transaction.atomic():
-        for result in results:
+        for result in sorted(results, key=lambda r: r["tool_use_id"]):
             call = calls[result["tool_use_id"]]
             content = client_content(result.get("content"))
             error = None

@@ -1,0 +1,72 @@
+"""Hostile clients of sessions, client tools and approvals, second wave: real workers, real HTTP."""
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import closing
+from typing import Any
+
+from django.db import transaction
+from django.utils import timezone
+
+from tests.conftest import Api
+from tests.execution.client_loop import sse_events
+from tests.execution.rival import _a_statement_waits_for_a_lock
+
+
+def _submit(api: Api, code: str, names: list[str]) -> dict[str, Any]:
+    tools = [{"name": name, "input_schema": {"type": "object", "properties": {"n": {"type": "integer"}}}} for name in names]
+    response = api.post("/api/v1/exec", json={"code": code, "client_tools": tools, "wait": 0})
+    assert response.status_code == 201, response.text
+    return response.json()
+
+
+def _pending(api: Api, job_id: str, count: int) -> list[str]:
+    """The ids of the job's first ``count`` calls waiting on the client, as its stream sends them."""
+    ids: list[str] = []
+    with closing(sse_events(api, job_id)) as events:
+        for event, data in events:
+            if event == "tool_call_pending":
+                ids.append(data["id"])
+                if len(ids) == count:
+                    return ids
+    raise AssertionError(f"the job ended with {len(ids)} pending calls")
+
+
+TWO_WAITING = """
+from concurrent.futures import ThreadPoolExecutor
+from ptc_tools.client import Client
+with ThreadPoolExecutor(2) as pool:
+    out = list(pool.map(lambda i: Client.wait(n=i), [1, 2]))
+out
+"""
+
+
+def test_two_batches_answering_the_same_calls_in_other_orders_do_not_deadlock(api: Api) -> None:
+    # Two clients answer calls a and b at once, one as [a, b], the other as [b, a]. Each claims its
+    # calls one row at a time in one transaction: in the order given, each held the row the other
+    # waited for, PostgreSQL broke the deadlock by failing one, and its client got a 503
+    # database_unavailable (after a second's wait) for what is a second answer: 409.
+    from execution.models import ToolCall
+
+    job = _submit(api, TWO_WAITING, ["wait"])
+    first, second = sorted(_pending(api, job["id"], 2))
+    url = f"/api/v1/exec/{job['id']}/tool-results"
+    answered = {"status": ToolCall.Status.COMPLETED, "output": "rival", "claimed_at": timezone.now()}
+    with ThreadPoolExecutor(1) as pool, transaction.atomic():
+        # The rival answer [first, second] has claimed its first call, not committed yet.
+        assert ToolCall.objects.filter(call_id=first).update(**answered) == 1
+        body = [{"tool_use_id": second, "content": "late"}, {"tool_use_id": first, "content": "late"}]
+        late = pool.submit(lambda: api.post(url, json=body))
+        deadline = time.monotonic() + 15
+        while not _a_statement_waits_for_a_lock():
+            assert not late.done(), late.result().text
+            assert time.monotonic() < deadline, "the late answer never waited for the rival's row"
+            time.sleep(0.02)
+        # The rival goes on to its second call and commits.
+        assert ToolCall.objects.filter(call_id=second).update(**answered) == 1
+    response = late.result()
+    assert response.status_code == 409, response.text
+    assert response.json()["error"]["code"] == "result_conflict"
+    final = api.get(f"/api/v1/exec/{job['id']}").json()
+    assert [c["output"] for c in final["tool_calls"]] == ["rival", "rival"]
+    assert api.post(f"/api/v1/exec/{job['id']}/cancel").status_code in (200, 409)
