@@ -21,7 +21,7 @@ from rest_framework.views import APIView
 
 from execution.events import db_read, event_stream, job_view, valid_event_id
 from execution.models import ExecJob, ExecSession, ToolCall, WorkFile
-from execution.selectors import exec_jobs_for, sessions_for, tool_calls_for, work_files_of
+from execution.selectors import exec_jobs_for, sessions_for, sessions_in_state, tool_calls_for, work_files_of
 from execution.serializers import (
     ApprovalSerializer,
     ExecCreateSerializer,
@@ -157,7 +157,8 @@ class SessionListCreateApi(FilteredListApi):
         return sessions_for(user=signed_in_user(self.request))
 
     def filter_rows(self, rows: QuerySet[ExecSession], query: dict[str, Any]) -> QuerySet[ExecSession]:
-        return rows.filter(status=query["status"]) if "status" in query else rows
+        # As each is shown (SessionSerializer): by its status as of now, not as last recorded.
+        return sessions_in_state(rows, query["status"]) if "status" in query else rows
 
     @extend_schema(parameters=[SessionListQuerySerializer], responses=SessionSerializer(many=True))
     def get(self, request: Request) -> Response:

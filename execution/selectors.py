@@ -1,7 +1,8 @@
 from typing import Any
 
 from django.contrib.auth.models import User
-from django.db.models import Prefetch, QuerySet
+from django.db.models import Prefetch, Q, QuerySet
+from django.utils import timezone
 
 from execution.models import ExecJob, ExecSession, ToolCall, WorkFile
 from tools.client import CLIENT_KEY
@@ -48,6 +49,17 @@ def sessions_for(*, user: User) -> QuerySet[ExecSession]:
     """Return the sessions ``user`` may see: only their own, staff too (a session is one user's
     sandbox; the admin site shows them all)."""
     return ExecSession.objects.filter(user=user)
+
+
+def sessions_in_state(sessions: QuerySet[ExecSession], status: str) -> QuerySet[ExecSession]:
+    """Return those of ``sessions`` whose status is ``status`` as of now, as ``ExecSession.state``
+    tells it: one past its time that the reaper has not recorded yet is expired, not active."""
+    past = Q(status=ExecSession.Status.ACTIVE, expires_at__lte=timezone.now())
+    if status == ExecSession.Status.ACTIVE:
+        return sessions.filter(status=status).exclude(past)
+    if status == ExecSession.Status.EXPIRED:
+        return sessions.filter(Q(status=status) | past)
+    return sessions.filter(status=status)
 
 
 def work_files_of(*, session: ExecSession | None = None, job: ExecJob | None = None) -> QuerySet[WorkFile]:

@@ -37,6 +37,7 @@ from execution.models import ExecJob, ExecSession, WorkFile
 from execution.sandbox.limits import Limits
 from execution.sandbox.pool import Sandbox, sandbox_start
 from execution.sandbox.session import Outcome
+from execution.selectors import sessions_in_state
 from execution.services.quotas import exec_quota_check
 from ptcproject.errors import ApplicationError, job_error
 from ptcproject.policy.selectors import policy_get, ptc_decision, quotas_for
@@ -177,7 +178,7 @@ def exec_session_create(
         User.objects.select_for_update().filter(pk=user.pk).first()
         # An open session holds a sandbox: it counts against the user's jobs-at-once quota.
         exec_quota_check(user=user, quotas=quotas_for(policy=policy, user=user))
-        active = ExecSession.objects.filter(user=user, status=Status.ACTIVE, expires_at__gt=now).count()
+        active = sessions_in_state(ExecSession.objects.filter(user=user), Status.ACTIVE).count()
         if active >= settings.PTC_MAX_SESSIONS_PER_USER:
             raise ApplicationError(
                 "too_many_sessions",

@@ -70,3 +70,21 @@ def test_two_batches_answering_the_same_calls_in_other_orders_do_not_deadlock(ap
     final = api.get(f"/api/v1/exec/{job['id']}").json()
     assert [c["output"] for c in final["tool_calls"]] == ["rival", "rival"]
     assert api.post(f"/api/v1/exec/{job['id']}/cancel").status_code in (200, 409)
+
+
+def test_listing_sessions_by_status_goes_by_the_status_each_one_shows(api: Api) -> None:
+    # A session past its time reads expired (GET, and in the list) before the reaper records it; the
+    # ?status= filter went by the recorded status, so ?status=active listed it, shown expired, and
+    # ?status=expired left it out.
+    from execution.models import ExecSession
+
+    made = [api.post("/api/v1/sessions", json={"toolsets": ["demo"]}).json()["id"] for _ in range(2)]
+    idle, live = made
+    ExecSession.objects.filter(pk=idle).update(expires_at=timezone.now())  # its idle_timeout passed; not reaped
+    listed = {
+        status: {s["id"]: s["status"] for s in api.get(f"/api/v1/sessions?status={status}").json()["results"]}
+        for status in ("active", "expired")
+    }
+    assert listed == {"active": {live: "active"}, "expired": {idle: "expired"}}
+    for session_id in made:
+        api.http.delete(f"/api/v1/sessions/{session_id}")
