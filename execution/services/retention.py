@@ -1,5 +1,5 @@
 """Retention: empty what old finished jobs carried (code, output, return value, files, tool-call
-inputs and outputs), keep every record of what they did and cost.
+inputs and outputs), and the files of old ended sessions; keep every record of what they did and cost.
 
 The charges stay whole: ToolCall rows (with their credits, status, toolset, tool, times and error
 code), CreditUsage rows, reservations and the ledger are never touched. Run by beat
@@ -18,7 +18,7 @@ from django.db.models import Exists, OuterRef, Q, QuerySet
 from django.utils import timezone
 
 from execution.backplane import backplane
-from execution.models import ExecJob, ToolCall, WorkFile
+from execution.models import ExecJob, ExecSession, ToolCall, WorkFile
 from ptcproject.accounts.models import UserSettings
 
 logger = logging.getLogger("ptc.execution")
@@ -79,7 +79,8 @@ def _tool_calls_empty(calls: QuerySet[ToolCall]) -> int:
 def exec_jobs_purge(*, now: datetime | None = None, batch_size: int = PURGE_BATCH) -> int:
     """Purge every finished job past its owner's retention (UserSettings.retention_days, else
     PTC_RETENTION_DAYS; neither: kept forever), ``batch_size`` jobs per transaction, and the
-    standalone and managed containers' tool calls past it too.
+    standalone and managed containers' tool calls past it too, and the files of sessions that ended
+    before it.
 
     Return how many jobs this run purged (0 when run again at once).
     """
@@ -102,7 +103,7 @@ def exec_jobs_purge(*, now: datetime | None = None, batch_size: int = PURGE_BATC
         .filter(~Q(input={}) | Q(output__isnull=False) | (Q(error__isnull=False) & ~Q(error__message=PURGED)))
     )
     containers: set[str] = set()
-    purged = calls = 0
+    purged = calls = files = 0
     for users, cutoff in _cutoffs(now=now):
         jobs = unpurged.filter(users, finished_at__lte=cutoff).order_by("finished_at")
         while ids := list(jobs.values_list("pk", flat=True)[:batch_size]):
@@ -120,11 +121,16 @@ def exec_jobs_purge(*, now: datetime | None = None, batch_size: int = PURGE_BATC
             batch = ToolCall.objects.filter(pk__in=call_pks)
             containers.update(batch.exclude(ptc_call_id="").values_list("ptc_call_id", flat=True))
             calls += _tool_calls_empty(batch)
+        # A session's files (uploaded to it, written by its jobs' code) are the session's, not a
+        # job's: they go once it has ended (expired, lost) that long ago. Each round: a job that
+        # ran as its session ended may write its files after.
+        ended = ExecSession.objects.filter(users, ended_at__lte=cutoff)
+        files += WorkFile.objects.filter(session__in=ended).delete()[0]
     if containers:  # their jobs' live event logs repeat those calls' inputs and outputs, and never expire
         try:
             backplane().events_drop(sorted(containers))
         except Exception:
             logger.warning("could not drop managed containers' event logs", exc_info=True)
-    if purged or calls:
-        logger.info("retention purged old jobs", extra={"jobs": purged, "standalone_calls": calls})
+    if purged or calls or files:
+        logger.info("retention purged old jobs", extra={"jobs": purged, "standalone_calls": calls, "session_files": files})
     return purged

@@ -88,3 +88,28 @@ def test_listing_sessions_by_status_goes_by_the_status_each_one_shows(api: Api) 
     assert listed == {"active": {live: "active"}, "expired": {idle: "expired"}}
     for session_id in made:
         api.http.delete(f"/api/v1/sessions/{session_id}")
+
+
+def test_retention_purges_the_files_of_an_ended_session(api: Api) -> None:
+    # A purged job's files go with it, but a session's are the session's: once it ended (expired,
+    # lost), what was uploaded to it and what its code wrote stayed for ever, whatever its owner's
+    # retention, and a user could pile up PTC_FILES_MAX_BYTES a session, session after session.
+    from django.contrib.auth import get_user_model
+
+    from execution.models import ExecSession, WorkFile
+    from ptcproject.accounts.models import UserSettings
+
+    UserSettings.objects.create(user=get_user_model().objects.get(username=api.username), retention_days=0)
+    session = api.post("/api/v1/sessions", json={"toolsets": ["demo"], "idle_timeout": 1}).json()
+    base = f"/api/v1/sessions/{session['id']}/files"
+    assert api.post(base, files={"file": ("upload.txt", b"private upload")}).status_code == 201
+    job = api.run("open('wrote.txt', 'w').write(open('upload.txt').read().upper())", session=session["id"])
+    assert job["status"] == "completed", job["error"]
+    assert api.get(f"{base}/wrote.txt").content == b"PRIVATE UPLOAD"
+    deadline = time.monotonic() + 20
+    while WorkFile.objects.filter(session_id=session["id"]).exists():  # the reaper's, then beat's round: every second here
+        assert time.monotonic() < deadline, "the ended session's files were kept past its owner's retention"
+        time.sleep(0.2)
+    assert ExecSession.objects.get(pk=session["id"]).status == "expired"
+    assert api.get(base).json()["results"] == []
+    assert api.get(f"{base}/wrote.txt").status_code == 404
