@@ -15,6 +15,7 @@ from django.utils import timezone
 
 from billing.models import Reservation
 from execution.models import ExecJob, ExecSession, ToolCall
+from execution.selectors import sessions_in_state
 from ptcproject.errors import ApplicationError
 from ptcproject.policy.selectors import Quotas
 
@@ -44,7 +45,10 @@ def exec_quota_check(*, user: User, quotas: Quotas, session: ExecSession | None 
     if quotas.concurrent_jobs:
         busy = (ExecJob.Status.QUEUED, ExecJob.Status.RUNNING)
         active = jobs.run_here().filter(status__in=busy).count()  # a managed container's job holds no worker
-        idle_sessions = ExecSession.objects.filter(user=user, status=ExecSession.Status.ACTIVE).exclude(jobs__status__in=busy)
+        # Open as each session reads now: one past its time takes no more jobs (410), and the
+        # reaper ends it at its next round.
+        active_sessions = sessions_in_state(ExecSession.objects.filter(user=user), ExecSession.Status.ACTIVE)
+        idle_sessions = active_sessions.exclude(jobs__status__in=busy)
         if session is not None:
             idle_sessions = idle_sessions.exclude(pk=session.pk)
         active += idle_sessions.count()

@@ -113,3 +113,21 @@ def test_retention_purges_the_files_of_an_ended_session(api: Api) -> None:
     assert ExecSession.objects.get(pk=session["id"]).status == "expired"
     assert api.get(base).json()["results"] == []
     assert api.get(f"{base}/wrote.txt").status_code == 404
+
+
+def test_a_session_past_its_time_holds_no_place_in_the_jobs_at_once_quota(api: Api) -> None:
+    # An open session counts as a job against max_concurrent_jobs. One past its idle_timeout reads
+    # expired (and a job in it is 410) before the reaper records it, yet it still held its place:
+    # the user's next job was 429 "sessions open" until the reaper's round (PTC_REAP_EVERY, 15 s).
+    from django.contrib.auth import get_user_model
+
+    from execution.models import ExecSession
+    from ptcproject.accounts.models import UserSettings
+
+    UserSettings.objects.create(user=get_user_model().objects.get(username=api.username), max_concurrent_jobs=1)
+    session = api.post("/api/v1/sessions", json={"toolsets": ["demo"]}).json()
+    ExecSession.objects.filter(pk=session["id"]).update(expires_at=timezone.now())  # its idle_timeout passed; not reaped
+    assert api.get(f"/api/v1/sessions/{session['id']}").json()["status"] == "expired"
+    response = api.post("/api/v1/exec", json={"code": "1", "wait": 0})
+    assert response.status_code == 201, response.text
+    api.http.delete(f"/api/v1/sessions/{session['id']}")
