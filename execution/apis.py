@@ -21,7 +21,14 @@ from rest_framework.views import APIView
 
 from execution.events import db_read, event_stream, job_view, valid_event_id
 from execution.models import ExecJob, ExecSession, ToolCall, WorkFile
-from execution.selectors import exec_jobs_for, sessions_for, sessions_in_state, tool_calls_for, work_files_of
+from execution.selectors import (
+    exec_jobs_for,
+    exec_jobs_visible,
+    sessions_for,
+    sessions_in_state,
+    tool_calls_for,
+    work_files_of,
+)
 from execution.serializers import (
     ApprovalSerializer,
     ExecCreateSerializer,
@@ -144,7 +151,7 @@ class ExecFileApi(APIView):
     @extend_schema(responses=_FILE_RESPONSES)
     def get(self, request: Request, job_id: str, file_path: str) -> HttpResponse:
         """Download a file the job's code wrote under /work (a job without a session)."""
-        job = get_object_or_404(exec_jobs_for(user=signed_in_user(request)), pk=job_id)
+        job = get_object_or_404(exec_jobs_visible(user=signed_in_user(request)), pk=job_id)
         work_path_check(file_path)
         return _file_response(get_object_or_404(WorkFile.objects.filter(exec_job=job, kind=WorkFile.Kind.OUTPUT), path=file_path))
 
@@ -287,7 +294,7 @@ class ExecCancelApi(APIView):
         responses={200: ExecJobSerializer, 409: OpenApiResponse(description="job_finished: the job has already finished.")},
     )
     def post(self, request: Request, job_id: str) -> Response:
-        job = get_object_or_404(exec_jobs_for(user=signed_in_user(request)), pk=job_id)
+        job = get_object_or_404(exec_jobs_visible(user=signed_in_user(request)), pk=job_id)
         exec_job_cancel(job=job)
         return Response(job_view(exec_jobs_for(user=signed_in_user(request)).get(pk=job.pk)))
 
@@ -314,7 +321,7 @@ class ExecToolResultsApi(APIView):
         ),
     )
     def post(self, request: Request, job_id: str) -> Response:
-        job = get_object_or_404(exec_jobs_for(user=signed_in_user(request)), pk=job_id)
+        job = get_object_or_404(exec_jobs_visible(user=signed_in_user(request)), pk=job_id)
         # No more results than a job may have calls waiting: MAX_WAITING_RESULTS.
         body: ListSerializer[Any] = ListSerializer(
             child=ToolResultSerializer(), data=request.data, allow_empty=False, max_length=MAX_WAITING_RESULTS
@@ -429,7 +436,7 @@ _still_signed_in = db_read(still_signed_in)
 
 @db_read
 def _job_visible(user: Any, job_id: UUID) -> bool:
-    return exec_jobs_for(user=user).filter(pk=job_id).exists()
+    return exec_jobs_visible(user=user).filter(pk=job_id).exists()
 
 
 def _error(status: int, code: str, message: str) -> JsonResponse:

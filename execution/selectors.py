@@ -16,12 +16,17 @@ def _with_calls(jobs: QuerySet[ExecJob]) -> QuerySet[ExecJob]:
     return jobs.prefetch_related(CALLS_IN_ORDER)
 
 
-def exec_jobs_for(*, user: User) -> QuerySet[ExecJob]:
-    """Return the jobs ``user`` may see: their own, or all of them for staff."""
+def exec_jobs_visible(*, user: User) -> QuerySet[ExecJob]:
+    """Return the jobs ``user`` may see (their own, or all of them for staff), without their calls:
+    for a view that acts on a job rather than shows it, which would read every call's input and
+    output for nothing."""
     jobs = ExecJob.objects.all()
-    if not user.is_staff:
-        jobs = jobs.filter(user=user)
-    return _with_calls(jobs)
+    return jobs if user.is_staff else jobs.filter(user=user)
+
+
+def exec_jobs_for(*, user: User) -> QuerySet[ExecJob]:
+    """Return the jobs ``user`` may see, each with its calls: what the API shows of a job."""
+    return _with_calls(exec_jobs_visible(user=user))
 
 
 def exec_job_with_calls(*, job_id: Any) -> ExecJob:
