@@ -14,7 +14,7 @@ from tools.models import Tool, Toolset
 from tools.sdk import tool_signature
 from tools.secret_refs import secret_names_problem
 from tools.services import TOOL_FIELDS, mcp_toolset_sync
-from tools.validation import FieldError, config_errors, identifier_problem, tool_errors
+from tools.validation import CLIENT_NOT_GATED, FieldError, config_errors, identifier_problem, tool_errors
 
 
 class PrettyJSONWidget(forms.Textarea):
@@ -121,6 +121,8 @@ class ToolsetForm(forms.ModelForm):
             )
         if data.get("kind") in (Toolset.Kind.HTTP, Toolset.Kind.MCP):
             _add_errors(self, config_errors(data.get("config") or {}, kind=data["kind"], secrets=self._secrets()))
+        if data.get("kind") == Toolset.Kind.CLIENT and data.get("requires_approval"):
+            self.add_error("requires_approval", CLIENT_NOT_GATED)
         return data
 
     def _secrets(self) -> dict[str, str]:

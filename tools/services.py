@@ -181,7 +181,14 @@ def toolset_create(*, actor: User, data: Mapping[str, Any]) -> Toolset:
     secrets = _secrets_after({}, data.get("secrets"), partial=False)
     tools = list(data.get("tools") or [])
     config = data.get("config") or {}
-    errors = toolset_errors(key=data["key"], kind=data["kind"], config=config, secrets=secrets, tools=tools)
+    errors = toolset_errors(
+        key=data["key"],
+        kind=data["kind"],
+        config=config,
+        secrets=secrets,
+        tools=tools,
+        requires_approval=data.get("requires_approval", False),
+    )
     if errors:
         raise _invalid(errors)
     owner = _owner_for(is_global=data.get("is_global", True), actor=actor)
@@ -218,7 +225,14 @@ def toolset_update(*, toolset: Toolset, actor: User, data: Mapping[str, Any], pa
     else:
         tools = [{"name": t.name, **{n: getattr(t, n) for n in TOOL_FIELDS}} for t in toolset.tools.filter(enabled=True)]
     if toolset.kind != Toolset.Kind.BUILTIN:
-        errors = toolset_errors(key=toolset.key, kind=values["kind"], config=values["config"], secrets=secrets, tools=tools)
+        errors = toolset_errors(
+            key=toolset.key,
+            kind=values["kind"],
+            config=values["config"],
+            secrets=secrets,
+            tools=tools,
+            requires_approval=values["requires_approval"],
+        )
         if errors:
             raise _invalid(errors)
     owner = toolset.owner

@@ -115,6 +115,11 @@ def _http_spec_errors(spec: Any, schema: Any, *, path: str) -> list[FieldError]:
     return errors
 
 
+# A client tool's call waits on the job's caller, who runs it or not: nothing runs here for an
+# approval to hold back, and the flag would be kept and never acted on.
+CLIENT_NOT_GATED = "a client tool is run by the job's caller, not here: an approval can't gate it"
+
+
 def tool_errors(tool: Mapping[str, Any], *, kind: str, path: str) -> list[FieldError]:
     """Return what is wrong with one tool definition of a toolset of ``kind``."""
     errors = []
@@ -139,6 +144,8 @@ def tool_errors(tool: Mapping[str, Any], *, kind: str, path: str) -> list[FieldE
             errors += _http_spec_errors(spec, tool.get("input_schema"), path=f"{path}.http")
     elif spec is not None:
         errors.append(FieldError(f"{path}.http", "invalid_http_spec", f"only http toolsets' tools take an http spec, not {kind}"))
+    if kind == Toolset.Kind.CLIENT and tool.get("requires_approval"):
+        errors.append(FieldError(f"{path}.requires_approval", "validation_error", CLIENT_NOT_GATED))
     return errors
 
 
@@ -209,7 +216,13 @@ def config_errors(config: Any, *, kind: str, secrets: Mapping[str, Any]) -> list
 
 
 def toolset_errors(
-    *, key: str, kind: str, config: Any, secrets: Mapping[str, Any], tools: list[Mapping[str, Any]]
+    *,
+    key: str,
+    kind: str,
+    config: Any,
+    secrets: Mapping[str, Any],
+    tools: list[Mapping[str, Any]],
+    requires_approval: bool = False,
 ) -> list[FieldError]:
     """Return every problem with a whole toolset definition; an empty list means it may be saved."""
     errors = []
@@ -218,6 +231,8 @@ def toolset_errors(
         errors.append(FieldError("key", "invalid_key", problem))
     elif key in RESERVED_KEYS:
         errors.append(FieldError("key", "invalid_key", f"'{key}' is a name the SDK package uses itself"))
+    if kind == Toolset.Kind.CLIENT and requires_approval:
+        errors.append(FieldError("requires_approval", "validation_error", CLIENT_NOT_GATED))
     errors += config_errors(config, kind=kind, secrets=secrets)
     seen: set[str] = set()
     for i, tool in enumerate(tools):

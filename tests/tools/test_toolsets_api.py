@@ -303,3 +303,39 @@ def test_a_toolsets_config_is_shown_to_staff_and_its_owner_only(
         config=config,
     )
     assert api.get(f"/api/v1/toolsets/{own.key}").json()["config"] == config
+
+
+def test_a_client_toolset_or_tool_can_not_require_an_approval(staff: Api) -> None:
+    """Its caller runs a client tool, not a worker here: an approval could gate nothing, and the flag
+    was kept and never acted on. Refused where it is written, the API and the admin alike."""
+    from tools.admin import ToolsetForm
+    from tools.validation import CLIENT_NOT_GATED
+
+    confirm = {"name": "confirm", "input_schema": {"type": "object", "properties": {}}}
+    key = unique_key("app_ui")
+    body = {"key": key, "name": "App UI", "kind": "client", "tools": [confirm]}
+    for bad, field in (
+        ({**body, "requires_approval": True}, "requires_approval"),
+        ({**body, "tools": [{**confirm, "requires_approval": True}]}, "tools[0].requires_approval"),
+    ):
+        refused = staff.post("/api/v1/toolsets", json=bad)
+        assert refused.status_code == 400, refused.text
+        error = refused.json()["error"]
+        assert error["code"] == "validation_error"
+        assert "run by the job's caller" in error["details"][field][0]
+    assert not Toolset.objects.filter(key=key).exists()
+    assert staff.post("/api/v1/toolsets", json=body).status_code == 201
+    try:
+        changed = staff.http.patch(f"/api/v1/toolsets/{key}", json={"requires_approval": True})
+        assert changed.status_code == 400 and "requires_approval" in changed.json()["error"]["details"]
+        assert Toolset.objects.get(key=key).requires_approval is False
+        toolset = Toolset.objects.get(key=key)
+        form = ToolsetForm(
+            data={"key": key, "name": "App UI", "kind": "client", "is_global": True, "queue": "tools", "requires_approval": True},
+            instance=toolset,
+        )
+        form.fields.pop("key", None)
+        assert not form.is_valid()
+        assert form.errors["requires_approval"] == [CLIENT_NOT_GATED]
+    finally:
+        staff.http.delete(f"/api/v1/toolsets/{key}")
