@@ -25,7 +25,6 @@ from billing.ledger import PostgresLedger
 from billing.models import Reservation
 from billing.selectors import credits_held, reservations_held
 from billing.services import (
-    billable,
     credits_release,
     credits_reserve,
     credits_settle,
@@ -807,9 +806,9 @@ def _tool_call_run(*, call: ToolCall, tool: Tool) -> None:
         reply: dict[str, Any] = {"ok": False, "error": failure.as_dict()}
     else:
         reply = {"ok": True, "result": output}
-    # Billed as it was made: a price held for it (the claim says) is settled even if its toolset turned free since.
-    billed = call.price_held or billable(toolset=tool.toolset, tool=tool)  # type: ignore[attr-defined]  # set by the claim
-    finished = _finishes(_Ran(call=call, reply=reply, billed=billed))
+    # Billed as it was made: what was held for it as it was made (the claim says whether a price
+    # was) is settled or released, whatever its toolset's billing says by now.
+    finished = _finishes(_Ran(call=call, reply=reply, billed=call.price_held))  # type: ignore[attr-defined]  # set by the claim
     # A tools worker's one line a call (Celery's own per-task lines are off there): STYLE.md §14's ids.
     job = {"job_id": str(call.exec_job_id)} if call.exec_job_id else {}
     ms = round((time.monotonic() - started) * 1000, 2)
@@ -823,8 +822,8 @@ def _tool_call_run(*, call: ToolCall, tool: Tool) -> None:
 
 @dataclass(frozen=True)
 class _Ran:
-    """A call that ran on this worker, its reply for the code, and whether it is billed (its tool is,
-    or a price was held for it as it was made)."""
+    """A call that ran on this worker, its reply for the code, and whether it is billed: a price was
+    held for it as it was made."""
 
     call: ToolCall
     reply: dict[str, Any]
