@@ -12,7 +12,9 @@ import functools
 import json
 import logging
 import re
+import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any, ParamSpec, TypeVar
 
@@ -276,8 +278,23 @@ async def _has_end(client: Any, key: str, cursor: str) -> bool:
 async def event_stream(*, job_id: Any, last_event_id: str | None = None) -> AsyncGenerator[Event | None, None]:
     """Yield the job's events after ``last_event_id`` as they happen, ending with ``exec_end``.
 
-    ``None`` is a heartbeat: nothing happened for PTC_EVENTS_HEARTBEAT_SECONDS.
+    ``None`` is a heartbeat, at least every PTC_EVENTS_HEARTBEAT_SECONDS, among the events too: a
+    follower checks at each that its caller may still read (a key revoked meanwhile), and a job
+    that prints more often than that never fell quiet, so a revoked key read it to its end.
     """
+    every = settings.PTC_EVENTS_HEARTBEAT_SECONDS
+    due = time.monotonic() + every
+    async with aclosing(_events(job_id=job_id, last_event_id=last_event_id)) as events:
+        async for item in events:
+            if item is None or time.monotonic() >= due:
+                due = time.monotonic() + every
+                yield None
+            if item is not None:
+                yield item
+
+
+async def _events(*, job_id: Any, last_event_id: str | None) -> AsyncGenerator[Event | None, None]:
+    """The job's events after ``last_event_id``, and ``None`` when none came for a heartbeat's interval."""
     plane = backplane()
     if not isinstance(plane, RedisBackplane):  # no event log: the records tell it
         async for item in _from_records(job_id, last_event_id):
