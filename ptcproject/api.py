@@ -255,6 +255,11 @@ def add_event_stream_path(result: dict[str, Any], generator: Any, request: Any, 
                 "400": {"description": "invalid_last_event_id: Last-Event-ID is not an event id", "content": ERROR_CONTENT},
                 "401": {"description": "No or bad key", "content": ERROR_CONTENT},
                 "404": {"description": "No such job, or another user's", "content": ERROR_CONTENT},
+                "429": {
+                    "description": "throttled: you have PTC_EVENT_STREAMS_PER_USER event streams open; close one",
+                    "content": ERROR_CONTENT,
+                    "headers": _RETRY_AFTER,
+                },
                 "503": {"description": _ERROR_DESCRIPTIONS["503"], "content": ERROR_CONTENT, "headers": _RETRY_AFTER},
             },
         }

@@ -8,6 +8,7 @@ from typing import Any
 import anyio
 import httpx
 import mcp_types as types
+from django.conf import settings
 
 from tests.conftest import Api
 from tests.execution.test_mcp_server import data, http_client, run
@@ -80,3 +81,35 @@ def test_a_busy_mcp_job_whose_key_is_revoked_is_cancelled(stack: Stack, api: Api
     ), (took, result)
     job = next(j for j in api.get("/api/v1/exec").json()["results"] if marker in j["code"])
     assert _until(lambda: api.get(f"/api/v1/exec/{job['id']}").json()["status"] == "cancelled")
+
+
+def test_one_user_cannot_hold_every_redis_connection_with_event_streams(api: Api) -> None:
+    """Each open event stream holds a Redis connection (its blocking XREAD), and Redis's clients are
+    the broker's too: one key could open streams until Redis refused every process. Past
+    PTC_EVENT_STREAMS_PER_USER a user's next stream is 429 ``throttled``; one closed frees its place."""
+    job = api.post("/api/v1/exec", json={"code": "import time\ntime.sleep(60)", "wait": 0}).json()
+    url = f"/api/v1/exec/{job['id']}/events"
+    limit = settings.PTC_EVENT_STREAMS_PER_USER
+    opened: list[Any] = []  # each stream with its lines, held: a dropped line iterator closes its connection
+    try:
+        for _ in range(limit):
+            stream = api.http.stream("GET", url, timeout=30)
+            response = stream.__enter__()
+            lines = response.iter_lines()
+            opened.append((stream, lines))
+            assert response.status_code == 200
+            assert next(lines).startswith("retry:")
+        refused = api.get(url, timeout=10)
+        assert refused.status_code == 429, f"stream {limit + 1} of one user: {refused.status_code} {refused.text[:80]!r}"
+        assert refused.json()["error"]["code"] == "throttled" and refused.headers["retry-after"]
+        opened.pop()[0].__exit__(None, None, None)
+
+        def admitted() -> bool:
+            with api.http.stream("GET", url, timeout=30) as again:
+                return again.status_code == 200
+
+        assert _until(admitted, 10)
+    finally:
+        for stream, _ in opened:
+            stream.__exit__(None, None, None)
+        api.post(f"/api/v1/exec/{job['id']}/cancel")
