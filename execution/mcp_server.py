@@ -390,6 +390,19 @@ def _refused(exc: ApplicationError) -> types.CallToolResult:
     return _result(error_body(exc.code, exc.message, exc.details), is_error=True)
 
 
+def _refusal(exc: Exception, **log: Any) -> ApplicationError:
+    """What a request that raised ``exc`` is told: its own refusal, an outage's 503, or
+    ``internal_error`` (logged with ``log``). Never the exception's text: the SDK would send it
+    as it is, and a driver's names the database's host and user."""
+    if isinstance(exc, ApplicationError):
+        return exc
+    outage = outage_error(exc)
+    if outage is not None:
+        return outage
+    logger.exception("an MCP request failed", extra=log)
+    return ApplicationError("internal_error", "The server failed on this call; it is logged.")
+
+
 # -- The server ----------------------------------------------------------------------------------
 def _caller(ctx: ServerRequestContext[Any, Any], fixed: McpUser | None) -> McpUser:
     """The user this request runs as: fixed (stdio), or the one its HTTP layer authenticated."""
@@ -452,23 +465,19 @@ def mcp_server_build(*, user: McpUser | None = None) -> Server[Any]:
         caller = _caller(ctx, user)
         try:
             return types.ListToolsResult(tools=await _tool_list(caller.user_id, caller.discovery))
-        except ApplicationError as exc:  # the user was deactivated since this server started
-            raise MCPError(types.INVALID_REQUEST, exc.message) from None
+        except Exception as exc:  # the user was deactivated since this server started, or an outage
+            refusal = _refusal(exc, method="tools/list")
+            code = types.INTERNAL_ERROR if refusal.status >= 500 else types.INVALID_REQUEST
+            raise MCPError(code, refusal.message, data={"code": refusal.code}) from None
 
     async def on_call_tool(ctx: ServerRequestContext[Any, Any], params: types.CallToolRequestParams) -> types.CallToolResult:
         caller = _caller(ctx, user)
         try:
             return await _call(ctx, caller, params.name, dict(params.arguments or {}))
-        except ApplicationError as exc:
-            return _refused(exc)
         except MCPError:
             raise
         except Exception as exc:
-            outage = outage_error(exc)
-            if outage is not None:
-                return _refused(outage)
-            logger.exception("an MCP tool call failed", extra={"tool": params.name})
-            return _refused(ApplicationError("internal_error", "The server failed on this call; it is logged."))
+            return _refused(_refusal(exc, tool=params.name))
 
     return Server(
         "ptc",

@@ -9,7 +9,12 @@ import anyio
 import httpx
 import mcp_types as types
 from django.conf import settings
+from django.contrib.auth.models import User
+from django.db import OperationalError
+from mcp import Client
+from mcp.shared.exceptions import MCPError
 
+from execution import mcp_server
 from tests.conftest import Api
 from tests.execution.test_mcp_server import data, http_client, run
 from tests.stack import Stack
@@ -113,3 +118,29 @@ def test_one_user_cannot_hold_every_redis_connection_with_event_streams(api: Api
         for stream, _ in opened:
             stream.__exit__(None, None, None)
         api.post(f"/api/v1/exec/{job['id']}/cancel")
+
+
+def test_tools_list_in_a_database_outage_says_so_not_the_drivers_message(monkeypatch: Any) -> None:
+    """tools/list let any failure through to the SDK, which answers with the exception's text: in an
+    outage, the driver's message (the database's host, port and user) with code 0. Now it answers
+    as tools/call does: database_unavailable, the driver's text left in the log."""
+    user = User.objects.create_user(username=f"lister-{uuid.uuid4().hex[:8]}")
+    secret = 'connection to server at "10.9.8.7", port 5432 failed: FATAL:  password authentication failed for user "ptc_prod"'
+
+    async def down(user_id: int, discovery: bool) -> Any:
+        raise OperationalError(secret)
+
+    monkeypatch.setattr(mcp_server, "_tool_list", down)
+
+    async def main() -> MCPError:
+        # The JSON-RPC stream loop, as on stdio and on /mcp for 2025 clients.
+        async with Client(mcp_server.mcp_server_build(user=mcp_server.McpUser(user.pk)), mode="legacy") as client:
+            try:
+                await client.list_tools()
+            except MCPError as exc:
+                return exc
+        raise AssertionError("tools/list answered in an outage")
+
+    error = run(main)
+    assert "10.9.8.7" not in str(error.message) and "ptc_prod" not in str(error.message), error.message
+    assert error.data == {"code": "database_unavailable"}, (error.code, error.message, error.data)
