@@ -1,8 +1,6 @@
-import weakref
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
-from types import AsyncGeneratorType
-from typing import Any, cast
+from typing import Any
 from uuid import UUID
 
 from django.conf import settings
@@ -21,7 +19,7 @@ from rest_framework.response import Response
 from rest_framework.serializers import ListSerializer
 from rest_framework.views import APIView
 
-from execution.events import db_read, event_stream, job_view, valid_event_id
+from execution.events import FOLLOW_RETRY_SECONDS, FollowPlace, db_read, event_stream, follow_admit, job_view, valid_event_id
 from execution.models import ExecJob, ExecSession, ToolCall, WorkFile
 from execution.selectors import (
     exec_jobs_for,
@@ -445,17 +443,6 @@ def _error(status: int, code: str, message: str) -> JsonResponse:
     return JsonResponse(error_body(code, message), status=status)
 
 
-# The event streams open in this process, by user. Each holds a Redis connection (its blocking
-# XREAD) while it is open, and Redis's clients are the broker's too: one key opening thousands
-# took them all, from every process. Weak: a stream is forgotten once it is gone, however it went
-# (ended, its client left, or never started because its client left first).
-_STREAMS: dict[int, weakref.WeakSet[AsyncGeneratorType[str, None]]] = {}
-
-
-def _streams_open(user_id: int) -> int:
-    return sum(1 for stream in _STREAMS.get(user_id, ()) if stream.ag_frame is not None)  # None: it has ended
-
-
 @csrf_exempt  # a Bearer key's request, as DRF's views are; other methods than GET answer 405 below
 async def exec_events_api(request: HttpRequest, job_id: UUID) -> HttpResponseBase:
     """GET /api/v1/exec/{id}/events: the job's events as Server-Sent Events, pushed as they happen.
@@ -481,17 +468,15 @@ async def exec_events_api(request: HttpRequest, job_id: UUID) -> HttpResponseBas
             "like 1732312345678-0, or none to start from the beginning.",
         )
 
-    open_now = _streams_open(user.pk)
-    if open_now >= settings.PTC_EVENT_STREAMS_PER_USER:
-        refused = _error(
-            429,
-            "throttled",
-            f"You have {open_now} event streams open, the most one user may (PTC_EVENT_STREAMS_PER_USER): close one first.",
-        )
-        refused["Retry-After"] = "5"
+    try:
+        place = follow_admit(user_id=user.pk)
+    except ApplicationError as exc:
+        refused = _error(exc.status, exc.code, exc.message)
+        refused["Retry-After"] = str(FOLLOW_RETRY_SECONDS)
         return refused
 
-    async def frames() -> AsyncGenerator[str, None]:
+    async def frames(place: FollowPlace) -> AsyncGenerator[str, None]:
+        # ``place`` is held by this generator's frame: from now, whether it ever starts, until it ends.
         yield "retry: 1000\n\n"
         async with aclosing(event_stream(job_id=job_id, last_event_id=last_event_id)) as events:
             async for item in events:
@@ -502,9 +487,7 @@ async def exec_events_api(request: HttpRequest, job_id: UUID) -> HttpResponseBas
                 else:  # revoked since it opened: closed; the client's reconnect is told why (401)
                     return
 
-    stream = cast(AsyncGeneratorType[str, None], frames())  # an async def's generator: its ag_frame is read
-    _STREAMS.setdefault(user.pk, weakref.WeakSet()).add(stream)  # counted with the check: no await between
-    response = StreamingHttpResponse(stream, content_type="text/event-stream")
+    response = StreamingHttpResponse(frames(place), content_type="text/event-stream")
     response["Cache-Control"] = "no-cache"
     response["X-Accel-Buffering"] = "no"  # a proxy must pass frames on, not buffer them
     return response

@@ -13,6 +13,7 @@ import json
 import logging
 import re
 import time
+import weakref
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ from django.db import DatabaseError, connection
 from execution.backplane import Events, RedisBackplane, backplane, job_channel
 from execution.models import ExecJob, ToolCall
 from execution.selectors import exec_job_with_calls, tool_call_is_client
+from ptcproject.errors import ApplicationError
 from ptcproject.metrics import event_lag_observe
 
 logger = logging.getLogger("ptc.events")
@@ -75,6 +77,43 @@ def _order(event_id: str) -> tuple[int, int]:
         return int(ms), int(seq or 0)
     except ValueError:
         return 0, 0
+
+
+# -- Followers -------------------------------------------------------------------------------------
+class FollowPlace:
+    """A place among one user's open follows of a job (``follow_admit``), held while it lives."""
+
+    __slots__ = ("__weakref__",)
+
+
+# The follows of a job open in this process, by user: event streams (SSE), and MCP calls that
+# follow their job to its end. Each holds a Redis connection (its blocking XREAD) while it is open,
+# and Redis's clients are the broker's too: one key opening thousands took them all, from every
+# process. Weak: a place is given back when its holder is gone, however it went.
+_FOLLOWS: dict[int, "weakref.WeakSet[FollowPlace]"] = {}
+
+
+def follow_admit(*, user_id: int) -> FollowPlace:
+    """Return a place among ``user_id``'s follows, held for as long as the caller keeps it (an SSE
+    stream's generator, an MCP call's frame), or raise ApplicationError ``throttled`` (429) when
+    PTC_EVENT_STREAMS_PER_USER are open in this process. Call it on the event loop: the count and
+    the place taken with no await between them."""
+    places = _FOLLOWS.setdefault(user_id, weakref.WeakSet())
+    if len(places) >= settings.PTC_EVENT_STREAMS_PER_USER:
+        raise ApplicationError(
+            "throttled",
+            f"You have {len(places)} event streams or MCP job calls open, the most one user may "
+            "(PTC_EVENT_STREAMS_PER_USER): close one, or wait for one to end.",
+            status=429,
+            details={"limit": settings.PTC_EVENT_STREAMS_PER_USER, "retry_after": FOLLOW_RETRY_SECONDS},
+        )
+    place = FollowPlace()
+    places.add(place)
+    return place
+
+
+# What a follower refused for its user's open follows waits before trying again.
+FOLLOW_RETRY_SECONDS = 5
 
 
 # -- Publishing (workers) ------------------------------------------------------------------------

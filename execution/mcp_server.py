@@ -32,7 +32,7 @@ from mcp.server import Server
 from mcp.server.context import ServerRequestContext
 from mcp.shared.exceptions import MCPError
 
-from execution.events import db_read, event_stream
+from execution.events import db_read, event_stream, follow_admit
 from execution.models import ExecJob
 from execution.selectors import exec_jobs_for
 from execution.serializers import ExecCreateSerializer, ExecJobSerializer
@@ -294,6 +294,10 @@ async def job_run(ctx: ServerRequestContext[Any, Any], *, caller: McpUser, body:
     while it ran, found at a heartbeat: the job is cancelled, and its progress goes no further.
     """
     user_id = caller.user_id
+    # Its place among the user's follows (429 throttled past PTC_EVENT_STREAMS_PER_USER), taken
+    # before the job is made, held until this call returns: it follows the job with a Redis
+    # connection of its own, as an event stream does.
+    place = follow_admit(user_id=user_id)
     # Shielded: a cancel that comes while the job is being created must not lose its id (the job
     # would run on, unseen); it is delivered at the checkpoint below, which cancels the job.
     with anyio.CancelScope(shield=True):
@@ -339,6 +343,7 @@ async def job_run(ctx: ServerRequestContext[Any, Any], *, caller: McpUser, body:
         raise
     finally:
         FOLLOWING.discard(job_id)
+        del place
 
 
 def seed_result(job: Mapping[str, Any], *, file_path: str | None) -> dict[str, Any]:

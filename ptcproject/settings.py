@@ -400,7 +400,8 @@ PTC_MAX_CLIENT_TOOLS_BYTES = checked.int("PTC_MAX_CLIENT_TOOLS_BYTES", 256 * 102
 PTC_EVENTS_RETENTION_SECONDS = checked.int("PTC_EVENTS_RETENTION_SECONDS", 3600, 1, 30 * 24 * 3600)
 # A quiet event stream sends a comment this often, so proxies and clients know it is alive.
 PTC_EVENTS_HEARTBEAT_SECONDS = checked.float("PTC_EVENTS_HEARTBEAT_SECONDS", 15.0, 0, 3600, above_low=True)
-# Event streams one user may have open at once, per web process: each holds a Redis connection.
+# Event streams and MCP calls following their job one user may have open at once, per process:
+# each holds a Redis connection (execution.events.follow_admit).
 PTC_EVENT_STREAMS_PER_USER = checked.int("PTC_EVENT_STREAMS_PER_USER", 32, 1, 10_000)
 # MCP over HTTP (/mcp): a session no request has used for this long is closed, and one user may
 # have this many open at once (the SDK's own cap is one for the whole process).

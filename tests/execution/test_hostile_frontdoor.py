@@ -88,10 +88,11 @@ def test_a_busy_mcp_job_whose_key_is_revoked_is_cancelled(stack: Stack, api: Api
     assert _until(lambda: api.get(f"/api/v1/exec/{job['id']}").json()["status"] == "cancelled")
 
 
-def test_one_user_cannot_hold_every_redis_connection_with_event_streams(api: Api) -> None:
+def test_one_user_cannot_hold_every_redis_connection_with_event_streams(stack: Stack, api: Api) -> None:
     """Each open event stream holds a Redis connection (its blocking XREAD), and Redis's clients are
     the broker's too: one key could open streams until Redis refused every process. Past
-    PTC_EVENT_STREAMS_PER_USER a user's next stream is 429 ``throttled``; one closed frees its place."""
+    PTC_EVENT_STREAMS_PER_USER a user's next stream is 429 ``throttled``, and so is an MCP call
+    that would follow its job the same way (and no job is made for it); one closed frees its place."""
     job = api.post("/api/v1/exec", json={"code": "import time\ntime.sleep(60)", "wait": 0}).json()
     url = f"/api/v1/exec/{job['id']}/events"
     limit = settings.PTC_EVENT_STREAMS_PER_USER
@@ -107,6 +108,15 @@ def test_one_user_cannot_hold_every_redis_connection_with_event_streams(api: Api
         refused = api.get(url, timeout=10)
         assert refused.status_code == 429, f"stream {limit + 1} of one user: {refused.status_code} {refused.text[:80]!r}"
         assert refused.json()["error"]["code"] == "throttled" and refused.headers["retry-after"]
+        marker = uuid.uuid4().hex
+
+        async def mcp_exec() -> types.CallToolResult:
+            async with http_client(stack, api.key) as client:
+                return await client.call_tool("exec_code", {"code": f"print('{marker}')"})
+
+        followed = run(mcp_exec)
+        assert followed.is_error and data(followed)["error"]["code"] == "throttled", followed
+        assert not any(marker in j["code"] for j in api.get("/api/v1/exec").json()["results"]), "a refused call made a job"
         opened.pop()[0].__exit__(None, None, None)
 
         def admitted() -> bool:
