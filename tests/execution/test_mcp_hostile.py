@@ -17,6 +17,7 @@ from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
 
 from tests.conftest import Api
+from tests.execution.test_mcp_server import _until
 from tests.stack import ARTIFACTS, BIN, ROOT, Process, Stack, free_port
 
 INIT = {
@@ -30,15 +31,6 @@ HEADERS = {"Accept": "application/json, text/event-stream", "Content-Type": "app
 
 def _jobs(api: Api) -> list[dict[str, Any]]:
     return api.get("/api/v1/exec").json()["results"]
-
-
-def _until(check: Any, seconds: float = 30) -> bool:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if check():
-            return True
-        time.sleep(0.2)
-    return False
 
 
 def test_a_request_cancelled_while_its_job_is_created_cancels_the_job(stack: Stack, api: Api) -> None:

@@ -339,12 +339,19 @@ print("never")
     assert final["status"] == "cancelled"
 
 
-def test_a_job_whose_key_is_revoked_as_it_runs_is_cancelled_and_its_call_refused(stack: Stack, api: Api) -> None:
+# A job quiet after its first line, and one that prints without a pause as long as a heartbeat:
+# its stream never falls quiet, and a heartbeat came only after a quiet one.
+QUIET = "import time\nprint('{marker}', flush=True)\ntime.sleep(30)\nprint('never')"
+BUSY = "import time\nprint('{marker}', flush=True)\nfor i in range(150):\n    print(i, flush=True)\n    time.sleep(0.2)\n'done'"
+
+
+@pytest.mark.parametrize("job", [QUIET, BUSY], ids=["quiet", "busy"])
+def test_a_job_whose_key_is_revoked_as_it_runs_is_cancelled_and_its_call_refused(stack: Stack, api: Api, job: str) -> None:
     """An exec_code call follows its job, sending its progress, for as long as it runs: a key revoked
     meanwhile kept reading it. At the next heartbeat the call now ends refused, and the job goes."""
     minted = api.post("/api/v1/keys", json={"name": "agent"}).json()
     marker = uuid.uuid4().hex
-    code = f"import time\nprint('{marker}', flush=True)\ntime.sleep(30)\nprint('never')"
+    code = job.format(marker=marker)
 
     async def main() -> tuple[types.CallToolResult, float]:
         async with http_client(stack, minted["key"]) as client:
