@@ -208,8 +208,12 @@ def _describe(user_id: int, name: str) -> dict[str, Any]:
             f"'{wanted}' is in several toolsets ({', '.join(t['toolset'] for t in found)}): name it as toolset.tool.",
             details={"toolsets": [t["toolset"] for t in found]},
         )
-    shown = wanted if len(wanted) <= 200 else f"{wanted[:200]}…"  # longer than any toolset.tool
-    raise ApplicationError("unknown_tool", f"There is no tool '{shown}' you may use: list_toolsets lists them.")
+    raise ApplicationError("unknown_tool", f"There is no tool '{_named(wanted)}' you may use: list_toolsets lists them.")
+
+
+def _named(name: str) -> str:
+    """A name the client sent, as an error quotes it: cut past any real toolset.tool's length."""
+    return name if len(name) <= 200 else f"{name[:200]}…"
 
 
 @db_read
@@ -457,7 +461,7 @@ async def _call(ctx: ServerRequestContext[Any, Any], caller: McpUser, name: str,
         if not isinstance(args.get("name"), str):
             raise ApplicationError("validation_error", 'Invalid input. name: a tool\'s name, like "demo.add".')
         return _result(await _describe(caller.user_id, args["name"]))
-    raise MCPError(types.INVALID_PARAMS, f"Unknown tool '{name}': tools/list lists this server's tools.")
+    raise MCPError(types.INVALID_PARAMS, f"Unknown tool '{_named(name)}': tools/list lists this server's tools.")
 
 
 def mcp_server_build(*, user: McpUser | None = None) -> Server[Any]:

@@ -17,6 +17,7 @@ import pytest
 from mcp import Client
 from mcp.client.stdio import StdioServerParameters
 from mcp.client.streamable_http import streamable_http_client
+from mcp.shared.exceptions import MCPError
 
 from ptcproject.accounts.services import api_key_create
 from tests.conftest import Api
@@ -435,13 +436,18 @@ def test_list_toolsets_and_describe_tool(stack: Stack, api: Api) -> None:
             described = await call(client, "describe_tool", {"name": "Demo.sleep"})
             unknown = await client.call_tool("describe_tool", {"name": "demo.nope"})
             long = await client.call_tool("describe_tool", {"name": "x" * 100_000})
+            try:
+                await client.call_tool("y" * 100_000, {})
+                raise AssertionError("a tool this server does not have was called")
+            except MCPError as exc:
+                nameless = exc
         # ?discovery=1: exec_code names tools only.
         http = httpx2.AsyncClient(headers={"Authorization": f"Bearer {api.key}"})
         async with Client(streamable_http_client(f"{stack.base_url}/mcp?discovery=1", http_client=http)) as client:
             tools = (await client.list_tools()).tools
-        return listed, described, unknown, long, tools
+        return listed, described, unknown, long, nameless, tools
 
-    listed, described, unknown, long, tools = run(main)
+    listed, described, unknown, long, nameless, tools = run(main)
     demo = next(t for t in listed["toolsets"] if t["key"] == "demo")
     assert demo["import"] == "from ptc_tools.demo import Demo"
     assert "add(a: number, b: number) -> number" in demo["tools"]
@@ -449,6 +455,7 @@ def test_list_toolsets_and_describe_tool(stack: Stack, api: Api) -> None:
     assert unknown.is_error is True and data(unknown)["error"]["code"] == "unknown_tool"
     # A name no tool can have is not quoted back whole: a readable message, as the REST API's.
     assert data(long)["error"]["code"] == "unknown_tool" and len(data(long)["error"]["message"]) < 300
+    assert "Unknown tool 'yyy" in str(nameless) and len(str(nameless)) < 300, str(nameless)[:100]
     discovery = next(t for t in tools if t.name == "exec_code").description or ""
     assert "demo.Demo: add, catalog_search, echo, fail, sleep" in discovery
     assert "add(a: number" not in discovery
