@@ -79,7 +79,7 @@ def _order(event_id: str) -> tuple[int, int]:
         return 0, 0
 
 
-# -- Followers -------------------------------------------------------------------------------------
+# -- Followers -----------------------------------------------------------------------------------
 class FollowPlace:
     """A place among one user's open follows of a job (``follow_admit``), held while it lives."""
 
