@@ -131,7 +131,9 @@ CODES: dict[str, tuple[int, str]] = {
 JOB_ERROR_TYPES = {
     "Timeout": "the code ran past its timeout",
     "Cancelled": "the job was cancelled",
-    "ResourceLimit": "memory, processes, file size, tool-call count, output or return value over its limit",
+    "ResourceLimit": (
+        "memory, processes, file size, tool-call count, the bytes its tool calls passed, output or return value over its limit"
+    ),
     "SandboxCrashed": "the sandbox died or could not start (the message says why)",
     "ToolError": "a tool call failed and the code did not catch it",
     "WorkerLost": "the worker running the job died, or no worker took it",

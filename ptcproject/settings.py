@@ -342,6 +342,9 @@ PTC_MAX_OPEN_FILES = checked.int("PTC_MAX_OPEN_FILES", 256, 16, 1_000_000)
 # A tool's arguments and its output are each held to this; a bridge frame carries one of them.
 PTC_MAX_TOOL_OUTPUT_BYTES = checked.int("PTC_MAX_TOOL_OUTPUT_BYTES", 1024 * 1024, 1024, 256 * 1024 * 1024)
 PTC_MAX_FRAME_BYTES = PTC_MAX_TOOL_OUTPUT_BYTES + 64 * 1024
+# The most one job's tool calls may pass, arguments and results together: every view of a job
+# (its exec_end event, GET, MCP's result) carries each call's whole input and output.
+PTC_MAX_JOB_TOOL_BYTES = checked.int("PTC_MAX_JOB_TOOL_BYTES", 64 * 1024 * 1024, 0, 1 << 40)
 # The largest request body read: room for code at PTC_MAX_CODE_BYTES even if JSON escapes every byte
 # (\u00XX is six), or for a tool call's arguments at their limit. Over it the API answers 413
 # code_too_large (ptcproject.api); under it, a service checks the code's own size.

@@ -102,6 +102,8 @@ def stack_env(django_db_setup: str, tmp_path_factory: pytest.TempPathFactory) ->
         PTC_REDIS_PREFIX=REDIS_PREFIX,
         PTC_EXEC_CONCURRENCY="6",
         PTC_TOOLS_CONCURRENCY="48",
+        # A job's calls pass at most 8 MiB here (64 by default): the test of that bound sends a few.
+        PTC_MAX_JOB_TOOL_BYTES=str(8 << 20),
     )
     return env
 

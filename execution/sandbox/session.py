@@ -187,6 +187,7 @@ class Session:
         extra: dict[str, Any] | None = None,
         max_files_bytes: int = 0,
         make_key: Callable[[], str] | None = None,
+        max_tool_bytes: int = 0,
     ) -> None:
         self.code = code
         self.limits = limits
@@ -244,6 +245,12 @@ class Session:
         self.waiting: deque[dict[str, Any]] = deque()
         self.calls = 0
         self.key_calls = 0  # the job's calls made over HTTP with its key, which count against its limit too
+        # The bytes of its calls' frames and of their answers so far, and the most it may pass
+        # (0: no bound). Each call is recorded whole, and every view of the job (exec_end, GET, MCP)
+        # carries every call's arguments and result: past this, the job ends, rather than make
+        # views of gigabytes.
+        self.tool_bytes = 0
+        self.max_tool_bytes = max_tool_bytes
         # Calls waiting on the client or an approval. While any does, the job's clock is stopped,
         # up to limits.max_client_wait in all: ``waited`` is what was credited so far.
         self.awaiting: set[str] = set()
@@ -575,7 +582,10 @@ class Session:
             for name in list(self.chunk_since):
                 self._flush_chunk(name)
             self.calls += 1
-            if self.calls + self.key_calls > self.limits.max_tool_calls:
+            self._count_tool_bytes(size)
+            if self.ended is not None:  # past the bytes its calls may pass: this one is not sent
+                pass
+            elif self.calls + self.key_calls > self.limits.max_tool_calls:
                 self._end("failed", "ResourceLimit", f"tool-call limit of {self.limits.max_tool_calls} per job reached")
             elif size > self.max_frame:  # the SDK refuses such arguments before they are sent
                 error = call_error("invalid_arguments", f"the call is {size} bytes of JSON; the limit is {self.max_frame}")
@@ -727,7 +737,9 @@ class Session:
         elif isinstance(submitted, Refused):
             self._send({"id": request_id, "ok": False, "call_id": submitted.call_id, "error": submitted.error})
         elif submitted.call_id in self.early:  # the tool was faster than this loop
-            self._send({"id": request_id, "call_id": submitted.call_id, **self.early.pop(submitted.call_id)})
+            self._count_tool_bytes(
+                self._send({"id": request_id, "call_id": submitted.call_id, **self.early.pop(submitted.call_id)})
+            )
         else:
             # A call waiting on a person has no worker to be late: its timeout is the whole wait.
             grace = 0.0 if submitted.awaiting else CALL_GRACE_SECONDS
@@ -747,15 +759,29 @@ class Session:
             if self.submitting and len(self.early) < MAX_EARLY_RESULTS:
                 self.early[call_id] = reply  # its submission's outcome is still on its way to this loop
             return  # otherwise a late or repeated hand-off for a call already answered
-        self._send({"id": call.request_id, "call_id": call_id, **reply})
+        self._count_tool_bytes(self._send({"id": call.request_id, "call_id": call_id, **reply}))
         self._fill_slots()
 
-    def _send(self, message: dict[str, Any]) -> None:
-        self.outbox += encode(message)
+    def _send(self, message: dict[str, Any]) -> int:
+        """Queue ``message`` for the sandbox; return its size."""
+        frame = encode(message)
+        self.outbox += frame
         if len(self.outbox) > self.max_buffered:
             # The sandbox's reader has stopped (SIGSTOP, a held lock): don't hold its replies forever.
             self.outbox.clear()
             self._end("failed", "ResourceLimit", f"the code left over {self.max_buffered} bytes of tool results unread")
+        return len(frame)
+
+    def _count_tool_bytes(self, size: int) -> None:
+        """Add a call's frame or its answer to what the job's calls passed; end it past its bound."""
+        self.tool_bytes += size
+        if self.max_tool_bytes and self.tool_bytes > self.max_tool_bytes:
+            self._end(
+                "failed",
+                "ResourceLimit",
+                f"the job's tool calls passed over {self.max_tool_bytes} bytes of arguments and results in all "
+                "(PTC_MAX_JOB_TOOL_BYTES): pass less through tools, or split the work into several jobs",
+            )
 
     def _on_channel(self, message: Message) -> None:
         if isinstance(message, Result):

@@ -436,6 +436,7 @@ def _exec_job_sandbox(*, job: ExecJob, node: str, channel: Subscription) -> Outc
             keep=live is not None,
             extra=extra,
             max_files_bytes=settings.PTC_FILES_MAX_BYTES,
+            max_tool_bytes=settings.PTC_MAX_JOB_TOOL_BYTES,
         )
         try:
             outcome = session.run()

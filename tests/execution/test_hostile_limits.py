@@ -255,3 +255,16 @@ def test_a_job_cancelled_as_it_ran_is_purged_once_its_worker_has_closed_it(api: 
     exec_jobs_purge()  # a round after the close: whatever it does, the output is gone
     row = ExecJob.objects.get(pk=job["id"])
     assert (row.status, row.stdout, row.purged_at is not None) == ("cancelled", "", True)
+
+
+def test_a_job_whose_calls_pass_too_many_bytes_ends_before_its_views_grow_without_bound(api: Api) -> None:
+    """Each call is recorded whole, and every view of a job (its exec_end event, GET, MCP's result)
+    carries every call's arguments and result: a job echoing a megabyte a call made views of
+    gigabytes. Past PTC_MAX_JOB_TOOL_BYTES (8 MiB on the test stack) the job ends, ResourceLimit."""
+    code = "from ptc_tools.demo import Demo\nbig = 'x' * 900_000\nfor _ in range(12):\n    Demo.echo(value=big)\n'all'"
+    job = api.run(code, toolsets=["demo"])
+    assert job["status"] == "failed", (job["status"], job["return_value"])
+    assert job["error"]["type"] == "ResourceLimit" and "PTC_MAX_JOB_TOOL_BYTES" in job["error"]["message"], job["error"]
+    # Stopped at the call that passed the bound: each passes 1.8 MB (in and out), so the fifth.
+    assert 4 <= len(job["tool_calls"]) <= 6, len(job["tool_calls"])
+    assert len(api.get(f"/api/v1/exec/{job['id']}").content) < 12 << 20
