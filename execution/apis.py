@@ -78,6 +78,7 @@ PARALLEL_LIMIT = OpenApiResponse(
 class ExecListCreateApi(FilteredListApi):
     serializer_class = ExecJobSerializer
     query_serializer = ExecListQuerySerializer
+    chunk_rows = 1  # a job may carry PTC_MAX_JOB_TOOL_BYTES of calls
 
     def rows(self) -> QuerySet[ExecJob]:
         return exec_jobs_for(user=signed_in_user(self.request))
@@ -357,6 +358,7 @@ class ToolCallApprovalApi(APIView):
 class ToolCallListApi(FilteredListApi):
     serializer_class = ToolCallSerializer
     query_serializer = ToolCallListQuerySerializer
+    chunk_rows = 16  # a call's input and output may be PTC_MAX_TOOL_OUTPUT_BYTES each
 
     def rows(self) -> QuerySet[ToolCall]:
         return tool_calls_for(user=signed_in_user(self.request))

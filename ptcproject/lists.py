@@ -1,17 +1,32 @@
 """A base for list endpoints. Apart from ptcproject.api, which DRF's settings import: DRF's generic
 views read those settings when they are defined."""
 
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
+from asgiref.sync import sync_to_async
+from django.core.handlers.asgi import ASGIRequest
 from django.db.models import QuerySet
+from django.http import StreamingHttpResponse
 from rest_framework import generics, serializers
+from rest_framework.pagination import PageNumberPagination
+from rest_framework.renderers import JSONRenderer
+from rest_framework.request import Request
 
 
 # A paginated list whose query parameters ``query_serializer`` checks (400 with field errors) and
 # ``filter_rows`` applies to ``rows()``, the rows the caller may see. (A comment, not a docstring:
 # drf-spectacular would publish a docstring as every subclass's description.)
+#
+# A page is sent as it is read, ``chunk_rows`` rows at a time: the web holds one chunk of it, never
+# the whole page. A page of 500 jobs, each with up to PTC_MAX_JOB_TOOL_BYTES of calls, was built
+# whole in memory before a byte of it was sent: tens of gigabytes, from one user's own records. The
+# answer is what DRF's paginated list gives (count, next, previous, results), in JSON only: an HTML
+# page (DRF's browsable API) can't be written as it is read.
 class FilteredListApi(generics.ListAPIView):
     query_serializer: type[serializers.Serializer]
+    renderer_classes = [JSONRenderer]
+    chunk_rows = 50
 
     def rows(self) -> QuerySet[Any]:
         raise NotImplementedError
@@ -23,3 +38,40 @@ class FilteredListApi(generics.ListAPIView):
         query = self.query_serializer(data=self.request.query_params)
         query.is_valid(raise_exception=True)
         return self.filter_rows(self.rows(), query.validated_data)
+
+    def list(self, request: Request, *args: Any, **kwargs: Any) -> StreamingHttpResponse:  # type: ignore[override]  # DRF takes any response
+        rows = self.filter_queryset(self.get_queryset())
+        # The page's ids, in the list's order: its rows are read a chunk at a time below.
+        ids = list(self.paginate_queryset(rows.prefetch_related(None).values_list("pk", flat=True)) or [])
+        paginator = self.paginator
+        assert isinstance(paginator, PageNumberPagination)  # every list here is (DEFAULT_PAGINATION_CLASS)
+        count = paginator.page.paginator.count if paginator.page is not None else 0
+        head = JSONRenderer().render(
+            {"count": count, "next": paginator.get_next_link(), "previous": paginator.get_previous_link()}
+        )
+        chunks = [ids[at : at + self.chunk_rows] for at in range(0, len(ids), self.chunk_rows)]
+
+        def rendered(chunk: list[Any]) -> bytes:
+            found = {row.pk: row for row in rows.filter(pk__in=chunk)}  # one gone since is left out
+            data = self.get_serializer([found[pk] for pk in chunk if pk in found], many=True).data
+            return b",".join(JSONRenderer().render(item) for item in data)
+
+        def parts() -> Iterator[bytes]:
+            yield head[:-1] + b',"results":['
+            first = True
+            for chunk in chunks:
+                if part := rendered(chunk):
+                    yield part if first else b"," + part
+                    first = False
+            yield b"]}"
+
+        content = _read_on_request_thread(parts()) if isinstance(request._request, ASGIRequest) else parts()
+        return StreamingHttpResponse(content, content_type="application/json")
+
+
+async def _read_on_request_thread(parts: Iterator[bytes]) -> AsyncIterator[bytes]:
+    """``parts`` for the event loop to send, each made on the request's thread, as the view was (its
+    database connection, its context): Django would read a plain iterator to its end first."""
+    step = sync_to_async(lambda: next(parts, None), thread_sensitive=True)
+    while (part := await step()) is not None:
+        yield part

@@ -11,7 +11,9 @@ from tools.models import Tool
 
 
 def running_job(*, user: AbstractBaseUser, **fields: Any) -> ExecJob:
-    return ExecJob.objects.create(user=user, code="", toolsets=["demo"], timeout_seconds=30, status="running", **fields)
+    return ExecJob.objects.create(
+        **{"user": user, "code": "", "toolsets": ["demo"], "timeout_seconds": 30, "status": "running", **fields}
+    )
 
 
 def demo_call(*, user: AbstractBaseUser, job: ExecJob | None = None, tool: str = "add", **fields: Any) -> ToolCall:

@@ -1,5 +1,6 @@
 """Hostile clients of sessions, client tools and approvals, second wave: real workers, real HTTP."""
 
+import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import closing
@@ -11,6 +12,7 @@ from django.utils import timezone
 from tests.conftest import Api
 from tests.execution.client_loop import sse_events
 from tests.execution.rival import _a_statement_waits_for_a_lock
+from tests.stack import Stack
 
 
 def _submit(api: Api, code: str, names: list[str]) -> dict[str, Any]:
@@ -131,3 +133,42 @@ def test_a_session_past_its_time_holds_no_place_in_the_jobs_at_once_quota(api: A
     response = api.post("/api/v1/exec", json={"code": "1", "wait": 0})
     assert response.status_code == 201, response.text
     api.http.delete(f"/api/v1/sessions/{session['id']}")
+
+
+def _memory_mb(pid: int, field: str) -> int:
+    """The process's ``VmRSS`` (resident now) or ``VmHWM`` (its peak), in MiB."""
+    with open(f"/proc/{pid}/status") as status:
+        return int(next(line for line in status if line.startswith(f"{field}:")).split()[1]) // 1024
+
+
+def test_a_page_of_heavy_jobs_is_sent_as_it_is_read(stack: Stack, api: Api) -> None:
+    # A list page was built whole before a byte of it was sent: every job with every call's input
+    # and output (up to PTC_MAX_JOB_TOOL_BYTES each), 50 jobs a page by default and up to 500, so one
+    # user's own records could make the web hold tens of gigabytes. A page is now written as it is
+    # read, a job at a time, and the client gets the same page.
+    from django.contrib.auth import get_user_model
+
+    from execution.models import ToolCall
+    from tests.factories import demo_call, running_job
+
+    user = get_user_model().objects.get(username=api.username)
+    payload = "x" * (1 << 20)
+    jobs = [running_job(user=user, status="completed") for _ in range(40)]
+    for job in jobs:  # 4 MiB of outputs each: 160 MiB in the page
+        for _ in range(4):
+            demo_call(user=user, job=job, status=ToolCall.Status.COMPLETED, output=payload)
+    assert stack.web.proc is not None
+    pid = stack.web.proc.pid
+    before = _memory_mb(pid, "VmRSS")
+    with open(f"/proc/{pid}/clear_refs", "w") as refs:  # VmHWM starts again from the RSS of now
+        refs.write("5")
+    with api.http.stream("GET", "/api/v1/exec?page_size=50") as response:
+        assert response.status_code == 200
+        body = b"".join(response.iter_bytes())
+    risen = _memory_mb(pid, "VmHWM") - before
+    page = json.loads(body)
+    assert page["count"] == 40 and page["next"] is None and page["previous"] is None
+    assert [job["id"] for job in page["results"]] == [str(job.pk) for job in reversed(jobs)]  # newest first
+    assert all(len(job["tool_calls"]) == 4 and job["tool_calls"][0]["output"] == payload for job in page["results"])
+    # Built whole, the page took about three times its size (480 MiB here); a job at a time, a fraction of it.
+    assert risen < 160, f"the web's resident size rose {risen} MiB while it sent a 160 MiB page"
