@@ -237,6 +237,10 @@ SUBSCRIBE_TIMEOUT = 5.0
 READ_TIMEOUT = 1.0
 
 
+# The name of each process's subscription connection in Redis's CLIENT LIST.
+SUBSCRIPTIONS_CLIENT = "ptc-subscriptions"
+
+
 class _RedisHub:
     """Every subscription of this process on one pub/sub connection and one reader thread: a
     subscription is one SUBSCRIBE on it, not a connection and a thread of its own (a web process
@@ -505,7 +509,11 @@ class RedisBackplane(Backplane):
         would write to the connection from the reader thread, which only reads."""
         import redis
 
-        return _RedisHub(redis.Redis.from_url(settings.REDIS_URL, socket_keepalive=True, socket_connect_timeout=2))
+        # Named, so an operator tells it in CLIENT LIST (as a test that cuts it does).
+        client = redis.Redis.from_url(
+            settings.REDIS_URL, socket_keepalive=True, socket_connect_timeout=2, client_name=SUBSCRIPTIONS_CLIENT
+        )
+        return _RedisHub(client)
 
     def _subscribe(self, channel: str) -> Subscription:
         return _RedisSubscription(self.hub, channel)

@@ -110,8 +110,9 @@ class CallRouter(Protocol):
         in order. Called on the session's submit threads."""
         ...
 
-    def lookup(self, *, call_id: str) -> dict[str, Any] | None:
-        """Return the reply for a finished call from its record, or None while it runs."""
+    def lookup(self, *, call_id: str) -> "dict[str, Any] | Approved | None":
+        """From its record: a finished call's reply, ``Approved`` for a call approved since it
+        began to wait, or None while it waits or runs."""
         ...
 
     def overdue(self, *, call_id: str) -> dict[str, Any]:
@@ -797,15 +798,17 @@ class Session:
         elif isinstance(message, Cancel):
             self._end("cancelled", "Cancelled", "the job was cancelled")
         elif isinstance(message, Resync):
-            # The channel reconnected: a cancel or results pushed while it was down are lost; the
-            # records are not.
+            # The channel reconnected: a cancel, results or approvals pushed while it was down are
+            # lost; the records are not.
             if not self.heartbeat():
                 self._end("cancelled", "Cancelled", "the job was ended while it ran")
                 return
             for call_id in list(self.in_flight):
-                reply = self.router.lookup(call_id=call_id)
-                if reply is not None:
-                    self._reply(call_id, reply)
+                found = self.router.lookup(call_id=call_id)
+                if isinstance(found, Approved):  # while it waited: its clock runs again
+                    self._on_channel(found)
+                elif found is not None:
+                    self._reply(call_id, found)
 
     def _end(self, status: str, kind: str, message: str) -> None:
         if self.ended is None:

@@ -432,6 +432,11 @@ def tool_needs_approval(*, tool: Tool, policy: Policy) -> bool:
     return tool.requires_approval or tool.toolset.requires_approval or (policy.approval_for_writes and not tool.read_only)
 
 
+def approved_call_timeout(call: ToolCall) -> float:
+    """How long an approved call may run: its tool's timeout (select ``tool`` with the call)."""
+    return float((call.tool.timeout if call.tool else None) or settings.PTC_DEFAULT_TOOL_TIMEOUT)
+
+
 def tool_call_reply(call: ToolCall) -> dict[str, Any]:
     if call.status == ToolCall.Status.COMPLETED:
         return {"ok": True, "result": call.output}

@@ -8,12 +8,14 @@ from typing import Any
 from django.conf import settings
 from django.db import InterfaceError, OperationalError, connection
 
+from execution.backplane import Approved
 from execution.models import ExecJob, ToolCall
 from execution.sandbox.session import Dispatched, Refused
 from execution.services.calls import (
     CALL_TIMEOUT_MESSAGE,
     JOB_ENDED_MESSAGE,
     CallChecker,
+    approved_call_timeout,
     tool_call_build,
     tool_call_finish,
     tool_call_reply,
@@ -123,15 +125,22 @@ class JobCallRouter:
         errors = tool_calls_enqueue(accepted, queued=queued)
         return [Refused(call_id=o.call_id, error=errors[o.call_id]) if o.call_id in errors else o for o in outcomes]
 
-    def lookup(self, *, call_id: str) -> dict[str, Any] | None:
-        """Return the reply for a call that has finished, from its record; None while it runs (or
-        while the database can't say: the call's deadline still holds)."""
+    def lookup(self, *, call_id: str) -> dict[str, Any] | Approved | None:
+        """What the record says of an open call whose push may have been lost (the channel
+        reconnected): its reply if it has finished, ``Approved`` if it was approved and now runs,
+        else None (while it waits or runs, or while the database can't say: its deadline still holds)."""
         try:
-            call = ToolCall.objects.filter(call_id=call_id).exclude(status__in=ToolCall.OPEN).first()
+            call = ToolCall.objects.select_related("tool").filter(call_id=call_id).first()
         except (OperationalError, InterfaceError):
             db_reset()
             return None
-        return None if call is None else tool_call_reply(call)
+        if call is None:
+            return None
+        if call.status not in ToolCall.OPEN:
+            return tool_call_reply(call)
+        if call.status == ToolCall.Status.EXECUTING and call.decision == ToolCall.Decision.APPROVED:
+            return Approved(call_id=call_id, timeout=approved_call_timeout(call))
+        return None
 
     def overdue(self, *, call_id: str) -> dict[str, Any]:
         # The hand-off was lost or the call is stuck: the record decides. A late tools worker

@@ -22,7 +22,13 @@ from execution.backplane import Approved, Result, backplane, job_channel
 from execution.events import event_publish, tool_call_payload
 from execution.models import ExecJob, ToolCall
 from execution.selectors import tool_call_is_client
-from execution.services.calls import call_job_running, tool_call_finish, tool_call_reply, tool_calls_enqueue
+from execution.services.calls import (
+    approved_call_timeout,
+    call_job_running,
+    tool_call_finish,
+    tool_call_reply,
+    tool_calls_enqueue,
+)
 from ptcproject import queues
 from ptcproject.errors import ApplicationError, call_error
 from ptcproject.storage import unstorable
@@ -207,8 +213,7 @@ def tool_call_decide(*, call: ToolCall, actor: User, approve: bool, reason: str 
             call.refresh_from_db()
             backplane().publish(channel, Result(call_id=call.call_id, ok=False, error=errors[call.call_id]))
         else:
-            timeout = float((call.tool.timeout if call.tool else None) or settings.PTC_DEFAULT_TOOL_TIMEOUT)
-            backplane().publish(channel, Approved(call_id=call.call_id, timeout=timeout))
+            backplane().publish(channel, Approved(call_id=call.call_id, timeout=approved_call_timeout(call)))
             event_publish(job_call_id=call.ptc_call_id, event="tool_call_approved", data=tool_call_payload(call))
     else:
         backplane().publish(channel, Result(call_id=call.call_id, **tool_call_reply(call)))

@@ -3,6 +3,7 @@
 This test runs its own Redis server and its own stack on it, so it can restart Redis freely.
 """
 
+import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -11,6 +12,7 @@ import httpx
 import pytest
 
 from ptcproject.accounts.services import user_with_key_create
+from tests.conftest import Api
 from tests.servers import RedisServer
 from tests.stack import Stack, free_port
 
@@ -89,3 +91,64 @@ def test_while_redis_is_down_a_job_is_refused_not_orphaned(redis_stack: tuple[Re
         assert time.monotonic() < deadline, again.text
         time.sleep(0.5)
     assert again.json()["return_value"] == "ok"
+
+
+def _subscriptions_cut(redis: RedisServer) -> int:
+    """Close every process's subscription connection on ``redis``, as a blip of the network would;
+    return how many were closed. Each process reconnects half a second later."""
+    from execution.backplane import SUBSCRIPTIONS_CLIENT
+
+    def cli(*args: str) -> str:
+        return subprocess.run(["redis-cli", "-p", str(redis.port), *args], capture_output=True, text=True, check=True).stdout
+
+    clients = [dict(part.split("=", 1) for part in line.split() if "=" in part) for line in cli("CLIENT", "LIST").splitlines()]
+    ours = [client["id"] for client in clients if client.get("name") == SUBSCRIPTIONS_CLIENT]
+    for client_id in ours:
+        cli("CLIENT", "KILL", "ID", client_id)
+    return len(ours)
+
+
+def test_an_approval_pushed_while_the_worker_reconnects_still_restarts_the_jobs_clock(
+    redis_stack: tuple[RedisServer, Stack],
+) -> None:
+    # A call waiting for an approval stops its job's clock; the Approved push starts it again (and
+    # gives the call its tool's timeout). Pushed while the exec worker's subscription was down, it
+    # was lost, and the reconnect looked up only calls that had finished: the approved call ran
+    # with its job's clock stopped, past the job's timeout.
+    from tests.execution.test_approvals import finished, pending
+    from tests.tools.conftest import unique_key
+    from tests.tools.http_api import HttpApi
+    from tools.sdk import class_name
+
+    redis, stack = redis_stack
+    staff_user, staff_key = user_with_key_create(username=f"staff-{free_port()}", create_user=True, staff=True, credits=0)
+    owner_user, owner_key = user_with_key_create(username=f"owner-{free_port()}", create_user=True, staff=False, credits=100)
+    staff, owner = Api(stack.base_url, staff_key, staff_user.username), Api(stack.base_url, owner_key, owner_user.username)
+    with HttpApi(expected_key="unused") as upstream:
+        key = unique_key("slow")
+        tool = {
+            "name": "wait",
+            "input_schema": {"type": "object", "properties": {"seconds": {"type": "string"}}, "required": ["seconds"]},
+            "requires_approval": True,
+            "http": {"method": "GET", "path": "/slow", "query": ["seconds"]},
+        }
+        made = staff.post(
+            "/api/v1/toolsets",
+            json={
+                "key": key,
+                "name": "Slow",
+                "kind": "http",
+                "config": {"base_url": upstream.url, "timeout": 10},
+                "tools": [tool],
+            },
+        )
+        assert made.status_code == 201, made.text
+        code = f"from ptc_tools.{key} import {class_name(key)} as S\nS.wait(seconds='4')"
+        job = owner.post("/api/v1/exec", json={"code": code, "toolsets": [key], "timeout": 2, "wait": 0}).json()
+        [block] = pending(owner, job["id"])
+        assert _subscriptions_cut(redis) == 1  # the exec worker's (the web subscribes only while a submit waits)
+        decided = owner.post(f"/api/v1/tool-calls/{block['id']}/approval", json={"approve": True})
+        assert decided.status_code == 200, decided.text
+        final = finished(owner, job["id"])
+    # 2 s of the job's own time, of which the 4 s call took the rest: it ends timeout, not completed.
+    assert final["status"] == "timeout", (final["status"], final["error"])
