@@ -91,6 +91,9 @@ class FollowPlace:
 # and Redis's clients are the broker's too: one key opening thousands took them all, from every
 # process. Weak: a place is given back when its holder is gone, however it went.
 _FOLLOWS: dict[int, "weakref.WeakSet[FollowPlace]"] = {}
+# Users who follow nothing are dropped from it when it has grown to twice its size at the last sweep.
+FOLLOW_SWEEP_FROM = 64
+_swept_at = FOLLOW_SWEEP_FROM
 
 
 def follow_admit(*, user_id: int) -> FollowPlace:
@@ -98,6 +101,11 @@ def follow_admit(*, user_id: int) -> FollowPlace:
     stream's generator, an MCP call's frame), or raise ApplicationError ``throttled`` (429) when
     PTC_EVENT_STREAMS_PER_USER are open in this process. Call it on the event loop: the count and
     the place taken with no await between them."""
+    global _swept_at
+    if len(_FOLLOWS) > 2 * _swept_at:  # the users who follow nothing now, forgotten: kept, they added up
+        for idle in [user for user, held in _FOLLOWS.items() if not held]:
+            del _FOLLOWS[idle]
+        _swept_at = max(len(_FOLLOWS), FOLLOW_SWEEP_FROM)
     places = _FOLLOWS.setdefault(user_id, weakref.WeakSet())
     if len(places) >= settings.PTC_EVENT_STREAMS_PER_USER:
         raise ApplicationError(

@@ -245,3 +245,14 @@ def test_the_cli_follows_a_job_and_exits_by_its_outcome(api: Api, stack_env: dic
     assert failed.returncode == 1
     assert "status failed" in failed.stdout
     assert "ZeroDivisionError: division by zero" in failed.stdout
+
+
+def test_a_process_forgets_the_users_who_follow_nothing() -> None:
+    # Each user who ever opened an event stream or an MCP job call kept an entry (an empty set of
+    # places) in the process's table for its whole life: one per user, however long ago.
+    from execution import events
+
+    for user_id in range(10_000_000, 10_002_000):
+        place = events.follow_admit(user_id=user_id)
+        del place  # the stream ended: its place is given back
+    assert len(events._FOLLOWS) <= 2 * events.FOLLOW_SWEEP_FROM + 1
