@@ -3,6 +3,7 @@ import uuid
 from typing import Any
 
 from django.contrib import admin, messages
+from django.contrib.admin.views.main import ChangeList
 from django.db.models import QuerySet
 from django.http import Http404, HttpRequest, HttpResponse, HttpResponseNotAllowed, HttpResponseRedirect
 from django.urls import URLPattern, path, reverse
@@ -21,6 +22,18 @@ def _pre(value: Any) -> str:
         return "-"  # the admin's empty value, rather than an empty box or "null"
     text = value if isinstance(value, str) else json.dumps(value, indent=2, sort_keys=True)
     return format_html('<pre style="white-space:pre-wrap;max-height:30em;overflow:auto">{}</pre>', text)
+
+
+def _list_without(*fields: str) -> type[ChangeList]:
+    """Return a list page that leaves ``fields`` unread: columns it does not show, that may each hold
+    megabytes (a job's stdout, a call's output). Read, 100 rows of them were hundreds of MB a page
+    load; the change page of one row still reads them all."""
+
+    class Deferred(ChangeList):
+        def get_queryset(self, request: HttpRequest, exclude_parameters: Any = None) -> QuerySet[Any]:
+            return super().get_queryset(request, exclude_parameters).defer(*fields)
+
+    return Deferred
 
 
 @admin.register(ExecJob)
@@ -52,6 +65,11 @@ class ExecJobAdmin(admin.ModelAdmin):
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[ExecJob]:
         return super().get_queryset(request).select_related("user")
+
+    def get_changelist(self, request: HttpRequest, **kwargs: Any) -> type[ChangeList]:
+        return _list_without(
+            "code", "stdout", "stderr", "return_value", "error", "client_tools", "output_files", "output_files_omitted"
+        )
 
     def render_change_form(
         self,
@@ -145,6 +163,9 @@ class ToolCallAdmin(admin.ModelAdmin):
     search_fields = ("call_id", "ptc_call_id", "tool_name", "user__username")
     date_hierarchy = "started_at"
     readonly_fields = [f.name for f in ToolCall._meta.fields]
+
+    def get_changelist(self, request: HttpRequest, **kwargs: Any) -> type[ChangeList]:
+        return _list_without("input", "output", "error")
 
     def has_add_permission(self, request: Any) -> bool:
         return False

@@ -1,0 +1,111 @@
+"""Hostile tests of the admin's pages: what one page load reads, however big the rows it lists."""
+
+import tracemalloc
+import uuid
+from collections.abc import Callable
+from datetime import timedelta
+
+from django.contrib.auth import get_user_model
+from django.contrib.auth.models import User
+from django.test import Client
+from django.utils import timezone
+
+from execution.models import ExecJob, ToolCall
+
+MB = 1024 * 1024
+# A list page shows 100 rows of short columns: a few MB of Python for them is plenty.
+LIST_PAGE_BUDGET = 20 * MB
+
+
+def _staff_client() -> Client:
+    staff = get_user_model().objects.create_user(username=f"hh-admin-{uuid.uuid4().hex[:6]}", is_staff=True, is_superuser=True)
+    client = Client()
+    client.force_login(staff)
+    return client
+
+
+def _peak_of(load: Callable[[], object]) -> int:
+    """Return the most memory the Python heap held above its start while ``load`` ran."""
+    tracemalloc.start()
+    try:
+        tracemalloc.reset_peak()
+        start, _ = tracemalloc.get_traced_memory()
+        load()
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    return peak - start
+
+
+def _user() -> User:
+    return get_user_model().objects.create_user(username=f"hh-{uuid.uuid4().hex[:8]}")
+
+
+def test_the_job_list_does_not_read_every_jobs_output() -> None:
+    """100 jobs that each printed the default cap (1 MB of stdout, 1 MB of stderr): the list page
+    shows their ids, users, statuses and titles, and must not read 200 MB of output to do it."""
+    client = _staff_client()
+    user = _user()
+    now = timezone.now()
+    ExecJob.objects.bulk_create(
+        ExecJob(
+            user=user,
+            code="print('x' * 10**6)",
+            toolsets=["demo"],
+            timeout_seconds=60,
+            status="completed",
+            title=f"job {i}",
+            started_at=now - timedelta(seconds=2),
+            finished_at=now,
+            stdout="x" * MB,
+            stderr="y" * MB,
+        )
+        for i in range(100)
+    )
+    url = f"/admin/execution/execjob/?user__id__exact={user.pk}"
+    client.get(url)  # warm-up: the session, content types, caches
+    response = None
+
+    def load() -> None:
+        nonlocal response
+        response = client.get(url)
+
+    peak = _peak_of(load)
+    assert response is not None and response.status_code == 200
+    assert response.content.decode().count("job 9") == 11  # job 9, job 90..99: the rows are there
+    assert peak < LIST_PAGE_BUDGET, f"the job list page held {peak / MB:.0f} MB to show 100 rows"
+
+
+def test_the_tool_call_list_does_not_read_every_calls_input_and_output() -> None:
+    """100 calls with an input and an output of 1 MB each (the default cap): the list shows their
+    ids, tools, statuses and credits, and must not read 200 MB of JSON to do it."""
+    client = _staff_client()
+    user = _user()
+    now = timezone.now()
+    ToolCall.objects.bulk_create(
+        ToolCall(
+            call_id=f"standalone_{uuid.uuid4().hex}",
+            type="standalone",
+            user=user,
+            toolset_key="demo",
+            tool_name="echo",
+            input={"value": "v" * MB},
+            output="v" * MB,
+            status="completed",
+            started_at=now,
+            finished_at=now,
+        )
+        for _ in range(100)
+    )
+    url = f"/admin/execution/toolcall/?q={user.username}"
+    client.get(url)
+    response = None
+
+    def load() -> None:
+        nonlocal response
+        response = client.get(url)
+
+    peak = _peak_of(load)
+    assert response is not None and response.status_code == 200
+    assert response.content.decode().count("standalone_") >= 100
+    assert peak < LIST_PAGE_BUDGET, f"the tool call list page held {peak / MB:.0f} MB to show 100 rows"
