@@ -4,7 +4,8 @@ from typing import Any
 
 from django.contrib import admin, messages
 from django.contrib.admin.views.main import ChangeList
-from django.db.models import QuerySet
+from django.db.models import QuerySet, TextField
+from django.db.models.functions import Cast, Left, Length
 from django.http import Http404, HttpRequest, HttpResponse, HttpResponseNotAllowed, HttpResponseRedirect
 from django.urls import URLPattern, path, reverse
 from django.utils.html import format_html, format_html_join
@@ -12,7 +13,7 @@ from django.utils.html import format_html, format_html_join
 from execution.models import ExecJob, ExecSession, ToolCall, WorkFile
 from execution.selectors import tool_calls_for
 from execution.services.waiting import tool_call_decide
-from execution.timeline import timeline_build
+from execution.timeline import PREVIEW_CHARS, clipped, timeline_build
 from ptcproject.accounts.authentication import signed_in_user
 from ptcproject.errors import ApplicationError
 
@@ -82,10 +83,27 @@ class ExecJobAdmin(admin.ModelAdmin):
     ) -> HttpResponse:
         if obj is not None:
             calls_url = reverse("admin:execution_toolcall_changelist")
-            # One query for all the calls, however many; nothing below touches a related row.
-            calls = (
-                tool_calls_for(user=signed_in_user(request)).filter(exec_job=obj).select_related("decided_by", "tool__toolset")
+            # One query for all the calls, however many; nothing below touches a related row. Of
+            # their inputs and outputs, only as much as a preview shows: read whole, a job's 1,000
+            # calls of 64 KB each were 300 MB of Python to draw a page that shows none of it.
+            previews = {
+                f"{name}_{part}": expression
+                for name in ("input", "output")
+                for part, expression in (
+                    ("head", Left(Cast(name, TextField()), PREVIEW_CHARS + 1)),
+                    ("length", Length(Cast(name, TextField()))),
+                )
+            }
+            calls = list(
+                tool_calls_for(user=signed_in_user(request))
+                .filter(exec_job=obj)
+                .select_related("decided_by", "tool__toolset")
+                .defer("input", "output")
+                .annotate(**previews)
             )
+            for call in calls:
+                for name in ("input", "output"):
+                    setattr(call, name, clipped(getattr(call, f"{name}_head"), getattr(call, f"{name}_length")))
             decide = reverse("admin:execution_execjob_decide", args=[obj.pk])
             context["timeline"] = timeline_build(
                 job=obj,

@@ -9,6 +9,7 @@ import heapq
 import json
 import math
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
@@ -56,7 +57,27 @@ def _fmt_ms(value: float) -> str:
     return f"{value:.2f} ms" if value else "0 ms"
 
 
+@dataclass(frozen=True)
+class Clipped:
+    """The head of a call's input or output too long to read whole for its preview: ``text``, the
+    first characters of the value as stored, of ``length`` in all (``clipped`` makes one)."""
+
+    text: str
+    length: int
+
+
+def clipped(head: str | None, length: int | None) -> Any:
+    """Return what a preview shows of a JSON value of which the database gave the ``head`` (at least
+    PREVIEW_CHARS + 1 characters of its text, or all of it) and the ``length``: the value itself
+    when that is all of it, else a Clipped. None for SQL NULL."""
+    if head is None or length is None:
+        return None
+    return json.loads(head) if len(head) >= length else Clipped(text=head, length=length)
+
+
 def _json_preview(value: Any, limit: int) -> str:
+    if isinstance(value, Clipped):
+        return value.text[:limit] + f"… ({value.length - limit:,} more characters)"
     text = value if isinstance(value, str) else json.dumps(value, indent=1, sort_keys=True, default=str)
     return text if len(text) <= limit else text[:limit] + f"… ({len(text) - limit:,} more characters)"
 
@@ -78,6 +99,8 @@ def _waited_ms(call: ToolCall, start_ms: float, end_ms: float, origin: datetime)
 
 
 def _one_line(value: Any, limit: int) -> str:
+    if isinstance(value, Clipped):
+        return value.text[:limit] + "…"
     text = value if isinstance(value, str) else json.dumps(value, sort_keys=True, default=str)
     return text if len(text) <= limit else text[:limit] + "…"
 

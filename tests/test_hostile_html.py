@@ -109,3 +109,63 @@ def test_the_tool_call_list_does_not_read_every_calls_input_and_output() -> None
     assert response is not None and response.status_code == 200
     assert response.content.decode().count("standalone_") >= 100
     assert peak < LIST_PAGE_BUDGET, f"the tool call list page held {peak / MB:.0f} MB to show 100 rows"
+
+
+def test_a_jobs_page_does_not_read_every_calls_whole_input_and_output() -> None:
+    """A job within its limits: 1,000 calls (max_tool_calls) whose outputs add up to 64 MB
+    (PTC_MAX_JOB_TOOL_BYTES), each a list of products as catalog_search returns. Its page draws the
+    calls aggregated and shows a preview of a call's input and output at most: it must not read
+    and decode every byte of them."""
+    client = _staff_client()
+    user = _user()
+    start = timezone.now() - timedelta(minutes=1)
+    job = ExecJob.objects.create(
+        user=user,
+        code="...",
+        toolsets=["demo"],
+        timeout_seconds=60,
+        status="completed",
+        started_at=start,
+        finished_at=start + timedelta(seconds=30),
+    )
+    product = {"id": 1, "name": "Gold watch", "category": "watches", "price": 100, "stock": 3}
+    products = [product] * (64 * 1024 // 80)  # about 64 KB of JSON per call
+    ToolCall.objects.bulk_create(
+        ToolCall(
+            call_id=f"ptc_{uuid.uuid4().hex}",
+            type="ptc",
+            exec_job=job,
+            ptc_call_id=job.call_id,
+            user=user,
+            toolset_key="demo",
+            tool_name="catalog_search",
+            input={"query": "watch"},
+            output=products,
+            status="completed",
+            credits=1,
+            started_at=start + timedelta(milliseconds=i * 20),
+            finished_at=start + timedelta(milliseconds=i * 20 + 15),
+        )
+        for i in range(1000)
+    )
+    url = f"/admin/execution/execjob/{job.pk}/change/"
+    client.get(url)
+    response = None
+
+    def load() -> None:
+        nonlocal response
+        response = client.get(url)
+
+    peak = _peak_of(load)
+    assert response is not None and response.status_code == 200
+    assert 'data-aggregated="true"' in response.content.decode()
+    assert peak < 50 * MB, f"the job's page held {peak / MB:.0f} MB to draw 1,000 calls"
+
+    # Drawn as bars, a few of the calls: a small input is shown whole, as before; a big output's
+    # preview says how much more there is.
+    ToolCall.objects.filter(exec_job=job).exclude(pk__in=ToolCall.objects.filter(exec_job=job)[:3]).delete()
+    html = client.get(url).content.decode()
+    assert 'data-aggregated="true"' not in html
+    assert '"{\\n \\"query\\": \\"watch\\"\\n}"' in html
+    assert "more characters)" in html
+    assert "input: {&quot;query&quot;: &quot;watch&quot;}" in html  # a bar's title
