@@ -169,3 +169,27 @@ def test_a_jobs_page_does_not_read_every_calls_whole_input_and_output() -> None:
     assert '"{\\n \\"query\\": \\"watch\\"\\n}"' in html
     assert "more characters)" in html
     assert "input: {&quot;query&quot;: &quot;watch&quot;}" in html  # a bar's title
+
+
+def test_a_key_is_revoked_in_the_admin_never_deleted_with_its_audit_trail() -> None:
+    """A key's events say who made it, changed its expiry and revoked it, and are kept for good:
+    the API revokes and never deletes. The admin's delete erased the key and every event of it,
+    and recorded nothing."""
+    from ptcproject.accounts.models import ApiKey, ApiKeyEvent
+    from ptcproject.accounts.services import api_key_create
+
+    client = _staff_client()
+    key, _ = api_key_create(user=_user(), name="ci", source="api")
+    assert ApiKeyEvent.objects.filter(key=key, action="created").exists()
+    for url, data in (
+        (f"/admin/accounts/apikey/{key.pk}/delete/", {"post": "yes"}),
+        ("/admin/accounts/apikey/", {"action": "delete_selected", "_selected_action": [key.pk], "post": "yes"}),
+    ):
+        client.post(url, data)
+        assert ApiKey.objects.filter(pk=key.pk).exists(), url
+        assert ApiKeyEvent.objects.filter(key=key, action="created").exists(), url
+    # Revoking is the way, and it is audited.
+    client.post("/admin/accounts/apikey/", {"action": "revoke", "_selected_action": [key.pk]})
+    key.refresh_from_db()
+    assert key.revoked_at is not None
+    assert ApiKeyEvent.objects.filter(key=key, action="revoked", details__source="admin").exists()

@@ -36,6 +36,11 @@ class ApiKeyAdmin(admin.ModelAdmin):
         # user, with no audit of the move. To give someone a key, make them one.
         return (*self.readonly_fields, "user") if obj is not None else self.readonly_fields
 
+    def has_delete_permission(self, request: HttpRequest, obj: ApiKey | None = None) -> bool:
+        # A key is revoked, never deleted, as over the API: a delete took its audit trail (who made
+        # it, changed its expiry, revoked it) with it, and recorded nothing.
+        return False
+
     def get_inlines(self, request: HttpRequest, obj: ApiKey | None) -> list[Any]:
         return list(self.inlines) if obj is not None else []  # a key being added has no history yet
 
