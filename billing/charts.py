@@ -3,10 +3,25 @@
 from django.utils.html import escape
 
 PALETTE = ("#2563eb", "#16a34a", "#dc2626", "#d97706", "#7c3aed", "#0891b2", "#db2777", "#65a30d", "#475569")
+# The most series drawn each in its own place: past it, the smallest are one series, "N others".
+MAX_SERIES = len(PALETTE) * 10  # the colours the bars and the legend go through
+
+
+def _folded(series: dict[str, list[int]]) -> dict[str, list[int]]:
+    """Return ``series`` with at most MAX_SERIES of them: the largest (by total) as they are, the
+    rest added up into one, last. Every credit is in one of them."""
+    if len(series) <= MAX_SERIES:
+        return series
+    largest = set(sorted(series, key=lambda name: sum(series[name]), reverse=True)[: MAX_SERIES - 1])
+    rest = [values for name, values in series.items() if name not in largest]
+    kept = {name: values for name, values in series.items() if name in largest}
+    return {**kept, f"{len(rest)} others": [sum(day) for day in zip(*rest, strict=True)]}
 
 
 def stacked_bars_svg(*, labels: list[str], series: dict[str, list[int]], width: int = 900, height: int = 260) -> str:
-    """Return an SVG of one stacked bar per label, one colour per series, with axes and a legend."""
+    """Return an SVG of one stacked bar per label, one colour per series, with axes and a legend.
+    Past MAX_SERIES series, the smallest are drawn as one (``_folded``)."""
+    series = _folded(series)
     left, bottom, top = 48, 40, 12
     plot_w, plot_h = width - left - 12, height - bottom - top
     totals = [sum(values[i] for values in series.values()) for i in range(len(labels))]

@@ -193,3 +193,19 @@ def test_a_key_is_revoked_in_the_admin_never_deleted_with_its_audit_trail() -> N
     key.refresh_from_db()
     assert key.revoked_at is not None
     assert ApiKeyEvent.objects.filter(key=key, action="revoked", details__source="admin").exists()
+
+
+def test_the_usage_chart_draws_every_users_credits_however_many_users() -> None:
+    """Per user, a deployment has far more than the chart's colours. A day's bar is the credits
+    spent that day, all of them: a series past the 90th was left out of the bars and the legend,
+    while the axis still counted it (100 users spending 1 credit each drew 90 credits)."""
+    import re
+
+    from billing.charts import stacked_bars_svg
+
+    series = {f"user-{i:03}": [1, 2] for i in range(100)}
+    svg = stacked_bars_svg(labels=["2025-01-01", "2025-01-02"], series=series)
+    drawn = [int(n) for n in re.findall(r"<title>2025-01-01 · [^<]*: (\d+) credits</title>", svg)]
+    assert sum(drawn) == 100, f"the day's bar draws {sum(drawn)} of its 100 credits"
+    legend = re.findall(r"<text [^>]*>([^<]*) \((\d+)\)</text>", svg)
+    assert sum(int(total) for _, total in legend) == 300, legend[-3:]
