@@ -1,5 +1,6 @@
 """Hostile tests of the admin's pages: what one page load reads, however big the rows it lists."""
 
+import re
 import tracemalloc
 import uuid
 from collections.abc import Callable
@@ -199,8 +200,6 @@ def test_the_usage_chart_draws_every_users_credits_however_many_users() -> None:
     """Per user, a deployment has far more than the chart's colours. A day's bar is the credits
     spent that day, all of them: a series past the 90th was left out of the bars and the legend,
     while the axis still counted it (100 users spending 1 credit each drew 90 credits)."""
-    import re
-
     from billing.charts import stacked_bars_svg
 
     series = {f"user-{i:03}": [1, 2] for i in range(100)}
@@ -209,3 +208,39 @@ def test_the_usage_chart_draws_every_users_credits_however_many_users() -> None:
     assert sum(drawn) == 100, f"the day's bar draws {sum(drawn)} of its 100 credits"
     legend = re.findall(r"<text [^>]*>([^<]*) \((\d+)\)</text>", svg)
     assert sum(int(total) for _, total in legend) == 300, legend[-3:]
+
+
+def test_the_policy_page_does_not_read_its_whole_history() -> None:
+    """Every edit of the policy is kept (PolicyChange), the allowlist's old and new lists in each:
+    a rollout that adds its users a few at a time, 1,000 edits of a 2,000-name allowlist, is 60 MB
+    of history. The policy's page shows the latest edits, not every one ever made."""
+    from ptcproject.policy.models import PolicyChange
+    from ptcproject.policy.selectors import POLICY_PK
+    from ptcproject.policy.services import policy_ensure
+
+    client = _staff_client()
+    policy_ensure()
+    names = [f"rollout-user-{i:05}" for i in range(2000)]
+    made = PolicyChange.objects.bulk_create(
+        PolicyChange(policy_id=POLICY_PK, changes={"user_allowlist": [names[: 1000 + i], names[: 1001 + i]]}) for i in range(1000)
+    )
+    try:
+        url = f"/admin/policy/policy/{POLICY_PK}/change/"
+        client.get(url)
+        response = None
+
+        def load() -> None:
+            nonlocal response
+            response = client.get(url)
+
+        peak = _peak_of(load)
+        assert response is not None and response.status_code == 200
+        assert peak < 50 * MB, f"the policy's page held {peak / MB:.0f} MB"
+        assert len(response.content) < 10 * MB, f"the policy's page is {len(response.content) / MB:.0f} MB of HTML"
+        # The whole history is still there to read, a page at a time.
+        listed = client.get("/admin/policy/policychange/")
+        assert listed.status_code == 200
+        total = re.search(r"([\d,]+) policy changes", listed.content.decode())
+        assert total is not None and int(total.group(1).replace(",", "")) >= 1000
+    finally:
+        PolicyChange.objects.filter(pk__in=[change.pk for change in made]).delete()
