@@ -814,7 +814,11 @@ def exec_jobs_reap() -> int:
     # claimed call within that is its lease's to end (tool_calls_reap), however long its tool runs.
     abandoned = timezone.now() - timedelta(seconds=settings.PTC_DEFAULT_TOOL_TIMEOUT * 2 + settings.PTC_JOB_LEASE_SECONDS)
     overdue = timezone.now() - timedelta(seconds=settings.PTC_TIMEOUT_CEILING + 2 * settings.PTC_JOB_LEASE_SECONDS)
-    never_taken = Q(~call_job_running()) & Q(claimed_at__isnull=True, started_at__lt=abandoned)
+    # A managed container's job runs until someone cancels it: its call that no worker took (the
+    # web process that recorded it and held its price died before it queued it) is abandoned as a
+    # standalone call is, or it stayed executing, its price held, for the job's life.
+    in_container = Exists(ExecJob.objects.filter(pk=OuterRef("exec_job_id")).exclude(container_id=""))
+    never_taken = Q(~call_job_running() | in_container) & Q(claimed_at__isnull=True, started_at__lt=abandoned)
     stuck = Q(claimed_at__isnull=False, started_at__lt=overdue)
     ToolCall.objects.filter(never_taken | stuck, status=ToolCall.Status.EXECUTING).update(
         status=ToolCall.Status.FAILED,
