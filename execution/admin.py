@@ -25,6 +25,15 @@ def _pre(value: Any) -> str:
     return format_html('<pre style="white-space:pre-wrap;max-height:30em;overflow:auto">{}</pre>', text)
 
 
+# The most calls a job's page draws (a managed container's job has no bound on them), and what it
+# reads of each: its input and output are read only as far as their previews (timeline.clipped).
+DRAWN_MAX = 5000
+TIMELINE_FIELDS = (
+    *("call_id", "toolset_key", "tool_name", "status", "started_at", "finished_at", "credits", "error"),
+    *("decision", "decided_at", "decision_reason", "decided_by__username", "tool__toolset__kind"),
+)
+
+
 def _list_without(*fields: str) -> type[ChangeList]:
     """Return a list page that leaves ``fields`` unread: columns it does not show, that may each hold
     megabytes (a job's stdout, a call's output). Read, 100 rows of them were hundreds of MB a page
@@ -94,13 +103,20 @@ class ExecJobAdmin(admin.ModelAdmin):
                     ("length", Length(Cast(name, TextField()))),
                 )
             }
-            calls = list(
+            # At most DRAWN_MAX of them, and of each only what the timeline reads (no tool or toolset
+            # row beyond its kind): a managed container's job runs until cancelled, with no bound on
+            # its calls, and 20,000 of them whole were 140 MB a load.
+            rows = (
                 tool_calls_for(user=signed_in_user(request))
                 .filter(exec_job=obj)
                 .select_related("decided_by", "tool__toolset")
-                .defer("input", "output")
+                .only(*TIMELINE_FIELDS)
                 .annotate(**previews)
             )
+            calls = list(rows[: DRAWN_MAX + 1])
+            if len(calls) > DRAWN_MAX:  # one query more, for such a job only
+                calls = calls[:DRAWN_MAX]
+                context["timeline_total"] = rows.count()
             for call in calls:
                 for name in ("input", "output"):
                     setattr(call, name, clipped(getattr(call, f"{name}_head"), getattr(call, f"{name}_length")))

@@ -1,6 +1,7 @@
 """Hostile tests of the admin's pages: what one page load reads, however big the rows it lists."""
 
 import re
+import time
 import tracemalloc
 import uuid
 from collections.abc import Callable
@@ -244,3 +245,56 @@ def test_the_policy_page_does_not_read_its_whole_history() -> None:
         assert total is not None and int(total.group(1).replace(",", "")) >= 1000
     finally:
         PolicyChange.objects.filter(pk__in=[change.pk for change in made]).delete()
+
+
+def test_a_managed_containers_page_does_not_read_every_call_it_ever_made() -> None:
+    """A managed container's job runs until cancelled, and has no max_tool_calls: its calls add up
+    without end. Its page draws them aggregated; one load must not hold every call ever made, each
+    with its tool and toolset rows."""
+    from tests.factories import demo_call
+
+    client = _staff_client()
+    user = _user()
+    start = timezone.now() - timedelta(hours=1)
+    job = ExecJob.objects.create(
+        user=user, container_id=f"cntr_{uuid.uuid4().hex[:12]}", status="running", code="", timeout_seconds=0, started_at=start
+    )
+    template = demo_call(user=user, job=job, started_at=start, status="completed", finished_at=start, output=2)
+    count = 20_000
+    ToolCall.objects.bulk_create(
+        ToolCall(
+            call_id=f"ptc_{uuid.uuid4().hex}",
+            type="ptc",
+            exec_job=job,
+            ptc_call_id=job.call_id,
+            user=user,
+            toolset_key="demo",
+            tool_name="add",
+            tool_id=template.tool_id,
+            input={"a": 1, "b": 1},
+            output=2,
+            status="completed",
+            credits=1,
+            started_at=start + timedelta(milliseconds=i * 100),
+            finished_at=start + timedelta(milliseconds=i * 100 + 20),
+        )
+        for i in range(count)
+    )
+    url = f"/admin/execution/execjob/{job.pk}/change/"
+    client.get(url)
+    response = None
+
+    def load() -> None:
+        nonlocal response
+        response = client.get(url)
+
+    started = time.monotonic()
+    peak = _peak_of(load)
+    took = time.monotonic() - started
+    assert response is not None and response.status_code == 200
+    assert peak < 50 * MB, f"the container's page held {peak / MB:.0f} MB for {count:,} calls ({took:.1f} s)"
+    html = response.content.decode()
+    assert (
+        f"the first 5000 of the job&#x27;s {count + 1} calls" in html or f"the first 5000 of the job's {count + 1} calls" in html
+    )
+    assert f"?exec_job={job.pk}" in html  # all of them, a page at a time
