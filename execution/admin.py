@@ -49,7 +49,8 @@ def _list_without(*fields: str) -> type[ChangeList]:
 @admin.register(ExecJob)
 class ExecJobAdmin(admin.ModelAdmin):
     list_display = ("call_id", "user", "status", "title", "created_at", "execution_time_seconds")
-    list_filter = ("status", "created_at", "user")
+    # Not by user: the filter listed every user of the deployment on each load. Search by username.
+    list_filter = ("status", "created_at")
     search_fields = ("call_id", "id", "title", "user__username")
     date_hierarchy = "created_at"
     # The tool calls are drawn as a timeline above these (change_form.html), from one query; a
@@ -220,7 +221,7 @@ class WorkFileInline(admin.TabularInline):
 @admin.register(ExecSession)
 class ExecSessionAdmin(admin.ModelAdmin):
     list_display = ("id", "user", "status", "worker", "jobs_run", "created_at", "last_used_at", "expires_at")
-    list_filter = ("status", "created_at", "user")
+    list_filter = ("status", "created_at")  # not by user: as for jobs
     search_fields = ("id", "worker", "user__username")
     date_hierarchy = "created_at"
     readonly_fields = [f.name for f in ExecSession._meta.fields]

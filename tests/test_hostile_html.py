@@ -298,3 +298,92 @@ def test_a_managed_containers_page_does_not_read_every_call_it_ever_made() -> No
         f"the first 5000 of the job&#x27;s {count + 1} calls" in html or f"the first 5000 of the job's {count + 1} calls" in html
     )
     assert f"?exec_job={job.pk}" in html  # all of them, a page at a time
+
+
+XSS = '<img src=x onerror="alert(1)"><script>alert(2)</script>'
+
+
+def test_what_users_and_toolset_authors_write_is_text_on_every_staff_page() -> None:
+    """A job's title, code, output and error, a call's input, output, error and approval reason, a
+    tool's name and description (an MCP server's), a key's name and a toolset key in the usage
+    chart: staff read them all in the admin, where each must stay text, never markup."""
+    from billing.models import CreditUsage
+    from ptcproject.accounts.services import api_key_create
+    from tests.factories import demo_call
+    from tools.models import Tool, Toolset
+
+    client = _staff_client()
+    user = get_user_model().objects.create_user(username=f"hh-{uuid.uuid4().hex[:6]}")
+    toolset = Toolset.objects.create(key=f"x{uuid.uuid4().hex[:8]}", name=XSS, kind="http", owner=user, description=XSS)
+    tool = Tool.objects.create(toolset=toolset, name="evil", remote_name=XSS, description=XSS, input_schema={"title": XSS})
+    now = timezone.now()
+    job = ExecJob.objects.create(
+        user=user,
+        title=XSS,
+        code=XSS,
+        toolsets=[toolset.key],
+        timeout_seconds=30,
+        status="failed",
+        started_at=now,
+        finished_at=now,
+        stdout=XSS,
+        stderr=XSS,
+        return_value=XSS,
+        error={"type": XSS, "message": XSS, "traceback": XSS},
+    )
+    waiting = demo_call(user=user, job=job, input={XSS: XSS}, status="awaiting_approval")
+    done = demo_call(user=user, job=job, input={"v": XSS}, output={XSS: XSS}, status="completed", finished_at=now)
+    ToolCall.objects.filter(pk=done.pk).update(decision="denied", decision_reason=XSS, decided_at=now)
+    key, _ = api_key_create(user=user, name=XSS[:100], source="api")
+    CreditUsage.objects.create(
+        user=user, tool_call_id=f"x_{uuid.uuid4().hex}", tool_call_meta={"toolsetKey": XSS}, amount=1, due_amount=1
+    )
+    pages = [
+        f"/admin/execution/execjob/{job.pk}/change/",
+        f"/admin/execution/execjob/?q={job.call_id}",
+        f"/admin/execution/toolcall/{waiting.pk}/change/",
+        f"/admin/execution/toolcall/{done.pk}/change/",
+        f"/admin/execution/toolcall/?q={user.username}",
+        f"/admin/tools/toolset/{toolset.pk}/change/",
+        f"/admin/tools/tool/{tool.pk}/change/",
+        f"/admin/tools/tool/?q={toolset.key}",
+        f"/admin/accounts/apikey/{key.pk}/change/",
+        f"/admin/accounts/apikey/?q={user.username}",
+        "/admin/billing/creditusage/chart/",
+    ]
+    for page in pages:
+        response = client.get(page)
+        assert response.status_code == 200, page
+        html = response.content.decode()
+        assert "<script>alert(2)" not in html and "<img src=x" not in html, page
+
+
+def test_the_job_and_session_lists_do_not_read_every_user_for_their_filters() -> None:
+    """The lists of jobs and of sessions filtered by user: their sidebar listed every user of the
+    deployment, each a row read and a link drawn, on every load; so did the form that adds a key,
+    in its owner's select. 50,000 users are a few MB of HTML a load."""
+    get_user_model().objects.bulk_create(get_user_model()(username=f"hh-many-{uuid.uuid4().hex}") for _ in range(50_000))
+    client = _staff_client()
+    for url in (
+        "/admin/policy/policy/try/",
+        "/admin/accounts/apikey/add/",
+        "/admin/execution/execsession/",
+        "/admin/execution/execjob/?status__exact=completed",
+    ):
+        client.get(url)
+        response = None
+
+        def load() -> None:
+            nonlocal response
+            response = client.get(url)  # noqa: B023 - called at once, in this iteration
+
+        peak = _peak_of(load)
+        assert response is not None and response.status_code == 200
+        assert peak < LIST_PAGE_BUDGET, f"{url} held {peak / MB:.0f} MB"
+        assert len(response.content) < 1 * MB, f"{url} is {len(response.content) / MB:.1f} MB of HTML"
+    # The try page's user is searched for instead, as the key's owner is.
+    for app, model in (("accounts", "usersettings"), ("accounts", "apikey")):
+        found = client.get(
+            "/admin/autocomplete/", {"app_label": app, "model_name": model, "field_name": "user", "term": "hh-many-"}
+        )
+        assert found.status_code == 200 and found.json()["results"], (app, model)

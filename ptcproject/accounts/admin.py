@@ -30,6 +30,7 @@ class ApiKeyAdmin(admin.ModelAdmin):
     fields = ("user", "name", "expires_at", "prefix", "exec_job", "created_at", "last_used_at", "revoked_at")
     actions = ("revoke",)
     inlines = (ApiKeyEventInline,)
+    autocomplete_fields = ("user",)  # a key's owner is searched for: a select drew every user
 
     def get_readonly_fields(self, request: HttpRequest, obj: ApiKey | None = None) -> Any:
         # A key is its user's for life: moved to another user, whoever holds it would act as that

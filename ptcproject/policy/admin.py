@@ -2,6 +2,7 @@ from typing import Any
 
 from django import forms
 from django.contrib import admin
+from django.contrib.admin.widgets import AutocompleteSelect
 from django.contrib.auth import get_user_model
 from django.db.models import QuerySet
 from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
@@ -9,6 +10,7 @@ from django.template.response import TemplateResponse
 from django.urls import URLPattern, path, reverse
 
 from ptcproject.accounts.authentication import signed_in_user
+from ptcproject.accounts.models import UserSettings
 from ptcproject.policy.models import Policy, PolicyChange
 from ptcproject.policy.selectors import POLICY_PK, policy_get, ptc_decision
 from ptcproject.policy.serializers import PolicySerializer
@@ -76,7 +78,11 @@ class PolicyChangeAdmin(admin.ModelAdmin):
 
 
 class DecisionForm(forms.Form):
-    user = forms.ModelChoiceField(queryset=get_user_model().objects.order_by("username"))
+    # Searched for by username, as the admin's other user fields are: a select drew every user.
+    user = forms.ModelChoiceField(
+        queryset=get_user_model().objects.order_by("username"),
+        widget=AutocompleteSelect(UserSettings._meta.get_field("user"), admin.site),
+    )
     toolsets = forms.ModelMultipleChoiceField(
         queryset=Toolset.objects.order_by("key"),
         to_field_name="key",
