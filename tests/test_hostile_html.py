@@ -387,3 +387,33 @@ def test_the_job_and_session_lists_do_not_read_every_user_for_their_filters() ->
             "/admin/autocomplete/", {"app_label": app, "model_name": model, "field_name": "user", "term": "hh-many-"}
         )
         assert found.status_code == 200 and found.json()["results"], (app, model)
+
+
+def test_state_changing_admin_and_api_requests_need_the_csrf_token_of_a_staff_session() -> None:
+    """A staff member's browser, signed in to the admin, must not approve a call, cancel a job,
+    grant credits or revoke a key because another site posted to it."""
+    from billing.models import LedgerEntry
+    from tests.factories import demo_call
+
+    staff = get_user_model().objects.create_user(username=f"hh-csrf-{uuid.uuid4().hex[:6]}", is_staff=True, is_superuser=True)
+    client = Client(enforce_csrf_checks=True)
+    client.force_login(staff)
+    user = _user()
+    job = ExecJob.objects.create(user=user, code="", toolsets=["demo"], timeout_seconds=30, status="running")
+    call = demo_call(user=user, job=job, status="awaiting_approval")
+    posts = [
+        (f"/admin/execution/execjob/{job.pk}/decide/?call_id={call.call_id}", {"approve": "1"}),
+        (f"/api/v1/tool-calls/{call.call_id}/approval", {"approve": True}),
+        (f"/api/v1/exec/{job.pk}/cancel", {}),
+        ("/api/v1/billing/credits", {"username": user.username, "amount": 1000, "reason": "csrf"}),
+    ]
+    for url, data in posts:
+        if url.startswith("/api/"):
+            response = client.post(url, data, content_type="application/json")
+        else:
+            response = client.post(url, data)
+        assert response.status_code == 403, (url, response.status_code)
+    call.refresh_from_db()
+    job.refresh_from_db()
+    assert (call.status, call.decision, job.status) == ("awaiting_approval", "", "running")
+    assert not LedgerEntry.objects.filter(account__user=user).exists()
