@@ -125,15 +125,23 @@ def _hold_all(holds: list[tuple[str, Quote]], *, exec_job: Any, max_credits: int
                     return False
                 raise CreditsRefused(
                     "budget_exceeded",
-                    f"this call costs {amount} credits and the job has {max_credits - spent} of its "
-                    f"{max_credits}-credit budget left",
+                    f"this call costs {_credits(amount)} and the job has {max_credits - spent} of its "
+                    f"{max_credits}-credit budget (max_credits) left: no more priced calls can run in this job",
                 )
         if ledger().reserve(account_id=account_id, holds=rows, exec_job_id=job_id):
             return True
     if not refuse:
         return False
     available = CreditAccount.objects.filter(pk=account_id).values_list(F("balance") - F("reserved"), flat=True)[0]
-    raise CreditsRefused("insufficient_credits", f"this call costs {amount} credits and {max(available, 0)} are available")
+    raise CreditsRefused(
+        "insufficient_credits",
+        f"this call costs {_credits(amount)} and {max(available, 0)} are available: "
+        "ask an operator for credits (POST /api/v1/billing/credits), then call again",
+    )
+
+
+def _credits(amount: int) -> str:
+    return f"{amount} credit{'' if amount == 1 else 's'}"
 
 
 def credits_settle(*, tool_call_id: str) -> int:

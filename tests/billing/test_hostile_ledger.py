@@ -159,3 +159,44 @@ def test_a_managed_containers_call_its_web_process_never_queued_gives_back_its_h
     assert (account.balance, account.reserved) == (10_000, 0)
     job.refresh_from_db()
     assert job.status == "running", "the container's job goes on: only the lost call ended"
+
+
+THREE_ADDS = """
+from ptc_tools import ToolError
+from ptc_tools.demo import Demo
+for i in range(3):
+    try:
+        Demo.add(a=i, b=0)
+    except ToolError as e:
+        print(e.code, "|", e.message)
+"""
+
+
+def test_a_refusal_for_credits_says_what_happened_and_what_to_do(make_api: Callable[..., Api]) -> None:
+    """Errors are for people (STYLE 15): the code reads ``insufficient_credits`` or
+    ``budget_exceeded``; a person reads the message, in English, and what would let the call run."""
+    api = make_api(credits=1)
+    job = api.run(
+        THREE_ADDS,
+        toolsets=["demo"],
+        max_credits=2,
+    )
+    assert job["status"] == "completed", job["error"]
+    assert job["stdout"].splitlines() == [
+        "insufficient_credits | this call costs 1 credit and 0 are available: "
+        "ask an operator for credits (POST /api/v1/billing/credits), then call again",
+        "insufficient_credits | this call costs 1 credit and 0 are available: "
+        "ask an operator for credits (POST /api/v1/billing/credits), then call again",
+    ]
+    api = make_api(credits=10)
+    job = api.run(
+        THREE_ADDS,
+        toolsets=["demo"],
+        max_credits=2,
+    )
+    assert job["stdout"] == (
+        "budget_exceeded | this call costs 1 credit and the job has 0 of its 2-credit budget (max_credits) left: "
+        "no more priced calls can run in this job\n"
+    )
+    refused = job["tool_calls"][-1]
+    assert (refused["status"], refused["credits"], refused["error"]["code"]) == ("failed", 0, "budget_exceeded")
