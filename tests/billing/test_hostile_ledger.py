@@ -2,12 +2,15 @@
 cancelled while billed calls are in flight, every hold ends settled or released, nothing is charged
 twice or past a budget, and the ledger stays exact."""
 
+import subprocess
+import sys
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
+import pytest
 from django.contrib.auth import get_user_model
 from django.core.management import call_command
 from django.utils import timezone
@@ -17,8 +20,10 @@ from billing.selectors import ledger_mismatches
 from billing.services import credits_reserve, price_quote
 from execution.models import ToolCall
 from execution.services.jobs import exec_job_for_container
-from tests.conftest import Api
+from tests.conftest import REDIS_PREFIX, TEST_DATABASE_URL, Api
 from tests.factories import demo_call
+from tests.servers import api_key, database_drop, migrated_database
+from tests.stack import ROOT, Stack
 
 FAN_OUT = """
 from concurrent.futures import ThreadPoolExecutor
@@ -200,3 +205,56 @@ def test_a_refusal_for_credits_says_what_happened_and_what_to_do(make_api: Calla
     )
     refused = job["tool_calls"][-1]
     assert (refused["status"], refused["credits"], refused["error"]["code"]) == ("failed", 0, "budget_exceeded")
+
+
+@pytest.fixture(scope="module")
+def killable(stack_env: dict[str, str]) -> Iterator[Stack]:
+    """A deployment of its own (its database, its queues, no beat), whose workers a test may kill."""
+    env = {**stack_env, "PTC_REDIS_PREFIX": f"{REDIS_PREFIX}ledger-kill:"}
+    env["DATABASE_URL"] = migrated_database(TEST_DATABASE_URL, env)
+    stack = Stack(env, name="ledger-kill")
+    try:
+        stack.start(beat=False)
+        yield stack
+    finally:
+        stack.stop()
+        database_drop(env["DATABASE_URL"])
+
+
+def test_a_tools_worker_killed_with_billed_calls_in_flight_charges_none_of_them_and_holds_nothing(killable: Stack) -> None:
+    """SIGKILL of the tools worker between the holds of 16 calls and their settles: the calls end
+    worker_lost, nothing is charged for them, every hold goes back, and check_ledger finds the
+    books exact; the restarted worker's calls are charged as usual."""
+    username = f"kill-{uuid.uuid4().hex[:8]}"
+    api = Api(killable.base_url, api_key(killable.env, username, credits=100), username)
+    code = FAN_OUT.replace("Demo.sleep(ms=300)", "Demo.sleep(ms=8000)").replace("range(24)", "range(16)")
+    job = api.post("/api/v1/exec", json={"code": code, "toolsets": ["demo"], "wait": 0, "timeout": 60}).json()
+    deadline = time.monotonic() + 20
+    while api.get("/api/v1/billing/balance").json()["reserved"] < 16:
+        assert time.monotonic() < deadline, "the 16 calls were never held"
+        time.sleep(0.1)
+    time.sleep(1)  # taken by the tools worker within milliseconds
+    killable.tools_worker.kill()
+    try:
+        deadline = time.monotonic() + 40
+        while (final := api.get(f"/api/v1/exec/{job['id']}").json())["status"] in ("queued", "running"):
+            assert time.monotonic() < deadline, "the job did not end"
+            time.sleep(0.2)
+    finally:
+        killable.tools_worker.start()
+    assert final["status"] == "completed", final["error"]
+    assert final["return_value"].count("worker_lost") == 16, final["return_value"]
+    _until(lambda: api.get("/api/v1/billing/balance").json()["reserved"] == 0, 20, "every hold goes back")
+    assert api.get("/api/v1/billing/balance").json()["balance"] == 100
+    again = api.post("/api/v1/exec", json={"code": FAN_OUT.replace("range(24)", "range(5)"), "toolsets": ["demo"], "wait": 60})
+    assert again.json()["credits_charged"] == 5, again.json()
+    assert api.get("/api/v1/billing/balance").json() | {"plan": None, "plan_expires_at": None} == {
+        "balance": 95,
+        "reserved": 0,
+        "plan": None,
+        "plan_expires_at": None,
+    }
+    checked = subprocess.run(
+        [sys.executable, "manage.py", "check_ledger"], cwd=ROOT, env=killable.env, capture_output=True, text=True
+    )
+    assert checked.returncode == 0 and "Every balance equals the sum of its ledger." in checked.stdout, checked.stderr
