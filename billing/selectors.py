@@ -46,8 +46,11 @@ def usage_by_day(*, days: int = 30, group: str = "toolset") -> tuple[list[str], 
     start = (timezone.now() - timedelta(days=days - 1)).date()
     dates = [(start + timedelta(days=i)).isoformat() for i in range(days)]
     key = F("tool_call_meta__toolsetKey") if group == "toolset" else F("user__username")
+    # Its days by this clock, the rows' times by the database's (the settle's now()): one ahead of
+    # this one dated a row after today, and dates.index() failed the page. It waits for its day.
+    end = start + timedelta(days=days - 1)
     rows = (
-        CreditUsage.objects.filter(created_at__date__gte=start)
+        CreditUsage.objects.filter(created_at__date__gte=start, created_at__date__lte=end)
         .annotate(day=TruncDate("created_at"), series=key)
         .values("day", "series")
         .annotate(total=Sum("amount"))

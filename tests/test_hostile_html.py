@@ -417,3 +417,21 @@ def test_state_changing_admin_and_api_requests_need_the_csrf_token_of_a_staff_se
     job.refresh_from_db()
     assert (call.status, call.decision, job.status) == ("awaiting_approval", "", "running")
     assert not LedgerEntry.objects.filter(account__user=user).exists()
+
+
+def test_the_usage_chart_draws_its_30_days_whatever_else_the_usage_rows_hold() -> None:
+    """Usage rows are stamped by the database's clock (the settle's now()), the chart's days by the
+    web's. A row the database dates after the web's today (a clock ahead, around midnight) made
+    the chart page fail (500) for everyone; it draws its 30 days, and such a row waits for its day."""
+    from billing.models import CreditUsage
+
+    client = _staff_client()
+    user = _user()
+    usage = CreditUsage.objects.create(user=user, tool_call_id=f"x_{uuid.uuid4().hex}", amount=3, due_amount=3)
+    CreditUsage.objects.filter(pk=usage.pk).update(created_at=timezone.now() + timedelta(days=1))
+    try:
+        response = client.get("/admin/billing/creditusage/chart/")
+        assert response.status_code == 200
+        assert response.content.decode().count('aria-label="credits per day"') == 2
+    finally:
+        CreditUsage.objects.filter(pk=usage.pk).delete()
