@@ -19,7 +19,10 @@ class PlanAdmin(admin.ModelAdmin):
 @admin.register(Discount)
 class DiscountAdmin(admin.ModelAdmin):
     list_display = ("__str__", "plan", "toolset", "percent")
-    list_filter = ("plan", "toolset")
+    # The toolsets that have a discount, and the toolset searched for: every user's own toolsets,
+    # as many as they make, were read and drawn on each load.
+    list_filter = ("plan", ("toolset", admin.RelatedOnlyFieldListFilter))
+    autocomplete_fields = ("toolset",)
 
 
 class ReadOnlyAdmin(admin.ModelAdmin):

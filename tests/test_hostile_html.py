@@ -435,3 +435,39 @@ def test_the_usage_chart_draws_its_30_days_whatever_else_the_usage_rows_hold() -
         assert response.content.decode().count('aria-label="credits per day"') == 2
     finally:
         CreditUsage.objects.filter(pk=usage.pk).delete()
+
+
+def test_staff_pages_do_not_list_every_toolset_any_user_made() -> None:
+    """Any user may make toolsets of their own over the API, as many as they like. The admin's tool
+    and discount lists filtered by toolset, and the forms that add a tool or a discount, or try a
+    decision, offered every toolset of every user: each page load read and drew all of them."""
+    from tools.models import Toolset
+
+    owner = _user()
+    Toolset.objects.bulk_create(
+        Toolset(key=f"t{uuid.uuid4().hex}", name="mine", kind="http", owner=owner, is_global=False) for _ in range(20_000)
+    )
+    client = _staff_client()
+    heavy = []
+    try:
+        for url in (
+            "/admin/tools/tool/?enabled__exact=1",
+            "/admin/tools/tool/add/",
+            "/admin/billing/discount/",
+            "/admin/billing/discount/add/",
+            "/admin/policy/policy/try/",
+        ):
+            client.get(url)
+            response = None
+
+            def load() -> None:
+                nonlocal response
+                response = client.get(url)  # noqa: B023 - called at once, in this iteration
+
+            peak = _peak_of(load)
+            assert response is not None and response.status_code == 200, url
+            if peak >= LIST_PAGE_BUDGET or len(response.content) >= 1 * MB:
+                heavy.append(f"{url}: {peak / MB:.0f} MB held, {len(response.content) / MB:.1f} MB of HTML")
+        assert not heavy, heavy
+    finally:
+        Toolset.objects.filter(owner=owner).delete()

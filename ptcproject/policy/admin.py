@@ -83,8 +83,10 @@ class DecisionForm(forms.Form):
         queryset=get_user_model().objects.order_by("username"),
         widget=AutocompleteSelect(UserSettings._meta.get_field("user"), admin.site),
     )
+    # The global toolsets, those the policy's lists are written for: every user's own ones, as many
+    # as they make, were each a checkbox here.
     toolsets = forms.ModelMultipleChoiceField(
-        queryset=Toolset.objects.order_by("key"),
+        queryset=Toolset.objects.filter(is_global=True).order_by("key"),
         to_field_name="key",
         required=False,
         widget=forms.CheckboxSelectMultiple,
