@@ -194,8 +194,10 @@ class ExecJobAdmin(admin.ModelAdmin):
 @admin.register(ToolCall)
 class ToolCallAdmin(admin.ModelAdmin):
     list_display = ("call_id", "type", "toolset_key", "tool_name", "status", "decision", "user", "credits", "started_at")
-    list_filter = ("status", "decision", "type", "toolset_key", "started_at")
-    search_fields = ("call_id", "ptc_call_id", "tool_name", "user__username")
+    # Not by toolset key: the filter was every distinct key in the table (users name their own
+    # toolsets freely), a scan of every call each load. Search finds a toolset's calls.
+    list_filter = ("status", "decision", "type", "started_at")
+    search_fields = ("call_id", "ptc_call_id", "toolset_key", "tool_name", "user__username")
     date_hierarchy = "started_at"
     readonly_fields = [f.name for f in ToolCall._meta.fields]
 

@@ -471,3 +471,33 @@ def test_staff_pages_do_not_list_every_toolset_any_user_made() -> None:
         assert not heavy, heavy
     finally:
         Toolset.objects.filter(owner=owner).delete()
+
+
+def test_the_tool_call_list_does_not_list_every_toolset_key_ever_called() -> None:
+    """The tool call list filtered by toolset key: its sidebar was every distinct key in the whole
+    table of calls (a scan of every call, each load), and users name their own toolsets freely."""
+    user = _user()
+    now = timezone.now()
+    ToolCall.objects.bulk_create(
+        ToolCall(
+            call_id=f"standalone_{uuid.uuid4().hex}",
+            type="standalone",
+            user=user,
+            toolset_key=f"t{uuid.uuid4().hex}",
+            tool_name="x",
+            input={},
+            status="failed",
+            started_at=now,
+            finished_at=now,
+        )
+        for _ in range(20_000)
+    )
+    client = _staff_client()
+    url = "/admin/execution/toolcall/?status__exact=completed"
+    client.get(url)
+    response = client.get(url)
+    assert response.status_code == 200
+    assert len(response.content) < 1 * MB, f"the tool call list is {len(response.content) / MB:.1f} MB of HTML"
+    # A toolset's calls are found by searching for its key.
+    key = ToolCall.objects.filter(user=user).values_list("toolset_key", flat=True).first()
+    assert key is not None and client.get("/admin/execution/toolcall/", {"q": key}).content.decode().count(key) >= 1
