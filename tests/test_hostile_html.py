@@ -501,3 +501,41 @@ def test_the_tool_call_list_does_not_list_every_toolset_key_ever_called() -> Non
     # A toolset's calls are found by searching for its key.
     key = ToolCall.objects.filter(user=user).values_list("toolset_key", flat=True).first()
     assert key is not None and client.get("/admin/execution/toolcall/", {"q": key}).content.decode().count(key) >= 1
+
+
+def test_the_key_list_does_not_read_the_output_of_every_keys_job() -> None:
+    """Every job has a key of its own, listed with its job: the list joined each key's job whole,
+    its code and output (1 MB of stdout, 1 MB of stderr at the default caps) to show its call id."""
+    from ptcproject.accounts.services import api_key_create
+
+    client = _staff_client()
+    user = _user()
+    now = timezone.now()
+    jobs = ExecJob.objects.bulk_create(
+        ExecJob(
+            user=user,
+            code="print('x' * 10**6)",
+            toolsets=["demo"],
+            timeout_seconds=60,
+            status="completed",
+            started_at=now,
+            finished_at=now,
+            stdout="x" * MB,
+            stderr="y" * MB,
+        )
+        for _ in range(100)
+    )
+    for job in jobs:
+        api_key_create(user=user, exec_job=job)
+    url = f"/admin/accounts/apikey/?q={user.username}"
+    client.get(url)
+    response = None
+
+    def load() -> None:
+        nonlocal response
+        response = client.get(url)
+
+    peak = _peak_of(load)
+    assert response is not None and response.status_code == 200
+    assert response.content.decode().count(jobs[0].call_id) == 1
+    assert peak < LIST_PAGE_BUDGET, f"the key list page held {peak / MB:.0f} MB to show 100 keys"
