@@ -539,3 +539,42 @@ def test_the_key_list_does_not_read_the_output_of_every_keys_job() -> None:
     assert response is not None and response.status_code == 200
     assert response.content.decode().count(jobs[0].call_id) == 1
     assert peak < LIST_PAGE_BUDGET, f"the key list page held {peak / MB:.0f} MB to show 100 keys"
+
+
+def test_the_file_list_does_not_read_the_output_of_every_files_job() -> None:
+    """A job's output files are listed with their job: the list joined each file's job whole, its
+    code and output, to show its call id."""
+    from execution.models import WorkFile
+
+    client = _staff_client()
+    user = _user()
+    now = timezone.now()
+    jobs = ExecJob.objects.bulk_create(
+        ExecJob(
+            user=user,
+            code="...",
+            toolsets=[],
+            timeout_seconds=60,
+            status="completed",
+            started_at=now,
+            finished_at=now,
+            stdout="x" * MB,
+            stderr="y" * MB,
+        )
+        for _ in range(100)
+    )
+    WorkFile.objects.bulk_create(
+        WorkFile(exec_job=job, kind="output", path=f"hh-{user.username}.txt", content=b"1", size=1) for job in jobs
+    )
+    url = f"/admin/execution/workfile/?q=hh-{user.username}"
+    client.get(url)
+    response = None
+
+    def load() -> None:
+        nonlocal response
+        response = client.get(url)
+
+    peak = _peak_of(load)
+    assert response is not None and response.status_code == 200
+    assert response.content.decode().count(jobs[0].call_id) == 1
+    assert peak < LIST_PAGE_BUDGET, f"the file list page held {peak / MB:.0f} MB to show 100 files"
