@@ -95,7 +95,7 @@ class ExecJobAdmin(admin.ModelAdmin):
     ) -> HttpResponse:
         if obj is not None:
             calls_url = reverse("admin:execution_toolcall_changelist")
-            # One query for all the calls, however many; nothing below touches a related row. Of
+            # One query for the calls (and a count past DRAWN_MAX); nothing below touches a related row. Of
             # their inputs and outputs, only as much as a preview shows: read whole, a job's 1,000
             # calls of 64 KB each were 300 MB of Python to draw a page that shows none of it.
             previews = {
