@@ -250,4 +250,10 @@ def _body(response: httpx.Response, most: int) -> tuple[str, bool]:
         read += chunk
         if len(read) > most:
             break
-    return read[:most].decode(response.encoding or "utf-8", errors="replace"), len(read) <= most
+    whole = len(read) <= most
+    try:
+        return read[:most].decode(response.encoding or "utf-8", errors="replace"), whole
+    except LookupError:
+        # A charset naming a codec that is no text encoding (rot13, base64: httpx takes any codec
+        # Python knows). As for a charset httpx does not know, the body is read as UTF-8.
+        return read[:most].decode("utf-8", errors="replace"), whole

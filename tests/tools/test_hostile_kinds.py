@@ -1,0 +1,127 @@
+"""Hostile upstreams and arguments against the tool kinds, end to end: a job's code calls a local
+HTTP API (served from a thread of the test process) through the real tools worker. Whatever the
+upstream does, the call ends with a stable code and a readable message, its record is whole, no
+secret shows, and the worker serves the next call."""
+
+import json
+import threading
+import uuid
+from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+from urllib.parse import quote, urlsplit
+
+import pytest
+
+from tests.conftest import Api
+from tests.tools.conftest import unique_key
+from tools.sdk import class_name
+
+# A secret as many APIs issue them: base64, with the characters a URL or a JSON encoder escapes.
+SECRET = f"sk+{uuid.uuid4().hex[:12]}/{uuid.uuid4().hex[:12]}=="
+
+
+class _Handler(BaseHTTPRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:  # quiet test output
+        pass
+
+    def _send(self, status: int, body: bytes, content_type: str = "application/json", **headers: str) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        for name, value in headers.items():
+            self.send_header(name.replace("_", "-"), value)
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self) -> None:
+        route = urlsplit(self.path).path.strip("/").split("/")[0]
+        key = self.headers.get("X-Key", "")
+        if route == "ok":
+            self._send(200, b'{"ok": true}')
+        elif route == "codec":  # a charset that names a codec, but not a text encoding
+            self._send(200, b'{"ok": true}', "application/json; charset=rot13")
+        elif route == "codec_error":
+            self._send(500, b"internal error", "text/plain; charset=base64")
+        elif route == "login":  # a redirect to a login page, the key it was sent URL-encoded in its query
+            self._send(302, b"", Location=f"https://login.example/?next=/api&key={quote(key, safe='')}")
+        elif route == "php":  # an error body as PHP's json_encode writes it: "/" escaped as "\/"
+            self._send(401, json.dumps({"error": "bad key", "key": key}).replace("/", "\\/").encode())
+        else:
+            self._send(404, b'{"error": "no such route"}')
+
+
+@pytest.fixture(scope="module")
+def upstream() -> Iterator[str]:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def _get(name: str, path: str, **properties: Any) -> dict[str, Any]:
+    schema = {"type": "object", "properties": properties, "required": [p for p in properties if "{" + p + "}" in path]}
+    return {"name": name, "input_schema": schema, "http": {"method": "GET", "path": path, "query": []}}
+
+
+@pytest.fixture
+def hostile(upstream: str, create_toolset: Callable[..., dict[str, Any]]) -> str:
+    key = unique_key("hostile")
+    create_toolset(
+        {
+            "key": key,
+            "name": "Hostile",
+            "kind": "http",
+            "config": {"base_url": upstream, "headers": {"X-Key": "{{secrets.K}}"}, "timeout": 5},
+            "secrets": {"K": SECRET},
+            "tools": [
+                _get("ok", "/ok"),
+                _get("codec", "/codec"),
+                _get("codec_error", "/codec_error"),
+                _get("login", "/login"),
+                _get("php", "/php"),
+                _get("item", "/missing/{id}", id={"type": "string"}),
+            ],
+        }
+    )
+    return key
+
+
+def _calls(api: Api, key: str, calls: str) -> tuple[dict[str, Any], list[str]]:
+    """Run ``calls`` (one expression a line, on ``T``) in a job, each caught; return the job and
+    a ``code | message`` line (or the result) a call."""
+    lines = "\n".join(f"    lambda: {call}," for call in calls.strip().splitlines())
+    code = f"""
+from ptc_tools import ToolError
+from ptc_tools.{key} import {class_name(key)} as T
+for call in (
+{lines}
+):
+    try:
+        print("ok |", call())
+    except ToolError as e:
+        print(e.code, "|", e.message)
+"""
+    job = api.run(code, toolsets=[key])
+    assert job["status"] == "completed", job["error"]
+    return job, job["stdout"].splitlines()
+
+
+def _whole(job: dict[str, Any]) -> None:
+    """Every call of the job ended, as the record says."""
+    assert all(c["status"] in ("completed", "failed") for c in job["tool_calls"]), job["tool_calls"]
+
+
+def test_a_charset_that_is_not_a_text_encoding_is_read_as_utf8(api: Api, hostile: str) -> None:
+    """``charset=rot13`` (or base64) names a codec Python knows, but not one bytes decode with: the
+    body is read as UTF-8, as one in a charset nobody knows is, not a crash of the call
+    (``internal_error``); the worker's next call runs."""
+    job, lines = _calls(api, hostile, "T.codec()\nT.codec_error()\nT.ok()")
+    codec, codec_error, ok = lines
+    assert codec == "ok | {'ok': True}", codec
+    assert codec_error == "http_error | GET /codec_error answered HTTP 500 Internal Server Error: internal error", codec_error
+    assert ok == "ok | {'ok': True}"
+    _whole(job)
