@@ -10,6 +10,7 @@ import json
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
+from urllib.parse import quote, quote_plus
 
 # What a secret may be named: what a reference can name.
 REF_NAME = r"[A-Za-z_][A-Za-z0-9_]*"
@@ -83,7 +84,8 @@ def secrets_render_map(values: Mapping[str, Any] | None, secrets: Mapping[str, s
 def _forms(secrets: Iterable[str]) -> tuple[str, ...]:
     """The texts to redact for ``secrets``: each value as it is and as a message may quote it
     escaped (a value pasted with its newline shows in httpx's error as ``\\n``; JSON escapes it
-    too), longest first, so a secret that contains another is redacted whole."""
+    too, and some encoders, PHP's, escape its "/" as ``\\/``; a URL, a redirect's Location, has
+    it percent-encoded), longest first, so a secret that contains another is redacted whole."""
     return _forms_of(frozenset(str(s) for s in secrets if s and len(str(s)) >= _MIN_REDACT_LENGTH))
 
 
@@ -93,7 +95,10 @@ def _forms_of(secrets: frozenset[str]) -> tuple[str, ...]:
     each chunk, and a synced tool list redacted field by field."""
     forms = set()
     for secret in secrets:
-        forms |= {secret, secret.encode("unicode_escape").decode("ascii"), json.dumps(secret)[1:-1]}
+        escaped = json.dumps(secret)[1:-1]
+        forms |= {secret, secret.encode("unicode_escape").decode("ascii"), escaped, escaped.replace("/", "\\/")}
+        # A base64 key's "+", "/" and "=", as a URL's path (quote) or its query (quote_plus) has them.
+        forms |= {quote(secret), quote(secret, safe=""), quote_plus(secret, safe="")}
     return tuple(sorted(forms, key=len, reverse=True))
 
 

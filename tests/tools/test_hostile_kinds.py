@@ -14,6 +14,7 @@ from urllib.parse import quote, urlsplit
 import pytest
 
 from tests.conftest import Api
+from tests.stack import ARTIFACTS
 from tests.tools.conftest import unique_key
 from tools.sdk import class_name
 
@@ -125,3 +126,17 @@ def test_a_charset_that_is_not_a_text_encoding_is_read_as_utf8(api: Api, hostile
     assert codec_error == "http_error | GET /codec_error answered HTTP 500 Internal Server Error: internal error", codec_error
     assert ok == "ok | {'ok': True}"
     _whole(job)
+
+
+def test_a_secret_the_upstream_echoes_escaped_is_redacted(api: Api, hostile: str) -> None:
+    """A key of base64 echoed back URL-encoded (a redirect's Location) or with its "/" escaped (PHP's
+    JSON): either form of it is the secret."""
+    job, lines = _calls(api, hostile, "T.login()\nT.php()")
+    login, php = lines
+    assert login.startswith("http_error | GET /login answered HTTP 302 Found: a redirect to https://login.example/"), login
+    assert "key=[redacted]" in login, login
+    assert php.startswith("http_error | GET /php answered HTTP 401 Unauthorized:") and "[redacted]" in php, php
+    text = json.dumps(job)
+    for form in (SECRET, quote(SECRET, safe=""), SECRET.replace("/", "\\/"), SECRET[3:15]):
+        assert form not in text, form
+    assert SECRET[3:15] not in (ARTIFACTS / "tools-worker.log").read_text(errors="replace")
