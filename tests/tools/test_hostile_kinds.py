@@ -140,3 +140,14 @@ def test_a_secret_the_upstream_echoes_escaped_is_redacted(api: Api, hostile: str
     for form in (SECRET, quote(SECRET, safe=""), SECRET.replace("/", "\\/"), SECRET[3:15]):
         assert form not in text, form
     assert SECRET[3:15] not in (ARTIFACTS / "tools-worker.log").read_text(errors="replace")
+
+
+def test_an_error_quotes_a_long_path_argument_cut(api: Api, hostile: str) -> None:
+    """A 60,000-character id (a URL httpx still sends): the 404's message names the request by the
+    tool's path, as its template says, not the 60 KB the arguments made of it."""
+    job, lines = _calls(api, hostile, 'T.item(id="a" * 60000)\nT.ok()')
+    missing, ok = lines
+    assert missing.startswith("http_error | GET /missing/"), missing[:200]
+    assert len(missing) < 1000, len(missing)
+    assert ok == "ok | {'ok': True}"
+    assert all(len(c["error"]["message"]) < 1000 for c in job["tool_calls"] if c["error"])

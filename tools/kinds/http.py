@@ -180,7 +180,9 @@ def run(*, toolset: Toolset, tool: Tool, arguments: dict[str, Any], timeout: flo
         )
     # A toolset-wide timeout applies when the tool sets none; the bridge never waits longer than ``timeout``.
     limit = tool.timeout or min(float(config.get("timeout") or timeout), timeout)
-    where = f"{method} {path}"
+    # Every message names the request: its path as the arguments filled it in, cut as an excerpt
+    # is (an id of 60,000 characters still makes a URL httpx sends, and was quoted whole).
+    where = f"{method} {path if len(path) <= EXCERPT_CHARS else path[:EXCERPT_CHARS] + '…'}"
     try:
         url = httpx.URL(str(config.get("base_url", "")).rstrip("/") + "/" + path.lstrip("/")).copy_merge_params(query)
     except httpx.InvalidURL as exc:  # not an httpx.HTTPError: raised before any request
