@@ -6,7 +6,7 @@ exec worker's bridge: every job on it). A tool's schema comes from whoever defin
 client tools, a user's toolset, a remote MCP server), so here those keywords match with the
 ``regex`` module, which gives up after ``PATTERN_SECONDS`` and lets other threads run meanwhile.
 A schema whose checks can't finish (a pattern that gives up, a ``$ref`` that names nothing or
-loops) fails the call, not the worker.
+loops) fails the call, not the worker; so do arguments its checks overflow on.
 """
 
 from collections.abc import Iterator
@@ -116,3 +116,9 @@ def arguments_error(validator: Any, arguments: Any) -> ValidationError | None:
         raise _unchecked(f"has a $ref that names nothing ({exc})") from None
     except RecursionError:
         raise _unchecked("refers to itself without end ($ref)") from None
+    except OverflowError as exc:
+        # Arguments a check can't take: ``format: regex`` compiling ``a{99999999999}``, or
+        # ``multipleOf: 0.5`` dividing 10**400 as a float. Not the caller's bridge failing.
+        raise ToolFailure(
+            "invalid_arguments", f"the arguments can't be checked against the tool's input schema ({exc}); the call was not run"
+        ) from None

@@ -85,6 +85,8 @@ def hostile(upstream: str, create_toolset: Callable[..., dict[str, Any]]) -> str
                 _get("login", "/login"),
                 _get("php", "/php"),
                 _get("item", "/missing/{id}", id={"type": "string"}),
+                _get("pattern", "/ok", r={"type": "string", "format": "regex"}),
+                _get("half", "/ok", n={"type": "number", "multipleOf": 0.5}),
             ],
         }
     )
@@ -151,3 +153,20 @@ def test_an_error_quotes_a_long_path_argument_cut(api: Api, hostile: str) -> Non
     assert len(missing) < 1000, len(missing)
     assert ok == "ok | {'ok': True}"
     assert all(len(c["error"]["message"]) < 1000 for c in job["tool_calls"] if c["error"])
+
+
+def test_arguments_a_schemas_checks_overflow_on_are_invalid_arguments(api: Api, hostile: str) -> None:
+    """A schema's ``format: regex`` compiles the argument (``a{99999999999}`` overflows re's repeat
+    count) and its ``multipleOf: 0.5`` divides by a float (10**400 overflows one): arguments it can't
+    check are the call's invalid_arguments, checked before the call runs, not the job's bridge
+    failing; the next call runs."""
+    job, lines = _calls(api, hostile, 'T.pattern(r="a{99999999999}")\nT.half(n=10**400)\nT.half(n=1.5)')
+    pattern, half, ok = lines
+    assert pattern.startswith("invalid_arguments | the arguments can't be checked"), pattern
+    assert "the repetition number is too large" in pattern, pattern
+    assert half.startswith("invalid_arguments | the arguments can't be checked"), half
+    assert ok == "ok | {'ok': True}"
+    # Each call has its record (the two refused had none: "the call could not be recorded").
+    codes = [(c["error"] or {}).get("code") for c in job["tool_calls"]]
+    assert codes == ["invalid_arguments", "invalid_arguments", None], job["tool_calls"]
+    _whole(job)
