@@ -51,6 +51,10 @@ class _Handler(BaseHTTPRequestHandler):
         else:
             self._send(404, b'{"error": "no such route"}')
 
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        self.do_GET()
+
 
 @pytest.fixture(scope="module")
 def upstream() -> Iterator[str]:
@@ -63,9 +67,9 @@ def upstream() -> Iterator[str]:
     server.server_close()
 
 
-def _get(name: str, path: str, **properties: Any) -> dict[str, Any]:
+def _get(name: str, path: str, method: str = "GET", **properties: Any) -> dict[str, Any]:
     schema = {"type": "object", "properties": properties, "required": [p for p in properties if "{" + p + "}" in path]}
-    return {"name": name, "input_schema": schema, "http": {"method": "GET", "path": path, "query": []}}
+    return {"name": name, "input_schema": schema, "http": {"method": method, "path": path, "query": []}}
 
 
 @pytest.fixture
@@ -87,6 +91,7 @@ def hostile(upstream: str, create_toolset: Callable[..., dict[str, Any]]) -> str
                 _get("item", "/missing/{id}", id={"type": "string"}),
                 _get("pattern", "/ok", r={"type": "string", "format": "regex"}),
                 _get("half", "/ok", n={"type": "number", "multipleOf": 0.5}),
+                _get("tags", "/ok", "POST", tags={"type": "array", "uniqueItems": True}),
             ],
         }
     )
@@ -170,3 +175,38 @@ def test_arguments_a_schemas_checks_overflow_on_are_invalid_arguments(api: Api, 
     codes = [(c["error"] or {}).get("code") for c in job["tool_calls"]]
     assert codes == ["invalid_arguments", "invalid_arguments", None], job["tool_calls"]
     _whole(job)
+
+
+def test_unique_items_are_checked_in_linear_time() -> None:
+    """The rule, as JSON Schema has it: 1 and 1.0 are equal, true and 1 are not, objects by value."""
+    from tools.arguments import arguments_error, arguments_validator
+
+    validator = arguments_validator({"type": "object", "properties": {"l": {"type": "array", "uniqueItems": True}}})
+    for same in ([1, 1.0], [{"a": [1, {"b": None}]}, {"a": [1.0, {"b": None}]}], ["x", "x"], [[True], [True]]):
+        assert arguments_error(validator, {"l": same}) is not None, same
+    for different in ([1, True], [0, False], [[1], [True]], [{"a": 1}, {"a": 1, "b": 1}], ["1", 1], [None, False], [[], {}]):
+        assert arguments_error(validator, {"l": different}) is None, different
+
+
+def test_a_long_list_of_objects_is_checked_for_unique_items_in_time(api: Api, hostile: str) -> None:
+    """``uniqueItems`` on a list of 12,000 distinct objects (200 KB, well under a call's limit):
+    jsonschema compares objects pairwise, 72 million comparisons, minutes of the exec worker's
+    CPU for one call. The check takes as long as reading the list; a repeat is still found."""
+    code = f"""
+import time
+from ptc_tools import ToolError
+from ptc_tools.{hostile} import {class_name(hostile)} as T
+tags = [{{"n": i}} for i in range(12000)]
+started = time.monotonic()
+print(T.tags(tags=tags), round(time.monotonic() - started, 1))
+try:
+    T.tags(tags=tags + [{{"n": 5.0}}])
+except ToolError as e:
+    print(e.code, "|", e.message[:200], "|", len(e.message))
+"""
+    job = api.run(code, toolsets=[hostile])
+    assert job["status"] == "completed", job["error"]["message"][:300]
+    ok, repeated = job["stdout"].splitlines()
+    assert ok.startswith("{'ok': True} ") and float(ok.split()[-1]) < 5, ok
+    assert repeated.startswith("invalid_arguments | tags: "), repeated
+    assert "has non-unique elements" in repeated and int(repeated.split(" | ")[-1]) < 1000, repeated
