@@ -88,12 +88,12 @@ class CallChecker:
         toolset = self.toolsets.get(toolset_key)
         if toolset is None:
             if toolsets_resolve(user=self.user, keys=[toolset_key])[0]:
-                raise ToolFailure("toolset_not_granted", f"toolset '{toolset_key}' was not granted to this job")
-            raise ToolFailure("unknown_toolset", f"there is no toolset '{toolset_key}'")
+                raise ToolFailure("toolset_not_granted", f"toolset '{_quoted(toolset_key)}' was not granted to this job")
+            raise ToolFailure("unknown_toolset", f"there is no toolset '{_quoted(toolset_key)}'")
         tools = self.extra_tools[toolset_key] if toolset_key in self.extra_tools else toolset.tools.all()
         tool = next((t for t in tools if t.name == tool_name), None)
         if tool is None:
-            raise ToolFailure("unknown_tool", f"toolset '{toolset_key}' has no tool '{tool_name}'")
+            raise ToolFailure("unknown_tool", f"toolset '{toolset_key}' has no tool '{_quoted(tool_name)}'")
         if self.ptc_only and not tool_is_ptc(tool=tool, toolset=toolset, direct_only=self.direct_only):
             raise ToolFailure("tool_not_ptc", f"'{toolset_key}.{tool_name}' is a direct tool and cannot be called from code")
         if not isinstance(arguments, dict):
@@ -102,15 +102,29 @@ class CallChecker:
             raise ToolFailure("invalid_arguments", f"arguments nest deeper than {MAX_JSON_DEPTH} levels")
         problem = unstorable(arguments)  # the tool gets its arguments as recorded: never altered to fit
         if problem:
-            raise ToolFailure("invalid_arguments", problem)
+            raise ToolFailure("invalid_arguments", _quoted(problem))
         validator = self.validators.get(tool.pk)
         if validator is None:
             validator = self.validators[tool.pk] = arguments_validator(tool.input_schema)
         error = arguments_error(validator, arguments)  # or ToolFailure, for a schema that can't be checked
         if error is not None:
             where = "/".join(str(p) for p in error.absolute_path) or "arguments"
-            raise ToolFailure("invalid_arguments", f"{where}: {error.message}")
+            raise ToolFailure("invalid_arguments", _quoted(f"{where}: {error.message}"))
         return tool
+
+
+# What of the code's own input a refusal quotes: jsonschema's message holds the repr of the value
+# it refused, and a name or a value may be as long as a call frame. The message went whole to the
+# code, the call's record and its events.
+_QUOTED_HEAD, _QUOTED_TAIL = 200, 100
+
+
+def _quoted(text: str) -> str:
+    """Return ``text`` as an error quotes it: whole up to 300 characters, else its start and its end
+    (where jsonschema says why: "... is not of type 'number'")."""
+    if len(text) <= _QUOTED_HEAD + _QUOTED_TAIL:
+        return text
+    return f"{text[:_QUOTED_HEAD]}…{text[-_QUOTED_TAIL:]}"
 
 
 def tool_call_build(

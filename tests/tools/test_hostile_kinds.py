@@ -210,3 +210,32 @@ except ToolError as e:
     assert ok.startswith("{'ok': True} ") and float(ok.split()[-1]) < 5, ok
     assert repeated.startswith("invalid_arguments | tags: "), repeated
     assert "has non-unique elements" in repeated and int(repeated.split(" | ")[-1]) < 1000, repeated
+
+
+def test_a_refused_call_quotes_what_the_code_sent_cut(api: Api, hostile: str) -> None:
+    """A 300 KB list where a number goes, a 100,000-character toolset or tool name: each call is
+    refused saying why, quoting no more of what the code sent than an excerpt (it went whole into
+    the code's ToolError, the call's record and its events)."""
+    code = f"""
+from ptc_tools import ToolError, _runtime
+from ptc_tools.{hostile} import {class_name(hostile)} as T
+for call in (
+    lambda: T.half(n=["x" * 1000] * 300),
+    lambda: _runtime.call("t" * 100_000, "ok", {{}}),
+    lambda: _runtime.call("{hostile}", "o" * 100_000, {{}}),
+    lambda: T.ok(),
+):
+    try:
+        print("ok |", call())
+    except ToolError as e:
+        print(e.code, "|", e.message[:60], "|", e.message[-40:], "|", len(e.message))
+"""
+    job = api.run(code, toolsets=[hostile])
+    assert job["status"] == "completed", job["error"]
+    wrong, toolset, tool, ok = job["stdout"].splitlines()
+    assert wrong.startswith("invalid_arguments | n: ['xxx") and "is not of type 'number' |" in wrong, wrong
+    assert toolset.startswith("unknown_toolset | there is no toolset 'ttt"), toolset
+    assert tool.startswith(f"unknown_tool | toolset '{hostile}' has no tool 'ooo"), tool
+    assert ok == "ok | {'ok': True}"
+    assert all(int(line.split(" | ")[-1]) < 1000 for line in (wrong, toolset, tool)), (wrong, toolset, tool)
+    assert all(len(c["error"]["message"]) < 1000 for c in job["tool_calls"] if c["error"])
