@@ -40,6 +40,8 @@ class _Handler(BaseHTTPRequestHandler):
         key = self.headers.get("X-Key", "")
         if route == "ok":
             self._send(200, b'{"ok": true}')
+        elif route == "items":  # the collection, or one item: which the server was asked for
+            self._send(200, json.dumps({"path": urlsplit(self.path).path}).encode())
         elif route == "codec":  # a charset that names a codec, but not a text encoding
             self._send(200, b'{"ok": true}', "application/json; charset=rot13")
         elif route == "codec_error":
@@ -89,6 +91,7 @@ def hostile(upstream: str, create_toolset: Callable[..., dict[str, Any]]) -> str
                 _get("login", "/login"),
                 _get("php", "/php"),
                 _get("item", "/missing/{id}", id={"type": "string"}),
+                _get("item_of", "/items/{id}/owner", id={"type": "string"}),
                 _get("pattern", "/ok", r={"type": "string", "format": "regex"}),
                 _get("half", "/ok", n={"type": "number", "multipleOf": 0.5}),
                 _get("tags", "/ok", "POST", tags={"type": "array", "uniqueItems": True}),
@@ -239,3 +242,14 @@ for call in (
     assert ok == "ok | {'ok': True}"
     assert all(int(line.split(" | ")[-1]) < 1000 for line in (wrong, toolset, tool)), (wrong, toolset, tool)
     assert all(len(c["error"]["message"]) < 1000 for c in job["tool_calls"] if c["error"])
+
+
+def test_an_empty_path_argument_is_refused_as_a_dot_segment_is(api: Api, hostile: str) -> None:
+    """``/items/{id}/owner`` with ``id=""`` is ``/items//owner``, which servers read as
+    ``/items/owner`` (or ``/items/`` for ``/items/{id}``: the collection, not an item): another
+    path, as ``..`` would name; refused before the request, and a real id still goes."""
+    job, lines = _calls(api, hostile, 'T.item_of(id="")\nT.item_of(id="7")')
+    empty, seven = lines
+    assert [c["status"] for c in job["tool_calls"]] == ["failed", "completed"]
+    assert empty == "invalid_arguments | 'id' can't be '': in the request path it would name another path", empty
+    assert seven == "ok | {'path': '/items/7/owner'}", seven

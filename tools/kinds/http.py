@@ -137,7 +137,10 @@ def request_parts(spec: dict[str, Any], arguments: dict[str, Any]) -> tuple[str,
             raise ToolFailure("invalid_arguments", f"'{name}' is required: the request path needs it")
         used.add(name)
         value = _scalar(arguments[name])
-        if value in (".", ".."):  # a dot segment: the URL would resolve it to another path
+        # A dot segment: the URL would resolve it to another path. An empty one makes ``//``, which
+        # servers collapse (``/items//owner`` is ``/items/owner``) or end the path with (``/items/``:
+        # the collection, not one of its items).
+        if value in ("", ".", ".."):
             raise ToolFailure("invalid_arguments", f"'{name}' can't be {value!r}: in the request path it would name another path")
         return quote(value, safe="")
 
