@@ -9,7 +9,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
-from urllib.parse import quote, urlsplit
+from urllib.parse import parse_qs, quote, urlsplit
 
 import pytest
 
@@ -42,6 +42,8 @@ class _Handler(BaseHTTPRequestHandler):
             self._send(200, b'{"ok": true}')
         elif route == "items":  # the collection, or one item: which the server was asked for
             self._send(200, json.dumps({"path": urlsplit(self.path).path}).encode())
+        elif route == "query":  # the query string as it came
+            self._send(200, json.dumps(parse_qs(urlsplit(self.path).query)).encode())
         elif route == "codec":  # a charset that names a codec, but not a text encoding
             self._send(200, b'{"ok": true}', "application/json; charset=rot13")
         elif route == "codec_error":
@@ -92,6 +94,7 @@ def hostile(upstream: str, create_toolset: Callable[..., dict[str, Any]]) -> str
                 _get("php", "/php"),
                 _get("item", "/missing/{id}", id={"type": "string"}),
                 _get("item_of", "/items/{id}/owner", id={"type": "string"}),
+                _get("search", "/query", where={"type": "object"}, ids={"type": "array"}),
                 _get("pattern", "/ok", r={"type": "string", "format": "regex"}),
                 _get("half", "/ok", n={"type": "number", "multipleOf": 0.5}),
                 _get("tags", "/ok", "POST", tags={"type": "array", "uniqueItems": True}),
@@ -253,3 +256,11 @@ def test_an_empty_path_argument_is_refused_as_a_dot_segment_is(api: Api, hostile
     assert [c["status"] for c in job["tool_calls"]] == ["failed", "completed"]
     assert empty == "invalid_arguments | 'id' can't be '': in the request path it would name another path", empty
     assert seven == "ok | {'path': '/items/7/owner'}", seven
+
+
+def test_objects_and_nulls_in_a_query_are_sent_as_json(api: Api, hostile: str) -> None:
+    """A query argument that is an object, or a list holding a null or a list: the server gets it as
+    JSON, as it gets a boolean (``true``), never as Python writes it (``{'a': True}``, ``None``)."""
+    _, lines = _calls(api, hostile, 'T.search(where={"city": "Oslo", "open": True}, ids=[1, None, [2, False]])')
+    [sent] = lines
+    assert eval(sent.removeprefix("ok | ")) == {"where": ['{"city": "Oslo", "open": true}'], "ids": ["1", "null", "[2, false]"]}

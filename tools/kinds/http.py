@@ -121,8 +121,9 @@ def _excerpt(text: str, secrets: list[str]) -> str:
 
 
 def _scalar(value: Any) -> str:
-    # Booleans as JSON spells them: most HTTP APIs expect ``true``, not Python's ``True``.
-    return json.dumps(value) if isinstance(value, bool) else str(value)
+    # What is not a string as JSON spells it: most HTTP APIs expect ``true``, not Python's ``True``,
+    # and an object or a null in a list as JSON (``{"a": true}``, ``null``), never Python's repr.
+    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
 
 
 def request_parts(spec: dict[str, Any], arguments: dict[str, Any]) -> tuple[str, str, dict[str, Any], Any]:
