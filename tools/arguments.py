@@ -5,12 +5,14 @@ jsonschema matches ``pattern`` and ``patternProperties`` with Python's ``re``, w
 exec worker's bridge: every job on it). A tool's schema comes from whoever defined it (a job's own
 client tools, a user's toolset, a remote MCP server), so here those keywords match with the
 ``regex`` module, which gives up after ``PATTERN_SECONDS`` and lets other threads run meanwhile.
-``uniqueItems`` is checked in linear time, not by comparing each pair of items.
+``uniqueItems`` and ``enum`` are checked by looking each value up, not by comparing it with every
+other item or every allowed value.
 A schema whose checks can't finish (a pattern that gives up, a ``$ref`` that names nothing or
 loops) fails the call, not the worker; so do arguments its checks overflow on.
 """
 
-from collections.abc import Iterator
+import functools
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jsonschema
@@ -95,13 +97,28 @@ def _unique_key(value: Any) -> Any:
     return value
 
 
+def _enum(known: dict[int, Any], original: Any, validator: Any, enums: Any, instance: Any, schema: dict[str, Any]) -> Errors:
+    # jsonschema compares each value with every one of the enum's, and words each miss with the
+    # whole enum's repr: 100,000 items against 5,000 values starved the exec worker of its lease.
+    # Here each enum's values are keyed once, in ``known`` (by the list's id: the list is kept there
+    # too, so the id stays its own), and each value is looked up.
+    if not isinstance(enums, list):
+        yield from original(validator, enums, instance, schema)
+        return
+    if id(enums) not in known:
+        known[id(enums)] = (enums, frozenset(_unique_key(value) for value in enums))
+    if _unique_key(instance) not in known[id(enums)][1]:
+        shown = repr(enums) if len(enums) <= 10 else f"the {len(enums)} values allowed: {repr(enums[:5])[:-1]}, ...]"
+        yield ValidationError(f"{instance!r} is not one of {shown}")
+
+
 def _unevaluated_refused(validator: Any, unevaluated: Any, instance: Any, schema: dict[str, Any]) -> None:
     # jsonschema finds the properties a schema evaluated with ``re``, through every subschema and
     # reference: with patternProperties anywhere, the combination is refused rather than rewritten.
     raise _unchecked("uses unevaluatedProperties with patternProperties, which PTC does not check")
 
 
-_BOUNDED = {
+_BOUNDED: dict[str, Callable[..., Errors]] = {
     "pattern": _pattern,
     "patternProperties": _pattern_properties,
     "additionalProperties": _additional_properties,
@@ -126,9 +143,12 @@ def _anywhere(schema: Any, key: str) -> bool:
 
 
 def arguments_validator(schema: dict[str, Any]) -> Any:
-    """Return a validator of arguments for ``schema``: its draft's, its pattern keywords bounded."""
+    """Return a validator of arguments for ``schema``: its draft's, its pattern, uniqueItems and enum
+    keywords bounded."""
     base = jsonschema.validators.validator_for(schema)
-    bounded = {name: check for name, check in _BOUNDED.items() if name in base.VALIDATORS}
+    bounded: dict[str, Callable[..., Any]] = {name: check for name, check in _BOUNDED.items() if name in base.VALIDATORS}
+    if "enum" in base.VALIDATORS:
+        bounded["enum"] = functools.partial(_enum, {}, base.VALIDATORS["enum"])  # keyed once for this validator
     if "unevaluatedProperties" in base.VALIDATORS and _anywhere(schema, "unevaluatedProperties"):
         if _anywhere(schema, "patternProperties"):
             bounded["unevaluatedProperties"] = _unevaluated_refused

@@ -4,6 +4,7 @@ upstream does, the call ends with a stable code and a readable message, its reco
 secret shows, and the worker serves the next call."""
 
 import json
+import re
 import threading
 import uuid
 from collections.abc import Callable, Iterator
@@ -95,6 +96,7 @@ def hostile(upstream: str, create_toolset: Callable[..., dict[str, Any]]) -> str
                 _get("item", "/missing/{id}", id={"type": "string"}),
                 _get("item_of", "/items/{id}/owner", id={"type": "string"}),
                 _get("search", "/query", where={"type": "object"}, ids={"type": "array"}),
+                _get("pick", "/ok", "POST", picks={"type": "array", "items": {"enum": [f"v{i}" for i in range(5000)]}}),
                 _get("pattern", "/ok", r={"type": "string", "format": "regex"}),
                 _get("half", "/ok", n={"type": "number", "multipleOf": 0.5}),
                 _get("tags", "/ok", "POST", tags={"type": "array", "uniqueItems": True}),
@@ -264,3 +266,39 @@ def test_objects_and_nulls_in_a_query_are_sent_as_json(api: Api, hostile: str) -
     _, lines = _calls(api, hostile, 'T.search(where={"city": "Oslo", "open": True}, ids=[1, None, [2, False]])')
     [sent] = lines
     assert eval(sent.removeprefix("ok | ")) == {"where": ['{"city": "Oslo", "open": true}'], "ids": ["1", "null", "[2, false]"]}
+
+
+def test_enum_values_are_matched_as_json_schema_has_it() -> None:
+    from tools.arguments import arguments_error, arguments_validator
+
+    allowed = [1, "a", None, {"k": [1, {"b": False}]}, [True]]
+    validator = arguments_validator({"type": "object", "properties": {"v": {"enum": allowed}}})
+    for value in (1.0, "a", None, {"k": [1.0, {"b": False}]}, [True]):
+        assert arguments_error(validator, {"v": value}) is None, value
+    for value in (True, "A", False, {"k": [1, {"b": 0}]}, [1], {}):
+        error = arguments_error(validator, {"v": value})
+        assert error is not None and error.message == f"{value!r} is not one of {allowed!r}", value
+
+
+def test_a_long_list_is_checked_against_a_large_enum_in_time(api: Api, hostile: str) -> None:
+    """Each of 100,000 items (800 KB, under a call's limit) against an enum of 5,000 values: jsonschema
+    compares an item with each value in turn, and words each miss with the whole enum's repr (40 KB),
+    half a billion comparisons on the exec worker's bridge. The check takes as long as reading the
+    list; a miss is still found, and said with the first of the values."""
+    code = f"""
+import time
+from ptc_tools import ToolError
+from ptc_tools.{hostile} import {class_name(hostile)} as T
+for picks in (["v4999"] * 100_000, ["v1"] * 50_000 + ["nope"] * 50_000):
+    started = time.monotonic()
+    try:
+        print("ok |", T.pick(picks=picks), "|", round(time.monotonic() - started, 1))
+    except ToolError as e:
+        print(e.code, "|", e.message, "|", round(time.monotonic() - started, 1))
+"""
+    job = api.run(code, toolsets=[hostile])
+    assert job["status"] == "completed", job["error"]
+    ok, nope = [line.split(" | ") for line in job["stdout"].splitlines()]
+    assert ok[:2] == ["ok", "{'ok': True}"] and float(ok[2]) < 5, ok
+    assert nope[0] == "invalid_arguments" and float(nope[2]) < 5, nope
+    assert re.fullmatch(r"picks/\d+: 'nope' is not one of the 5000 values allowed: \['v0', 'v1', .*, \.\.\.\]", nope[1]), nope
