@@ -4,7 +4,8 @@ jsonschema matches ``pattern`` and ``patternProperties`` with Python's ``re``, w
 ``^(a+)+$`` against 40 characters runs for days, holding the GIL of the process that checks (an
 exec worker's bridge: every job on it). A tool's schema comes from whoever defined it (a job's own
 client tools, a user's toolset, a remote MCP server), so here those keywords match with the
-``regex`` module, which gives up after ``PATTERN_SECONDS`` and lets other threads run meanwhile.
+``regex`` module, which gives up after ``PATTERN_SECONDS`` (and all of a call's matches after
+``PATTERNS_SECONDS``) and lets other threads run meanwhile.
 ``uniqueItems`` and ``enum`` are checked by looking each value up, not by comparing it with every
 other item or every allowed value.
 A schema whose checks can't finish (a pattern that gives up, a ``$ref`` that names nothing or
@@ -12,6 +13,8 @@ loops) fails the call, not the worker; so do arguments its checks overflow on.
 """
 
 import functools
+import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -23,6 +26,11 @@ from referencing.exceptions import Unresolvable
 from tools.errors import ToolFailure
 
 PATTERN_SECONDS = 0.1
+# The most all of one call's matches may take: each item of a list is matched on its own, and 1,000
+# items that each take a pattern just under PATTERN_SECONDS held the exec worker's bridge for minutes.
+PATTERNS_SECONDS = 1.0
+# When the matches of the call this thread checks must end (``arguments_error`` sets it).
+_check = threading.local()
 
 
 def _unchecked(why: str) -> ToolFailure:
@@ -31,9 +39,15 @@ def _unchecked(why: str) -> ToolFailure:
 
 
 def _search(pattern: str, text: str) -> bool:
+    deadline = getattr(_check, "deadline", None)
+    left = PATTERN_SECONDS if deadline is None else min(PATTERN_SECONDS, deadline - time.monotonic())
     try:
-        return regex.search(pattern, text, timeout=PATTERN_SECONDS, concurrent=True) is not None
+        if left <= 0:
+            raise TimeoutError
+        return regex.search(pattern, text, timeout=left, concurrent=True) is not None
     except TimeoutError:
+        if left < PATTERN_SECONDS:
+            raise _unchecked(f"has patterns that took over {PATTERNS_SECONDS:g} s in all to match these arguments") from None
         shown = pattern if len(pattern) <= 80 else f"{pattern[:80]}..."
         raise _unchecked(f"has a pattern ({shown!r}) that took over {PATTERN_SECONDS:g} s to match") from None
 
@@ -159,6 +173,7 @@ def arguments_validator(schema: dict[str, Any]) -> Any:
 def arguments_error(validator: Any, arguments: Any) -> ValidationError | None:
     """Return the most relevant reason ``arguments`` don't match, or None if they do. Raise
     ToolFailure ``invalid_arguments`` if the schema's checks can't finish."""
+    _check.deadline = time.monotonic() + PATTERNS_SECONDS
     try:
         return jsonschema.exceptions.best_match(validator.iter_errors(arguments))
     except Unresolvable as exc:
@@ -171,3 +186,5 @@ def arguments_error(validator: Any, arguments: Any) -> ValidationError | None:
         raise ToolFailure(
             "invalid_arguments", f"the arguments can't be checked against the tool's input schema ({exc}); the call was not run"
         ) from None
+    finally:
+        _check.deadline = None

@@ -97,6 +97,7 @@ def hostile(upstream: str, create_toolset: Callable[..., dict[str, Any]]) -> str
                 _get("item_of", "/items/{id}/owner", id={"type": "string"}),
                 _get("search", "/query", where={"type": "object"}, ids={"type": "array"}),
                 _get("pick", "/ok", "POST", picks={"type": "array", "items": {"enum": [f"v{i}" for i in range(5000)]}}),
+                _get("spell", "/ok", "POST", words={"type": "array", "items": {"type": "string", "pattern": "^(a|aa)+$"}}),
                 _get("pattern", "/ok", r={"type": "string", "format": "regex"}),
                 _get("half", "/ok", n={"type": "number", "multipleOf": 0.5}),
                 _get("tags", "/ok", "POST", tags={"type": "array", "uniqueItems": True}),
@@ -302,3 +303,27 @@ for picks in (["v4999"] * 100_000, ["v1"] * 50_000 + ["nope"] * 50_000):
     assert ok[:2] == ["ok", "{'ok': True}"] and float(ok[2]) < 5, ok
     assert nope[0] == "invalid_arguments" and float(nope[2]) < 5, nope
     assert re.fullmatch(r"picks/\d+: 'nope' is not one of the 5000 values allowed: \['v0', 'v1', .*, \.\.\.\]", nope[1]), nope
+
+
+def test_patterns_are_bounded_over_a_whole_call_not_only_each_match(api: Api, hostile: str) -> None:
+    """A pattern that backtracks (``^(a|aa)+$``), against 1,000 items that each take it about 25 ms
+    to refuse, under the 0.1 s a match may take: the call's matches are bounded in all, so the
+    call is refused in about a second, not after the half minute all of them take; one item that
+    matches still goes."""
+    code = f"""
+import time
+from ptc_tools import ToolError
+from ptc_tools.{hostile} import {class_name(hostile)} as T
+for words in (["a" * 25 + "!"] * 1000, ["aaaa"]):
+    started = time.monotonic()
+    try:
+        print("ok |", T.spell(words=words), "|", round(time.monotonic() - started, 1))
+    except ToolError as e:
+        print(e.code, "|", e.message, "|", round(time.monotonic() - started, 1))
+"""
+    job = api.run(code, toolsets=[hostile])
+    assert job["status"] == "completed", job["error"]
+    slow, ok = [line.split(" | ") for line in job["stdout"].splitlines()]
+    assert slow[0] == "invalid_arguments" and float(slow[2]) < 5, slow
+    assert slow[1].startswith("the tool's input schema has patterns that took over 1 s in all to match"), slow
+    assert ok[:2] == ["ok", "{'ok': True}"], ok
