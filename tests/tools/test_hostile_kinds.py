@@ -16,7 +16,7 @@ import pytest
 
 from tests.conftest import Api
 from tests.stack import ARTIFACTS
-from tests.tools.conftest import unique_key
+from tests.tools.conftest import HERE, mcp_stdio_config, unique_key
 from tools.sdk import class_name
 
 # A secret as many APIs issue them: base64, with the characters a URL or a JSON encoder escapes.
@@ -327,3 +327,24 @@ for words in (["a" * 25 + "!"] * 1000, ["aaaa"]):
     assert slow[0] == "invalid_arguments" and float(slow[2]) < 5, slow
     assert slow[1].startswith("the tool's input schema has patterns that took over 1 s in all to match"), slow
     assert ok[:2] == ["ok", "{'ok': True}"], ok
+
+
+HOSTILE_MCP_SERVER = str(HERE / "hostile_mcp_server.py")
+
+
+def test_an_mcp_text_of_json_nested_too_deep_is_the_text(
+    api: Api, staff: Api, create_toolset: Callable[..., dict[str, Any]]
+) -> None:
+    """A tool's text that starts like JSON is decoded; one nested 5,000 deep can't be (the decoder
+    recurses), and is what any other text that is not JSON is: the text. Its call failed with
+    internal_error ("see its log"), the RecursionError escaping the tools worker."""
+    key = unique_key("deep")
+    create_toolset(
+        {"key": key, "name": key, "kind": "mcp", "config": mcp_stdio_config(uuid.uuid4().hex, HOSTILE_MCP_SERVER, "deep")}
+    )
+    assert staff.post(f"/api/v1/toolsets/{key}/sync").status_code == 200
+    code = f"from ptc_tools.{key} import {class_name(key)} as M\ntext = M.nested()\nprint(type(text).__name__, len(text))"
+    job = api.run(code, toolsets=[key])
+    assert job["status"] == "completed", job["error"]
+    assert job["stdout"] == "str 10000\n"
+    assert [c["status"] for c in job["tool_calls"]] == ["completed"]

@@ -358,7 +358,8 @@ def _output(result: Any, texts: list[str]) -> Any:
         text = texts[0]
         if text.lstrip()[:1] in ("{", "["):
             # Most servers return JSON as text; code is better served by the value than by the string.
-            with contextlib.suppress(ValueError):
+            # A text that can't be decoded (not JSON, or nested too deep for the decoder) is the text.
+            with contextlib.suppress(ValueError, RecursionError):
                 return json.loads(text)
         return text
     if len(texts) == len(result.content):

@@ -1,0 +1,32 @@
+"""MCP servers that answer, but not as a client would hope: ``deep`` lists one tool, ``nested``,
+whose every call answers a text of JSON nested 5,000 deep; ``pages`` lists its tools a page at a
+time, each page empty and naming the same next page. python hostile_mcp_server.py MODE [--marker=ANYTHING]"""
+
+import json
+import sys
+
+mode = sys.argv[1]
+SCHEMA = {"type": "object", "properties": {}}
+
+
+def answer(message: dict, result: dict) -> None:
+    print(json.dumps({"jsonrpc": "2.0", "id": message["id"], "result": result}), flush=True)
+
+
+for line in sys.stdin:
+    message = json.loads(line)
+    if "id" not in message or "method" not in message:  # a notification, or an answer to the server
+        continue
+    if message["method"] == "initialize":
+        info = {"name": f"hostile-{mode}", "version": "1"}
+        version = message["params"]["protocolVersion"]
+        answer(message, {"protocolVersion": version, "capabilities": {"tools": {}}, "serverInfo": info})
+    elif message["method"] == "tools/list":
+        if mode == "pages":
+            answer(message, {"tools": [], "nextCursor": "the-same-page"})
+        else:
+            answer(message, {"tools": [{"name": "nested", "inputSchema": SCHEMA}]})
+    elif message["method"] == "tools/call":
+        answer(message, {"content": [{"type": "text", "text": "[" * 5000 + "]" * 5000}]})
+    else:
+        answer(message, {})
