@@ -6,6 +6,7 @@ secret shows, and the worker serves the next call."""
 import json
 import re
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -348,3 +349,20 @@ def test_an_mcp_text_of_json_nested_too_deep_is_the_text(
     assert job["status"] == "completed", job["error"]
     assert job["stdout"] == "str 10000\n"
     assert [c["status"] for c in job["tool_calls"]] == ["completed"]
+
+
+def test_an_mcp_server_whose_tool_list_pages_without_end_fails_its_sync_at_once(
+    staff: Api, create_toolset: Callable[..., dict[str, Any]]
+) -> None:
+    """Each page empty, each naming the same next one: the listing stopped only at its 10,000th
+    tool, which never came, so the sync ran until its time was up (a minute and more of the web
+    process's) and then said the server had not answered. A page named twice is said so, at once."""
+    key = unique_key("pages")
+    config = {**mcp_stdio_config(uuid.uuid4().hex, HOSTILE_MCP_SERVER, "pages"), "init_timeout": 2}
+    create_toolset({"key": key, "name": key, "kind": "mcp", "config": config})
+    started = time.monotonic()
+    sync = staff.post(f"/api/v1/toolsets/{key}/sync")
+    seconds = time.monotonic() - started
+    assert sync.status_code == 502, sync.text
+    assert sync.json()["error"]["code"] == "mcp_bad_response", sync.text
+    assert "the-same-page" in sync.json()["error"]["message"] and seconds < 10, (seconds, sync.text)

@@ -52,6 +52,8 @@ _REAP_EVERY = 30.0
 # Closing waits for each server to exit: the SDK gives it 2 s after stdin closes, then 2 s after SIGTERM.
 _CLOSE_SECONDS = 10.0
 _STDERR_TAIL_CHARS = 4000
+# The most pages a tool list is read in: 10,000 tools (where it stops) at one a page.
+_MAX_PAGES = 10_000
 _EXCERPT_CHARS = 300
 T = TypeVar("T")
 
@@ -509,6 +511,7 @@ def tools_list(*, toolset: Toolset) -> list[ListedTool]:
         try:
             await asyncio.shield(session.ready)
             found, cursor = [], None
+            cursors: set[str] = set()
             while True:
                 from mcp_types import PaginatedRequestParams
 
@@ -517,6 +520,16 @@ def tools_list(*, toolset: Toolset) -> list[ListedTool]:
                 cursor = page.next_cursor
                 if not cursor or len(found) > 10_000:
                     break
+                # A page named again (or pages without end, each empty): the listing would go on
+                # until its time is up, and then be said to have had no answer.
+                if cursor in cursors or len(cursors) >= _MAX_PAGES:
+                    raise ToolFailure(
+                        "mcp_bad_response",
+                        f"the MCP server {server.describe()} lists its tools in pages without end"
+                        f" (after {len(cursors) + 1} pages and {len(found)} tools, it named the page"
+                        f" {_excerpt(repr(cursor), server)} {'again' if cursor in cursors else 'next'})",
+                    )
+                cursors.add(cursor)
             return [
                 ListedTool(
                     name=secrets_redact(t.name, server.secrets),  # one that held a secret is not synced
