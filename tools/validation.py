@@ -173,6 +173,10 @@ def _str_map_problem(value: Any) -> str | None:
     return None
 
 
+# Where each kind fills in ``{{secrets.NAME}}`` (tools/kinds/http.py, tools/kinds/mcp.py).
+_SECRETS_FILLED_IN: dict[str, tuple[str, ...]] = {Toolset.Kind.HTTP: ("headers",), Toolset.Kind.MCP: ("env", "headers")}
+
+
 def config_errors(config: Any, *, kind: str, secrets: Mapping[str, Any]) -> list[FieldError]:
     """Return what is wrong with a toolset's ``config`` for its ``kind`` with its ``secrets`` (by
     name), and secrets it names but lacks."""
@@ -205,6 +209,13 @@ def config_errors(config: Any, *, kind: str, secrets: Mapping[str, Any]) -> list
         else:
             check("url", _url_problem(config.get("url")))
             check("headers", _str_map_problem(config.get("headers")) or headers_problem(config.get("headers"), secrets))
+    # Secrets are filled in only where the kind renders them; a reference anywhere else would be
+    # sent as it is written, {{secrets.NAME}}, in a URL or a command line.
+    filled = _SECRETS_FILLED_IN.get(kind, ())
+    for name in sorted(str(n) for n in config):
+        if name not in filled and secret_names_used(config[name]):
+            where = f"only in {' and '.join(filled)}" if filled else f"in no field of a {kind} toolset"
+            check(name, f"names a secret, but secrets are filled in {where}: here it would be sent as it is written")
     missing = sorted(secret_names_used(config) - set(secrets))
     if missing:
         errors.append(

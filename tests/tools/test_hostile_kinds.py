@@ -366,3 +366,25 @@ def test_an_mcp_server_whose_tool_list_pages_without_end_fails_its_sync_at_once(
     assert sync.status_code == 502, sync.text
     assert sync.json()["error"]["code"] == "mcp_bad_response", sync.text
     assert "the-same-page" in sync.json()["error"]["message"] and seconds < 10, (seconds, sync.text)
+
+
+@pytest.mark.parametrize(
+    ("kind", "config", "field"),
+    [
+        ("http", {"base_url": "http://127.0.0.1:9/{{secrets.K}}"}, "config.base_url"),
+        ("mcp", {"transport": "stdio", "command": "{{secrets.K}}"}, "config.command"),
+        ("mcp", {"transport": "stdio", "command": "server", "args": ["--key", "{{ secrets.K }}"]}, "config.args"),
+        ("mcp", {"transport": "streamable_http", "url": "http://127.0.0.1:9/mcp?key={{secrets.K}}"}, "config.url"),
+    ],
+)
+def test_a_secret_named_where_none_is_filled_in_is_refused(staff: Api, kind: str, config: dict[str, Any], field: str) -> None:
+    """Secrets are filled in in an http toolset's headers and an MCP server's env and headers only:
+    named anywhere else, the reference was saved and sent as it is written, ``{{secrets.K}}``, to
+    the server (in its URL, its command line), and the call failed far from the cause."""
+    key = unique_key("nowhere")
+    body = {"key": key, "name": key, "kind": kind, "config": config, "secrets": {"K": SECRET}}
+    response = staff.post("/api/v1/toolsets", json=body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["code"] == "invalid_config" and set(error["details"]) == {field}, error
+    assert "only in" in json.dumps(error["details"]) and SECRET not in response.text, error
