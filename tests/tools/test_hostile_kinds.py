@@ -388,3 +388,22 @@ def test_a_secret_named_where_none_is_filled_in_is_refused(staff: Api, kind: str
     error = response.json()["error"]
     assert error["code"] == "invalid_config" and set(error["details"]) == {field}, error
     assert "only in" in json.dumps(error["details"]) and SECRET not in response.text, error
+
+
+def test_an_mcp_servers_url_is_not_quoted_to_the_tenants_calling_it(
+    api: Api, create_toolset: Callable[..., dict[str, Any]]
+) -> None:
+    """A global toolset's config is the operator's (its owner and staff read it, no tenant does):
+    a hosted MCP server's URL holds its host and, often, the token it is reached by. A call that
+    can't reach it quoted the URL whole to every tenant's code, its record and its events."""
+    key, token = unique_key("hosted"), uuid.uuid4().hex
+    url = f"http://127.0.0.1:9/mcp/s/{token}/mcp"  # nothing listens on port 9
+    tool = {"name": "lookup", "input_schema": {"type": "object"}}
+    create_toolset(
+        {"key": key, "name": key, "kind": "mcp", "config": {"transport": "streamable_http", "url": url}, "tools": [tool]}
+    )
+    job, lines = _calls(api, key, "T.lookup()")
+    [failed] = lines
+    assert failed.startswith(f"mcp_start_failed | could not connect to the MCP server of toolset '{key}'"), failed
+    assert token not in json.dumps(job) and "127.0.0.1:9" not in json.dumps(job), failed
+    assert token not in (ARTIFACTS / "tools-worker.log").read_text(errors="replace")

@@ -79,8 +79,9 @@ class Server:
         return hashlib.sha256(json.dumps(parts, default=list).encode()).hexdigest()
 
     def describe(self) -> str:
-        where = f" at {self.url}" if self.transport == "streamable_http" else ""
-        return f"of toolset '{self.toolset_key}'{where}"
+        # By its toolset, not its URL: a global toolset's config is its operator's (no tenant reads
+        # it), and a hosted server's URL holds its host and often the token it is reached by.
+        return f"of toolset '{self.toolset_key}'"
 
 
 def server_for(toolset: Toolset) -> Server:
@@ -130,6 +131,8 @@ def _leaf(exc: BaseException) -> BaseException:
 
 
 def _excerpt(text: str, server: Server) -> str:
+    if server.url:  # httpx's errors quote the URL they were sent to ("... for url 'https://...'")
+        text = text.replace(server.url, "[the server's URL]")
     text = " ".join(secrets_redact(text, server.secrets).split())
     return text if len(text) <= _EXCERPT_CHARS else "…" + text[-_EXCERPT_CHARS:]
 
