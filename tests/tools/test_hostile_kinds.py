@@ -46,6 +46,15 @@ class _Handler(BaseHTTPRequestHandler):
             self._send(200, json.dumps({"path": urlsplit(self.path).path}).encode())
         elif route == "query":  # the query string as it came
             self._send(200, json.dumps(parse_qs(urlsplit(self.path).query)).encode())
+        elif route == "cut":  # an answer that ends before the length it gave
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", "100")
+            self.end_headers()
+            self.wfile.write(b'{"a"')
+            self.close_connection = True
+        elif route == "gzip":  # said to be gzip, and not
+            self._send(200, b'{"ok": true}', Content_Encoding="gzip")
         elif route == "codec":  # a charset that names a codec, but not a text encoding
             self._send(200, b'{"ok": true}', "application/json; charset=rot13")
         elif route == "codec_error":
@@ -99,6 +108,8 @@ def hostile(upstream: str, create_toolset: Callable[..., dict[str, Any]]) -> str
                 _get("search", "/query", where={"type": "object"}, ids={"type": "array"}),
                 _get("pick", "/ok", "POST", picks={"type": "array", "items": {"enum": [f"v{i}" for i in range(5000)]}}),
                 _get("spell", "/ok", "POST", words={"type": "array", "items": {"type": "string", "pattern": "^(a|aa)+$"}}),
+                _get("cut", "/cut"),
+                _get("gzip", "/gzip"),
                 _get("pattern", "/ok", r={"type": "string", "format": "regex"}),
                 _get("half", "/ok", n={"type": "number", "multipleOf": 0.5}),
                 _get("tags", "/ok", "POST", tags={"type": "array", "uniqueItems": True}),
@@ -407,3 +418,15 @@ def test_an_mcp_servers_url_is_not_quoted_to_the_tenants_calling_it(
     assert failed.startswith(f"mcp_start_failed | could not connect to the MCP server of toolset '{key}'"), failed
     assert token not in json.dumps(job) and "127.0.0.1:9" not in json.dumps(job), failed
     assert token not in (ARTIFACTS / "tools-worker.log").read_text(errors="replace")
+
+
+def test_an_answer_that_cannot_be_read_is_not_said_to_be_no_answer(api: Api, hostile: str) -> None:
+    """A body cut short of its Content-Length, or said to be gzip and not: the server answered, and
+    the message says so (with the status), not that the server could not be reached."""
+    _, lines = _calls(api, hostile, "T.cut()\nT.gzip()\nT.ok()")
+    cut, gzip, ok = lines
+    assert cut.startswith("http_connection_error | GET /cut answered HTTP 200 but its answer could not be read: "), cut
+    assert "RemoteProtocolError" in cut, cut
+    assert gzip.startswith("http_connection_error | GET /gzip answered HTTP 200 but its answer could not be read: "), gzip
+    assert "DecodingError" in gzip, gzip
+    assert ok == "ok | {'ok': True}"

@@ -217,6 +217,9 @@ def run(*, toolset: Toolset, tool: Tool, arguments: dict[str, Any], timeout: flo
         ) from None
     except httpx.HTTPError as exc:
         message = _excerpt(f"{type(exc).__name__}: {exc}", secrets)
+        if response is not None:  # it answered: a body cut short, or not in the encoding it said
+            answered = f"{where} answered HTTP {response.status_code}"
+            raise ToolFailure("http_connection_error", f"{answered} but its answer could not be read: {message}") from None
         raise ToolFailure("http_connection_error", f"{where} could not reach the server: {message}") from None
     finally:
         _local.deadline = None
