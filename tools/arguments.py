@@ -5,7 +5,8 @@ jsonschema matches ``pattern`` and ``patternProperties`` with Python's ``re``, w
 exec worker's bridge: every job on it). A tool's schema comes from whoever defined it (a job's own
 client tools, a user's toolset, a remote MCP server), so here those keywords match with the
 ``regex`` module, which gives up after ``PATTERN_SECONDS`` (and all of a call's matches after
-``PATTERNS_SECONDS``) and lets other threads run meanwhile.
+``PATTERNS_SECONDS``) and lets other threads run meanwhile. The whole check of a call ends after
+``CHECK_SECONDS``, whatever its schema asks for.
 ``uniqueItems`` and ``enum`` are checked by looking each value up, not by comparing it with every
 other item or every allowed value.
 A schema whose checks can't finish (a pattern that gives up, a ``$ref`` that names nothing or
@@ -29,7 +30,14 @@ PATTERN_SECONDS = 0.1
 # The most all of one call's matches may take: each item of a list is matched on its own, and 1,000
 # items that each take a pattern just under PATTERN_SECONDS held the exec worker's bridge for minutes.
 PATTERNS_SECONDS = 1.0
-# When the matches of the call this thread checks must end (``arguments_error`` sets it).
+# The most the whole check of one call may take. A schema can make it as long as it likes: each
+# of 30 definitions "any of the next, or the next" tries 2**30 ways to refuse a value, and held the
+# exec worker's bridge for good (its job lost its lease). A megabyte of arguments that fits a plain
+# schema is checked in under half a second. Well within a job's lease (PTC_JOB_LEASE_SECONDS: 45 s,
+# 4 s in the tests): a job's lone call is checked on its bridge's loop, which renews the lease.
+CHECK_SECONDS = 2.0
+# When the matches (``deadline``) and the whole check (``ends``) of the call this thread checks must
+# end: ``arguments_error`` sets them.
 _check = threading.local()
 
 
@@ -156,9 +164,22 @@ def _anywhere(schema: Any, key: str) -> bool:
     return any(True for _ in keyword_values(schema, key))
 
 
+def _in_time(check: Callable[..., Any]) -> Callable[..., Any]:
+    """``check`` (a keyword's), refused once its call's check is past ``CHECK_SECONDS``: every
+    keyword of every subschema the check reaches goes through here, so no schema outlasts it."""
+
+    def timed(validator: Any, value: Any, instance: Any, schema: Any) -> Any:
+        ends = getattr(_check, "ends", None)
+        if ends is not None and time.monotonic() > ends:
+            raise _unchecked(f"took over {CHECK_SECONDS:g} s to check these arguments")
+        return check(validator, value, instance, schema)
+
+    return timed
+
+
 def arguments_validator(schema: dict[str, Any]) -> Any:
     """Return a validator of arguments for ``schema``: its draft's, its pattern, uniqueItems and enum
-    keywords bounded."""
+    keywords bounded, and every keyword within the check's time."""
     base = jsonschema.validators.validator_for(schema)
     bounded: dict[str, Callable[..., Any]] = {name: check for name, check in _BOUNDED.items() if name in base.VALIDATORS}
     if "enum" in base.VALIDATORS:
@@ -166,14 +187,16 @@ def arguments_validator(schema: dict[str, Any]) -> Any:
     if "unevaluatedProperties" in base.VALIDATORS and _anywhere(schema, "unevaluatedProperties"):
         if _anywhere(schema, "patternProperties"):
             bounded["unevaluatedProperties"] = _unevaluated_refused
-    cls = jsonschema.validators.extend(base, bounded)
+    checks = {name: _in_time(bounded.get(name, check)) for name, check in base.VALIDATORS.items()}
+    cls = jsonschema.validators.extend(base, checks)
     return cls(schema, format_checker=base.FORMAT_CHECKER)
 
 
 def arguments_error(validator: Any, arguments: Any) -> ValidationError | None:
     """Return the most relevant reason ``arguments`` don't match, or None if they do. Raise
     ToolFailure ``invalid_arguments`` if the schema's checks can't finish."""
-    _check.deadline = time.monotonic() + PATTERNS_SECONDS
+    now = time.monotonic()
+    _check.deadline, _check.ends = now + PATTERNS_SECONDS, now + CHECK_SECONDS
     try:
         return jsonschema.exceptions.best_match(validator.iter_errors(arguments))
     except Unresolvable as exc:
@@ -187,4 +210,4 @@ def arguments_error(validator: Any, arguments: Any) -> ValidationError | None:
             "invalid_arguments", f"the arguments can't be checked against the tool's input schema ({exc}); the call was not run"
         ) from None
     finally:
-        _check.deadline = None
+        _check.deadline = _check.ends = None

@@ -87,6 +87,14 @@ def _get(name: str, path: str, method: str = "GET", **properties: Any) -> dict[s
     return {"name": name, "input_schema": schema, "http": {"method": method, "path": path, "query": []}}
 
 
+# A schema of 30 definitions, each "any of the next, or the next": 2**30 ways to a value it refuses.
+DOUBLING = {f"d{i}": {"anyOf": [{"$ref": f"#/$defs/d{i + 1}"}] * 2} for i in range(30)} | {"d30": {"type": "integer"}}
+
+
+EITHER = _get("either", "/ok", x={"$ref": "#/$defs/d0"})
+EITHER["input_schema"]["$defs"] = DOUBLING
+
+
 @pytest.fixture
 def hostile(upstream: str, create_toolset: Callable[..., dict[str, Any]]) -> str:
     key = unique_key("hostile")
@@ -110,6 +118,7 @@ def hostile(upstream: str, create_toolset: Callable[..., dict[str, Any]]) -> str
                 _get("spell", "/ok", "POST", words={"type": "array", "items": {"type": "string", "pattern": "^(a|aa)+$"}}),
                 _get("cut", "/cut"),
                 _get("gzip", "/gzip"),
+                EITHER,
                 _get("pattern", "/ok", r={"type": "string", "format": "regex"}),
                 _get("half", "/ok", n={"type": "number", "multipleOf": 0.5}),
                 _get("tags", "/ok", "POST", tags={"type": "array", "uniqueItems": True}),
@@ -430,3 +439,14 @@ def test_an_answer_that_cannot_be_read_is_not_said_to_be_no_answer(api: Api, hos
     assert gzip.startswith("http_connection_error | GET /gzip answered HTTP 200 but its answer could not be read: "), gzip
     assert "DecodingError" in gzip, gzip
     assert ok == "ok | {'ok': True}"
+
+
+def test_a_schema_whose_check_doubles_at_each_step_fails_the_call_in_time(api: Api, hostile: str) -> None:
+    """30 definitions, each any of the next twice: a value it takes is found at the first try, one it
+    refuses only after 2**30 tries, which never end (the job lost its lease, and the exec worker's
+    thread went on). A call's check is bounded in all: the call is refused, the next one runs."""
+    job, lines = _calls(api, hostile, 'T.either(x=1)\nT.either(x="one")\nT.either(x=2)')
+    one, refused, two = lines
+    assert one == two == "ok | {'ok': True}", (one, two)
+    assert refused == "invalid_arguments | the tool's input schema took over 2 s to check these arguments; the call was not run"
+    assert [c["status"] for c in job["tool_calls"]] == ["completed", "failed", "completed"]
