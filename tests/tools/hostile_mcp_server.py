@@ -1,12 +1,15 @@
 """MCP servers that answer, but not as a client would hope: ``deep`` lists one tool, ``nested``,
 whose every call answers a text of JSON nested 5,000 deep; ``pages`` lists its tools a page at a
-time, each page empty and naming the same next page. python hostile_mcp_server.py MODE [--marker=ANYTHING]"""
+time, each page empty and naming the same next page; ``redos`` lists ``spell``, whose output schema's
+pattern backtracks (``^(a+)+$``), and ``plain``, and answers ``spell`` with a string that takes
+Python's ``re`` days to refuse. python hostile_mcp_server.py MODE [--marker=ANYTHING]"""
 
 import json
 import sys
 
 mode = sys.argv[1]
 SCHEMA = {"type": "object", "properties": {}}
+SPELLED = {"type": "object", "properties": {"s": {"type": "string", "pattern": "^(a+)+$"}}}
 
 
 def answer(message: dict, result: dict) -> None:
@@ -24,8 +27,16 @@ for line in sys.stdin:
     elif message["method"] == "tools/list":
         if mode == "pages":
             answer(message, {"tools": [], "nextCursor": "the-same-page"})
+        elif mode == "redos":
+            tools = [{"name": "spell", "inputSchema": SCHEMA, "outputSchema": SPELLED}, {"name": "plain", "inputSchema": SCHEMA}]
+            answer(message, {"tools": tools})
         else:
             answer(message, {"tools": [{"name": "nested", "inputSchema": SCHEMA}]})
+    elif message["method"] == "tools/call" and mode == "redos":
+        if message["params"]["name"] == "spell":
+            answer(message, {"content": [], "structuredContent": {"s": "a" * 40 + "!"}})
+        else:
+            answer(message, {"content": [{"type": "text", "text": "plain"}]})
     elif message["method"] == "tools/call":
         answer(message, {"content": [{"type": "text", "text": "[" * 5000 + "]" * 5000}]})
     else:

@@ -450,3 +450,25 @@ def test_a_schema_whose_check_doubles_at_each_step_fails_the_call_in_time(api: A
     assert one == two == "ok | {'ok': True}", (one, two)
     assert refused == "invalid_arguments | the tool's input schema took over 2 s to check these arguments; the call was not run"
     assert [c["status"] for c in job["tool_calls"]] == ["completed", "failed", "completed"]
+
+
+def test_an_mcp_output_schema_that_backtracks_does_not_freeze_the_tools_worker(
+    api: Api, staff: Api, create_toolset: Callable[..., dict[str, Any]]
+) -> None:
+    """The SDK checks a tool's structured output against the output schema the server lists, with
+        Python's ``re``: ``^(a+)+$`` against 40 a's and a ``!`` backtracks for days holding the GIL, and
+        the whole tools worker froze (every call on it, its leases). Checked as arguments are (bounded
+        patterns, within the check's time, off the MCP loop), the output is refused at once (the ``regex``
+    module does not backtrack on this one): mcp_invalid_output; the server's next call runs."""
+    key = unique_key("redos")
+    create_toolset(
+        {"key": key, "name": key, "kind": "mcp", "config": mcp_stdio_config(uuid.uuid4().hex, HOSTILE_MCP_SERVER, "redos")}
+    )
+    assert staff.post(f"/api/v1/toolsets/{key}/sync").status_code == 200
+    job, lines = _calls(api, key, "T.spell()\nT.plain()")
+    spell, plain = lines
+    assert spell == (
+        f"mcp_invalid_output | Invalid structured content returned by tool spell: {'a' * 40 + '!'!r} does not match '^(a+)+$'"
+    )
+    assert plain == "ok | plain"
+    assert [c["status"] for c in job["tool_calls"]] == ["failed", "completed"]

@@ -20,6 +20,7 @@ import atexit
 import codecs
 import concurrent.futures
 import contextlib
+import functools
 import hashlib
 import json
 import logging
@@ -30,6 +31,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from tools.arguments import arguments_error, arguments_validator
 from tools.errors import ToolFailure
 from tools.models import Tool, Toolset
 from tools.secret_refs import (
@@ -242,12 +244,12 @@ class _Session:
 
     async def _own(self) -> None:
         import anyio
-        from mcp import ClientSession
 
         try:
             async with contextlib.AsyncExitStack() as stack:
                 read, write = await self._open(stack)
-                session = await stack.enter_async_context(ClientSession(read, write, message_handler=self._on_message))
+                client = _client_session_class()
+                session = await stack.enter_async_context(client(read, write, message_handler=self._on_message))
                 initialized = False
                 with anyio.move_on_after(self.server.init_timeout) as scope:
                     self._init_scope = scope
@@ -340,6 +342,51 @@ class _Session:
         if scope.cancelled_caught:
             raise ToolFailure("mcp_bad_response", f"{where}: {self.broken or 'the session was closed'}")
         return result_output(result, where, self.server.secrets)
+
+
+@functools.cache
+def _client_session_class() -> type:
+    """The SDK's ClientSession, its check of a tool's structured output against the output schema
+    its server lists made as a call's arguments are checked (tools/arguments.py).
+
+    The SDK checks it with jsonschema, whose ``pattern`` is Python's ``re``: a server's
+    ``^(a+)+$`` against 40 a's and a ``!`` backtracks for days holding the GIL, and froze the whole
+    tools worker. Here patterns are bounded, the check is within its time, and it runs off the
+    event loop, which serves every session of the process."""
+    import anyio
+    import jsonschema
+    from mcp import ClientSession
+
+    class _Checked(ClientSession):
+        _ptc_validators: dict[str, tuple[Any, Any]]
+
+        async def validate_tool_result(self, name: str, result: Any) -> None:
+            # As the SDK's (mcp/client/session.py): the schema the server listed for ``name``,
+            # listed again if it is not known yet; the same RuntimeErrors, which ``call`` reads.
+            if name not in self._tool_output_schemas:
+                await self.list_tools()
+            schema = self._tool_output_schemas.get(name)
+            if schema is None:
+                return
+            if result.structured_content is None and "structured_content" not in result.model_fields_set:
+                raise RuntimeError(f"Tool {name} has an output schema but did not return structured content")
+            validators = self.__dict__.setdefault("_ptc_validators", {})
+            known = validators.get(name)
+            if known is None or known[0] is not schema:  # one per schema, as the SDK keeps its own
+                try:
+                    jsonschema.validators.validator_for(schema).check_schema(schema)
+                except jsonschema.SchemaError as exc:
+                    raise RuntimeError(f"Invalid schema for tool {name}: {exc.message}") from None
+                known = validators[name] = (schema, arguments_validator(schema))
+            try:
+                error = await anyio.to_thread.run_sync(arguments_error, known[1], result.structured_content)
+            except ToolFailure as failure:
+                why = failure.message.replace("the tool's input schema", "its output schema").replace("the call was not run", "")
+                raise RuntimeError(f"The output of tool {name} could not be checked: {why.rstrip('; ')}") from None
+            if error is not None:
+                raise RuntimeError(f"Invalid structured content returned by tool {name}: {error.message}")
+
+    return _Checked
 
 
 def result_output(result: Any, where: str, secrets: tuple[str, ...]) -> Any:
