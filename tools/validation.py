@@ -71,6 +71,11 @@ def schema_errors(schema: Any, *, path: str, object_root: bool) -> list[FieldErr
         return [
             FieldError(path, "invalid_json_schema", f"not a valid JSON Schema{f' at {where}' if where else ''}: {exc.message}")
         ]
+    except (OverflowError, RecursionError) as exc:
+        # A ``pattern`` is compiled as the schema is checked (its format is regex): Python's re
+        # raises these, not re.error, for a repeat count too large (a{99999999999}) or groups
+        # nested past its parser's recursion.
+        return [FieldError(path, "invalid_json_schema", f"not a valid JSON Schema: a pattern in it can't be compiled ({exc})")]
     if (unresolved := _unresolved_ref(schema)) is not None:
         return [FieldError(path, "invalid_json_schema", f"$ref {unresolved!r} names nothing in the schema")]
     if object_root:

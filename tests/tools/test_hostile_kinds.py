@@ -472,3 +472,23 @@ def test_an_mcp_output_schema_that_backtracks_does_not_freeze_the_tools_worker(
     )
     assert plain == "ok | plain"
     assert [c["status"] for c in job["tool_calls"]] == ["failed", "completed"]
+
+
+@pytest.mark.parametrize("pattern", ["a{99999999999}", "(" * 2000 + ")" * 2000])
+def test_a_pattern_python_cannot_compile_in_a_schema_is_a_field_error(api: Api, staff: Api, pattern: str) -> None:
+    """A schema's ``pattern`` is checked as a regex when the schema is: one whose repeat count
+    overflows, or nested past the parser's recursion, raised out of the check, a 500 for a job's
+    client tools (any caller's) and for a toolset (staff's, an MCP server's listing at its sync)."""
+    schema = {"type": "object", "properties": {"x": {"type": "string", "pattern": pattern}}}
+    client = api.post("/api/v1/exec", json={"code": "1", "client_tools": [{"name": "t", "input_schema": schema}]})
+    assert client.status_code == 400, client.text[:300]
+    assert (
+        client.json()["error"]["code"] == "validation_error"
+        and "client_tools[0].input_schema" in client.json()["error"]["details"]
+    )
+    key = unique_key("regex")
+    tool = {"name": "t", "input_schema": schema, "http": {"method": "GET", "path": "/", "query": []}}
+    body = {"key": key, "name": key, "kind": "http", "config": {"base_url": "http://127.0.0.1:9"}, "tools": [tool]}
+    toolset = staff.post("/api/v1/toolsets", json=body)
+    assert toolset.status_code == 400, toolset.text[:300]
+    assert toolset.json()["error"]["code"] == "invalid_json_schema", toolset.text[:300]
