@@ -55,6 +55,8 @@ class _Handler(BaseHTTPRequestHandler):
             self.close_connection = True
         elif route == "gzip":  # said to be gzip, and not
             self._send(200, b'{"ok": true}', Content_Encoding="gzip")
+        elif route == "bigint":  # JSON, with a number of 5,000 digits (Python reads at most 4,300)
+            self._send(200, b'{"n": ' + b"1" * 5000 + b"}")
         elif route == "codec":  # a charset that names a codec, but not a text encoding
             self._send(200, b'{"ok": true}', "application/json; charset=rot13")
         elif route == "codec_error":
@@ -116,6 +118,7 @@ def hostile(upstream: str, create_toolset: Callable[..., dict[str, Any]]) -> str
                 _get("search", "/query", where={"type": "object"}, ids={"type": "array"}),
                 _get("pick", "/ok", "POST", picks={"type": "array", "items": {"enum": [f"v{i}" for i in range(5000)]}}),
                 _get("spell", "/ok", "POST", words={"type": "array", "items": {"type": "string", "pattern": "^(a|aa)+$"}}),
+                _get("bigint", "/bigint"),
                 _get("cut", "/cut"),
                 _get("gzip", "/gzip"),
                 EITHER,
@@ -492,3 +495,13 @@ def test_a_pattern_python_cannot_compile_in_a_schema_is_a_field_error(api: Api, 
     toolset = staff.post("/api/v1/toolsets", json=body)
     assert toolset.status_code == 400, toolset.text[:300]
     assert toolset.json()["error"]["code"] == "invalid_json_schema", toolset.text[:300]
+
+
+def test_json_with_a_number_too_long_to_read_is_not_said_not_to_be_json(api: Api, hostile: str) -> None:
+    """A body of JSON whose number has 5,000 digits: Python reads no integer of over 4,300. That is
+    what the message says, not that the body (application/json, and JSON) is not JSON."""
+    _, lines = _calls(api, hostile, "T.bigint()")
+    [bigint] = lines
+    assert bigint.startswith(
+        'http_invalid_json | GET /bigint answered HTTP 200 with JSON holding a number too long to read: {"n": 111'
+    ), bigint[:200]

@@ -243,7 +243,12 @@ def run(*, toolset: Toolset, tool: Tool, arguments: dict[str, Any], timeout: flo
         output = json.loads(text)
     except (ValueError, RecursionError) as exc:
         kind = response.headers.get("content-type", "no content type").split(";")[0]
-        why = "JSON nested too deep" if isinstance(exc, RecursionError) else f"{kind}, not JSON"
+        if isinstance(exc, RecursionError):
+            why = "JSON nested too deep"
+        elif not isinstance(exc, json.JSONDecodeError):  # JSON, but an integer past Python's 4,300 digits
+            why = "JSON holding a number too long to read"
+        else:
+            why = f"{kind}, not JSON"
         raise ToolFailure(
             "http_invalid_json", f"{where} answered HTTP {response.status_code} with {why}: {_excerpt(text, secrets)}"
         ) from None
