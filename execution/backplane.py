@@ -241,6 +241,25 @@ READ_TIMEOUT = 1.0
 SUBSCRIPTIONS_CLIENT = "ptc-subscriptions"
 
 
+def _named_connection(base: Any) -> Any:
+    """``base`` (redis-py's connection class of the URL's scheme), naming each connection it opens
+    SUBSCRIPTIONS_CLIENT, so an operator tells it in CLIENT LIST (as a test that cuts it does). If
+    Redis refuses the name (an ACL without CLIENT: NOPERM) it goes unnamed: redis-py's own
+    ``client_name`` raises that from the connect, and no subscription could ever be made."""
+    from redis.exceptions import ResponseError
+
+    class Named(base):
+        def on_connect_check_health(self, check_health: bool = True) -> None:
+            super().on_connect_check_health(check_health=check_health)
+            self.send_command("CLIENT", "SETNAME", SUBSCRIPTIONS_CLIENT, check_health=False)
+            try:
+                self.read_response()
+            except ResponseError:
+                pass
+
+    return Named
+
+
 class _RedisHub:
     """Every subscription of this process on one pub/sub connection and one reader thread: a
     subscription is one SUBSCRIBE on it, not a connection and a thread of its own (a web process
@@ -509,10 +528,9 @@ class RedisBackplane(Backplane):
         would write to the connection from the reader thread, which only reads."""
         import redis
 
-        # Named, so an operator tells it in CLIENT LIST (as a test that cuts it does).
-        client = redis.Redis.from_url(
-            settings.REDIS_URL, socket_keepalive=True, socket_connect_timeout=2, client_name=SUBSCRIPTIONS_CLIENT
-        )
+        client = redis.Redis.from_url(settings.REDIS_URL, socket_keepalive=True, socket_connect_timeout=2)
+        pool = client.connection_pool
+        pool.connection_class = _named_connection(pool.connection_class)
         return _RedisHub(client)
 
     def _subscribe(self, channel: str) -> Subscription:

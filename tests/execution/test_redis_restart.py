@@ -7,6 +7,7 @@ import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -152,3 +153,24 @@ def test_an_approval_pushed_while_the_worker_reconnects_still_restarts_the_jobs_
         final = finished(owner, job["id"])
     # 2 s of the job's own time, of which the 4 s call took the rest: it ends timeout, not completed.
     assert final["status"] == "timeout", (final["status"], final["error"])
+
+
+def test_a_redis_that_refuses_client_setname_still_carries_the_subscriptions(tmp_path: Path, settings: Any) -> None:
+    # A Redis whose ACL refuses the CLIENT commands (a managed one, a locked-down user) answers
+    # CLIENT SETNAME with NOPERM. redis-py raises it from the connect: naming the subscription
+    # connection made every subscription fail, so no job ever heard a result, cancel or approval.
+    from execution.backplane import Cancel, RedisBackplane
+
+    redis = RedisServer(tmp_path)
+    redis.start()
+    try:
+        acl = ["ACL", "SETUSER", "ptc", "on", ">secret", "~*", "&*", "+@all", "-client"]
+        subprocess.run(["redis-cli", "-p", str(redis.port), *acl], check=True, capture_output=True)
+        settings.REDIS_URL = f"redis://ptc:secret@127.0.0.1:{redis.port}/0"
+        plane = RedisBackplane()
+        with plane.subscribe("ptc:test:named") as subscription:
+            assert plane.publish("ptc:test:named", Cancel())
+            subscription.wait(5)
+            assert subscription.drain() == [Cancel()]
+    finally:
+        redis.stop()
