@@ -6,6 +6,7 @@ from typing import Any
 
 from asgiref.sync import sync_to_async
 from django.core.handlers.asgi import ASGIRequest
+from django.db import connection
 from django.db.models import QuerySet
 from django.http import StreamingHttpResponse
 from rest_framework import generics, serializers
@@ -57,16 +58,31 @@ class FilteredListApi(generics.ListAPIView):
             return b",".join(JSONRenderer().render(item) for item in data)
 
         def parts() -> Iterator[bytes]:
-            yield head[:-1] + b',"results":['
-            first = True
-            for chunk in chunks:
-                if part := rendered(chunk):
-                    yield part if first else b"," + part
-                    first = False
-            yield b"]}"
+            # Each part waits on the client, who may take its time: the connection goes back to the
+            # pool before each (and if a read fails), not held from one part to the next.
+            try:
+                _connection_release()
+                yield head[:-1] + b',"results":['
+                first = True
+                for chunk in chunks:
+                    part = rendered(chunk)
+                    _connection_release()
+                    if part:
+                        yield part if first else b"," + part
+                        first = False
+                yield b"]}"
+            finally:
+                _connection_release()
 
         content = _read_on_request_thread(parts()) if isinstance(request._request, ASGIRequest) else parts()
         return StreamingHttpResponse(content, content_type="application/json")
+
+
+def _connection_release() -> None:
+    """Give this thread's database connection back (to the pool), unless a transaction holds it
+    (a test's): the next read takes one again."""
+    if not connection.in_atomic_block:
+        connection.close()
 
 
 async def _read_on_request_thread(parts: Iterator[bytes]) -> AsyncIterator[bytes]:

@@ -172,3 +172,50 @@ def test_a_page_of_heavy_jobs_is_sent_as_it_is_read(stack: Stack, api: Api) -> N
     assert all(len(job["tool_calls"]) == 4 and job["tool_calls"][0]["output"] == payload for job in page["results"])
     # Built whole, the page took about three times its size (480 MiB here); a job at a time, a fraction of it.
     assert risen < 160, f"the web's resident size rose {risen} MiB while it sent a 160 MiB page"
+
+
+def test_a_client_that_stops_reading_a_page_holds_no_database_connection(stack_env: dict[str, str], tmp_path: Any) -> None:
+    # A page is sent as it is read, so it takes as long as its client takes to read it. Each part
+    # was made on the request's thread with its database connection held from one part to the
+    # next, for as long as the client took: a pool's worth of clients that stop reading (a slow
+    # link; one user's scripts) held every connection of the web's pool, and every other request
+    # waited PTC_DB_POOL_TIMEOUT and answered 503 database_unavailable.
+    import socket
+    from urllib.parse import urlsplit
+
+    import httpx
+
+    from execution.models import ToolCall
+    from ptcproject.accounts.services import user_with_key_create
+    from tests.factories import demo_call, running_job
+    from tests.stack import free_port
+
+    env = {**stack_env, "PTC_DB_POOL_MIN": "1", "PTC_DB_POOL_MAX": "2", "PTC_DB_POOL_TIMEOUT": "2"}
+    stack = Stack(env, name="small-pool")
+    user, key = user_with_key_create(username=f"slow-{free_port()}", create_user=True, staff=False, credits=100)
+    payload = "x" * (1 << 20)
+    for _job in range(12):  # 2 MiB each: 24 MiB in the page, far past what the sockets buffer
+        job = running_job(user=user, status="completed")
+        for _call in range(2):
+            demo_call(user=user, job=job, status=ToolCall.Status.COMPLETED, output=payload)
+    host, port = urlsplit(stack.base_url).hostname, urlsplit(stack.base_url).port
+    stalled: list[socket.socket] = []
+    try:
+        stack.start(beat=False)
+        for _reader in range(2):  # as many as the pool holds
+            sock = socket.socket()
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.connect((host, port))
+            sock.sendall(
+                f"GET /api/v1/exec?page_size=50 HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {key}\r\n\r\n".encode()
+            )
+            assert sock.recv(4096).startswith(b"HTTP/1.1 200")  # and then it reads no more
+            stalled.append(sock)
+        time.sleep(1)
+        with httpx.Client(base_url=stack.base_url, headers={"Authorization": f"Bearer {key}"}, timeout=30) as http:
+            other = http.get("/api/v1/keys")
+        assert other.status_code == 200, other.text
+    finally:
+        for sock in stalled:
+            sock.close()
+        stack.stop()
