@@ -102,6 +102,16 @@ class Refused:
     error: dict[str, str]
 
 
+@dataclass(frozen=True)
+class Looked:
+    """What a call's record says after the channel reconnected: its reply if it has finished, and
+    if it was approved, its ``Approved`` and how many seconds ago (its job's clock ran since)."""
+
+    reply: dict[str, Any] | None = None
+    approved: Approved | None = None
+    approved_ago: float = 0.0
+
+
 class CallRouter(Protocol):
     """What the session needs from the rest of the system to run a tool call."""
 
@@ -110,9 +120,8 @@ class CallRouter(Protocol):
         in order. Called on the session's submit threads."""
         ...
 
-    def lookup(self, *, call_id: str) -> "dict[str, Any] | Approved | None":
-        """From its record: a finished call's reply, ``Approved`` for a call approved since it
-        began to wait, or None while it waits or runs."""
+    def lookup(self, *, call_id: str) -> Looked:
+        """From its record: a finished call's reply, and whether (and when) it was approved."""
         ...
 
     def overdue(self, *, call_id: str) -> dict[str, Any]:
@@ -386,10 +395,13 @@ class Session:
         waiting = now - self.awaiting_since if self.awaiting_since is not None else 0.0
         return min(self.limits.max_client_wait, self.waited + waiting)
 
-    def _set_awaiting(self, call_id: str, awaiting: bool) -> None:
-        """Mark a call as waiting on the client (or an approval), or no longer: the job's clock
-        stops while at least one call waits, and runs again when none does."""
+    def _set_awaiting(self, call_id: str, awaiting: bool, *, ago: float = 0.0) -> None:
+        """Mark a call as waiting on the client (or an approval), or no longer (as of ``ago``
+        seconds back): the job's clock stops while at least one call waits, and runs again when
+        none does."""
         now = time.monotonic()
+        if not awaiting and self.awaiting_since is not None:
+            now = max(self.awaiting_since, now - ago)
         before = bool(self.awaiting)
         if awaiting:
             self.awaiting.add(call_id)
@@ -784,15 +796,19 @@ class Session:
                 "(PTC_MAX_JOB_TOOL_BYTES): pass less through tools, or split the work into several jobs",
             )
 
+    def _approved(self, message: Approved, *, ago: float = 0.0) -> None:
+        """The call was approved (``ago`` seconds back): it now runs on a tools worker, under the
+        tool's own timeout, and its job's clock runs again from then."""
+        call = self.in_flight.get(message.call_id)
+        if call is not None and message.call_id in self.awaiting:
+            self._set_awaiting(message.call_id, False, ago=ago)
+            call.deadline = time.monotonic() - ago + message.timeout + CALL_GRACE_SECONDS
+
     def _on_channel(self, message: Message) -> None:
         if isinstance(message, Result):
             self._reply(message.call_id, message.reply())
         elif isinstance(message, Approved):
-            # Approved: it now runs on a tools worker, under the tool's own timeout.
-            call = self.in_flight.get(message.call_id)
-            if call is not None and message.call_id in self.awaiting:
-                self._set_awaiting(message.call_id, False)
-                call.deadline = time.monotonic() + message.timeout + CALL_GRACE_SECONDS
+            self._approved(message)
         elif isinstance(message, Admitted):
             self.key_calls += 1
         elif isinstance(message, Cancel):
@@ -805,10 +821,10 @@ class Session:
                 return
             for call_id in list(self.in_flight):
                 found = self.router.lookup(call_id=call_id)
-                if isinstance(found, Approved):  # while it waited: its clock runs again
-                    self._on_channel(found)
-                elif found is not None:
-                    self._reply(call_id, found)
+                if found.approved is not None:  # while it waited: its clock runs from the approval
+                    self._approved(found.approved, ago=found.approved_ago)
+                if found.reply is not None:  # (approved, it may have run and ended meanwhile)
+                    self._reply(call_id, found.reply)
 
     def _end(self, status: str, kind: str, message: str) -> None:
         if self.ended is None:

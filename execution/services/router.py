@@ -7,10 +7,11 @@ from typing import Any
 
 from django.conf import settings
 from django.db import InterfaceError, OperationalError, connection
+from django.utils import timezone
 
 from execution.backplane import Approved
 from execution.models import ExecJob, ToolCall
-from execution.sandbox.session import Dispatched, Refused
+from execution.sandbox.session import Dispatched, Looked, Refused
 from execution.services.calls import (
     CALL_TIMEOUT_MESSAGE,
     JOB_ENDED_MESSAGE,
@@ -125,22 +126,23 @@ class JobCallRouter:
         errors = tool_calls_enqueue(accepted, queued=queued)
         return [Refused(call_id=o.call_id, error=errors[o.call_id]) if o.call_id in errors else o for o in outcomes]
 
-    def lookup(self, *, call_id: str) -> dict[str, Any] | Approved | None:
+    def lookup(self, *, call_id: str) -> Looked:
         """What the record says of an open call whose push may have been lost (the channel
-        reconnected): its reply if it has finished, ``Approved`` if it was approved and now runs,
-        else None (while it waits or runs, or while the database can't say: its deadline still holds)."""
+        reconnected): its reply if it has finished, and if it was approved, ``Approved`` and how
+        long ago (its job's clock runs from then, though it may have finished since); nothing
+        while it waits or runs unapproved, or while the database can't say (its deadline holds)."""
         try:
             call = ToolCall.objects.select_related("tool").filter(call_id=call_id).first()
         except (OperationalError, InterfaceError):
             db_reset()
-            return None
+            return Looked()
         if call is None:
-            return None
-        if call.status not in ToolCall.OPEN:
-            return tool_call_reply(call)
-        if call.status == ToolCall.Status.EXECUTING and call.decision == ToolCall.Decision.APPROVED:
-            return Approved(call_id=call_id, timeout=approved_call_timeout(call))
-        return None
+            return Looked()
+        reply = tool_call_reply(call) if call.status not in ToolCall.OPEN else None
+        if call.decision != ToolCall.Decision.APPROVED or call.decided_at is None:
+            return Looked(reply=reply)
+        ago = max(0.0, (timezone.now() - call.decided_at).total_seconds())
+        return Looked(reply=reply, approved=Approved(call_id=call_id, timeout=approved_call_timeout(call)), approved_ago=ago)
 
     def overdue(self, *, call_id: str) -> dict[str, Any]:
         # The hand-off was lost or the call is stuck: the record decides. A late tools worker

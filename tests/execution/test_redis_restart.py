@@ -174,3 +174,75 @@ def test_a_redis_that_refuses_client_setname_still_carries_the_subscriptions(tmp
             assert subscription.drain() == [Cancel()]
     finally:
         redis.stop()
+
+
+def test_an_approved_call_that_ends_while_the_worker_is_cut_off_counts_on_the_jobs_clock(
+    redis_stack: tuple[RedisServer, Stack],
+) -> None:
+    # The exec worker's subscription stays down while a call is approved, runs and ends: both the
+    # Approved and the Result pushes are lost. The reconnect finds the call finished and answers
+    # it, but the job's clock had stayed stopped from the call's start to the reconnect, as if the
+    # call had waited for its approval all along: its 3 s of running were never counted, and a job
+    # of 2 s completed.
+    import threading
+
+    import redis as redis_py
+
+    from execution.backplane import SUBSCRIPTIONS_CLIENT
+    from tests.execution.test_approvals import finished, pending
+    from tests.tools.conftest import unique_key
+    from tests.tools.http_api import HttpApi
+    from tools.sdk import class_name
+
+    redis, stack = redis_stack
+    staff_user, staff_key = user_with_key_create(username=f"staff-{free_port()}", create_user=True, staff=True, credits=0)
+    owner_user, owner_key = user_with_key_create(username=f"owner-{free_port()}", create_user=True, staff=False, credits=100)
+    staff, owner = Api(stack.base_url, staff_key, staff_user.username), Api(stack.base_url, owner_key, owner_user.username)
+    cut_off = threading.Event()
+
+    def cut() -> None:  # every subscription connection, as soon as it is back
+        killer = redis_py.Redis.from_url(redis.url)
+        while not cut_off.is_set():
+            for client in killer.client_list():
+                if client.get("name") == SUBSCRIPTIONS_CLIENT:
+                    killer.client_kill_filter(_id=client["id"])
+            time.sleep(0.002)
+
+    with HttpApi(expected_key="unused") as upstream:
+        key = unique_key("slow")
+        tool = {
+            "name": "wait",
+            "input_schema": {"type": "object", "properties": {"seconds": {"type": "string"}}, "required": ["seconds"]},
+            "requires_approval": True,
+            "http": {"method": "GET", "path": "/slow", "query": ["seconds"]},
+        }
+        made = staff.post(
+            "/api/v1/toolsets",
+            json={
+                "key": key,
+                "name": "Slow",
+                "kind": "http",
+                "config": {"base_url": upstream.url, "timeout": 10},
+                "tools": [tool],
+            },
+        )
+        assert made.status_code == 201, made.text
+        code = f"from ptc_tools.{key} import {class_name(key)} as S\nS.wait(seconds='3')"
+        job = owner.post("/api/v1/exec", json={"code": code, "toolsets": [key], "timeout": 2, "wait": 0}).json()
+        [block] = pending(owner, job["id"])
+        killer = threading.Thread(target=cut)
+        killer.start()
+        try:
+            time.sleep(0.3)
+            decided = owner.post(f"/api/v1/tool-calls/{block['id']}/approval", json={"approve": True})
+            assert decided.status_code == 200, decided.text
+            deadline = time.monotonic() + 15
+            while owner.get(f"/api/v1/exec/{job['id']}").json()["tool_calls"][0]["status"] == "executing":
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+            time.sleep(0.5)
+        finally:
+            cut_off.set()
+            killer.join()
+        final = finished(owner, job["id"])
+    assert final["status"] == "timeout", (final["status"], final["error"])
