@@ -1,7 +1,7 @@
 """A base for list endpoints. Apart from ptcproject.api, which DRF's settings import: DRF's generic
 views read those settings when they are defined."""
 
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Generator
 from typing import Any
 
 from asgiref.sync import sync_to_async
@@ -57,7 +57,7 @@ class FilteredListApi(generics.ListAPIView):
             data = self.get_serializer([found[pk] for pk in chunk if pk in found], many=True).data
             return b",".join(JSONRenderer().render(item) for item in data)
 
-        def parts() -> Iterator[bytes]:
+        def parts() -> Generator[bytes, None, None]:
             # Each part waits on the client, who may take its time: the connection goes back to the
             # pool before each (and if a read fails), not held from one part to the next.
             try:
@@ -85,9 +85,14 @@ def _connection_release() -> None:
         connection.close()
 
 
-async def _read_on_request_thread(parts: Iterator[bytes]) -> AsyncIterator[bytes]:
+async def _read_on_request_thread(parts: Generator[bytes, None, None]) -> AsyncIterator[bytes]:
     """``parts`` for the event loop to send, each made on the request's thread, as the view was (its
-    database connection, its context): Django would read a plain iterator to its end first."""
+    database connection, its context): Django would read a plain iterator to its end first. Closed
+    there too when the client goes: its ``finally`` touches that thread's connection, which the
+    event loop's thread must not (Django refuses it there)."""
     step = sync_to_async(lambda: next(parts, None), thread_sensitive=True)
-    while (part := await step()) is not None:
-        yield part
+    try:
+        while (part := await step()) is not None:
+            yield part
+    finally:
+        await sync_to_async(parts.close, thread_sensitive=True)()
