@@ -6,6 +6,7 @@ This test runs its own Redis server and its own stack on it, so it can restart R
 import subprocess
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,7 @@ def test_a_job_survives_a_redis_restart(redis_stack: tuple[RedisServer, Stack]) 
     _, key = user_with_key_create(username=f"redis-{free_port()}", create_user=True, staff=False, credits=100)
     http = httpx.Client(base_url=stack.base_url, headers={"Authorization": f"Bearer {key}"}, timeout=60)
     code = """
+import subprocess
 import time
 from ptc_tools.demo import Demo
 first = Demo.add(a=1, b=1)
@@ -97,31 +99,27 @@ def test_while_redis_is_down_a_job_is_refused_not_orphaned(redis_stack: tuple[Re
 def _subscriptions_cut(redis: RedisServer) -> int:
     """Close every process's subscription connection on ``redis``, as a blip of the network would;
     return how many were closed. Each process reconnects half a second later."""
+    import redis as redis_py
+
     from execution.backplane import SUBSCRIPTIONS_CLIENT
 
-    def cli(*args: str) -> str:
-        return subprocess.run(["redis-cli", "-p", str(redis.port), *args], capture_output=True, text=True, check=True).stdout
-
-    clients = [dict(part.split("=", 1) for part in line.split() if "=" in part) for line in cli("CLIENT", "LIST").splitlines()]
-    ours = [client["id"] for client in clients if client.get("name") == SUBSCRIPTIONS_CLIENT]
-    for client_id in ours:
-        cli("CLIENT", "KILL", "ID", client_id)
+    with redis_py.Redis.from_url(redis.url) as client:
+        ours = [found["id"] for found in client.client_list() if found.get("name") == SUBSCRIPTIONS_CLIENT]
+        for client_id in ours:
+            client.client_kill_filter(_id=client_id)
     return len(ours)
 
 
-def test_an_approval_pushed_while_the_worker_reconnects_still_restarts_the_jobs_clock(
-    redis_stack: tuple[RedisServer, Stack],
-) -> None:
-    # A call waiting for an approval stops its job's clock; the Approved push starts it again (and
-    # gives the call its tool's timeout). Pushed while the exec worker's subscription was down, it
-    # was lost, and the reconnect looked up only calls that had finished: the approved call ran
-    # with its job's clock stopped, past the job's timeout.
-    from tests.execution.test_approvals import finished, pending
+@contextmanager
+def _approval_awaited(stack: Stack, seconds: int) -> Iterator[tuple[Api, dict[str, Any], dict[str, Any]]]:
+    """A job of 2 s whose one call waits for an approval and then runs ``seconds`` (a staff-made
+    http toolset, its upstream on loopback for as long as the block): its owner, the job, and the
+    call as its tool_call_pending event shows it."""
+    from tests.execution.test_approvals import pending
     from tests.tools.conftest import unique_key
     from tests.tools.http_api import HttpApi
     from tools.sdk import class_name
 
-    redis, stack = redis_stack
     staff_user, staff_key = user_with_key_create(username=f"staff-{free_port()}", create_user=True, staff=True, credits=0)
     owner_user, owner_key = user_with_key_create(username=f"owner-{free_port()}", create_user=True, staff=False, credits=100)
     staff, owner = Api(stack.base_url, staff_key, staff_user.username), Api(stack.base_url, owner_key, owner_user.username)
@@ -133,20 +131,28 @@ def test_an_approval_pushed_while_the_worker_reconnects_still_restarts_the_jobs_
             "requires_approval": True,
             "http": {"method": "GET", "path": "/slow", "query": ["seconds"]},
         }
+        config = {"base_url": upstream.url, "timeout": 10}
         made = staff.post(
-            "/api/v1/toolsets",
-            json={
-                "key": key,
-                "name": "Slow",
-                "kind": "http",
-                "config": {"base_url": upstream.url, "timeout": 10},
-                "tools": [tool],
-            },
+            "/api/v1/toolsets", json={"key": key, "name": "Slow", "kind": "http", "config": config, "tools": [tool]}
         )
         assert made.status_code == 201, made.text
-        code = f"from ptc_tools.{key} import {class_name(key)} as S\nS.wait(seconds='4')"
+        code = f"from ptc_tools.{key} import {class_name(key)} as S\nS.wait(seconds='{seconds}')"
         job = owner.post("/api/v1/exec", json={"code": code, "toolsets": [key], "timeout": 2, "wait": 0}).json()
         [block] = pending(owner, job["id"])
+        yield owner, job, block
+
+
+def test_an_approval_pushed_while_the_worker_reconnects_still_restarts_the_jobs_clock(
+    redis_stack: tuple[RedisServer, Stack],
+) -> None:
+    # A call waiting for an approval stops its job's clock; the Approved push starts it again (and
+    # gives the call its tool's timeout). Pushed while the exec worker's subscription was down, it
+    # was lost, and the reconnect looked up only calls that had finished: the approved call ran
+    # with its job's clock stopped, past the job's timeout.
+    from tests.execution.test_approvals import finished
+
+    redis, stack = redis_stack
+    with _approval_awaited(stack, seconds=4) as (owner, job, block):
         assert _subscriptions_cut(redis) == 1  # the exec worker's (the web subscribes only while a submit waits)
         decided = owner.post(f"/api/v1/tool-calls/{block['id']}/approval", json={"approve": True})
         assert decided.status_code == 200, decided.text
@@ -186,50 +192,17 @@ def test_an_approved_call_that_ends_while_the_worker_is_cut_off_counts_on_the_jo
     # of 2 s completed.
     import threading
 
-    import redis as redis_py
-
-    from execution.backplane import SUBSCRIPTIONS_CLIENT
-    from tests.execution.test_approvals import finished, pending
-    from tests.tools.conftest import unique_key
-    from tests.tools.http_api import HttpApi
-    from tools.sdk import class_name
+    from tests.execution.test_approvals import finished
 
     redis, stack = redis_stack
-    staff_user, staff_key = user_with_key_create(username=f"staff-{free_port()}", create_user=True, staff=True, credits=0)
-    owner_user, owner_key = user_with_key_create(username=f"owner-{free_port()}", create_user=True, staff=False, credits=100)
-    staff, owner = Api(stack.base_url, staff_key, staff_user.username), Api(stack.base_url, owner_key, owner_user.username)
     cut_off = threading.Event()
 
     def cut() -> None:  # every subscription connection, as soon as it is back
-        killer = redis_py.Redis.from_url(redis.url)
         while not cut_off.is_set():
-            for client in killer.client_list():
-                if client.get("name") == SUBSCRIPTIONS_CLIENT:
-                    killer.client_kill_filter(_id=client["id"])
+            _subscriptions_cut(redis)
             time.sleep(0.002)
 
-    with HttpApi(expected_key="unused") as upstream:
-        key = unique_key("slow")
-        tool = {
-            "name": "wait",
-            "input_schema": {"type": "object", "properties": {"seconds": {"type": "string"}}, "required": ["seconds"]},
-            "requires_approval": True,
-            "http": {"method": "GET", "path": "/slow", "query": ["seconds"]},
-        }
-        made = staff.post(
-            "/api/v1/toolsets",
-            json={
-                "key": key,
-                "name": "Slow",
-                "kind": "http",
-                "config": {"base_url": upstream.url, "timeout": 10},
-                "tools": [tool],
-            },
-        )
-        assert made.status_code == 201, made.text
-        code = f"from ptc_tools.{key} import {class_name(key)} as S\nS.wait(seconds='3')"
-        job = owner.post("/api/v1/exec", json={"code": code, "toolsets": [key], "timeout": 2, "wait": 0}).json()
-        [block] = pending(owner, job["id"])
+    with _approval_awaited(stack, seconds=3) as (owner, job, block):
         killer = threading.Thread(target=cut)
         killer.start()
         try:
