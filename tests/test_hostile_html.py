@@ -4,8 +4,8 @@ import re
 import time
 import tracemalloc
 import uuid
-from collections.abc import Callable
 from datetime import timedelta
+from typing import Any
 
 from django.contrib.auth import get_user_model
 from django.contrib.auth.models import User
@@ -26,17 +26,19 @@ def _staff_client() -> Client:
     return client
 
 
-def _peak_of(load: Callable[[], object]) -> int:
-    """Return the most memory the Python heap held above its start while ``load`` ran."""
+def _page_held(client: Client, url: str) -> tuple[Any, int]:
+    """Load ``url`` twice, the first to warm up (the session, content types, caches); return the
+    second answer and the most memory the Python heap held above its start while it was made."""
+    client.get(url)
     tracemalloc.start()
     try:
         tracemalloc.reset_peak()
         start, _ = tracemalloc.get_traced_memory()
-        load()
+        response = client.get(url)
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
-    return peak - start
+    return response, peak - start
 
 
 def _user() -> User:
@@ -65,15 +67,8 @@ def test_the_job_list_does_not_read_every_jobs_output() -> None:
         for i in range(100)
     )
     url = f"/admin/execution/execjob/?user__id__exact={user.pk}"
-    client.get(url)  # warm-up: the session, content types, caches
-    response = None
-
-    def load() -> None:
-        nonlocal response
-        response = client.get(url)
-
-    peak = _peak_of(load)
-    assert response is not None and response.status_code == 200
+    response, peak = _page_held(client, url)
+    assert response.status_code == 200
     assert response.content.decode().count("job 9") == 11  # job 9, job 90..99: the rows are there
     assert peak < LIST_PAGE_BUDGET, f"the job list page held {peak / MB:.0f} MB to show 100 rows"
 
@@ -100,15 +95,8 @@ def test_the_tool_call_list_does_not_read_every_calls_input_and_output() -> None
         for _ in range(100)
     )
     url = f"/admin/execution/toolcall/?q={user.username}"
-    client.get(url)
-    response = None
-
-    def load() -> None:
-        nonlocal response
-        response = client.get(url)
-
-    peak = _peak_of(load)
-    assert response is not None and response.status_code == 200
+    response, peak = _page_held(client, url)
+    assert response.status_code == 200
     assert response.content.decode().count("standalone_") >= 100
     assert peak < LIST_PAGE_BUDGET, f"the tool call list page held {peak / MB:.0f} MB to show 100 rows"
 
@@ -151,15 +139,8 @@ def test_a_jobs_page_does_not_read_every_calls_whole_input_and_output() -> None:
         for i in range(1000)
     )
     url = f"/admin/execution/execjob/{job.pk}/change/"
-    client.get(url)
-    response = None
-
-    def load() -> None:
-        nonlocal response
-        response = client.get(url)
-
-    peak = _peak_of(load)
-    assert response is not None and response.status_code == 200
+    response, peak = _page_held(client, url)
+    assert response.status_code == 200
     assert 'data-aggregated="true"' in response.content.decode()
     assert peak < 50 * MB, f"the job's page held {peak / MB:.0f} MB to draw 1,000 calls"
 
@@ -227,15 +208,8 @@ def test_the_policy_page_does_not_read_its_whole_history() -> None:
     )
     try:
         url = f"/admin/policy/policy/{POLICY_PK}/change/"
-        client.get(url)
-        response = None
-
-        def load() -> None:
-            nonlocal response
-            response = client.get(url)
-
-        peak = _peak_of(load)
-        assert response is not None and response.status_code == 200
+        response, peak = _page_held(client, url)
+        assert response.status_code == 200
         assert peak < 50 * MB, f"the policy's page held {peak / MB:.0f} MB"
         assert len(response.content) < 10 * MB, f"the policy's page is {len(response.content) / MB:.0f} MB of HTML"
         # The whole history is still there to read, a page at a time.
@@ -281,17 +255,10 @@ def test_a_managed_containers_page_does_not_read_every_call_it_ever_made() -> No
         for i in range(count)
     )
     url = f"/admin/execution/execjob/{job.pk}/change/"
-    client.get(url)
-    response = None
-
-    def load() -> None:
-        nonlocal response
-        response = client.get(url)
-
     started = time.monotonic()
-    peak = _peak_of(load)
+    response, peak = _page_held(client, url)
     took = time.monotonic() - started
-    assert response is not None and response.status_code == 200
+    assert response.status_code == 200
     assert peak < 50 * MB, f"the container's page held {peak / MB:.0f} MB for {count:,} calls ({took:.1f} s)"
     html = response.content.decode()
     assert (
@@ -370,15 +337,8 @@ def test_the_job_and_session_lists_do_not_read_every_user_for_their_filters() ->
         "/admin/execution/execsession/",
         "/admin/execution/execjob/?status__exact=completed",
     ):
-        client.get(url)
-        response = None
-
-        def load() -> None:
-            nonlocal response
-            response = client.get(url)  # noqa: B023 - called at once, in this iteration
-
-        peak = _peak_of(load)
-        assert response is not None and response.status_code == 200
+        response, peak = _page_held(client, url)
+        assert response.status_code == 200
         assert peak < LIST_PAGE_BUDGET, f"{url} held {peak / MB:.0f} MB"
         assert len(response.content) < 1 * MB, f"{url} is {len(response.content) / MB:.1f} MB of HTML"
     # The try page's user is searched for instead, as the key's owner is.
@@ -457,15 +417,8 @@ def test_staff_pages_do_not_list_every_toolset_any_user_made() -> None:
             "/admin/billing/discount/add/",
             "/admin/policy/policy/try/",
         ):
-            client.get(url)
-            response = None
-
-            def load() -> None:
-                nonlocal response
-                response = client.get(url)  # noqa: B023 - called at once, in this iteration
-
-            peak = _peak_of(load)
-            assert response is not None and response.status_code == 200, url
+            response, peak = _page_held(client, url)
+            assert response.status_code == 200, url
             if peak >= LIST_PAGE_BUDGET or len(response.content) >= 1 * MB:
                 heavy.append(f"{url}: {peak / MB:.0f} MB held, {len(response.content) / MB:.1f} MB of HTML")
         assert not heavy, heavy
@@ -528,15 +481,8 @@ def test_the_key_list_does_not_read_the_output_of_every_keys_job() -> None:
     for job in jobs:
         api_key_create(user=user, exec_job=job)
     url = f"/admin/accounts/apikey/?q={user.username}"
-    client.get(url)
-    response = None
-
-    def load() -> None:
-        nonlocal response
-        response = client.get(url)
-
-    peak = _peak_of(load)
-    assert response is not None and response.status_code == 200
+    response, peak = _page_held(client, url)
+    assert response.status_code == 200
     assert response.content.decode().count(jobs[0].call_id) == 1
     assert peak < LIST_PAGE_BUDGET, f"the key list page held {peak / MB:.0f} MB to show 100 keys"
 
@@ -567,14 +513,7 @@ def test_the_file_list_does_not_read_the_output_of_every_files_job() -> None:
         WorkFile(exec_job=job, kind="output", path=f"hh-{user.username}.txt", content=b"1", size=1) for job in jobs
     )
     url = f"/admin/execution/workfile/?q=hh-{user.username}"
-    client.get(url)
-    response = None
-
-    def load() -> None:
-        nonlocal response
-        response = client.get(url)
-
-    peak = _peak_of(load)
-    assert response is not None and response.status_code == 200
+    response, peak = _page_held(client, url)
+    assert response.status_code == 200
     assert response.content.decode().count(jobs[0].call_id) == 1
     assert peak < LIST_PAGE_BUDGET, f"the file list page held {peak / MB:.0f} MB to show 100 files"
