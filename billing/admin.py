@@ -9,6 +9,7 @@ from django.utils.safestring import mark_safe
 from billing.charts import stacked_bars_svg
 from billing.models import CreditAccount, CreditUsage, Discount, LedgerEntry, Plan, Reservation
 from billing.selectors import usage_by_day
+from ptcproject.readonly import ReadOnlyAdmin
 
 
 @admin.register(Plan)
@@ -23,19 +24,6 @@ class DiscountAdmin(admin.ModelAdmin):
     # as many as they make, were read and drawn on each load.
     list_filter = ("plan", ("toolset", admin.RelatedOnlyFieldListFilter))
     autocomplete_fields = ("toolset",)
-
-
-class ReadOnlyAdmin(admin.ModelAdmin):
-    """Books are written by the billing services only: the admin reads them."""
-
-    def has_add_permission(self, request: HttpRequest) -> bool:
-        return False
-
-    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
-
-    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
 
 
 @admin.register(CreditAccount)

@@ -15,6 +15,7 @@ from ptcproject.policy.models import Policy, PolicyChange
 from ptcproject.policy.selectors import POLICY_PK, policy_get, ptc_decision
 from ptcproject.policy.serializers import PolicySerializer
 from ptcproject.policy.services import policy_ensure, policy_update
+from ptcproject.readonly import ReadOnlyAdmin
 from tools.models import Toolset
 
 
@@ -59,22 +60,13 @@ class PolicyChangeInline(admin.TabularInline):
 
 
 @admin.register(PolicyChange)
-class PolicyChangeAdmin(admin.ModelAdmin):
+class PolicyChangeAdmin(ReadOnlyAdmin):
     """Every change of the policy, newest first, a page at a time: read only, as it was recorded."""
 
     list_display = ("changed_at", "changed_by", "__str__")
     list_per_page = 50
     fields = ("policy", "changed_at", "changed_by", "changes")
     readonly_fields = fields
-
-    def has_add_permission(self, request: HttpRequest) -> bool:
-        return False
-
-    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
-
-    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
 
 
 class DecisionForm(forms.Form):
