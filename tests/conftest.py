@@ -8,6 +8,7 @@ import json
 import os
 import uuid
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import httpx
@@ -16,7 +17,7 @@ import pytest
 from django.conf import settings
 from django.db import connections
 
-from tests.servers import redis_keys_drop
+from tests.servers import database_drop, migrated_database, redis_keys_drop
 from tests.stack import Stack
 
 TEST_DATABASE_URL = os.environ.get("TEST_DATABASE_URL", "")
@@ -116,6 +117,22 @@ def stack(stack_env: dict[str, str]) -> Iterator[Stack]:
         yield running
     finally:
         running.stop()
+
+
+@contextmanager
+def own_deployment(stack_env: dict[str, str], name: str, **env: str) -> Iterator[Stack]:
+    """A deployment of its own, started without beat: its database (migrated for it; another
+    deployment's reaper, sharing one, would fail its calls) and its queues (its own Redis prefix),
+    ``env`` set. Stopped, and its database dropped, after."""
+    own = {**stack_env, "PTC_REDIS_PREFIX": f"{REDIS_PREFIX}{name}:", **env}
+    own["DATABASE_URL"] = migrated_database(TEST_DATABASE_URL, own)
+    stack = Stack(own, name=name)
+    try:
+        stack.start(beat=False)
+        yield stack
+    finally:
+        stack.stop()
+        database_drop(own["DATABASE_URL"])
 
 
 class Api:

@@ -7,9 +7,9 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import REDIS_PREFIX, TEST_DATABASE_URL, Api
+from tests.conftest import Api, own_deployment
 from tests.otlp_collector import OtlpCollector
-from tests.servers import api_key, database_drop, migrated_database
+from tests.servers import api_key
 from tests.stack import Stack, free_port
 
 
@@ -22,21 +22,13 @@ def collector() -> Iterator[OtlpCollector]:
 @pytest.fixture(scope="module")
 def traced(stack_env: dict[str, str], collector: OtlpCollector) -> Iterator[Stack]:
     env = {
-        **stack_env,
-        "PTC_REDIS_PREFIX": f"{REDIS_PREFIX}traced:",
         "OTEL_EXPORTER_OTLP_ENDPOINT": collector.url,
         "OTEL_SERVICE_NAME": "ptc-test",
         "OTEL_BSP_SCHEDULE_DELAY": "100",  # export within 0.1 s, not the default 5 s
         "PTC_DB_POOL_MIN": "1",  # PostgreSQL's connections are shared by every process of the run
     }
-    env["DATABASE_URL"] = migrated_database(TEST_DATABASE_URL, env)
-    stack = Stack(env, name="traced")
-    try:
-        stack.start(beat=False)
+    with own_deployment(stack_env, "traced", **env) as stack:
         yield stack
-    finally:
-        stack.stop()
-        database_drop(env["DATABASE_URL"])
 
 
 def _spans_of(collector: OtlpCollector, job_id: str, count: int) -> list[dict[str, Any]]:

@@ -20,9 +20,9 @@ from billing.selectors import ledger_mismatches
 from billing.services import credits_reserve, price_quote
 from execution.models import ToolCall
 from execution.services.jobs import exec_job_for_container
-from tests.conftest import REDIS_PREFIX, TEST_DATABASE_URL, Api
+from tests.conftest import Api, own_deployment
 from tests.factories import demo_call
-from tests.servers import api_key, database_drop, migrated_database
+from tests.servers import api_key
 from tests.stack import ROOT, Stack
 
 FAN_OUT = """
@@ -210,15 +210,8 @@ def test_a_refusal_for_credits_says_what_happened_and_what_to_do(make_api: Calla
 @pytest.fixture(scope="module")
 def killable(stack_env: dict[str, str]) -> Iterator[Stack]:
     """A deployment of its own (its database, its queues, no beat), whose workers a test may kill."""
-    env = {**stack_env, "PTC_REDIS_PREFIX": f"{REDIS_PREFIX}ledger-kill:"}
-    env["DATABASE_URL"] = migrated_database(TEST_DATABASE_URL, env)
-    stack = Stack(env, name="ledger-kill")
-    try:
-        stack.start(beat=False)
+    with own_deployment(stack_env, "ledger-kill") as stack:
         yield stack
-    finally:
-        stack.stop()
-        database_drop(env["DATABASE_URL"])
 
 
 def test_a_tools_worker_killed_with_billed_calls_in_flight_charges_none_of_them_and_holds_nothing(killable: Stack) -> None:

@@ -12,8 +12,8 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import REDIS_PREFIX, TEST_DATABASE_URL, Api
-from tests.servers import api_key, database_drop, migrated_database
+from tests.conftest import Api, own_deployment
+from tests.servers import api_key
 from tests.stack import Stack, free_port
 from tools.models import Tool, Toolset
 
@@ -170,17 +170,8 @@ Demo.sleep(ms=10)
 # -- Leases, with no beat ------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def leases(stack_env: dict[str, str]) -> Iterator[Stack]:
-    # A deployment of its own: its database and its queues. (Another deployment's reaper, sharing
-    # the database, would fail its calls and tell its own channels, not this one's.)
-    env = {**stack_env, "PTC_REDIS_PREFIX": f"{REDIS_PREFIX}leases:"}
-    env["DATABASE_URL"] = migrated_database(TEST_DATABASE_URL, env)
-    stack = Stack(env, name="leases")
-    try:
-        stack.start(beat=False)
+    with own_deployment(stack_env, "leases") as stack:
         yield stack
-    finally:
-        stack.stop()
-        database_drop(env["DATABASE_URL"])
 
 
 @pytest.fixture
