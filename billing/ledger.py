@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from django.db import connection, transaction
-from django.db.models import F
+from django.db.models import F, Q
 from django.utils import timezone
 
 from billing.models import CreditAccount, CreditUsage, LedgerEntry, Reservation
@@ -45,7 +45,8 @@ class Hold:
 class Ledger:
     def reserve(self, *, account_id: int, holds: list[Hold], exec_job_id: Any) -> bool:
         """Hold every one of ``holds`` if the account has their total available, or none of them.
-        Return whether they were held."""
+        Return whether they were held. A total of 0 (calls free by a discount) is always held: it
+        takes nothing, even from an account staff took below what it holds."""
         raise NotImplementedError
 
     def settle(self, *, tool_call_id: str) -> int:
@@ -67,7 +68,7 @@ class PostgresLedger(Ledger):
     RESERVE = """
     WITH held AS (
         UPDATE {account} SET reserved = reserved + %(total)s, updated_at = now()
-        WHERE id = %(account_id)s AND balance >= reserved + %(total)s
+        WHERE id = %(account_id)s AND (%(total)s = 0 OR balance >= reserved + %(total)s)
         RETURNING id
     )
     INSERT INTO {reservation} (account_id, tool_call_id, exec_job_id, amount, due_amount, meta, status, created_at)
@@ -153,7 +154,8 @@ class OrmLedger(Ledger):
     def reserve(self, *, account_id: int, holds: list[Hold], exec_job_id: Any) -> bool:
         total = sum(hold.amount for hold in holds)
         with transaction.atomic():
-            held = CreditAccount.objects.filter(pk=account_id, balance__gte=F("reserved") + total).update(
+            affords = Q() if total == 0 else Q(balance__gte=F("reserved") + total)
+            held = CreditAccount.objects.filter(affords, pk=account_id).update(
                 reserved=F("reserved") + total, updated_at=timezone.now()
             )
             if held:

@@ -251,3 +251,27 @@ def test_a_tools_worker_killed_with_billed_calls_in_flight_charges_none_of_them_
         [sys.executable, "manage.py", "check_ledger"], cwd=ROOT, env=killable.env, capture_output=True, text=True
     )
     assert checked.returncode == 0 and "Every balance equals the sum of its ledger." in checked.stdout, checked.stderr
+
+
+def test_a_call_that_costs_nothing_is_never_refused_for_credits() -> None:
+    # Staff may take a balance below what its running calls hold (an adjustment is theirs to make;
+    # the held calls still settle). A call free by a 100% discount was then refused
+    # insufficient_credits, "this call costs 0 credits and 0 are available".
+    from billing.services import Quote, credits_adjust
+
+    user = get_user_model().objects.create_user(username=f"zero-{uuid.uuid4().hex[:8]}")
+    credits_adjust(user=user, amount=5, reason="grant")
+    priced = demo_call(user=user)
+    assert (
+        credits_reserve(
+            user=user, holds=[(priced.call_id, price_quote(user=user, toolset=priced.tool.toolset, tool=priced.tool))]
+        )
+        == {}
+    )
+    credits_adjust(user=user, amount=-5, reason="taken back", created_by=user)  # 0 left, 1 held
+    account = CreditAccount.objects.get(user=user)
+    free = demo_call(user=user)
+    quote = Quote(amount=0, due_amount=1, meta={"discount": "100%"}, account_id=account.pk)
+    assert credits_reserve(user=user, holds=[(free.call_id, quote)]) == {}
+    assert Reservation.objects.get(tool_call_id=free.call_id).amount == 0
+    assert CreditAccount.objects.get(user=user).reserved == 1
