@@ -1,6 +1,7 @@
 """Rows the tests make directly, when a test is about what a worker does with them."""
 
 import uuid
+from collections.abc import Iterable
 from typing import Any
 
 from django.contrib.auth.models import AbstractBaseUser
@@ -31,3 +32,11 @@ def demo_call(*, user: AbstractBaseUser, job: ExecJob | None = None, tool: str =
         "started_at": timezone.now(),
     }
     return ToolCall.objects.create(**{**values, **fields})
+
+
+def job_calls(job: ExecJob, rows: Iterable[dict[str, Any]]) -> list[ToolCall]:
+    """Calls of ``job``, one per row of fields, made in one bulk_create: its user's, of the demo
+    toolset, completed, a credit each, unless a row says otherwise. For a test about reading many."""
+    base = {"type": "ptc", "exec_job": job, "ptc_call_id": job.call_id, "user_id": job.user_id}
+    base |= {"toolset_key": "demo", "status": "completed", "credits": 1}
+    return ToolCall.objects.bulk_create(ToolCall(call_id=f"ptc_{uuid.uuid4().hex}", **{**base, **row}) for row in rows)

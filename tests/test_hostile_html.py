@@ -13,6 +13,7 @@ from django.test import Client
 from django.utils import timezone
 
 from execution.models import ExecJob, ToolCall
+from tests.factories import demo_call, job_calls, running_job
 
 MB = 1024 * 1024
 # A list page shows 100 rows of short columns: a few MB of Python for them is plenty.
@@ -109,34 +110,21 @@ def test_a_jobs_page_does_not_read_every_calls_whole_input_and_output() -> None:
     client = _staff_client()
     user = _user()
     start = timezone.now() - timedelta(minutes=1)
-    job = ExecJob.objects.create(
-        user=user,
-        code="...",
-        toolsets=["demo"],
-        timeout_seconds=60,
-        status="completed",
-        started_at=start,
-        finished_at=start + timedelta(seconds=30),
-    )
+    job = running_job(user=user, status="completed", started_at=start, finished_at=start + timedelta(seconds=30))
     product = {"id": 1, "name": "Gold watch", "category": "watches", "price": 100, "stock": 3}
     products = [product] * (64 * 1024 // 80)  # about 64 KB of JSON per call
-    ToolCall.objects.bulk_create(
-        ToolCall(
-            call_id=f"ptc_{uuid.uuid4().hex}",
-            type="ptc",
-            exec_job=job,
-            ptc_call_id=job.call_id,
-            user=user,
-            toolset_key="demo",
-            tool_name="catalog_search",
-            input={"query": "watch"},
-            output=products,
-            status="completed",
-            credits=1,
-            started_at=start + timedelta(milliseconds=i * 20),
-            finished_at=start + timedelta(milliseconds=i * 20 + 15),
-        )
-        for i in range(1000)
+    job_calls(
+        job,
+        (
+            {
+                "tool_name": "catalog_search",
+                "input": {"query": "watch"},
+                "output": products,
+                "started_at": start + timedelta(milliseconds=i * 20),
+                "finished_at": start + timedelta(milliseconds=i * 20 + 15),
+            }
+            for i in range(1000)
+        ),
     )
     url = f"/admin/execution/execjob/{job.pk}/change/"
     response, peak = _page_held(client, url)
@@ -225,34 +213,25 @@ def test_a_managed_containers_page_does_not_read_every_call_it_ever_made() -> No
     """A managed container's job runs until cancelled, and has no max_tool_calls: its calls add up
     without end. Its page draws them aggregated; one load must not hold every call ever made, each
     with its tool and toolset rows."""
-    from tests.factories import demo_call
-
     client = _staff_client()
     user = _user()
     start = timezone.now() - timedelta(hours=1)
-    job = ExecJob.objects.create(
-        user=user, container_id=f"cntr_{uuid.uuid4().hex[:12]}", status="running", code="", timeout_seconds=0, started_at=start
-    )
+    job = running_job(user=user, container_id=f"cntr_{uuid.uuid4().hex[:12]}", toolsets=[], timeout_seconds=0, started_at=start)
     template = demo_call(user=user, job=job, started_at=start, status="completed", finished_at=start, output=2)
     count = 20_000
-    ToolCall.objects.bulk_create(
-        ToolCall(
-            call_id=f"ptc_{uuid.uuid4().hex}",
-            type="ptc",
-            exec_job=job,
-            ptc_call_id=job.call_id,
-            user=user,
-            toolset_key="demo",
-            tool_name="add",
-            tool_id=template.tool_id,
-            input={"a": 1, "b": 1},
-            output=2,
-            status="completed",
-            credits=1,
-            started_at=start + timedelta(milliseconds=i * 100),
-            finished_at=start + timedelta(milliseconds=i * 100 + 20),
-        )
-        for i in range(count)
+    job_calls(
+        job,
+        (
+            {
+                "tool_name": "add",
+                "tool_id": template.tool_id,
+                "input": {"a": 1, "b": 1},
+                "output": 2,
+                "started_at": start + timedelta(milliseconds=i * 100),
+                "finished_at": start + timedelta(milliseconds=i * 100 + 20),
+            }
+            for i in range(count)
+        ),
     )
     url = f"/admin/execution/execjob/{job.pk}/change/"
     started = time.monotonic()
@@ -276,7 +255,6 @@ def test_what_users_and_toolset_authors_write_is_text_on_every_staff_page() -> N
     chart: staff read them all in the admin, where each must stay text, never markup."""
     from billing.models import CreditUsage
     from ptcproject.accounts.services import api_key_create
-    from tests.factories import demo_call
     from tools.models import Tool, Toolset
 
     client = _staff_client()
@@ -353,7 +331,6 @@ def test_state_changing_admin_and_api_requests_need_the_csrf_token_of_a_staff_se
     """A staff member's browser, signed in to the admin, must not approve a call, cancel a job,
     grant credits or revoke a key because another site posted to it."""
     from billing.models import LedgerEntry
-    from tests.factories import demo_call
 
     staff = get_user_model().objects.create_user(username=f"hh-csrf-{uuid.uuid4().hex[:6]}", is_staff=True, is_superuser=True)
     client = Client(enforce_csrf_checks=True)

@@ -13,6 +13,7 @@ from django.utils import timezone
 
 from execution.models import ExecJob, ToolCall
 from execution.timeline import MAX_BARS, MAX_LANES, lanes_assign, ticks_build, timeline_build
+from tests.factories import job_calls, running_job
 
 T0 = datetime(2025, 1, 1, 12, 0, 0, tzinfo=UTC)
 
@@ -164,33 +165,22 @@ def _job_with_calls(count: int, parallel: int) -> ExecJob:
     """A finished job with ``count`` calls, ``parallel`` at a time, some failed, made by bulk_create."""
     user = get_user_model().objects.create_user(username=f"tl-{uuid.uuid4().hex[:8]}")
     start = timezone.now() - timedelta(minutes=1)
-    job = ExecJob.objects.create(
-        user=user,
-        code="print('many')",
-        toolsets=["demo"],
-        timeout_seconds=60,
-        status="completed",
-        started_at=start,
-        finished_at=start + timedelta(milliseconds=count // parallel * 20 + 50),
-    )
-    ToolCall.objects.bulk_create(
-        ToolCall(
-            call_id=f"ptc_{uuid.uuid4().hex}",
-            type="ptc",
-            exec_job=job,
-            ptc_call_id=job.call_id,
-            user=user,
-            toolset_key="demo",
-            tool_name="fail" if i % 50 == 7 else "sleep",
-            input={"ms": 15},
-            output=None if i % 50 == 7 else {"slept_ms": 15},
-            error={"code": "tool_failed", "message": "boom"} if i % 50 == 7 else None,
-            status="failed" if i % 50 == 7 else "completed",
-            credits=1,
-            started_at=start + timedelta(milliseconds=i // parallel * 20 + 1),
-            finished_at=start + timedelta(milliseconds=i // parallel * 20 + 16),
-        )
-        for i in range(count)
+    end = start + timedelta(milliseconds=count // parallel * 20 + 50)
+    job = running_job(user=user, code="print('many')", status="completed", started_at=start, finished_at=end)
+    job_calls(
+        job,
+        (
+            {
+                "tool_name": "fail" if i % 50 == 7 else "sleep",
+                "input": {"ms": 15},
+                "output": None if i % 50 == 7 else {"slept_ms": 15},
+                "error": {"code": "tool_failed", "message": "boom"} if i % 50 == 7 else None,
+                "status": "failed" if i % 50 == 7 else "completed",
+                "started_at": start + timedelta(milliseconds=i // parallel * 20 + 1),
+                "finished_at": start + timedelta(milliseconds=i // parallel * 20 + 16),
+            }
+            for i in range(count)
+        ),
     )
     return job
 

@@ -18,8 +18,8 @@ from django.contrib.auth import get_user_model
 from django.contrib.auth.models import Permission
 from django.utils import timezone
 
-from execution.models import ExecJob, ToolCall
 from tests.conftest import Api
+from tests.factories import job_calls, running_job
 from tests.stack import ARTIFACTS, Stack
 
 pytestmark = pytest.mark.browser
@@ -184,33 +184,23 @@ def test_a_thousand_calls_stay_readable_in_chromium(stack: Stack, make_api: Call
     password = _staff_login(staff.username)
     user = get_user_model().objects.get(username=staff.username)
     start = timezone.now() - timedelta(minutes=1)
-    job = ExecJob.objects.create(
-        user=user,
-        code="from ptc_tools.demo import Demo\n# a thousand calls, sixteen at a time",
-        toolsets=["demo"],
-        timeout_seconds=60,
-        status="completed",
-        started_at=start,
-        finished_at=start + timedelta(seconds=3),
-    )
+    code = "from ptc_tools.demo import Demo\n# a thousand calls, sixteen at a time"
+    job = running_job(user=user, code=code, status="completed", started_at=start, finished_at=start + timedelta(seconds=3))
     # Waves of 16 parallel calls of varying length; every 37th fails.
-    ToolCall.objects.bulk_create(
-        ToolCall(
-            call_id=f"ptc_{uuid.uuid4().hex}",
-            type="ptc",
-            exec_job=job,
-            user=user,
-            toolset_key="demo",
-            tool_name="fail" if i % 37 == 0 else "sleep",
-            input={"ms": 10 + i % 7 * 5},
-            status="failed" if i % 37 == 0 else "completed",
-            error={"code": "tool_failed", "message": "boom"} if i % 37 == 0 else None,
-            output=None if i % 37 == 0 else {"slept_ms": 10},
-            credits=1,
-            started_at=start + timedelta(milliseconds=i // 16 * 45 + i % 3),
-            finished_at=start + timedelta(milliseconds=i // 16 * 45 + 12 + i % 7 * 5),
-        )
-        for i in range(1000)
+    job_calls(
+        job,
+        (
+            {
+                "tool_name": "fail" if i % 37 == 0 else "sleep",
+                "input": {"ms": 10 + i % 7 * 5},
+                "status": "failed" if i % 37 == 0 else "completed",
+                "error": {"code": "tool_failed", "message": "boom"} if i % 37 == 0 else None,
+                "output": None if i % 37 == 0 else {"slept_ms": 10},
+                "started_at": start + timedelta(milliseconds=i // 16 * 45 + i % 3),
+                "finished_at": start + timedelta(milliseconds=i // 16 * 45 + 12 + i % 7 * 5),
+            }
+            for i in range(1000)
+        ),
     )
     path = f"/admin/execution/execjob/{job.pk}/change/"
 
