@@ -46,13 +46,11 @@ def _user() -> User:
     return get_user_model().objects.create_user(username=f"hh-{uuid.uuid4().hex[:8]}")
 
 
-def test_the_job_list_does_not_read_every_jobs_output() -> None:
-    """100 jobs that each printed the default cap (1 MB of stdout, 1 MB of stderr): the list page
-    shows their ids, users, statuses and titles, and must not read 200 MB of output to do it."""
-    client = _staff_client()
-    user = _user()
+def _jobs_that_printed(user: User) -> list[ExecJob]:
+    """100 finished jobs of ``user``, ``job 0`` to ``job 99``, that each printed the default cap:
+    1 MB of stdout and 1 MB of stderr."""
     now = timezone.now()
-    ExecJob.objects.bulk_create(
+    return ExecJob.objects.bulk_create(
         ExecJob(
             user=user,
             code="print('x' * 10**6)",
@@ -67,6 +65,14 @@ def test_the_job_list_does_not_read_every_jobs_output() -> None:
         )
         for i in range(100)
     )
+
+
+def test_the_job_list_does_not_read_every_jobs_output() -> None:
+    """100 jobs that each printed the default cap (1 MB of stdout, 1 MB of stderr): the list page
+    shows their ids, users, statuses and titles, and must not read 200 MB of output to do it."""
+    client = _staff_client()
+    user = _user()
+    _jobs_that_printed(user)
     url = f"/admin/execution/execjob/?user__id__exact={user.pk}"
     response, peak = _page_held(client, url)
     assert response.status_code == 200
@@ -440,21 +446,7 @@ def test_the_key_list_does_not_read_the_output_of_every_keys_job() -> None:
 
     client = _staff_client()
     user = _user()
-    now = timezone.now()
-    jobs = ExecJob.objects.bulk_create(
-        ExecJob(
-            user=user,
-            code="print('x' * 10**6)",
-            toolsets=["demo"],
-            timeout_seconds=60,
-            status="completed",
-            started_at=now,
-            finished_at=now,
-            stdout="x" * MB,
-            stderr="y" * MB,
-        )
-        for _ in range(100)
-    )
+    jobs = _jobs_that_printed(user)
     for job in jobs:
         api_key_create(user=user, exec_job=job)
     url = f"/admin/accounts/apikey/?q={user.username}"
@@ -471,21 +463,7 @@ def test_the_file_list_does_not_read_the_output_of_every_files_job() -> None:
 
     client = _staff_client()
     user = _user()
-    now = timezone.now()
-    jobs = ExecJob.objects.bulk_create(
-        ExecJob(
-            user=user,
-            code="...",
-            toolsets=[],
-            timeout_seconds=60,
-            status="completed",
-            started_at=now,
-            finished_at=now,
-            stdout="x" * MB,
-            stderr="y" * MB,
-        )
-        for _ in range(100)
-    )
+    jobs = _jobs_that_printed(user)
     WorkFile.objects.bulk_create(
         WorkFile(exec_job=job, kind="output", path=f"hh-{user.username}.txt", content=b"1", size=1) for job in jobs
     )
