@@ -69,9 +69,11 @@ class Approved:
 @dataclass(frozen=True)
 class Admitted:
     """A call of the job was admitted over HTTP, with its key: it counts against the job's
-    max_tool_calls in its sandbox too."""
+    max_tool_calls in its sandbox too, and ``tool_bytes`` (what its calls over HTTP have passed so
+    far) against PTC_MAX_JOB_TOOL_BYTES."""
 
     call_id: str
+    tool_bytes: int = 0
 
 
 @dataclass(frozen=True)

@@ -53,6 +53,10 @@ class ExecJob(models.Model):
     # container made through POST /tools/execute with this ``container_id``. Such a job runs no code
     # here; it stays ``running`` (the reaper leaves it alone) until cancelled.
     container_id = models.CharField(max_length=200, blank=True, default="")
+    # What its calls made over HTTP (POST /tools/execute: with its job-scoped key, or a managed
+    # container's) added to every view of it: their arguments, results and records, in bytes. Held
+    # to PTC_MAX_JOB_TOOL_BYTES with what its bridge passed (which the bridge counts itself).
+    http_tool_bytes = models.BigIntegerField(default=0, editable=False)
     # The session it ran in (its sandbox kept between jobs), or null for a sandbox of its own.
     session = models.ForeignKey("ExecSession", null=True, blank=True, on_delete=models.SET_NULL, related_name="jobs")
     # The files under /work the code wrote or changed, ``[{"path", "size"}]``, and those left out

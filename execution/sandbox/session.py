@@ -260,6 +260,7 @@ class Session:
         # carries every call's arguments and result: past this, the job ends, rather than make
         # views of gigabytes.
         self.tool_bytes = 0
+        self.http_tool_bytes = 0  # what its calls over HTTP with its key passed, as its last Admitted said
         self.max_tool_bytes = max_tool_bytes
         # Calls waiting on the client or an approval. While any does, the job's clock is stopped,
         # up to limits.max_client_wait in all: ``waited`` is what was credited so far.
@@ -786,9 +787,10 @@ class Session:
         return len(frame)
 
     def _count_tool_bytes(self, size: int) -> None:
-        """Add a call's frame or its answer to what the job's calls passed; end it past its bound."""
+        """Add a call's frame or its answer to what the job's calls passed; end it past its bound, counted
+        with what its calls over HTTP passed."""
         self.tool_bytes += size
-        if self.max_tool_bytes and self.tool_bytes > self.max_tool_bytes:
+        if self.max_tool_bytes and self.tool_bytes + self.http_tool_bytes > self.max_tool_bytes:
             self._end(
                 "failed",
                 "ResourceLimit",
@@ -811,6 +813,8 @@ class Session:
             self._approved(message)
         elif isinstance(message, Admitted):
             self.key_calls += 1
+            self.http_tool_bytes = max(self.http_tool_bytes, message.tool_bytes)
+            self._count_tool_bytes(0)
         elif isinstance(message, Cancel):
             self._end("cancelled", "Cancelled", "the job was cancelled")
         elif isinstance(message, Resync):

@@ -372,19 +372,32 @@ def tool_call_standalone(
         found, error = None, failure.as_dict()
     # A remote sandbox's call (a job-scoped key) is held to the job's limits as the bridge holds its
     # calls: admitted and recorded under the job row's lock, so calls at once from many threads are
-    # counted one by one. A managed container's job has no code of ours to hold to them.
+    # counted one by one. A managed container's job has no code of ours to hold to them. Either
+    # job's calls add to every view of it, though: their bytes are held to PTC_MAX_JOB_TOOL_BYTES,
+    # counted on its row (a container's job would otherwise grow without end).
     admit = job is not None and container_job is None
+    http_tool_bytes = 0
     with transaction.atomic() if admit else nullcontext():
         if admit:
             assert job is not None
             _job_call_admit(job=job)
+        if job is not None:
+            http_tool_bytes = _job_bytes_take(job=job, size=CALL_RECORD_BYTES + _json_bytes(arguments))
         call = _tool_call_record(**record, found=found, error=error)
     if admit:
         assert job is not None
         # The job's sandbox counts it with its own calls (a lost push: one fewer counted there).
-        backplane().publish(job_channel(job.call_id), Admitted(call_id=call_id))
-    if found is None:
-        return call
+        backplane().publish(job_channel(job.call_id), Admitted(call_id=call_id, tool_bytes=http_tool_bytes))
+    if found is not None:
+        _standalone_run(call_id=call_id, found=found, user=user, job=job)
+    call = ToolCall.objects.get(call_id=call_id)
+    if job is not None:
+        _job_bytes_take(job=job, size=_json_bytes(call.output) + _json_bytes(call.error), held=False)
+    return call
+
+
+def _standalone_run(*, call_id: str, found: Tool, user: User, job: ExecJob | None) -> None:
+    """Hold the recorded call's price, queue it and wait for its end (or end it ``tool_timeout``)."""
     refused = tool_calls_reserve(calls=[(call_id, found)], user=user, job=job)
     for error in refused.values():
         tool_call_finish(call_id=call_id, error=error)
@@ -398,7 +411,44 @@ def tool_call_standalone(
         )
         if not finished:
             tool_call_finish(call_id=call_id, error=call_error("tool_timeout", CALL_TIMEOUT_MESSAGE))
-    return ToolCall.objects.get(call_id=call_id)
+
+
+# What a call's record adds to its job's view besides its arguments and result: its other fields as
+# the API writes them (ids, names, times, status; under 500 bytes), so that many small calls count.
+CALL_RECORD_BYTES = 512
+
+
+def _json_bytes(value: Any) -> int:
+    return 0 if value is None else len(json.dumps(value, default=str))
+
+
+def _job_bytes_take(*, job: ExecJob, size: int, held: bool = True) -> int:
+    """Add ``size`` to what ``job``'s calls over HTTP passed, and return the new total, in one
+    statement. With ``held`` (a call about to be recorded), raise ApplicationError
+    ``tool_bytes_limit`` (403) instead if that would pass PTC_MAX_JOB_TOOL_BYTES: nothing is added.
+    A result is added as it came (the next call is refused)."""
+    most = settings.PTC_MAX_JOB_TOOL_BYTES if held else 0
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"UPDATE {rows.table(ExecJob)} SET http_tool_bytes = http_tool_bytes + %s"  # noqa: S608 - names from the model
+            " WHERE id = %s AND (%s = 0 OR http_tool_bytes + %s <= %s) RETURNING http_tool_bytes",
+            [size, ExecJob._meta.pk.get_db_prep_value(job.pk, connection), most, size, most],
+        )
+        found = cursor.fetchone()
+    if found is None:
+        raise ApplicationError(
+            "tool_bytes_limit",
+            f"Job {job.call_id}'s tool calls have passed {settings.PTC_MAX_JOB_TOOL_BYTES} bytes of arguments and "
+            "results in all (PTC_MAX_JOB_TOOL_BYTES), the most one job's may: every view of the job carries them. "
+            + (
+                "Cancel this container's job and call from a new container."
+                if job.container_id
+                else "Pass less through tools, or split the work into several jobs."
+            ),
+            status=403,
+            details={"limit": settings.PTC_MAX_JOB_TOOL_BYTES},
+        )
+    return int(found[0])
 
 
 CALL_TIMEOUT_MESSAGE = "no result arrived in time: the tools workers may be down or overloaded"

@@ -4,6 +4,7 @@ is a way someone got past a limit, or an operation that misled its operator, bef
 import base64
 import io
 import itertools
+import json
 import logging
 import os
 import signal
@@ -26,6 +27,7 @@ from execution.models import ExecJob, ToolCall, WorkFile
 from execution.services.retention import exec_jobs_purge
 from ptcproject.accounts.models import UserSettings
 from tests.conftest import Api
+from tests.execution.test_tools_execute import _job_key
 from tests.stack import Stack
 
 
@@ -268,3 +270,64 @@ def test_a_job_whose_calls_pass_too_many_bytes_ends_before_its_views_grow_withou
     # Stopped at the call that passed the bound: each passes 1.8 MB (in and out), so the fifth.
     assert 4 <= len(job["tool_calls"]) <= 6, len(job["tool_calls"])
     assert len(api.get(f"/api/v1/exec/{job['id']}").content) < 12 << 20
+
+
+def test_a_managed_containers_calls_are_held_to_the_bytes_one_jobs_may_pass(api: Api) -> None:
+    """A managed container's job runs until cancelled, and every view of it (GET, the cancel's
+    answer, its exec_end) carries every call: its calls were counted against nothing, so one
+    container made views of any size, built whole in the web. Past PTC_MAX_JOB_TOOL_BYTES (8 MiB
+    here) its next call is refused, 403 tool_bytes_limit, and nothing recorded."""
+    container = f"container_{uuid.uuid4().hex[:12]}"
+    caller = {"type": "code_execution_20260120", "tool_id": "srvtoolu_1"}
+    body = {"toolset": "demo", "tool": "echo", "container_id": container, "caller": caller}
+    for value in range(10):  # small calls count too, each by its whole record
+        called = api.post("/api/v1/tools/execute", json={**body, "arguments": {"value": value}})
+        assert called.status_code == 200 and called.json()["status"] == "completed", called.text
+    [job] = ExecJob.objects.filter(container_id=container)
+    view = api.get(f"/api/v1/exec/{job.pk}").json()
+    assert len(json.dumps(view["tool_calls"])) <= job.http_tool_bytes < 10 * 1024, job.http_tool_bytes
+    answers = [api.post("/api/v1/tools/execute", json={**body, "arguments": {"value": "x" * 900_000}}) for _ in range(6)]
+    # Each passes 1.8 MB (in and out): the fifth ends past 8 MiB, and the sixth is refused.
+    assert [a.status_code for a in answers] == [200] * 5 + [403], [a.text[:200] for a in answers]
+    refused = answers[-1].json()["error"]
+    assert refused["code"] == "tool_bytes_limit" and refused["details"] == {"limit": 8 << 20}, refused
+    assert "PTC_MAX_JOB_TOOL_BYTES" in refused["message"] and "new container" in refused["message"], refused
+    assert ToolCall.objects.filter(exec_job=job).count() == 15
+    assert len(api.get(f"/api/v1/exec/{job.pk}").content) < 12 << 20
+    cancelled = api.post(f"/api/v1/exec/{job.pk}/cancel")
+    assert cancelled.status_code == 200 and len(cancelled.content) < 12 << 20
+
+
+BIG_THEN_WAITS = """
+import time
+from ptc_tools import _runtime
+from ptc_tools.demo import Demo
+Demo.echo(value=_runtime.job_info["key"])  # hands the test this job's key through the call record
+big = "x" * 900_000
+for _ in range(4):
+    Demo.echo(value=big)
+print("passed", flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_jobs_calls_over_http_with_its_key_count_with_its_bridges_against_its_bytes(api: Api) -> None:
+    """The bridge held a job's calls to PTC_MAX_JOB_TOOL_BYTES, but the same code could pass any
+    amount more through POST /tools/execute with its job's key, each call recorded whole in its
+    views. They are counted now, with the bridge's: here 7.2 MB over the bridge, then two calls of
+    0.9 MB each way over HTTP, and the job ends ResourceLimit (8 MiB here) as it would over the
+    bridge."""
+    job = api.run(BIG_THEN_WAITS, toolsets=["demo"], wait=0)
+    key = _job_key(api, job["id"])
+    assert api.until_printed(job["id"]) == "passed\n"
+    remote = httpx.Client(base_url=api.http.base_url, headers={"Authorization": f"Bearer {key}"}, timeout=30)
+    body = {"toolset": "demo", "tool": "echo", "arguments": {"value": "x" * 900_000}}
+    with remote:
+        for _ in range(2):
+            remote.post("/api/v1/tools/execute", json=body, headers={"x-ptc-call-id": job["call_id"]})
+    deadline = time.monotonic() + 15
+    while (final := api.get(f"/api/v1/exec/{job['id']}").json())["status"] == "running":
+        assert time.monotonic() < deadline, "the job went on past its bytes"
+        time.sleep(0.2)
+    assert (final["status"], final["error"]["type"]) == ("failed", "ResourceLimit"), final["error"]
+    assert "PTC_MAX_JOB_TOOL_BYTES" in final["error"]["message"], final["error"]
