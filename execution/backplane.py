@@ -42,6 +42,17 @@ from tools.sdk_runtime.protocol import FrameDecoder, encode
 logger = logging.getLogger("ptc.backplane")
 # A job's event log holds at most this many events (Redis trims the oldest beyond it).
 STREAM_MAXLEN = 50_000
+# What an event may hold in the log. The events a job's records tell as well (its calls' and its
+# end) each repeat a call's input and output, or all of them: a job passing PTC_MAX_JOB_TOOL_BYTES
+# wrote about three times that into Redis, the broker's server, kept an hour past its end (so one
+# user's jobs could fill it for everyone). Past EVENT_INLINE_BYTES, such an event is logged without
+# its fields of over FIELD_INLINE_BYTES (at the top, or one level down: a pending call's ``call``),
+# named in ``_omitted``, and its readers fill them in from the records (events.event_filled).
+EVENT_INLINE_BYTES = 8 * 1024
+FIELD_INLINE_BYTES = 1024
+FROM_RECORDS = frozenset(
+    ("tool_call_start", "tool_call_pending", "tool_call_approved", "tool_call_end", "tool_call_error", "exec_end")
+)
 
 
 # -- Messages ------------------------------------------------------------------------------------
@@ -133,6 +144,32 @@ def _from_wire(data: dict[str, Any]) -> Message | None:
         return cls(**{name: value for name, value in data.items() if name in known})
     except TypeError:
         return None
+
+
+def _slim(data: dict[str, Any]) -> dict[str, Any]:
+    """``data`` without its fields of over FIELD_INLINE_BYTES of JSON, their paths (``name``, or
+    ``name.field`` one level down in an object that is small without them) in ``_omitted``."""
+    omitted: list[str] = []
+    out: dict[str, Any] = {}
+    for name, field in data.items():
+        if _json_size(field) <= FIELD_INLINE_BYTES:
+            out[name] = field
+            continue
+        inner = (
+            {key: value for key, value in field.items() if _json_size(value) <= FIELD_INLINE_BYTES}
+            if isinstance(field, dict)
+            else {}
+        )
+        if inner and _json_size(inner) <= FIELD_INLINE_BYTES:
+            out[name] = inner
+            omitted.extend(f"{name}.{key}" for key in field if key not in inner)
+        else:
+            omitted.append(name)
+    return {**out, "_omitted": omitted}
+
+
+def _json_size(value: Any) -> int:
+    return len(json.dumps(value, separators=(",", ":"), default=str))
 
 
 def job_channel(call_id: str) -> str:
@@ -581,6 +618,8 @@ class RedisBackplane(Backplane):
             key = self.stream_key(job_call_id)
             for event, data in job_events:
                 payload = json.dumps(data, separators=(",", ":"), default=str)
+                if len(payload) > EVENT_INLINE_BYTES and event in FROM_RECORDS:
+                    payload = json.dumps(_slim(data), separators=(",", ":"), default=str)
                 pipe.xadd(key, {"event": event, "data": payload}, maxlen=STREAM_MAXLEN, approximate=True)
                 if event == "exec_end":
                     pipe.expire(key, settings.PTC_EVENTS_RETENTION_SECONDS)

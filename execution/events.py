@@ -226,6 +226,29 @@ def job_start_payload(job: ExecJob) -> dict[str, Any]:
 
 
 # -- Reading (SSE, CLI) --------------------------------------------------------------------------
+def event_filled(job_id: Any, name: str, data: dict[str, Any]) -> dict[str, Any]:
+    """``data`` as it was written: an event the log keeps without its large fields (named in
+    ``_omitted``: backplane.FROM_RECORDS) has them filled in from the records, which hold them as
+    they were (a call's input; its output or error once it has ended; a job's view once it has)."""
+    omitted = data.pop("_omitted", [])
+    if not omitted:
+        return data
+    if name == "exec_end":
+        full = job_end_payload(job_view(exec_job_with_calls(job_id=job_id)))
+    else:
+        call = ToolCall.objects.filter(call_id=data.get("call_id") or data.get("id")).first()
+        if call is None:  # purged since (retention drops its job's log too)
+            return data
+        full = tool_call_pending_payload(call) if name == "tool_call_pending" else tool_call_payload(call)
+    for path in omitted:
+        head, _, field = path.partition(".")
+        if field:
+            data.setdefault(head, {})[field] = full.get(head, {}).get(field)
+        else:
+            data[head] = full.get(head)
+    return data
+
+
 def events_from_records(job_id: Any) -> tuple[list[Event], bool]:
     """Rebuild a job's events from its records, in order. Return them and whether the job ended."""
     job = ExecJob.objects.select_related("user").get(pk=job_id)
@@ -384,7 +407,10 @@ async def _events(*, job_id: Any, last_event_id: str | None) -> AsyncGenerator[E
                 if live:  # a stream entry's id is the Redis time it was written, in ms
                     event_lag_observe(written_ms=int(cursor.split("-", 1)[0]))
                 name = fields[b"event"].decode()
-                yield Event(cursor, name, json.loads(fields[b"data"]))
+                data = json.loads(fields[b"data"])
+                if "_omitted" in data:  # logged without its large fields: the records have them
+                    data = await db_read(event_filled)(job_id, name, data)
+                yield Event(cursor, name, data)
                 if name == "exec_end":
                     return
             live = True

@@ -256,3 +256,51 @@ def test_a_process_forgets_the_users_who_follow_nothing() -> None:
         place = events.follow_admit(user_id=user_id)
         del place  # the stream ended: its place is given back
     assert len(events._FOLLOWS) <= 2 * events.FOLLOW_SWEEP_FROM + 1
+
+
+BIG_CALLS = """
+from ptc_tools.demo import Demo
+big = "x" * 200_000
+for i in range(5):
+    Demo.echo(value=f"{i}{big}")
+print("done")
+"""
+
+
+def test_a_jobs_large_calls_are_streamed_whole_but_logged_small(api: Api) -> None:
+    """Every call's events and the job's end repeat its input and output, and the log is kept in
+    Redis an hour past the end: a job passing PTC_MAX_JOB_TOOL_BYTES wrote about three times that
+    there, so one user's jobs could fill the broker's server for everyone (here 5 calls of 200 KB
+    each way logged 5.0 MB). The log keeps such events without their large fields; the stream
+    fills them in from the records, so readers see every byte as before."""
+    job = api.run(BIG_CALLS, toolsets=["demo"])
+    assert job["status"] == "completed", job["error"]
+    events, _ = read_events(api, job["id"])
+    names = [e["event"] for e in events]
+    # (A call's end is logged after its result reached the code: the next call's start may come first.)
+    assert names[0] == "exec_start" and names[-1] == "exec_end", names
+    assert sorted(names[1:-1]) == sorted(["stdout", *["tool_call_start", "tool_call_end"] * 5]), names
+    ends = [e["data"] for e in events if e["event"] == "tool_call_end"]
+    starts = [e["data"] for e in events if e["event"] == "tool_call_start"]
+    assert sorted(e["output"][0] for e in ends) == list("01234") and all(len(e["output"]) == 200_001 for e in ends)
+    assert all(len(e["input"]["value"]) == 200_001 and e["output"] is None for e in starts)
+    [end] = [e["data"] for e in events if e["event"] == "exec_end"]
+    assert end == {name: value for name, value in job.items() if name != "code"}
+    logged = sum(len(f[b"data"]) for _, f in redis.Redis.from_url(REDIS_URL).xrange(RedisBackplane.stream_key(job["call_id"])))
+    assert logged < 64 * 1024, logged
+
+
+def test_a_pending_calls_large_input_is_filled_in_from_its_record(api: Api) -> None:
+    """A call that waits (for its client or an approval) is announced with its input twice, at the
+    top and in ``call``: both are left out of the log, and filled in from the record."""
+    from execution.backplane import _slim
+    from execution.events import event_filled, tool_call_pending_payload
+    from tests.factories import demo_call, running_job
+
+    user = User.objects.get(username=api.username)
+    job = running_job(user=user)
+    call = demo_call(user=user, job=job, tool="echo", input={"value": "y" * 5000}, status="awaiting_approval")
+    payload = tool_call_pending_payload(call)
+    slim = json.loads(json.dumps(_slim(payload)))
+    assert sorted(slim["_omitted"]) == ["call.input", "input"] and "input" not in slim["call"]
+    assert event_filled(job.pk, "tool_call_pending", slim) == json.loads(json.dumps(payload))
