@@ -234,10 +234,13 @@ def event_filled(job_id: Any, name: str, data: dict[str, Any]) -> dict[str, Any]
     if not omitted:
         return data
     if name == "exec_end":
-        full = job_end_payload(job_view(exec_job_with_calls(job_id=job_id)))
+        try:
+            full = job_end_payload(job_view(exec_job_with_calls(job_id=job_id)))
+        except ExecJob.DoesNotExist:  # deleted since, with its user
+            return data
     else:
         call = ToolCall.objects.filter(call_id=data.get("call_id") or data.get("id")).first()
-        if call is None:  # purged since (retention drops its job's log too)
+        if call is None:  # deleted since
             return data
         full = tool_call_pending_payload(call) if name == "tool_call_pending" else tool_call_payload(call)
     for path in omitted:
