@@ -357,6 +357,9 @@ PTC_QUEUED_MAX_SECONDS = checked.int("PTC_QUEUED_MAX_SECONDS", 1800, 60, 7 * 24 
 # through that worker's direct queue (<nodename>.dq2).
 CELERY_WORKER_DIRECT = True
 PTC_MAX_SESSIONS_PER_USER = checked.int("PTC_MAX_SESSIONS_PER_USER", 4, 0, 10_000)
+# The sessions' sandboxes one exec worker keeps at most, each up to its memory limit: past it, a
+# new session's first job there ends the session that has been idle longest (``expired``).
+PTC_SESSIONS_PER_WORKER = checked.int("PTC_SESSIONS_PER_WORKER", 32, 1, 100_000)
 # A user's own keys that work (not revoked, not expired) one may make over the API: each is a row
 # kept for good (its audit trail with it), so a key may not make them without end.
 PTC_MAX_KEYS_PER_USER = checked.int("PTC_MAX_KEYS_PER_USER", 100, 1, 100_000)

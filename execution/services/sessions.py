@@ -22,6 +22,7 @@ import base64
 import binascii
 import logging
 import threading
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -333,6 +334,7 @@ class LiveSession:
     sandbox: Sandbox
     sdk_hash: str = ""
     busy: bool = False
+    idle_since: float = 0.0  # time.monotonic() when its last job ended
     # Set when this worker ended it while a job ran in it: that job's error says why.
     ended: str = ""
 
@@ -365,6 +367,11 @@ def session_sandbox_take(*, session_id: Any, node: str) -> "LiveSession | Outcom
     if not claimed:
         # Started before on a worker that is gone, or restarted under the same name: its state is gone.
         return _unavailable(session_id=session_id, reason="its sandbox is gone: the exec worker holding it stopped")
+    if not _room_made():
+        most = settings.PTC_SESSIONS_PER_WORKER
+        reason = f"its exec worker holds the most sessions it may (PTC_SESSIONS_PER_WORKER, {most}), each running a job"
+        _session_end(session_id=session_id, status=Status.LOST, reason=f"its sandbox could not start: {reason}")
+        return Outcome(status="failed", error=job_error("SandboxCrashed", f"the session's sandbox could not start: {reason}"))
     try:
         sandbox = sandbox_start()
     except Exception as exc:  # SandboxUnavailable, or any start failure: the session can't live
@@ -374,6 +381,25 @@ def session_sandbox_take(*, session_id: Any, node: str) -> "LiveSession | Outcom
     with _live_lock:
         _live[key] = live
     return live
+
+
+def _room_made() -> bool:
+    """Make room on this worker for one more session's sandbox: past PTC_SESSIONS_PER_WORKER (each
+    may hold up to its memory limit, for as long as its idle timeout), end the session idle the
+    longest, ``expired``, and kill its sandbox. Return False if every one is running a job."""
+    with _live_lock:
+        if len(_live) < settings.PTC_SESSIONS_PER_WORKER:
+            return True
+        idle = [(live.idle_since, key) for key, live in _live.items() if not live.busy]
+        if not idle:
+            return False
+        _, key = min(idle)
+        evicted = _live.pop(key)
+    evicted.sandbox.discard()
+    most = settings.PTC_SESSIONS_PER_WORKER
+    reason = f"idle the longest on its exec worker, which keeps at most {most} (PTC_SESSIONS_PER_WORKER), when a new one came"
+    _session_end(session_id=key, status=Status.EXPIRED, reason=reason)
+    return True
 
 
 def _exited(live: LiveSession) -> str:
@@ -397,6 +423,7 @@ def session_sandbox_release(*, session_id: Any, live: LiveSession, kept: bool, s
         live.busy = False
         if kept and not live.ended:
             live.sdk_hash = sdk_hash
+            live.idle_since = time.monotonic()
             return
         _live.pop(key, None)
     live.sandbox.discard()

@@ -11,7 +11,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from tests.conftest import REDIS_PREFIX, TEST_DATABASE_URL, Api
+from tests.conftest import REDIS_PREFIX, TEST_DATABASE_URL, Api, own_deployment
 from tests.servers import api_key, database_drop, migrated_database
 from tests.stack import BIN, Process, Stack, free_port, sandboxes_of
 
@@ -156,3 +156,47 @@ def _running(pid: str) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def test_a_worker_keeps_at_most_its_sessions_ending_the_one_idle_longest(stack_env: dict[str, str]) -> None:
+    """Each session keeps a sandbox on its worker, up to its memory limit, for as long as its idle
+    timeout: any number of users' sessions piled up on one worker, whose host they could exhaust.
+    Past PTC_SESSIONS_PER_WORKER (2 here) a new session's first job ends the one idle longest,
+    ``expired``, saying why, and kills its sandbox; the others keep their state."""
+    with own_deployment(stack_env, "session-cap", PTC_SESSIONS_PER_WORKER="2") as stack:
+        username = f"cap-{free_port()}"
+        api = Api(stack.base_url, api_key(stack.env, username), username)
+        worker = stack.exec_worker.proc.pid if stack.exec_worker.proc else 0
+        sessions, sandboxes = [], []
+        for value in (1, 2, 3):
+            before = set(sandboxes_of(worker))
+            sessions.append(_session(api))
+            job = api.run(f"x = {value}", session=sessions[-1])
+            assert job["status"] == "completed", job["error"]
+            sandboxes.append(set(sandboxes_of(worker)) - before)
+        first = api.get(f"/api/v1/sessions/{sessions[0]}").json()
+        assert first["status"] == "expired" and "PTC_SESSIONS_PER_WORKER" in first["end_reason"], first
+        assert not any(_running(pid) for pid in sandboxes[0])
+        again = api.post("/api/v1/exec", json={"code": "print(x)", "session": sessions[0]})
+        assert again.status_code == 410 and again.json()["error"]["code"] == "session_expired", again.text
+        for session, value in zip(sessions[1:], (2, 3), strict=True):
+            job = api.run("print(x)", session=session)
+            assert (job["status"], job["stdout"]) == ("completed", f"{value}\n"), job["error"]
+        # With both running a job, there is no room: a new session's first job fails, saying why.
+        running = [api.run("import time\ntime.sleep(3)", session=session, wait=0) for session in sessions[1:]]
+        for job in running:
+            deadline = time.monotonic() + 10
+            while api.get(f"/api/v1/exec/{job['id']}").json()["status"] != "running":
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+        full = _session(api)
+        job = api.run("1", session=full)
+        assert job["status"] == "failed" and job["error"]["type"] == "SandboxCrashed", job["error"]
+        assert "PTC_SESSIONS_PER_WORKER" in job["error"]["message"], job["error"]
+        assert api.get(f"/api/v1/sessions/{full}").json()["status"] == "lost"
+        for job in running:  # and the two running go on
+            deadline = time.monotonic() + 20
+            while (final := api.get(f"/api/v1/exec/{job['id']}").json())["status"] == "running":
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+            assert final["status"] == "completed", final["error"]
