@@ -17,11 +17,13 @@ import weakref
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, ParamSpec, TypeVar
 
 from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.db import DatabaseError, connection
+from django.utils import timezone
 
 from execution.backplane import Events, RedisBackplane, backplane, job_channel
 from execution.models import ExecJob, ToolCall
@@ -334,6 +336,22 @@ def _job_state(job_id: Any) -> tuple[str, bool]:
     return job["call_id"], job["status"] in ExecJob.FINISHED
 
 
+# How long after a job's close its end may still be on its way to its log: the close is committed,
+# then the end appended (milliseconds; a second or so for a job whose view is large).
+END_LOST_SECONDS = 10.0
+
+
+@db_read
+def _end_lost(job_id: Any) -> dict[str, Any] | None:
+    """The ``exec_end`` of a job closed over END_LOST_SECONDS ago, from its records: for a log that
+    has none (its append was lost to a Redis away at that moment: nothing raises there, and the
+    log's expiry, set with it, was lost too). None while it may still come."""
+    since = timezone.now() - timedelta(seconds=END_LOST_SECONDS)
+    if not ExecJob.objects.filter(pk=job_id, closed_at__lt=since).exists():
+        return None
+    return job_end_payload(job_view(exec_job_with_calls(job_id=job_id)))
+
+
 async def _has_end(client: Any, key: str, cursor: str) -> bool:
     """Whether the log ``key`` has its ``exec_end`` at or before ``cursor``: a reader there has it
     all. It need not be the log's last entry: a call that outlived its job ends after it."""
@@ -399,6 +417,15 @@ async def _events(*, job_id: Any, last_event_id: str | None) -> AsyncGenerator[E
                         yield item
                     return
                 if ended and await _has_end(client, key, cursor):
+                    return
+                if ended and (end := await _end_lost(job_id)) is not None:
+                    # Sent after the log's last event; a reconnect from there (from past every
+                    # event the log holds) has had it, and closes.
+                    await client.expire(key, settings.PTC_EVENTS_RETENTION_SECONDS)  # lost with the end
+                    last = await client.xrevrange(key, count=1)
+                    if not last or _order(cursor) <= _order(last[0][0].decode()):
+                        ms, seq = _order(cursor)
+                        yield Event(f"{ms}-{seq + 1}", "exec_end", end)
                     return
                 yield None
                 continue

@@ -5,6 +5,7 @@ import json
 import subprocess
 import sys
 import time
+from datetime import timedelta
 from typing import Any
 
 import httpx
@@ -304,3 +305,26 @@ def test_a_pending_calls_large_input_is_filled_in_from_its_record(api: Api) -> N
     slim = json.loads(json.dumps(_slim(payload)))
     assert sorted(slim["_omitted"]) == ["call.input", "input"] and "input" not in slim["call"]
     assert event_filled(job.pk, "tool_call_pending", slim) == json.loads(json.dumps(payload))
+
+
+def test_a_job_whose_end_was_never_logged_still_ends_its_stream(api: Api) -> None:
+    """A job's end is recorded, then appended to its log; an append lost to a Redis that went away
+    at that moment (nothing raises: the records are the truth) left a log with no ``exec_end``,
+    and with no expiry, which is set with it. A reader of that log waited for the end for ever,
+    sending heartbeats. Once the job has been closed a while, the end is taken from the records."""
+    job = api.run("print(1)", toolsets=["demo"])
+    client = redis.Redis.from_url(REDIS_URL)
+    key = RedisBackplane.stream_key(job["call_id"])
+    [end_id] = [raw for raw, fields in client.xrange(key) if fields[b"event"] == b"exec_end"]
+    client.xdel(key, end_id)
+    client.persist(key)
+    ExecJob.objects.filter(pk=job["id"]).update(closed_at=ExecJob.objects.get(pk=job["id"]).closed_at - timedelta(minutes=1))
+    lines, _ = read_to_close(api, job["id"], "0-0", within=10)
+    events = [line[7:] for line in lines if line.startswith("event: ")]
+    assert events[0] == "exec_start" and events[-1] == "exec_end", events
+    end = json.loads(lines[lines.index("event: exec_end") + 1][6:])
+    assert end == {name: value for name, value in job.items() if name != "code"}
+    assert 0 < client.ttl(key) <= 3600  # its expiry, lost with the end, is set again
+    # A reconnect from that end (EventSource makes one by itself) closes, with nothing more.
+    again, _ = read_to_close(api, job["id"], lines[lines.index("event: exec_end") - 1][4:], within=10)
+    assert [line for line in again if line.startswith(("id:", "event:", "data:"))] == []
