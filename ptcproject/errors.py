@@ -88,6 +88,10 @@ CODES: dict[str, tuple[int, str]] = {
     "tool_not_ptc": (403, "a direct tool can't be called from code"),
     "call_id_mismatch": (403, "x-ptc-call-id is not the call_id of the key's job"),
     "tool_call_limit": (403, "over HTTP: the job has made its max_tool_calls calls; no more can run"),
+    "tool_bytes_limit": (
+        403,
+        "over HTTP: the job's calls have passed `PTC_MAX_JOB_TOOL_BYTES` (a managed container's job too); no more can run",
+    ),
     "parallel_limit": (429, "over HTTP: the job has its parallel cap of calls in flight (1 if sequential); retry"),
     "approval_required": (403, "the tool needs an approval before each call; only a job's code can wait for one"),
     "invalid_arguments": (400, "the arguments don't match the tool's input schema, or nest too deep"),
