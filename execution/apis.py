@@ -1,4 +1,4 @@
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Iterator
 from contextlib import aclosing
 from typing import Any
 from uuid import UUID
@@ -14,6 +14,7 @@ from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema
 from rest_framework import status
 from rest_framework.parsers import MultiPartParser
+from rest_framework.renderers import JSONRenderer
 from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.serializers import ListSerializer
@@ -22,7 +23,6 @@ from rest_framework.views import APIView
 from execution.events import FOLLOW_RETRY_SECONDS, FollowPlace, db_read, event_stream, follow_admit, job_view, valid_event_id
 from execution.models import ExecJob, ExecSession, ToolCall, WorkFile
 from execution.selectors import (
-    exec_jobs_for,
     exec_jobs_visible,
     sessions_for,
     sessions_in_state,
@@ -44,6 +44,7 @@ from execution.serializers import (
     WorkFileQuerySerializer,
     WorkFileSerializer,
     WorkFileUploadSerializer,
+    job_json_parts,
 )
 from execution.services.calls import tool_call_standalone
 from execution.services.jobs import exec_job_cancel, exec_job_for_container, exec_job_submit
@@ -60,7 +61,7 @@ from ptcproject import rows
 from ptcproject.accounts.authentication import JOB_KEY_ELSEWHERE, KEY_REFUSED, request_key, signed_in_user
 from ptcproject.accounts.services import api_key_authenticate, still_signed_in
 from ptcproject.errors import ApplicationError, error_body
-from ptcproject.lists import FilteredListApi
+from ptcproject.lists import FilteredListApi, json_streamed
 
 RATE_LIMITED = OpenApiResponse(
     description="rate_limited: past one of your tenant quotas (jobs at once, tool calls in flight, jobs per minute); "
@@ -78,10 +79,15 @@ PARALLEL_LIMIT = OpenApiResponse(
 class ExecListCreateApi(FilteredListApi):
     serializer_class = ExecJobSerializer
     query_serializer = ExecListQuerySerializer
-    chunk_rows = 1  # a job may carry PTC_MAX_JOB_TOOL_BYTES of calls
+    chunk_rows = 1  # a job may carry PTC_MAX_JOB_TOOL_BYTES of calls: each is written in parts
 
     def rows(self) -> QuerySet[ExecJob]:
-        return exec_jobs_for(user=signed_in_user(self.request))
+        return exec_jobs_visible(user=signed_in_user(self.request))
+
+    def rendered(self, rows: list[ExecJob]) -> Iterator[bytes]:
+        for job in rows:
+            yield b","
+            yield from job_json_parts(job)
 
     def filter_rows(self, rows: QuerySet[ExecJob], query: dict[str, Any]) -> QuerySet[ExecJob]:
         return rows.filter(status=query["status"]) if "status" in query else rows
@@ -100,7 +106,7 @@ class ExecListCreateApi(FilteredListApi):
             429: RATE_LIMITED,
         },
     )
-    def post(self, request: Request) -> Response:
+    def post(self, request: Request) -> HttpResponseBase:
         body = ExecCreateSerializer(data=request.data)
         body.is_valid(raise_exception=True)
         data = body.validated_data
@@ -121,18 +127,14 @@ class ExecListCreateApi(FilteredListApi):
         # What the job ended as comes with its end. Without a wait, the job as created (queued, no
         # calls yet) is the answer; a wait that ended without it (still running, or too large to
         # push) reads the record.
+        headers = {"Location": f"/api/v1/exec/{job.pk}"}
         if end is not None and end.job is not None:
-            view = end.job
-        elif data["wait"] == 0:
+            return Response(end.job, status=status.HTTP_201_CREATED, headers=headers)
+        if data["wait"] == 0:
             rows.prefetched(job, "tool_calls", [])
-            view = job_view(job)
-        else:
-            view = job_view(exec_jobs_for(user=user).get(pk=job.pk))
-        return Response(
-            view,
-            status=status.HTTP_201_CREATED,
-            headers={"Location": f"/api/v1/exec/{job.pk}"},
-        )
+            return Response(job_view(job), status=status.HTTP_201_CREATED, headers=headers)
+        job = exec_jobs_visible(user=user).get(pk=job.pk)
+        return json_streamed(request, job_json_parts(job), status=status.HTTP_201_CREATED, headers=headers)
 
 
 def _file_response(row: WorkFile) -> HttpResponse:
@@ -282,22 +284,28 @@ class SessionFileApi(APIView):
         return Response(status=204)
 
 
+# A job's view is sent as it is read, its calls a few at a time (job_json_parts): a job may carry
+# PTC_MAX_JOB_TOOL_BYTES of them, which, built whole, took about three times that per request.
 class ExecDetailApi(APIView):
+    renderer_classes = [JSONRenderer]
+
     @extend_schema(responses=ExecJobSerializer)
-    def get(self, request: Request, job_id: str) -> Response:
-        job = get_object_or_404(exec_jobs_for(user=signed_in_user(request)), pk=job_id)
-        return Response(job_view(job))
+    def get(self, request: Request, job_id: str) -> StreamingHttpResponse:
+        job = get_object_or_404(exec_jobs_visible(user=signed_in_user(request)), pk=job_id)
+        return json_streamed(request, job_json_parts(job))
 
 
 class ExecCancelApi(APIView):
+    renderer_classes = [JSONRenderer]
+
     @extend_schema(
         request=None,
         responses={200: ExecJobSerializer, 409: OpenApiResponse(description="job_finished: the job has already finished.")},
     )
-    def post(self, request: Request, job_id: str) -> Response:
+    def post(self, request: Request, job_id: str) -> StreamingHttpResponse:
         job = get_object_or_404(exec_jobs_visible(user=signed_in_user(request)), pk=job_id)
         exec_job_cancel(job=job)
-        return Response(job_view(exec_jobs_for(user=signed_in_user(request)).get(pk=job.pk)))
+        return json_streamed(request, job_json_parts(exec_jobs_visible(user=signed_in_user(request)).get(pk=job.pk)))
 
 
 # The most results one POST .../tool-results takes: a job has at most this many calls in flight.

@@ -1,10 +1,13 @@
+from collections.abc import Iterator
 from typing import Any
 
 from django.conf import settings
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
+from rest_framework.renderers import JSONRenderer
 
 from execution.models import ExecJob, ExecSession, ToolCall, WorkFile
+from ptcproject import rows
 from ptcproject.errors import ApplicationError
 from ptcproject.fields import JsonValueField, NamesField, NumberField, TextField
 from ptcproject.storage import MAX_JSON_DEPTH, POSITIVE_INT_MAX, json_depth_exceeds
@@ -119,6 +122,35 @@ class ExecJobSerializer(serializers.ModelSerializer):
 
     def get_credits_charged(self, job: ExecJob) -> int:
         return sum(call.credits for call in job.tool_calls.all())
+
+
+# A job's calls read and written at a time when its view is sent in parts: up to 16 of
+# PTC_MAX_TOOL_OUTPUT_BYTES each way, where the whole job may carry PTC_MAX_JOB_TOOL_BYTES.
+CALLS_PER_PART = 16
+
+
+def job_json_parts(job: ExecJob) -> Iterator[bytes]:
+    """``job`` in JSON as ExecJobSerializer writes it, in parts: its calls read and written
+    CALLS_PER_PART at a time (in start order, as listed), then the fields after them, its
+    ``credits_charged`` the sum of the calls written. ``job`` comes without its calls."""
+    calls = ToolCall.objects.filter(exec_job=job).order_by("started_at", "id")
+    ids = list(calls.values_list("pk", flat=True))
+    rows.prefetched(job, "tool_calls", [])
+    data = ExecJobSerializer(job).data
+    names = list(data)
+    at = names.index("tool_calls")
+    yield JSONRenderer().render({name: data[name] for name in names[:at]})[:-1] + b',"tool_calls":['
+    credits, first = 0, True
+    for start in range(0, len(ids), CALLS_PER_PART):
+        chunk = ids[start : start + CALLS_PER_PART]
+        found = {call.pk: call for call in calls.filter(pk__in=chunk).select_related("decided_by")}
+        part = [found[pk] for pk in chunk if pk in found]  # one purged since is left out
+        credits += sum(call.credits for call in part)
+        for item in ToolCallSerializer(part, many=True).data:
+            yield (b"" if first else b",") + JSONRenderer().render(item)
+            first = False
+    after = {name: data[name] for name in names[at + 1 :]} | {"credits_charged": credits}
+    yield b"]," + JSONRenderer().render(after)[1:]
 
 
 class CallerSerializer(serializers.Serializer):

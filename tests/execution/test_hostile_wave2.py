@@ -219,3 +219,43 @@ def test_a_client_that_stops_reading_a_page_holds_no_database_connection(stack_e
         for sock in stalled:
             sock.close()
         stack.stop()
+
+
+def test_a_heavy_jobs_view_is_sent_as_it_is_read(stack: Stack, api: Api) -> None:
+    # A job's own view (GET, the cancel's answer, POST's after a wait, a list page's job) was built
+    # whole, every call's input and output in it, before a byte was sent: about three times its
+    # size per request, and a job may carry PTC_MAX_JOB_TOOL_BYTES (a managed container's job ran
+    # without any bound). Its calls are now read and written a few at a time.
+    from django.contrib.auth import get_user_model
+    from rest_framework.renderers import JSONRenderer
+
+    from execution.events import job_view
+    from execution.selectors import exec_job_with_calls
+    from tests.factories import job_calls, running_job
+
+    user = get_user_model().objects.get(username=api.username)
+    job = running_job(user=user)
+    job_calls(job, [{"output": f"{i}" + "x" * (1 << 20), "started_at": timezone.now()} for i in range(160)])
+    whole = json.loads(JSONRenderer().render(job_view(exec_job_with_calls(job_id=job.pk))))
+    assert whole["credits_charged"] == 160 and len(whole["tool_calls"]) == 160
+    assert stack.web.proc is not None
+    pid = stack.web.proc.pid
+    for method, path in [
+        ("GET", f"/api/v1/exec/{job.pk}"),
+        ("GET", "/api/v1/exec?page_size=1"),
+        ("POST", f"/api/v1/exec/{job.pk}/cancel"),
+    ]:
+        before = _memory_mb(pid, "VmRSS")
+        with open(f"/proc/{pid}/clear_refs", "w") as refs:
+            refs.write("5")
+        with api.http.stream(method, path) as response:
+            assert response.status_code == 200, response.read()[:300]
+            body = json.loads(b"".join(response.iter_bytes()))
+        risen = _memory_mb(pid, "VmHWM") - before
+        view = body["results"][0] if "results" in body else body
+        if method == "POST":  # cancelled since
+            assert (view["status"], view["finished_at"] is not None) == ("cancelled", True)
+            whole |= {name: view[name] for name in ("status", "success", "finished_at", "error", "execution_time_seconds")}
+        assert view == whole
+        # Built whole, 160 MiB of calls took about 480 MiB; a few calls at a time, a fraction of it.
+        assert risen < 100, f"the web's resident size rose {risen} MiB while it sent {method} {path}, a 160 MiB job"
