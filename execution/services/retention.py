@@ -14,7 +14,8 @@ from uuid import UUID
 
 from django.conf import settings
 from django.db import transaction
-from django.db.models import Exists, OuterRef, Q, QuerySet
+from django.db.models import Exists, F, OuterRef, Q, QuerySet, Sum, TextField
+from django.db.models.functions import Cast, Coalesce, Greatest, Length
 from django.utils import timezone
 
 from execution.backplane import backplane
@@ -76,6 +77,21 @@ def _tool_calls_empty(calls: QuerySet[ToolCall]) -> int:
     return calls.update(input={}, output=None)
 
 
+def _container_bytes_freed(calls: QuerySet[ToolCall]) -> None:
+    """Take what ``calls`` (about to be emptied) passed off their managed containers' jobs' count
+    against PTC_MAX_JOB_TOOL_BYTES: their views no longer carry it, and a container may call back
+    for as long as it lives."""
+    text = TextField()
+    sizes = (
+        calls.exclude(exec_job=None)
+        .values("exec_job_id")
+        .annotate(size=Sum(Coalesce(Length(Cast("input", text)), 0) + Coalesce(Length(Cast("output", text)), 0)))
+    )
+    for row in sizes:
+        freed = Greatest(F("http_tool_bytes") - row["size"], 0)
+        ExecJob.objects.filter(pk=row["exec_job_id"]).exclude(container_id="").update(http_tool_bytes=freed)
+
+
 def exec_jobs_purge(*, now: datetime | None = None, batch_size: int = PURGE_BATCH) -> int:
     """Purge every finished job past its owner's retention (UserSettings.retention_days, else
     PTC_RETENTION_DAYS; neither: kept forever), ``batch_size`` jobs per transaction, and the
@@ -120,6 +136,7 @@ def exec_jobs_purge(*, now: datetime | None = None, batch_size: int = PURGE_BATC
         while call_pks := list(standalone.values_list("pk", flat=True)[:batch_size]):
             batch = ToolCall.objects.filter(pk__in=call_pks)
             containers.update(batch.exclude(ptc_call_id="").values_list("ptc_call_id", flat=True))
+            _container_bytes_freed(batch)
             calls += _tool_calls_empty(batch)
         # A session's files (uploaded to it, written by its jobs' code) are the session's, not a
         # job's: they go once it has ended (expired, lost) that long ago. Each round: a job that

@@ -24,6 +24,7 @@ from django.db import connection
 
 from execution.backplane import RedisBackplane, backplane
 from execution.models import ExecJob, ToolCall, WorkFile
+from execution.services.calls import CALL_RECORD_BYTES
 from execution.services.retention import exec_jobs_purge
 from ptcproject.accounts.models import UserSettings
 from tests.conftest import Api
@@ -213,6 +214,8 @@ def test_a_managed_containers_calls_are_purged_past_retention_like_any_others(ap
     time.sleep(2)  # a round more: it purges both kinds in one
     call = ToolCall.objects.get(call_id=called.json()["call_id"])
     assert (call.input, call.output, call.status, call.credits) == ({}, None, "completed", 0), call
+    # What it passed no longer counts against the bytes its job's calls may pass: its record does.
+    assert ExecJob.objects.get(pk=call.exec_job_id).http_tool_bytes == CALL_RECORD_BYTES
     if isinstance(backplane(), RedisBackplane):  # its job's live event log repeated them, and never expires
         assert backplane().events_read(called.json()["ptc_call_id"]) == []
     # The container's job goes on: its next call is recorded, and kept until its own round.
