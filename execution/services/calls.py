@@ -419,6 +419,7 @@ CALL_RECORD_BYTES = 512
 
 
 def _json_bytes(value: Any) -> int:
+    """``value``'s size in JSON, escaped to ASCII: never less than the view's UTF-8 takes."""
     return 0 if value is None else len(json.dumps(value, default=str))
 
 
@@ -435,6 +436,8 @@ def _job_bytes_take(*, job: ExecJob, size: int, held: bool = True) -> int:
             [size, ExecJob._meta.pk.get_db_prep_value(job.pk, connection), most, size, most],
         )
         found = cursor.fetchone()
+    if found is None and not held:
+        return 0  # its job was deleted meanwhile
     if found is None:
         raise ApplicationError(
             "tool_bytes_limit",
