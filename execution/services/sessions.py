@@ -340,6 +340,7 @@ class LiveSession:
 
 
 _live: dict[str, LiveSession] = {}
+_starting: set[str] = set()  # sessions whose sandbox is being started here: they count as live
 _live_lock = threading.Lock()
 
 
@@ -367,7 +368,7 @@ def session_sandbox_take(*, session_id: Any, node: str) -> "LiveSession | Outcom
     if not claimed:
         # Started before on a worker that is gone, or restarted under the same name: its state is gone.
         return _unavailable(session_id=session_id, reason="its sandbox is gone: the exec worker holding it stopped")
-    if not _room_made():
+    if not _room_made(key):
         most = settings.PTC_SESSIONS_PER_WORKER
         reason = f"its exec worker holds the most sessions it may (PTC_SESSIONS_PER_WORKER, {most}), each running a job"
         _session_end(session_id=session_id, status=Status.LOST, reason=f"its sandbox could not start: {reason}")
@@ -375,30 +376,36 @@ def session_sandbox_take(*, session_id: Any, node: str) -> "LiveSession | Outcom
     try:
         sandbox = sandbox_start()
     except Exception as exc:  # SandboxUnavailable, or any start failure: the session can't live
+        with _live_lock:
+            _starting.remove(key)
         _session_end(session_id=session_id, status=Status.LOST, reason=f"its sandbox could not start: {exc}")
         return Outcome(status="failed", error=job_error("SandboxCrashed", f"the session's sandbox could not start: {exc}"))
     live = LiveSession(sandbox=sandbox, busy=True)
     with _live_lock:
+        _starting.remove(key)
         _live[key] = live
     return live
 
 
-def _room_made() -> bool:
-    """Make room on this worker for one more session's sandbox: past PTC_SESSIONS_PER_WORKER (each
-    may hold up to its memory limit, for as long as its idle timeout), end the session idle the
-    longest, ``expired``, and kill its sandbox. Return False if every one is running a job."""
+def _room_made(key: str) -> bool:
+    """Make room on this worker for session ``key``'s sandbox, which is then starting: past
+    PTC_SESSIONS_PER_WORKER (each may hold up to its memory limit, for as long as its idle
+    timeout), end the session idle the longest, ``expired``, and kill its sandbox. Return False if
+    every one is running a job (or starting)."""
     with _live_lock:
-        if len(_live) < settings.PTC_SESSIONS_PER_WORKER:
-            return True
-        idle = [(live.idle_since, key) for key, live in _live.items() if not live.busy]
-        if not idle:
-            return False
-        _, key = min(idle)
-        evicted = _live.pop(key)
-    evicted.sandbox.discard()
-    most = settings.PTC_SESSIONS_PER_WORKER
-    reason = f"idle the longest on its exec worker, which keeps at most {most} (PTC_SESSIONS_PER_WORKER), when a new one came"
-    _session_end(session_id=key, status=Status.EXPIRED, reason=reason)
+        evicted: tuple[str, LiveSession] | None = None
+        if len(_live) + len(_starting) >= settings.PTC_SESSIONS_PER_WORKER:
+            idle = [(live.idle_since, other) for other, live in _live.items() if not live.busy]
+            if not idle:
+                return False
+            _, other = min(idle)
+            evicted = other, _live.pop(other)
+        _starting.add(key)
+    if evicted is not None:
+        evicted[1].sandbox.discard()
+        most = settings.PTC_SESSIONS_PER_WORKER
+        reason = f"idle the longest on its exec worker, which keeps at most {most} (PTC_SESSIONS_PER_WORKER), when a new one came"
+        _session_end(session_id=evicted[0], status=Status.EXPIRED, reason=reason)
     return True
 
 
