@@ -3,20 +3,23 @@ HTTP API (served from a thread of the test process) through the real tools worke
 upstream does, the call ends with a stable code and a readable message, its record is whole, no
 secret shows, and the worker serves the next call."""
 
+import functools
 import json
 import re
 import threading
 import time
 import uuid
+import zlib
 from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qs, quote, urlsplit
 
 import pytest
+from django.conf import settings
 
 from tests.conftest import Api
-from tests.stack import ARTIFACTS
+from tests.stack import ARTIFACTS, Stack
 from tests.tools.conftest import HERE, mcp_stdio_config, unique_key
 from tools.sdk import class_name
 
@@ -55,6 +58,14 @@ class _Handler(BaseHTTPRequestHandler):
             self.close_connection = True
         elif route == "gzip":  # said to be gzip, and not
             self._send(200, b'{"ok": true}', Content_Encoding="gzip")
+        elif route == "bomb":  # far more than a call may answer, compressed as ``enc`` says
+            query = parse_qs(urlsplit(self.path).query)
+            encoding = query.get("enc", ["gzip"])[0]
+            self._send(int(query.get("status", ["200"])[0]), _bomb(encoding), Content_Encoding=encoding)
+        elif route == "zipped":  # an answer as most APIs compress theirs; deflate without zlib's header, as some do
+            encoding = parse_qs(urlsplit(self.path).query).get("enc", ["gzip"])[0]
+            body = zlib.compress(b'{"ok": true}', wbits=WBITS[encoding] if encoding == "gzip" else -zlib.MAX_WBITS)
+            self._send(200, body, Content_Encoding=encoding)
         elif route == "bigint":  # JSON, with a number of 5,000 digits (Python reads at most 4,300)
             self._send(200, b'{"n": ' + b"1" * 5000 + b"}")
         elif route == "codec":  # a charset that names a codec, but not a text encoding
@@ -71,6 +82,23 @@ class _Handler(BaseHTTPRequestHandler):
     def do_POST(self) -> None:
         self.rfile.read(int(self.headers.get("Content-Length") or 0))
         self.do_GET()
+
+
+# Content-Encoding's names, as zlib's ``wbits``.
+WBITS = {"gzip": zlib.MAX_WBITS | 16, "deflate": zlib.MAX_WBITS}
+
+
+@functools.cache
+def _bomb(encoding: str) -> bytes:
+    """200 MiB of ``x``, compressed by each of ``encoding``'s codings in turn (``deflate, gzip``:
+    deflated, then that gzipped). One coding makes it 200 KiB; two, a few hundred bytes."""
+    codings = [name.strip() for name in encoding.split(",")]
+    first = zlib.compressobj(wbits=WBITS[codings[0]])
+    mib = b"x" * (1 << 20)
+    body = b"".join(first.compress(mib) for _ in range(200)) + first.flush()
+    for name in codings[1:]:
+        body = zlib.compress(body, wbits=WBITS[name])
+    return body
 
 
 @pytest.fixture(scope="module")
@@ -121,6 +149,8 @@ def hostile(upstream: str, create_toolset: Callable[..., dict[str, Any]]) -> str
                 _get("bigint", "/bigint"),
                 _get("cut", "/cut"),
                 _get("gzip", "/gzip"),
+                _get("zipped", "/zipped", enc={"type": "string"}),
+                _get("bomb", "/bomb", enc={"type": "string"}, status={"type": "integer"}),
                 EITHER,
                 _get("pattern", "/ok", r={"type": "string", "format": "regex"}),
                 _get("half", "/ok", n={"type": "number", "multipleOf": 0.5}),
@@ -505,3 +535,37 @@ def test_json_with_a_number_too_long_to_read_is_not_said_not_to_be_json(api: Api
     assert bigint.startswith(
         'http_invalid_json | GET /bigint answered HTTP 200 with JSON holding a number too long to read: {"n": 111'
     ), bigint[:200]
+
+
+def _memory_mb(pid: int, field: str) -> int:
+    """The process's ``VmRSS`` (resident now) or ``VmHWM`` (its peak), in MiB."""
+    with open(f"/proc/{pid}/status") as status:
+        return int(next(line for line in status if line.startswith(f"{field}:")).split()[1]) // 1024
+
+
+def test_a_compressed_answer_is_inflated_no_further_than_a_call_may_answer(stack: Stack, api: Api, hostile: str) -> None:
+    """200 MiB of gzip (200 KiB sent), and of deflate then gzip (a few hundred bytes sent), as an
+    answer and as an error's body: httpx inflates each piece the server sends whole, before our
+    count of the body sees it, so one piece of 64 KiB became 64 MiB in the tools worker's memory,
+    and the few hundred bytes of two codings 200 MiB at once; dozens of such calls at a time are
+    gigabytes. Before the fix, the worker's peak rose 409 MiB for these three calls ("the tools
+    worker's peak rose 409 MiB ... assert 409 < 32"; 7 MiB after). Each is inflated a piece at a
+    time, no further than the call may answer: output_too_large, or the error's excerpt; a
+    compressed answer within the limit still reads, gzip or deflate (raw, as some servers send it).
+    """
+    assert stack.tools_worker.proc is not None
+    pid = stack.tools_worker.proc.pid
+    before = _memory_mb(pid, "VmRSS")
+    with open(f"/proc/{pid}/clear_refs", "w") as refs:  # VmHWM starts again from the RSS of now
+        refs.write("5")
+    bombs = 'T.bomb(enc="gzip")\nT.bomb(enc="deflate, gzip")\nT.bomb(enc="gzip", status=500)\n'
+    job, lines = _calls(api, hostile, bombs + 'T.zipped(enc="gzip")\nT.zipped(enc="deflate")')
+    risen = _memory_mb(pid, "VmHWM") - before
+    gzip, twice, error, zipped, deflated = lines
+    most = settings.PTC_MAX_TOOL_OUTPUT_BYTES
+    assert gzip == twice == f"output_too_large | GET /bomb answered over {most} bytes; the limit is {most}", (gzip, twice)
+    status = "HTTP 500 Internal Server Error: "
+    assert error == f"http_error | GET /bomb answered {status}" + "x" * (300 - len(status)) + "…", error
+    assert zipped == deflated == "ok | {'ok': True}", (zipped, deflated)
+    _whole(job)
+    assert risen < 32, f"the tools worker's peak rose {risen} MiB while it read 3 answers of 200 MiB each, compressed"
