@@ -569,3 +569,41 @@ def test_a_compressed_answer_is_inflated_no_further_than_a_call_may_answer(stack
     assert zipped == deflated == "ok | {'ok': True}", (zipped, deflated)
     _whole(job)
     assert risen < 32, f"the tools worker's peak rose {risen} MiB while it read 3 answers of 200 MiB each, compressed"
+
+
+def test_an_mcp_server_line_too_long_to_be_an_answer_ends_its_session_not_the_worker(
+    stack: Stack, api: Api, staff: Api, create_toolset: Callable[..., dict[str, Any]]
+) -> None:
+    """A stdio server's answer of 24 MiB on one line, to a call and to the tools' listing: the SDK
+    reads a line without bound, joining each 64 KiB piece to all of the line read before it (20 MB
+    took 2 s of the event loop every session of the worker waits on; a line without end, memory
+    without end). Before the fix the call took 6 s and 144 MiB of the worker's memory to fail far
+    from the cause ("assert 'output_too_large | the tool returned 25165826 bytes of JSON; the limit
+    is 1048576' == 'mcp_bad_response | ...'"). A line is read no further than 4 times a call's
+    output may be: the call and the sync fail mcp_bad_response saying so, the session is closed,
+    and the server's next call runs on a new one (0.2 s and 4 MiB)."""
+    key, listing = unique_key("long"), unique_key("long_list")
+    for made, mode in ((key, "long"), (listing, "long_list")):
+        config = mcp_stdio_config(uuid.uuid4().hex, HOSTILE_MCP_SERVER, mode)
+        create_toolset({"key": made, "name": made, "kind": "mcp", "config": config})
+    assert staff.post(f"/api/v1/toolsets/{key}/sync").status_code == 200
+    assert _calls(api, key, "T.plain()")[1] == ["ok | plain"]  # the SDK loaded, a session open: not counted
+    assert stack.tools_worker.proc is not None
+    pid = stack.tools_worker.proc.pid
+    before = _memory_mb(pid, "VmRSS")
+    with open(f"/proc/{pid}/clear_refs", "w") as refs:  # VmHWM starts again from the RSS of now
+        refs.write("5")
+    started = time.monotonic()
+    job, lines = _calls(api, key, "T.huge()\nT.plain()")
+    seconds, risen = time.monotonic() - started, _memory_mb(pid, "VmHWM") - before
+    huge, plain = lines
+    most = 4 * settings.PTC_MAX_TOOL_OUTPUT_BYTES
+    too_long = f"the server sent a line of over {most:,} bytes, more than any answer may be; its session was closed"
+    assert huge == f"mcp_bad_response | MCP tool 'huge': {too_long}", huge[:300]
+    assert plain == "ok | plain"
+    assert [c["status"] for c in job["tool_calls"]] == ["failed", "completed"]
+    assert seconds < 5 and risen < 32, (seconds, risen)
+    sync = staff.post(f"/api/v1/toolsets/{listing}/sync")
+    assert sync.status_code == 502, sync.text[:300]
+    error = sync.json()["error"]
+    assert error["code"] == "mcp_bad_response" and too_long in error["message"], error

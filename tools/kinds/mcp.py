@@ -20,6 +20,7 @@ import atexit
 import codecs
 import concurrent.futures
 import contextlib
+import contextvars
 import functools
 import hashlib
 import json
@@ -29,7 +30,12 @@ import threading
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from signal import Signals
 from typing import Any, TypeVar
+
+import anyio
+import anyio.abc
+from django.conf import settings
 
 from tools.arguments import arguments_error, arguments_validator
 from tools.errors import ToolFailure
@@ -57,6 +63,9 @@ _STDERR_TAIL_CHARS = 4000
 # The most pages a tool list is read in: 10,000 tools (where it stops) at one a page.
 _MAX_PAGES = 10_000
 _EXCERPT_CHARS = 300
+# The longest line of a stdio server's stdout read: its transport is a JSON-RPC message a line, and
+# an answer a call may take holds its output at most twice, as text (escaped) and as structured content.
+MAX_LINE_BYTES = 4 * settings.PTC_MAX_TOOL_OUTPUT_BYTES
 T = TypeVar("T")
 
 
@@ -189,6 +198,119 @@ class _StderrTail:
             os.close(self._read_fd)
 
 
+class _Lines(anyio.abc.ByteReceiveStream):
+    """A stdio server's stdout, handed on whole lines at a time, each at most about MAX_LINE_BYTES.
+
+    The SDK (mcp/client/stdio.py) keeps a partial line without bound, and joins each piece read to
+    all of it: a line of 20 MB took 2 s of the event loop that serves every session of the worker,
+    and one without end took memory without end. Given whole lines, it never holds a partial one.
+    A line past the bound ends the stream, as the server's exit would, once ``overflowed`` was
+    called; what follows is read only to be dropped (the SDK drains a server so that it can exit).
+    """
+
+    def __init__(self, stream: anyio.abc.ByteReceiveStream, overflowed: Callable[[], None] | None) -> None:
+        self._stream = stream
+        self._overflowed = overflowed
+        self._over = False
+        self._partial: list[bytes] = []
+        self._size = 0
+
+    async def receive(self, max_bytes: int = 65536) -> bytes:
+        if self._over:
+            return await self._stream.receive(max_bytes)
+        while True:
+            data = await self._stream.receive(max_bytes)
+            end = data.rfind(b"\n") + 1
+            if end:
+                lines = b"".join([*self._partial, data[:end]])
+                self._partial, self._size = [data[end:]], len(data) - end
+                return lines
+            self._partial.append(data)
+            self._size += len(data)
+            if self._size > MAX_LINE_BYTES:
+                self._over, self._partial = True, []
+                if self._overflowed is not None:
+                    self._overflowed()
+                raise anyio.EndOfStream
+
+    async def aclose(self) -> None:
+        await self._stream.aclose()
+
+
+class _LinesProcess(anyio.abc.Process):
+    """A stdio server's process as anyio's, its stdout read through ``_Lines``."""
+
+    def __init__(self, process: anyio.abc.Process, overflowed: Callable[[], None] | None) -> None:
+        self._inner = process
+        self._lines = _Lines(process.stdout, overflowed) if process.stdout is not None else None
+
+    def __getattr__(self, name: str) -> Any:
+        # The SDK reaches into anyio's process for asyncio's transport, to close it (_process).
+        if name == "_inner":  # not set yet: no recursion
+            raise AttributeError(name)
+        return getattr(self._inner, name)
+
+    async def aclose(self) -> None:
+        await self._inner.aclose()
+
+    async def wait(self) -> int:
+        return await self._inner.wait()
+
+    def terminate(self) -> None:
+        self._inner.terminate()
+
+    def kill(self) -> None:
+        self._inner.kill()
+
+    def send_signal(self, signal: Signals) -> None:
+        self._inner.send_signal(signal)
+
+    @property
+    def pid(self) -> int:
+        return self._inner.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self._inner.returncode
+
+    @property
+    def stdin(self) -> anyio.abc.ByteSendStream | None:
+        return self._inner.stdin
+
+    @property
+    def stdout(self) -> anyio.abc.ByteReceiveStream | None:
+        return self._lines
+
+    @property
+    def stderr(self) -> anyio.abc.ByteReceiveStream | None:
+        return self._inner.stderr
+
+
+# Whom a stdio server's line past MAX_LINE_BYTES is told to: the session starting it.
+_line_overflowed: contextvars.ContextVar[Callable[[], None] | None] = contextvars.ContextVar("line_overflowed", default=None)
+
+
+@functools.cache
+def _stdio_lines_bounded() -> None:
+    """Have the SDK's stdio client read every server's stdout through ``_Lines``.
+
+    The SDK takes no stream of ours: it spawns the server and reads its stdout itself. Its spawn
+    (a module function it calls by name) is wrapped, so that only the reading changes, not the
+    protocol nor the shutdown sequence, which copying ``stdio_client`` would fork.
+    """
+    from mcp.client import stdio
+
+    spawn = stdio._create_platform_compatible_process
+
+    async def spawn_bounded(*args: Any, **kwargs: Any) -> Any:
+        process = await spawn(*args, **kwargs)
+        if not isinstance(process, anyio.abc.Process):  # the SDK's fallback for Windows, where this never runs
+            return process
+        return _LinesProcess(process, _line_overflowed.get())
+
+    stdio._create_platform_compatible_process = spawn_bounded
+
+
 # What the SDK says when the connection closed (mcp's jsonrpc_dispatcher): its code alone, -32000,
 # is also JSON-RPC's first server-error code, which a server may answer a call with.
 _SDK_CLOSED = "Connection closed"
@@ -222,9 +344,12 @@ class _Session:
         if self.server.transport == "stdio":
             self.stderr = _StderrTail(self.loop, self.server.secrets)
             params = StdioServerParameters(command=self.server.command, args=list(self.server.args), env=dict(self.server.env))
+            _stdio_lines_bounded()
+            told = _line_overflowed.set(self._line_too_long)
             try:
                 streams = await stack.enter_async_context(stdio_client(params, errlog=self.stderr.writer))
             finally:
+                _line_overflowed.reset(told)
                 self.stderr.spawned()
             return streams
         client = await stack.enter_async_context(create_mcp_http_client(headers=dict(self.server.headers)))
@@ -234,8 +359,18 @@ class _Session:
         """The SDK hands us what it could not parse; the session can't be trusted after that."""
         if not isinstance(message, Exception):
             return
-        self.broken = f"the server sent something that is not MCP ({type(message).__name__})"
         logger.warning("mcp server sent an unparseable message; closing its session: %s", self.server.describe())
+        self._break(f"the server sent something that is not MCP ({type(message).__name__})")
+
+    def _line_too_long(self) -> None:
+        logger.warning("mcp server sent a line over %d bytes; closing its session: %s", MAX_LINE_BYTES, self.server.describe())
+        self._break(
+            f"the server sent a line of over {MAX_LINE_BYTES:,} bytes, more than any answer may be; its session was closed"
+        )
+
+    def _break(self, why: str) -> None:
+        """End the session's start and its calls saying ``why``, and close it."""
+        self.broken = why
         if self._init_scope is not None:
             self._init_scope.cancel()
         for scope in list(self.inflight):
@@ -243,8 +378,6 @@ class _Session:
         self.closing.set()
 
     async def _own(self) -> None:
-        import anyio
-
         try:
             async with contextlib.AsyncExitStack() as stack:
                 read, write = await self._open(stack)
@@ -276,7 +409,9 @@ class _Session:
 
     def _init_failure(self) -> ToolFailure:
         if self.broken:
-            return ToolFailure("mcp_bad_response", f"the MCP server {self.server.describe()} answered initialize with garbage")
+            return ToolFailure(
+                "mcp_bad_response", f"the MCP server {self.server.describe()} answered initialize with garbage: {self.broken}"
+            )
         return ToolFailure(
             "mcp_init_timeout",
             f"the MCP server {self.server.describe()} did not finish initializing within {self.server.init_timeout:g} s"
@@ -309,7 +444,6 @@ class _Session:
 
     async def call(self, name: str, arguments: dict[str, Any], timeout: float) -> Any:
         """Return the output of one ``tools/call``, or raise ToolFailure."""
-        import anyio
         from mcp import MCPError
         from mcp_types import CONNECTION_CLOSED, REQUEST_TIMEOUT
 
@@ -353,7 +487,6 @@ def _client_session_class() -> type:
     ``^(a+)+$`` against 40 a's and a ``!`` backtracks for days holding the GIL, and froze the whole
     tools worker. Here patterns are bounded, the check is within its time, and it runs off the
     event loop, which serves every session of the process."""
-    import anyio
     import jsonschema
     from mcp import ClientSession
 
@@ -565,7 +698,16 @@ def tools_list(*, toolset: Toolset) -> list[ListedTool]:
             while True:
                 from mcp_types import PaginatedRequestParams
 
-                page = await session.session.list_tools(params=PaginatedRequestParams(cursor=cursor) if cursor else None)
+                with anyio.CancelScope() as scope:  # cancelled as a call's is, when the session breaks
+                    session.inflight.add(scope)
+                    try:
+                        page = await session.session.list_tools(params=PaginatedRequestParams(cursor=cursor) if cursor else None)
+                    finally:
+                        session.inflight.discard(scope)
+                if scope.cancelled_caught:
+                    raise ToolFailure(
+                        "mcp_bad_response", f"the MCP server {server.describe()} did not list its tools: {session.broken}"
+                    )
                 found += page.tools
                 cursor = page.next_cursor
                 if not cursor or len(found) > 10_000:
