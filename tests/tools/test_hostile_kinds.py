@@ -607,3 +607,28 @@ def test_an_mcp_server_line_too_long_to_be_an_answer_ends_its_session_not_the_wo
     assert sync.status_code == 502, sync.text[:300]
     error = sync.json()["error"]
     assert error["code"] == "mcp_bad_response" and too_long in error["message"], error
+
+
+def test_the_exception_a_builtin_raised_is_quoted_cut(api: Api) -> None:
+    """A builtin's exception says what it was given: ``echo`` called with an argument its function
+    does not take (its schema allows any) raises TypeError naming it, and a name of 500,000
+    characters went whole into the code's ToolError, the call's record and its events. Before the
+    fix: ("tool_exception | TypeError: echo() got an unexpected keyword argument 'kkkkkk | kkkkkkkkk'
+    | 500055"). It is quoted as an excerpt, its start; the next call runs."""
+    code = """
+from ptc_tools import ToolError, _runtime
+try:
+    _runtime.call("demo", "echo", {"value": 1, "k" * 500_000: 1})
+except ToolError as e:
+    print(e.code, "|", e.message[:60], "|", e.message[-10:], "|", len(e.message))
+print(_runtime.call("demo", "echo", {"value": 1}))
+"""
+    job = api.run(code, toolsets=["demo"])
+    assert job["status"] == "completed", job["error"]
+    raised, ok = job["stdout"].splitlines()
+    code_, start, end, length = raised.split(" | ")
+    assert code_ == "tool_exception" and start.startswith("TypeError: echo() got an unexpected keyword argument 'kkk"), raised
+    assert end == "kkkkkkkkk…" and int(length) < 1000, raised
+    assert ok == "1"
+    assert [c["status"] for c in job["tool_calls"]] == ["failed", "completed"]
+    assert all(len(c["error"]["message"]) < 1000 for c in job["tool_calls"] if c["error"])

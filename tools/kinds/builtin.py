@@ -16,6 +16,9 @@ logger = logging.getLogger("ptc.tools")
 # thread the second time. Not concurrent.futures: its threads are not daemons, so a hung builtin
 # would hold up the worker's exit.
 MAX_IDLE_THREADS = settings.PTC_TOOLS_CONCURRENCY
+# The most of an exception's message quoted: it may quote what the call was given (an argument's
+# name, its value), as an excerpt elsewhere is quoted (tools/kinds/http.py).
+EXCERPT_CHARS = 300
 _idle: list["queue.SimpleQueue[Callable[[], None]]"] = []
 _idle_lock = threading.Lock()
 
@@ -55,7 +58,17 @@ def run(*, toolset: Toolset, tool: Tool, arguments: dict[str, Any], timeout: flo
         raise value
     # A builtin's bug is the call's failure, never the worker's.
     logger.error("builtin tool %s.%s raised", toolset.key, tool.name, exc_info=value)
-    raise ToolFailure("tool_exception", f"{type(value).__name__}: {value}") from value
+    raise ToolFailure("tool_exception", _said(value)) from value
+
+
+def _said(exc: BaseException) -> str:
+    """Return what ``exc`` says, its type and the start of its message, for the call's error."""
+    try:
+        message = str(exc)
+    except Exception:  # a message that can't be made is not the call's failure
+        message = "(its message could not be read)"
+    text = f"{type(exc).__name__}: {message}"
+    return text if len(text) <= EXCERPT_CHARS else text[:EXCERPT_CHARS] + "…"
 
 
 def _start(work: Callable[[], None]) -> None:
