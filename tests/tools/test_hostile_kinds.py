@@ -632,3 +632,36 @@ print(_runtime.call("demo", "echo", {"value": 1}))
     assert ok == "1"
     assert [c["status"] for c in job["tool_calls"]] == ["failed", "completed"]
     assert all(len(c["error"]["message"]) < 1000 for c in job["tool_calls"] if c["error"])
+
+
+def test_an_mcp_server_that_cannot_be_started_is_not_named_by_its_path(
+    api: Api, create_toolset: Callable[..., dict[str, Any]]
+) -> None:
+    """A global toolset's config is the operator's: no tenant reads it (its command names where the
+    deployment keeps its servers, and whose home they are in). A command that could not be run
+    was quoted whole, by the OSError's message, to every tenant's code, its record and its events:
+    before the fix ("mcp_start_failed | the MCP server of toolset '...' could not be started:
+    [Errno 2] No such file or directory: '/srv/<token>/mcp-server'", and "[Errno 13] Permission
+    denied: '/tmp/hA/tests/tools'" for a directory). The message says why, not where."""
+    token = uuid.uuid4().hex
+    tool = {"name": "anything", "input_schema": {"type": "object"}}
+    missing, directory = unique_key("missing"), unique_key("directory")
+    for key, command in ((missing, f"/srv/{token}/mcp-server"), (directory, str(HERE))):
+        config = {"transport": "stdio", "command": command}
+        create_toolset({"key": key, "name": key, "kind": "mcp", "config": config, "tools": [tool]})
+    code = f"""
+from ptc_tools import ToolError, _runtime
+for key in ("{missing}", "{directory}"):
+    try:
+        _runtime.call(key, "anything", {{}})
+    except ToolError as e:
+        print(e.code, "|", e.message)
+"""
+    job = api.run(code, toolsets=[missing, directory])
+    assert job["status"] == "completed", job["error"]
+    assert job["stdout"].splitlines() == [
+        f"mcp_start_failed | the MCP server of toolset '{key}' could not be started: its command could not be run"
+        f" ({why}); an admin must check the toolset's command"
+        for key, why in ((missing, "No such file or directory"), (directory, "Permission denied"))
+    ], job["stdout"]
+    assert token not in json.dumps(job) and str(HERE) not in json.dumps(job)

@@ -430,9 +430,12 @@ class _Session:
             return leaf
         where = self.server.describe()
         if isinstance(leaf, OSError) and self.server.transport == "stdio":
-            return ToolFailure(
-                "mcp_start_failed", f"the MCP server {where} could not be started: {_excerpt(str(leaf), self.server)}"
-            )
+            # Why, never the file it names (its str does): the command, or a path in it, is the
+            # toolset's config, which no tenant reads; where the deployment keeps its servers.
+            why = leaf.strerror or type(leaf).__name__
+            if leaf.filename is not None:
+                why = f"its command could not be run ({why}); an admin must check the toolset's command"
+            return ToolFailure("mcp_start_failed", f"the MCP server {where} could not be started: {why}")
         if isinstance(leaf, MCPError) and self.server.transport == "stdio":
             return ToolFailure("mcp_start_failed", f"the MCP server {where} exited while starting" + self._stderr_note())
         if isinstance(leaf, asyncio.CancelledError):
