@@ -11,7 +11,6 @@ import logging
 import re
 import threading
 import time
-import zlib
 from collections.abc import Iterator
 from typing import Any
 from urllib.parse import quote
@@ -21,6 +20,7 @@ import httpx
 from django.conf import settings
 
 from tools.errors import ToolFailure
+from tools.kinds import inflate
 from tools.models import Tool, Toolset
 from tools.secret_refs import (
     MissingSecret,
@@ -43,12 +43,6 @@ EXCERPT_CHARS = 300
 EXCERPT_BYTES = 4 * EXCERPT_CHARS
 # The most of a request's body sent in one go, each piece within what is left of its deadline.
 _WRITE_PIECE = 64 << 10
-# The codings a body is decoded from (Content-Encoding), as zlib's ``wbits``: those httpx decodes
-# as pinned (without the brotli and zstandard packages), and all the client asks for (_client).
-_CODINGS = {"gzip": zlib.MAX_WBITS | 16, "deflate": zlib.MAX_WBITS}
-# The most a body's coding is inflated by in one step: httpx inflates each piece as it came whole,
-# and 64 KiB of gzip are 64 MiB.
-_INFLATE_PIECE = 64 << 10
 # httpx's limit on a URL and on each of its parts (httpx._urlparse.MAX_URL_LENGTH).
 MAX_URL_CHARS = 65536
 
@@ -109,7 +103,7 @@ def _client() -> httpx.Client:
         # Redirects are not followed: a redirect elsewhere would carry the secret headers with it.
         # Only the codings _body decodes are asked for: httpx would ask for br and zstd too, were their
         # packages installed.
-        client = _local.client = httpx.Client(follow_redirects=False, headers={"Accept-Encoding": ", ".join(_CODINGS)})
+        client = _local.client = httpx.Client(follow_redirects=False, headers={"Accept-Encoding": inflate.ACCEPT_ENCODING})
         # httpx takes no network backend: each connection pool it built, its own and one for each
         # proxy the environment names (HTTPS_PROXY, ...), is given the deadline's (httpcore opens
         # every connection through its pool's ``_network_backend``).
@@ -269,17 +263,15 @@ def run(*, toolset: Toolset, tool: Tool, arguments: dict[str, Any], timeout: flo
 def _body(response: httpx.Response, most: int) -> tuple[str, bool]:
     """Return the response's body as text, read up to ``most`` bytes (decompressed), and whether
     that is all of it. Raise ``httpx.DecodingError`` for a body not in the coding it says."""
-    # As httpx reads the header (Response._get_content_decoder): a coding it does not know is
-    # passed over, and the body read as it came.
-    codings = [c.strip().lower() for c in response.headers.get_list("content-encoding", split_commas=True)]
-    chunks: Iterator[bytes] = response.iter_raw()
-    for coding in reversed([c for c in codings if c in _CODINGS]):  # the last applied is undone first
-        chunks = _inflated(chunks, coding)
+    chain = inflate.inflaters(response.headers.get_list("content-encoding", split_commas=True))
     read = bytearray()
-    for chunk in chunks:
-        read += chunk
-        if len(read) > most:
-            break
+    try:
+        for piece in _decoded(response, chain):
+            read += piece
+            if len(read) > most:
+                break
+    except inflate.DecodingError as exc:  # as httpx says it
+        raise httpx.DecodingError(str(exc)) from None
     whole = len(read) <= most
     try:
         return read[:most].decode(response.encoding or "utf-8", errors="replace"), whole
@@ -289,29 +281,9 @@ def _body(response: httpx.Response, most: int) -> tuple[str, bool]:
         return read[:most].decode("utf-8", errors="replace"), whole
 
 
-def _inflated(chunks: Iterator[bytes], coding: str) -> Iterator[bytes]:
-    """Yield ``chunks`` decompressed from ``coding``, in pieces of at most ``_INFLATE_PIECE`` bytes,
-    each made only when the one before was taken: what the reader stops taking is never inflated.
-    Raise ``httpx.DecodingError`` as httpx's decoders do (httpx._decoders)."""
-    inflater = zlib.decompressobj(_CODINGS[coding])
-    first = True
-    for chunk in chunks:
-        data = chunk
-        while True:
-            try:
-                piece = inflater.decompress(data, _INFLATE_PIECE)
-            except zlib.error as exc:
-                if first and coding == "deflate":  # as httpx: a raw deflate stream, without zlib's header
-                    inflater, first = zlib.decompressobj(-zlib.MAX_WBITS), False
-                    continue
-                raise httpx.DecodingError(str(exc)) from None
-            first = False
-            if piece:
-                yield piece
-            if inflater.eof:
-                # Its end: httpx drops what follows too, but kept it all (unused_data) as it came.
-                return
-            data = inflater.unconsumed_tail
-            # A full piece may leave output pending inside zlib even when all input was taken.
-            if not data and len(piece) < _INFLATE_PIECE:
-                break
+def _decoded(response: httpx.Response, chain: list[inflate.Inflater]) -> Iterator[bytes]:
+    # Read raw and inflated here, a piece at a time: httpx inflates each piece as it came whole.
+    for chunk in response.iter_raw():
+        yield from inflate.inflated(chunk, chain)
+        if chain and chain[0].eof:  # its end: httpx read on, and kept what followed in zlib's unused_data
+            return
