@@ -101,6 +101,64 @@ def _bomb(encoding: str) -> bytes:
     return body
 
 
+class _McpHandler(BaseHTTPRequestHandler):
+    """An MCP server over streamable HTTP, as little of one as a client needs: each answer JSON, no
+    event stream. A call of ``huge`` answers a text of 64 MiB, sent as 64 KiB of gzip; any other
+    tool's, the text ``plain``."""
+
+    def log_message(self, format: str, *args: Any) -> None:  # quiet test output
+        pass
+
+    def _send(self, status: int, body: bytes = b"", **headers: str) -> None:
+        self.send_response(status)
+        for name, value in {"Content-Type": "application/json", "Mcp-Session-Id": "one", **headers}.items():
+            self.send_header(name, value)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self) -> None:  # no event stream for the server's own messages
+        self._send(405)
+
+    def do_DELETE(self) -> None:
+        self._send(200)
+
+    def do_POST(self) -> None:
+        message = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if "id" not in message:  # a notification
+            return self._send(202)
+        answer = {"jsonrpc": "2.0", "id": message["id"], "result": {}}
+        if message["method"] == "initialize":
+            info = {"name": "hostile-http", "version": "1"}
+            answer["result"] = {
+                "protocolVersion": message["params"]["protocolVersion"],
+                "capabilities": {"tools": {}},
+                "serverInfo": info,
+            }
+        elif message["method"] == "tools/list":
+            answer["result"] = {"tools": [{"name": n, "inputSchema": {"type": "object"}} for n in ("huge", "plain")]}
+        elif message["method"] == "tools/call" and message["params"]["name"] == "huge":
+            head, tail = json.dumps({**answer, "result": {"content": [{"type": "text", "text": "@"}]}}).encode().split(b"@")
+            gzip = zlib.compressobj(wbits=WBITS["gzip"])
+            mib = b"x" * (1 << 20)
+            body = gzip.compress(head) + b"".join(gzip.compress(mib) for _ in range(64)) + gzip.compress(tail) + gzip.flush()
+            return self._send(200, body, **{"Content-Encoding": "gzip"})
+        elif message["method"] == "tools/call":
+            answer["result"] = {"content": [{"type": "text", "text": "plain"}]}
+        self._send(200, json.dumps(answer).encode())
+
+
+@pytest.fixture(scope="module")
+def mcp_upstream() -> Iterator[str]:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _McpHandler)
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}/mcp"
+    server.shutdown()
+    server.server_close()
+
+
 @pytest.fixture(scope="module")
 def upstream() -> Iterator[str]:
     server = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
@@ -665,3 +723,35 @@ for key in ("{missing}", "{directory}"):
         for key, why in ((missing, "No such file or directory"), (directory, "Permission denied"))
     ], job["stdout"]
     assert token not in json.dumps(job) and str(HERE) not in json.dumps(job)
+
+
+def test_an_mcp_answer_over_http_is_read_no_further_than_any_answer_may_be(
+    stack: Stack, api: Api, mcp_upstream: str, create_toolset: Callable[..., dict[str, Any]]
+) -> None:
+    """A hosted MCP server's answer of JSON (a text of 64 MiB, 64 KiB of gzip sent): the SDK reads
+    such an answer whole (``aread``), however far it inflates, and the call's output was checked
+    only after. Before the fix ("AssertionError: output_too_large | the tool returned 67108866
+    bytes of JSON; the limit is 1048576", after the worker's peak rose 321 MiB; 300 MiB sent the
+    same way, 1.5 GiB). An answer is read as a stdio server's line is, no further than 4 times a
+    call's output may be: mcp_bad_response saying so (5 MiB); the server's next call runs."""
+    key = unique_key("hosted_huge")
+    tools = [{"name": name, "input_schema": {"type": "object"}} for name in ("huge", "plain")]
+    config = {"transport": "streamable_http", "url": mcp_upstream}
+    create_toolset({"key": key, "name": key, "kind": "mcp", "config": config, "tools": tools})
+    assert _calls(api, key, "T.plain()")[1] == ["ok | plain"]  # the SDK loaded, a session open: not counted
+    assert stack.tools_worker.proc is not None
+    pid = stack.tools_worker.proc.pid
+    before = _memory_mb(pid, "VmRSS")
+    with open(f"/proc/{pid}/clear_refs", "w") as refs:  # VmHWM starts again from the RSS of now
+        refs.write("5")
+    job, lines = _calls(api, key, "T.huge()\nT.plain()")
+    risen = _memory_mb(pid, "VmHWM") - before
+    huge, plain = lines
+    most = 4 * settings.PTC_MAX_TOOL_OUTPUT_BYTES
+    assert huge == (
+        f"mcp_bad_response | MCP tool 'huge': the server sent an answer of over {most:,} bytes, more than any answer"
+        " may be; its session was closed"
+    ), huge[:300]
+    assert plain == "ok | plain"
+    assert [c["status"] for c in job["tool_calls"]] == ["failed", "completed"]
+    assert risen < 32, f"the tools worker's peak rose {risen} MiB while it read an answer of 64 MiB, compressed"

@@ -39,6 +39,7 @@ from django.conf import settings
 
 from tools.arguments import arguments_error, arguments_validator
 from tools.errors import ToolFailure
+from tools.kinds import inflate
 from tools.models import Tool, Toolset
 from tools.secret_refs import (
     MissingSecret,
@@ -65,6 +66,7 @@ _MAX_PAGES = 10_000
 _EXCERPT_CHARS = 300
 # The longest line of a stdio server's stdout read: its transport is a JSON-RPC message a line, and
 # an answer a call may take holds its output at most twice, as text (escaped) and as structured content.
+# The same bound holds an answer over HTTP, as JSON (as events, each is held to the SDK's own bound).
 MAX_LINE_BYTES = 4 * settings.PTC_MAX_TOOL_OUTPUT_BYTES
 T = TypeVar("T")
 
@@ -311,6 +313,50 @@ def _stdio_lines_bounded() -> None:
     stdio._create_platform_compatible_process = spawn_bounded
 
 
+async def _bounded_body(response: Any, *, overflowed: Callable[[], None]) -> None:
+    """Have ``response`` (httpx2's, the streamable HTTP transport's) read through ``_BoundedBody``:
+    inflated here a piece at a time (httpx2 inflates a piece at a time too, but the SDK reads an
+    answer of JSON whole, ``aread``, however far it inflates), an answer of JSON at most
+    MAX_LINE_BYTES. An event stream's events are each held to the SDK's own bound."""
+    chain = inflate.inflaters(response.headers.get_list("content-encoding", split_commas=True))
+    if chain:
+        del response.headers["content-encoding"]  # undone here; not by httpx2 again
+    streamed = response.headers.get("content-type", "").lower().startswith("text/event-stream")
+    response.stream = _bounded_body_class()(response.stream, chain, None if streamed else MAX_LINE_BYTES, overflowed)
+
+
+@functools.cache
+def _bounded_body_class() -> type:
+    import httpx2
+
+    class _TooLong(httpx2.StreamError):
+        """Raised where the SDK reads an answer of JSON, which it catches (a StreamError) and ends."""
+
+    class _BoundedBody(httpx2.AsyncByteStream):
+        def __init__(self, stream: Any, chain: list[inflate.Inflater], most: int | None, overflowed: Callable[[], None]) -> None:
+            self._stream, self._chain, self._most, self._overflowed = stream, chain, most, overflowed
+
+        async def __aiter__(self) -> Any:
+            size = 0
+            async for chunk in self._stream:
+                try:
+                    for piece in inflate.inflated(chunk, self._chain):
+                        size += len(piece)
+                        if self._most is not None and size > self._most:
+                            self._overflowed()  # the session says why, before the SDK says anything
+                            raise _TooLong(f"the answer is over {self._most} bytes")
+                        yield piece
+                except inflate.DecodingError as exc:  # as httpx2 says it
+                    raise httpx2.DecodingError(str(exc)) from None
+                if self._chain and self._chain[0].eof:  # its end: what follows is dropped
+                    return
+
+        async def aclose(self) -> None:
+            await self._stream.aclose()
+
+    return _BoundedBody
+
+
 # What the SDK says when the connection closed (mcp's jsonrpc_dispatcher): its code alone, -32000,
 # is also JSON-RPC's first server-error code, which a server may answer a call with.
 _SDK_CLOSED = "Connection closed"
@@ -352,7 +398,11 @@ class _Session:
                 _line_overflowed.reset(told)
                 self.stderr.spawned()
             return streams
-        client = await stack.enter_async_context(create_mcp_http_client(headers=dict(self.server.headers)))
+        # Only the codings _bounded_body undoes are asked for (httpx2 would ask for br and zstd too,
+        # were their packages installed).
+        headers = {**dict(self.server.headers), "Accept-Encoding": inflate.ACCEPT_ENCODING}
+        client = await stack.enter_async_context(create_mcp_http_client(headers=headers))
+        client.event_hooks = {"response": [functools.partial(_bounded_body, overflowed=self._answer_too_long)]}
         return await stack.enter_async_context(streamable_http_client(self.server.url, http_client=client))
 
     async def _on_message(self, message: Any) -> None:
@@ -363,9 +413,15 @@ class _Session:
         self._break(f"the server sent something that is not MCP ({type(message).__name__})")
 
     def _line_too_long(self) -> None:
-        logger.warning("mcp server sent a line over %d bytes; closing its session: %s", MAX_LINE_BYTES, self.server.describe())
+        self._too_long("a line")
+
+    def _answer_too_long(self) -> None:
+        self._too_long("an answer")
+
+    def _too_long(self, what: str) -> None:
+        logger.warning("mcp server sent %s over %d bytes; closing its session: %s", what, MAX_LINE_BYTES, self.server.describe())
         self._break(
-            f"the server sent a line of over {MAX_LINE_BYTES:,} bytes, more than any answer may be; its session was closed"
+            f"the server sent {what} of over {MAX_LINE_BYTES:,} bytes, more than any answer may be; its session was closed"
         )
 
     def _break(self, why: str) -> None:
