@@ -262,6 +262,31 @@ M.add(a=40, b=2)
     assert job["return_value"] == {"result": 42}
 
 
+def test_an_answer_over_http_events_is_taken_up_to_a_calls_output_limit(
+    api: Api, http_server: str, create_toolset: Callable[..., dict[str, Any]]
+) -> None:
+    """The SDK's server answers a call as an event, its output twice in it (as text and as structured
+    content); its client refused any event of over 1 MiB, so an output of 600 KB, well within a
+    call's limit (and taken from a server over stdio, or answering JSON), failed over HTTP: before
+    the fix ("mcp_error | MCP tool 'configured': SSE stream failed: Server-sent event exceeded the
+    1048576 byte limit."). An event is held to the bound a stdio line is."""
+    key = unique_key("mcphttp_big")
+    tool = {"name": "configured", "input_schema": {"type": "object", "properties": {"endpoint": {"type": "string"}}}}
+    config = {"transport": "streamable_http", "url": http_server}
+    create_toolset({"key": key, "name": key, "kind": "mcp", "config": config, "tools": [tool]})
+    code = f"""
+from ptc_tools import ToolError
+from ptc_tools.{key} import {class_name(key)} as M
+try:
+    print("ok |", len(M.configured(endpoint="x" * 600_000)["result"]))
+except ToolError as e:
+    print(e.code, "|", e.message)
+"""
+    job = api.run(code, toolsets=[key])
+    assert job["status"] == "completed", job["error"]
+    assert job["stdout"] == "ok | 600000\n", job["stdout"][:300]
+
+
 BAD_SERVERS = {
     "exit": ("mcp_start_failed", "license file"),
     "hang": ("mcp_init_timeout", "did not finish initializing within 2 s"),

@@ -66,7 +66,7 @@ _MAX_PAGES = 10_000
 _EXCERPT_CHARS = 300
 # The longest line of a stdio server's stdout read: its transport is a JSON-RPC message a line, and
 # an answer a call may take holds its output at most twice, as text (escaped) and as structured content.
-# The same bound holds an answer over HTTP, as JSON (as events, each is held to the SDK's own bound).
+# The same bound holds an answer over HTTP, as JSON or as an event.
 MAX_LINE_BYTES = 4 * settings.PTC_MAX_TOOL_OUTPUT_BYTES
 T = TypeVar("T")
 
@@ -317,7 +317,7 @@ async def _bounded_body(response: Any, *, overflowed: Callable[[], None]) -> Non
     """Have ``response`` (httpx2's, the streamable HTTP transport's) read through ``_BoundedBody``:
     inflated here a piece at a time (httpx2 inflates a piece at a time too, but the SDK reads an
     answer of JSON whole, ``aread``, however far it inflates), an answer of JSON at most
-    MAX_LINE_BYTES. An event stream's events are each held to the SDK's own bound."""
+    MAX_LINE_BYTES. An event stream's events are each held to it by the SDK."""
     chain = inflate.inflaters(response.headers.get_list("content-encoding", split_commas=True))
     if chain:
         del response.headers["content-encoding"]  # undone here; not by httpx2 again
@@ -403,7 +403,10 @@ class _Session:
         headers = {**dict(self.server.headers), "Accept-Encoding": inflate.ACCEPT_ENCODING}
         client = await stack.enter_async_context(create_mcp_http_client(headers=headers))
         client.event_hooks = {"response": [functools.partial(_bounded_body, overflowed=self._answer_too_long)]}
-        return await stack.enter_async_context(streamable_http_client(self.server.url, http_client=client))
+        # Each event held to the bound a stdio line is: the SDK's own (1 MiB) refused an answer
+        # within a call's limit, whose output it holds twice.
+        http = streamable_http_client(self.server.url, http_client=client, max_sse_event_size=MAX_LINE_BYTES)
+        return await stack.enter_async_context(http)
 
     async def _on_message(self, message: Any) -> None:
         """The SDK hands us what it could not parse; the session can't be trusted after that."""
