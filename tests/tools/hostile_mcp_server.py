@@ -4,7 +4,7 @@ time, each page empty and naming the same next page; ``redos`` lists ``spell``, 
 pattern backtracks (``^(a+)+$``), and ``plain``, and answers ``spell`` with a string that takes
 Python's ``re`` days to refuse; ``long`` lists ``huge``, whose call answers a line of 24 MiB (a
 text of ``x``), and ``plain``, answered as ``redos`` does; ``long_list`` answers ``tools/list``
-with a line of 24 MiB.
+with a line of 24 MiB; ``heavy`` lists 24 tools a page at a time, each with a description of 1 MiB.
 python hostile_mcp_server.py MODE [--marker=ANYTHING]"""
 
 import json
@@ -29,7 +29,11 @@ for line in sys.stdin:
         version = message["params"]["protocolVersion"]
         answer(message, {"protocolVersion": version, "capabilities": {"tools": {}}, "serverInfo": info})
     elif message["method"] == "tools/list":
-        if mode == "long_list":
+        if mode == "heavy":
+            page = int((message.get("params") or {}).get("cursor") or 0)
+            tool = {"name": f"t{page}", "description": "x" * (1 << 20), "inputSchema": SCHEMA}
+            answer(message, {"tools": [tool], **({"nextCursor": str(page + 1)} if page < 23 else {})})
+        elif mode == "long_list":
             answer(message, {"tools": [{"name": LONG, "inputSchema": SCHEMA}]})
         elif mode == "long":
             answer(message, {"tools": [{"name": name, "inputSchema": SCHEMA} for name in ("huge", "plain")]})

@@ -755,3 +755,21 @@ def test_an_mcp_answer_over_http_is_read_no_further_than_any_answer_may_be(
     assert plain == "ok | plain"
     assert [c["status"] for c in job["tool_calls"]] == ["failed", "completed"]
     assert risen < 32, f"the tools worker's peak rose {risen} MiB while it read an answer of 64 MiB, compressed"
+
+
+def test_an_mcp_servers_tools_are_listed_no_further_than_a_listing_may_be(
+    staff: Api, create_toolset: Callable[..., dict[str, Any]]
+) -> None:
+    """Page after page, each within a line's bound (one tool with a description of 1 MiB): a
+    listing stopped only at its 10,000th tool, so a server could have the web process hold and
+    store 10,000 lines of 4 MiB. Before the fix, 24 pages of it were synced as 24 tools ("assert
+    200 == 502"). A listing is read to 4 lines' worth in all, and the sync says so."""
+    key = unique_key("heavy")
+    config = mcp_stdio_config(uuid.uuid4().hex, HOSTILE_MCP_SERVER, "heavy")
+    create_toolset({"key": key, "name": key, "kind": "mcp", "config": config})
+    sync = staff.post(f"/api/v1/toolsets/{key}/sync")
+    assert sync.status_code == 502, sync.text[:300]
+    error = sync.json()["error"]
+    most = 16 * settings.PTC_MAX_TOOL_OUTPUT_BYTES
+    assert error["code"] == "mcp_bad_response", error
+    assert f"lists over {most:,} bytes of tools (after 16 pages and 16 tools)" in error["message"], error

@@ -68,6 +68,9 @@ _EXCERPT_CHARS = 300
 # an answer a call may take holds its output at most twice, as text (escaped) and as structured content.
 # The same bound holds an answer over HTTP, as JSON or as an event.
 MAX_LINE_BYTES = 4 * settings.PTC_MAX_TOOL_OUTPUT_BYTES
+# The most a tools' listing is read to, all its pages: each page is a line, and a server naming
+# page after page would be read until the 10,000th tool, each tool as large as a line.
+MAX_LISTING_BYTES = 4 * MAX_LINE_BYTES
 T = TypeVar("T")
 
 
@@ -206,13 +209,13 @@ class _Lines(anyio.abc.ByteReceiveStream):
     The SDK (mcp/client/stdio.py) keeps a partial line without bound, and joins each piece read to
     all of it: a line of 20 MB took 2 s of the event loop that serves every session of the worker,
     and one without end took memory without end. Given whole lines, it never holds a partial one.
-    A line past the bound ends the stream, as the server's exit would, once ``overflowed`` was
-    called; what follows is read only to be dropped (the SDK drains a server so that it can exit).
+    A line past the bound ends the stream, as the server's exit would, once ``session`` was told;
+    what follows is read only to be dropped (the SDK drains a server so that it can exit).
     """
 
-    def __init__(self, stream: anyio.abc.ByteReceiveStream, overflowed: Callable[[], None] | None) -> None:
+    def __init__(self, stream: anyio.abc.ByteReceiveStream, session: "_Session | None") -> None:
         self._stream = stream
-        self._overflowed = overflowed
+        self._session = session
         self._over = False
         self._partial: list[bytes] = []
         self._size = 0
@@ -226,13 +229,15 @@ class _Lines(anyio.abc.ByteReceiveStream):
             if end:
                 lines = b"".join([*self._partial, data[:end]])
                 self._partial, self._size = [data[end:]], len(data) - end
+                if self._session is not None:
+                    self._session.read_bytes += len(lines)
                 return lines
             self._partial.append(data)
             self._size += len(data)
             if self._size > MAX_LINE_BYTES:
                 self._over, self._partial = True, []
-                if self._overflowed is not None:
-                    self._overflowed()
+                if self._session is not None:
+                    self._session.too_long("a line")
                 raise anyio.EndOfStream
 
     async def aclose(self) -> None:
@@ -242,9 +247,9 @@ class _Lines(anyio.abc.ByteReceiveStream):
 class _LinesProcess(anyio.abc.Process):
     """A stdio server's process as anyio's, its stdout read through ``_Lines``."""
 
-    def __init__(self, process: anyio.abc.Process, overflowed: Callable[[], None] | None) -> None:
+    def __init__(self, process: anyio.abc.Process, session: "_Session | None") -> None:
         self._inner = process
-        self._lines = _Lines(process.stdout, overflowed) if process.stdout is not None else None
+        self._lines = _Lines(process.stdout, session) if process.stdout is not None else None
 
     def __getattr__(self, name: str) -> Any:
         # The SDK reaches into anyio's process for asyncio's transport, to close it (_process).
@@ -288,8 +293,8 @@ class _LinesProcess(anyio.abc.Process):
         return self._inner.stderr
 
 
-# Whom a stdio server's line past MAX_LINE_BYTES is told to: the session starting it.
-_line_overflowed: contextvars.ContextVar[Callable[[], None] | None] = contextvars.ContextVar("line_overflowed", default=None)
+# Whom a stdio server's lines are counted to, and one past MAX_LINE_BYTES told to: the session starting it.
+_lines_of: contextvars.ContextVar["_Session | None"] = contextvars.ContextVar("lines_of", default=None)
 
 
 @functools.cache
@@ -308,12 +313,12 @@ def _stdio_lines_bounded() -> None:
         process = await spawn(*args, **kwargs)
         if not isinstance(process, anyio.abc.Process):  # the SDK's fallback for Windows, where this never runs
             return process
-        return _LinesProcess(process, _line_overflowed.get())
+        return _LinesProcess(process, _lines_of.get())
 
     stdio._create_platform_compatible_process = spawn_bounded
 
 
-async def _bounded_body(response: Any, *, overflowed: Callable[[], None]) -> None:
+async def _bounded_body(response: Any, *, session: "_Session") -> None:
     """Have ``response`` (httpx2's, the streamable HTTP transport's) read through ``_BoundedBody``:
     inflated here a piece at a time (httpx2 inflates a piece at a time too, but the SDK reads an
     answer of JSON whole, ``aread``, however far it inflates), an answer of JSON at most
@@ -322,7 +327,7 @@ async def _bounded_body(response: Any, *, overflowed: Callable[[], None]) -> Non
     if chain:
         del response.headers["content-encoding"]  # undone here; not by httpx2 again
     streamed = response.headers.get("content-type", "").lower().startswith("text/event-stream")
-    response.stream = _bounded_body_class()(response.stream, chain, None if streamed else MAX_LINE_BYTES, overflowed)
+    response.stream = _bounded_body_class()(response.stream, chain, None if streamed else MAX_LINE_BYTES, session)
 
 
 @functools.cache
@@ -333,8 +338,8 @@ def _bounded_body_class() -> type:
         """Raised where the SDK reads an answer of JSON, which it catches (a StreamError) and ends."""
 
     class _BoundedBody(httpx2.AsyncByteStream):
-        def __init__(self, stream: Any, chain: list[inflate.Inflater], most: int | None, overflowed: Callable[[], None]) -> None:
-            self._stream, self._chain, self._most, self._overflowed = stream, chain, most, overflowed
+        def __init__(self, stream: Any, chain: list[inflate.Inflater], most: int | None, session: "_Session") -> None:
+            self._stream, self._chain, self._most, self._session = stream, chain, most, session
 
         async def __aiter__(self) -> Any:
             size = 0
@@ -342,8 +347,9 @@ def _bounded_body_class() -> type:
                 try:
                     for piece in inflate.inflated(chunk, self._chain):
                         size += len(piece)
+                        self._session.read_bytes += len(piece)
                         if self._most is not None and size > self._most:
-                            self._overflowed()  # the session says why, before the SDK says anything
+                            self._session.too_long("an answer")  # it says why, before the SDK says anything
                             raise _TooLong(f"the answer is over {self._most} bytes")
                         yield piece
                 except inflate.DecodingError as exc:  # as httpx2 says it
@@ -374,6 +380,7 @@ class _Session:
         self.broken: str | None = None
         self.last_used = time.monotonic()
         self.inflight: set[Any] = set()  # anyio cancel scopes of calls waiting on this session
+        self.read_bytes = 0  # what the server sent, as read (inflated): a listing is held to MAX_LISTING_BYTES
         self.stderr: _StderrTail | None = None
         self._init_scope: Any = None
         self.task: asyncio.Task[None] = loop.create_task(self._own())
@@ -391,18 +398,18 @@ class _Session:
             self.stderr = _StderrTail(self.loop, self.server.secrets)
             params = StdioServerParameters(command=self.server.command, args=list(self.server.args), env=dict(self.server.env))
             _stdio_lines_bounded()
-            told = _line_overflowed.set(self._line_too_long)
+            told = _lines_of.set(self)
             try:
                 streams = await stack.enter_async_context(stdio_client(params, errlog=self.stderr.writer))
             finally:
-                _line_overflowed.reset(told)
+                _lines_of.reset(told)
                 self.stderr.spawned()
             return streams
         # Only the codings _bounded_body undoes are asked for (httpx2 would ask for br and zstd too,
         # were their packages installed).
         headers = {**dict(self.server.headers), "Accept-Encoding": inflate.ACCEPT_ENCODING}
         client = await stack.enter_async_context(create_mcp_http_client(headers=headers))
-        client.event_hooks = {"response": [functools.partial(_bounded_body, overflowed=self._answer_too_long)]}
+        client.event_hooks = {"response": [functools.partial(_bounded_body, session=self)]}
         # Each event held to the bound a stdio line is: the SDK's own (1 MiB) refused an answer
         # within a call's limit, whose output it holds twice.
         http = streamable_http_client(self.server.url, http_client=client, max_sse_event_size=MAX_LINE_BYTES)
@@ -415,13 +422,8 @@ class _Session:
         logger.warning("mcp server sent an unparseable message; closing its session: %s", self.server.describe())
         self._break(f"the server sent something that is not MCP ({type(message).__name__})")
 
-    def _line_too_long(self) -> None:
-        self._too_long("a line")
-
-    def _answer_too_long(self) -> None:
-        self._too_long("an answer")
-
-    def _too_long(self, what: str) -> None:
+    def too_long(self, what: str) -> None:
+        """The server sent ``what`` (a line, an answer) past MAX_LINE_BYTES: break the session."""
         logger.warning("mcp server sent %s over %d bytes; closing its session: %s", what, MAX_LINE_BYTES, self.server.describe())
         self._break(
             f"the server sent {what} of over {MAX_LINE_BYTES:,} bytes, more than any answer may be; its session was closed"
@@ -771,6 +773,12 @@ def tools_list(*, toolset: Toolset) -> list[ListedTool]:
                         "mcp_bad_response", f"the MCP server {server.describe()} did not list its tools: {session.broken}"
                     )
                 found += page.tools
+                if session.read_bytes > MAX_LISTING_BYTES:
+                    raise ToolFailure(
+                        "mcp_bad_response",
+                        f"the MCP server {server.describe()} lists over {MAX_LISTING_BYTES:,} bytes of tools"
+                        f" (after {len(cursors) + 1} pages and {len(found)} tools), more than a listing may be",
+                    )
                 cursor = page.next_cursor
                 if not cursor or len(found) > 10_000:
                     break
