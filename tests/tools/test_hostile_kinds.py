@@ -62,6 +62,8 @@ class _Handler(BaseHTTPRequestHandler):
             query = parse_qs(urlsplit(self.path).query)
             encoding = query.get("enc", ["gzip"])[0]
             self._send(int(query.get("status", ["200"])[0]), _bomb(encoding), Content_Encoding=encoding)
+        elif route == "onion":  # JSON gzipped 2,000 times over, as its header says
+            self._send(200, _onion(), Content_Encoding=", ".join(["gzip"] * 2000))
         elif route == "zipped":  # an answer as most APIs compress theirs; deflate without zlib's header, as some do
             encoding = parse_qs(urlsplit(self.path).query).get("enc", ["gzip"])[0]
             body = zlib.compress(b'{"ok": true}', wbits=WBITS[encoding] if encoding == "gzip" else -zlib.MAX_WBITS)
@@ -148,6 +150,14 @@ class _McpHandler(BaseHTTPRequestHandler):
         self._send(200, json.dumps(answer).encode())
 
 
+@functools.cache
+def _onion() -> bytes:
+    body = b'{"ok": true}'
+    for _ in range(2000):
+        body = zlib.compress(body, wbits=WBITS["gzip"])
+    return body
+
+
 @pytest.fixture(scope="module")
 def mcp_upstream() -> Iterator[str]:
     server = ThreadingHTTPServer(("127.0.0.1", 0), _McpHandler)
@@ -208,6 +218,7 @@ def hostile(upstream: str, create_toolset: Callable[..., dict[str, Any]]) -> str
                 _get("cut", "/cut"),
                 _get("gzip", "/gzip"),
                 _get("zipped", "/zipped", enc={"type": "string"}),
+                _get("onion", "/onion"),
                 _get("bomb", "/bomb", enc={"type": "string"}, status={"type": "integer"}),
                 EITHER,
                 _get("pattern", "/ok", r={"type": "string", "format": "regex"}),
@@ -773,3 +784,17 @@ def test_an_mcp_servers_tools_are_listed_no_further_than_a_listing_may_be(
     most = 16 * settings.PTC_MAX_TOOL_OUTPUT_BYTES
     assert error["code"] == "mcp_bad_response", error
     assert f"lists over {most:,} bytes of tools (after 16 pages and 16 tools)" in error["message"], error
+
+
+def test_an_answer_in_more_codings_than_are_undone_is_said_so(api: Api, hostile: str) -> None:
+    """JSON gzipped 2,000 times over (a header of 12 KB says so): each piece was inflated through a
+    chain 2,000 generators deep, and the call ended in a RecursionError ("AssertionError:
+    internal_error | the tools worker failed while running this call; see its log"). More than 4
+    codings are refused, as a body not in the coding it says is; the next call runs."""
+    _, lines = _calls(api, hostile, "T.onion()\nT.ok()")
+    onion, ok = lines
+    assert onion == (
+        "http_connection_error | GET /onion answered HTTP 200 but its answer could not be read: DecodingError:"
+        " the Content-Encoding names 2000 codings; at most 4 are undone"
+    ), onion
+    assert ok == "ok | {'ok': True}"

@@ -15,6 +15,9 @@ CODINGS = {"gzip": zlib.MAX_WBITS | 16, "deflate": zlib.MAX_WBITS}
 ACCEPT_ENCODING = ", ".join(CODINGS)
 # The most one step inflates.
 PIECE = 64 << 10
+# The most codings undone, one over the other: a server sends one, and each is a step of its own
+# for every piece (2,000 of them, in a header of 12 KB, were 2,000 steps deep).
+MAX_CODINGS = 4
 
 
 class DecodingError(ValueError):
@@ -53,12 +56,29 @@ class Inflater:
                 return
 
 
+class _Refusing(Inflater):
+    """A body in more codings than are undone: its first piece is a DecodingError."""
+
+    def __init__(self, why: str) -> None:
+        self._why = why
+
+    @property
+    def eof(self) -> bool:
+        return False
+
+    def feed(self, data: bytes) -> Iterator[bytes]:
+        raise DecodingError(self._why)
+
+
 def inflaters(codings: list[str]) -> list[Inflater]:
     """Return the inflaters of a body whose Content-Encoding names ``codings`` (split at commas), in
     the order they undo them: the last applied first. A coding not known is passed over, as httpx
-    passes it over (Response._get_content_decoder), and the body read as it came."""
-    known = [c.strip().lower() for c in codings]
-    return [Inflater(c) for c in reversed(known) if c in CODINGS]
+    passes it over (Response._get_content_decoder), and the body read as it came. Past MAX_CODINGS,
+    one that refuses the body: reading it raises DecodingError."""
+    known = [name for name in (c.strip().lower() for c in codings) if name in CODINGS]
+    if len(known) > MAX_CODINGS:
+        return [_Refusing(f"the Content-Encoding names {len(known)} codings; at most {MAX_CODINGS} are undone")]
+    return [Inflater(c) for c in reversed(known)]
 
 
 def inflated(data: bytes, chain: list[Inflater]) -> Iterator[bytes]:
