@@ -683,7 +683,8 @@ def test_the_exception_a_builtin_raised_is_quoted_cut(api: Api) -> None:
     does not take (its schema allows any) raises TypeError naming it, and a name of 500,000
     characters went whole into the code's ToolError, the call's record and its events. Before the
     fix: ("tool_exception | TypeError: echo() got an unexpected keyword argument 'kkkkkk | kkkkkkkkk'
-    | 500055"). It is quoted as an excerpt, its start; the next call runs."""
+    | 500055"). It is quoted as an excerpt, its start; the next call runs. The worker's log got it
+    whole too, in its traceback ("assert (3704595 - 3202212) < 50000"): cut there in its middle."""
     code = """
 from ptc_tools import ToolError, _runtime
 try:
@@ -692,8 +693,12 @@ except ToolError as e:
     print(e.code, "|", e.message[:60], "|", e.message[-10:], "|", len(e.message))
 print(_runtime.call("demo", "echo", {"value": 1}))
 """
+    log = ARTIFACTS / "tools-worker.log"
+    logged = log.stat().st_size
     job = api.run(code, toolsets=["demo"])
     assert job["status"] == "completed", job["error"]
+    # And the worker's log, where it went whole too, with its traceback: 500 KB a call.
+    assert log.stat().st_size - logged < 50_000, log.stat().st_size - logged
     raised, ok = job["stdout"].splitlines()
     code_, start, end, length = raised.split(" | ")
     assert code_ == "tool_exception" and start.startswith("TypeError: echo() got an unexpected keyword argument 'kkk"), raised

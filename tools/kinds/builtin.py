@@ -1,6 +1,7 @@
 import logging
 import queue
 import threading
+import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -19,6 +20,8 @@ MAX_IDLE_THREADS = settings.PTC_TOOLS_CONCURRENCY
 # The most of an exception's message quoted: it may quote what the call was given (an argument's
 # name, its value), as an excerpt elsewhere is quoted (tools/kinds/http.py).
 EXCERPT_CHARS = 300
+# The most of its traceback logged: its start (the outer frames) and its end (the inner, and the message).
+TRACEBACK_CHARS = 8000
 _idle: list["queue.SimpleQueue[Callable[[], None]]"] = []
 _idle_lock = threading.Lock()
 
@@ -56,9 +59,22 @@ def run(*, toolset: Toolset, tool: Tool, arguments: dict[str, Any], timeout: flo
         return value
     if isinstance(value, ToolFailure):
         raise value
-    # A builtin's bug is the call's failure, never the worker's.
-    logger.error("builtin tool %s.%s raised", toolset.key, tool.name, exc_info=value)
+    # A builtin's bug is the call's failure, never the worker's. Its traceback is logged cut: the
+    # message may quote what the call was given, 500 KB a call into the operator's log.
+    logger.error("builtin tool %s.%s raised:\n%s", toolset.key, tool.name, _traceback(value))
     raise ToolFailure("tool_exception", _said(value)) from value
+
+
+def _traceback(exc: BaseException) -> str:
+    """Return ``exc``'s traceback as logging writes one, cut in its middle past TRACEBACK_CHARS."""
+    try:
+        text = "".join(traceback.format_exception(exc)).rstrip()
+    except Exception:  # a message that can't be made: the frames alone
+        text = "".join(traceback.format_tb(exc.__traceback__)) + _said(exc)
+    if len(text) <= TRACEBACK_CHARS:
+        return text
+    half = TRACEBACK_CHARS // 2
+    return f"{text[:half]}\n… ({len(text) - TRACEBACK_CHARS:,} characters cut) …\n{text[-half:]}"
 
 
 def _said(exc: BaseException) -> str:
