@@ -14,6 +14,7 @@ loops) fails the call, not the worker; so do arguments its checks overflow on.
 """
 
 import functools
+import itertools
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -36,6 +37,10 @@ PATTERNS_SECONDS = 1.0
 # schema is checked in under half a second. Well within a job's lease (PTC_JOB_LEASE_SECONDS: 45 s,
 # 4 s in the tests): a job's lone call is checked on its bridge's loop, which renews the lease.
 CHECK_SECONDS = 2.0
+# The reasons weighed for the one a refusal gives (best_match): the first found. Arguments may miss
+# their schema in as many ways as they have items (50,000 of them, each made into an error, took
+# over a second), and which of the first is most relevant says as much as which of all.
+ERRORS_WEIGHED = 100
 # When the matches (``deadline``) and the whole check (``ends``) of the call this thread checks must
 # end: ``arguments_error`` sets them.
 _check = threading.local()
@@ -198,7 +203,7 @@ def arguments_error(validator: Any, arguments: Any) -> ValidationError | None:
     now = time.monotonic()
     _check.deadline, _check.ends = now + PATTERNS_SECONDS, now + CHECK_SECONDS
     try:
-        return jsonschema.exceptions.best_match(validator.iter_errors(arguments))
+        return jsonschema.exceptions.best_match(itertools.islice(validator.iter_errors(arguments), ERRORS_WEIGHED))
     except Unresolvable as exc:
         raise _unchecked(f"has a $ref that names nothing ({exc})") from None
     except RecursionError:
