@@ -47,7 +47,7 @@ from execution.serializers import (
     job_json_parts,
 )
 from execution.services.calls import tool_call_standalone
-from execution.services.jobs import exec_job_cancel, exec_job_for_container, exec_job_submit
+from execution.services.jobs import exec_job_cancel_await, exec_job_for_container, exec_job_submit
 from execution.services.sessions import (
     exec_session_create,
     exec_session_delete,
@@ -301,10 +301,19 @@ class ExecCancelApi(APIView):
     @extend_schema(
         request=None,
         responses={200: ExecJobSerializer, 409: OpenApiResponse(description="job_finished: the job has already finished.")},
+        description=(
+            "Cancel a queued or running job: its sandbox and every descendant are killed, and its queued tool "
+            "calls never run. Answers with the job as its end was announced (as exec_end carries it): calls a "
+            "tools worker was already running finish first, and are in it ended and charged. That takes "
+            "milliseconds when none is running, and at most such a call's tool timeout plus 30 s."
+        ),
     )
-    def post(self, request: Request, job_id: str) -> StreamingHttpResponse:
+    def post(self, request: Request, job_id: str) -> HttpResponseBase:
         job = get_object_or_404(exec_jobs_visible(user=signed_in_user(request)), pk=job_id)
-        exec_job_cancel(job=job)
+        # The answer is the job as its end announced it: final, the calls it was running ended.
+        end = exec_job_cancel_await(job=job)
+        if end is not None and end.job is not None:
+            return Response(end.job)
         return json_streamed(request, job_json_parts(exec_jobs_visible(user=signed_in_user(request)).get(pk=job.pk)))
 
 

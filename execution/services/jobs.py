@@ -15,7 +15,7 @@ from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.contrib.auth.models import User
 from django.db import DatabaseError, IntegrityError, InterfaceError, OperationalError, connection, transaction
-from django.db.models import Case, Exists, F, OuterRef, Q, TextField, Value, When, prefetch_related_objects
+from django.db.models import Case, Exists, F, OuterRef, Q, QuerySet, TextField, Value, When, prefetch_related_objects
 from django.utils import timezone
 
 from execution.backplane import Cancel, End, Resync, Subscription, backplane, job_channel, job_end_channel
@@ -32,9 +32,10 @@ from execution.models import ExecJob, ExecSession, ToolCall, WorkFile, new_exec_
 from execution.sandbox.limits import Limits
 from execution.sandbox.pool import sandbox_reap
 from execution.sandbox.process import SDK_MB, SandboxUnavailable
-from execution.sandbox.session import Outcome, Session
+from execution.sandbox.session import CALL_GRACE_SECONDS, Outcome, Session
 from execution.selectors import CALLS_IN_ORDER, exec_job_with_calls
 from execution.services.calls import (
+    CALL_TIMEOUT_MESSAGE,
     JOB_ENDED_MESSAGE,
     call_job_running,
     tool_call_finish,
@@ -608,6 +609,8 @@ def exec_job_finish(*, job_id: Any, call_id: str, outcome: Outcome, user: User |
                 bridge_calls=None if calls is None else int(calls),
                 key_made=outcome.key_made,
                 tail=outcome.tail,
+                await_running=True,
+                before_wait=sandbox_gone,  # nothing of the sandbox is read while its calls are waited for
             ),
             what="closing a job",
             job_id=job_id,
@@ -633,6 +636,8 @@ def _exec_job_close(
     bridge_calls: int | None = None,
     key_made: bool = True,
     tail: Sequence[tuple[str, str]] = (),
+    await_running: bool = False,
+    before_wait: Callable[[], None] | None = None,
 ) -> ExecJob:
     """What follows every job's end, however it ended: its job key is revoked, its calls still
     queued fail as never run (a tools worker that claimed one finishes it), and its end is
@@ -641,7 +646,12 @@ def _exec_job_close(
     ``job`` is the job as its end was just stored, if the caller has it (else it is read),
     ``bridge_calls`` how many calls its sandbox made, if known, ``key_made`` False when its
     worker knows its code never asked for its key (so none was made, or used), and ``tail`` the
-    output its events had not carried yet, ``(stream, text)``: they go out before its end."""
+    output its events had not carried yet, ``(stream, text)``: they go out before its end.
+
+    With ``await_running``, the calls a tools worker was running when the job ended are waited
+    for first (``_running_calls_await``; ``before_wait`` is called once, if there are any), so
+    that the end announced has them as they ended, charged. Without, they are announced as they
+    are: only the reaper closes so, for a job whose worker died (it must not sit on its round)."""
     key_used = job_keys_revoke(exec_job_id=job_id) if key_made else False
     if job is None:
         # The job and its calls in one read: what its end announces, and the calls it left open.
@@ -665,10 +675,65 @@ def _exec_job_close(
         if call.status in ToolCall.AWAITING:
             error = call_error("job_ended", "the job ended while this call was waiting; it was not run")
             tool_call_finish(call_id=call.call_id, error=error)
+    if left and await_running:
+        # What is still executing now was claimed by a tools worker: read again, not taken from
+        # ``left``, where a claim committed as the job ended may not show yet (its call was then
+        # not failed above: the failure waited for the claim, and found the call claimed).
+        executing = ToolCall.objects.filter(call_id__in=[call.call_id for call in left], status=ToolCall.Status.EXECUTING)
+        running = list(executing.values_list("call_id", flat=True))
+        if running:
+            if before_wait is not None:
+                before_wait()
+            _running_calls_await(job_id=job.pk, job_call_id=job.call_id, call_ids=running)
     if left:
         job = exec_job_with_calls(job_id=job_id)  # their ends are part of the job's
     _exec_job_ended(job, tail=tail)
     return job
+
+
+def _running_calls_await(*, job_id: Any, job_call_id: str, call_ids: list[str]) -> None:
+    """Wait for calls that tools workers were running when their job ended to end; fail those
+    still open at their deadline as the bridge fails an overdue call (``tool_timeout``: a result
+    that comes later is dropped, and what was held for it goes back).
+
+    Why wait: such a call is never stopped (the tool is already under way, and may have had its
+    effects), and it is charged when it completes. Announced before that, the job's end (exec_end,
+    the End its waiters and a cancel get) showed it executing and ``credits_charged`` short of what
+    the account was charged, and a client takes an end as final. Failing it at the end instead
+    would leave a call that ran uncharged, or charge one that then failed.
+
+    For how long: each call, until the deadline the bridge would have given it (its claim, plus
+    its tool's timeout, plus CALL_GRACE_SECONDS), the time a tools worker may hold it. The wait
+    is pushed (each call's result is published on its job's channel), and a job's worker that
+    waits holds its slot no longer than the job would have, had it waited for that call itself."""
+    deadline = _running_calls_deadline(ToolCall.objects.filter(call_id__in=call_ids)) or timezone.now()
+    open_calls = ToolCall.objects.filter(call_id__in=call_ids, status__in=ToolCall.OPEN)
+    waited = time.monotonic()
+    try:
+        backplane().wait_for(
+            job_channel(job_call_id),
+            done=lambda: not open_calls.exists(),
+            match=lambda message: False,  # any message wakes it to ask the records (done) again
+            timeout=(deadline - timezone.now()).total_seconds(),
+        )
+    except Exception:  # the channel is unreachable: so is the end's announcement; the records decide
+        logger.warning("could not wait for a job's running calls: its channel is unreachable", exc_info=True)
+    for call_id in open_calls.values_list("call_id", flat=True):
+        tool_call_finish(call_id=call_id, error=call_error("tool_timeout", CALL_TIMEOUT_MESSAGE))
+    logger.info(
+        "the job's end waited for its running calls",
+        extra={"job_id": str(job_id), "calls": len(call_ids), "ms": round((time.monotonic() - waited) * 1000, 2)},
+    )
+
+
+def _running_calls_deadline(calls: QuerySet[ToolCall]) -> datetime | None:
+    """Return when the last of ``calls`` is overdue: its claim (or its start), plus its tool's
+    timeout, plus CALL_GRACE_SECONDS, the deadline the bridge gives a call; None if there are none."""
+    ends = [
+        (claimed_at or started_at) + timedelta(seconds=(timeout or settings.PTC_DEFAULT_TOOL_TIMEOUT) + CALL_GRACE_SECONDS)
+        for claimed_at, started_at, timeout in calls.values_list("claimed_at", "started_at", "tool__timeout")
+    ]
+    return max(ends, default=None)
 
 
 def _exec_job_ended(job: ExecJob, *, tail: Sequence[tuple[str, str]]) -> str:
@@ -779,13 +844,50 @@ def exec_job_cancel(*, job: ExecJob) -> ExecJob:
     if not (was_queued or was_running):
         raise ApplicationError("job_finished", f"The job has already finished with status '{job.status}'.", status=409)
     if was_queued or job.container_id:
-        _exec_job_close(job_id=job.pk)  # no worker will: it never started, or it is a container's (no worker)
+        # No worker will: it never started, or it is a container's (no worker). A container's calls
+        # that tools workers are running are waited for (its end is announced with them ended).
+        _exec_job_close(job_id=job.pk, await_running=bool(job.container_id))
     else:
         job_keys_revoke(exec_job_id=job.pk)
         # Its worker kills the sandbox and ends the job; if this push is lost, its next heartbeat
         # finds the job cancelled.
         backplane().publish(job_channel(job.call_id), Cancel())
     return job
+
+
+# What a cancel's answer waits for a running job's worker besides its calls: the worker hears the
+# cancel at once (pushed), or at its next heartbeat if the push was lost, then kills the sandbox.
+CANCEL_END_SLACK_SECONDS = 5.0
+
+
+def exec_job_cancel_await(*, job: ExecJob) -> End | None:
+    """Cancel ``job`` (``exec_job_cancel``) and wait for its end to be announced. Return its ``End``
+    (its ``job`` is what it ended as, with the calls a tools worker was still running ended and
+    charged; None when too large to push: read the record), or None if it did not come in time
+    (the worker died, or the push was lost): the record is then the best there is.
+
+    How long: as long as its end waits for those calls (``_running_calls_await``: each call's tool
+    timeout plus CALL_GRACE_SECONDS from its claim, at most) plus CANCEL_END_SLACK_SECONDS and a
+    heartbeat for its worker. Nothing running: the end comes in milliseconds.
+
+    Raise ApplicationError ``job_finished`` (409) if it has already ended."""
+    try:
+        subscription: Subscription | None = backplane().subscribe(job_end_channel(job.call_id))
+    except Exception:  # no push to wait for; the job is shown as it is now
+        logger.warning("cannot wait for a cancelled job's end: its channel is unreachable", exc_info=True)
+        subscription = None
+    with subscription or nullcontext():
+        exec_job_cancel(job=job)
+        if subscription is None:
+            return None
+        running = ToolCall.objects.filter(exec_job_id=job.pk, status=ToolCall.Status.EXECUTING, claimed_at__isnull=False)
+        deadline = _running_calls_deadline(running)
+        calls = max((deadline - timezone.now()).total_seconds(), 0.0) if deadline is not None else 0.0
+        seconds = calls + settings.PTC_JOB_HEARTBEAT_SECONDS + CANCEL_END_SLACK_SECONDS
+        end = _job_end_await(subscription, job=job, seconds=seconds)
+        # After a reconnect, _job_end_await answers from the record (the job is cancelled there
+        # already): no job comes with that End, and the record is read.
+        return end
 
 
 # Until when this process's reaper trusts no lapsed lease: after it found the database unreachable,
