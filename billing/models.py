@@ -67,7 +67,11 @@ class Reservation(models.Model):
 
     account = models.ForeignKey(CreditAccount, on_delete=models.CASCADE, related_name="reservations")
     tool_call_id = models.CharField(max_length=80, unique=True)
-    exec_job = models.ForeignKey("execution.ExecJob", null=True, blank=True, on_delete=models.CASCADE, related_name="+")
+    # Kept when its job is deleted (the admin's delete): deleted with it, a held one took its
+    # credits out of what the account may spend for good (``reserved`` counts it, and nothing was
+    # left to release), and check_ledger failed. Kept, the reaper releases it (tool_calls_close_held:
+    # a call with no record whose job is not running can never run), as usage rows are kept.
+    exec_job = models.ForeignKey("execution.ExecJob", null=True, blank=True, on_delete=models.SET_NULL, related_name="+")
     amount = models.PositiveIntegerField()
     due_amount = models.PositiveIntegerField()
     meta = models.JSONField(default=dict)

@@ -256,6 +256,29 @@ def test_the_reaper_settles_or_releases_what_a_dead_worker_left_held(api: Api) -
     assert Reservation.objects.get(tool_call_id=made["failed"]).status == "released"
 
 
+def test_deleting_a_job_that_holds_credits_gives_them_back(api: Api) -> None:
+    """Deleting a job (the admin's delete) deleted the reservations of its calls with it (CASCADE),
+    and left the account's ``reserved`` as it was: credits held that nothing could release any
+    more, taken from what the user may spend for good, and check_ledger failing."""
+    user = get_user_model().objects.get(username=api.username)
+    tool = Tool.objects.select_related("toolset").get(toolset__key="demo", toolset__owner=None, name="sleep")
+    job = running_job(user=user)
+    call = demo_call(user=user, job=job, tool="sleep", input={"ms": 1})
+    assert (
+        credits_reserve(user=user, holds=[(call.call_id, price_quote(user=user, toolset=tool.toolset, tool=tool))], exec_job=job)
+        == {}
+    )
+    assert api.get("/api/v1/billing/balance").json()["reserved"] == 1
+    job.delete()
+    # The reaper's round, once the hold is older than a lease: a call with no record whose job is
+    # not running can never run, and what was held for it goes back.
+    Reservation.objects.filter(tool_call_id=call.call_id).update(created_at=timezone.now() - timedelta(minutes=5))
+    execution_services.tool_calls_close_held()
+    account = api.get("/api/v1/billing/balance").json()
+    assert (account["balance"], account["reserved"]) == (10_000, 0)
+    assert [row for row in ledger_mismatches() if row[0].user_id == user.pk] == []
+
+
 def _toolset(**fields: object) -> Toolset:
     return Toolset(key="t", name="T", kind="http", is_global=True, price=3, **fields)
 
