@@ -583,8 +583,10 @@ def exec_job_finish(*, job_id: Any, call_id: str, outcome: Outcome, user: User |
             ended = {"finished_at": now, "closed_at": now, **result, **output}
             stored = rows.update_returning(ExecJob, pk=job_id, status=Status.RUNNING, values=ended)
             if stored is None:
-                # Cancelled while it ran: keep that status, but keep what the code printed too.
-                stored = rows.update_returning(ExecJob, pk=job_id, status=Status.CANCELLED, values={"closed_at": now, **output})
+                # Cancelled while it ran: keep that status, but keep what the code printed too. Not
+                # closed yet: its close may wait for its running calls, and if this worker dies
+                # meanwhile, the reaper closes it (_exec_jobs_close_left); its close claims it.
+                stored = rows.update_returning(ExecJob, pk=job_id, status=Status.CANCELLED, values=output)
         except (OperationalError, InterfaceError):
             raise
         except DatabaseError:  # the value itself can't be stored: the job still ends, and says why
@@ -663,6 +665,9 @@ def _exec_job_close(
         rows.prefetched(job, "tool_calls", [])
     else:
         prefetch_related_objects([job], CALLS_IN_ORDER)
+    # A job cancelled as it ran, closed by its worker: closed_at is claimed here, before its end is
+    # announced (the reaper may have closed it, if this worker stopped renewing its lease).
+    to_claim = job.status == Status.CANCELLED and job.closed_at is None
     if job.session_id is not None:  # before the end is announced: whoever sees it can send the next job
         exec_session_job_ended(session_id=job.session_id, job_id=job.pk)
     # Calls left open (usually none): queued ones fail as never run (a tools worker that claimed one
@@ -685,6 +690,9 @@ def _exec_job_close(
             if before_wait is not None:
                 before_wait()
             _running_calls_await(job_id=job.pk, job_call_id=job.call_id, call_ids=running)
+    if to_claim and not ExecJob.objects.filter(pk=job_id, closed_at__isnull=True).update(closed_at=timezone.now()):
+        logger.warning("a job's end was announced by the reaper as its worker closed it", extra={"job_id": str(job_id)})
+        return job
     if left:
         job = exec_job_with_calls(job_id=job_id)  # their ends are part of the job's
     _exec_job_ended(job, tail=tail)
@@ -710,12 +718,18 @@ def _running_calls_await(*, job_id: Any, job_call_id: str, call_ids: list[str]) 
     open_calls = ToolCall.objects.filter(call_id__in=call_ids, status__in=ToolCall.OPEN)
     waited = time.monotonic()
     try:
-        backplane().wait_for(
-            job_channel(job_call_id),
-            done=lambda: not open_calls.exists(),
-            match=lambda message: False,  # any message wakes it to ask the records (done) again
-            timeout=(deadline - timezone.now()).total_seconds(),
-        )
+        with backplane().subscribe(job_channel(job_call_id)) as subscription:
+            # Subscribed before the records are asked: a result pushed in between wakes the wait.
+            while open_calls.exists() and (left := (deadline - timezone.now()).total_seconds()) > 0:
+                # The job's lease, renewed while its worker waits: a job cancelled as it ran is not
+                # closed until then, and the reaper closes it only once its lease lapses (this
+                # worker died). A wake-up a heartbeat also asks the records, should a push be lost.
+                ExecJob.objects.filter(pk=job_id).update(heartbeat_at=timezone.now())
+                connection.close()  # not held while blocked: the pool is for those who query
+                subscription.wait(min(left, settings.PTC_JOB_HEARTBEAT_SECONDS))
+                subscription.drain()
+    except (OperationalError, InterfaceError):
+        raise  # the close is retried (db_retry), wait and all
     except Exception:  # the channel is unreachable: so is the end's announcement; the records decide
         logger.warning("could not wait for a job's running calls: its channel is unreachable", exc_info=True)
     for call_id in open_calls.values_list("call_id", flat=True):
@@ -957,10 +971,14 @@ def _exec_jobs_close_left() -> None:
     lease, and its retries through a database outage). What the code printed is kept from the
     events, as for a job whose worker died.
 
+    A worker alive whose close waits for the job's running calls renews the job's lease meanwhile
+    (_running_calls_await): the job is left to it until that lapses too.
+
     ``closed_at`` is written with the end, by whoever then closes the job: a close that fails
     after it (the database gone past the retries) is not found here."""
     stale = timezone.now() - timedelta(seconds=settings.PTC_JOB_LEASE_SECONDS + settings.PTC_DB_RETRY_SECONDS)
-    left = ExecJob.objects.filter(status=Status.CANCELLED, closed_at__isnull=True, finished_at__lt=stale)
+    lapsed = Q(heartbeat_at__isnull=True) | Q(heartbeat_at__lt=timezone.now() - timedelta(seconds=settings.PTC_JOB_LEASE_SECONDS))
+    left = ExecJob.objects.filter(lapsed, status=Status.CANCELLED, closed_at__isnull=True, finished_at__lt=stale)
     for job_id, call_id in left.values_list("pk", "call_id"):
         logger.warning("a job ended and its worker did not close it; closing it", extra={"job_id": str(job_id)})
         printed = _printed_from_events(call_id)

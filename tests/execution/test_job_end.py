@@ -4,7 +4,10 @@ the calls a tools worker was running when the job ended are in it as they ended,
 import threading
 import time
 import uuid
+from datetime import timedelta
 from typing import Any
+
+import pytest
 
 from tests.conftest import Api
 from tests.execution.client_loop import sse_events
@@ -164,3 +167,57 @@ def test_a_managed_containers_job_cancelled_while_a_call_runs_announces_that_cal
     [end] = [data for name, data in sse_events(api, job_id, timeout=15) if name == "exec_end"]
     assert _as_announced(end) == _as_announced(final), "exec_end"
     assert _as_announced(cancelled.json()) == _as_announced(final), "the cancel's answer"
+
+
+class _WorkerKilled(BaseException):
+    """What stands for the worker's process dying where it is raised: nothing after it runs."""
+
+
+def test_a_cancelled_job_whose_worker_dies_while_its_end_waits_for_a_call_is_closed_by_the_reaper(api: Api, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The worker stored a cancelled job's end as closed before it waited for its running calls:
+    killed during that wait (up to a tool's timeout), it left the end never announced, and no one
+    to announce it (the reaper closes only cancelled jobs not closed), so event streams followed it
+    until its events were purged. Now the reaper closes it once the worker stops renewing its
+    lease; while the worker waits, renewing it, the reaper leaves it to the worker."""
+    from django.contrib.auth import get_user_model
+    from django.utils import timezone
+
+    from execution.backplane import backplane
+    from execution.models import ExecJob
+    from execution.sandbox.session import Outcome
+    from execution.services import jobs
+    from execution.services.calls import tool_call_finish
+    from ptcproject.errors import call_error
+    from tests.factories import demo_call, running_job
+
+    user = get_user_model().objects.get(username=api.username)
+    job = running_job(user=user, heartbeat_at=timezone.now())
+    # Claimed by a tools worker that renews its lease (far ahead: none runs it here, and the stack's
+    # reaper must not fail it as lost).
+    ahead = timezone.now() + timedelta(hours=1)
+    running = demo_call(user=user, job=job, tool="sleep", input={"ms": 1}, claimed_at=timezone.now(), heartbeat_at=ahead)
+    jobs.exec_job_cancel(job=job)
+
+    def killed(**_: object) -> None:
+        raise _WorkerKilled
+
+    monkeypatch.setattr(jobs, "_running_calls_await", killed)
+    with pytest.raises(_WorkerKilled):
+        jobs.exec_job_finish(job_id=job.pk, call_id=job.call_id, outcome=Outcome(status="cancelled"), user=user)
+    long_ago = timezone.now() - timedelta(hours=1)
+    try:
+        # Its worker alive, waiting, renews the job's lease: the reaper leaves the job to it.
+        ExecJob.objects.filter(pk=job.pk).update(finished_at=long_ago, heartbeat_at=timezone.now())
+        jobs.exec_jobs_reap()
+        assert ExecJob.objects.get(pk=job.pk).closed_at is None
+        # Dead, it renews nothing: the reaper closes the job and announces its end.
+        ExecJob.objects.filter(pk=job.pk).update(heartbeat_at=long_ago)
+        jobs.exec_jobs_reap()
+        # The stack's own workers reap too: one may have closed the job first, and still be ending it.
+        deadline = time.monotonic() + 10
+        while "exec_end" not in (names := [name for _, name, _ in backplane().events_read(job.call_id)]):
+            assert time.monotonic() < deadline, names
+            time.sleep(0.05)
+        assert ExecJob.objects.get(pk=job.pk).closed_at is not None
+    finally:
+        tool_call_finish(call_id=running.call_id, error=call_error("worker_lost", "the test's call"))
