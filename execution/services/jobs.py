@@ -16,6 +16,7 @@ from django.contrib.auth import get_user_model
 from django.contrib.auth.models import User
 from django.db import DatabaseError, IntegrityError, InterfaceError, OperationalError, connection, transaction
 from django.db.models import Case, Exists, F, OuterRef, Q, QuerySet, TextField, Value, When, prefetch_related_objects
+from django.db.models.functions import Coalesce
 from django.utils import timezone
 
 from execution.backplane import Cancel, End, Resync, Subscription, backplane, job_channel, job_end_channel
@@ -954,6 +955,8 @@ def exec_jobs_reap() -> int:
     # A managed container's job has no worker and no lease: it is not reaped.
     running = ExecJob.objects.run_here().filter(status=Status.RUNNING, heartbeat_at__lt=stale)
     for job_id in running.values_list("pk", flat=True):
+        if _calls_still_running(job_id=job_id):
+            continue  # ended once they have: its end, announced here without waiting, is then final
         reaped += _exec_job_fail_if(
             job_id=str(job_id),
             stale=True,
@@ -980,10 +983,32 @@ def _exec_jobs_close_left() -> None:
     lapsed = Q(heartbeat_at__isnull=True) | Q(heartbeat_at__lt=timezone.now() - timedelta(seconds=settings.PTC_JOB_LEASE_SECONDS))
     left = ExecJob.objects.filter(lapsed, status=Status.CANCELLED, closed_at__isnull=True, finished_at__lt=stale)
     for job_id, call_id in left.values_list("pk", "call_id"):
+        if _calls_still_running(job_id=job_id):
+            continue  # closed once they have: its end, announced here without waiting, is then final
         logger.warning("a job ended and its worker did not close it; closing it", extra={"job_id": str(job_id)})
         printed = _printed_from_events(call_id)
         if ExecJob.objects.filter(pk=job_id, closed_at__isnull=True).update(closed_at=timezone.now(), **printed):
             _exec_job_close(job_id=job_id)
+
+
+def _calls_still_running(*, job_id: Any) -> bool:
+    """Return True if a tools worker still runs a call of the job: claimed, its lease renewed,
+    and short of its deadline (_running_calls_deadline).
+
+    The reaper ends (or closes) a job whose worker died only once such calls have ended: it
+    announces the end without waiting (it must not sit on its round), and announced before they
+    end, the end showed them executing and uncharged (they complete, and are charged, after). A
+    round or so after they end, or once they pass their deadline (a hung tool), or their worker's
+    lease lapses (tool_calls_reap fails them): bounded, so no job stays running for ever. Their job
+    is still running meanwhile, as it was for the lease before it was found stale: a call it had
+    queued may still be claimed, and waited for in turn."""
+    now = timezone.now()
+    leased = ToolCall.objects.filter(exec_job_id=job_id, status=ToolCall.Status.EXECUTING, claimed_at__isnull=False)
+    fresh = leased.annotate(lease=Coalesce("heartbeat_at", "claimed_at")).filter(
+        lease__gte=now - timedelta(seconds=settings.PTC_JOB_LEASE_SECONDS)
+    )
+    deadline = _running_calls_deadline(fresh)
+    return deadline is not None and deadline > now
 
 
 def _printed_from_events(call_id: str) -> dict[str, Any]:

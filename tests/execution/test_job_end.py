@@ -178,7 +178,7 @@ def test_a_cancelled_job_whose_worker_dies_while_its_end_waits_for_a_call_is_clo
     killed during that wait (up to a tool's timeout), it left the end never announced, and no one
     to announce it (the reaper closes only cancelled jobs not closed), so event streams followed it
     until its events were purged. Now the reaper closes it once the worker stops renewing its
-    lease; while the worker waits, renewing it, the reaper leaves it to the worker."""
+    lease (and the call has ended); while the worker waits, renewing it, the reaper leaves it be."""
     from django.contrib.auth import get_user_model
     from django.utils import timezone
 
@@ -187,7 +187,6 @@ def test_a_cancelled_job_whose_worker_dies_while_its_end_waits_for_a_call_is_clo
     from execution.sandbox.session import Outcome
     from execution.services import jobs
     from execution.services.calls import tool_call_finish
-    from ptcproject.errors import call_error
     from tests.factories import demo_call, running_job
 
     user = get_user_model().objects.get(username=api.username)
@@ -210,14 +209,57 @@ def test_a_cancelled_job_whose_worker_dies_while_its_end_waits_for_a_call_is_clo
         ExecJob.objects.filter(pk=job.pk).update(finished_at=long_ago, heartbeat_at=timezone.now())
         jobs.exec_jobs_reap()
         assert ExecJob.objects.get(pk=job.pk).closed_at is None
-        # Dead, it renews nothing: the reaper closes the job and announces its end.
+        # Dead, it renews nothing: once its call has ended, the reaper closes the job and announces its end.
         ExecJob.objects.filter(pk=job.pk).update(heartbeat_at=long_ago)
-        jobs.exec_jobs_reap()
-        # The stack's own workers reap too: one may have closed the job first, and still be ending it.
-        deadline = time.monotonic() + 10
-        while "exec_end" not in (names := [name for _, name, _ in backplane().events_read(job.call_id)]):
-            assert time.monotonic() < deadline, names
-            time.sleep(0.05)
-        assert ExecJob.objects.get(pk=job.pk).closed_at is not None
     finally:
-        tool_call_finish(call_id=running.call_id, error=call_error("worker_lost", "the test's call"))
+        assert tool_call_finish(call_id=running.call_id, output={"slept_ms": 1})  # as its tools worker does
+    jobs.exec_jobs_reap()
+    # The stack's own workers reap too: one may have closed the job first, and still be ending it.
+    deadline = time.monotonic() + 10
+    while not (ends := [data for _, name, data in backplane().events_read(job.call_id) if name == "exec_end"]):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert ExecJob.objects.get(pk=job.pk).closed_at is not None
+    assert [c["status"] for c in ends[0]["tool_calls"]] == ["completed"]
+
+
+def test_a_job_whose_worker_died_is_ended_once_the_calls_tools_workers_run_have_ended(api: Api) -> None:
+    """The reaper ended a job whose exec worker died (WorkerLost) at once, announcing the calls
+    tools workers were still running as executing and uncharged; they then completed and were
+    charged. Now it ends the job once they have (or passed their tool's timeout plus grace)."""
+    from django.contrib.auth import get_user_model
+    from django.utils import timezone
+
+    from billing.services import credits_reserve, price_quote
+    from execution.backplane import backplane
+    from execution.models import ExecJob
+    from execution.services import jobs
+    from execution.services.calls import tool_call_finish
+    from tests.factories import demo_call, running_job
+    from tools.models import Tool
+
+    user = get_user_model().objects.get(username=api.username)
+    job = running_job(user=user, heartbeat_at=timezone.now())
+    # Claimed by a tools worker that renews its lease (far ahead: none runs it here, and the stack's
+    # reaper must not fail it as lost).
+    ahead = timezone.now() + timedelta(hours=1)
+    running = demo_call(user=user, job=job, tool="sleep", input={"ms": 1}, claimed_at=timezone.now(), heartbeat_at=ahead)
+    tool = Tool.objects.select_related("toolset").get(toolset__key="demo", toolset__owner=None, name="sleep")
+    quote = price_quote(user=user, toolset=tool.toolset, tool=tool)
+    assert credits_reserve(user=user, holds=[(running.call_id, quote)], exec_job=job) == {}
+    ExecJob.objects.filter(pk=job.pk).update(heartbeat_at=timezone.now() - timedelta(hours=1))  # its worker died
+    try:
+        jobs.exec_jobs_reap()
+        assert ExecJob.objects.get(pk=job.pk).status == "running"
+    finally:
+        assert tool_call_finish(call_id=running.call_id, output={"slept_ms": 1})  # as its tools worker does
+    jobs.exec_jobs_reap()
+    # The stack's own workers reap too: one may have ended the job first, and still be announcing it.
+    deadline = time.monotonic() + 10
+    while not (ends := [data for _, name, data in backplane().events_read(job.call_id) if name == "exec_end"]):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    [end] = ends
+    assert (end["status"], end["error"]["type"]) == ("failed", "WorkerLost")
+    assert [(c["status"], c["credits"]) for c in end["tool_calls"]] == [("completed", 1)]
+    assert end["credits_charged"] == 1
