@@ -305,7 +305,7 @@ class ExecCancelApi(APIView):
             "Cancel a queued or running job: its sandbox and every descendant are killed, and its queued tool "
             "calls never run. Answers with the job as its end was announced (as exec_end carries it): calls a "
             "tools worker was already running finish first, and are in it ended and charged. That takes "
-            "milliseconds when none is running, and at most such a call's tool timeout plus 30 s."
+            "milliseconds when none is running; past 10 s, the answer is the job as recorded, and exec_end follows."
         ),
     )
     def post(self, request: Request, job_id: str) -> HttpResponseBase:

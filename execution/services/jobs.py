@@ -853,15 +853,20 @@ def exec_job_cancel(*, job: ExecJob) -> ExecJob:
     }
     # Closed here if it never started, or is a container's (no worker); else its worker closes it.
     was_queued = ExecJob.objects.filter(pk=job.pk, status=Status.QUEUED).update(**cancelled, closed_at=now)
-    closed = {"closed_at": now} if job.container_id else {}
-    was_running = not was_queued and ExecJob.objects.filter(pk=job.pk, status=Status.RUNNING).update(**cancelled, **closed)
+    was_running = not was_queued and ExecJob.objects.filter(pk=job.pk, status=Status.RUNNING).update(**cancelled)
     job.refresh_from_db()
     if not (was_queued or was_running):
         raise ApplicationError("job_finished", f"The job has already finished with status '{job.status}'.", status=409)
-    if was_queued or job.container_id:
-        # No worker will: it never started, or it is a container's (no worker). A container's calls
-        # that tools workers are running are waited for (its end is announced with them ended).
-        _exec_job_close(job_id=job.pk, await_running=bool(job.container_id))
+    if was_queued:
+        _exec_job_close(job_id=job.pk)  # no worker will: it never started
+    elif job.container_id:
+        # No worker will, and no request should wait for a tool: while a tools worker runs one of
+        # its calls, the reaper closes it once they have ended (_exec_jobs_close_left), its end
+        # announced with them ended and charged.
+        if not _calls_still_running(job_id=job.pk) and ExecJob.objects.filter(pk=job.pk, closed_at__isnull=True).update(
+            closed_at=now
+        ):
+            _exec_job_close(job_id=job.pk)
     else:
         job_keys_revoke(exec_job_id=job.pk)
         # Its worker kills the sandbox and ends the job; if this push is lost, its next heartbeat
@@ -873,6 +878,9 @@ def exec_job_cancel(*, job: ExecJob) -> ExecJob:
 # What a cancel's answer waits for a running job's worker besides its calls: the worker hears the
 # cancel at once (pushed), or at its next heartbeat if the push was lost, then kills the sandbox.
 CANCEL_END_SLACK_SECONDS = 5.0
+# The most a cancel's answer waits for the job's end: a call a tools worker runs may take its
+# tool's whole timeout. Past it, the answer is the job as recorded, and exec_end follows.
+CANCEL_ANSWER_SECONDS = 10.0
 
 
 def exec_job_cancel_await(*, job: ExecJob) -> End | None:
@@ -883,7 +891,8 @@ def exec_job_cancel_await(*, job: ExecJob) -> End | None:
 
     How long: as long as its end waits for those calls (``_running_calls_await``: each call's tool
     timeout plus CALL_GRACE_SECONDS from its claim, at most) plus CANCEL_END_SLACK_SECONDS and a
-    heartbeat for its worker. Nothing running: the end comes in milliseconds.
+    heartbeat for its worker, and at most CANCEL_ANSWER_SECONDS. Nothing running: the end comes in
+    milliseconds.
 
     Raise ApplicationError ``job_finished`` (409) if it has already ended."""
     try:
@@ -898,7 +907,7 @@ def exec_job_cancel_await(*, job: ExecJob) -> End | None:
         running = ToolCall.objects.filter(exec_job_id=job.pk, status=ToolCall.Status.EXECUTING, claimed_at__isnull=False)
         deadline = _running_calls_deadline(running)
         calls = max((deadline - timezone.now()).total_seconds(), 0.0) if deadline is not None else 0.0
-        seconds = calls + settings.PTC_JOB_HEARTBEAT_SECONDS + CANCEL_END_SLACK_SECONDS
+        seconds = min(calls + settings.PTC_JOB_HEARTBEAT_SECONDS + CANCEL_END_SLACK_SECONDS, CANCEL_ANSWER_SECONDS)
         end = _job_end_await(subscription, job=job, seconds=seconds)
         # After a reconnect, _job_end_await answers from the record (the job is cancelled there
         # already): no job comes with that End, and the record is read.
@@ -981,11 +990,14 @@ def _exec_jobs_close_left() -> None:
     after it (the database gone past the retries) is not found here."""
     stale = timezone.now() - timedelta(seconds=settings.PTC_JOB_LEASE_SECONDS + settings.PTC_DB_RETRY_SECONDS)
     lapsed = Q(heartbeat_at__isnull=True) | Q(heartbeat_at__lt=timezone.now() - timedelta(seconds=settings.PTC_JOB_LEASE_SECONDS))
-    left = ExecJob.objects.filter(lapsed, status=Status.CANCELLED, closed_at__isnull=True, finished_at__lt=stale)
-    for job_id, call_id in left.values_list("pk", "call_id"):
+    # A managed container's, cancelled as a tools worker ran a call of it, has no worker: at once.
+    unowned = Q(lapsed, finished_at__lt=stale) | ~Q(container_id="")
+    left = ExecJob.objects.filter(unowned, status=Status.CANCELLED, closed_at__isnull=True)
+    for job_id, call_id, container_id in left.values_list("pk", "call_id", "container_id"):
         if _calls_still_running(job_id=job_id):
             continue  # closed once they have: its end, announced here without waiting, is then final
-        logger.warning("a job ended and its worker did not close it; closing it", extra={"job_id": str(job_id)})
+        if not container_id:
+            logger.warning("a job ended and its worker did not close it; closing it", extra={"job_id": str(job_id)})
         printed = _printed_from_events(call_id)
         if ExecJob.objects.filter(pk=job_id, closed_at__isnull=True).update(closed_at=timezone.now(), **printed):
             _exec_job_close(job_id=job_id)
