@@ -168,6 +168,12 @@ def _slim(data: dict[str, Any]) -> dict[str, Any]:
     return {**out, "_omitted": omitted}
 
 
+def logged_whole(event: str, data: dict[str, Any]) -> bool:
+    """Return True if the log keeps ``event`` as given; False if it keeps it without its large
+    fields (``_slim``), which its readers then fill in from the records: those must exist by then."""
+    return event not in FROM_RECORDS or _json_size(data) <= EVENT_INLINE_BYTES
+
+
 def _json_size(value: Any) -> int:
     return len(json.dumps(value, separators=(",", ":"), default=str))
 

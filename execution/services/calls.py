@@ -31,7 +31,7 @@ from billing.services import (
     credits_settle_many,
     price_quote,
 )
-from execution.backplane import Admitted, Result, backplane, call_channel, job_channel
+from execution.backplane import Admitted, Result, backplane, call_channel, job_channel, logged_whole
 from execution.events import (
     event_publish,
     events_publish_by_job,
@@ -163,12 +163,19 @@ def tool_call_build(
     )
 
 
-def tool_calls_record(calls: list[ToolCall], *, queued: frozenset[str] = frozenset()) -> None:
+def tool_calls_record(calls: list[ToolCall], *, queued: frozenset[str] = frozenset()) -> frozenset[str]:
     """Write records before their calls run, in one INSERT, and publish their start events (and the
     errors of refused ones) in one round trip. The ``queued`` calls are announced but not written:
     a job's calls for a tools worker are recorded by the statement that claims them (``execute_tool``
-    carries the record), which saves the bridge a statement on every call's path."""
-    rows = [call for call in calls if call.call_id not in queued]
+    carries the record), which saves the bridge a statement on every call's path. Those whose start
+    the event log keeps without its large input are written here all the same: its readers fill it
+    in from the record, at once (a live reader got it with no input, before any worker took the
+    call). Return those: they are queued as recorded calls, without their record."""
+    starts = {call.call_id: tool_call_payload(call) for call in calls if call.ptc_call_id}
+    written = frozenset(
+        call_id for call_id in queued if call_id in starts and not logged_whole("tool_call_start", starts[call_id])
+    )
+    rows = [call for call in calls if call.call_id not in queued or call.call_id in written]
     if len(rows) == 1:
         # One row is one INSERT in autocommit; bulk_create would wrap it in BEGIN and COMMIT, two
         # round trips more on every sequential call's path.
@@ -178,12 +185,13 @@ def tool_calls_record(calls: list[ToolCall], *, queued: frozenset[str] = frozens
     events = []
     for call in calls:
         if call.ptc_call_id:
-            events.append((call.ptc_call_id, ("tool_call_start", tool_call_payload(call))))
+            events.append((call.ptc_call_id, ("tool_call_start", starts[call.call_id])))
             if call.status in ToolCall.AWAITING:
                 events.append((call.ptc_call_id, ("tool_call_pending", tool_call_pending_payload(call))))
             if call.status == ToolCall.Status.FAILED:
                 events.append((call.ptc_call_id, tool_call_event(call)))
     events_publish_by_job(events)
+    return written
 
 
 # What a queued call's message carries to the worker that claims it: the record's fields, signed

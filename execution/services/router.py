@@ -121,7 +121,8 @@ class JobCallRouter:
                 queued[call.call_id] = call
         # The calls for tools workers are announced here and recorded by the worker that claims
         # each; the others (refused, or waiting on a person) are recorded here.
-        tool_calls_record(calls, queued=frozenset(queued))
+        for call_id in tool_calls_record(calls, queued=frozenset(queued)):
+            del queued[call_id]  # recorded after all (its large input is read back from the record)
         self.queued.update(queued)
         errors = tool_calls_enqueue(accepted, queued=queued)
         return [Refused(call_id=o.call_id, error=errors[o.call_id]) if o.call_id in errors else o for o in outcomes]

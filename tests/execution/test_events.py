@@ -328,3 +328,34 @@ def test_a_job_whose_end_was_never_logged_still_ends_its_stream(api: Api) -> Non
     # A reconnect from that end (EventSource makes one by itself) closes, with nothing more.
     again, _ = read_to_close(api, job["id"], lines[lines.index("event: exec_end") - 1][4:], within=10)
     assert [line for line in again if line.startswith(("id:", "event:", "data:"))] == []
+
+
+def test_a_live_reader_gets_a_large_input_of_a_call_no_tools_worker_has_taken_yet(api: Api, staff: Api) -> None:
+    """A call for a tools worker is announced (``tool_call_start``) before it is recorded: the
+    worker that claims it writes its record. Its start, logged without its large input, was filled
+    in from a record that did not exist yet: a live reader got it with no ``input`` at all. Here the
+    call waits on tools.slow, which no worker of the test stack serves, so it is never recorded."""
+    from tests.tools.conftest import unique_key
+    from tools.sdk import class_name
+
+    key = unique_key("queued")
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    tool = {"name": "forecast", "input_schema": schema, "http": {"method": "GET", "path": "/forecast/{city}", "query": []}}
+    body = {"key": key, "name": "Queued", "kind": "http", "config": {"base_url": "http://127.0.0.1:9"}, "tools": [tool]}
+    assert staff.post("/api/v1/toolsets", json={**body, "queue": "tools.slow"}).status_code == 201
+    city = "y" * 20_000
+    code = f"from ptc_tools.{key} import {class_name(key)} as S\nS.forecast(city={city!r})"
+    job = api.run(code, toolsets=[key], wait=0)
+    try:
+        start: dict[str, Any] = {}
+        with api.http.stream("GET", f"/api/v1/exec/{job['id']}/events", timeout=20) as response:
+            event = ""
+            for line in response.iter_lines():
+                if line.startswith("event: "):
+                    event = line[7:]
+                elif line.startswith("data: ") and event == "tool_call_start":
+                    start = json.loads(line[6:])
+                    break
+        assert start.get("input") == {"city": city}, sorted(start)
+    finally:
+        assert api.post(f"/api/v1/exec/{job['id']}/cancel").status_code == 200
