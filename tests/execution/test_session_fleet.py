@@ -200,3 +200,28 @@ def test_a_worker_keeps_at_most_its_sessions_ending_the_one_idle_longest(stack_e
                 assert time.monotonic() < deadline
                 time.sleep(0.1)
             assert final["status"] == "completed", final["error"]
+
+
+def test_sessions_started_at_once_on_a_worker_are_held_to_its_cap_too(stack_env: dict[str, str]) -> None:
+    """The cap was checked before a new session's sandbox started, and the sandbox counted once it
+    had: first jobs of new sessions taken at once by the worker's threads each found room, and all
+    stayed (here 4 with PTC_SESSIONS_PER_WORKER=2), so a burst kept the worker past its cap for as
+    long as they lived. With both places taken by sessions running a job, the others fail."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with own_deployment(stack_env, "session-burst", PTC_SESSIONS_PER_WORKER="2", PTC_EXEC_CONCURRENCY="4") as stack:
+        username = f"burst-{free_port()}"
+        api = Api(stack.base_url, api_key(stack.env, username), username)
+        sessions = [_session(api) for _ in range(4)]
+        with ThreadPoolExecutor(4) as pool:
+            jobs = list(pool.map(lambda s: api.run("import time\ntime.sleep(1)", session=s, wait=30), sessions))
+        assert all(job["status"] in ("completed", "failed") for job in jobs), [j["status"] for j in jobs]
+        active = [s for s in sessions if api.get(f"/api/v1/sessions/{s}").json()["status"] == "active"]
+        assert len(active) <= 2, [(j["status"], (j["error"] or {}).get("type")) for j in jobs]
+        failed = [job["error"] for job in jobs if job["status"] == "failed"]
+        assert all("PTC_SESSIONS_PER_WORKER" in error["message"] for error in failed), failed
+        # Room is given back as sessions end: a new one starts again.
+        for session in active:
+            assert api.http.delete(f"/api/v1/sessions/{session}").status_code in (200, 204)
+        again = _session(api)
+        assert api.run("print(1)", session=again)["status"] == "completed"
