@@ -183,7 +183,8 @@ def test_a_worker_keeps_at_most_its_sessions_ending_the_one_idle_longest(stack_e
             job = api.run("print(x)", session=session)
             assert (job["status"], job["stdout"]) == ("completed", f"{value}\n"), job["error"]
         # With both running a job, there is no room: a new session's first job fails, saying why.
-        running = [api.run("import time\ntime.sleep(3)", session=session, wait=0) for session in sessions[1:]]
+        # (Long enough that neither is idle yet when the new one comes, on a loaded machine too.)
+        running = [api.run("import time\ntime.sleep(10)", session=session, wait=0) for session in sessions[1:]]
         for job in running:
             deadline = time.monotonic() + 10
             while api.get(f"/api/v1/exec/{job['id']}").json()["status"] != "running":
@@ -195,7 +196,7 @@ def test_a_worker_keeps_at_most_its_sessions_ending_the_one_idle_longest(stack_e
         assert "PTC_SESSIONS_PER_WORKER" in job["error"]["message"], job["error"]
         assert api.get(f"/api/v1/sessions/{full}").json()["status"] == "lost"
         for job in running:  # and the two running go on
-            deadline = time.monotonic() + 20
+            deadline = time.monotonic() + 30
             while (final := api.get(f"/api/v1/exec/{job['id']}").json())["status"] == "running":
                 assert time.monotonic() < deadline
                 time.sleep(0.1)
