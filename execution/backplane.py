@@ -596,7 +596,7 @@ class RedisBackplane(Backplane):
             return
         try:
             pipe = self.client.pipeline(transaction=False)
-            self._events_into(pipe, [(job_call_id, events)])
+            self.events_into(pipe, [(job_call_id, events)])
             pipe.execute()
         except Exception:  # the records stay the truth; a reader rebuilds from them
             logger.warning("could not append events", extra={"job_id": job_call_id}, exc_info=True)
@@ -609,17 +609,18 @@ class RedisBackplane(Backplane):
         try:
             pipe = self.client.pipeline(transaction=False)
             if events_first:
-                self._events_into(pipe, events)
+                self.events_into(pipe, events)
             for channel, message in messages:
                 pipe.publish(channel, _wire_json(_to_wire(message)))
             if not events_first:
-                self._events_into(pipe, events)
+                self.events_into(pipe, events)
             pipe.execute()
         except Exception:  # the records stay the truth: see publish and events_append
             logger.warning("could not publish %d messages and their events", len(messages), exc_info=True)
 
-    def _events_into(self, pipe: Any, events: JobsEvents) -> None:
-        """Add the commands that append ``events`` ``(job call_id, events)`` to ``pipe``."""
+    def events_into(self, pipe: Any, events: JobsEvents) -> None:
+        """Add the commands that append ``events`` ``(job call_id, events)`` to ``pipe`` (a sync or
+        an asyncio client's: both queue commands as they are called)."""
         for job_call_id, job_events in events:
             key = self.stream_key(job_call_id)
             for event, data in job_events:

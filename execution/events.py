@@ -419,14 +419,16 @@ async def _events(*, job_id: Any, last_event_id: str | None) -> AsyncGenerator[E
                 if ended and await _has_end(client, key, cursor):
                     return
                 if ended and (end := await _end_lost(job_id)) is not None:
-                    # Sent after the log's last event; a reconnect from there (from past every
-                    # event the log holds) has had it, and closes.
-                    await client.expire(key, settings.PTC_EVENTS_RETENTION_SECONDS)  # lost with the end
-                    last = await client.xrevrange(key, count=1)
-                    if not last or _order(cursor) <= _order(last[0][0].decode()):
-                        ms, seq = _order(cursor)
-                        yield Event(f"{ms}-{seq + 1}", "exec_end", end)
-                    return
+                    # Appended to the log, as its worker would have (with the log's expiry, lost
+                    # with it), and read from there as any event: a reconnect from it finds it, and
+                    # an end its worker appends after all (its close retried through a database
+                    # outage) comes after it, never read. One read since (another reader's) is read.
+                    pipe = client.pipeline(transaction=False)
+                    if not await _has_end(client, key, "+"):
+                        plane.events_into(pipe, [(call_id, [("exec_end", end)])])
+                    pipe.expire(key, settings.PTC_EVENTS_RETENTION_SECONDS)
+                    await pipe.execute()
+                    continue
                 yield None
                 continue
             # RESP2, this client's protocol, answers as a list: [[key, [(id, {field: value}), ...]]], in

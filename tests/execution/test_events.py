@@ -359,3 +359,29 @@ def test_a_live_reader_gets_a_large_input_of_a_call_no_tools_worker_has_taken_ye
         assert start.get("input") == {"city": city}, sorted(start)
     finally:
         assert api.post(f"/api/v1/exec/{job['id']}/cancel").status_code == 200
+
+
+def test_an_end_sent_from_the_records_is_the_only_one_even_if_the_logged_one_comes_late(api: Api) -> None:
+    """A job's end is sent from the records when it is not in the log 10 s after the job closed.
+    The worker's may still come after that (its close retried through a database outage, or its
+    store did: ``closed_at`` is when it began), and a client reconnecting from the end it was sent
+    (EventSource does so by itself) got the job's end a second time."""
+    from execution.events import events_publish, exec_job_with_calls, job_end_payload, job_view
+
+    job = api.run("print(1)", toolsets=["demo"])
+    client = redis.Redis.from_url(REDIS_URL)
+    key = RedisBackplane.stream_key(job["call_id"])
+    [end_id] = [raw for raw, fields in client.xrange(key) if fields[b"event"] == b"exec_end"]
+    client.xdel(key, end_id)
+    ExecJob.objects.filter(pk=job["id"]).update(closed_at=ExecJob.objects.get(pk=job["id"]).closed_at - timedelta(minutes=1))
+    lines, _ = read_to_close(api, job["id"], "0-0", within=10)
+    sent = lines[lines.index("event: exec_end") - 1][4:]
+    # The worker's end, late.
+    events_publish(
+        job_call_id=job["call_id"], events=[("exec_end", job_end_payload(job_view(exec_job_with_calls(job_id=job["id"]))))]
+    )
+    again, _ = read_to_close(api, job["id"], sent, within=10)
+    assert [line for line in again if line.startswith(("id:", "event:", "data:"))] == []
+    # And one who reads the whole log now reads one end, the one sent first.
+    events, _ = read_events(api, job["id"])
+    assert [e["event"] for e in events].count("exec_end") == 1 and events[-1]["id"] == sent, events
