@@ -247,10 +247,11 @@ def event_filled(job_id: Any, name: str, data: dict[str, Any]) -> dict[str, Any]
         full = tool_call_pending_payload(call) if name == "tool_call_pending" else tool_call_payload(call)
     for path in omitted:
         head, _, field = path.partition(".")
-        if field:
-            data.setdefault(head, {})[field] = full.get(head, {}).get(field)
-        else:
-            data[head] = full.get(head)
+        whole = full.get(head)
+        if field and isinstance(whole, dict) and isinstance(data.get(head), dict):
+            data[head][field] = whole.get(field)
+        else:  # or no longer an object: emptied by retention since (a log whose drop failed)
+            data[head] = whole
     return data
 
 

@@ -14,7 +14,7 @@ from django.contrib.auth.models import User
 
 from execution.backplane import RedisBackplane
 from execution.events import event_stream
-from execution.models import ExecJob
+from execution.models import ExecJob, ToolCall
 from ptcproject.accounts.services import api_key_create
 from tests.conftest import REDIS_URL, Api
 from tests.stack import ROOT
@@ -385,3 +385,20 @@ def test_an_end_sent_from_the_records_is_the_only_one_even_if_the_logged_one_com
     # And one who reads the whole log now reads one end, the one sent first.
     events, _ = read_events(api, job["id"])
     assert [e["event"] for e in events].count("exec_end") == 1 and events[-1]["id"] == sent, events
+
+
+def test_a_logged_event_whose_record_was_purged_since_reads_as_the_record_now_says(api: Api) -> None:
+    """Retention empties a job's calls, then drops its log; a drop that fails leaves the log (it
+    expires on its own; a managed container's never does). A call's end logged without part of its
+    output (``output.big``) was filled in from a record whose output is now null: the stream broke
+    there, on every reconnect. It reads as the record says now, as the job's view does."""
+    from execution.services.retention import _tool_calls_empty
+
+    job = api.run('from ptc_tools.demo import Demo\nDemo.echo(value={"big": "x" * 20_000, "n": 1})', toolsets=["demo"])
+    assert job["status"] == "completed", job["error"]
+    ExecJob.objects.filter(pk=job["id"]).update(stdout="", return_value=None)
+    _tool_calls_empty(ToolCall.objects.filter(exec_job_id=job["id"]))  # as a purge whose drop of the log failed
+    events, _ = read_events(api, job["id"])
+    assert [e["event"] for e in events][-1] == "exec_end", [e["event"] for e in events]
+    [end] = [e["data"] for e in events if e["event"] == "tool_call_end"]
+    assert end["output"] is None and end["input"] == {}, end
