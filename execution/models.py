@@ -55,7 +55,8 @@ class ExecJob(models.Model):
     container_id = models.CharField(max_length=200, blank=True, default="")
     # What its calls made over HTTP (POST /tools/execute: with its job-scoped key, or a managed
     # container's) added to every view of it: their arguments, results and records, in bytes. Held
-    # to PTC_MAX_JOB_TOOL_BYTES with what its bridge passed (which the bridge counts itself).
+    # to PTC_MAX_JOB_TOOL_BYTES with what its bridge passed (which the bridge counts itself). A
+    # container's call in flight holds PTC_MAX_TOOL_OUTPUT_BYTES here for its result until it comes.
     http_tool_bytes = models.BigIntegerField(default=0, editable=False)
     # The session it ran in (its sandbox kept between jobs), or null for a sandbox of its own.
     session = models.ForeignKey("ExecSession", null=True, blank=True, on_delete=models.SET_NULL, related_name="jobs")

@@ -385,12 +385,17 @@ def tool_call_standalone(
     # counted on its row (a container's job would otherwise grow without end).
     admit = job is not None and container_job is None
     http_tool_bytes = 0
+    # A container's calls have no parallel cap: each holds room for the largest result a call may
+    # have until its own has come, or calls made at once all passed on what was counted before any
+    # result came, and took the job past the bound by as many results. So it is passed by one call's
+    # at most, as by calls one at a time. (A job's key is held to its parallel cap, as its bridge.)
+    reserve = settings.PTC_MAX_TOOL_OUTPUT_BYTES if container_job is not None else 0
     with transaction.atomic() if admit else nullcontext():
         if admit:
             assert job is not None
             _job_call_admit(job=job)
         if job is not None:
-            http_tool_bytes = _job_bytes_take(job=job, size=CALL_RECORD_BYTES + _json_bytes(arguments))
+            http_tool_bytes = _job_bytes_take(job=job, size=CALL_RECORD_BYTES + _json_bytes(arguments), reserve=reserve)
         call = _tool_call_record(**record, found=found, error=error)
     if admit:
         assert job is not None
@@ -399,8 +404,8 @@ def tool_call_standalone(
     if found is not None:
         _standalone_run(call_id=call_id, found=found, user=user, job=job)
     call = ToolCall.objects.get(call_id=call_id)
-    if job is not None:
-        _job_bytes_take(job=job, size=_json_bytes(call.output) + _json_bytes(call.error), held=False)
+    if job is not None:  # (a call that raised on its way here keeps the room it held: its result may still come)
+        _job_bytes_take(job=job, size=_json_bytes(call.output) + _json_bytes(call.error) - reserve, held=False)
     return call
 
 
@@ -431,17 +436,17 @@ def _json_bytes(value: Any) -> int:
     return 0 if value is None else len(json.dumps(value, default=str))
 
 
-def _job_bytes_take(*, job: ExecJob, size: int, held: bool = True) -> int:
-    """Add ``size`` to what ``job``'s calls over HTTP passed, and return the new total, in one
-    statement. With ``held`` (a call about to be recorded), raise ApplicationError
-    ``tool_bytes_limit`` (403) instead if that would pass PTC_MAX_JOB_TOOL_BYTES: nothing is added.
-    A result is added as it came (the next call is refused)."""
+def _job_bytes_take(*, job: ExecJob, size: int, held: bool = True, reserve: int = 0) -> int:
+    """Add ``size`` (and ``reserve``, room held for a result to come) to what ``job``'s calls over
+    HTTP passed, and return the new total, in one statement. With ``held`` (a call about to be
+    recorded), raise ApplicationError ``tool_bytes_limit`` (403) instead if ``size`` would pass
+    PTC_MAX_JOB_TOOL_BYTES: nothing is added. A result is added as it came (the next call is refused)."""
     most = settings.PTC_MAX_JOB_TOOL_BYTES if held else 0
     with connection.cursor() as cursor:
         cursor.execute(
             f"UPDATE {rows.table(ExecJob)} SET http_tool_bytes = http_tool_bytes + %s"  # noqa: S608 - names from the model
             " WHERE id = %s AND (%s = 0 OR http_tool_bytes + %s <= %s) RETURNING http_tool_bytes",
-            [size, ExecJob._meta.pk.get_db_prep_value(job.pk, connection), most, size, most],
+            [size + reserve, ExecJob._meta.pk.get_db_prep_value(job.pk, connection), most, size, most],
         )
         found = cursor.fetchone()
     if found is None and not held:

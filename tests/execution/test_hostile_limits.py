@@ -334,3 +334,23 @@ def test_a_jobs_calls_over_http_with_its_key_count_with_its_bridges_against_its_
         time.sleep(0.2)
     assert (final["status"], final["error"]["type"]) == ("failed", "ResourceLimit"), final["error"]
     assert "PTC_MAX_JOB_TOOL_BYTES" in final["error"]["message"], final["error"]
+
+
+def test_a_managed_containers_calls_at_once_pass_its_bytes_by_one_call_at_most(api: Api) -> None:
+    """A container's call was held to PTC_MAX_JOB_TOOL_BYTES by its arguments, its result counted
+    once it came: calls made at once all passed on what was counted before any result came (a
+    container has no parallel cap), and their results together took the job as far past the bound
+    as it made calls at once. Here 12 of 0.9 MB each way, 8 MiB: nine were run, 16 MB in all."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    container = f"container_{uuid.uuid4().hex[:12]}"
+    caller = {"type": "code_execution_20260120", "tool_id": "srvtoolu_1"}
+    body = {"toolset": "demo", "tool": "echo", "container_id": container, "caller": caller}
+    assert api.post("/api/v1/tools/execute", json={**body, "arguments": {"value": 0}}).status_code == 200
+    big = {**body, "arguments": {"value": "x" * 900_000}}
+    with ThreadPoolExecutor(12) as pool:
+        answers = list(pool.map(lambda _: api.post("/api/v1/tools/execute", json=big), range(12)))
+    assert {a.status_code for a in answers} == {200, 403}, [a.text[:200] for a in answers]
+    [job] = ExecJob.objects.filter(container_id=container)
+    passed = sum(len(json.dumps(c.input)) + len(json.dumps(c.output)) for c in ToolCall.objects.filter(exec_job=job))
+    assert passed <= (8 << 20) + (1 << 20), (passed, [a.status_code for a in answers])
