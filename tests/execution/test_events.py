@@ -402,3 +402,33 @@ def test_a_logged_event_whose_record_was_purged_since_reads_as_the_record_now_sa
     assert [e["event"] for e in events][-1] == "exec_end", [e["event"] for e in events]
     [end] = [e["data"] for e in events if e["event"] == "tool_call_end"]
     assert end["output"] is None and end["input"] == {}, end
+
+
+def test_an_end_from_the_records_waits_for_the_jobs_close(api: Api) -> None:
+    """A job's close (its queued calls failed as never run, its waiting ones failed, then its end
+    announced) comes after its end is stored, and retries through a database outage, and
+    ``closed_at`` is when the store began: 10 s after it, the end was taken from the records
+    before the close had run, showing calls open that the close then failed, and it was the end
+    every reader got. It is taken once nothing is left for the close to do."""
+    import threading
+
+    from execution.services.jobs import _exec_job_close
+    from tests.factories import demo_call
+
+    job = api.run("print(1)", toolsets=["demo"])
+    client = redis.Redis.from_url(REDIS_URL)
+    key = RedisBackplane.stream_key(job["call_id"])
+    [end_id] = [raw for raw, fields in client.xrange(key) if fields[b"event"] == b"exec_end"]
+    client.xdel(key, end_id)
+    ExecJob.objects.filter(pk=job["id"]).update(closed_at=ExecJob.objects.get(pk=job["id"]).closed_at - timedelta(minutes=1))
+    # A call still queued, as the job's close, not run yet, finds it.
+    queued = demo_call(user=User.objects.get(username=api.username), job=ExecJob.objects.get(pk=job["id"]))
+    closer = threading.Timer(4, lambda: _exec_job_close(job_id=job["id"]))
+    closer.start()
+    try:
+        events, _ = read_events(api, job["id"])
+    finally:
+        closer.join()
+    end = events[-1]["data"]
+    assert events[-1]["event"] == "exec_end" and [c["call_id"] for c in end["tool_calls"]] == [queued.call_id], events
+    assert end["tool_calls"][0]["status"] == "failed" and end["tool_calls"][0]["error"]["code"] == "job_ended", end
