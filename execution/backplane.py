@@ -47,7 +47,9 @@ STREAM_MAXLEN = 50_000
 # wrote about three times that into Redis, the broker's server, kept an hour past its end (so one
 # user's jobs could fill it for everyone). Past EVENT_INLINE_BYTES, such an event is logged without
 # its fields of over FIELD_INLINE_BYTES (at the top, or one level down: a pending call's ``call``),
-# named in ``_omitted``, and its readers fill them in from the records (events.event_filled).
+# named in ``_omitted``, and its readers fill them in from the records (events.event_filled). What
+# is left of an object one level down is kept up to EVENT_INLINE_BYTES: it may be what the records
+# no longer say as it was (a pending call's state, whose record has moved on once it is read).
 EVENT_INLINE_BYTES = 8 * 1024
 FIELD_INLINE_BYTES = 1024
 FROM_RECORDS = frozenset(
@@ -148,7 +150,8 @@ def _from_wire(data: dict[str, Any]) -> Message | None:
 
 def _slim(data: dict[str, Any]) -> dict[str, Any]:
     """``data`` without its fields of over FIELD_INLINE_BYTES of JSON, their paths (``name``, or
-    ``name.field`` one level down in an object that is small without them) in ``_omitted``."""
+    ``name.field`` one level down in an object of at most EVENT_INLINE_BYTES without them) in
+    ``_omitted``."""
     omitted: list[str] = []
     out: dict[str, Any] = {}
     for name, field in data.items():
@@ -160,7 +163,7 @@ def _slim(data: dict[str, Any]) -> dict[str, Any]:
             if isinstance(field, dict)
             else {}
         )
-        if inner and _json_size(inner) <= FIELD_INLINE_BYTES:
+        if inner and _json_size(inner) <= EVENT_INLINE_BYTES:
             out[name] = inner
             omitted.extend(f"{name}.{key}" for key in field if key not in inner)
         else:

@@ -385,3 +385,22 @@ def test_a_shared_client_toolset_waits_on_the_client_and_is_billed_when_priced(m
     finally:  # a global toolset: every later test's user would see it
         deleted = staff.http.delete(f"/api/v1/toolsets/{key}")
     assert deleted.status_code == 204, deleted.text
+
+
+def test_a_pending_calls_own_record_is_read_back_as_it_was_when_it_waited(api: Api) -> None:
+    """``tool_call_pending`` carries the call as it waits (``call``). The log keeps a large event
+    without its large fields, filled in from the record as it is when read: when the call's other
+    fields passed 1 KB without its input (a name of 128 letters JSON writes as \\u escapes, which a
+    Python identifier may be), the whole ``call`` was left out, and a reader after the client's
+    answer read a pending call that had completed, its output and all."""
+    name = "\u5de5" * 128
+    client_tool = {"name": name, "input_schema": {"type": "object", "properties": {"text": {"type": "string"}}}}
+    job = submit(api, f"from ptc_tools.client import Client\nClient.{name}(text='y' * 10_000)", [client_tool])
+    block = first_pending(api, job["id"])
+    assert block["call"]["status"] == "awaiting_client", block["call"]
+    answered = api.post(f"/api/v1/exec/{job['id']}/tool-results", json=[{"tool_use_id": block["id"], "content": "done"}])
+    assert answered.status_code == 200, answered.text
+    assert finished(api, job["id"])["status"] == "completed"
+    with closing(sse_events(api, job["id"])) as events:
+        [again] = [data for event, data in events if event == "tool_call_pending"]
+    assert again == block, (again["call"]["status"], again["call"]["output"])
