@@ -407,7 +407,7 @@ def _exec_job_sandbox(*, job: ExecJob, node: str, channel: Subscription) -> Outc
     sent: list[tuple[int, datetime]] = []
     session: Session | None = None
     if job.session is not None:
-        taken = session_sandbox_take(session_id=job.session.pk, node=node)
+        taken = session_sandbox_take(session_id=job.session.pk, user_id=job.session.user_id, node=node)
         if isinstance(taken, Outcome):
             return taken
         live = taken

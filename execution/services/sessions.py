@@ -23,6 +23,7 @@ import binascii
 import logging
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -332,6 +333,7 @@ class LiveSession:
     """A session's sandbox on this worker, between jobs or running one (``busy``)."""
 
     sandbox: Sandbox
+    user_id: int = 0
     sdk_hash: str = ""
     busy: bool = False
     idle_since: float = 0.0  # time.monotonic() when its last job ended
@@ -340,11 +342,11 @@ class LiveSession:
 
 
 _live: dict[str, LiveSession] = {}
-_starting: set[str] = set()  # sessions whose sandbox is being started here: they count as live
+_starting: dict[str, int] = {}  # sessions whose sandbox is being started here (their users): they count as live
 _live_lock = threading.Lock()
 
 
-def session_sandbox_take(*, session_id: Any, node: str) -> "LiveSession | Outcome":
+def session_sandbox_take(*, session_id: Any, user_id: int, node: str) -> "LiveSession | Outcome":
     """For a claimed job of the session: its sandbox on this worker, marked busy. The session's
     first job claims the session for this worker (``node``) and starts it. Return the Outcome that
     ends the job when there is no sandbox to be had (the session then ends ``lost``)."""
@@ -368,7 +370,7 @@ def session_sandbox_take(*, session_id: Any, node: str) -> "LiveSession | Outcom
     if not claimed:
         # Started before on a worker that is gone, or restarted under the same name: its state is gone.
         return _unavailable(session_id=session_id, reason="its sandbox is gone: the exec worker holding it stopped")
-    if not _room_made(key):
+    if not _room_made(key, user_id=user_id):
         most = settings.PTC_SESSIONS_PER_WORKER
         reason = f"its exec worker holds the most sessions it may (PTC_SESSIONS_PER_WORKER, {most}), each running a job"
         _session_end(session_id=session_id, status=Status.LOST, reason=f"its sandbox could not start: {reason}")
@@ -377,34 +379,39 @@ def session_sandbox_take(*, session_id: Any, node: str) -> "LiveSession | Outcom
         sandbox = sandbox_start()
     except Exception as exc:  # SandboxUnavailable, or any start failure: the session can't live
         with _live_lock:
-            _starting.remove(key)
+            del _starting[key]
         _session_end(session_id=session_id, status=Status.LOST, reason=f"its sandbox could not start: {exc}")
         return Outcome(status="failed", error=job_error("SandboxCrashed", f"the session's sandbox could not start: {exc}"))
-    live = LiveSession(sandbox=sandbox, busy=True)
+    live = LiveSession(sandbox=sandbox, user_id=user_id, busy=True)
     with _live_lock:
-        _starting.remove(key)
+        del _starting[key]
         _live[key] = live
     return live
 
 
-def _room_made(key: str) -> bool:
-    """Make room on this worker for session ``key``'s sandbox, which is then starting: past
-    PTC_SESSIONS_PER_WORKER (each may hold up to its memory limit, for as long as its idle
-    timeout), end the session idle the longest, ``expired``, and kill its sandbox. Return False if
-    every one is running a job (or starting)."""
+def _room_made(key: str, *, user_id: int) -> bool:
+    """Make room on this worker for session ``key``'s sandbox (``user_id``'s), which is then
+    starting: past PTC_SESSIONS_PER_WORKER (each may hold up to its memory limit, for as long as
+    its idle timeout), end an idle session, ``expired``, and kill its sandbox: one of the user who
+    has the most here (the newcomer's counted), idle the longest. So a user making sessions ends
+    their own before anyone else's. Return False if every one is running a job (or starting)."""
     with _live_lock:
         evicted: tuple[str, LiveSession] | None = None
         if len(_live) + len(_starting) >= settings.PTC_SESSIONS_PER_WORKER:
-            idle = [(live.idle_since, other) for other, live in _live.items() if not live.busy]
+            held = Counter([*(live.user_id for live in _live.values()), *_starting.values(), user_id])
+            idle = [(-held[live.user_id], live.idle_since, other) for other, live in _live.items() if not live.busy]
             if not idle:
                 return False
-            _, other = min(idle)
+            *_, other = min(idle)
             evicted = other, _live.pop(other)
-        _starting.add(key)
+        _starting[key] = user_id
     if evicted is not None:
         evicted[1].sandbox.discard()
         most = settings.PTC_SESSIONS_PER_WORKER
-        reason = f"idle the longest on its exec worker, which keeps at most {most} (PTC_SESSIONS_PER_WORKER), when a new one came"
+        reason = (
+            f"idle the longest of its user's on its exec worker, which keeps at most {most} (PTC_SESSIONS_PER_WORKER), "
+            "when a new one came"
+        )
         _session_end(session_id=evicted[0], status=Status.EXPIRED, reason=reason)
     return True
 

@@ -226,3 +226,21 @@ def test_sessions_started_at_once_on_a_worker_are_held_to_its_cap_too(stack_env:
             assert api.http.delete(f"/api/v1/sessions/{session}").status_code in (200, 204)
         again = _session(api)
         assert api.run("print(1)", session=again)["status"] == "completed"
+
+
+def test_a_user_making_sessions_on_a_full_worker_ends_their_own_first(stack_env: dict[str, str]) -> None:
+    """The session idle the longest was ended for a newcomer, whoever's it was: a user could delete
+    and make sessions (4 at a time) and so end every other user's idle session on a worker at will.
+    The one ended is now of the user holding the most there (the newcomer's counted), idle longest."""
+    with own_deployment(stack_env, "session-fair", PTC_SESSIONS_PER_WORKER="3") as stack:
+        users = [f"fair-{free_port()}-{n}" for n in (1, 2)]
+        other, maker = (Api(stack.base_url, api_key(stack.env, name), name) for name in users)
+        theirs = _session(other)
+        assert other.run("x = 'theirs'", session=theirs)["status"] == "completed"  # idle the longest
+        mine = []
+        for n in range(3):
+            mine.append(_session(maker))
+            assert maker.run(f"x = {n}", session=mine[-1])["status"] == "completed"
+        assert maker.get(f"/api/v1/sessions/{mine[0]}").json()["status"] == "expired"
+        assert other.run("print(x)", session=theirs)["stdout"] == "theirs\n"
+        assert [maker.run("print(x)", session=s)["stdout"] for s in mine[1:]] == ["1\n", "2\n"]
