@@ -406,13 +406,15 @@ def _room_made(key: str, *, user_id: int) -> bool:
             evicted = other, _live.pop(other)
         _starting[key] = user_id
     if evicted is not None:
-        evicted[1].sandbox.discard()
         most = settings.PTC_SESSIONS_PER_WORKER
         reason = (
             f"idle the longest of its user's on its exec worker, which keeps at most {most} (PTC_SESSIONS_PER_WORKER), "
             "when a new one came"
         )
+        # Ended before its sandbox is killed (which waits for it): a job of it taken meanwhile
+        # finds it expired, and says so, not that its worker stopped.
         _session_end(session_id=evicted[0], status=Status.EXPIRED, reason=reason)
+        evicted[1].sandbox.discard()
     return True
 
 
