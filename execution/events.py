@@ -23,12 +23,11 @@ from typing import Any, ParamSpec, TypeVar
 from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.db import DatabaseError, connection
-from django.db.models import Exists, OuterRef, Q
 from django.utils import timezone
 
 from execution.backplane import Events, RedisBackplane, backplane, job_channel
 from execution.models import ExecJob, ToolCall
-from execution.selectors import exec_job_with_calls, tool_call_is_client
+from execution.selectors import calls_overdue_at, exec_job_with_calls, tool_call_is_client
 from ptcproject.errors import ApplicationError
 from ptcproject.metrics import event_lag_observe
 
@@ -347,20 +346,20 @@ END_LOST_SECONDS = 10.0
 def _end_lost(job_id: Any) -> dict[str, Any] | None:
     """The ``exec_end`` of a job closed over END_LOST_SECONDS ago, from its records: for a log that
     has none (its append was lost to a Redis away at that moment: nothing raises there, and the
-    log's expiry, set with it, was lost too). None while it may still come: also while its close
-    has calls left to end (queued ones no worker took, waiting ones), which it does before it
-    announces the end. (It retries through a database outage, and ``closed_at`` is when the
-    store of the end began, which retries too: once both would have given up, the close is not
-    coming, and the end is what the records say.)"""
+    log's expiry, set with it, was lost too). None while it may still come: while its close has
+    calls left to end, which it does before it announces the end (queued ones no worker took and
+    waiting ones fail; those a tools worker runs are waited for, each until it is overdue). The
+    close retries through a database outage, and ``closed_at`` is when the store of the end began,
+    which retries too: past both, and past its calls' deadlines, the end is what the records say."""
     now = timezone.now()
-    since = now - timedelta(seconds=END_LOST_SECONDS)
-    given_up = since - timedelta(seconds=2 * settings.PTC_DB_RETRY_SECONDS)
-    left = ToolCall.objects.filter(exec_job_id=OuterRef("pk")).filter(
-        Q(status=ToolCall.Status.EXECUTING, claimed_at__isnull=True) | Q(status__in=ToolCall.AWAITING)
-    )
-    closed = ExecJob.objects.filter(~Exists(left) | Q(closed_at__lt=given_up), pk=job_id, closed_at__lt=since)
-    if not closed.exists():
+    closed_at = ExecJob.objects.filter(pk=job_id).values_list("closed_at", flat=True).first()
+    if closed_at is None or closed_at > now - timedelta(seconds=END_LOST_SECONDS):
         return None
+    left = ToolCall.objects.filter(exec_job_id=job_id, status__in=ToolCall.OPEN)
+    if left.exists():
+        due = max(closed_at + timedelta(seconds=2 * settings.PTC_DB_RETRY_SECONDS), calls_overdue_at(left) or closed_at)
+        if now < due + timedelta(seconds=END_LOST_SECONDS):
+            return None
     return job_end_payload(job_view(exec_job_with_calls(job_id=job_id)))
 
 

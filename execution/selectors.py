@@ -1,10 +1,13 @@
+from datetime import datetime, timedelta
 from typing import Any
 
+from django.conf import settings
 from django.contrib.auth.models import User
 from django.db.models import Prefetch, Q, QuerySet
 from django.utils import timezone
 
 from execution.models import ExecJob, ExecSession, ToolCall, WorkFile
+from execution.sandbox.session import CALL_GRACE_SECONDS
 from tools.client import CLIENT_KEY
 from tools.models import Toolset
 
@@ -74,3 +77,13 @@ def work_files_of(*, session: ExecSession | None = None, job: ExecJob | None = N
     else:
         files = WorkFile.objects.filter(exec_job=job, kind=WorkFile.Kind.OUTPUT)
     return files.defer("content").order_by("path")
+
+
+def calls_overdue_at(calls: QuerySet[ToolCall]) -> datetime | None:
+    """Return when the last of ``calls`` is overdue: its claim (or its start), plus its tool's
+    timeout, plus CALL_GRACE_SECONDS, the deadline the bridge gives a call; None if there are none."""
+    ends = [
+        (claimed_at or started_at) + timedelta(seconds=(timeout or settings.PTC_DEFAULT_TOOL_TIMEOUT) + CALL_GRACE_SECONDS)
+        for claimed_at, started_at, timeout in calls.values_list("claimed_at", "started_at", "tool__timeout")
+    ]
+    return max(ends, default=None)

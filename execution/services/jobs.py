@@ -15,7 +15,7 @@ from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.contrib.auth.models import User
 from django.db import DatabaseError, IntegrityError, InterfaceError, OperationalError, connection, transaction
-from django.db.models import Case, Exists, F, OuterRef, Q, QuerySet, TextField, Value, When, prefetch_related_objects
+from django.db.models import Case, Exists, F, OuterRef, Q, TextField, Value, When, prefetch_related_objects
 from django.db.models.functions import Coalesce
 from django.utils import timezone
 
@@ -33,8 +33,8 @@ from execution.models import ExecJob, ExecSession, ToolCall, WorkFile, new_exec_
 from execution.sandbox.limits import Limits
 from execution.sandbox.pool import sandbox_reap
 from execution.sandbox.process import SDK_MB, SandboxUnavailable
-from execution.sandbox.session import CALL_GRACE_SECONDS, Outcome, Session
-from execution.selectors import CALLS_IN_ORDER, exec_job_with_calls
+from execution.sandbox.session import Outcome, Session
+from execution.selectors import CALLS_IN_ORDER, calls_overdue_at, exec_job_with_calls
 from execution.services.calls import (
     CALL_TIMEOUT_MESSAGE,
     JOB_ENDED_MESSAGE,
@@ -715,7 +715,7 @@ def _running_calls_await(*, job_id: Any, job_call_id: str, call_ids: list[str]) 
     its tool's timeout, plus CALL_GRACE_SECONDS), the time a tools worker may hold it. The wait
     is pushed (each call's result is published on its job's channel), and a job's worker that
     waits holds its slot no longer than the job would have, had it waited for that call itself."""
-    deadline = _running_calls_deadline(ToolCall.objects.filter(call_id__in=call_ids)) or timezone.now()
+    deadline = calls_overdue_at(ToolCall.objects.filter(call_id__in=call_ids)) or timezone.now()
     open_calls = ToolCall.objects.filter(call_id__in=call_ids, status__in=ToolCall.OPEN)
     waited = time.monotonic()
     try:
@@ -739,16 +739,6 @@ def _running_calls_await(*, job_id: Any, job_call_id: str, call_ids: list[str]) 
         "the job's end waited for its running calls",
         extra={"job_id": str(job_id), "calls": len(call_ids), "ms": round((time.monotonic() - waited) * 1000, 2)},
     )
-
-
-def _running_calls_deadline(calls: QuerySet[ToolCall]) -> datetime | None:
-    """Return when the last of ``calls`` is overdue: its claim (or its start), plus its tool's
-    timeout, plus CALL_GRACE_SECONDS, the deadline the bridge gives a call; None if there are none."""
-    ends = [
-        (claimed_at or started_at) + timedelta(seconds=(timeout or settings.PTC_DEFAULT_TOOL_TIMEOUT) + CALL_GRACE_SECONDS)
-        for claimed_at, started_at, timeout in calls.values_list("claimed_at", "started_at", "tool__timeout")
-    ]
-    return max(ends, default=None)
 
 
 def _exec_job_ended(job: ExecJob, *, tail: Sequence[tuple[str, str]]) -> str:
@@ -905,7 +895,7 @@ def exec_job_cancel_await(*, job: ExecJob) -> End | None:
         if subscription is None:
             return None
         running = ToolCall.objects.filter(exec_job_id=job.pk, status=ToolCall.Status.EXECUTING, claimed_at__isnull=False)
-        deadline = _running_calls_deadline(running)
+        deadline = calls_overdue_at(running)
         calls = max((deadline - timezone.now()).total_seconds(), 0.0) if deadline is not None else 0.0
         seconds = min(calls + settings.PTC_JOB_HEARTBEAT_SECONDS + CANCEL_END_SLACK_SECONDS, CANCEL_ANSWER_SECONDS)
         end = _job_end_await(subscription, job=job, seconds=seconds)
@@ -1005,7 +995,7 @@ def _exec_jobs_close_left() -> None:
 
 def _calls_still_running(*, job_id: Any) -> bool:
     """Return True if a tools worker still runs a call of the job: claimed, its lease renewed,
-    and short of its deadline (_running_calls_deadline).
+    and short of its deadline (calls_overdue_at).
 
     The reaper ends (or closes) a job whose worker died only once such calls have ended: it
     announces the end without waiting (it must not sit on its round), and announced before they
@@ -1019,7 +1009,7 @@ def _calls_still_running(*, job_id: Any) -> bool:
     fresh = leased.annotate(lease=Coalesce("heartbeat_at", "claimed_at")).filter(
         lease__gte=now - timedelta(seconds=settings.PTC_JOB_LEASE_SECONDS)
     )
-    deadline = _running_calls_deadline(fresh)
+    deadline = calls_overdue_at(fresh)
     return deadline is not None and deadline > now
 
 

@@ -68,6 +68,17 @@ def _charged(api: Api, job_id: str) -> int:
     return sum(row["amount"] for row in api.get("/api/v1/billing/usage", params={"exec": job_id}).json()["results"])
 
 
+def _logged_ends(job_call_id: str) -> list[dict[str, Any]]:
+    """The ``exec_end`` events in the job's log, once there is one (within 10 s)."""
+    from execution.backplane import backplane
+
+    deadline = time.monotonic() + 10
+    while not (ends := [data for _, name, data in backplane().events_read(job_call_id) if name == "exec_end"]):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    return ends
+
+
 def _as_announced(view: dict[str, Any]) -> tuple[str, list[tuple[str, str, int]], int]:
     return (
         view["status"],
@@ -112,6 +123,17 @@ def test_a_job_that_times_out_while_a_call_runs_announces_that_call_as_it_ended_
     [end] = [data for name, data in sse_events(api, job_id, timeout=15) if name == "exec_end"]
     assert _as_announced(end) == _as_announced(final), "exec_end"
     assert _as_announced(ended) == _as_announced(final), "the End its waiter got"
+
+
+def test_a_reader_following_a_job_whose_end_waits_for_a_long_call_gets_that_end(api: Api) -> None:
+    """A reader takes a job's end from the records when its log has none 10 s after the job's
+    close (an append lost to Redis), and only waited for the close's queued and waiting calls:
+    while the worker still waited for a longer call a tools worker ran, the reader took an end
+    with that call executing and nothing charged, and every reader of the log got it."""
+    code = CALLS_A_SLOW_TOOL.replace(f'"ms": {SLEEP_MS}', '"ms": 14000')
+    job = api.run(code, toolsets=["demo"], wait=0, timeout=1)
+    [end] = [data for name, data in sse_events(api, job["id"], timeout=60) if name == "exec_end"]
+    assert (end["status"], [(c["status"], c["credits"]) for c in end["tool_calls"]]) == ("timeout", [("completed", 1)])
 
 
 def test_a_job_ended_by_a_limit_while_a_call_runs_announces_that_call_as_it_ended_and_charged(api: Api) -> None:
@@ -182,7 +204,6 @@ def test_a_cancelled_job_whose_worker_dies_while_its_end_waits_for_a_call_is_clo
     from django.contrib.auth import get_user_model
     from django.utils import timezone
 
-    from execution.backplane import backplane
     from execution.models import ExecJob
     from execution.sandbox.session import Outcome
     from execution.services import jobs
@@ -214,11 +235,7 @@ def test_a_cancelled_job_whose_worker_dies_while_its_end_waits_for_a_call_is_clo
     finally:
         assert tool_call_finish(call_id=running.call_id, output={"slept_ms": 1})  # as its tools worker does
     jobs.exec_jobs_reap()
-    # The stack's own workers reap too: one may have closed the job first, and still be ending it.
-    deadline = time.monotonic() + 10
-    while not (ends := [data for _, name, data in backplane().events_read(job.call_id) if name == "exec_end"]):
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    ends = _logged_ends(job.call_id)  # the stack's own workers reap too: one may have closed it first
     assert ExecJob.objects.get(pk=job.pk).closed_at is not None
     assert [c["status"] for c in ends[0]["tool_calls"]] == ["completed"]
 
@@ -231,7 +248,6 @@ def test_a_job_whose_worker_died_is_ended_once_the_calls_tools_workers_run_have_
     from django.utils import timezone
 
     from billing.services import credits_reserve, price_quote
-    from execution.backplane import backplane
     from execution.models import ExecJob
     from execution.services import jobs
     from execution.services.calls import tool_call_finish
@@ -254,11 +270,7 @@ def test_a_job_whose_worker_died_is_ended_once_the_calls_tools_workers_run_have_
     finally:
         assert tool_call_finish(call_id=running.call_id, output={"slept_ms": 1})  # as its tools worker does
     jobs.exec_jobs_reap()
-    # The stack's own workers reap too: one may have ended the job first, and still be announcing it.
-    deadline = time.monotonic() + 10
-    while not (ends := [data for _, name, data in backplane().events_read(job.call_id) if name == "exec_end"]):
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    ends = _logged_ends(job.call_id)  # the stack's own workers reap too: one may have ended it first
     [end] = ends
     assert (end["status"], end["error"]["type"]) == ("failed", "WorkerLost")
     assert [(c["status"], c["credits"]) for c in end["tool_calls"]] == [("completed", 1)]
