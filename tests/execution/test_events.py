@@ -307,18 +307,25 @@ def test_a_pending_calls_large_input_is_filled_in_from_its_record(api: Api) -> N
     assert event_filled(job.pk, "tool_call_pending", slim) == json.loads(json.dumps(payload))
 
 
-def test_a_job_whose_end_was_never_logged_still_ends_its_stream(api: Api) -> None:
-    """A job's end is recorded, then appended to its log; an append lost to a Redis that went away
-    at that moment (nothing raises: the records are the truth) left a log with no ``exec_end``,
-    and with no expiry, which is set with it. A reader of that log waited for the end for ever,
-    sending heartbeats. Once the job has been closed a while, the end is taken from the records."""
-    job = api.run("print(1)", toolsets=["demo"])
+def _end_lost_from_log(job: dict[str, Any]) -> tuple[redis.Redis, str]:
+    """Take the finished ``job``'s end out of its log, and its expiry, as an append lost to a Redis
+    away at that moment leaves it, and date its close a minute back; return the log's client and key."""
     client = redis.Redis.from_url(REDIS_URL)
     key = RedisBackplane.stream_key(job["call_id"])
     [end_id] = [raw for raw, fields in client.xrange(key) if fields[b"event"] == b"exec_end"]
     client.xdel(key, end_id)
     client.persist(key)
     ExecJob.objects.filter(pk=job["id"]).update(closed_at=ExecJob.objects.get(pk=job["id"]).closed_at - timedelta(minutes=1))
+    return client, key
+
+
+def test_a_job_whose_end_was_never_logged_still_ends_its_stream(api: Api) -> None:
+    """A job's end is recorded, then appended to its log; an append lost to a Redis that went away
+    at that moment (nothing raises: the records are the truth) left a log with no ``exec_end``,
+    and with no expiry, which is set with it. A reader of that log waited for the end for ever,
+    sending heartbeats. Once the job has been closed a while, the end is taken from the records."""
+    job = api.run("print(1)", toolsets=["demo"])
+    client, key = _end_lost_from_log(job)
     lines, _ = read_to_close(api, job["id"], "0-0", within=10)
     events = [line[7:] for line in lines if line.startswith("event: ")]
     assert events[0] == "exec_start" and events[-1] == "exec_end", events
@@ -369,11 +376,7 @@ def test_an_end_sent_from_the_records_is_the_only_one_even_if_the_logged_one_com
     from execution.events import events_publish, exec_job_with_calls, job_end_payload, job_view
 
     job = api.run("print(1)", toolsets=["demo"])
-    client = redis.Redis.from_url(REDIS_URL)
-    key = RedisBackplane.stream_key(job["call_id"])
-    [end_id] = [raw for raw, fields in client.xrange(key) if fields[b"event"] == b"exec_end"]
-    client.xdel(key, end_id)
-    ExecJob.objects.filter(pk=job["id"]).update(closed_at=ExecJob.objects.get(pk=job["id"]).closed_at - timedelta(minutes=1))
+    _end_lost_from_log(job)
     lines, _ = read_to_close(api, job["id"], "0-0", within=10)
     sent = lines[lines.index("event: exec_end") - 1][4:]
     # The worker's end, late.
@@ -416,11 +419,7 @@ def test_an_end_from_the_records_waits_for_the_jobs_close(api: Api) -> None:
     from tests.factories import demo_call
 
     job = api.run("print(1)", toolsets=["demo"])
-    client = redis.Redis.from_url(REDIS_URL)
-    key = RedisBackplane.stream_key(job["call_id"])
-    [end_id] = [raw for raw, fields in client.xrange(key) if fields[b"event"] == b"exec_end"]
-    client.xdel(key, end_id)
-    ExecJob.objects.filter(pk=job["id"]).update(closed_at=ExecJob.objects.get(pk=job["id"]).closed_at - timedelta(minutes=1))
+    _end_lost_from_log(job)
     # A call still queued, as the job's close, not run yet, finds it.
     queued = demo_call(user=User.objects.get(username=api.username), job=ExecJob.objects.get(pk=job["id"]))
     closer = threading.Timer(4, lambda: _exec_job_close(job_id=job["id"]))

@@ -158,26 +158,26 @@ def _onion() -> bytes:
     return body
 
 
-@pytest.fixture(scope="module")
-def mcp_upstream() -> Iterator[str]:
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _McpHandler)
-    server.daemon_threads = True
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}/mcp"
-    server.shutdown()
-    server.server_close()
-
-
-@pytest.fixture(scope="module")
-def upstream() -> Iterator[str]:
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
+def _served(handler: type[BaseHTTPRequestHandler]) -> Iterator[str]:
+    """Serve ``handler`` on a loopback port until the generator is closed; yield its base URL."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
     server.daemon_threads = True
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     yield f"http://127.0.0.1:{server.server_address[1]}"
     server.shutdown()
     server.server_close()
+
+
+@pytest.fixture(scope="module")
+def mcp_upstream() -> Iterator[str]:
+    for url in _served(_McpHandler):
+        yield f"{url}/mcp"
+
+
+@pytest.fixture(scope="module")
+def upstream() -> Iterator[str]:
+    yield from _served(_Handler)
 
 
 def _get(name: str, path: str, method: str = "GET", **properties: Any) -> dict[str, Any]:
