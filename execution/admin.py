@@ -50,9 +50,26 @@ def _list_without(*fields: str) -> type[ChangeList]:
     return Deferred
 
 
+def _open_calls_kept(deleted: tuple[Any, Any, Any, list[Any]], *, calls: QuerySet[ToolCall]) -> tuple[Any, ...]:
+    """``deleted`` (what ModelAdmin.get_deleted_objects returns) with the open calls among
+    ``calls`` named as protected, so that the admin deletes nothing and says why: such a call may
+    be running, and its record is what it is charged by when it ends (deleted, it ran for free, and
+    its job's end announced it half-written)."""
+    to_delete, counts, perms_needed, protected = deleted
+    open_calls = list(calls.filter(status__in=ToolCall.OPEN).values_list("call_id", "status")[:20])
+    kept = [f"tool call {call_id} ({status}: it may be running, and is charged when it ends)" for call_id, status in open_calls]
+    return to_delete, counts, perms_needed, [*protected, *kept]
+
+
+def _pks(objs: Any) -> list[Any]:
+    """The primary keys of ``objs``, a queryset (the delete action's) or a list (the delete page's)."""
+    return list(objs.values_list("pk", flat=True)) if isinstance(objs, QuerySet) else [obj.pk for obj in objs]
+
+
 @admin.register(ExecJob)
 class ExecJobAdmin(admin.ModelAdmin):
     list_display = ("call_id", "user", "status", "title", "created_at", "execution_time_seconds")
+
     # Not by user: the filter listed every user of the deployment on each load. Search by username.
     list_filter = ("status", "created_at")
     search_fields = ("call_id", "id", "title", "user__username")
@@ -77,6 +94,16 @@ class ExecJobAdmin(admin.ModelAdmin):
         for entry in options["fields"]
         for name in ((entry,) if isinstance(entry, str) else entry)  # a tuple entry is fields on one line
     )
+
+    def get_deleted_objects(self, objs: Any, request: HttpRequest) -> tuple[Any, ...]:
+        # A job not finished is kept whole, with its calls: it is cancelled, not deleted (its worker
+        # would record its end into nothing).
+        ids = _pks(objs)
+        deleted = _open_calls_kept(super().get_deleted_objects(objs, request), calls=ToolCall.objects.filter(exec_job_id__in=ids))
+        to_delete, counts, perms_needed, protected = deleted
+        running = ExecJob.objects.filter(pk__in=ids).exclude(status__in=ExecJob.FINISHED).values_list("call_id", "status")
+        kept = [f"job {call_id} ({status}: cancel it first)" for call_id, status in running[:20]]
+        return to_delete, counts, perms_needed, [*kept, *protected]
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[ExecJob]:
         return super().get_queryset(request).select_related("user")
@@ -208,6 +235,9 @@ class ToolCallAdmin(admin.ModelAdmin):
 
     def has_add_permission(self, request: Any) -> bool:
         return False
+
+    def get_deleted_objects(self, objs: Any, request: HttpRequest) -> tuple[Any, ...]:
+        return _open_calls_kept(super().get_deleted_objects(objs, request), calls=ToolCall.objects.filter(pk__in=_pks(objs)))
 
 
 class WorkFileInline(admin.TabularInline):

@@ -472,3 +472,30 @@ def test_the_file_list_does_not_read_the_output_of_every_files_job() -> None:
     assert response.status_code == 200
     assert response.content.decode().count(jobs[0].call_id) == 1
     assert peak < LIST_PAGE_BUDGET, f"the file list page held {peak / MB:.0f} MB to show 100 files"
+
+
+def test_the_admin_deletes_no_job_or_call_that_has_not_ended() -> None:
+    """A job still running deleted in the admin took its calls' records with it: a call a tools
+    worker ran was then never charged (its record is what it is charged by), and the worker
+    recorded the job's end into nothing. The admin deletes such a job or call neither from its
+    page nor by the list's action, and says why; a finished one it deletes as before."""
+    client = _staff_client()
+    user = _user()
+    job = running_job(user=user)
+    call = demo_call(user=user, job=job)  # executing
+    done = running_job(user=user, status="completed", finished_at=timezone.now())
+    for url, data in (
+        (f"/admin/execution/execjob/{job.pk}/delete/", {"post": "yes"}),
+        ("/admin/execution/execjob/", {"action": "delete_selected", "_selected_action": [job.pk], "post": "yes"}),
+        (f"/admin/execution/toolcall/{call.pk}/delete/", {"post": "yes"}),
+        ("/admin/execution/toolcall/", {"action": "delete_selected", "_selected_action": [call.pk], "post": "yes"}),
+    ):
+        page = client.post(url, data)
+        assert ExecJob.objects.filter(pk=job.pk).exists() and ToolCall.objects.filter(pk=call.pk).exists(), url
+        assert call.call_id in page.content.decode(), url  # named as what keeps it
+    assert (
+        f"job {job.call_id} (running: cancel it first)"
+        in client.get(f"/admin/execution/execjob/{job.pk}/delete/").content.decode()
+    )
+    client.post(f"/admin/execution/execjob/{done.pk}/delete/", {"post": "yes"})
+    assert not ExecJob.objects.filter(pk=done.pk).exists()
