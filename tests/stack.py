@@ -122,6 +122,25 @@ def process_names() -> list[str]:
     return names
 
 
+def peak_reset(pid: int) -> int:
+    """Start process ``pid``'s peak resident size (``VmHWM``) again from its size now; return that
+    size, in MiB: ``peak_mb(pid)`` minus it is how far it rose since."""
+    now = _status_mb(pid, "VmRSS")
+    with open(f"/proc/{pid}/clear_refs", "w") as refs:
+        refs.write("5")
+    return now
+
+
+def peak_mb(pid: int) -> int:
+    """Process ``pid``'s peak resident size since it started, or since ``peak_reset``, in MiB."""
+    return _status_mb(pid, "VmHWM")
+
+
+def _status_mb(pid: int, field: str) -> int:
+    with open(f"/proc/{pid}/status") as status:
+        return int(next(line for line in status if line.startswith(f"{field}:")).split()[1]) // 1024
+
+
 def sandboxes_of(pid: int) -> list[str]:
     """The live sandboxes under process ``pid`` (a worker): the pids of their outermost processes,
     which the fork server names ``ptc-sandbox``."""

@@ -12,7 +12,7 @@ from django.utils import timezone
 from tests.conftest import Api
 from tests.execution.client_loop import sse_events
 from tests.execution.rival import _a_statement_waits_for_a_lock
-from tests.stack import Stack
+from tests.stack import Stack, peak_mb, peak_reset
 
 
 def _submit(api: Api, code: str, names: list[str]) -> dict[str, Any]:
@@ -135,12 +135,6 @@ def test_a_session_past_its_time_holds_no_place_in_the_jobs_at_once_quota(api: A
     api.http.delete(f"/api/v1/sessions/{session['id']}")
 
 
-def _memory_mb(pid: int, field: str) -> int:
-    """The process's ``VmRSS`` (resident now) or ``VmHWM`` (its peak), in MiB."""
-    with open(f"/proc/{pid}/status") as status:
-        return int(next(line for line in status if line.startswith(f"{field}:")).split()[1]) // 1024
-
-
 def test_a_page_of_heavy_jobs_is_sent_as_it_is_read(stack: Stack, api: Api) -> None:
     # A list page was built whole before a byte of it was sent: every job with every call's input
     # and output (up to PTC_MAX_JOB_TOOL_BYTES each), 50 jobs a page by default and up to 500, so one
@@ -159,13 +153,11 @@ def test_a_page_of_heavy_jobs_is_sent_as_it_is_read(stack: Stack, api: Api) -> N
             demo_call(user=user, job=job, status=ToolCall.Status.COMPLETED, output=payload)
     assert stack.web.proc is not None
     pid = stack.web.proc.pid
-    before = _memory_mb(pid, "VmRSS")
-    with open(f"/proc/{pid}/clear_refs", "w") as refs:  # VmHWM starts again from the RSS of now
-        refs.write("5")
+    before = peak_reset(pid)
     with api.http.stream("GET", "/api/v1/exec?page_size=50") as response:
         assert response.status_code == 200
         body = b"".join(response.iter_bytes())
-    risen = _memory_mb(pid, "VmHWM") - before
+    risen = peak_mb(pid) - before
     page = json.loads(body)
     assert page["count"] == 40 and page["next"] is None and page["previous"] is None
     assert [job["id"] for job in page["results"]] == [str(job.pk) for job in reversed(jobs)]  # newest first
@@ -245,13 +237,11 @@ def test_a_heavy_jobs_view_is_sent_as_it_is_read(stack: Stack, api: Api) -> None
         ("GET", "/api/v1/exec?page_size=1"),
         ("POST", f"/api/v1/exec/{job.pk}/cancel"),
     ]:
-        before = _memory_mb(pid, "VmRSS")
-        with open(f"/proc/{pid}/clear_refs", "w") as refs:
-            refs.write("5")
+        before = peak_reset(pid)
         with api.http.stream(method, path) as response:
             assert response.status_code == 200, response.read()[:300]
             body = json.loads(b"".join(response.iter_bytes()))
-        risen = _memory_mb(pid, "VmHWM") - before
+        risen = peak_mb(pid) - before
         view = body["results"][0] if "results" in body else body
         if method == "POST":  # cancelled since
             assert (view["status"], view["finished_at"] is not None) == ("cancelled", True)

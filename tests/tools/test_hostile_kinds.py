@@ -19,7 +19,7 @@ import pytest
 from django.conf import settings
 
 from tests.conftest import Api
-from tests.stack import ARTIFACTS, Stack
+from tests.stack import ARTIFACTS, Stack, peak_mb, peak_reset
 from tests.tools.conftest import HERE, mcp_stdio_config, unique_key
 from tools.sdk import class_name
 
@@ -404,25 +404,32 @@ def test_enum_values_are_matched_as_json_schema_has_it() -> None:
         assert error is not None and error.message == f"{value!r} is not one of {allowed!r}", value
 
 
-def test_a_long_list_is_checked_against_a_large_enum_in_time(api: Api, hostile: str) -> None:
-    """Each of 100,000 items (800 KB, under a call's limit) against an enum of 5,000 values: jsonschema
-    compares an item with each value in turn, and words each miss with the whole enum's repr (40 KB),
-    half a billion comparisons on the exec worker's bridge. The check takes as long as reading the
-    list; a miss is still found, and said with the first of the values."""
+def _timed_calls(api: Api, hostile: str, tool: str, argument: str, *values: str) -> list[list[str]]:
+    """Call the hostile toolset's ``tool`` once with each of ``values`` (Python expressions) as its
+    ``argument``, from one job; return each call's ``[outcome, what it said, seconds]``: ``ok`` and
+    its result, or the refusal's code and message."""
     code = f"""
 import time
 from ptc_tools import ToolError
 from ptc_tools.{hostile} import {class_name(hostile)} as T
-for picks in (["v4999"] * 100_000, ["v1"] * 50_000 + ["nope"] * 50_000):
+for value in ({", ".join(values)},):
     started = time.monotonic()
     try:
-        print("ok |", T.pick(picks=picks), "|", round(time.monotonic() - started, 1))
+        print("ok |", T.{tool}({argument}=value), "|", round(time.monotonic() - started, 1))
     except ToolError as e:
         print(e.code, "|", e.message, "|", round(time.monotonic() - started, 1))
 """
     job = api.run(code, toolsets=[hostile])
     assert job["status"] == "completed", job["error"]
-    ok, nope = [line.split(" | ") for line in job["stdout"].splitlines()]
+    return [line.split(" | ") for line in job["stdout"].splitlines()]
+
+
+def test_a_long_list_is_checked_against_a_large_enum_in_time(api: Api, hostile: str) -> None:
+    """Each of 100,000 items (800 KB, under a call's limit) against an enum of 5,000 values: jsonschema
+    compares an item with each value in turn, and words each miss with the whole enum's repr (40 KB),
+    half a billion comparisons on the exec worker's bridge. The check takes as long as reading the
+    list; a miss is still found, and said with the first of the values."""
+    ok, nope = _timed_calls(api, hostile, "pick", "picks", '["v4999"] * 100_000', '["v1"] * 50_000 + ["nope"] * 50_000')
     assert ok[:2] == ["ok", "{'ok': True}"] and float(ok[2]) < 5, ok
     assert nope[0] == "invalid_arguments" and float(nope[2]) < 5, nope
     assert re.fullmatch(r"picks/\d+: 'nope' is not one of the 5000 values allowed: \['v0', 'v1', .*, \.\.\.\]", nope[1]), nope
@@ -433,20 +440,7 @@ def test_patterns_are_bounded_over_a_whole_call_not_only_each_match(api: Api, ho
     to refuse, under the 0.1 s a match may take: the call's matches are bounded in all, so the
     call is refused in about a second, not after the half minute all of them take; one item that
     matches still goes."""
-    code = f"""
-import time
-from ptc_tools import ToolError
-from ptc_tools.{hostile} import {class_name(hostile)} as T
-for words in (["a" * 25 + "!"] * 1000, ["aaaa"]):
-    started = time.monotonic()
-    try:
-        print("ok |", T.spell(words=words), "|", round(time.monotonic() - started, 1))
-    except ToolError as e:
-        print(e.code, "|", e.message, "|", round(time.monotonic() - started, 1))
-"""
-    job = api.run(code, toolsets=[hostile])
-    assert job["status"] == "completed", job["error"]
-    slow, ok = [line.split(" | ") for line in job["stdout"].splitlines()]
+    slow, ok = _timed_calls(api, hostile, "spell", "words", '["a" * 25 + "!"] * 1000', '["aaaa"]')
     assert slow[0] == "invalid_arguments" and float(slow[2]) < 5, slow
     assert slow[1].startswith("the tool's input schema has patterns that took over 1 s in all to match"), slow
     assert ok[:2] == ["ok", "{'ok': True}"], ok
@@ -606,12 +600,6 @@ def test_json_with_a_number_too_long_to_read_is_not_said_not_to_be_json(api: Api
     ), bigint[:200]
 
 
-def _memory_mb(pid: int, field: str) -> int:
-    """The process's ``VmRSS`` (resident now) or ``VmHWM`` (its peak), in MiB."""
-    with open(f"/proc/{pid}/status") as status:
-        return int(next(line for line in status if line.startswith(f"{field}:")).split()[1]) // 1024
-
-
 def test_a_compressed_answer_is_inflated_no_further_than_a_call_may_answer(stack: Stack, api: Api, hostile: str) -> None:
     """200 MiB of gzip (200 KiB sent), and of deflate then gzip (a few hundred bytes sent), as an
     answer and as an error's body: httpx inflates each piece the server sends whole, before our
@@ -624,12 +612,10 @@ def test_a_compressed_answer_is_inflated_no_further_than_a_call_may_answer(stack
     """
     assert stack.tools_worker.proc is not None
     pid = stack.tools_worker.proc.pid
-    before = _memory_mb(pid, "VmRSS")
-    with open(f"/proc/{pid}/clear_refs", "w") as refs:  # VmHWM starts again from the RSS of now
-        refs.write("5")
+    before = peak_reset(pid)
     bombs = 'T.bomb(enc="gzip")\nT.bomb(enc="deflate, gzip")\nT.bomb(enc="gzip", status=500)\n'
     job, lines = _calls(api, hostile, bombs + 'T.zipped(enc="gzip")\nT.zipped(enc="deflate")')
-    risen = _memory_mb(pid, "VmHWM") - before
+    risen = peak_mb(pid) - before
     gzip, twice, error, zipped, deflated = lines
     most = settings.PTC_MAX_TOOL_OUTPUT_BYTES
     assert gzip == twice == f"output_too_large | GET /bomb answered over {most} bytes; the limit is {most}", (gzip, twice)
@@ -659,12 +645,10 @@ def test_an_mcp_server_line_too_long_to_be_an_answer_ends_its_session_not_the_wo
     assert _calls(api, key, "T.plain()")[1] == ["ok | plain"]  # the SDK loaded, a session open: not counted
     assert stack.tools_worker.proc is not None
     pid = stack.tools_worker.proc.pid
-    before = _memory_mb(pid, "VmRSS")
-    with open(f"/proc/{pid}/clear_refs", "w") as refs:  # VmHWM starts again from the RSS of now
-        refs.write("5")
+    before = peak_reset(pid)
     started = time.monotonic()
     job, lines = _calls(api, key, "T.huge()\nT.plain()")
-    seconds, risen = time.monotonic() - started, _memory_mb(pid, "VmHWM") - before
+    seconds, risen = time.monotonic() - started, peak_mb(pid) - before
     huge, plain = lines
     most = 4 * settings.PTC_MAX_TOOL_OUTPUT_BYTES
     too_long = f"the server sent a line of over {most:,} bytes, more than any answer may be; its session was closed"
@@ -757,11 +741,9 @@ def test_an_mcp_answer_over_http_is_read_no_further_than_any_answer_may_be(
     assert _calls(api, key, "T.plain()")[1] == ["ok | plain"]  # the SDK loaded, a session open: not counted
     assert stack.tools_worker.proc is not None
     pid = stack.tools_worker.proc.pid
-    before = _memory_mb(pid, "VmRSS")
-    with open(f"/proc/{pid}/clear_refs", "w") as refs:  # VmHWM starts again from the RSS of now
-        refs.write("5")
+    before = peak_reset(pid)
     job, lines = _calls(api, key, "T.huge()\nT.plain()")
-    risen = _memory_mb(pid, "VmHWM") - before
+    risen = peak_mb(pid) - before
     huge, plain = lines
     most = 4 * settings.PTC_MAX_TOOL_OUTPUT_BYTES
     assert huge == (
