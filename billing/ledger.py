@@ -73,8 +73,7 @@ class PostgresLedger(Ledger):
     )
     INSERT INTO {reservation} (account_id, tool_call_id, exec_job_id, amount, due_amount, meta, status, created_at)
     SELECT held.id, c.call, %(job)s, c.amount, c.due, c.meta, 'held', now()
-    FROM held,
-         unnest(%(calls)s::text[], %(amounts)s::bigint[], %(dues)s::bigint[], %(metas)s::jsonb[]) AS c(call, amount, due, meta)
+    FROM held, jsonb_to_recordset(%(holds)s::jsonb) AS c(call text, amount bigint, due bigint, meta jsonb)
     """.format(**_TABLES)  # noqa: S608 - table names from the models, values as parameters
     # One statement for a batch of one account's calls (a fan-out finishing together): the account's
     # row is updated once, with the batch's total; each call gets its usage and ledger row. The
@@ -123,10 +122,10 @@ class PostgresLedger(Ledger):
             "account_id": account_id,
             "total": sum(hold.amount for hold in holds),
             "job": exec_job_id,
-            "calls": [hold.tool_call_id for hold in holds],
-            "amounts": [hold.amount for hold in holds],
-            "dues": [hold.due_amount for hold in holds],
-            "metas": [json.dumps(hold.meta) for hold in holds],
+            # One JSON parameter, not four arrays: psycopg's adapting of arrays is the slower.
+            "holds": json.dumps(
+                [{"call": h.tool_call_id, "amount": h.amount, "due": h.due_amount, "meta": h.meta} for h in holds]
+            ),
         }
         with connection.cursor() as cursor:
             cursor.execute(self.RESERVE, params)
