@@ -527,9 +527,10 @@ class Backplane:
     def ping(self) -> None:
         """Raise if the backplane's server can't be reached (nothing to reach without one)."""
 
-    def events_append(self, job_call_id: str, events: Events) -> None:
+    def events_append(self, job_call_id: str, events: Events, *, expire: int | None = None) -> None:
         """Append events to the job's log in one round trip, in order. Never raises: a lost event
-        must not fail the job (the records stay the truth)."""
+        must not fail the job (the records stay the truth). ``expire``: the log's expiry, in
+        seconds from now, unless its end is among them (which sets the retention)."""
 
     def publish_then_append(self, messages: Pushes, events: JobsEvents) -> None:
         """Push ``messages`` ``(channel, message)``, then append ``events`` ``(job call_id, events)``
@@ -594,12 +595,14 @@ class RedisBackplane(Backplane):
     def stream_key(job_call_id: str) -> str:
         return f"{settings.PTC_REDIS_PREFIX}ptc:events:{job_call_id}"
 
-    def events_append(self, job_call_id: str, events: Events) -> None:
+    def events_append(self, job_call_id: str, events: Events, *, expire: int | None = None) -> None:
         if not events:
             return
         try:
             pipe = self.client.pipeline(transaction=False)
             self.events_into(pipe, [(job_call_id, events)])
+            if expire is not None and all(event != "exec_end" for event, _ in events):
+                pipe.expire(self.stream_key(job_call_id), expire)
             pipe.execute()
         except Exception:  # the records stay the truth; a reader rebuilds from them
             logger.warning("could not append events", extra={"job_id": job_call_id}, exc_info=True)
@@ -663,7 +666,7 @@ class LocalBackplane(Backplane):
     def _publish(self, channel: str, data: dict[str, Any]) -> None:
         _socket_publish(channel, data)
 
-    def events_append(self, job_call_id: str, events: Events) -> None:
+    def events_append(self, job_call_id: str, events: Events, *, expire: int | None = None) -> None:
         if events:  # no log: readers rebuild from the records; wake them
             self.publish(job_channel(job_call_id), Changed())
 

@@ -127,14 +127,15 @@ FOLLOW_RETRY_SECONDS = 5
 
 
 # -- Publishing (workers) ------------------------------------------------------------------------
-def event_publish(*, job_call_id: str, event: str, data: dict[str, Any]) -> None:
+def event_publish(*, job_call_id: str, event: str, data: dict[str, Any], expire: int | None = None) -> None:
     """Append an event to the job's stream. Never raises: a lost event must not fail the job."""
-    events_publish(job_call_id=job_call_id, events=[(event, data)])
+    events_publish(job_call_id=job_call_id, events=[(event, data)], expire=expire)
 
 
-def events_publish(*, job_call_id: str, events: Events) -> None:
-    """Append events to the job's log in one round trip, in order. Never raises."""
-    backplane().events_append(job_call_id, events)
+def events_publish(*, job_call_id: str, events: Events, expire: int | None = None) -> None:
+    """Append events to the job's log in one round trip, in order (``expire``: the log's expiry,
+    in seconds, unless its end is among them). Never raises."""
+    backplane().events_append(job_call_id, events, expire=expire)
 
 
 def events_publish_by_job(events: list[tuple[str, tuple[str, dict[str, Any]]]]) -> None:

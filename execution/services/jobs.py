@@ -3,6 +3,7 @@
 import functools
 import json
 import logging
+import math
 import os
 import socket
 import time
@@ -391,8 +392,15 @@ def _exec_job_sandbox(*, job: ExecJob, node: str, channel: Subscription) -> Outc
     if isinstance(prepared, Outcome):
         return prepared
     job, router, sdk_files = prepared
-    event_publish(job_call_id=job.call_id, event="exec_start", data=job_start_payload(job))
     limits = Limits.from_dict(job.limits)
+    # Its log expires even if its end never reaches it (this worker killed as the end was stored,
+    # Redis away at that moment: a reader appends it from the records, but a log no one read stayed
+    # for good). Well past the longest the job can take: its clock, its waits on the client, calls
+    # still running at its end (a ceiling's worth), its lease and its end's retries; then the
+    # retention. Its end, appended, sets the retention.
+    lifetime = limits.timeout + limits.max_client_wait + settings.PTC_TIMEOUT_CEILING
+    lifetime += settings.PTC_JOB_LEASE_SECONDS + settings.PTC_DB_RETRY_SECONDS + settings.PTC_EVENTS_RETENTION_SECONDS
+    event_publish(job_call_id=job.call_id, event="exec_start", data=job_start_payload(job), expire=math.ceil(lifetime))
     # Cancelled since its claim: no sandbox is taken for it (a session's would be lost with it).
     # After a reconnect, a cancel pushed meanwhile is lost: the record says.
     for message in channel.drain():

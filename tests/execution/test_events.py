@@ -337,6 +337,26 @@ def test_a_job_whose_end_was_never_logged_still_ends_its_stream(api: Api) -> Non
     assert [line for line in again if line.startswith(("id:", "event:", "data:"))] == []
 
 
+def test_a_job_log_expires_even_if_its_end_never_reaches_it(api: Api) -> None:
+    """A log took its expiry with its end: one whose end was never appended (its worker killed as
+    the end was stored, Redis away at that moment) and that no reader came for stayed in Redis for
+    good. It expires from its start, well after the job can have ended; its end shortens that to
+    the retention."""
+    from django.conf import settings
+
+    job = api.run("print('up', flush=True)\nimport time\ntime.sleep(30)", toolsets=["demo"], wait=0, timeout=40)
+    assert api.until_printed(job["id"]) == "up\n"
+    client = redis.Redis.from_url(REDIS_URL)
+    key = RedisBackplane.stream_key(job["call_id"])
+    running = client.ttl(key)
+    # Its clock (40 s), its waits on the client (the policy's 600 s), a ceiling, the stack's lease
+    # (4 s), the retries of its end, then the retention: a few seconds less by now.
+    longest = 40 + 600 + settings.PTC_TIMEOUT_CEILING + 4 + settings.PTC_DB_RETRY_SECONDS
+    assert longest + 3600 - 30 < running <= longest + 3600, running
+    assert api.post(f"/api/v1/exec/{job['id']}/cancel").status_code == 200
+    assert 3600 - 30 < client.ttl(key) <= 3600  # its end appended: the retention
+
+
 def test_a_live_reader_gets_a_large_input_of_a_call_no_tools_worker_has_taken_yet(api: Api, staff: Api) -> None:
     """A call for a tools worker is announced (``tool_call_start``) before it is recorded: the
     worker that claims it writes its record. Its start, logged without its large input, was filled
