@@ -954,7 +954,8 @@ def _tool_calls_finish_postgres(batch: list[_Ran]) -> list[bool]:
     now = timezone.now()
     fields = [_finished_fields(output=ran.reply.get("result"), error=ran.reply.get("error"), now=now) for ran in batch]
     settles = [ran.billed and not f["error"] for ran, f in zip(batch, fields, strict=True)]
-    # The batch as one JSON parameter: as seven arrays, psycopg's adapting of them took 0.3 ms.
+    # The batch as one JSON parameter: as seven arrays, the statement took 0.25 ms more (a half of
+    # that psycopg's adapting of them, the rest PostgreSQL's unnesting), a third of its time.
     calls = [
         {"call_id": ran.call.call_id, "status": f["status"].value, "output": f["output"], "error": f["error"], "settles": settle}
         for ran, f, settle in zip(batch, fields, settles, strict=True)
