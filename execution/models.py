@@ -92,9 +92,12 @@ class ExecJob(models.Model):
             models.Index(fields=["status", "heartbeat_at"]),
             # Retention's scan: finished jobs not purged yet, oldest first.
             models.Index(fields=["finished_at"], condition=models.Q(purged_at__isnull=True), name="execjob_unpurged_finished"),
-            # The reaper's scan for jobs cancelled as they ran that nobody closed (a handful at most).
+            # The reaper's scan for ended jobs not closed yet (a handful at most: those cancelled as
+            # they ran, or waiting for their calls, whose worker has not closed them yet).
             models.Index(
-                fields=["finished_at"], condition=models.Q(status="cancelled", closed_at__isnull=True), name="execjob_unclosed"
+                fields=["finished_at"],
+                condition=models.Q(finished_at__isnull=False, closed_at__isnull=True),
+                name="execjob_ended_unclosed",
             ),
         ]
         constraints = [

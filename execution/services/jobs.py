@@ -583,13 +583,19 @@ def exec_job_finish(*, job_id: Any, call_id: str, outcome: Outcome, user: User |
         **sdk,
     }
     result = {"status": outcome.status, "return_value": storable(outcome.return_value), "error": storable(outcome.error)}
+    calls = outcome.timings.get("tool_calls")
+    # A job that made no call (from its sandbox or with its key) is closed as its end is stored:
+    # its close has nothing to wait for. Any other is closed by its close, which claims closed_at
+    # once its running calls have ended: this worker killed while it waits for them, the reaper
+    # closes the job and announces its end (_exec_jobs_close_left).
+    closed = {"closed_at": now} if calls == 0 and not outcome.key_made else {}
 
     def store() -> ExecJob | None:
         # No transaction: each UPDATE is whole on its own, and the second only runs when the first
         # found the job no longer running (BEGIN and COMMIT were two round trips on every job's end).
         # Each returns the job as stored (None: not in that status), so its close need not read it.
         try:
-            ended = {"finished_at": now, "closed_at": now, **result, **output}
+            ended = {"finished_at": now, **closed, **result, **output}
             stored = rows.update_returning(ExecJob, pk=job_id, status=Status.RUNNING, values=ended)
             if stored is None:
                 # Cancelled while it ran: keep that status, but keep what the code printed too. Not
@@ -601,13 +607,12 @@ def exec_job_finish(*, job_id: Any, call_id: str, outcome: Outcome, user: User |
         except DatabaseError:  # the value itself can't be stored: the job still ends, and says why
             logger.exception("could not store a job's outcome", extra={"job_id": str(job_id)})
             error = job_error("InternalError", "the job's output could not be stored")
-            values = {"status": Status.FAILED, "error": error, "finished_at": now, "closed_at": now, **sdk}
+            values = {"status": Status.FAILED, "error": error, "finished_at": now, **closed, **sdk}
             stored = rows.update_returning(ExecJob, pk=job_id, status=Status.RUNNING, values=values)
         if stored is not None and user is not None:
             stored.user = user
         return stored
 
-    calls = outcome.timings.get("tool_calls")
     # The job's sandbox waits for its end to be out (outcome.spent), not for a database that is away:
     # what its threads do meanwhile is no longer read, and its memory is held.
     sandbox_gone = functools.partial(_spent_reap, outcome)
@@ -674,9 +679,10 @@ def _exec_job_close(
         rows.prefetched(job, "tool_calls", [])
     else:
         prefetch_related_objects([job], CALLS_IN_ORDER)
-    # A job cancelled as it ran, closed by its worker: closed_at is claimed here, before its end is
-    # announced (the reaper may have closed it, if this worker stopped renewing its lease).
-    to_claim = job.status == Status.CANCELLED and job.closed_at is None
+    # A job not closed as its end was stored (it made calls, or was cancelled as it ran): closed_at
+    # is claimed here, before its end is announced (the reaper may have closed it, if this worker
+    # stopped renewing its lease).
+    to_claim = job.closed_at is None
     if job.session_id is not None:  # before the end is announced: whoever sees it can send the next job
         exec_session_job_ended(session_id=job.session_id, job_id=job.pk)
     # Calls left open (usually none): queued ones fail as never run (a tools worker that claimed one
@@ -975,11 +981,12 @@ def exec_jobs_reap() -> int:
 
 
 def _exec_jobs_close_left() -> None:
-    """Close the jobs cancelled while they ran whose worker died before it closed them (their calls
-    left open and their prices held, their end never announced): the only ones ended and left to
-    someone else to close. Once their worker, alive, would have given up recording their end (a
-    lease, and its retries through a database outage). What the code printed is kept from the
-    events, as for a job whose worker died.
+    """Close the ended jobs whose worker died before it closed them (their calls left open and their
+    prices held, their end never announced): those cancelled as they ran, and those that ended with
+    calls, killed while the close waited for them. Once their worker, alive, would have given up
+    recording their end (a lease, and its retries through a database outage). What a cancelled
+    job's code printed is kept from the events, as for a job whose worker died (the others had
+    theirs stored with their end).
 
     A worker alive whose close waits for the job's running calls renews the job's lease meanwhile
     (_running_calls_await): the job is left to it until that lapses too.
@@ -990,13 +997,13 @@ def _exec_jobs_close_left() -> None:
     lapsed = Q(heartbeat_at__isnull=True) | Q(heartbeat_at__lt=timezone.now() - timedelta(seconds=settings.PTC_JOB_LEASE_SECONDS))
     # A managed container's, cancelled as a tools worker ran a call of it, has no worker: at once.
     unowned = Q(lapsed, finished_at__lt=stale) | ~Q(container_id="")
-    left = ExecJob.objects.filter(unowned, status=Status.CANCELLED, closed_at__isnull=True)
-    for job_id, call_id, container_id in left.values_list("pk", "call_id", "container_id"):
+    left = ExecJob.objects.filter(unowned, status__in=ExecJob.FINISHED, closed_at__isnull=True)
+    for job_id, call_id, container_id, status in left.values_list("pk", "call_id", "container_id", "status"):
         if _calls_still_running(job_id=job_id):
             continue  # closed once they have: its end, announced here without waiting, is then final
         if not container_id:
             logger.warning("a job ended and its worker did not close it; closing it", extra={"job_id": str(job_id)})
-        printed = _printed_from_events(call_id)
+        printed = _printed_from_events(call_id) if status == Status.CANCELLED else {}
         if ExecJob.objects.filter(pk=job_id, closed_at__isnull=True).update(closed_at=timezone.now(), **printed):
             _exec_job_close(job_id=job_id)
 

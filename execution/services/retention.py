@@ -104,9 +104,10 @@ def exec_jobs_purge(*, now: datetime | None = None, batch_size: int = PURGE_BATC
     # Not while a call of it is still open: one a tools worker took before the job ended finishes
     # after it, and would write its output (and its events) back into the purged job.
     still_open = ToolCall.objects.filter(exec_job=OuterRef("pk"), status__in=ToolCall.OPEN)
-    # Nor while a job cancelled as it ran is not closed yet: its worker, killing its sandbox, still
-    # writes what the code printed and wrote (a purge before would be written over, for good).
-    unclosed = Q(status=ExecJob.Status.CANCELLED, closed_at__isnull=True)
+    # Nor while a job is not closed yet: its worker (or the reaper) still writes to it, a cancelled
+    # one what the code printed and wrote, and announces its end from it (a purge before would be
+    # written over, for good, or announced purged).
+    unclosed = Q(closed_at__isnull=True)
     unpurged = ExecJob.objects.filter(
         ~Exists(still_open), ~unclosed, status__in=ExecJob.FINISHED, purged_at__isnull=True, finished_at__isnull=False
     )

@@ -195,12 +195,17 @@ class _WorkerKilled(BaseException):
     """What stands for the worker's process dying where it is raised: nothing after it runs."""
 
 
-def test_a_cancelled_job_whose_worker_dies_while_its_end_waits_for_a_call_is_closed_by_the_reaper(api: Api, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    """The worker stored a cancelled job's end as closed before it waited for its running calls:
-    killed during that wait (up to a tool's timeout), it left the end never announced, and no one
-    to announce it (the reaper closes only cancelled jobs not closed), so event streams followed it
-    until its events were purged. Now the reaper closes it once the worker stops renewing its
-    lease (and the call has ended); while the worker waits, renewing it, the reaper leaves it be."""
+@pytest.mark.parametrize("status", ["cancelled", "completed"])
+def test_a_job_whose_worker_dies_while_its_end_waits_for_a_call_is_closed_by_the_reaper(
+    api: Api, monkeypatch: pytest.MonkeyPatch, status: str
+) -> None:
+    """The worker stored a job's end as closed before it waited for its running calls: killed
+    during that wait (up to a tool's timeout), it left the end never announced, and no one to
+    announce it (the reaper closed only cancelled jobs not closed), so event streams followed it
+    until its events were purged, and a client waiting for its end (POST /exec with ``wait``) slept
+    out its wait. Now a job that made calls is closed by its close once they have ended, and the
+    reaper closes it once the worker stops renewing its lease (and the call has ended); while the
+    worker waits, renewing it, the reaper leaves it be."""
     from django.contrib.auth import get_user_model
     from django.utils import timezone
 
@@ -216,14 +221,17 @@ def test_a_cancelled_job_whose_worker_dies_while_its_end_waits_for_a_call_is_clo
     # reaper must not fail it as lost).
     ahead = timezone.now() + timedelta(hours=1)
     running = demo_call(user=user, job=job, tool="sleep", input={"ms": 1}, claimed_at=timezone.now(), heartbeat_at=ahead)
-    jobs.exec_job_cancel(job=job)
+    if status == "cancelled":
+        jobs.exec_job_cancel(job=job)
 
     def killed(**_: object) -> None:
         raise _WorkerKilled
 
     monkeypatch.setattr(jobs, "_running_calls_await", killed)
+    outcome = Outcome(status=status, timings={"tool_calls": 1})
     with pytest.raises(_WorkerKilled):
-        jobs.exec_job_finish(job_id=job.pk, call_id=job.call_id, outcome=Outcome(status="cancelled"), user=user)
+        jobs.exec_job_finish(job_id=job.pk, call_id=job.call_id, outcome=outcome, user=user)
+    assert ExecJob.objects.get(pk=job.pk).status == status
     long_ago = timezone.now() - timedelta(hours=1)
     try:
         # Its worker alive, waiting, renews the job's lease: the reaper leaves the job to it.
@@ -237,7 +245,33 @@ def test_a_cancelled_job_whose_worker_dies_while_its_end_waits_for_a_call_is_clo
     jobs.exec_jobs_reap()
     ends = _logged_ends(job.call_id)  # the stack's own workers reap too: one may have closed it first
     assert ExecJob.objects.get(pk=job.pk).closed_at is not None
-    assert [c["status"] for c in ends[0]["tool_calls"]] == ["completed"]
+    assert [(end["status"], [c["status"] for c in end["tool_calls"]]) for end in ends] == [(status, ["completed"])]
+
+
+def test_jobs_that_ended_before_closing_was_recorded_are_taken_as_closed(api: Api) -> None:
+    """The reaper closes any ended job not closed: jobs that ended before ``closed_at`` was written
+    for them (it was for cancelled ones only) are marked closed by the migration that made it so,
+    as they were; a job cancelled as it ran and not closed yet stays for its worker or the reaper."""
+    import importlib
+
+    from django.apps import apps
+    from django.contrib.auth import get_user_model
+    from django.utils import timezone
+
+    from execution.models import ExecJob
+    from tests.factories import running_job
+
+    migration = importlib.import_module("execution.migrations.0012_execjob_ended_unclosed")
+    user = get_user_model().objects.get(username=api.username)
+    ended = timezone.now() - timedelta(days=30)
+    # A lease just renewed: the stack's own reaper, closing ended jobs not closed, leaves them be.
+    lease = {"finished_at": ended, "heartbeat_at": timezone.now()}
+    old = [running_job(user=user, status=status, **lease) for status in ("completed", "failed", "timeout")]
+    cancelled = running_job(user=user, status="cancelled", **lease)
+    migration.ended_jobs_closed(apps, None)
+    assert [job.closed_at for job in ExecJob.objects.filter(pk__in=[job.pk for job in old])] == [ended] * 3
+    assert ExecJob.objects.get(pk=cancelled.pk).closed_at is None
+    ExecJob.objects.filter(pk=cancelled.pk).update(closed_at=ended)  # not the stack's reaper's to close
 
 
 def test_a_job_whose_worker_died_is_ended_once_the_calls_tools_workers_run_have_ended(api: Api) -> None:
