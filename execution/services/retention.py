@@ -31,15 +31,21 @@ PURGED = "(removed by retention)"
 def _cutoffs(*, now: datetime) -> list[tuple[Q, datetime]]:
     """Whose rows finished before when are past retention: one (users, cutoff) per retention in force.
 
-    Users with their own ``retention_days`` (grouped by it), then everyone else at
-    PTC_RETENTION_DAYS, unless it is unset (kept forever).
+    Users with their own ``retention_days`` (grouped by it; none for a retention longer than the
+    calendar reaches back), then everyone else at PTC_RETENTION_DAYS, unless it is unset (kept forever).
     """
     overrides = UserSettings.objects.filter(retention_days__isnull=False)
     by_days: dict[int, list[int]] = defaultdict(list)
     for user_id, days in overrides.values_list("user_id", "retention_days"):
         if days is not None:  # the filter says so; mypy can't see it
             by_days[days].append(user_id)
-    cutoffs = [(Q(user_id__in=users), now - timedelta(days=days)) for days, users in by_days.items()]
+    cutoffs = []
+    for days, users in by_days.items():
+        # The admin takes any days the column holds (up to 2**31 - 1): a retention reaching back past
+        # the calendar's start (about 739,000 days) keeps everything, and its OverflowError ended
+        # every round, so nobody's jobs were purged.
+        if days < (now - datetime.min.replace(tzinfo=now.tzinfo)).days:
+            cutoffs.append((Q(user_id__in=users), now - timedelta(days=days)))
     if settings.PTC_RETENTION_DAYS is not None:
         cutoffs.append((~Q(user_id__in=overrides.values("user_id")), now - timedelta(days=settings.PTC_RETENTION_DAYS)))
     return cutoffs

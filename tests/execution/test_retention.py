@@ -161,3 +161,18 @@ def test_a_job_is_purged_once_its_calls_have_ended_and_a_late_record_brings_no_i
     services.tool_call_execute(call_id=queued.call_id, record=services.tool_call_signed(queued))
     late = ToolCall.objects.get(call_id=queued.call_id)
     assert (late.status, late.error["code"], late.input) == ("failed", "job_ended", {})
+
+
+def test_a_retention_of_thousands_of_years_keeps_that_user_and_purges_everyone_else() -> None:
+    """The admin takes any retention_days its column holds: one user's 1,000,000 days (more than
+    the calendar reaches back from today) keeps their jobs, and stops nobody else's purge."""
+    from tests.factories import running_job
+
+    keeper, other = (get_user_model().objects.create_user(username=f"{n}-{uuid.uuid4().hex[:6]}") for n in ("k", "o"))
+    UserSettings.objects.create(user=keeper, retention_days=1_000_000)
+    UserSettings.objects.create(user=other, retention_days=0)
+    ended = {"status": "completed", "code": "print('private')", "finished_at": timezone.now() - timedelta(seconds=1)}
+    kept, purged = running_job(user=keeper, **ended), running_job(user=other, **ended)
+    exec_jobs_purge()
+    assert ExecJob.objects.get(pk=purged.pk).purged_at is not None
+    assert ExecJob.objects.get(pk=kept.pk).code == "print('private')"
