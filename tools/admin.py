@@ -65,6 +65,11 @@ class ToolInline(admin.StackedInline):
     fields = ("name", "remote_name", *TOOL_FIELDS)  # what the API writes, in the same order
     formfield_overrides = _PRETTY
 
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        # ``obj`` is the toolset: a builtin's tools are kept, as from their own page (BUILTIN_KEPT).
+        builtin = obj is not None and obj.kind == Toolset.Kind.BUILTIN
+        return not builtin and super().has_delete_permission(request, obj)
+
 
 class ToolsetForm(forms.ModelForm):
     set_secrets = forms.JSONField(
@@ -139,6 +144,25 @@ class ToolsetForm(forms.ModelForm):
         return toolset
 
 
+# Why the admin keeps a builtin toolset, or a tool of one, from a delete: the API refuses it
+# (builtin_toolset). Deleted, every job's calls of it failed unknown_tool and new jobs
+# unknown_toolset until the next migrate, and its discounts, which migrate does not bring back,
+# went with it.
+BUILTIN_KEPT = "migrate brings it back: disable it instead"
+
+
+def _also_protected(deleted: tuple[Any, Any, Any, list[Any]], kept: list[str]) -> tuple[Any, ...]:
+    """``deleted`` (what ModelAdmin.get_deleted_objects returns) with ``kept`` named as protected:
+    the admin then deletes nothing, and says why."""
+    to_delete, counts, perms_needed, protected = deleted
+    return to_delete, counts, perms_needed, [*kept, *protected]
+
+
+def _pks(objs: Any) -> list[Any]:
+    """The primary keys of ``objs``, a queryset (the delete action's) or a list (the delete page's)."""
+    return list(objs.values_list("pk", flat=True)) if isinstance(objs, QuerySet) else [obj.pk for obj in objs]
+
+
 @admin.register(Toolset)
 class ToolsetAdmin(admin.ModelAdmin):
     form = ToolsetForm
@@ -154,6 +178,11 @@ class ToolsetAdmin(admin.ModelAdmin):
         # the jobs' toolsets, their calls and the generated SDK name it; renamed, a blocklisted
         # toolset would have left the blocklist.
         return ("key",) if obj is not None else ()
+
+    def get_deleted_objects(self, objs: Any, request: HttpRequest) -> tuple[Any, ...]:
+        builtin = Toolset.objects.filter(pk__in=_pks(objs), kind=Toolset.Kind.BUILTIN).values_list("key", flat=True)
+        kept = [f"builtin toolset {key} ({BUILTIN_KEPT})" for key in builtin[:20]]
+        return _also_protected(super().get_deleted_objects(objs, request), kept)
 
     @admin.action(description="Sync tools from the MCP server")
     def sync_mcp_tools(self, request: HttpRequest, queryset: QuerySet[Toolset]) -> None:
@@ -183,6 +212,14 @@ class ToolAdmin(admin.ModelAdmin):
     autocomplete_fields = ("toolset",)
     readonly_fields = ("signature", "schema_pretty")
     formfield_overrides = _PRETTY
+
+    def get_deleted_objects(self, objs: Any, request: HttpRequest) -> tuple[Any, ...]:
+        builtin = Tool.objects.filter(pk__in=_pks(objs), toolset__kind=Toolset.Kind.BUILTIN)
+        kept = [
+            f"tool {name} of the builtin toolset {key} ({BUILTIN_KEPT})"
+            for key, name in builtin.values_list("toolset__key", "name")[:20]
+        ]
+        return _also_protected(super().get_deleted_objects(objs, request), kept)
 
     @admin.display(description="signature")
     def signature(self, tool: Tool) -> str:

@@ -107,3 +107,30 @@ def test_a_toolsets_key_is_fixed_once_made_in_the_admin_too(admin_client: Client
     assert saved.status_code == 302, saved.content.decode()[:2000]
     toolset.refresh_from_db()
     assert (toolset.key, toolset.name) == (key, "Renamed")
+
+
+def test_the_admin_deletes_no_builtin_toolset_or_tool_and_says_why(admin_client: Client) -> None:
+    """The API refuses (builtin_toolset: disable it instead). The admin deleted demo: every job's
+    calls of it failed unknown_tool, new jobs unknown_toolset, until the next migrate, and its
+    discounts (which migrate does not bring back) went with it."""
+    from billing.models import Discount
+    from tools.services import builtin_toolsets_sync
+
+    demo = Toolset.objects.get(key="demo", owner=None)
+    tools = sorted(demo.tools.values_list("pk", flat=True))
+    discount = Discount.objects.create(toolset=demo, percent=10)
+    add = demo.tools.get(name="add")
+    try:
+        page = admin_client.post(f"/admin/tools/toolset/{demo.pk}/delete/", {"post": "yes"})
+        assert "builtin toolset" in page.content.decode()
+        action = {"action": "delete_selected", "_selected_action": [str(demo.pk)], "post": "yes"}
+        assert "builtin toolset" in admin_client.post("/admin/tools/toolset/", action).content.decode()
+        page = admin_client.post(f"/admin/tools/tool/{add.pk}/delete/", {"post": "yes"})
+        assert "builtin toolset" in page.content.decode()
+        page = admin_client.get(f"/admin/tools/toolset/{demo.pk}/change/")  # nor from the toolset's page
+        assert page.status_code == 200 and 'name="tools-0-DELETE"' not in page.content.decode()
+        assert sorted(Toolset.objects.get(pk=demo.pk).tools.values_list("pk", flat=True)) == tools
+        assert Discount.objects.filter(pk=discount.pk).exists()
+    finally:
+        Discount.objects.filter(pk=discount.pk).delete()
+        builtin_toolsets_sync()  # whatever a failing run deleted, for the tests after it
