@@ -6,6 +6,7 @@ from django.contrib import admin, messages
 from django.db.models import Field, JSONField, QuerySet
 from django.http import HttpRequest
 from django.utils.html import format_html
+from rest_framework import serializers
 
 from ptcproject import queues
 from ptcproject.errors import ApplicationError
@@ -13,6 +14,7 @@ from ptcproject.queues import tools_queue_problem
 from tools.models import Tool, Toolset
 from tools.sdk import tool_signature
 from tools.secret_refs import secret_names_problem
+from tools.serializers import ToolWriteSerializer
 from tools.services import TOOL_FIELDS, mcp_toolset_sync
 from tools.validation import CLIENT_NOT_GATED, FieldError, config_errors, identifier_problem, tool_errors
 
@@ -46,6 +48,14 @@ class ToolForm(forms.ModelForm):
         toolset = data.get("toolset") or (self.instance.toolset if self.instance.toolset_id else None)
         kind = getattr(self, "parent_kind", None) or (toolset.kind if toolset else Toolset.Kind.BUILTIN)
         _add_errors(self, tool_errors(data, kind=kind, path="tool"), prefix="tool.")
+        if data.get("timeout") is not None:
+            # The API's own bounds (0.1 s .. PTC_TIMEOUT_CEILING): no call outlives the longest job.
+            # Past them a call's deadline (its claim plus this) could leave the calendar, and the
+            # close of a job that such a call outlived raised OverflowError, its end never announced.
+            try:
+                ToolWriteSerializer().fields["timeout"].run_validation(data["timeout"])
+            except serializers.ValidationError as exc:
+                self.add_error("timeout", [str(message) for message in exc.detail])
         return data
 
 

@@ -134,3 +134,22 @@ def test_the_admin_deletes_no_builtin_toolset_or_tool_and_says_why(admin_client:
     finally:
         Discount.objects.filter(pk=discount.pk).delete()
         builtin_toolsets_sync()  # whatever a failing run deleted, for the tests after it
+
+
+@pytest.mark.parametrize("timeout", ["-1", "0.01", "1e12"])
+def test_the_admin_takes_a_tools_timeout_the_api_takes_and_no_other(admin_client: Client, timeout: str) -> None:
+    """The API holds a tool's timeout to 0.1 s .. PTC_TIMEOUT_CEILING. The admin saved any: -1 ended
+    every call tool_timeout at once, and 1e12 put its calls' deadline past the calendar's end, so the
+    end of a job that one of them outlived (its close waits for them) raised OverflowError, never announced."""
+    key = unique_key("timeout")
+    assert admin_client.post("/admin/tools/toolset/add/", _form(key, "forecast", '{"KEY": "v4lue-1"}')).status_code == 302
+    toolset = Toolset.objects.get(key=key)
+    form = {**_form(key, "forecast", ""), "tools-0-timeout": timeout}
+    form.update({"tools-INITIAL_FORMS": "1", "tools-0-id": str(toolset.tools.get().pk), "tools-0-toolset": str(toolset.pk)})
+    page = admin_client.post(f"/admin/tools/toolset/{toolset.pk}/change/", form)
+    assert page.status_code == 200  # the form again, with the problem named
+    assert "Ensure this value is" in page.content.decode()
+    assert toolset.tools.get().timeout is None
+    form["tools-0-timeout"] = "30"
+    assert admin_client.post(f"/admin/tools/toolset/{toolset.pk}/change/", form).status_code == 302
+    assert toolset.tools.get().timeout == 30
