@@ -2,6 +2,7 @@
 
 import asyncio
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -9,6 +10,7 @@ from datetime import timedelta
 from typing import Any
 
 import httpx
+import pytest
 import redis
 from django.contrib.auth.models import User
 
@@ -246,6 +248,34 @@ def test_the_cli_follows_a_job_and_exits_by_its_outcome(api: Api, stack_env: dic
     assert failed.returncode == 1
     assert "status failed" in failed.stdout
     assert "ZeroDivisionError: division by zero" in failed.stdout
+
+
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM])
+def test_the_cli_stopped_cancels_its_job(api: Api, stack_env: dict[str, str], tmp_path, stop: int) -> None:  # type: ignore[no-untyped-def]
+    """Ctrl-C (or a SIGTERM) on ptc_exec cancels the job it submitted, as ptc_mcp stopped does: the
+    job ran on to its timeout with nobody following it (a client tool it answered waited its own
+    timeout), holding its place among its user's jobs at once, and the command ended in a traceback."""
+    script = tmp_path / "job.py"
+    script.write_text("import time\nprint('started', flush=True)\ntime.sleep(60)\n")
+    args = [sys.executable, "manage.py", "ptc_exec", str(script), "--user", api.username, "--timeout", "90"]
+    env = {**stack_env, "PTC_LOG_LEVEL": "WARNING"}
+    cli = subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        user = User.objects.get(username=api.username)
+        while not ExecJob.objects.filter(user=user, status="running").exists():
+            assert time.monotonic() < deadline and cli.poll() is None, "the job did not start"
+            time.sleep(0.2)
+        time.sleep(1)  # its code runs, and the command follows it
+        cli.send_signal(stop)
+        out, err = cli.communicate(timeout=20)
+    finally:
+        cli.kill()
+    job = ExecJob.objects.get(user=user)
+    assert job.status == "cancelled", (job.status, out, err)
+    assert cli.returncode != 0
+    assert "Traceback" not in err, err
+    assert "status cancelled" in out
 
 
 def test_a_process_forgets_the_users_who_follow_nothing() -> None:

@@ -2,7 +2,8 @@
 
 Submits a job and follows its events: each tool call as a live line (a spinner, then ✓ or ✗ with
 its duration), stdout as it arrives, and a summary with the admin URL of its timeline. The exit
-code is 0 only if the job completed. With no TTY it prints plain lines.
+code is 0 only if the job completed. With no TTY it prints plain lines. Stopped before the job's end
+(Ctrl-C, SIGTERM), it cancels the job.
 
 A call that waits on the client or an approval shows as a line "⏸ waiting for ...". With
 ``--client-tools MODULE`` (a module name or a .py file), the module's public functions are the job's
@@ -17,7 +18,9 @@ import asyncio
 import importlib
 import importlib.util
 import inspect
+import signal
 import sys
+import threading
 import time
 import types
 from pathlib import Path
@@ -31,10 +34,11 @@ from rich.live import Live
 from rich.spinner import Spinner
 from rich.text import Text
 
-from execution.events import Event, event_stream
+from execution.events import Event, event_stream, job_view
 from execution.models import ExecJob, ToolCall
+from execution.selectors import exec_job_with_calls
 from execution.serializers import ExecCreateSerializer
-from execution.services.jobs import exec_job_create
+from execution.services.jobs import exec_job_cancel_await, exec_job_create
 from execution.services.waiting import tool_call_decide, tool_results_submit
 from ptcproject.api import first_message
 from ptcproject.errors import ApplicationError
@@ -222,7 +226,18 @@ class Command(BaseCommand):
         interactive = console.is_terminal
         console.print(f"job {job.call_id} submitted")
         progress = Progress(console, live=interactive)
-        final = asyncio.run(self._follow(job, progress, interactive))
+        # A SIGTERM stops it as Ctrl-C does (KeyboardInterrupt), and either cancels the job. Only
+        # the main thread may set a handler (call_command may run elsewhere); the caller's comes back.
+        main = threading.current_thread() is threading.main_thread()
+        before = signal.signal(signal.SIGTERM, signal.default_int_handler) if main else None
+        try:
+            final = asyncio.run(self._follow(job, progress, interactive))
+        except KeyboardInterrupt:
+            console.print(f"stopped: cancelling job {job.call_id}")
+            final = self._cancel(job)
+        finally:
+            if main and before is not None:  # None: a handler set outside Python, left as it is
+                signal.signal(signal.SIGTERM, before)
         if not progress.saw_output:  # no live chunks (the embedded setup): the final output, once
             for stream, style in (("stdout", ""), ("stderr", "red")):
                 if final.get(stream):
@@ -230,6 +245,18 @@ class Command(BaseCommand):
         self._summary(console, job, final, time.monotonic() - started)
         if final.get("status") != "completed":
             sys.exit(1)
+
+    def _cancel(self, job: ExecJob) -> dict[str, Any]:
+        """Cancel the job this command submitted, stopped before the job's end: left running, nobody
+        followed it (its client tools, answered here, waited their timeouts) and it held its place
+        among its user's jobs to its own timeout, as ptc_mcp's do not. Return the job as it ended."""
+        try:
+            end = exec_job_cancel_await(job=job)
+        except ApplicationError:  # it ended on its own meanwhile (job_finished): as it ended
+            end = None
+        if end is not None and end.job is not None:
+            return end.job
+        return job_view(exec_job_with_calls(job_id=job.pk))
 
     def _answer(self, job: ExecJob, block: dict[str, Any]) -> None:
         """Run one client tool call here and post its result (on a thread: calls stay parallel)."""
