@@ -65,7 +65,9 @@ def builtin_toolsets_sync() -> None:
     """Create or update the rows of every builtin toolset from the code registry.
 
     Tools no longer in the code are disabled, not deleted, so the calls recorded against them
-    keep pointing at a row.
+    keep pointing at a row. Whether a tool in the code is enabled is the admin's call once its row
+    exists, as a toolset's is: a new one is made enabled, and one the admin disabled stays so (one
+    that left the code and came back too: enable it in the admin).
     """
     for spec in registry().values():
         toolset, _ = Toolset.objects.update_or_create(
@@ -81,19 +83,19 @@ def builtin_toolsets_sync() -> None:
             },
         )
         for tool in spec.tools:
+            defaults = {
+                "description": tool.description,
+                "input_schema": tool.input_schema,
+                "output_schema": tool.output_schema,
+                "allowed_callers": [Tool.Caller.CODE_EXECUTION],
+                "read_only": tool.read_only,
+                "price": tool.price,
+                "billing_free": tool.billing_free,
+            }
+            # Not "enabled" on an update: every migrate (each deploy's, each web pod's init
+            # container) enabled again a tool the admin had disabled, and the next jobs called it.
             Tool.objects.update_or_create(
-                toolset=toolset,
-                name=tool.name,
-                defaults={
-                    "description": tool.description,
-                    "input_schema": tool.input_schema,
-                    "output_schema": tool.output_schema,
-                    "allowed_callers": [Tool.Caller.CODE_EXECUTION],
-                    "read_only": tool.read_only,
-                    "price": tool.price,
-                    "billing_free": tool.billing_free,
-                    "enabled": True,
-                },
+                toolset=toolset, name=tool.name, defaults=defaults, create_defaults={**defaults, "enabled": True}
             )
         toolset.tools.exclude(name__in=[t.name for t in spec.tools]).update(enabled=False)
 

@@ -21,6 +21,22 @@ def test_migrate_creates_the_demo_toolset() -> None:
     assert tools["echo"].billing_free
 
 
+def test_migrate_leaves_a_builtin_tool_an_admin_disabled_disabled() -> None:
+    """Which builtin tools run is the admin's call, as which builtin toolsets do: every migrate (a
+    deploy's, each web pod's init container) enabled a tool the admin had disabled (say a tool that
+    was being abused) again, and the next jobs called it."""
+    from django.core.management import call_command
+
+    sleep = Tool.objects.filter(toolset__key="demo", toolset__owner=None, name="sleep")
+    sleep.update(enabled=False)  # the tool's admin page, "enabled" unticked
+    try:
+        call_command("migrate", verbosity=0)
+        assert sleep.get().enabled is False
+        assert Tool.objects.get(toolset__key="demo", toolset__owner=None, name="add").enabled
+    finally:
+        sleep.update(enabled=True)
+
+
 def test_class_names() -> None:
     assert class_name("demo") == "Demo"
     assert class_name("web_search") == "WebSearch"
