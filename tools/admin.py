@@ -4,7 +4,7 @@ from typing import Any
 from django import forms
 from django.contrib import admin, messages
 from django.db.models import Field, JSONField, QuerySet
-from django.http import HttpRequest
+from django.http import HttpRequest, HttpResponse
 from django.utils.html import format_html
 from rest_framework import serializers
 
@@ -15,7 +15,7 @@ from tools.models import Tool, Toolset
 from tools.sdk import tool_signature
 from tools.secret_refs import secret_names_problem
 from tools.serializers import ToolWriteSerializer
-from tools.services import TOOL_FIELDS, mcp_toolset_sync
+from tools.services import TOOL_FIELDS, TOOLSET_FIELDS, mcp_toolset_sync
 from tools.validation import CLIENT_NOT_GATED, FieldError, config_errors, identifier_problem, tool_errors
 
 
@@ -47,7 +47,11 @@ class ToolForm(forms.ModelForm):
         data = self.cleaned_data  # what super().clean() returns for a ModelForm, typed as a dict
         toolset = data.get("toolset") or (self.instance.toolset if self.instance.toolset_id else None)
         kind = getattr(self, "parent_kind", None) or (toolset.kind if toolset else Toolset.Kind.BUILTIN)
-        _add_errors(self, tool_errors(data, kind=kind, path="tool"), prefix="tool.")
+        if self.instance._state.adding and (getattr(self, "parent_kind", None) == Toolset.Kind.BUILTIN or _builtin(toolset)):
+            self.add_error(None, f"A builtin toolset's tools are defined in code; {BUILTIN_FIXED}")
+        # The fields shown read-only (a builtin tool's) are checked as they are stored.
+        stored = {name: getattr(self.instance, name) for name in ("name", *TOOL_FIELDS, "http") if name not in self.fields}
+        _add_errors(self, tool_errors({**stored, **data}, kind=kind, path="tool"), prefix="tool.")
         if data.get("timeout") is not None:
             # The API's own bounds (0.1 s .. PTC_TIMEOUT_CEILING): no call outlives the longest job.
             # Past them a call's deadline (its claim plus this) could leave the calendar, and the
@@ -67,6 +71,20 @@ class ToolFormSet(forms.BaseInlineFormSet):
         return form
 
 
+# What `migrate` rewrites from code (tools.services.builtin_toolsets_sync), so what the admin shows
+# read-only on a builtin toolset and its tools, as the API refuses it (builtin_toolset): changed
+# here, it did not last (a price the admin set went back to the code's at the next deploy, charging
+# the code's), and until then it broke the running jobs' calls (a tool renamed: tool_not_found).
+# Which of them run, where, and with approval, are the admin's (and a tool's timeout): migrate keeps those.
+BUILTIN_TOOLSET_EDITABLE = ("enabled", "queue", "requires_approval")
+BUILTIN_TOOL_EDITABLE = ("enabled", "timeout", "requires_approval")
+BUILTIN_FIXED = "`migrate` rewrites them from the code: only enabled, queue, requires_approval and a tool's timeout change here."
+
+
+def _builtin(toolset: Toolset | None) -> bool:
+    return toolset is not None and toolset.kind == Toolset.Kind.BUILTIN
+
+
 class ToolInline(admin.StackedInline):
     model = Tool
     form = ToolForm
@@ -74,6 +92,13 @@ class ToolInline(admin.StackedInline):
     extra = 0
     fields = ("name", "remote_name", *TOOL_FIELDS)  # what the API writes, in the same order
     formfield_overrides = _PRETTY
+
+    def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> Any:
+        # ``obj`` is the toolset.
+        return [name for name in self.fields if name not in BUILTIN_TOOL_EDITABLE] if _builtin(obj) else ()
+
+    def has_add_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return not _builtin(obj) and super().has_add_permission(request, obj)
 
     def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         # ``obj`` is the toolset: a builtin's tools are kept, as from their own page (BUILTIN_KEPT).
@@ -122,7 +147,9 @@ class ToolsetForm(forms.ModelForm):
 
     def clean(self) -> dict[str, Any]:
         super().clean()
-        data = self.cleaned_data  # what super().clean() returns for a ModelForm, typed as a dict
+        # The fields shown read-only (a builtin's, its key once made) are checked as they are stored.
+        stored = {name: getattr(self.instance, name) for name in ("key", "owner", *TOOLSET_FIELDS) if name not in self.fields}
+        data = {**stored, **self.cleaned_data}  # what super().clean() returns for a ModelForm, typed as a dict
         problem = identifier_problem(data.get("key")) if "key" in self.fields else None  # read-only once made
         if problem:
             self.add_error("key", problem)
@@ -138,7 +165,11 @@ class ToolsetForm(forms.ModelForm):
             _add_errors(self, config_errors(data.get("config") or {}, kind=data["kind"], secrets=self._secrets()))
         if data.get("kind") == Toolset.Kind.CLIENT and data.get("requires_approval"):
             self.add_error("requires_approval", CLIENT_NOT_GATED)
-        return data
+        if self.instance._state.adding and data.get("kind") == Toolset.Kind.BUILTIN:
+            self.add_error(
+                "kind", "Builtin toolsets are defined in code and made by `migrate`: make an http or mcp toolset here."
+            )
+        return self.cleaned_data
 
     def _secrets(self) -> dict[str, str]:
         """The toolset's secrets as this form would leave them: those set now over the stored ones,
@@ -187,7 +218,22 @@ class ToolsetAdmin(admin.ModelAdmin):
         # A toolset's key is fixed once made, as the API says (key_mismatch): the policy's lists,
         # the jobs' toolsets, their calls and the generated SDK name it; renamed, a blocklisted
         # toolset would have left the blocklist.
+        if _builtin(obj):
+            return [name for name in ("key", "owner", *TOOLSET_FIELDS) if name not in BUILTIN_TOOLSET_EDITABLE]
         return ("key",) if obj is not None else ()
+
+    def render_change_form(
+        self,
+        request: HttpRequest,
+        context: dict[str, Any],
+        add: bool = False,
+        change: bool = False,
+        form_url: str = "",
+        obj: Any = None,
+    ) -> HttpResponse:
+        if _builtin(obj) and request.method == "GET":
+            self.message_user(request, f"'{obj.key}' is a builtin toolset: {BUILTIN_FIXED}", messages.INFO)
+        return super().render_change_form(request, context, add=add, change=change, form_url=form_url, obj=obj)
 
     def get_deleted_objects(self, objs: Any, request: HttpRequest) -> tuple[Any, ...]:
         builtin = Toolset.objects.filter(pk__in=_pks(objs), kind=Toolset.Kind.BUILTIN).values_list("key", flat=True)
@@ -222,6 +268,12 @@ class ToolAdmin(admin.ModelAdmin):
     autocomplete_fields = ("toolset",)
     readonly_fields = ("signature", "schema_pretty")
     formfield_overrides = _PRETTY
+
+    def get_readonly_fields(self, request: HttpRequest, obj: Tool | None = None) -> Any:
+        if obj is not None and _builtin(obj.toolset):
+            fields = [field.name for field in Tool._meta.fields if field.editable and field.name not in BUILTIN_TOOL_EDITABLE]
+            return (*self.readonly_fields, *fields)
+        return self.readonly_fields
 
     def get_deleted_objects(self, objs: Any, request: HttpRequest) -> tuple[Any, ...]:
         builtin = Tool.objects.filter(pk__in=_pks(objs), toolset__kind=Toolset.Kind.BUILTIN)

@@ -153,3 +153,63 @@ def test_the_admin_takes_a_tools_timeout_the_api_takes_and_no_other(admin_client
     form["tools-0-timeout"] = "30"
     assert admin_client.post(f"/admin/tools/toolset/{toolset.pk}/change/", form).status_code == 302
     assert toolset.tools.get().timeout == 30
+
+
+def _change_form(toolset: Toolset) -> dict[str, Any]:
+    """The toolset's change form as its page posts it, every field as stored."""
+    form: dict[str, Any] = {
+        **{name: getattr(toolset, name) for name in ("key", "name", "description", "kind", "price", "queue")},
+        "config": json.dumps(toolset.config),
+        "set_secrets": "",
+        **{name: "on" for name in ("is_global", "enabled", "billing_free", "requires_approval") if getattr(toolset, name)},
+    }
+    tools = list(toolset.tools.order_by("name"))
+    form.update({"tools-TOTAL_FORMS": str(len(tools)), "tools-INITIAL_FORMS": str(len(tools))})
+    form.update({"tools-MIN_NUM_FORMS": "0", "tools-MAX_NUM_FORMS": "1000"})
+    for i, tool in enumerate(tools):
+        prefix = f"tools-{i}-"
+        form.update({f"{prefix}id": str(tool.pk), f"{prefix}toolset": str(toolset.pk), f"{prefix}name": tool.name})
+        form.update({f"{prefix}{name}": getattr(tool, name) or "" for name in ("remote_name", "description", "timeout", "price")})
+        for name in ("input_schema", "output_schema", "allowed_callers", "http"):
+            form[f"{prefix}{name}"] = "" if getattr(tool, name) is None else json.dumps(getattr(tool, name))
+        form.update(
+            {
+                f"{prefix}{name}": "on"
+                for name in ("read_only", "billing_free", "requires_approval", "enabled")
+                if getattr(tool, name)
+            }
+        )
+    return form
+
+
+def test_the_admin_changes_of_a_builtin_only_what_migrate_keeps(admin_client: Client) -> None:
+    """What `migrate` rewrites from the code (a builtin's price, kind, its tools' names, schemas and
+    prices) is read-only, as the API refuses it (builtin_toolset): a price the admin set went back
+    to the code's at the next deploy, and a tool renamed failed the running jobs' calls of it
+    (tool_not_found) until then. Enabled, its queue and approvals are the admin's, and change."""
+    demo = Toolset.objects.get(key="demo", owner=None)
+    before = sorted(demo.tools.values_list("name", "price", "input_schema"))
+    assert "is a builtin toolset" in admin_client.get(f"/admin/tools/toolset/{demo.pk}/change/").content.decode()
+    form = {**_change_form(demo), "price": "7", "name": "Renamed", "requires_approval": "on"}
+    form.update({"tools-0-name": "renamed", "tools-0-price": "9", "tools-0-timeout": "30"})
+    try:
+        saved = admin_client.post(f"/admin/tools/toolset/{demo.pk}/change/", form)
+        assert saved.status_code == 302, saved.content.decode()[:3000]
+        demo.refresh_from_db()
+        assert (demo.price, demo.kind, demo.name, demo.requires_approval) == (1, "builtin", "Demo", True)
+        assert sorted(demo.tools.values_list("name", "price", "input_schema")) == before
+        assert demo.tools.order_by("name").first().timeout == 30  # type: ignore[union-attr]
+        add = demo.tools.get(name="add")
+        page = admin_client.post(f"/admin/tools/tool/{add.pk}/change/", {"name": "plus", "price": "5", "enabled": "on"})
+        assert page.status_code == 302
+        add.refresh_from_db()
+        assert (add.name, add.price) == ("add", None)
+        # Nor is one made here: builtins are defined in code.
+        key = unique_key("builtin")
+        made = {**_form(key, "forecast", ""), "kind": "builtin", "config": "{}", "tools-0-http": ""}
+        page = admin_client.post("/admin/tools/toolset/add/", made)
+        assert page.status_code == 200 and "Builtin toolsets are defined in code" in page.content.decode()
+        assert not Toolset.objects.filter(key=key).exists()
+    finally:
+        Toolset.objects.filter(pk=demo.pk).update(requires_approval=False)
+        demo.tools.update(timeout=None)
