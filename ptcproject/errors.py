@@ -110,6 +110,7 @@ CODES: dict[str, tuple[int, str]] = {
     "tool_failed": (500, "the tool itself reported a failure"),
     "tool_exception": (500, "the builtin tool raised"),
     "tool_not_found": (500, "the builtin tool is not in this server's code"),
+    "tool_disabled": (403, "the tool or its toolset was disabled after the call was made, before it started; it was not run"),
     "kind_unsupported": (500, "this server can't run the toolset's kind"),
     "output_too_large": (500, "the tool's output is over the size limit"),
     "invalid_output": (500, "the tool's output is not JSON"),

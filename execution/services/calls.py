@@ -751,7 +751,11 @@ def tool_call_execute(*, call_id: str, record: str | None = None) -> None:
         return
     if claimed:
         tool = tool_for_call(tool_id=call.tool_id) if call.tool_id else None
-        if tool is not None:
+        if tool is not None and not (tool.enabled and tool.toolset.enabled):
+            # Disabled since the call was made (a running job's tools are those it started with): an
+            # admin stopping a tool that misbehaves stops its calls no worker has started yet too.
+            reply = _tool_call_fail(call_id, "tool_disabled", f"'{tool}' was disabled before this call started; it was not run")
+        elif tool is not None:
             with _running_lock:
                 _running_calls.add(call_id)
             try:
@@ -760,7 +764,8 @@ def tool_call_execute(*, call_id: str, record: str | None = None) -> None:
                 with _running_lock:
                     _running_calls.discard(call_id)
             return
-        reply = _tool_call_fail(call_id, "unknown_tool", "the tool no longer exists")
+        else:
+            reply = _tool_call_fail(call_id, "unknown_tool", "the tool no longer exists")
     elif call.status != ToolCall.Status.EXECUTING:
         reply = tool_call_reply(call)
     elif call.claimed_at is not None and _lease_fresh(call):

@@ -1,4 +1,4 @@
-"""A toolset's billing changed while its calls wait in a queue: each call is billed as it was made."""
+"""A toolset changed while its calls wait in a queue: each call is billed as it was made, and is not run once its tool is disabled."""
 
 import time
 from collections.abc import Iterator
@@ -11,6 +11,7 @@ from tests.conftest import Api
 from tests.stack import BIN, Process
 from tests.tools.conftest import unique_key
 from tests.tools.http_api import HttpApi
+from tools.models import Tool
 from tools.sdk import class_name
 
 
@@ -82,6 +83,57 @@ out
         assert not held.exists()
         assert job["credits_charged"] == 5
         assert CreditUsage.objects.filter(user__username=api.username).count() == 1
+        assert api.get("/api/v1/billing/balance").json()["reserved"] == 0
+    finally:
+        worker.stop()
+        staff.http.delete(f"/api/v1/toolsets/{key}")
+
+
+@pytest.mark.parametrize("disable", ["toolset", "tool"])
+def test_a_call_queued_before_its_tool_was_disabled_is_not_run(
+    api: Api, staff: Api, http_api: HttpApi, stack_env: dict[str, str], disable: str
+) -> None:
+    """Disabled in the admin (or PATCH enabled: false) because it misbehaves, a toolset or tool is
+    not run again: the calls of running jobs that no tools worker had started yet ran all the same,
+    and were charged. They now fail tool_disabled, their price given back."""
+    key = unique_key("disabled")
+    assert staff.post("/api/v1/toolsets", json=_toolset(key, http_api.url)).status_code == 201
+    cls = class_name(key)
+    code = f"""
+from ptc_tools import ToolError
+from ptc_tools.{key} import {cls}
+try:
+    out = [None, {cls}.forecast(city="x")]
+except ToolError as e:
+    out = [e.code, e.message]
+out
+"""
+    name = f"tools-{key}"
+    worker = Process(
+        name,
+        [str(BIN / "celery"), "-A", "ptcproject", "worker", "-Q", "tools.slow", "-n", f"{name}@%h", "-l", "info"],
+        {**stack_env, "PTC_TOOLS_CONCURRENCY": "4"},
+        ready=" ready.",
+    )
+    try:
+        job_id = api.run(code, toolsets=[key], wait=0, timeout=60)["id"]
+        held = Reservation.objects.filter(account__user__username=api.username, status=Reservation.Status.HELD)
+        deadline = time.monotonic() + 20
+        while not held.exists():  # priced, held and queued
+            assert time.monotonic() < deadline, "the job's call was not held"
+            time.sleep(0.1)
+        if disable == "toolset":
+            assert staff.http.patch(f"/api/v1/toolsets/{key}", json={"enabled": False}).status_code == 200
+        else:  # the tool's admin page, "enabled" unticked
+            Tool.objects.filter(toolset__key=key, name="forecast").update(enabled=False)
+        worker.start()
+        deadline = time.monotonic() + 60
+        while (job := api.get(f"/api/v1/exec/{job_id}").json())["status"] in ("queued", "running"):
+            assert time.monotonic() < deadline, "the job did not end"
+            time.sleep(0.2)
+        assert job["status"] == "completed" and job["return_value"][0] == "tool_disabled", job
+        assert "disabled" in job["return_value"][1]
+        assert job["credits_charged"] == 0 and not held.exists()
         assert api.get("/api/v1/billing/balance").json()["reserved"] == 0
     finally:
         worker.stop()
