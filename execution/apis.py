@@ -4,6 +4,8 @@ from typing import Any
 from uuid import UUID
 
 from django.conf import settings
+from django.contrib.auth import get_user_model
+from django.db import DatabaseError
 from django.db.models import QuerySet
 from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
 from django.http.response import HttpResponseBase
@@ -450,12 +452,24 @@ def _authenticate(request: HttpRequest) -> tuple[Any, Any] | JsonResponse:
     return user, None
 
 
-_still_signed_in = db_read(still_signed_in)
-
-
 @db_read
 def _job_visible(user: Any, job_id: UUID) -> bool:
     return exec_jobs_visible(user=user).filter(pk=job_id).exists()
+
+
+@db_read
+def _still_reading(*, user_id: int, key_id: Any, job_id: UUID) -> bool:
+    """Whether a job's stream, let in earlier, would still be: its reader still signed in
+    (``still_signed_in``: key not revoked or expired, user not deactivated), and the job still
+    theirs to read (staff read every user's: no longer staff, not another's). A database out of
+    reach says yes, as ``still_signed_in`` does."""
+    if not still_signed_in(user_id=user_id, key_id=key_id):
+        return False
+    try:
+        user = get_user_model().objects.filter(pk=user_id).first()
+        return user is not None and exec_jobs_visible(user=user).filter(pk=job_id).exists()
+    except DatabaseError:
+        return True
 
 
 def _error(status: int, code: str, message: str) -> JsonResponse:
@@ -501,9 +515,9 @@ async def exec_events_api(request: HttpRequest, job_id: UUID) -> HttpResponseBas
             async for item in events:
                 if item is not None:
                     yield item.sse()
-                elif await _still_signed_in(user_id=user.pk, key_id=key_id):
+                elif await _still_reading(user_id=user.pk, key_id=key_id, job_id=job_id):
                     yield ": heartbeat\n\n"
-                else:  # revoked since it opened: closed; the client's reconnect is told why (401)
+                else:  # revoked (or no longer staff) since it opened: closed; the reconnect is told why (401, 404)
                     return
 
     response = StreamingHttpResponse(frames(place), content_type="text/event-stream")

@@ -4,6 +4,7 @@ keys, kept found: each of these once let a key or a user reach further than it w
 import json
 import time
 import uuid
+from collections.abc import Callable
 from datetime import timedelta
 
 import httpx
@@ -109,6 +110,26 @@ def test_a_stream_ends_when_its_key_is_revoked(api: Api) -> None:
         assert time.monotonic() - began < 10, rest
         again = watcher.get(f"/api/v1/exec/{job['id']}/events")
         assert (again.status_code, again.json()["error"]["code"]) == (401, "authentication_failed")
+    finally:
+        api.post(f"/api/v1/exec/{job['id']}/cancel")
+
+
+def test_a_stream_of_another_users_job_ends_when_its_reader_is_no_longer_staff(api: Api, make_api: Callable[..., Api]) -> None:
+    """Staff read every user's jobs. One whose staff status the admin took away while reading
+    another user's job's stream read on, the job's output and tool I/O, until the job ended: the
+    job's visibility was checked once, at connect. It is checked again at each heartbeat."""
+    watcher = make_api(staff=True)
+    job = api.post("/api/v1/exec", json={"code": "import time\ntime.sleep(30)", "wait": 0}).json()
+    try:
+        with watcher.http.stream("GET", f"/api/v1/exec/{job['id']}/events", timeout=30) as stream:
+            lines = stream.iter_lines()
+            assert next(lines).startswith("retry:")
+            get_user_model().objects.filter(username=watcher.username).update(is_staff=False)  # the user's admin page
+            began = time.monotonic()
+            rest = list(lines)  # until the server closes it
+        assert time.monotonic() - began < 10, rest
+        again = watcher.get(f"/api/v1/exec/{job['id']}/events")
+        assert (again.status_code, again.json()["error"]["code"]) == (404, "not_found")
     finally:
         api.post(f"/api/v1/exec/{job['id']}/cancel")
 
