@@ -1,6 +1,8 @@
 from typing import Any
 
-from django.contrib import admin
+from django import forms
+from django.contrib import admin, messages
+from django.db.models import QuerySet
 from django.http import HttpRequest
 from django.template.response import TemplateResponse
 from django.urls import URLPattern, path
@@ -9,7 +11,11 @@ from django.utils.safestring import mark_safe
 from billing.charts import stacked_bars_svg
 from billing.models import CreditAccount, CreditUsage, Discount, LedgerEntry, Plan, Reservation
 from billing.selectors import usage_by_day
+from billing.services import credits_adjust
+from ptcproject.accounts.authentication import signed_in_user
+from ptcproject.errors import ApplicationError
 from ptcproject.readonly import ReadOnlyAdmin
+from ptcproject.storage import BIGINT_MAX
 
 
 @admin.register(Plan)
@@ -26,6 +32,21 @@ class DiscountAdmin(admin.ModelAdmin):
     autocomplete_fields = ("toolset",)
 
 
+class CreditsForm(forms.Form):
+    """What POST /api/v1/billing/credits takes, less the user: the accounts chosen in the list."""
+
+    amount = forms.IntegerField(
+        min_value=-BIGINT_MAX, max_value=BIGINT_MAX, help_text="Credits to add; negative to remove (the balance may go below 0)."
+    )
+    reason = forms.CharField(max_length=300, help_text="Kept on the ledger entry.")
+
+    def clean_amount(self) -> int:
+        amount: int = self.cleaned_data["amount"]
+        if amount == 0:
+            raise forms.ValidationError("The amount must not be 0.")
+        return amount
+
+
 @admin.register(CreditAccount)
 class CreditAccountAdmin(admin.ModelAdmin):
     list_display = ("user", "balance", "reserved", "plan", "plan_expires_at", "updated_at")
@@ -33,6 +54,33 @@ class CreditAccountAdmin(admin.ModelAdmin):
     search_fields = ("user__username",)
     readonly_fields = ("user", "balance", "reserved", "updated_at")
     fields = ("user", "balance", "reserved", "plan", "plan_expires_at", "updated_at")
+    actions = ("adjust_credits",)
+
+    @admin.action(description="Add or remove credits")
+    def adjust_credits(self, request: HttpRequest, queryset: QuerySet[CreditAccount]) -> TemplateResponse | None:
+        """Ask how many credits and why, then add them to (or remove them from) each chosen account
+        through the ledger (credits_adjust: the account locked, what its running calls hold left as it
+        is), as POST /api/v1/billing/credits does. The balance itself stays read-only: a form's save
+        of it wrote over the holds and charges of the calls running meanwhile."""
+        form = CreditsForm(request.POST if "apply" in request.POST else None)
+        if not form.is_valid():
+            context = {
+                **self.admin_site.each_context(request),
+                "title": "Add or remove credits",
+                "form": form,
+                "accounts": queryset.select_related("user"),
+                "opts": self.model._meta,
+            }
+            return TemplateResponse(request, "admin/billing/creditaccount/adjust_credits.html", context)
+        amount, reason = form.cleaned_data["amount"], form.cleaned_data["reason"]
+        for account in queryset.select_related("user"):
+            try:
+                credits_adjust(user=account.user, amount=amount, reason=reason, created_by=signed_in_user(request))
+            except ApplicationError as exc:  # the balance would leave its column's range: that account unchanged
+                self.message_user(request, f"{account.user}: {exc.message}", messages.ERROR)
+            else:
+                self.message_user(request, f"{account.user}: {amount:+d} credits ({reason}).", messages.SUCCESS)
+        return None
 
     def has_add_permission(self, request: HttpRequest) -> bool:
         return False  # created with the user's first credits; balances move through the ledger

@@ -1,5 +1,6 @@
 """Billing against real workers and PostgreSQL: every call that should cost credits costs exactly once."""
 
+import io
 import uuid
 from collections.abc import Callable
 from datetime import timedelta
@@ -354,6 +355,43 @@ def test_the_admin_changes_a_plan_and_nothing_else_of_the_account(api: Api) -> N
         pre_save.disconnect(charged_meanwhile, sender=CreditAccount)
         CreditAccount.objects.filter(pk=account.pk).update(balance=before, reserved=F("reserved") - 2, plan=None)
         gold.delete()
+
+
+def test_the_admin_adds_and_removes_credits_through_the_ledger_while_calls_hold_some() -> None:
+    """README: credits are given through POST /api/v1/billing/credits "or the admin"; the admin had
+    no way to (the balance is read-only there, rightly: a form's save wrote over the holds and
+    charges of calls running meanwhile). Its action on accounts goes through the ledger, under the
+    account's lock, and leaves what running calls hold as it is."""
+    admin = get_user_model().objects.create_superuser(username=f"admin-{uuid.uuid4().hex[:6]}", password="x")
+    client = Client()
+    client.force_login(admin)
+    user = get_user_model().objects.create_user(username=f"held-{uuid.uuid4().hex[:6]}")
+    call_command("create_api_key", user.username, "--credits", "10", stdout=io.StringIO())
+    demo = Toolset.objects.get(key="demo", owner=None)
+    quote = price_quote(user=user, toolset=demo, tool=demo.tools.get(name="add"))
+    assert quote is not None
+    held = f"ptc_{uuid.uuid4().hex}"
+    assert credits_reserve(user=user, holds=[(held, quote)]) == {}  # a call in flight
+    account = CreditAccount.objects.get(user=user)
+    action = {"action": "adjust_credits", "_selected_action": [str(account.pk)]}
+    page = client.post("/admin/billing/creditaccount/", action)  # the form: how many, and why
+    assert page.status_code == 200 and 'name="amount"' in page.content.decode()
+    try:
+        for amount, reason in ((25, "goodwill"), (-5, "correction")):
+            done = client.post("/admin/billing/creditaccount/", {**action, "apply": "1", "amount": amount, "reason": reason})
+            assert done.status_code == 302
+        account.refresh_from_db()
+        assert (account.balance, account.reserved) == (30, 1)
+        entries = LedgerEntry.objects.filter(account=account, created_by=admin).order_by("id")
+        assert list(entries.values_list("kind", "delta", "reason")) == [
+            ("adjustment", 25, "goodwill"),
+            ("adjustment", -5, "correction"),
+        ]
+        assert not [bad for bad in ledger_mismatches() if bad[0].pk == account.pk]
+        refused = client.post("/admin/billing/creditaccount/", {**action, "apply": "1", "amount": 0, "reason": "x"})
+        assert refused.status_code == 200 and "must not be 0" in refused.content.decode()
+    finally:
+        credits_release(tool_call_id=held)
 
 
 def test_staff_grant_credits_through_the_ledger(make_api: Callable[..., Api], api: Api) -> None:
