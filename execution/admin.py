@@ -12,6 +12,7 @@ from django.utils.html import format_html, format_html_join
 
 from execution.models import ExecJob, ExecSession, ToolCall, WorkFile
 from execution.selectors import tool_calls_for
+from execution.services.jobs import exec_job_cancel
 from execution.services.waiting import tool_call_decide
 from execution.timeline import PREVIEW_CHARS, clipped, timeline_build
 from ptcproject.accounts.authentication import signed_in_user
@@ -94,6 +95,21 @@ class ExecJobAdmin(admin.ModelAdmin):
         for entry in options["fields"]
         for name in ((entry,) if isinstance(entry, str) else entry)  # a tuple entry is fields on one line
     )
+
+    actions = ("cancel_jobs",)
+
+    @admin.action(description="Cancel the selected jobs")
+    def cancel_jobs(self, request: HttpRequest, queryset: QuerySet[ExecJob]) -> None:
+        """Cancel each job not ended yet, as POST /exec/{id}/cancel does (its sandbox killed, its
+        queued calls never run): what the delete page tells an operator to do first, and the only
+        end of a managed container's job. One that has ended is left as it ended."""
+        for job in queryset.defer(*JOB_BULK):
+            try:
+                exec_job_cancel(job=job)
+            except ApplicationError:  # job_finished: it ended on its own
+                self.message_user(request, f"Not cancelled: {job.call_id} had ended ({job.status}).", messages.WARNING)
+            else:
+                self.message_user(request, f"Cancelled {job.call_id}.", messages.SUCCESS)
 
     def get_deleted_objects(self, objs: Any, request: HttpRequest) -> tuple[Any, ...]:
         # A job not finished is kept whole, with its calls: it is cancelled, not deleted (its worker
