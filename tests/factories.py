@@ -12,6 +12,11 @@ from tools.models import Tool
 
 
 def running_job(*, user: AbstractBaseUser, **fields: Any) -> ExecJob:
+    """A job as a worker runs it, or with ``status`` as it ended: one that ended with a time to it is
+    closed then (as its worker closes it; left unclosed, the stack's reaper would close it), unless
+    ``closed_at`` says otherwise."""
+    if fields.get("status", "running") in ExecJob.FINISHED and fields.get("finished_at"):
+        fields = {"closed_at": fields["finished_at"], **fields}
     return ExecJob.objects.create(
         **{"user": user, "code": "", "toolsets": ["demo"], "timeout_seconds": 30, "status": "running", **fields}
     )

@@ -265,7 +265,7 @@ def test_jobs_that_ended_before_closing_was_recorded_are_taken_as_closed(api: Ap
     user = get_user_model().objects.get(username=api.username)
     ended = timezone.now() - timedelta(days=30)
     # A lease just renewed: the stack's own reaper, closing ended jobs not closed, leaves them be.
-    lease = {"finished_at": ended, "heartbeat_at": timezone.now()}
+    lease = {"finished_at": ended, "heartbeat_at": timezone.now(), "closed_at": None}
     old = [running_job(user=user, status=status, **lease) for status in ("completed", "failed", "timeout")]
     cancelled = running_job(user=user, status="cancelled", **lease)
     migration.ended_jobs_closed(apps, None)
