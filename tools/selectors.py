@@ -198,6 +198,9 @@ def toolset_keys_for_ptc(*, user: User, allowlist: Iterable[str], blocklist: Ite
 # Tool definitions change rarely and every call needs one: a tools worker keeps each for a moment
 # rather than join it into every claim. An edit reaches the workers within this many seconds.
 TOOL_CACHE_SECONDS = 2.0
+# Past this many tools kept, those whose moment has passed are dropped: every tool ever called was
+# kept, for the life of the worker, each with its toolset (its config and schemas).
+TOOL_CACHE_MOST = 256
 _tool_cache: dict[Any, tuple[float, Tool | None]] = {}
 
 
@@ -208,5 +211,10 @@ def tool_for_call(*, tool_id: Any) -> Tool | None:
     if hit is not None and hit[0] > now:
         return hit[1]
     tool = Tool.objects.select_related("toolset").filter(pk=tool_id).first()
+    if len(_tool_cache) >= TOOL_CACHE_MOST:
+        # A snapshot (list() copies under the GIL): the pool's other threads add entries meanwhile.
+        for key, (until, _) in list(_tool_cache.items()):
+            if until <= now:
+                _tool_cache.pop(key, None)
     _tool_cache[tool_id] = (now + TOOL_CACHE_SECONDS, tool)
     return tool

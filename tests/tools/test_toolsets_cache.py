@@ -57,3 +57,18 @@ def test_inside_a_transaction_toolsets_are_read_as_they_are() -> None:
         Tool.objects.filter(toolset=toolset).update(description="v3")
         assert [t.description for t in _resolve(user, key).tools.all()] == ["v3"]
     assert [t.description for t in _resolve(user, key).tools.all()] == ["v3"]
+
+
+def test_a_tools_worker_keeps_tools_only_for_their_moment(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A tools worker kept every tool it ever ran a call with (and its toolset), for its whole
+    life: those whose moment has passed are dropped once it keeps TOOL_CACHE_MOST."""
+    import uuid
+
+    from tools import selectors
+
+    monkeypatch.setattr(selectors, "_tool_cache", {})
+    monkeypatch.setattr(selectors, "TOOL_CACHE_SECONDS", 0.0)  # each one's moment is over at once
+    monkeypatch.setattr(selectors, "TOOL_CACHE_MOST", 64, raising=False)
+    for _ in range(3 * 64):
+        assert selectors.tool_for_call(tool_id=uuid.uuid4()) is None  # no such tool: kept all the same
+    assert len(selectors._tool_cache) <= 64
