@@ -991,8 +991,10 @@ def _exec_jobs_close_left() -> None:
     A worker alive whose close waits for the job's running calls renews the job's lease meanwhile
     (_running_calls_await): the job is left to it until that lapses too.
 
-    ``closed_at`` is written with the end, by whoever then closes the job: a close that fails
-    after it (the database gone past the retries) is not found here."""
+    ``closed_at`` is claimed by whoever closes the job, before the end is announced: a close that
+    fails before its claim (the database gone past the retries) is found here and done again; one
+    that fails after it (Redis away as the end was appended) is not, and its readers take the end
+    from the records (events._end_lost)."""
     stale = timezone.now() - timedelta(seconds=settings.PTC_JOB_LEASE_SECONDS + settings.PTC_DB_RETRY_SECONDS)
     lapsed = Q(heartbeat_at__isnull=True) | Q(heartbeat_at__lt=timezone.now() - timedelta(seconds=settings.PTC_JOB_LEASE_SECONDS))
     # A managed container's, cancelled as a tools worker ran a call of it, has no worker: at once.
