@@ -13,6 +13,7 @@ from django.utils.html import format_html, format_html_join
 from execution.models import ExecJob, ExecSession, ToolCall, WorkFile
 from execution.selectors import tool_calls_for
 from execution.services.jobs import exec_job_cancel
+from execution.services.sessions import exec_session_delete
 from execution.services.waiting import tool_call_decide
 from execution.timeline import PREVIEW_CHARS, clipped, timeline_build
 from ptcproject.accounts.authentication import signed_in_user
@@ -276,6 +277,31 @@ class ExecSessionAdmin(admin.ModelAdmin):
     date_hierarchy = "created_at"
     readonly_fields = [f.name for f in ExecSession._meta.fields]
     inlines = [WorkFileInline]
+    actions = ("end_sessions",)
+
+    @admin.action(description="End the selected sessions")
+    def end_sessions(self, request: HttpRequest, queryset: QuerySet[ExecSession]) -> None:
+        """End each active session, as DELETE /sessions/{id} does (its running job cancelled, its
+        queued one failed, its sandbox killed, its files deleted): what the delete page tells an
+        operator to do first. One that has ended is left as it ended, its files with it."""
+        for session in queryset:
+            if session.status != ExecSession.Status.ACTIVE:
+                self.message_user(request, f"Not ended: {session.pk} had ended ({session.status}).", messages.WARNING)
+                continue
+            ended = exec_session_delete(session=session)
+            if ended.status == ExecSession.Status.DELETED:
+                self.message_user(request, f"Ended {session.pk}.", messages.SUCCESS)
+            else:  # it ended on its own meanwhile (expired, lost)
+                self.message_user(request, f"Not ended: {session.pk} had ended ({ended.status}).", messages.WARNING)
+
+    def get_deleted_objects(self, objs: Any, request: HttpRequest) -> tuple[Any, ...]:
+        # An active session is ended, not deleted: deleted, its queued job ran outside it (in a
+        # sandbox of its own, without its globals or files) and its running one ended SessionEnded
+        # rather than cancelled, its sandbox left to its worker's next lease round.
+        to_delete, counts, perms_needed, protected = super().get_deleted_objects(objs, request)
+        active = ExecSession.objects.filter(pk__in=_pks(objs), status=ExecSession.Status.ACTIVE).values_list("pk", flat=True)
+        kept = [f"session {pk} (active: end it first)" for pk in active[:20]]
+        return to_delete, counts, perms_needed, [*kept, *protected]
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[ExecSession]:
         return super().get_queryset(request).select_related("user")

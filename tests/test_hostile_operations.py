@@ -6,7 +6,7 @@ import uuid
 from django.contrib.auth import get_user_model
 from django.test import Client
 
-from execution.models import ExecJob
+from execution.models import ExecJob, ExecSession
 from tests.conftest import Api
 
 
@@ -36,3 +36,46 @@ def test_the_admin_cancels_a_running_job_it_tells_the_operator_to_cancel(api: Ap
         assert api.get(f"/api/v1/exec/{done['id']}").json()["status"] == "completed"
     finally:
         api.post(f"/api/v1/exec/{job['id']}/cancel")
+
+
+def test_the_admin_ends_an_active_session_rather_than_deleting_it(api: Api) -> None:
+    """Deleted in the admin, an active session's row went: a job queued for it then ran outside it,
+    in a fresh interpreter, and a running one ended SessionEnded rather than cancelled. The admin
+    deletes no active session, from its page or by the list's action, and says why; its action ends
+    the sessions chosen as DELETE /sessions/{id} does, and leaves those that have ended as they
+    are (an expired one's files readable). An ended session is deleted as before."""
+    staff = get_user_model().objects.create_user(username=f"ops-{uuid.uuid4().hex[:6]}", is_staff=True, is_superuser=True)
+    client = Client()
+    client.force_login(staff)
+    session = api.post("/api/v1/sessions", json={"toolsets": ["demo"]}).json()
+    expired = api.post("/api/v1/sessions", json={"toolsets": ["demo"], "idle_timeout": 1}).json()
+    assert api.post(f"/api/v1/sessions/{expired['id']}/files", files={"file": ("kept.txt", b"x")}).status_code == 201
+    code = "import time\nprint('in', flush=True)\ntime.sleep(60)"
+    job = api.post("/api/v1/exec", json={"code": code, "wait": 0, "session": session["id"], "timeout": 120}).json()
+    try:
+        assert api.until_printed(job["id"]) == "in\n"
+        for url, data in (
+            (f"/admin/execution/execsession/{session['id']}/delete/", {"post": "yes"}),
+            ("/admin/execution/execsession/", {"action": "delete_selected", "_selected_action": [session["id"]], "post": "yes"}),
+        ):
+            page = client.post(url, data).content.decode()
+            assert ExecSession.objects.filter(pk=session["id"], status="active").exists(), url
+            assert f"session {session['id']} (active: end it first)" in page, url  # named as what keeps it
+        deadline = time.monotonic() + 20
+        while ExecSession.objects.get(pk=expired["id"]).status != "expired":  # recorded by the reaper
+            assert time.monotonic() < deadline, "the idle session did not expire"
+            time.sleep(0.2)
+        action = {"action": "end_sessions", "_selected_action": [session["id"], expired["id"]]}
+        page = client.post("/admin/execution/execsession/", action, follow=True).content.decode()
+        assert f"Ended {session['id']}" in page and f"Not ended: {expired['id']} had ended (expired)" in page
+        assert api.get(f"/api/v1/sessions/{session['id']}").json()["status"] == "deleted"
+        assert api.get(f"/api/v1/sessions/{expired['id']}/files/kept.txt").content == b"x"
+        deadline = time.monotonic() + 20
+        while (row := ExecJob.objects.get(pk=job["id"])).status in ("queued", "running"):
+            assert time.monotonic() < deadline, row.status
+            time.sleep(0.2)
+        assert api.get(f"/api/v1/exec/{job['id']}").json()["status"] == "cancelled"
+        client.post(f"/admin/execution/execsession/{expired['id']}/delete/", {"post": "yes"})
+        assert not ExecSession.objects.filter(pk=expired["id"]).exists()
+    finally:
+        api.http.delete(f"/api/v1/sessions/{session['id']}")
