@@ -52,18 +52,25 @@ def _list_without(*fields: str) -> type[ChangeList]:
     return Deferred
 
 
-def _open_calls_kept(deleted: tuple[Any, Any, Any, list[Any]], *, calls: QuerySet[ToolCall]) -> tuple[Any, ...]:
-    """``deleted`` (what ModelAdmin.get_deleted_objects returns) with the open calls among
-    ``calls`` named as protected, so that the admin deletes nothing and says why: such a call may
-    be running, and its record is what it is charged by when it ends (deleted, it ran for free, and
-    its job's end announced it half-written)."""
+def unended_kept(
+    deleted: tuple[Any, Any, Any, list[Any]], *, jobs: QuerySet[ExecJob], calls: QuerySet[ToolCall]
+) -> tuple[Any, ...]:
+    """``deleted`` (what ModelAdmin.get_deleted_objects returns) with the jobs among ``jobs`` that
+    have not ended, and the open calls among ``calls``, named as protected, so that the admin
+    deletes nothing and says why: a job not ended is cancelled, not deleted (its worker would record
+    its end into nothing), and an open call may be running, its record what it is charged by when
+    it ends (deleted, it ran for free, and its job's end announced it half-written)."""
     to_delete, counts, perms_needed, protected = deleted
-    open_calls = list(calls.filter(status__in=ToolCall.OPEN).values_list("call_id", "status")[:20])
-    kept = [f"tool call {call_id} ({status}: it may be running, and is charged when it ends)" for call_id, status in open_calls]
-    return to_delete, counts, perms_needed, [*protected, *kept]
+    running = jobs.exclude(status__in=ExecJob.FINISHED).values_list("call_id", "status")
+    open_calls = calls.filter(status__in=ToolCall.OPEN).values_list("call_id", "status")
+    kept_jobs = [f"job {call_id} ({status}: cancel it first)" for call_id, status in running[:20]]
+    kept_calls = [
+        f"tool call {call_id} ({status}: it may be running, and is charged when it ends)" for call_id, status in open_calls[:20]
+    ]
+    return to_delete, counts, perms_needed, [*kept_jobs, *protected, *kept_calls]
 
 
-def _pks(objs: Any) -> list[Any]:
+def pks_of(objs: Any) -> list[Any]:
     """The primary keys of ``objs``, a queryset (the delete action's) or a list (the delete page's)."""
     return list(objs.values_list("pk", flat=True)) if isinstance(objs, QuerySet) else [obj.pk for obj in objs]
 
@@ -113,14 +120,10 @@ class ExecJobAdmin(admin.ModelAdmin):
                 self.message_user(request, f"Cancelled {job.call_id}.", messages.SUCCESS)
 
     def get_deleted_objects(self, objs: Any, request: HttpRequest) -> tuple[Any, ...]:
-        # A job not finished is kept whole, with its calls: it is cancelled, not deleted (its worker
-        # would record its end into nothing).
-        ids = _pks(objs)
-        deleted = _open_calls_kept(super().get_deleted_objects(objs, request), calls=ToolCall.objects.filter(exec_job_id__in=ids))
-        to_delete, counts, perms_needed, protected = deleted
-        running = ExecJob.objects.filter(pk__in=ids).exclude(status__in=ExecJob.FINISHED).values_list("call_id", "status")
-        kept = [f"job {call_id} ({status}: cancel it first)" for call_id, status in running[:20]]
-        return to_delete, counts, perms_needed, [*kept, *protected]
+        # A job not finished is kept whole, with its calls.
+        ids = pks_of(objs)
+        jobs, calls = ExecJob.objects.filter(pk__in=ids), ToolCall.objects.filter(exec_job_id__in=ids)
+        return unended_kept(super().get_deleted_objects(objs, request), jobs=jobs, calls=calls)
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[ExecJob]:
         return super().get_queryset(request).select_related("user")
@@ -254,7 +257,8 @@ class ToolCallAdmin(admin.ModelAdmin):
         return False
 
     def get_deleted_objects(self, objs: Any, request: HttpRequest) -> tuple[Any, ...]:
-        return _open_calls_kept(super().get_deleted_objects(objs, request), calls=ToolCall.objects.filter(pk__in=_pks(objs)))
+        calls = ToolCall.objects.filter(pk__in=pks_of(objs))
+        return unended_kept(super().get_deleted_objects(objs, request), jobs=ExecJob.objects.none(), calls=calls)
 
 
 class WorkFileInline(admin.TabularInline):
@@ -299,7 +303,7 @@ class ExecSessionAdmin(admin.ModelAdmin):
         # sandbox of its own, without its globals or files) and its running one ended SessionEnded
         # rather than cancelled, its sandbox left to its worker's next lease round.
         to_delete, counts, perms_needed, protected = super().get_deleted_objects(objs, request)
-        active = ExecSession.objects.filter(pk__in=_pks(objs), status=ExecSession.Status.ACTIVE).values_list("pk", flat=True)
+        active = ExecSession.objects.filter(pk__in=pks_of(objs), status=ExecSession.Status.ACTIVE).values_list("pk", flat=True)
         kept = [f"session {pk} (active: end it first)" for pk in active[:20]]
         return to_delete, counts, perms_needed, [*kept, *protected]
 

@@ -5,9 +5,11 @@ import uuid
 
 from django.contrib.auth import get_user_model
 from django.test import Client
+from django.utils import timezone
 
-from execution.models import ExecJob, ExecSession
+from execution.models import ExecJob, ExecSession, ToolCall
 from tests.conftest import Api
+from tests.factories import demo_call, running_job
 
 
 def test_the_admin_cancels_a_running_job_it_tells_the_operator_to_cancel(api: Api) -> None:
@@ -79,3 +81,39 @@ def test_the_admin_ends_an_active_session_rather_than_deleting_it(api: Api) -> N
         assert not ExecSession.objects.filter(pk=expired["id"]).exists()
     finally:
         api.http.delete(f"/api/v1/sessions/{session['id']}")
+
+
+def test_the_admin_deletes_no_user_with_a_job_or_call_not_ended() -> None:
+    """Deleting a user in the admin deleted their jobs and calls with them, a running job and an
+    open call too, past the job and call admins' guard: the worker then recorded into rows gone
+    under it, and a call ran for free. The admin deletes no such user, from their page or by the
+    list's action, and names the job or call that keeps them; a user whose work has ended is
+    deleted as before."""
+    staff = get_user_model().objects.create_user(username=f"ops-{uuid.uuid4().hex[:6]}", is_staff=True, is_superuser=True)
+    client = Client()
+    client.force_login(staff)
+    users = get_user_model().objects
+    working, calling, done = (users.create_user(username=f"ops-u-{uuid.uuid4().hex[:8]}") for _ in range(3))
+    job = running_job(user=working)
+    call = demo_call(user=working, job=job)  # executing
+    standalone = demo_call(user=calling)  # a call of no job, executing
+    ended = running_job(user=done, status="completed", finished_at=timezone.now())
+    demo_call(user=done, job=ended, status="completed", finished_at=timezone.now())
+    kept_by_job = f"job {job.call_id} (running: cancel it first)"
+    for url, data, named in (
+        (f"/admin/auth/user/{working.pk}/delete/", {"post": "yes"}, [kept_by_job, call.call_id]),
+        (f"/admin/auth/user/{calling.pk}/delete/", {"post": "yes"}, [standalone.call_id]),
+        (
+            "/admin/auth/user/",
+            {"action": "delete_selected", "_selected_action": [working.pk, calling.pk], "post": "yes"},
+            [kept_by_job, call.call_id, standalone.call_id],
+        ),
+    ):
+        page = client.post(url, data).content.decode()
+        assert users.filter(pk=working.pk).exists() and users.filter(pk=calling.pk).exists(), url
+        assert (
+            ExecJob.objects.filter(pk=job.pk).exists() and ToolCall.objects.filter(pk__in=[call.pk, standalone.pk]).count() == 2
+        )
+        assert all(name in page for name in named), url  # named as what keeps them
+    client.post(f"/admin/auth/user/{done.pk}/delete/", {"post": "yes"})
+    assert not users.filter(pk=done.pk).exists()

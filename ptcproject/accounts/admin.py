@@ -1,9 +1,13 @@
 from typing import Any
 
 from django.contrib import admin, messages
+from django.contrib.auth.admin import UserAdmin
+from django.contrib.auth.models import User
 from django.db.models import F, QuerySet
 from django.http import HttpRequest
 
+from execution.admin import pks_of, unended_kept
+from execution.models import ExecJob, ToolCall
 from ptcproject.accounts.authentication import signed_in_user
 from ptcproject.accounts.models import ApiKey, ApiKeyEvent, UserSettings
 from ptcproject.accounts.services import api_key_create, api_key_expire, api_key_revoke
@@ -82,3 +86,18 @@ class UserSettingsAdmin(admin.ModelAdmin):
     list_display = ("user", "retention_days", "max_concurrent_jobs", "max_concurrent_tool_calls", "max_jobs_per_minute")
     search_fields = ("user__username",)
     autocomplete_fields = ("user",)
+
+
+admin.site.unregister(User)
+
+
+@admin.register(User)
+class PtcUserAdmin(UserAdmin):
+    """Django's user admin, that deletes no user with a job that has not ended or a tool call that
+    is open: deleted, the user took them with them (a cascade), past the guard the job and call
+    admins keep, and their workers recorded into rows gone under them."""
+
+    def get_deleted_objects(self, objs: Any, request: HttpRequest) -> tuple[Any, ...]:
+        ids = pks_of(objs)
+        jobs, calls = ExecJob.objects.filter(user_id__in=ids), ToolCall.objects.filter(user_id__in=ids)
+        return unended_kept(super().get_deleted_objects(objs, request), jobs=jobs, calls=calls)
