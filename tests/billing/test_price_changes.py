@@ -1,7 +1,8 @@
 """A toolset changed while its calls wait in a queue: each call is billed as it was made, and is not run once its tool is disabled."""
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import pytest
@@ -37,6 +38,43 @@ def _toolset(key: str, url: str) -> dict[str, Any]:
     }
 
 
+@contextmanager
+def _queued(api: Api, staff: Api, key: str, code: str, *, calls: int, stack_env: dict[str, str]) -> Iterator[Callable[[], Any]]:
+    """Run ``code`` with the toolset ``key`` until its ``calls`` calls are priced, held and queued on
+    tools.slow, where no worker takes them; yield a function that starts that queue's worker and
+    returns the job once it has ended. The worker is stopped and the toolset deleted after."""
+    name = f"tools-{key}"
+    worker = Process(
+        name,
+        [str(BIN / "celery"), "-A", "ptcproject", "worker", "-Q", "tools.slow", "-n", f"{name}@%h", "-l", "info"],
+        {**stack_env, "PTC_TOOLS_CONCURRENCY": "4"},
+        ready=" ready.",
+    )
+
+    def ended() -> Any:
+        worker.start()
+        deadline = time.monotonic() + 60
+        while (job := api.get(f"/api/v1/exec/{job_id}").json())["status"] in ("queued", "running"):
+            assert time.monotonic() < deadline, "the job did not end"
+            time.sleep(0.2)
+        return job
+
+    try:
+        job_id = api.run(code, toolsets=[key], wait=0, timeout=60)["id"]
+        deadline = time.monotonic() + 20
+        while _held(api).count() < calls:
+            assert time.monotonic() < deadline, "the job's calls were not held"
+            time.sleep(0.1)
+        yield ended
+    finally:
+        worker.stop()
+        staff.http.delete(f"/api/v1/toolsets/{key}")
+
+
+def _held(api: Api) -> Any:
+    return Reservation.objects.filter(account__user__username=api.username, status=Reservation.Status.HELD)
+
+
 @pytest.mark.parametrize("change", [{"billing_free": True}, {"is_global": False}])
 def test_a_call_queued_before_its_toolset_turned_free_is_settled_or_released_as_it_ends(
     api: Api, staff: Api, http_api: HttpApi, stack_env: dict[str, str], change: dict[str, Any]
@@ -57,36 +95,16 @@ with ThreadPoolExecutor(2) as pool:
     out = list(pool.map(call, ["forecast", "boom"]))
 out
 """
-    name = f"tools-{key}"
-    worker = Process(
-        name,
-        [str(BIN / "celery"), "-A", "ptcproject", "worker", "-Q", "tools.slow", "-n", f"{name}@%h", "-l", "info"],
-        {**stack_env, "PTC_TOOLS_CONCURRENCY": "4"},
-        ready=" ready.",
-    )
-    try:
-        job_id = api.run(code, toolsets=[key], wait=0, timeout=60)["id"]
-        held = Reservation.objects.filter(account__user__username=api.username, status=Reservation.Status.HELD)
-        deadline = time.monotonic() + 20
-        while held.count() < 2:  # both calls priced, held and queued
-            assert time.monotonic() < deadline, "the job's calls were not held"
-            time.sleep(0.1)
+    with _queued(api, staff, key, code, calls=2, stack_env=stack_env) as ended:
         assert staff.http.patch(f"/api/v1/toolsets/{key}", json=change).status_code == 200
-        worker.start()
-        deadline = time.monotonic() + 60
-        while (job := api.get(f"/api/v1/exec/{job_id}").json())["status"] in ("queued", "running"):
-            assert time.monotonic() < deadline, "the job did not end"
-            time.sleep(0.2)
+        job = ended()
         assert job["status"] == "completed" and job["return_value"] == ["ok", "http_error"], job
         # At the job's end, not a lease and a reap later: the completed call charged what was held
         # for it as it was made, the failed one given back.
-        assert not held.exists()
+        assert not _held(api).exists()
         assert job["credits_charged"] == 5
         assert CreditUsage.objects.filter(user__username=api.username).count() == 1
         assert api.get("/api/v1/billing/balance").json()["reserved"] == 0
-    finally:
-        worker.stop()
-        staff.http.delete(f"/api/v1/toolsets/{key}")
 
 
 @pytest.mark.parametrize("disable", ["toolset", "tool"])
@@ -108,33 +126,13 @@ except ToolError as e:
     out = [e.code, e.message]
 out
 """
-    name = f"tools-{key}"
-    worker = Process(
-        name,
-        [str(BIN / "celery"), "-A", "ptcproject", "worker", "-Q", "tools.slow", "-n", f"{name}@%h", "-l", "info"],
-        {**stack_env, "PTC_TOOLS_CONCURRENCY": "4"},
-        ready=" ready.",
-    )
-    try:
-        job_id = api.run(code, toolsets=[key], wait=0, timeout=60)["id"]
-        held = Reservation.objects.filter(account__user__username=api.username, status=Reservation.Status.HELD)
-        deadline = time.monotonic() + 20
-        while not held.exists():  # priced, held and queued
-            assert time.monotonic() < deadline, "the job's call was not held"
-            time.sleep(0.1)
+    with _queued(api, staff, key, code, calls=1, stack_env=stack_env) as ended:
         if disable == "toolset":
             assert staff.http.patch(f"/api/v1/toolsets/{key}", json={"enabled": False}).status_code == 200
         else:  # the tool's admin page, "enabled" unticked
             Tool.objects.filter(toolset__key=key, name="forecast").update(enabled=False)
-        worker.start()
-        deadline = time.monotonic() + 60
-        while (job := api.get(f"/api/v1/exec/{job_id}").json())["status"] in ("queued", "running"):
-            assert time.monotonic() < deadline, "the job did not end"
-            time.sleep(0.2)
+        job = ended()
         assert job["status"] == "completed" and job["return_value"][0] == "tool_disabled", job
         assert "disabled" in job["return_value"][1]
-        assert job["credits_charged"] == 0 and not held.exists()
+        assert job["credits_charged"] == 0 and not _held(api).exists()
         assert api.get("/api/v1/billing/balance").json()["reserved"] == 0
-    finally:
-        worker.stop()
-        staff.http.delete(f"/api/v1/toolsets/{key}")
