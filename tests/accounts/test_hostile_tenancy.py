@@ -97,19 +97,29 @@ def test_a_stream_ends_when_its_key_is_revoked(api: Api) -> None:
     """A job's event stream was authorised once, at connect: a key revoked (or its user
     deactivated) while it was open kept reading the job until it ended. Now the stream checks at
     each heartbeat, closes, and the client's reconnect is told why."""
-    job = api.post("/api/v1/exec", json={"code": "import time\ntime.sleep(30)", "wait": 0}).json()
     minted = api.post("/api/v1/keys", json={"name": "watcher"}).json()
     watcher = _client(api, minted["key"])
+
+    def revoke() -> bool:
+        return api.post(f"/api/v1/keys/{minted['id']}/revoke").status_code == 200
+
+    assert _stream_closed_by(api, watcher, revoke) == (401, "authentication_failed")
+
+
+def _stream_closed_by(api: Api, watcher: httpx.Client, act: Callable[[], bool]) -> tuple[int, str]:
+    """Open ``watcher``'s stream of a job of ``api``'s that runs on, ``act`` (True if it was done),
+    check the stream closes within a few heartbeats; return the status and code of its reconnect."""
+    job = api.post("/api/v1/exec", json={"code": "import time\ntime.sleep(30)", "wait": 0}).json()
     try:
         with watcher.stream("GET", f"/api/v1/exec/{job['id']}/events", timeout=30) as stream:
             lines = stream.iter_lines()
             assert next(lines).startswith("retry:")
-            assert api.post(f"/api/v1/keys/{minted['id']}/revoke").status_code == 200
+            assert act()
             began = time.monotonic()
             rest = list(lines)  # until the server closes it
         assert time.monotonic() - began < 10, rest
         again = watcher.get(f"/api/v1/exec/{job['id']}/events")
-        assert (again.status_code, again.json()["error"]["code"]) == (401, "authentication_failed")
+        return again.status_code, again.json()["error"]["code"]
     finally:
         api.post(f"/api/v1/exec/{job['id']}/cancel")
 
@@ -119,19 +129,11 @@ def test_a_stream_of_another_users_job_ends_when_its_reader_is_no_longer_staff(a
     another user's job's stream read on, the job's output and tool I/O, until the job ended: the
     job's visibility was checked once, at connect. It is checked again at each heartbeat."""
     watcher = make_api(staff=True)
-    job = api.post("/api/v1/exec", json={"code": "import time\ntime.sleep(30)", "wait": 0}).json()
-    try:
-        with watcher.http.stream("GET", f"/api/v1/exec/{job['id']}/events", timeout=30) as stream:
-            lines = stream.iter_lines()
-            assert next(lines).startswith("retry:")
-            get_user_model().objects.filter(username=watcher.username).update(is_staff=False)  # the user's admin page
-            began = time.monotonic()
-            rest = list(lines)  # until the server closes it
-        assert time.monotonic() - began < 10, rest
-        again = watcher.get(f"/api/v1/exec/{job['id']}/events")
-        assert (again.status_code, again.json()["error"]["code"]) == (404, "not_found")
-    finally:
-        api.post(f"/api/v1/exec/{job['id']}/cancel")
+
+    def demote() -> bool:  # as the user's admin page does it
+        return bool(get_user_model().objects.filter(username=watcher.username).update(is_staff=False))
+
+    assert _stream_closed_by(api, watcher.http, demote) == (404, "not_found")
 
 
 def test_a_keys_user_is_fixed_once_it_is_made_in_the_admin(api: Api) -> None:
