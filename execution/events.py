@@ -30,6 +30,7 @@ from execution.models import ExecJob, ToolCall
 from execution.selectors import calls_overdue_at, exec_job_with_calls, tool_call_is_client
 from ptcproject.errors import ApplicationError
 from ptcproject.metrics import event_lag_observe
+from ptcproject.policy.seed import BOUNDS
 
 logger = logging.getLogger("ptc.events")
 # An event id as Redis Streams and this module write it: "<ms>-<seq>" (or "<ms>").
@@ -364,13 +365,22 @@ def _end_lost(job_id: Any) -> dict[str, Any] | None:
     return job_end_payload(job_view(exec_job_with_calls(job_id=job_id)))
 
 
+# How far back from a cursor a job's end can be: past it the log has only the ends of the calls
+# that outlived the job (at most the parallel cap's), and an end appended twice (by a reader that
+# found it lost, and by its worker after all) or thrice.
+END_WITHIN = BOUNDS["max_parallel_tool_calls"][1] * 2 + 100
+
+
 async def _has_end(client: Any, key: str, cursor: str) -> bool:
     """Whether the log ``key`` has its ``exec_end`` at or before ``cursor``: a reader there has it
-    all. It need not be the log's last entry: a call that outlived its job ends after it."""
-    upto = cursor
-    while entries := await client.xrevrange(key, max=upto, count=100):
+    all. It need not be the log's last entry: a call that outlived its job ends after it. Looked
+    for within END_WITHIN entries of the cursor: paged back to the log's start, a reconnect to a
+    long log whose end lay ahead took hundreds of round trips."""
+    upto, seen = cursor, 0
+    while seen < END_WITHIN and (entries := await client.xrevrange(key, max=upto, count=100)):
         if any(fields.get(b"event") == b"exec_end" for _, fields in entries):
             return True
+        seen += len(entries)
         ms, seq = _order(entries[-1][0].decode())  # the page before this one, this one left out
         if (ms, seq) == (0, 0):
             break

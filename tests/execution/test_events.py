@@ -387,6 +387,33 @@ def test_a_job_log_expires_even_if_its_end_never_reaches_it(api: Api) -> None:
     assert 3600 - 30 < client.ttl(key) <= 3600  # its end appended: the retention
 
 
+def test_a_reconnect_to_a_long_log_of_an_ended_job_looks_for_its_end_near_the_cursor(api: Api) -> None:
+    """A reconnect after the job's end asks whether the client had the end already: the log was
+    paged back from the client's cursor to its very start (100 entries a round trip) when the end
+    lay ahead, 500 round trips for a full log. Past the end only the ends of calls that outlived
+    the job are logged (at most the parallel cap's), so that is as far back as an end can be."""
+    job = api.run("print(1)", toolsets=["demo"])
+    client = redis.Redis.from_url(REDIS_URL)
+    key = RedisBackplane.stream_key(job["call_id"])
+    entries = client.xrange(key)
+    [end] = [fields for _, fields in entries if fields[b"event"] == b"exec_end"]
+    client.delete(key)  # written again, long: a job that printed 12,000 chunks
+    pipe = client.pipeline(transaction=False)
+    for n in range(12_000):
+        pipe.xadd(key, {"event": "stdout", "data": json.dumps({"text": f"{n}\n"})})
+    pipe.xadd(key, end)
+    pipe.execute()
+    middle = client.xrange(key, count=6_001)[-1][0].decode()
+
+    def xrevranges() -> int:
+        return int(client.info("commandstats").get("cmdstat_xrevrange", {}).get("calls", 0))
+
+    before = xrevranges()
+    events, _ = read_events(api, job["id"], last_event_id=middle)
+    assert len(events) == 6_000 and events[-1]["event"] == "exec_end"
+    assert xrevranges() - before <= 22  # END_WITHIN (2,148 entries) in pages of 100, where it took 61
+
+
 def test_a_live_reader_gets_a_large_input_of_a_call_no_tools_worker_has_taken_yet(api: Api, staff: Api) -> None:
     """A call for a tools worker is announced (``tool_call_start``) before it is recorded: the
     worker that claims it writes its record. Its start, logged without its large input, was filled
