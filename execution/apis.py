@@ -452,9 +452,11 @@ def _authenticate(request: HttpRequest) -> tuple[Any, Any] | JsonResponse:
     return user, None
 
 
-@db_read
-def _job_visible(user: Any, job_id: UUID) -> bool:
+def _visible(user: Any, job_id: UUID) -> bool:
     return exec_jobs_visible(user=user).filter(pk=job_id).exists()
+
+
+_job_visible = db_read(_visible)
 
 
 @db_read
@@ -467,7 +469,7 @@ def _still_reading(*, user_id: int, key_id: Any, job_id: UUID) -> bool:
         return False
     try:
         user = get_user_model().objects.filter(pk=user_id).first()
-        return user is not None and exec_jobs_visible(user=user).filter(pk=job_id).exists()
+        return user is not None and _visible(user, job_id)
     except DatabaseError:
         return True
 
