@@ -2,6 +2,7 @@ from django.contrib.auth import get_user_model
 from rest_framework import serializers
 
 from billing.models import CreditUsage
+from ptcproject.fields import KnownKeysOnly
 from ptcproject.storage import BIGINT_MAX
 
 
@@ -25,7 +26,7 @@ class UsageQuerySerializer(serializers.Serializer):
     exec = serializers.UUIDField(required=False)
 
 
-class CreditsSerializer(serializers.Serializer):
+class CreditsSerializer(KnownKeysOnly, serializers.Serializer):
     username = serializers.CharField(max_length=150)
     # Within the balance column's range; credits_adjust also refuses one that would take the balance out of it.
     amount = serializers.IntegerField(min_value=-BIGINT_MAX, max_value=BIGINT_MAX)

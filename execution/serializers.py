@@ -9,7 +9,7 @@ from rest_framework.renderers import JSONRenderer
 from execution.models import ExecJob, ExecSession, ToolCall, WorkFile
 from ptcproject import rows
 from ptcproject.errors import ApplicationError
-from ptcproject.fields import JsonValueField, NamesField, NumberField, TextField
+from ptcproject.fields import JsonValueField, KnownKeysOnly, NamesField, NumberField, TextField
 from ptcproject.storage import MAX_JSON_DEPTH, POSITIVE_INT_MAX, json_depth_exceeds
 from tools.serializers import ClientToolSerializer
 
@@ -162,7 +162,7 @@ class CallerSerializer(serializers.Serializer):
     )
 
 
-class ToolExecuteSerializer(serializers.Serializer):
+class ToolExecuteSerializer(KnownKeysOnly, serializers.Serializer):
     toolset = serializers.CharField(max_length=64)
     tool = serializers.CharField(max_length=128)
     arguments = JsonValueField(default=dict, help_text=f"The tool's keyword arguments, nested at most {MAX_JSON_DEPTH} levels.")
@@ -193,7 +193,7 @@ class ToolExecuteSerializer(serializers.Serializer):
         return super().to_internal_value(data)
 
 
-class ExecCreateSerializer(serializers.Serializer):
+class ExecCreateSerializer(KnownKeysOnly, serializers.Serializer):
     # The size limit is checked in the service, which answers 413 rather than a field error.
     code = TextField(trim_whitespace=False, allow_blank=True)
     toolsets = NamesField(max_name=64, required=False, allow_null=True)
@@ -249,18 +249,18 @@ class ToolResultSerializer(serializers.Serializer):
     )
 
 
-class ApprovalSerializer(serializers.Serializer):
+class ApprovalSerializer(KnownKeysOnly, serializers.Serializer):
     approve = serializers.BooleanField(help_text="True runs the call; false fails it with code denied.")
     reason = serializers.CharField(required=False, allow_blank=True, default="", max_length=500)
 
 
-class SessionLimitsSerializer(serializers.Serializer):
+class SessionLimitsSerializer(KnownKeysOnly, serializers.Serializer):
     memory_mb = serializers.IntegerField(
         required=False, min_value=16, max_value=POSITIVE_INT_MAX, help_text="At most the policy's memory limit."
     )
 
 
-class SessionCreateSerializer(serializers.Serializer):
+class SessionCreateSerializer(KnownKeysOnly, serializers.Serializer):
     toolsets = NamesField(max_name=64, required=False, allow_null=True)
     limits = SessionLimitsSerializer(required=False, default=dict)
     idle_timeout = NumberField(

@@ -1,8 +1,10 @@
-"""Serializer fields every app's input shares: numbers that are numbers, text that is text, and JSON
-values that readers can walk without running out of stack."""
+"""Serializer fields every app's input shares: numbers that are numbers, text that is text, JSON
+values that readers can walk without running out of stack, and bodies without unknown keys."""
 
+from collections.abc import Mapping
 from typing import Any
 
+from drf_spectacular.extensions import OpenApiSerializerExtension
 from rest_framework import serializers
 
 from ptcproject.storage import MAX_JSON_DEPTH, json_depth_exceeds
@@ -53,3 +55,47 @@ class JsonValueField(serializers.JSONField):
         if json_depth_exceeds(data):
             self.fail("too_deep")
         return super().to_internal_value(data)
+
+
+# How many unknown keys a refusal names: enough to find a misspelling, not the whole of a hostile body.
+UNKNOWN_NAMED = 10
+
+
+class KnownKeysOnly:
+    """A request body whose every key is one of its fields, mixed into a serializer before DRF's own
+    class. DRF drops keys it does not know, and a misspelled one then leaves its field at the
+    default without a word: ``max_credit`` leaves the job uncapped, ``toolset`` grants every
+    toolset. Each unknown key is a field error instead. ``also_known`` names keys that are accepted
+    and ignored: those of the resource as it is read, so what GET answered can be sent back."""
+
+    also_known: frozenset[str] = frozenset()
+    fields: Any  # the serializer's
+
+    def to_internal_value(self, data: Any) -> Any:
+        unknown = {}
+        if isinstance(data, Mapping):
+            names = sorted(str(key) for key in data if key not in self.fields and key not in self.also_known)
+            known = ", ".join(name for name, field in self.fields.items() if not field.read_only)
+            unknown = {name[:64]: [f"Unknown field: not one of {known}."] for name in names[:UNKNOWN_NAMED]}
+        try:
+            value = super().to_internal_value(data)  # type: ignore[misc]
+        except serializers.ValidationError as exc:  # every problem in one answer
+            if unknown and isinstance(exc.detail, dict):
+                raise serializers.ValidationError({**exc.detail, **unknown}) from None
+            raise
+        if unknown:
+            raise serializers.ValidationError(unknown)
+        return value
+
+
+class KnownKeysOnlySchema(OpenApiSerializerExtension):
+    """The OpenAPI document says so of each such request body: ``additionalProperties: false``."""
+
+    target_class = KnownKeysOnly
+    match_subclasses = True
+
+    def map_serializer(self, auto_schema: Any, direction: str) -> dict[str, Any]:
+        schema = auto_schema._map_serializer(self.target, direction, bypass_extensions=True)
+        if direction == "request":
+            schema["additionalProperties"] = False
+        return schema

@@ -5,7 +5,7 @@ from typing import Any
 from django.conf import settings
 from rest_framework import serializers
 
-from ptcproject.fields import JsonValueField, NamesField, NumberField
+from ptcproject.fields import JsonValueField, KnownKeysOnly, NamesField, NumberField
 from ptcproject.queues import tools_queue_problem
 from ptcproject.storage import POSITIVE_INT_MAX
 from tools.anthropic_managed import CODE_EXECUTION_VERSIONS
@@ -160,7 +160,8 @@ class ToolWriteSerializer(serializers.Serializer):
         return value if value != {} else {"type": "object", "properties": {}}
 
 
-class ToolsetWriteSerializer(serializers.Serializer):
+class ToolsetWriteSerializer(KnownKeysOnly, serializers.Serializer):
+    also_known = frozenset(ToolsetSerializer.Meta.fields)  # a toolset as GET answered it may be sent back
     key = serializers.CharField(max_length=64)
     name = serializers.CharField(max_length=200)
     description = serializers.CharField(required=False, allow_blank=True)
@@ -226,7 +227,7 @@ class ClientToolSerializer(serializers.Serializer):
     )
 
 
-class ContextRequestSerializer(serializers.Serializer):
+class ContextRequestSerializer(KnownKeysOnly, serializers.Serializer):
     toolsets = NamesField(max_name=64, required=False, allow_null=True)
     title = serializers.CharField(required=False, allow_blank=True, default="", max_length=500)
     format = serializers.ChoiceField(choices=FORMATS, required=False, default="anthropic")

@@ -3,6 +3,7 @@
 from rest_framework import serializers
 
 from ptcproject.accounts.models import ApiKey
+from ptcproject.fields import KnownKeysOnly
 
 
 class ApiKeySerializer(serializers.ModelSerializer):
@@ -24,14 +25,14 @@ class ApiKeyCreatedSerializer(ApiKeySerializer):
         read_only_fields = fields
 
 
-class ApiKeyCreateSerializer(serializers.Serializer):
+class ApiKeyCreateSerializer(KnownKeysOnly, serializers.Serializer):
     name = serializers.CharField(max_length=100, required=False, default="", allow_blank=True)
     expires_at = serializers.DateTimeField(
         required=False, allow_null=True, default=None, help_text="When it stops working; null: never."
     )
 
 
-class ApiKeyExpireSerializer(serializers.Serializer):
+class ApiKeyExpireSerializer(KnownKeysOnly, serializers.Serializer):
     expires_at = serializers.DateTimeField(
         allow_null=True, help_text="When the key stops working: a time in the past (or now) ends it at once; null: never."
     )

@@ -4,7 +4,7 @@ from django.conf import settings
 from django.contrib.auth import get_user_model
 from rest_framework import serializers
 
-from ptcproject.fields import NamesField
+from ptcproject.fields import KnownKeysOnly, NamesField
 from ptcproject.policy.models import Policy
 from ptcproject.policy.seed import BOUNDS
 from tools.models import Toolset
@@ -29,7 +29,7 @@ def _bounded(name: str) -> serializers.IntegerField:
     return serializers.IntegerField(min_value=low, max_value=high, required=False)
 
 
-class PolicySerializer(serializers.ModelSerializer):
+class PolicySerializer(KnownKeysOnly, serializers.ModelSerializer):
     user_allowlist = NamesField(max_name=150, required=False)
     toolset_allowlist = NamesField(max_name=64, required=False)
     toolset_blocklist = NamesField(max_name=64, required=False)
