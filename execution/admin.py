@@ -53,21 +53,36 @@ def _list_without(*fields: str) -> type[ChangeList]:
 
 
 def unended_kept(
-    deleted: tuple[Any, Any, Any, list[Any]], *, jobs: QuerySet[ExecJob], calls: QuerySet[ToolCall]
+    deleted: tuple[Any, Any, Any, list[Any]],
+    *,
+    jobs: QuerySet[ExecJob] | None = None,
+    calls: QuerySet[ToolCall] | None = None,
+    sessions: QuerySet[ExecSession] | None = None,
 ) -> tuple[Any, ...]:
     """``deleted`` (what ModelAdmin.get_deleted_objects returns) with the jobs among ``jobs`` that
-    have not ended, and the open calls among ``calls``, named as protected, so that the admin
-    deletes nothing and says why: a job not ended is cancelled, not deleted (its worker would record
-    its end into nothing), and an open call may be running, its record what it is charged by when
-    it ends (deleted, it ran for free, and its job's end announced it half-written)."""
+    have not ended, the open calls among ``calls`` and the active sessions among ``sessions``, named
+    as protected, so that the admin deletes nothing and says why: a job not ended is cancelled, not
+    deleted (its worker would record its end into nothing); an open call may be running, its
+    record what it is charged by when it ends (deleted, it ran for free, and its job's end announced
+    it half-written); an active session is ended, not deleted (its queued job ran outside it, in a
+    sandbox of its own without its globals or files, and its running one ended SessionEnded rather
+    than cancelled, its sandbox left to its worker's next lease round)."""
     to_delete, counts, perms_needed, protected = deleted
-    running = jobs.exclude(status__in=ExecJob.FINISHED).values_list("call_id", "status")
-    open_calls = calls.filter(status__in=ToolCall.OPEN).values_list("call_id", "status")
-    kept_jobs = [f"job {call_id} ({status}: cancel it first)" for call_id, status in running[:20]]
-    kept_calls = [
-        f"tool call {call_id} ({status}: it may be running, and is charged when it ends)" for call_id, status in open_calls[:20]
-    ]
-    return to_delete, counts, perms_needed, [*kept_jobs, *protected, *kept_calls]
+    kept = []
+    if jobs is not None:
+        running = jobs.exclude(status__in=ExecJob.FINISHED).values_list("call_id", "status")
+        kept += [f"job {call_id} ({status}: cancel it first)" for call_id, status in running[:20]]
+    kept += protected
+    if calls is not None:
+        open_calls = calls.filter(status__in=ToolCall.OPEN).values_list("call_id", "status")
+        kept += [
+            f"tool call {call_id} ({status}: it may be running, and is charged when it ends)"
+            for call_id, status in open_calls[:20]
+        ]
+    if sessions is not None:
+        active = sessions.filter(status=ExecSession.Status.ACTIVE).values_list("pk", flat=True)
+        kept += [f"session {pk} (active: end it first)" for pk in active[:20]]
+    return to_delete, counts, perms_needed, kept
 
 
 def pks_of(objs: Any) -> list[Any]:
@@ -258,7 +273,7 @@ class ToolCallAdmin(admin.ModelAdmin):
 
     def get_deleted_objects(self, objs: Any, request: HttpRequest) -> tuple[Any, ...]:
         calls = ToolCall.objects.filter(pk__in=pks_of(objs))
-        return unended_kept(super().get_deleted_objects(objs, request), jobs=ExecJob.objects.none(), calls=calls)
+        return unended_kept(super().get_deleted_objects(objs, request), calls=calls)
 
 
 class WorkFileInline(admin.TabularInline):
@@ -292,20 +307,15 @@ class ExecSessionAdmin(admin.ModelAdmin):
             if session.status != ExecSession.Status.ACTIVE:
                 self.message_user(request, f"Not ended: {session.pk} had ended ({session.status}).", messages.WARNING)
                 continue
-            ended = exec_session_delete(session=session)
+            ended = exec_session_delete(session=session, ended_too=False)
             if ended.status == ExecSession.Status.DELETED:
                 self.message_user(request, f"Ended {session.pk}.", messages.SUCCESS)
             else:  # it ended on its own meanwhile (expired, lost)
                 self.message_user(request, f"Not ended: {session.pk} had ended ({ended.status}).", messages.WARNING)
 
     def get_deleted_objects(self, objs: Any, request: HttpRequest) -> tuple[Any, ...]:
-        # An active session is ended, not deleted: deleted, its queued job ran outside it (in a
-        # sandbox of its own, without its globals or files) and its running one ended SessionEnded
-        # rather than cancelled, its sandbox left to its worker's next lease round.
-        to_delete, counts, perms_needed, protected = super().get_deleted_objects(objs, request)
-        active = ExecSession.objects.filter(pk__in=pks_of(objs), status=ExecSession.Status.ACTIVE).values_list("pk", flat=True)
-        kept = [f"session {pk} (active: end it first)" for pk in active[:20]]
-        return to_delete, counts, perms_needed, [*kept, *protected]
+        sessions = ExecSession.objects.filter(pk__in=pks_of(objs))
+        return unended_kept(super().get_deleted_objects(objs, request), sessions=sessions)
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[ExecSession]:
         return super().get_queryset(request).select_related("user")

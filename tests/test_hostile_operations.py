@@ -2,11 +2,15 @@
 
 import time
 import uuid
+from datetime import timedelta
 
+from django.contrib import admin
 from django.contrib.auth import get_user_model
-from django.test import Client
+from django.contrib.messages.storage.fallback import FallbackStorage
+from django.test import Client, RequestFactory
 from django.utils import timezone
 
+from execution.admin import ExecSessionAdmin
 from execution.models import ExecJob, ExecSession, ToolCall
 from tests.conftest import Api
 from tests.factories import demo_call, running_job
@@ -83,6 +87,23 @@ def test_the_admin_ends_an_active_session_rather_than_deleting_it(api: Api) -> N
         api.http.delete(f"/api/v1/sessions/{session['id']}")
 
 
+def test_a_session_that_ends_on_its_own_as_the_admin_ends_it_keeps_its_files(api: Api) -> None:
+    """The admin's "End" read the session active, then ended it by the service, which deletes the
+    files of a session it finds ended too (as DELETE does): one that expired in between lost its
+    files, and the operator was told "not ended". It keeps them now."""
+    staff = get_user_model().objects.create_user(username=f"ops-{uuid.uuid4().hex[:6]}", is_staff=True, is_superuser=True)
+    session = api.post("/api/v1/sessions", json={"toolsets": ["demo"]}).json()
+    assert api.post(f"/api/v1/sessions/{session['id']}/files", files={"file": ("kept.txt", b"x")}).status_code == 201
+    read = ExecSession.objects.get(pk=session["id"])  # as the action's list read it: active
+    ExecSession.objects.filter(pk=session["id"]).update(status="expired", end_reason="idle", ended_at=timezone.now())
+    request = RequestFactory().post("/admin/execution/execsession/")
+    request.user, request.session = staff, {}
+    request._messages = FallbackStorage(request)  # type: ignore[attr-defined]
+    ExecSessionAdmin(ExecSession, admin.site).end_sessions(request, [read])  # type: ignore[arg-type]
+    assert [str(m) for m in request._messages] == [f"Not ended: {session['id']} had ended (expired)."]  # type: ignore[attr-defined]
+    assert api.get(f"/api/v1/sessions/{session['id']}/files/kept.txt").content == b"x"
+
+
 def test_the_admin_deletes_no_user_with_a_job_or_call_not_ended() -> None:
     """Deleting a user in the admin deleted their jobs and calls with them, a running job and an
     open call too, past the job and call admins' guard: the worker then recorded into rows gone
@@ -117,3 +138,24 @@ def test_the_admin_deletes_no_user_with_a_job_or_call_not_ended() -> None:
         assert all(name in page for name in named), url  # named as what keeps them
     client.post(f"/admin/auth/user/{done.pk}/delete/", {"post": "yes"})
     assert not users.filter(pk=done.pk).exists()
+
+
+def test_the_admin_deletes_no_user_with_an_active_session() -> None:
+    """A user's active session (with no job) did not keep them: deleted, the session went with
+    them, its sandbox left to its worker's next lease round. It keeps them now, named, until it
+    ends. (A user with an API key is kept by the key as well: keys are revoked, never deleted.)"""
+    staff = get_user_model().objects.create_user(username=f"ops-{uuid.uuid4().hex[:6]}", is_staff=True, is_superuser=True)
+    client = Client()
+    client.force_login(staff)
+    user = get_user_model().objects.create_user(username=f"ops-u-{uuid.uuid4().hex[:8]}")
+    now = timezone.now()
+    later = now + timedelta(hours=1)
+    session = ExecSession.objects.create(
+        user=user, idle_timeout_seconds=3600, max_lifetime_seconds=3600, last_used_at=now, expires_at=later, max_expires_at=later
+    )
+    page = client.post(f"/admin/auth/user/{user.pk}/delete/", {"post": "yes"}).content.decode()
+    assert f"session {session.pk} (active: end it first)" in page
+    assert ExecSession.objects.filter(pk=session.pk, status="active").exists()
+    ExecSession.objects.filter(pk=session.pk).update(status="expired", ended_at=now)
+    client.post(f"/admin/auth/user/{user.pk}/delete/", {"post": "yes"})
+    assert not get_user_model().objects.filter(pk=user.pk).exists()

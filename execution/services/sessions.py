@@ -240,12 +240,14 @@ def _session_idle_check(session: ExecSession, then: str) -> None:
         )
 
 
-def exec_session_delete(*, session: ExecSession) -> ExecSession:
+def exec_session_delete(*, session: ExecSession, ended_too: bool = True) -> ExecSession:
     """End an active session now: its job (if any) is cancelled, its holder kills its sandbox at
     its next lease round, and its files are deleted (an expired or lost session's stay readable).
-    Deleting an ended session deletes its files too and changes nothing else."""
+    Deleting an ended session deletes its files too and changes nothing else; with ``ended_too``
+    False (the admin's "End"), one that has ended, if only just now, is left as it is, files and all."""
     ended = _session_end(session_id=session.pk, status=Status.DELETED, reason="it was deleted")
-    WorkFile.objects.filter(session=session).delete()
+    if ended or ended_too:
+        WorkFile.objects.filter(session=session).delete()
     session.refresh_from_db()
     if ended and session.current_job_id:
         from execution.services.jobs import exec_job_cancel

@@ -7,7 +7,7 @@ from django.db.models import F, QuerySet
 from django.http import HttpRequest
 
 from execution.admin import pks_of, unended_kept
-from execution.models import ExecJob, ToolCall
+from execution.models import ExecJob, ExecSession, ToolCall
 from ptcproject.accounts.authentication import signed_in_user
 from ptcproject.accounts.models import ApiKey, ApiKeyEvent, UserSettings
 from ptcproject.accounts.services import api_key_create, api_key_expire, api_key_revoke
@@ -93,11 +93,13 @@ admin.site.unregister(User)
 
 @admin.register(User)
 class PtcUserAdmin(UserAdmin):
-    """Django's user admin, that deletes no user with a job that has not ended or a tool call that
-    is open: deleted, the user took them with them (a cascade), past the guard the job and call
-    admins keep, and their workers recorded into rows gone under them."""
+    """Django's user admin, that deletes no user with a job that has not ended, a tool call that is
+    open or a session that is active: deleted, the user took them with them (a cascade), past the
+    guard the job, call and session admins keep, and their workers recorded into rows gone under
+    them."""
 
     def get_deleted_objects(self, objs: Any, request: HttpRequest) -> tuple[Any, ...]:
         ids = pks_of(objs)
         jobs, calls = ExecJob.objects.filter(user_id__in=ids), ToolCall.objects.filter(user_id__in=ids)
-        return unended_kept(super().get_deleted_objects(objs, request), jobs=jobs, calls=calls)
+        sessions = ExecSession.objects.filter(user_id__in=ids)
+        return unended_kept(super().get_deleted_objects(objs, request), jobs=jobs, calls=calls, sessions=sessions)
