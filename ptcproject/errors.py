@@ -174,8 +174,17 @@ class ApplicationError(Exception):
         return call_error(self.code, self.message)
 
 
+# The most characters of a tool call's error message that are kept: a tool's failure may say
+# anything (Demo.fail's own argument, a remote server's error text), and its message goes into the
+# call's row, its event and the error raised in the code.
+MAX_ERROR_MESSAGE = 4000
+
+
 def call_error(code: str, message: str) -> dict[str, str]:
-    """A tool call's recorded error."""
+    """A tool call's recorded error, its message cut to MAX_ERROR_MESSAGE characters."""
+    if len(message) > MAX_ERROR_MESSAGE:
+        said = f"… ({len(message)} characters, cut)"
+        message = message[: MAX_ERROR_MESSAGE - len(said)] + said
     return {"code": code, "message": message}
 
 

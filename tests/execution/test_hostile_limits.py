@@ -27,7 +27,9 @@ from execution.models import ExecJob, ToolCall, WorkFile
 from execution.services.calls import CALL_RECORD_BYTES
 from execution.services.retention import exec_jobs_purge
 from ptcproject.accounts.models import UserSettings
+from ptcproject.errors import MAX_ERROR_MESSAGE
 from tests.conftest import Api
+from tests.execution.client_loop import sse_events
 from tests.execution.test_tools_execute import _job_key
 from tests.stack import Stack
 
@@ -354,3 +356,19 @@ def test_a_managed_containers_calls_at_once_pass_its_bytes_by_one_call_at_most(a
     [job] = ExecJob.objects.filter(container_id=container)
     passed = sum(len(json.dumps(c.input)) + len(json.dumps(c.output)) for c in ToolCall.objects.filter(exec_job=job))
     assert passed <= (8 << 20) + (1 << 20), (passed, [a.status_code for a in answers])
+
+
+def test_a_tool_errors_message_is_recorded_and_told_cut_to_its_bound(api: Api) -> None:
+    """A tool's failure message was kept whole wherever it went: a call failed with a megabyte of
+    message (``Demo.fail``'s own argument, a remote server's error text) recorded it in its row,
+    its event and the error raised in the code. It is cut to MAX_ERROR_MESSAGE characters, saying so."""
+    code = "from ptc_tools import ToolError\nfrom ptc_tools.demo import Demo\ntry:\n    Demo.fail(message='x' * 1_000_000)\nexcept ToolError as e:\n    print(len(str(e)))"
+    job = api.run(code, toolsets=["demo"])
+    assert job["status"] == "completed", job["error"]
+    [call] = job["tool_calls"]
+    message = call["error"]["message"]
+    assert message.startswith("x" * 1000) and message.endswith("… (1000000 characters, cut)")
+    assert len(message) <= MAX_ERROR_MESSAGE
+    assert int(job["stdout"]) <= MAX_ERROR_MESSAGE + 100
+    [end] = [data for event, data in sse_events(api, job["id"]) if event == "tool_call_error"]
+    assert end["error"]["message"] == message
