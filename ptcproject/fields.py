@@ -74,9 +74,11 @@ class KnownKeysOnly:
     def to_internal_value(self, data: Any) -> Any:
         unknown = {}
         if isinstance(data, Mapping):
-            names = sorted(str(key) for key in data if key not in self.fields and key not in self.also_known)
-            known = ", ".join(name for name, field in self.fields.items() if not field.read_only)
-            unknown = {name[:64]: [f"Unknown field: not one of {known}."] for name in names[:UNKNOWN_NAMED]}
+            fields = self.fields
+            names = sorted(str(key) for key in data if key not in fields and key not in self.also_known)
+            if names:
+                known = ", ".join(name for name, field in fields.items() if not field.read_only)
+                unknown = {name[:64]: [f"Unknown field: not one of {known}."] for name in names[:UNKNOWN_NAMED]}
         try:
             value = super().to_internal_value(data)  # type: ignore[misc]
         except serializers.ValidationError as exc:  # every problem in one answer
