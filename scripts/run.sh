@@ -17,10 +17,46 @@ port="${PORT:-8000}"
 base="http://127.0.0.1:$port"
 py=.venv/bin/python
 
+# A port another process holds would leave the web process dead at start, and the wait below
+# would wait for it in vain (or find the other process's /healthz).
+$py - "$port" <<'PY'
+import socket, sys
+port = int(sys.argv[1])
+with socket.socket() as probe:
+    probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        probe.bind(("127.0.0.1", port))
+    except OSError as exc:
+        sys.exit(f"make run: port {port} is taken ({exc.strerror}): stop what holds it, or pick another (PORT=8001 make run)")
+PY
+
 if [ -z "${DATABASE_URL:-}" ]; then
     echo "== embedded: SQLite at $data_dir/db.sqlite3, filesystem broker at $data_dir/broker"
 else
     echo "== database: ${DATABASE_URL%%\?*}"
+    # A PostgreSQL database that does not exist yet is created (on a server that answers); any
+    # other failure to reach it is one line, not migrate's traceback.
+    $py - <<'PY'
+import os, sys, urllib.parse
+import psycopg
+from psycopg import sql
+url = os.environ["DATABASE_URL"]
+parts = urllib.parse.urlsplit(url)
+if parts.scheme.startswith("postgres"):
+    name = urllib.parse.unquote(parts.path.lstrip("/"))
+    try:
+        psycopg.connect(url, connect_timeout=5).close()
+    except psycopg.OperationalError as exc:
+        if f'database "{name}" does not exist' not in str(exc):
+            sys.exit(f"make run: cannot reach the database at {parts.hostname}:{parts.port or 5432}: {str(exc).strip()}")
+        server = urllib.parse.urlunsplit(parts._replace(path="/postgres"))
+        try:
+            with psycopg.connect(server, autocommit=True, connect_timeout=5) as conn:
+                conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+        except psycopg.Error as exc:
+            sys.exit(f"make run: the database {name!r} does not exist, and creating it failed: {str(exc).strip()}")
+        print(f"== created the database {name!r}")
+PY
 fi
 $py manage.py migrate --no-input -v0
 
@@ -50,9 +86,10 @@ start exec .venv/bin/celery -A ptcproject worker -Q exec -n "exec@%h" -l info
 start tools .venv/bin/celery -A ptcproject worker -Q tools -n "tools@%h" -l info
 start beat .venv/bin/celery -A ptcproject beat -l info -s "$data_dir/celerybeat-schedule"
 
-$py - "$base" "$logs" <<'PY'
+$py - "$base" "$logs" "${pids[@]}" <<'PY'
 import sys, time, pathlib, urllib.request
-base, logs = sys.argv[1], pathlib.Path(sys.argv[2])
+base, logs, pids = sys.argv[1], pathlib.Path(sys.argv[2]), [int(p) for p in sys.argv[3:]]
+names = ("web", "exec", "tools", "beat")  # in the order started
 deadline = time.monotonic() + 60
 def ready() -> bool:
     workers = all(" ready." in (logs / f"{n}.log").read_text(errors="replace") for n in ("exec", "tools"))
@@ -60,7 +97,21 @@ def ready() -> bool:
         return workers and urllib.request.urlopen(f"{base}/healthz", timeout=1).status == 200
     except OSError:
         return False
+def exited() -> str | None:
+    """The first process that has stopped (gone, or a zombie its parent, this script, has not reaped)."""
+    for name, pid in zip(names, pids):
+        try:
+            state = pathlib.Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+        except OSError:
+            state = "X"
+        if state in ("Z", "X"):
+            return name
+    return None
 while not ready():
+    dead = exited()
+    if dead:
+        tail = (logs / f"{dead}.log").read_text(errors="replace").strip().splitlines()[-5:]
+        sys.exit(f"make run: the {dead} process stopped as it started; the end of {logs / dead}.log:\n  " + "\n  ".join(tail))
     if time.monotonic() > deadline:
         sys.exit(f"the stack did not start within 60 s; see the logs in {logs}")
     time.sleep(0.2)

@@ -1,9 +1,15 @@
 """The README's run command, on the embedded default: SQLite and a server-less broker."""
 
 import os
+import socket
 import subprocess
+import time
+import uuid
 from pathlib import Path
 
+import psycopg
+
+from tests.servers import redis_keys_drop
 from tests.stack import ROOT, free_port
 
 
@@ -18,3 +24,48 @@ def test_quickstart_runs_a_demo_job_embedded(tmp_path: Path) -> None:
     assert "embedded: SQLite" in result.stdout
     assert "status: completed   return value: 16   tool calls: 5" in result.stdout
     assert (tmp_path / "var" / "db.sqlite3").exists()
+
+
+def _embedded_env(tmp_path: Path, port: int) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "CELERY_BROKER_URL", "REDIS_URL")}
+    env.update(PTC_DATA_DIR=str(tmp_path / "var"), PORT=str(port), PTC_QUICKSTART_ONCE="1")
+    return env
+
+
+def test_quickstart_on_a_port_another_process_holds_stops_at_once_saying_so(tmp_path: Path) -> None:
+    # It started the stack, whose web process died at its start, and waited 60 s for it to answer.
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        started = time.monotonic()
+        result = subprocess.run(
+            ["scripts/run.sh"], cwd=ROOT, env=_embedded_env(tmp_path, port), capture_output=True, text=True, timeout=120
+        )
+    assert result.returncode != 0
+    assert f"make run: port {port} is taken" in result.stderr, result.stderr
+    assert time.monotonic() - started < 30
+    assert not (tmp_path / "var" / "log" / "web.log").exists()  # nothing was started
+
+
+def test_quickstart_on_postgres_creates_its_database_or_says_in_a_line_why_it_cannot(tmp_path: Path) -> None:
+    server = os.environ["TEST_DATABASE_URL"].rsplit("/", 1)[0]
+    name = f"ptc_quickstart_{uuid.uuid4().hex[:8]}"
+    env = _embedded_env(tmp_path, free_port())
+    env.update(DATABASE_URL=f"{server}/{name}", REDIS_URL=os.environ["REDIS_URL"], PTC_REDIS_PREFIX=f"{name}:")
+    try:
+        result = subprocess.run(["scripts/run.sh"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert f"== created the database '{name}'" in result.stdout
+        assert "status: completed   return value: 16   tool calls: 5" in result.stdout
+    finally:
+        with psycopg.connect(os.environ["TEST_DATABASE_URL"], autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        redis_keys_drop(os.environ["REDIS_URL"], f"{name}:")
+
+    env.update(DATABASE_URL=f"postgres://postgres@127.0.0.1:{free_port()}/{name}")  # no server there
+    result = subprocess.run(["scripts/run.sh"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0
+    [said] = [line for line in result.stderr.splitlines() if line.startswith("make run:")]
+    assert said.startswith("make run: cannot reach the database at 127.0.0.1:"), result.stderr
+    assert "Traceback" not in result.stderr
