@@ -165,8 +165,8 @@ def _builtin_guard(*, toolset: Toolset, data: Mapping[str, Any]) -> None:
     if changed:
         raise ApplicationError(
             "builtin_toolset",
-            f"'{toolset.key}' is a builtin toolset, defined in code: only 'enabled' and 'queue' can change here, "
-            f"not {', '.join(changed)}.",
+            f"'{toolset.key}' is a builtin toolset, defined in code: only {', '.join(repr(n) for n in kept)} can change "
+            f"here, not {', '.join(changed)}.",
             details={name: ["builtin toolsets are defined in code"] for name in changed},
         )
 

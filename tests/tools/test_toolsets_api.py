@@ -93,6 +93,8 @@ def test_builtin_toolsets_are_defined_in_code(staff: Api) -> None:
     assert create.status_code == 400 and create.json()["error"]["code"] == "builtin_toolset"
     edit = staff.http.patch("/api/v1/toolsets/demo", json={"price": 9})
     assert edit.status_code == 400 and edit.json()["error"]["code"] == "builtin_toolset"
+    # The message names all it may change: an approval too (it named only enabled and queue).
+    assert "only 'enabled', 'queue', 'requires_approval' can change here, not price." in edit.json()["error"]["message"]
     assert staff.http.delete("/api/v1/toolsets/demo").status_code == 400
     assert Toolset.objects.get(key="demo", owner=None).price == 1
 
