@@ -2,6 +2,7 @@
 
 import asyncio
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -227,7 +228,7 @@ def _cli(stack_env: dict[str, str], username: str, code: str, tmp_path) -> subpr
     return subprocess.run(
         [sys.executable, "manage.py", "ptc_exec", str(script), "--user", username, "--toolsets", "demo"],
         cwd=ROOT,
-        env={**stack_env, "PTC_LOG_LEVEL": "WARNING"},
+        env=stack_env,
         capture_output=True,
         text=True,
         timeout=60,
@@ -238,7 +239,9 @@ def test_the_cli_follows_a_job_and_exits_by_its_outcome(api: Api, stack_env: dic
     ok = _cli(stack_env, api.username, JOB, tmp_path)
     assert ok.returncode == 0, ok.stdout + ok.stderr
     lines = ok.stdout.splitlines()
-    assert lines[0].startswith("job exec_") and lines[0].endswith("submitted")
+    call_id, job_id = re.fullmatch(r"job (exec_[0-9a-f]+) submitted, id ([0-9a-f-]{36})", lines[0]).groups()  # type: ignore[union-attr]
+    assert api.get(f"/api/v1/exec/{job_id}").json()["call_id"] == call_id  # the id the API takes
+    assert "INFO" not in ok.stderr  # the services' log lines are not mixed into its own (-v 2 shows them)
     assert "before" in lines and "after" in lines
     assert sum(line.startswith("✓ demo.sleep(ms=200)") for line in lines) == 4
     assert any(line.startswith("✗ demo.fail(message='expected')") and line.endswith("expected") for line in lines)

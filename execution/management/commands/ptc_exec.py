@@ -18,6 +18,7 @@ import asyncio
 import importlib
 import importlib.util
 import inspect
+import logging
 import signal
 import sys
 import threading
@@ -186,6 +187,17 @@ class Command(BaseCommand):
         )
 
     def handle(self, *args: Any, **options: Any) -> None:
+        # The job's own lines only; -v 2 adds the services' log lines (job queued, key made, ...).
+        services = logging.getLogger("ptc")
+        level = services.level
+        if options["verbosity"] < 2:
+            services.setLevel(max(level, logging.WARNING))
+        try:
+            self._run(options)
+        finally:
+            services.setLevel(level)  # as it was for whoever called (call_command)
+
+    def _run(self, options: dict[str, Any]) -> None:
         path = Path(options["file"])
         if not path.is_file():
             raise CommandError(f"{path} is not a file.")
@@ -224,7 +236,7 @@ class Command(BaseCommand):
         # OutputWrapper._out is the stream it wraps; django-stubs lacks it, so its __getattr__ calls it a callable.
         console = Console(file=self.stdout._out, highlight=False, soft_wrap=True)  # type: ignore[arg-type]
         interactive = console.is_terminal
-        console.print(f"job {job.call_id} submitted")
+        console.print(f"job {job.call_id} submitted, id {job.pk}")  # the id is what /api/v1/exec/{id} takes
         progress = Progress(console, live=interactive)
         # A SIGTERM stops it as Ctrl-C does (KeyboardInterrupt), and either cancels the job. Only
         # the main thread may set a handler (call_command may run elsewhere); the caller's comes back.
