@@ -265,12 +265,14 @@ def events_from_records(job_id: Any) -> tuple[list[Event], bool]:
         timed.append((job.started_at.timestamp(), 0, "exec_start", job_start_payload(job)))
     for order, call in enumerate(job.tool_calls.select_related("tool__toolset").order_by("started_at", "id")):
         payload = tool_call_payload(call)
-        timed.append((call.started_at.timestamp(), 1 + 3 * order, "tool_call_start", payload))
+        timed.append((call.started_at.timestamp(), 1 + 4 * order, "tool_call_start", payload))
         if call.status in ToolCall.AWAITING or call.decision or tool_call_is_client(call):
-            timed.append((call.started_at.timestamp(), 2 + 3 * order, "tool_call_pending", tool_call_pending_payload(call)))
+            timed.append((call.started_at.timestamp(), 2 + 4 * order, "tool_call_pending", tool_call_pending_payload(call)))
+        if call.decision == ToolCall.Decision.APPROVED and call.decided_at:
+            timed.append((call.decided_at.timestamp(), 3 + 4 * order, "tool_call_approved", payload))
         if call.finished_at:
             name, _ = tool_call_event(call)
-            timed.append((call.finished_at.timestamp(), 3 + 3 * order, name, payload))
+            timed.append((call.finished_at.timestamp(), 4 + 4 * order, name, payload))
     ended = job.status in ExecJob.FINISHED
     if ended:
         end = (job.finished_at or job.created_at).timestamp()

@@ -7,8 +7,10 @@ from contextlib import closing
 from typing import Any
 
 import pytest
+import redis
 
-from tests.conftest import Api
+from execution.backplane import RedisBackplane
+from tests.conftest import REDIS_URL, Api
 from tests.execution.client_loop import ClientLoop, sse_events
 from tests.execution.rival import rival_answer
 from tests.tools.conftest import unique_key
@@ -99,6 +101,12 @@ def test_an_approved_call_runs_and_the_approval_is_audited(make_api: Callable[..
     assert buy["status"] == "completed" and buy["output"]["method"] == "POST"
     assert (buy["decision"], buy["decided_by"], buy["decision_reason"]) == ("approved", owner.username, "fine")
     assert buy["decided_at"] >= buy["started_at"]
+    # Its approval is in the job's events, and in the history rebuilt from the records (it was not).
+    for _ in range(2):
+        names = [(event, data.get("call_id") or data.get("id")) for event, data in sse_events(owner, job["id"])]
+        assert names.index(("tool_call_pending", buy["call_id"])) < names.index(("tool_call_approved", buy["call_id"]))
+        assert names.index(("tool_call_approved", buy["call_id"])) < names.index(("tool_call_end", buy["call_id"]))
+        redis.Redis.from_url(REDIS_URL).delete(RedisBackplane.stream_key(job["call_id"]))  # as if it had expired
     # Deciding a call that never waited: 409, nothing changes.
     never = owner.post(f"/api/v1/tool-calls/{look['call_id']}/approval", json={"approve": True})
     assert never.status_code == 409 and never.json()["error"]["code"] == "call_not_awaiting"
