@@ -942,6 +942,7 @@ def exec_jobs_reap() -> int:
     # Abandoned: a call no tools worker ever claimed (its message lost) whose job is over, or one
     # claimed past any tool's timeout (its worker renews its lease, but its tool never returned). A
     # claimed call within that is its lease's to end (tool_calls_reap), however long its tool runs.
+    # From its claim, not its start: a gated call starts when it begins to wait for its approval.
     abandoned = timezone.now() - timedelta(seconds=settings.PTC_DEFAULT_TOOL_TIMEOUT * 2 + settings.PTC_JOB_LEASE_SECONDS)
     overdue = timezone.now() - timedelta(seconds=settings.PTC_TIMEOUT_CEILING + 2 * settings.PTC_JOB_LEASE_SECONDS)
     # A managed container's job runs until someone cancels it: its call that no worker took (the
@@ -949,7 +950,7 @@ def exec_jobs_reap() -> int:
     # standalone call is, or it stayed executing, its price held, for the job's life.
     in_container = Exists(ExecJob.objects.filter(pk=OuterRef("exec_job_id")).exclude(container_id=""))
     never_taken = Q(~call_job_running() | in_container) & Q(claimed_at__isnull=True, started_at__lt=abandoned)
-    stuck = Q(claimed_at__isnull=False, started_at__lt=overdue)
+    stuck = Q(claimed_at__lt=overdue)
     ToolCall.objects.filter(never_taken | stuck, status=ToolCall.Status.EXECUTING).update(
         status=ToolCall.Status.FAILED,
         error=call_error("worker_lost", "no tools worker finished this call; it was abandoned"),

@@ -2,6 +2,7 @@
 read_only when the policy says approval_for_writes, waits as awaiting_approval until staff or the
 job's owner approve it (it runs) or deny it (ToolError code "denied"). Real workers, real HTTP."""
 
+import time
 from collections.abc import Callable, Iterator
 from contextlib import closing
 from typing import Any
@@ -10,9 +11,11 @@ import pytest
 import redis
 
 from execution.backplane import RedisBackplane
-from tests.conftest import REDIS_URL, Api
+from tests.conftest import REDIS_URL, Api, own_deployment
 from tests.execution.client_loop import ClientLoop, sse_events
 from tests.execution.rival import rival_answer
+from tests.servers import api_key
+from tests.stack import free_port
 from tests.tools.conftest import unique_key
 from tests.tools.http_api import HttpApi
 from tools.sdk import class_name
@@ -266,3 +269,27 @@ def test_a_job_that_ends_before_its_approved_call_is_taken_fails_it_and_gives_it
     assert buy["status"] == "failed" and buy["error"]["code"] == "job_ended"
     # Released by the job's close, before its end is announced: not a lease later by the reaper.
     assert Reservation.objects.get(tool_call_id=block["id"]).status == "released"
+
+
+def test_a_call_approved_late_is_not_reaped_as_stuck_while_its_tool_runs(stack_env: dict[str, str]) -> None:
+    # The reaper fails a claimed call as stuck once it is older than any tool may run
+    # (PTC_TIMEOUT_CEILING and two leases), its worker alive or not. It measured from the call's
+    # start, which for a gated call is when it began to wait: one approved after a long wait was
+    # failed worker_lost as it ran, its result dropped and its price given back though it ran.
+    with own_deployment(stack_env, "late-approval", PTC_TIMEOUT_CEILING="12") as stack:
+        reviewer, owner = f"reviewer-{free_port()}", f"owner-{free_port()}"
+        staff = Api(stack.base_url, api_key(stack.env, reviewer, staff=True), reviewer)
+        api = Api(stack.base_url, api_key(stack.env, owner), owner)
+        gated = staff.http.patch("/api/v1/toolsets/demo", json={"requires_approval": True})
+        assert gated.status_code == 200, gated.text
+        job = submit(api, "from ptc_tools.demo import Demo\nDemo.sleep(ms=9000)", ["demo"])
+        [block] = pending(api, job["id"])
+        time.sleep(14)  # the job's clock stands still while the call waits
+        decided = api.post(f"/api/v1/tool-calls/{block['id']}/approval", json={"approve": True})
+        assert decided.status_code == 200, decided.text
+        # Past 12 + 2 * 4 s from the call's start the tool still runs (until 14 + 9 s): its worker is alive.
+        final = finished(api, job["id"])
+        assert final["status"] == "completed", final["error"]
+        assert final["return_value"] == {"slept_ms": 9000}
+        [call] = final["tool_calls"]
+        assert (call["status"], call["credits"]) == ("completed", 1)
