@@ -1004,7 +1004,11 @@ def tool_calls_close_held() -> None:
         status = ToolCall.objects.filter(call_id=call_id).values_list("status", flat=True).first()
         if status == ToolCall.Status.COMPLETED:
             with transaction.atomic():
-                ToolCall.objects.filter(call_id=call_id).update(credits=credits_settle(tool_call_id=call_id))
+                # Only if this settled it: a call that completed after the list was read was settled
+                # by its finish, which recorded what it charged (a settle now charges, and says, 0).
+                charged = credits_settle_many(tool_call_ids=[call_id])
+                if call_id in charged:
+                    ToolCall.objects.filter(call_id=call_id).update(credits=charged[call_id])
         elif status is None:
             if not Reservation.objects.filter(tool_call_id=call_id, exec_job__status=ExecJob.Status.RUNNING).exists():
                 credits_release(tool_call_id=call_id)

@@ -9,6 +9,8 @@ from typing import Any
 
 import pytest
 import redis
+from django.db import connection, transaction
+from django.utils import timezone
 
 from execution.backplane import RedisBackplane
 from tests.conftest import REDIS_URL, Api, own_deployment
@@ -293,3 +295,51 @@ def test_a_call_approved_late_is_not_reaped_as_stuck_while_its_tool_runs(stack_e
         assert final["return_value"] == {"slept_ms": 9000}
         [call] = final["tool_calls"]
         assert (call["status"], call["credits"]) == ("completed", 1)
+
+
+def _blocked_query_starts(prefix: str) -> bool:
+    """Whether a statement starting with ``prefix`` waits for a lock this session holds."""
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_stat_clear_snapshot()")
+        cursor.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE pg_backend_pid() = ANY(pg_blocking_pids(pid)) AND query LIKE %s",
+            [prefix + "%"],
+        )
+        return bool(cursor.fetchone()[0])
+
+
+def test_a_reaper_that_finds_a_held_call_completed_meanwhile_leaves_its_credits_as_charged(
+    api: Api, staff: Api, http_api: HttpApi, stack_env: dict[str, str]
+) -> None:
+    # The reapers settle what a dead worker left held: they list the prices held past a lease, then
+    # ask how each call ended. A call that completed in between (answered, approved and run) was
+    # settled by its finish already; the reaper's settle then charged nothing and wrote that 0 on
+    # the call, over the credits its finish recorded: the account was charged 5, the call and the
+    # job's credits_charged said 0.
+    from billing.models import CreditUsage
+    from billing.services import credits_settle
+    from execution.models import ToolCall
+
+    key = shop(staff, http_api)
+    priced = staff.http.patch(f"/api/v1/toolsets/{key}", json={"price": 5})
+    assert priced.status_code == 200, priced.text
+    job = submit(api, f"from ptc_tools.{key} import {class_name(key)} as S\nS.buy(city='x')", [key])
+    [block] = pending(api, job["id"])
+    time.sleep(float(stack_env["PTC_JOB_LEASE_SECONDS"]) + 1)  # its price held past a lease: each reaper round looks at it
+    status_read = f'SELECT "{ToolCall._meta.db_table}"."status"'
+    with transaction.atomic():
+        with connection.cursor() as cursor:  # the stack's reapers (every second) stop at their read of the call
+            cursor.execute(f"LOCK TABLE {ToolCall._meta.db_table} IN ACCESS EXCLUSIVE MODE")
+        deadline = time.monotonic() + 15
+        while not _blocked_query_starts(status_read):
+            assert time.monotonic() < deadline, "no reaper came to read the call"
+            time.sleep(0.05)
+        # Meanwhile the call completes, as a finish writes it: recorded with what was held, settled.
+        done = {"status": ToolCall.Status.COMPLETED, "output": "bought", "credits": 5, "claimed_at": timezone.now()}
+        assert ToolCall.objects.filter(call_id=block["id"]).update(**done, finished_at=timezone.now()) == 1
+        assert credits_settle(tool_call_id=block["id"]) == 5
+    time.sleep(2)  # the reapers read it completed, and go on
+    assert CreditUsage.objects.get(tool_call_id=block["id"]).amount == 5
+    assert ToolCall.objects.get(call_id=block["id"]).credits == 5
+    assert api.post(f"/api/v1/exec/{job['id']}/cancel").status_code == 200
+    assert finished(api, job["id"])["credits_charged"] == 5
