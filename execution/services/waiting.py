@@ -31,7 +31,7 @@ from execution.services.calls import (
 )
 from ptcproject import queues
 from ptcproject.errors import ApplicationError, call_error
-from ptcproject.storage import unstorable
+from ptcproject.storage import storable, unstorable
 
 logger = logging.getLogger("ptc.execution")
 # How much of a failed client result's content its recorded error message keeps.
@@ -172,7 +172,7 @@ def tool_call_decide(*, call: ToolCall, actor: User, approve: bool, reason: str 
         "decision": ToolCall.Decision.APPROVED if approve else ToolCall.Decision.DENIED,
         "decided_by": actor,
         "decided_at": timezone.now(),
-        "decision_reason": reason[:500],
+        "decision_reason": storable(reason[:500]),  # as typed in the timeline's form: a NUL can't be stored
     }
     if approve:
         awaiting = ToolCall.objects.filter(call_job_running(), pk=call.pk, status=ToolCall.Status.AWAITING_APPROVAL)

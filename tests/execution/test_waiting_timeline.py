@@ -7,8 +7,10 @@ import sys
 import uuid
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import httpx
+import pytest
 from django.contrib.auth import get_user_model
 
 from execution.models import ToolCall
@@ -45,6 +47,32 @@ def test_waiting_calls_are_amber_bars_that_say_what_they_wait_for() -> None:
     assert table[client.call_id]["duration"] == "waiting for client"
 
 
+def _admin_signed_in(stack: Stack) -> tuple[Any, httpx.Client]:
+    """A new staff member, and a browser of theirs signed in to the stack's admin."""
+    password = uuid.uuid4().hex
+    admin_user = get_user_model().objects.create_user(
+        username=f"tl-{uuid.uuid4().hex[:6]}", password=password, is_staff=True, is_superuser=True
+    )
+    browser = httpx.Client(base_url=stack.base_url, timeout=30)
+    browser.get("/admin/login/")
+    login = browser.post(
+        "/admin/login/?next=/admin/",
+        data={"username": admin_user.username, "password": password, "csrfmiddlewaretoken": browser.cookies["csrftoken"]},
+        headers={"Referer": f"{stack.base_url}/admin/login/"},
+    )
+    assert login.status_code == 302, login.text
+    return admin_user, browser
+
+
+def _decide_form(page: str, call_id: str) -> tuple[str, str]:
+    """The Approve/Deny form's URL for ``call_id`` on a job's timeline page, and its CSRF token."""
+    token = re.search(r'id="ptc-tl-csrf" hidden><input type="hidden" name="csrfmiddlewaretoken" value="([^"]+)"', page)
+    assert token is not None
+    url = re.search(r'"decide_url": "([^"]+)"', page)
+    assert url is not None and call_id in url.group(1)
+    return url.group(1).replace("\\u0026", "&"), token.group(1)
+
+
 def test_the_timeline_shows_waiting_and_approves_a_call(
     stack: Stack,
     make_api: Callable[..., Api],
@@ -66,29 +94,14 @@ with ThreadPoolExecutor(2) as pool:
     job = submit(api, code, [key], client_tools=[confirm])
     blocks = pending(api, job["id"], count=2)
     # The admin, through the real web process (its approval queues the call like the API's does).
-    password = uuid.uuid4().hex
-    admin_user = get_user_model().objects.create_user(
-        username=f"tl-{uuid.uuid4().hex[:6]}", password=password, is_staff=True, is_superuser=True
-    )
-    browser = httpx.Client(base_url=stack.base_url, timeout=30)
-    browser.get("/admin/login/")
-    login = browser.post(
-        "/admin/login/?next=/admin/",
-        data={"username": admin_user.username, "password": password, "csrfmiddlewaretoken": browser.cookies["csrftoken"]},
-        headers={"Referer": f"{stack.base_url}/admin/login/"},
-    )
-    assert login.status_code == 302, login.text
+    admin_user, browser = _admin_signed_in(stack)
     change = f"/admin/execution/execjob/{job['id']}/change/"
     page = browser.get(change).text
     assert 'data-waiting="waiting for client"' in page and 'data-waiting="waiting for approval"' in page
     assert "1 waiting for client</strong>" in page and "1 waiting for approval</strong>" in page
-    token = re.search(r'id="ptc-tl-csrf" hidden><input type="hidden" name="csrfmiddlewaretoken" value="([^"]+)"', page)
-    assert token is not None
     buy = next(b for b in blocks if b["awaiting"] == "approval")
-    url = re.search(r'"decide_url": "([^"]+)"', page)
-    assert url is not None and buy["id"] in url.group(1)
-    decide = url.group(1).replace("\\u0026", "&")
-    form = {"approve": "1", "reason": "from the timeline", "csrfmiddlewaretoken": token.group(1)}
+    decide, token = _decide_form(page, buy["id"])
+    form = {"approve": "1", "reason": "from the timeline", "csrfmiddlewaretoken": token}
     response = browser.post(decide, data=form, headers={"Referer": f"{stack.base_url}{change}"})
     assert response.status_code == 302, response.text
     call = ToolCall.objects.get(call_id=buy["id"])
@@ -105,6 +118,35 @@ with ThreadPoolExecutor(2) as pool:
     page = browser.get(change).text
     assert "data-waiting=" not in page and 'class="ptc-tl-wait"' in page
     assert f"by {admin_user.username} at" in page
+
+
+@pytest.mark.parametrize("approve", ["1", "0"])
+def test_a_decision_from_the_timeline_with_a_nul_in_its_reason_is_recorded(
+    stack: Stack,
+    api: Api,
+    staff: Api,
+    http_api: HttpApi,  # noqa: F811
+    approve: str,
+) -> None:
+    # The form posts its reason as typed: a NUL in it (the API's serializer refuses one) reached the
+    # call's row as it was, PostgreSQL refused the statement, and the staff member got a 500, the
+    # call still waiting.
+    key = shop(staff, http_api)
+    job = submit(api, f"from ptc_tools.{key} import {class_name(key)} as S\nS.buy(city='x')['method']", [key])
+    [block] = pending(api, job["id"])
+    _, browser = _admin_signed_in(stack)
+    change = f"/admin/execution/execjob/{job['id']}/change/"
+    decide, token = _decide_form(browser.get(change).text, block["id"])
+    form = {"approve": approve, "reason": "ok\x00then", "csrfmiddlewaretoken": token}
+    response = browser.post(decide, data=form, headers={"Referer": f"{stack.base_url}{change}"})
+    assert response.status_code == 302, response.status_code
+    call = ToolCall.objects.get(call_id=block["id"])
+    assert (call.decision, call.decision_reason) == ("approved" if approve == "1" else "denied", "ok\ufffdthen")
+    final = finished(api, job["id"])
+    if approve == "1":
+        assert (final["status"], final["return_value"]) == ("completed", "POST"), final["error"]
+    else:
+        assert (final["status"], final["error"]["code"]) == ("failed", "denied")
 
 
 CLIENT_MODULE = '''
