@@ -325,7 +325,9 @@ class WorkFileSerializer(serializers.ModelSerializer):
         fields = ["path", "size", "kind", "pending", "updated_at"]
 
 
-class WorkFileUploadSerializer(serializers.Serializer):
+class WorkFileUploadSerializer(KnownKeysOnly, serializers.Serializer):
+    # A browser's form signed in to the admin sends its CSRF token as a field.
+    also_known = frozenset({"csrfmiddlewaretoken"})
     file = serializers.FileField(allow_empty_file=True)
     path = serializers.CharField(required=False, max_length=1024, help_text="Where under /work (default: the file's name).")
 

@@ -53,6 +53,23 @@ def test_each_body_a_user_sends_refuses_unknown_keys(api: Api, path: str, body: 
     assert list(response.json()["error"]["details"]) == [unknown]
 
 
+def test_a_misspelled_key_of_a_session_upload_is_a_field_error_and_nothing_is_stored(api: Api) -> None:
+    # A multipart body is a body too: with "paht" dropped, the file was stored under its upload's
+    # name, not where it was meant to go, and the code found it elsewhere (or an older one there).
+    session = api.post("/api/v1/sessions", json={"toolsets": ["demo"]}).json()
+    url = f"/api/v1/sessions/{session['id']}/files"
+    response = api.post(url, files={"file": ("prices.csv", b"a,b\n")}, data={"paht": "data/prices.csv"})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["code"] == "validation_error"
+    assert list(response.json()["error"]["details"]) == ["paht"]
+    assert api.get(url).json()["results"] == []
+    # A browser's form, signed in to the admin, carries its CSRF token as a field: that one is known.
+    stored = api.post(url, files={"file": ("prices.csv", b"a,b\n")}, data={"path": "data/p.csv", "csrfmiddlewaretoken": "t"})
+    assert stored.status_code == 201, stored.text
+    assert [f["path"] for f in api.get(url).json()["results"]] == ["data/p.csv"]
+    assert api.http.delete(f"/api/v1/sessions/{session['id']}").status_code == 200
+
+
 def test_staff_bodies_refuse_unknown_keys_and_change_nothing(staff: Api) -> None:
     before = staff.get("/api/v1/policy").json()
     response = staff.http.patch("/api/v1/policy", json={"toolset_blocklst": ["demo"]})
