@@ -592,8 +592,13 @@ def exec_sessions_heartbeat() -> None:
         return
     ExecSession.objects.filter(pk__in=keys, status=Status.ACTIVE).update(heartbeat_at=timezone.now())
     active = {str(pk) for pk in ExecSession.objects.filter(pk__in=keys, status=Status.ACTIVE).values_list("pk", flat=True)}
+    # Why each ended goes into the error of a job running in it (SessionEnded): expired, deleted or lost, and why.
+    ended = {
+        str(pk): f"it is {status}: {reason}" if reason else f"it is {status}"
+        for pk, status, reason in ExecSession.objects.filter(pk__in=set(keys) - active).values_list("pk", "status", "end_reason")
+    }
     for key in set(keys) - active:
-        _live_kill(key=key, reason="the session ended")
+        _live_kill(key=key, reason=ended.get(key, "it was deleted"))
     with _live_lock:  # a sandbox that exited between jobs: its session ends now, not at its next job
         gone = [key for key, live in _live.items() if not live.busy and live.sandbox.proc.poll() is not None]
         died = {key: _live.pop(key) for key in gone}

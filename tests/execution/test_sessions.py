@@ -147,6 +147,16 @@ def test_a_session_expires_at_its_max_lifetime_however_busy(api: Api) -> None:
     assert api.post("/api/v1/exec", json={"code": "1", "session": session["id"]}).status_code == 410
 
 
+def test_a_job_running_as_its_session_ends_is_told_why(api: Api) -> None:
+    # Its worker kills the sandbox of a session that ended (the reaper recorded it expired) at its
+    # next lease round; the job's error said only "the session ended while the job ran: the
+    # session ended", not what ended it.
+    session = _session(api, idle_timeout=600, max_lifetime=3)
+    job = _run(api, session, "import time\ntime.sleep(30)", timeout=60)
+    assert (job["status"], job["error"]["type"]) == ("failed", "SessionEnded")
+    assert job["error"]["message"] == "the session ended while the job ran: it is expired: it reached its max_lifetime of 3 s"
+
+
 def test_a_deleted_session_answers_410(api: Api) -> None:
     session = _session(api)
     assert _run(api, session, "z = 3")["status"] == "completed"
