@@ -20,8 +20,8 @@ CLIENT_KEY = "client"
 
 def client_tools_clean(definitions: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Return the job's client tool definitions, normalised: ``{name, description, input_schema,
-    output_schema, timeout}``. Raise ApplicationError ``validation_error`` (400) naming every problem:
-    a bad name or schema, a duplicate, too many, too large."""
+    output_schema, timeout}``. Raise ApplicationError ``validation_error`` (400): too many or too
+    large, or else naming every problem: a bad name or schema, a duplicate."""
     problems: dict[str, list[str]] = {}
     if len(definitions) > settings.PTC_MAX_CLIENT_TOOLS:
         problems["client_tools"] = [f"at most {settings.PTC_MAX_CLIENT_TOOLS} client tools per job"]
@@ -30,6 +30,10 @@ def client_tools_clean(definitions: list[dict[str, Any]]) -> list[dict[str, Any]
         problems.setdefault("client_tools", []).append(
             f"the definitions are {size} bytes of JSON; the limit is {settings.PTC_MAX_CLIENT_TOOLS_BYTES}"
         )
+    if problems:
+        # Refused for that alone: each definition's name and schema checked too, 10,000 of them
+        # (a body's worth) held the web process for seconds.
+        raise ApplicationError("validation_error", "The client_tools are over their limits; see details.", details=problems)
     cleaned, seen = [], set()
     for i, definition in enumerate(definitions):
         schema = definition.get("input_schema") or {"type": "object", "properties": {}}

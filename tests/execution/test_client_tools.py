@@ -323,6 +323,21 @@ def test_bad_client_tools_are_400_and_nothing_is_created(api: Api, client_tools:
     assert api.get("/api/v1/exec").json()["count"] == before
 
 
+@pytest.mark.parametrize("path", ["/api/v1/exec", "/api/v1/ptc/context"])
+def test_client_tools_over_their_limits_are_refused_for_that_before_each_is_checked(api: Api, path: str) -> None:
+    # Every definition's name and schema were checked even past PTC_MAX_CLIENT_TOOLS (64): 10,000
+    # of them in a 1 MB body held the web process 3 s per request, for an answer the count gave.
+    tools = [tool(f"t{i}") for i in range(10_000)] + [tool("not-python")]
+    body = {"toolsets": ["demo"], "client_tools": tools, **({"code": "1"} if path == "/api/v1/exec" else {})}
+    started = time.monotonic()
+    response = api.post(path, json=body)
+    assert response.status_code == 400, response.text
+    details = response.json()["error"]["details"]
+    assert list(details) == ["client_tools"]  # the count and the size, not the last one's name
+    assert details["client_tools"][0] == "at most 64 client tools per job"
+    assert time.monotonic() - started < 2.5
+
+
 def test_a_client_tools_pattern_that_backtracks_without_end_fails_its_call_not_the_worker(api: Api) -> None:
     # The schema's pattern is checked in the exec worker: matched by re, this held its GIL (every
     # job on it) for hours; now it gives up within 0.1 s and the call fails.
