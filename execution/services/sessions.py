@@ -20,6 +20,7 @@ over the bridge with the job (see guest.py).
 
 import base64
 import binascii
+import bisect
 import logging
 import threading
 import time
@@ -78,12 +79,16 @@ def work_paths_clash(paths: list[str], existing: Iterable[str] = ()) -> None:
     """Raise ``invalid_path`` (400) if one of ``paths`` is a folder of another, or of one of
     ``existing``, or the other way round (``a`` and ``a/b``): /work can't hold both as files."""
     files = set(existing) | set(paths)
+    # In order, the files in a folder ``a`` follow ``a/`` side by side: one look-up a path, where
+    # comparing every path with every other took 30 s for 20,000 of them.
+    ordered = sorted(files)
     for path in paths:
         parts = path.split("/")
         folders = ["/".join(parts[:i]) for i in range(1, len(parts))]
         clash = next((folder for folder in folders if folder in files), None)
         if clash is None:
-            clash = next((other for other in files if other.startswith(path + "/")), None)
+            at = bisect.bisect_left(ordered, path + "/")
+            clash = ordered[at] if at < len(ordered) and ordered[at].startswith(path + "/") else None
         if clash is not None:
             shown = path[:100]
             raise ApplicationError(
@@ -114,6 +119,7 @@ def _quota_check(*, count: int, size: int) -> None:
 
 def work_files_decode(*, files: dict[str, Any]) -> dict[str, bytes]:
     """Check a request's ``files`` (``{path: base64}``): paths, encoding and quota. Return the bytes by path."""
+    _quota_check(count=len(files), size=0)  # first: each path is checked, and against the others
     decoded: dict[str, bytes] = {}
     for path, data in files.items():
         work_path_check(path)
@@ -278,10 +284,10 @@ def session_files_put(*, session: ExecSession, files: dict[str, bytes]) -> list[
     with no other file, in order; return their rows. In the caller's transaction, which holds the
     session's row (an upload, or a job that brings files)."""
     sizes = dict(WorkFile.objects.filter(session=session).values_list("path", "size"))
+    work_paths_clash(list(files), sizes)  # one that replaces a file of its path is no clash
     put = []
     for path, content in files.items():
         others = {other: size for other, size in sizes.items() if other != path}
-        work_paths_clash([path], others)
         _quota_check(count=len(others) + 1, size=sum(others.values()) + len(content))
         row, _ = WorkFile.objects.update_or_create(
             session=session,
