@@ -2,6 +2,7 @@
 back as ToolErrors with the status and an excerpt, secrets redacted, and the job carries on."""
 
 import json
+import socket
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -13,7 +14,8 @@ from tests.conftest import Api
 from tests.stack import ARTIFACTS
 from tests.tools.conftest import unique_key
 from tests.tools.http_api import HttpApi
-from tools.models import Toolset
+from tools.errors import ToolFailure
+from tools.models import Tool, Toolset
 from tools.sdk import class_name
 
 SECRET = f"key-{uuid.uuid4().hex}"
@@ -292,3 +294,50 @@ for call in calls:
     )
     assert SECRET not in json.dumps(job) and "pässwort" not in json.dumps(job)
     assert SECRET not in (ARTIFACTS / "tools-worker.log").read_text(errors="replace")
+
+
+def _forecast_tool(base_url: str, timeout: float) -> tuple[Toolset, Tool]:
+    toolset = Toolset(key="weather", name="Weather", kind=Toolset.Kind.HTTP, config={"base_url": base_url})
+    spec = {"method": "GET", "path": "/forecast/{city}", "query": []}
+    return toolset, Tool(toolset=toolset, name="forecast", http=spec, timeout=timeout)
+
+
+def test_a_name_whose_lookup_hangs_ends_at_the_tools_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The deadline bounded the connect, each read and each write, but not the name's lookup: the
+    system resolver's own timeouts (5 s a try, tries by name server) held the call past its tool's
+    timeout. A resolver that takes 5 s is waited for 0.5 s."""
+    from tools.kinds import http
+
+    real = socket.getaddrinfo
+
+    def slow(host: str, *args: Any, **kwargs: Any) -> Any:
+        if host == "slow.example":
+            time.sleep(5)
+        return real(host, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", slow)
+    toolset, tool = _forecast_tool("http://slow.example:9", timeout=0.5)
+    started = time.monotonic()
+    with pytest.raises(ToolFailure) as failure:
+        http.run(toolset=toolset, tool=tool, arguments={"city": "paris"}, timeout=30)
+    assert time.monotonic() - started < 2
+    assert (failure.value.code, failure.value.message) == ("http_timeout", "GET /forecast/paris got no answer within 0.5 s")
+
+
+def test_each_address_of_a_name_is_tried_in_turn(monkeypatch: pytest.MonkeyPatch) -> None:
+    # As socket.create_connection does: a name's first address refuses (nothing listens on
+    # 127.0.0.2), its second answers.
+    from tools.kinds import http
+
+    real = socket.getaddrinfo
+
+    def two(host: str, port: int, *args: Any, **kwargs: Any) -> Any:
+        if host == "two.example":
+            return [info for address in ("127.0.0.2", "127.0.0.1") for info in real(address, port, *args, **kwargs)]
+        return real(host, port, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", two)
+    with HttpApi(expected_key="") as server:
+        toolset, tool = _forecast_tool(f"http://two.example:{server.server.server_address[1]}", timeout=5)
+        answer = http.run(toolset=toolset, tool=tool, arguments={"city": "paris"}, timeout=30)
+    assert answer["city"] == "paris"

@@ -8,10 +8,13 @@ PUT and PATCH, and in the query string for the other methods, which have no body
 
 import json
 import logging
+import os
 import re
+import socket
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 from urllib.parse import quote
 
@@ -88,13 +91,52 @@ class _DeadlineStream(httpcore.NetworkStream):
         return self._stream.get_extra_info(info)
 
 
+# Threads that look names up for requests, so that a request waits for an answer no longer than its
+# deadline: the system's resolver takes as long as its own timeouts say (5 s a try, and tries by
+# name server), and ``getaddrinfo`` can't be told otherwise. A lookup past its request's deadline
+# goes on there while the request ends ``http_timeout``. One pool a process: a forked child has
+# none of its parent's threads.
+_resolvers: tuple[int, ThreadPoolExecutor] | None = None
+_resolvers_lock = threading.Lock()
+
+
+def _resolver() -> ThreadPoolExecutor:
+    global _resolvers
+    with _resolvers_lock:
+        if _resolvers is None or _resolvers[0] != os.getpid():
+            _resolvers = (os.getpid(), ThreadPoolExecutor(max_workers=8, thread_name_prefix="ptc-http-resolve"))
+        return _resolvers[1]
+
+
+def _addresses(host: str, port: int, timeout: float | None) -> list[str]:
+    """The addresses of ``host``, looked up within ``timeout`` seconds (ConnectTimeout past it);
+    ConnectError if it has none."""
+    lookup = _resolver().submit(socket.getaddrinfo, host, port, type=socket.SOCK_STREAM)
+    try:
+        found = lookup.result(timeout=timeout)
+    except TimeoutError:  # concurrent.futures' own, since Python 3.11
+        raise httpcore.ConnectTimeout(f"looking up {host!r} took longer than the request may") from None
+    except OSError as exc:
+        raise httpcore.ConnectError(str(exc)) from exc
+    return list(dict.fromkeys(str(info[4][0]) for info in found))
+
+
 class _DeadlineBackend(httpcore.SyncBackend):
     """httpcore's sockets, each bounded by its thread's request's deadline (``_local.deadline``):
     httpx's timeouts bound each connect, read and write, so a server that sends a byte at a time
-    would hold the thread for as long as it likes."""
+    would hold the thread for as long as it likes. The name's lookup is bounded too (``_addresses``);
+    each of its addresses is tried in turn, as ``socket.create_connection`` does."""
 
     def connect_tcp(self, host: str, port: int, timeout: float | None = None, *args: Any, **kwargs: Any) -> _DeadlineStream:
-        return _DeadlineStream(super().connect_tcp(host, port, _left(timeout, httpcore.ConnectTimeout), *args, **kwargs))
+        failed: Exception | None = None
+        for address in _addresses(host, port, _left(timeout, httpcore.ConnectTimeout)):
+            try:
+                stream = super().connect_tcp(address, port, _left(timeout, httpcore.ConnectTimeout), *args, **kwargs)
+            except httpcore.ConnectError as exc:
+                failed = exc
+                continue
+            return _DeadlineStream(stream)
+        raise failed or httpcore.ConnectError(f"{host!r} has no address")
 
 
 def _client() -> httpx.Client:
