@@ -207,6 +207,9 @@ def tool_call_decide(*, call: ToolCall, actor: User, approve: bool, reason: str 
     if approve:
         # Queued like any call: a tools worker claims it (its job must still be running) and
         # pushes its result; the sandbox now gives it the tool's own timeout.
+        # Its approval is in the job's log before the call can run: a tools worker quick to take it
+        # would otherwise log its end first. One that can't be queued then ends failed, after it.
+        event_publish(job_call_id=call.ptc_call_id, event="tool_call_approved", data=tool_call_payload(call))
         queue = call.tool.toolset.queue if call.tool else queues.TOOLS
         errors = tool_calls_enqueue([(call.call_id, queue)])
         if call.call_id in errors:
@@ -214,7 +217,6 @@ def tool_call_decide(*, call: ToolCall, actor: User, approve: bool, reason: str 
             backplane().publish(channel, Result(call_id=call.call_id, ok=False, error=errors[call.call_id]))
         else:
             backplane().publish(channel, Approved(call_id=call.call_id, timeout=approved_call_timeout(call)))
-            event_publish(job_call_id=call.ptc_call_id, event="tool_call_approved", data=tool_call_payload(call))
     else:
         backplane().publish(channel, Result(call_id=call.call_id, **tool_call_reply(call)))
     logger.info("tool call %s", call.decision, extra={"call_id": call.call_id, "by": actor.get_username()})
