@@ -100,14 +100,6 @@ class PolicySerializer(KnownKeysOnly, serializers.ModelSerializer):
             raise serializers.ValidationError(f"Not tool names: {', '.join(bad)}.")
         return list(dict.fromkeys(value))
 
-    def to_internal_value(self, data: Any) -> Any:
-        # A setting's name misspelt would be ignored, and the change it meant never made: refused.
-        # A field shown read-only (updated_at) may come back with the rest of a GET's body.
-        unknown = sorted(str(name) for name in data if name not in self.fields) if isinstance(data, dict) else []
-        if unknown:
-            raise serializers.ValidationError({name: ["The policy has no such setting."] for name in unknown})
-        return super().to_internal_value(data)
-
     def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
         current = self.instance
         default = attrs.get("default_timeout", current.default_timeout if current else None)
