@@ -85,6 +85,11 @@ def test_staff_bodies_refuse_unknown_keys_and_change_nothing(staff: Api) -> None
     response = staff.post("/api/v1/toolsets", json=weather_body(key, requires_aproval=True))
     assert response.status_code == 400
     assert list(response.json()["error"]["details"]) == ["requires_aproval"]
+    # A tool's too: an MCP server's spelling (inputSchema) left the tool without its schema.
+    tool = {"name": "forecast", "inputSchema": {"type": "object"}, "http": {"method": "GET", "path": "/f"}}
+    response = staff.post("/api/v1/toolsets", json=weather_body(key, tools=[tool]))
+    assert response.status_code == 400
+    assert "inputSchema" in response.json()["error"]["details"]["tools"]["0"]
     assert staff.get(f"/api/v1/toolsets/{key}").status_code == 404
 
 

@@ -139,7 +139,8 @@ class ContextSerializer(serializers.Serializer):
 
 
 # -- Input ---------------------------------------------------------------------------------------
-class ToolWriteSerializer(serializers.Serializer):
+class ToolWriteSerializer(KnownKeysOnly, serializers.Serializer):
+    also_known = frozenset(ToolSerializer.Meta.fields)  # a tool as GET answered it may be sent back
     # Names, schemas and http specs are checked in tools.validation, which gives each problem its own code.
     name = serializers.CharField(max_length=128)
     description = serializers.CharField(required=False, allow_blank=True, default="")
