@@ -14,7 +14,10 @@ import threading
 import psycopg
 from celery import Celery
 
-QUEUE = f"bare-{os.environ.get('PTC_REDIS_PREFIX', '')}bench"
+# Every key of its own under the run's prefix, as ours are (PTC_REDIS_PREFIX): the queue, its
+# binding, kombu's unacked records and the results, all dropped with the run's keys.
+PREFIX = os.environ.get("PTC_REDIS_PREFIX", "")
+QUEUE = "bare-bench"
 
 app = Celery("bare", broker=os.environ["REDIS_URL"], backend=os.environ["REDIS_URL"])
 app.conf.update(
@@ -27,6 +30,8 @@ app.conf.update(
     worker_hijack_root_logger=False,
     broker_connection_retry_on_startup=True,
     result_expires=600,
+    broker_transport_options={"global_keyprefix": PREFIX},
+    result_backend_transport_options={"global_keyprefix": PREFIX},
 )
 
 
