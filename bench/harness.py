@@ -82,7 +82,8 @@ def running_stack(
         "PTC_REDIS_PREFIX": f"{name}:",
         **(extra_env or {}),
     }
-    os.environ.update(DATABASE_URL=db_url, CELERY_BROKER_URL=redis)  # for Django in this process too
+    # For Django in this process too, and for bare Celery's client here (bench/bare.py).
+    os.environ.update(DATABASE_URL=db_url, CELERY_BROKER_URL=redis, PTC_REDIS_PREFIX=env["PTC_REDIS_PREFIX"])
     stack = Stack(env)
     for n in range(1, exec_workers):
         extra = Process(

@@ -12,7 +12,6 @@ from collections.abc import Callable
 from datetime import datetime
 from typing import Any
 
-from bare import QUEUE
 from harness import Process, print_table, row, run_job, running_stack, sandbox_limits, timed
 
 SANDBOX_PYTHON = "/usr/bin/python3"
@@ -174,6 +173,8 @@ def interleaved(rounds: int, *runs: Callable[[], list[float]]) -> tuple[list[flo
 
 def main() -> None:
     with running_stack(STACK_ENV) as (stack, client):
+        from bare import QUEUE  # once the stack's prefix is in the environment: its keys go under it
+
         bare_worker = Process(
             "bare-worker",
             [stack.exec_worker.argv[0], "-A", "bench.bare", "worker", "-Q", QUEUE, "-P", "threads", "-c", "100", "-l", "info"],
