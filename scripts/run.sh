@@ -37,21 +37,23 @@ else
     # A PostgreSQL database that does not exist yet is created (on a server that answers); any
     # other failure to reach it is one line, not migrate's traceback.
     $py - <<'PY'
-import os, sys, urllib.parse
-import psycopg
+import os, sys
+import environ, psycopg
 from psycopg import sql
-url = os.environ["DATABASE_URL"]
-parts = urllib.parse.urlsplit(url)
-if parts.scheme.startswith("postgres"):
-    name = urllib.parse.unquote(parts.path.lstrip("/"))
+# Read as settings.py reads it (django-environ), not handed to libpq whole: its query string may
+# hold Django's settings (conn_max_age), which libpq refuses.
+config = environ.Env.db_url_config(os.environ["DATABASE_URL"])
+if config["ENGINE"] == "django.db.backends.postgresql":
+    name = config["NAME"]
+    where = {"host": config["HOST"], "port": config["PORT"], "user": config["USER"], "password": config["PASSWORD"]}
+    params = {k: v for k, v in where.items() if v not in ("", None)} | config.get("OPTIONS", {}) | {"connect_timeout": 5}
     try:
-        psycopg.connect(url, connect_timeout=5).close()
-    except psycopg.OperationalError as exc:
+        psycopg.connect(dbname=name, **params).close()
+    except psycopg.Error as exc:
         if f'database "{name}" does not exist' not in str(exc):
-            sys.exit(f"make run: cannot reach the database at {parts.hostname}:{parts.port or 5432}: {str(exc).strip()}")
-        server = urllib.parse.urlunsplit(parts._replace(path="/postgres"))
+            sys.exit(f"make run: cannot reach the database at {config['HOST'] or 'localhost'}:{config['PORT'] or 5432}: {str(exc).strip()}")
         try:
-            with psycopg.connect(server, autocommit=True, connect_timeout=5) as conn:
+            with psycopg.connect(dbname="postgres", autocommit=True, **params) as conn:
                 conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
         except psycopg.Error as exc:
             sys.exit(f"make run: the database {name!r} does not exist, and creating it failed: {str(exc).strip()}")

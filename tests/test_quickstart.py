@@ -69,3 +69,15 @@ def test_quickstart_on_postgres_creates_its_database_or_says_in_a_line_why_it_ca
     [said] = [line for line in result.stderr.splitlines() if line.startswith("make run:")]
     assert said.startswith("make run: cannot reach the database at 127.0.0.1:"), result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_quickstart_reads_the_database_url_as_the_settings_do(tmp_path: Path) -> None:
+    # A query string of Django's settings (conn_max_age, which settings.py takes) was handed to
+    # libpq whole: it refused it, and make run stopped with psycopg's traceback before migrate.
+    env = _embedded_env(tmp_path, free_port())
+    env.update(DATABASE_URL=f"postgres://postgres@127.0.0.1:{free_port()}/ptc?conn_max_age=600")  # no server there
+    result = subprocess.run(["scripts/run.sh"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr, result.stderr
+    [said] = [line for line in result.stderr.splitlines() if line.startswith("make run:")]
+    assert said.startswith("make run: cannot reach the database at 127.0.0.1:"), result.stderr
