@@ -5,6 +5,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from drf_spectacular.extensions import OpenApiSerializerExtension
+from drf_spectacular.plumbing import get_doc
 from rest_framework import serializers
 
 from ptcproject.storage import MAX_JSON_DEPTH, json_depth_exceeds
@@ -98,6 +99,10 @@ class KnownKeysOnlySchema(OpenApiSerializerExtension):
 
     def map_serializer(self, auto_schema: Any, direction: str) -> dict[str, Any]:
         schema = auto_schema._map_serializer(self.target, direction, bypass_extensions=True)
+        # A serializer without a docstring of its own is described by its bases' first: this
+        # mixin's, which tells this code's readers how it works, not an API's what a body is.
+        if schema.get("description") == get_doc(KnownKeysOnly):
+            del schema["description"]
         if direction == "request":
             schema["additionalProperties"] = False
         return schema
