@@ -2,7 +2,9 @@
 back as ToolErrors with the status and an excerpt, secrets redacted, and the job carries on."""
 
 import json
+import os
 import socket
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -341,3 +343,42 @@ def test_each_address_of_a_name_is_tried_in_turn(monkeypatch: pytest.MonkeyPatch
         toolset, tool = _forecast_tool(f"http://two.example:{server.server.server_address[1]}", timeout=5)
         answer = http.run(toolset=toolset, tool=tool, arguments={"city": "paris"}, timeout=30)
     assert answer["city"] == "paris"
+
+
+def test_lookups_that_hang_hold_up_no_other_request(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One user's calls to a name whose resolver hangs, each ending at its timeout, left their
+    lookups to a pool of 8 threads that every call of the worker shared: the ninth call, to a
+    healthy server, waited behind them and failed http_timeout. Each lookup now has a thread of its
+    own; past MAX_LOOKUPS at once, a call looks its name up on its own thread, as before."""
+    from tools.kinds import http
+
+    real = socket.getaddrinfo
+
+    def slow(host: str, port: int, *args: Any, **kwargs: Any) -> Any:
+        if host == "slow.example":
+            time.sleep(4)
+        if host == "fine.example":
+            host = "127.0.0.1"
+        return real(host, port, *args, **kwargs)
+
+    def hostile() -> None:
+        toolset, tool = _forecast_tool("http://slow.example:9", timeout=0.3)
+        with pytest.raises(ToolFailure):
+            http.run(toolset=toolset, tool=tool, arguments={"city": "x"}, timeout=30)
+
+    monkeypatch.setattr(socket, "getaddrinfo", slow)
+    with HttpApi(expected_key="") as server:
+        port = server.server.server_address[1]
+        for places in (http.MAX_LOOKUPS, 2):  # every lookup on a thread of its own; then most on their caller's
+            monkeypatch.setattr(http, "_lookups", (os.getpid(), threading.BoundedSemaphore(places)))
+            threads = [threading.Thread(target=hostile) for _ in range(12)]
+            for thread in threads:
+                thread.start()
+            time.sleep(0.5)  # their calls have ended; their lookups go on
+            for host in ("127.0.0.1", "fine.example"):
+                toolset, tool = _forecast_tool(f"http://{host}:{port}", timeout=2)
+                started = time.monotonic()
+                assert http.run(toolset=toolset, tool=tool, arguments={"city": "paris"}, timeout=30)["city"] == "paris"
+                assert time.monotonic() - started < 1, (places, host)
+            for thread in threads:
+                thread.join()

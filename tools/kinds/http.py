@@ -6,6 +6,7 @@ fill it in; those named by ``query`` go in the query string; the rest go in the 
 PUT and PATCH, and in the query string for the other methods, which have no body.
 """
 
+import ipaddress
 import json
 import logging
 import os
@@ -14,7 +15,6 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 from urllib.parse import quote
 
@@ -91,31 +91,60 @@ class _DeadlineStream(httpcore.NetworkStream):
         return self._stream.get_extra_info(info)
 
 
-# Threads that look names up for requests, so that a request waits for an answer no longer than its
-# deadline: the system's resolver takes as long as its own timeouts say (5 s a try, and tries by
-# name server), and ``getaddrinfo`` can't be told otherwise. A lookup past its request's deadline
-# goes on there while the request ends ``http_timeout``. One pool a process: a forked child has
-# none of its parent's threads.
-_resolvers: tuple[int, ThreadPoolExecutor] | None = None
-_resolvers_lock = threading.Lock()
+# A host's name is looked up on a thread of its own, so that its request waits for the answer no
+# longer than its deadline: the system's resolver takes as long as its own timeouts say (5 s a try,
+# and tries by name server), and ``getaddrinfo`` can't be told otherwise. A lookup past its
+# request's deadline goes on, on its thread, while the request ends ``http_timeout``; no request
+# ever waits for another's lookup. At most MAX_LOOKUPS go on at once in a process: past that, a
+# request looks its name up on its own thread, as it did before (its deadline then waits for it).
+MAX_LOOKUPS = 256
+_lookups: tuple[int, threading.BoundedSemaphore] | None = None
+_lookups_lock = threading.Lock()
 
 
-def _resolver() -> ThreadPoolExecutor:
-    global _resolvers
-    with _resolvers_lock:
-        if _resolvers is None or _resolvers[0] != os.getpid():
-            _resolvers = (os.getpid(), ThreadPoolExecutor(max_workers=8, thread_name_prefix="ptc-http-resolve"))
-        return _resolvers[1]
+def _lookup_places() -> threading.BoundedSemaphore:
+    """This process's places for lookups (a forked child has none of its parent's threads)."""
+    global _lookups
+    with _lookups_lock:
+        if _lookups is None or _lookups[0] != os.getpid():
+            _lookups = (os.getpid(), threading.BoundedSemaphore(MAX_LOOKUPS))
+        return _lookups[1]
 
 
 def _addresses(host: str, port: int, timeout: float | None) -> list[str]:
-    """The addresses of ``host``, looked up within ``timeout`` seconds (ConnectTimeout past it);
-    ConnectError if it has none."""
-    lookup = _resolver().submit(socket.getaddrinfo, host, port, type=socket.SOCK_STREAM)
+    """The addresses of ``host`` (an address itself is its own), looked up within ``timeout``
+    seconds (ConnectTimeout past it); ConnectError if it has none."""
     try:
-        found = lookup.result(timeout=timeout)
-    except TimeoutError:  # concurrent.futures' own, since Python 3.11
-        raise httpcore.ConnectTimeout(f"looking up {host!r} took longer than the request may") from None
+        ipaddress.ip_address(host)
+        return [host]
+    except ValueError:
+        pass
+    places = _lookup_places()
+    if not places.acquire(blocking=False):
+        return _looked_up(host, port)
+    found: dict[str, Any] = {}
+    done = threading.Event()
+
+    def look_up() -> None:
+        try:
+            found["addresses"] = _looked_up(host, port)
+        except httpcore.ConnectError as exc:
+            found["error"] = exc
+        finally:
+            places.release()
+            done.set()
+
+    threading.Thread(target=look_up, name="ptc-http-lookup", daemon=True).start()
+    if not done.wait(timeout):
+        raise httpcore.ConnectTimeout(f"looking up {host!r} took longer than the request may")
+    if "error" in found:
+        raise found["error"]
+    return found["addresses"]
+
+
+def _looked_up(host: str, port: int) -> list[str]:
+    try:
+        found = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except OSError as exc:
         raise httpcore.ConnectError(str(exc)) from exc
     return list(dict.fromkeys(str(info[4][0]) for info in found))
@@ -125,7 +154,7 @@ class _DeadlineBackend(httpcore.SyncBackend):
     """httpcore's sockets, each bounded by its thread's request's deadline (``_local.deadline``):
     httpx's timeouts bound each connect, read and write, so a server that sends a byte at a time
     would hold the thread for as long as it likes. The name's lookup is bounded too (``_addresses``);
-    each of its addresses is tried in turn, as ``socket.create_connection`` does."""
+    its addresses are tried in turn while one refuses, as ``socket.create_connection`` does."""
 
     def connect_tcp(self, host: str, port: int, timeout: float | None = None, *args: Any, **kwargs: Any) -> _DeadlineStream:
         failed: Exception | None = None
