@@ -286,15 +286,16 @@ def session_files_put(*, session: ExecSession, files: dict[str, bytes]) -> list[
     sizes = dict(WorkFile.objects.filter(session=session).values_list("path", "size"))
     work_paths_clash(list(files), sizes)  # one that replaces a file of its path is no clash
     put = []
+    total = sum(sizes.values())  # kept as each file is put: not summed again for each
     for path, content in files.items():
-        others = {other: size for other, size in sizes.items() if other != path}
-        _quota_check(count=len(others) + 1, size=sum(others.values()) + len(content))
+        total += len(content) - sizes.get(path, 0)
+        sizes[path] = len(content)
+        _quota_check(count=len(sizes), size=total)
         row, _ = WorkFile.objects.update_or_create(
             session=session,
             path=path,
             defaults={"content": content, "size": len(content), "kind": WorkFile.Kind.INPUT, "pending": True},
         )
-        sizes[path] = len(content)
         put.append(row)
     return put
 
