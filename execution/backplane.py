@@ -420,14 +420,32 @@ def _socket_dir(channel: str) -> Path:
     return Path(tempfile.gettempdir()) / f"ptc-ch-{base}" / hashlib.sha256(channel.encode()).hexdigest()[:20]
 
 
+def _socket_dir_drop(directory: Path) -> None:
+    """Remove a channel's folder once it holds no subscriber's socket: each job has channels of its
+    own, and their folders, left behind, took an inode and a block each per job, for ever."""
+    try:
+        directory.rmdir()
+    except OSError:  # a subscriber's socket is there (or came meanwhile), or it went already
+        pass
+
+
 class _SocketSubscription(Subscription):
     def __init__(self, channel: str) -> None:
         super().__init__()
         directory = _socket_dir(channel)
-        directory.mkdir(parents=True, exist_ok=True, mode=0o700)
         self._path = directory / f"{uuid.uuid4().hex[:12]}.sock"
         self._server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._server.bind(str(self._path))
+        # The channel's last subscriber removes its folder as it leaves (_socket_dir_drop): one
+        # that does between this mkdir and the bind makes the bind miss it; made again, it holds.
+        for attempt in range(100):
+            directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+            try:
+                self._server.bind(str(self._path))
+                break
+            except FileNotFoundError:
+                if attempt == 99:
+                    self._server.close()
+                    raise
         self._server.listen(64)
         self._thread = threading.Thread(target=self._accept, name=f"sub-{channel}", daemon=True)
         self._thread.start()
@@ -451,6 +469,7 @@ class _SocketSubscription(Subscription):
         except FileNotFoundError:
             pass
         self._server.close()
+        _socket_dir_drop(self._path.parent)
 
 
 def _socket_publish(channel: str, message: dict[str, Any]) -> None:
@@ -466,6 +485,7 @@ def _socket_publish(channel: str, message: dict[str, Any]) -> None:
                 conn.sendall(frame)
         except (ConnectionRefusedError, FileNotFoundError):
             path.unlink(missing_ok=True)  # its subscriber died without cleaning up
+            _socket_dir_drop(directory)
         except OSError:
             continue
 

@@ -2,6 +2,7 @@
 
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -89,3 +90,28 @@ def test_embedded_sessions_route_to_their_worker(embedded: tuple[Stack, str]) ->
         values.append(job["return_value"])
     assert values == [None, None, 42]
     assert client.http.delete(f"/api/v1/sessions/{session['id']}").json()["status"] == "deleted"
+
+
+def _channel_folders(stack: Stack) -> set[str]:
+    """The channels' folders of the embedded stack's backplane (one a channel, under the temp dir)."""
+    env = {**stack.env, "DJANGO_SETTINGS_MODULE": "ptcproject.settings"}
+    code = "import django; django.setup(); from execution.backplane import _socket_dir; print(_socket_dir('x').parent)"
+    root = Path(
+        subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, check=True, capture_output=True, text=True).stdout.strip()
+    )
+    return {p.name for p in root.iterdir()} if root.is_dir() else set()
+
+
+def test_embedded_channels_leave_no_folders_behind(embedded: tuple[Stack, str]) -> None:
+    """Each job's channels (its own, its end's) are folders of sockets: gone with their last subscriber."""
+    stack, key = embedded
+    client = _Client(stack.base_url, key)
+    before = _channel_folders(stack)
+    for _ in range(5):
+        job = client.http.post("/api/v1/exec", json={"code": JOB, "toolsets": ["demo"], "wait": 30}).json()
+        assert job["status"] == "completed", job["error"]
+        read_events(client, job["id"])  # type: ignore[arg-type]
+    deadline = time.monotonic() + 10
+    while (left := _channel_folders(stack) - before) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not left, f"{len(left)} channel folders left behind by 5 jobs"
