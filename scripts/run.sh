@@ -14,6 +14,10 @@ data_dir="${PTC_DATA_DIR:-$PWD/var}"
 logs="$data_dir/log"
 mkdir -p "$logs"
 port="${PORT:-8000}"
+if ! [[ "$port" =~ ^[0-9]+$ ]] || [ "$port" -lt 1 ] || [ "$port" -gt 65535 ]; then
+    echo "make run: PORT must be a port number (1-65535), not '$port'" >&2
+    exit 1
+fi
 base="http://127.0.0.1:$port"
 py=.venv/bin/python
 
@@ -63,6 +67,7 @@ fi
 $py manage.py migrate --no-input -v0
 
 pids=()
+started=()  # name:pid of each, for the wait below to say which stopped
 stop() {  # TERM, then KILL what is still up after 20 s: nothing outlives the quickstart
     trap - EXIT INT TERM HUP
     [ ${#pids[@]} -gt 0 ] || return 0
@@ -82,16 +87,17 @@ start() {  # name, then the command
     # directly (Celery restarts itself on SIGHUP), and this script stops them in order.
     setsid "$@" >"$logs/$name.log" 2>&1 &
     pids+=($!)
+    started+=("$name:$!")
 }
 start web .venv/bin/uvicorn ptcproject.asgi:application --host 127.0.0.1 --port "$port"
 start exec .venv/bin/celery -A ptcproject worker -Q exec -n "exec@%h" -l info
 start tools .venv/bin/celery -A ptcproject worker -Q tools -n "tools@%h" -l info
 start beat .venv/bin/celery -A ptcproject beat -l info -s "$data_dir/celerybeat-schedule"
 
-$py - "$base" "$logs" "${pids[@]}" <<'PY'
+$py - "$base" "$logs" "${started[@]}" <<'PY'
 import sys, time, pathlib, urllib.request
-base, logs, pids = sys.argv[1], pathlib.Path(sys.argv[2]), [int(p) for p in sys.argv[3:]]
-names = ("web", "exec", "tools", "beat")  # in the order started
+base, logs = sys.argv[1], pathlib.Path(sys.argv[2])
+started = [(name, int(pid)) for name, _, pid in (arg.rpartition(":") for arg in sys.argv[3:])]
 deadline = time.monotonic() + 60
 def ready() -> bool:
     workers = all(" ready." in (logs / f"{n}.log").read_text(errors="replace") for n in ("exec", "tools"))
@@ -101,7 +107,7 @@ def ready() -> bool:
         return False
 def exited() -> str | None:
     """The first process that has stopped (gone, or a zombie its parent, this script, has not reaped)."""
-    for name, pid in zip(names, pids):
+    for name, pid in started:
         try:
             state = pathlib.Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
         except OSError:

@@ -81,3 +81,11 @@ def test_quickstart_reads_the_database_url_as_the_settings_do(tmp_path: Path) ->
     assert "Traceback" not in result.stderr, result.stderr
     [said] = [line for line in result.stderr.splitlines() if line.startswith("make run:")]
     assert said.startswith("make run: cannot reach the database at 127.0.0.1:"), result.stderr
+
+
+def test_quickstart_on_a_port_that_is_not_one_says_so_in_a_line(tmp_path: Path) -> None:
+    env = {**_embedded_env(tmp_path, 0), "PORT": "80a"}  # was a traceback from the port's probe
+    result = subprocess.run(["scripts/run.sh"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0
+    assert "make run: PORT must be a port number (1-65535), not '80a'" in result.stderr
+    assert "Traceback" not in result.stderr

@@ -601,7 +601,7 @@ def exec_sessions_heartbeat() -> None:
     active = {str(pk) for pk in ExecSession.objects.filter(pk__in=keys, status=Status.ACTIVE).values_list("pk", flat=True)}
     # Why each ended goes into the error of a job running in it (SessionEnded): expired, deleted or lost, and why.
     ended = {
-        str(pk): f"it is {status}: {reason}" if reason else f"it is {status}"
+        str(pk): f"it is {status}: {reason}" if reason and status != Status.DELETED else f"it is {status}"
         for pk, status, reason in ExecSession.objects.filter(pk__in=set(keys) - active).values_list("pk", "status", "end_reason")
     }
     for key in set(keys) - active:
