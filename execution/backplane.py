@@ -9,8 +9,9 @@ It carries two things (ARCHITECTURE.md, "pushed, not polled"):
 
 Two adapters:
 - ``RedisBackplane`` (``REDIS_URL`` set): pub/sub for messages, a Redis Stream per job for events;
-- ``LocalBackplane`` (the embedded default, no server): unix sockets in a directory for messages;
-  no event log, so readers rebuild events from the records, woken by ``Changed``.
+- ``LocalBackplane`` (the embedded default, no server): unix sockets in a directory for messages,
+  an append-only file per job under ``PTC_DATA_DIR/events`` for events (its readers woken by
+  ``Changed`` on the job's channel). Every process of an embedded deployment is on one host.
 
 A subscriber is a file descriptor that turns readable when messages arrive, so a waiter blocks in
 ``select``/``epoll`` and is woken by the publisher. A message reaches the subscribers present when
@@ -24,6 +25,7 @@ import json
 import logging
 import os
 import queue
+import re
 import select
 import socket
 import tempfile
@@ -110,7 +112,7 @@ class Resync:
 
 @dataclass(frozen=True)
 class Changed:
-    """The job's records changed (the local backplane's stand-in for its event log)."""
+    """The job's event log grew (the local backplane's wake-up for its readers)."""
 
 
 Message = Result | Approved | Admitted | Cancel | End | Resync | Changed
@@ -169,6 +171,14 @@ def _slim(data: dict[str, Any]) -> dict[str, Any]:
         else:
             omitted.append(name)
     return {**out, "_omitted": omitted}
+
+
+def _logged(event: str, data: dict[str, Any]) -> str:
+    """``data`` as a log keeps it: JSON, slimmed (``_slim``) where it is large and the records tell it."""
+    payload = json.dumps(data, separators=(",", ":"), default=str)
+    if len(payload) > EVENT_INLINE_BYTES and event in FROM_RECORDS:
+        payload = json.dumps(_slim(data), separators=(",", ":"), default=str)
+    return payload
 
 
 def logged_whole(event: str, data: dict[str, Any]) -> bool:
@@ -492,10 +502,8 @@ def _socket_publish(channel: str, message: dict[str, Any]) -> None:
 
 # -- The interface -------------------------------------------------------------------------------
 class Backplane:
-    """Messages on channels and each job's event log. ``keeps_events`` says whether the log exists;
-    without it, readers rebuild a job's events from its records."""
-
-    keeps_events = False
+    """Messages on channels and each job's event log (once it has expired, its readers rebuild a
+    job's events from its records)."""
 
     def subscribe(self, channel: str, *, confirmed: bool = True) -> Subscription:
         """Start receiving ``channel``'s messages; with ``confirmed``, return once the subscription
@@ -580,10 +588,13 @@ class Backplane:
     def events_drop(self, job_call_ids: list[str]) -> None:
         """Delete these jobs' event logs (they hold output and tool I/O), in one round trip."""
 
+    def events_idle(self, seconds: float) -> list[str]:
+        """Return the jobs (call ids) whose log was not written for ``seconds``, for the retention
+        round to drop those of ended jobs; none where the logs expire by themselves (Redis)."""
+        return []
+
 
 class RedisBackplane(Backplane):
-    keeps_events = True
-
     @functools.cached_property
     def client(self) -> Any:
         import redis
@@ -650,10 +661,7 @@ class RedisBackplane(Backplane):
         for job_call_id, job_events in events:
             key = self.stream_key(job_call_id)
             for event, data in job_events:
-                payload = json.dumps(data, separators=(",", ":"), default=str)
-                if len(payload) > EVENT_INLINE_BYTES and event in FROM_RECORDS:
-                    payload = json.dumps(_slim(data), separators=(",", ":"), default=str)
-                pipe.xadd(key, {"event": event, "data": payload}, maxlen=STREAM_MAXLEN, approximate=True)
+                pipe.xadd(key, {"event": event, "data": _logged(event, data)}, maxlen=STREAM_MAXLEN, approximate=True)
                 if event == "exec_end":
                     pipe.expire(key, settings.PTC_EVENTS_RETENTION_SECONDS)
 
@@ -680,6 +688,12 @@ class RedisBackplane(Backplane):
 
 
 class LocalBackplane(Backplane):
+    """The embedded backplane. A job's event log is a file of lines ``<name>\\t<data>\\n``, each
+    appended by one ``write`` with ``O_APPEND`` (on a local file system, appends from several
+    processes never interleave); an event's id is ``<offset>-0``, the offset just past its line,
+    so a reader resumes from it exactly. The log goes with its job's purge, or once its job has
+    ended and it was not written for PTC_EVENTS_RETENTION_SECONDS (``events_idle``)."""
+
     def _subscribe(self, channel: str) -> Subscription:
         return _SocketSubscription(channel)  # listening before it returns
 
@@ -687,8 +701,100 @@ class LocalBackplane(Backplane):
         _socket_publish(channel, data)
 
     def events_append(self, job_call_id: str, events: Events, *, expire: int | None = None) -> None:
-        if events:  # no log: readers rebuild from the records; wake them
-            self.publish(job_channel(job_call_id), Changed())
+        if not events:
+            return
+        lines = "".join(f"{event}\t{_logged(event, data)}\n" for event, data in events).encode()
+        path = _log_path(job_call_id)
+        try:
+            path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            try:
+                view = memoryview(lines)
+                while view:  # one write but for a full disk: a short write is retried, not left half
+                    view = view[os.write(fd, view) :]
+            finally:
+                os.close(fd)
+        except OSError:  # the records stay the truth; a reader rebuilds from them
+            logger.warning("could not append events", extra={"job_id": job_call_id}, exc_info=True)
+            return
+        self.publish(job_channel(job_call_id), Changed())  # wakes its readers
+
+    def events_after(self, job_call_id: str, offset: int) -> tuple[list[tuple[str, str, dict[str, Any]]], int] | None:
+        """Return the job's events after ``offset`` (an event's id's first part; 0: from the start)
+        whose lines are whole, at most about LOG_READ_BYTES of them, and the offset to read on from;
+        None if the job has no log."""
+        try:
+            with open(_log_path(job_call_id), "rb") as log:
+                log.seek(offset)
+                chunk = log.read(LOG_READ_BYTES)
+                while chunk and b"\n" not in chunk and (more := log.read(LOG_READ_BYTES)):
+                    chunk += more  # one event longer than a read
+        except FileNotFoundError:
+            return None
+        events = []
+        for line in chunk[: chunk.rfind(b"\n") + 1].splitlines(keepends=True):  # a line being written waits
+            offset += len(line)
+            name, _, data = line.rstrip(b"\n").partition(b"\t")
+            try:
+                events.append((f"{offset}-0", name.decode(), json.loads(data)))
+            except ValueError:  # torn (a write cut short, by a full disk): the records tell what it held
+                logger.warning("skipped a torn line of a job's event log", extra={"job_id": job_call_id})
+        return events, offset
+
+    def events_end_at(self, job_call_id: str) -> int | None:
+        """Return the offset just past the job's ``exec_end`` in its log, or None if it has none."""
+        offset = 0
+        try:
+            with open(_log_path(job_call_id), "rb") as log:
+                for line in log:
+                    offset += len(line)
+                    if line.startswith(b"exec_end\t") and line.endswith(b"\n"):
+                        return offset
+        except FileNotFoundError:
+            pass
+        return None
+
+    def events_read(self, job_call_id: str) -> list[tuple[str, str, dict[str, Any]]]:
+        events, offset = [], 0
+        while (read := self.events_after(job_call_id, offset)) is not None and read[0]:
+            events.extend(read[0])
+            offset = read[1]
+        return events
+
+    def events_drop(self, job_call_ids: list[str]) -> None:
+        for job_call_id in job_call_ids:
+            _log_path(job_call_id).unlink(missing_ok=True)
+
+    def events_idle(self, seconds: float) -> list[str]:
+        before = time.time() - seconds
+        try:
+            logs = list(os.scandir(_log_dir()))
+        except FileNotFoundError:
+            return []
+        idle = []
+        for entry in logs:
+            try:
+                if entry.name.endswith(".log") and entry.stat().st_mtime < before:
+                    idle.append(entry.name.removesuffix(".log"))
+            except FileNotFoundError:  # dropped meanwhile
+                continue
+        return idle
+
+
+# What a reader of an embedded log reads at a time.
+LOG_READ_BYTES = 1 << 20
+# A job's call id as its log's name, as this backplane makes them ("exec_" and hex).
+_LOG_NAME = re.compile(r"[A-Za-z0-9_-]{1,100}")
+
+
+def _log_dir() -> Path:
+    return Path(settings.DATA_DIR) / "events"
+
+
+def _log_path(job_call_id: str) -> Path:
+    if _LOG_NAME.fullmatch(job_call_id) is None:  # never a path of its own making
+        job_call_id = "h" + hashlib.sha256(job_call_id.encode()).hexdigest()[:40]
+    return _log_dir() / f"{job_call_id}.log"
 
 
 @functools.cache

@@ -1,10 +1,10 @@
 """Live events of a job: published by the workers as things happen, read back as Server-Sent Events.
 
 With Redis, each job has a Redis Stream (``XADD``): ordered, with increasing ids, replayable from
-any id, and read with a blocking ``XREAD`` (pushed, never polled). The stream expires a while
-after the job ends; after that, and in the embedded setup that has no Redis, the same sequence is
-rebuilt from the database records (without the stdout chunks: ``exec_end`` carries the final
-stdout). The embedded setup wakes readers through the job's channel instead.
+any id, and read with a blocking ``XREAD`` (pushed, never polled). The embedded setup, with no
+Redis, has a file per job (``LocalBackplane``), its readers woken through the job's channel. The
+log expires a while after the job ends; after that, the same sequence is rebuilt from the
+database records (without the stdout chunks: ``exec_end`` carries the final stdout).
 """
 
 import asyncio
@@ -25,7 +25,7 @@ from django.conf import settings
 from django.db import DatabaseError, connection
 from django.utils import timezone
 
-from execution.backplane import Events, RedisBackplane, backplane, job_channel
+from execution.backplane import Events, LocalBackplane, RedisBackplane, backplane, job_channel
 from execution.models import ExecJob, ToolCall
 from execution.selectors import calls_overdue_at, exec_job_with_calls, tool_call_is_client
 from ptcproject.errors import ApplicationError
@@ -294,45 +294,14 @@ def events_from_records(job_id: Any) -> tuple[list[Event], bool]:
     return events, ended
 
 
-async def _from_records(job_id: Any, after: str | None) -> AsyncIterator[Event | None]:
-    """Replay the records, then (embedded) follow the job, woken by its channel, until it ends.
-
-    While a job runs, records can become visible out of timestamp order (two calls committing
-    together), so each event is sent once by its identity, never skipped for its timestamp, and
-    its id is bumped where needed to stay increasing.
-    """
+async def _from_records(job_id: Any, after: str | None) -> AsyncIterator[Event]:
+    """Replay an ended job's events from its records (its log has expired), after ``after``: they
+    no longer change, so their ids are the same at every replay."""
     start = _order(after) if after else (-1, -1)
-    last = start
-    sent: set[tuple[str, Any]] = set()
-    subscription = None
-    try:
-        while True:
-            if subscription is None and not backplane().keeps_events:
-                subscription = await sync_to_async(backplane().subscribe)(job_channel(await _call_id(job_id)))
-            events, ended = await db_read(events_from_records)(job_id)
-            for event in events:
-                call_id = event.data.get("call_id") or event.data.get("id")  # a pending tool_use block's id is its call_id
-                identity = (event.event, call_id if event.event.startswith("tool_call") else None)
-                if identity in sent:
-                    continue
-                sent.add(identity)
-                if _order(event.id) <= start:
-                    continue  # the client had it before it reconnected
-                last = max(_order(event.id), (last[0], last[1] + 1))
-                yield Event(f"{last[0]}-{last[1]}", event.event, event.data)
-            if ended or subscription is None:
-                return
-            await asyncio.to_thread(subscription.wait, settings.PTC_EVENTS_HEARTBEAT_SECONDS)
-            if not subscription.drain():
-                yield None  # a heartbeat
-    finally:
-        if subscription is not None:
-            subscription.close()
-
-
-@db_read
-def _call_id(job_id: Any) -> str:
-    return ExecJob.objects.values_list("call_id", flat=True).get(pk=job_id)
+    events, _ = await db_read(events_from_records)(job_id)
+    for event in events:
+        if _order(event.id) > start:
+            yield event
 
 
 @db_read
@@ -411,10 +380,11 @@ async def event_stream(*, job_id: Any, last_event_id: str | None = None) -> Asyn
 async def _events(*, job_id: Any, last_event_id: str | None) -> AsyncGenerator[Event | None, None]:
     """The job's events after ``last_event_id``, and ``None`` when none came for a heartbeat's interval."""
     plane = backplane()
-    if not isinstance(plane, RedisBackplane):  # no event log: the records tell it
-        async for item in _from_records(job_id, last_event_id):
+    if isinstance(plane, LocalBackplane):
+        async for item in _from_file(plane, job_id=job_id, last_event_id=last_event_id):
             yield item
         return
+    assert isinstance(plane, RedisBackplane)
     from redis.exceptions import RedisError
 
     call_id, ended = await _job_state(job_id)
@@ -475,3 +445,41 @@ async def _events(*, job_id: Any, last_event_id: str | None) -> AsyncGenerator[E
         logger.warning("event stream cut: Redis is unreachable", extra={"job_id": str(job_id)}, exc_info=True)
     finally:
         await client.aclose()
+
+
+async def _from_file(plane: LocalBackplane, *, job_id: Any, last_event_id: str | None) -> AsyncGenerator[Event | None, None]:
+    """``_events`` on the embedded backplane: the job's log file, read from the offset its last
+    event id names, woken by the job's channel as it grows."""
+    call_id, ended = await _job_state(job_id)
+    cursor = _order(last_event_id)[0] if last_event_id else 0
+    # Subscribed before the first read: an append after it wakes this reader.
+    with await sync_to_async(plane.subscribe)(job_channel(call_id)) as subscription:
+        while True:
+            read = await asyncio.to_thread(plane.events_after, call_id, cursor)
+            if read is None and ended:  # expired (or never written): the records tell it
+                async for event in _from_records(job_id, last_event_id):
+                    yield event
+                return
+            for event_id, name, data in read[0] if read else []:
+                if "_omitted" in data:  # logged without its large fields: the records have them
+                    data = await db_read(event_filled)(job_id, name, data)
+                yield Event(event_id, name, data)
+                if name == "exec_end":
+                    return
+            if read and read[0]:
+                cursor = read[1]
+                continue
+            if ended:
+                # Its end is behind the cursor (a reconnect after it), or on its way (a cancel is
+                # recorded before its worker announces the end), or lost (its worker died as it
+                # appended it): then appended from the records, as its worker would have.
+                end_at = await asyncio.to_thread(plane.events_end_at, call_id)
+                if end_at is not None and end_at <= cursor:
+                    return
+                if end_at is None and (end := await _end_lost(job_id)) is not None:
+                    await asyncio.to_thread(plane.events_append, call_id, [("exec_end", end)])
+                    continue
+            await asyncio.to_thread(subscription.wait, settings.PTC_EVENTS_HEARTBEAT_SECONDS)
+            if not subscription.drain():
+                yield None  # a heartbeat
+                _, ended = await _job_state(job_id)

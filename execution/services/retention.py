@@ -98,6 +98,20 @@ def _container_bytes_freed(calls: QuerySet[ToolCall]) -> None:
         ExecJob.objects.filter(pk=row["exec_job_id"]).exclude(container_id="").update(http_tool_bytes=freed)
 
 
+def event_logs_expire() -> int:
+    """Drop the event logs not written for PTC_EVENTS_RETENTION_SECONDS whose jobs have ended (or
+    are gone): the embedded backplane's files (Redis expires its own). Return how many."""
+    idle = backplane().events_idle(settings.PTC_EVENTS_RETENTION_SECONDS)
+    dropped = 0
+    for at in range(0, len(idle), PURGE_BATCH):
+        batch = idle[at : at + PURGE_BATCH]
+        running = ExecJob.objects.filter(call_id__in=batch).exclude(status__in=ExecJob.FINISHED)
+        live = set(running.values_list("call_id", flat=True))
+        backplane().events_drop([call_id for call_id in batch if call_id not in live])
+        dropped += len(batch) - len(live)
+    return dropped
+
+
 def exec_jobs_purge(*, now: datetime | None = None, batch_size: int = PURGE_BATCH) -> int:
     """Purge every finished job past its owner's retention (UserSettings.retention_days, else
     PTC_RETENTION_DAYS; neither: kept forever), ``batch_size`` jobs per transaction, and the

@@ -1,15 +1,24 @@
-"""The embedded default (SQLite, the filesystem broker, no Redis): jobs, tool calls and SSE events."""
+"""The embedded default (SQLite, the filesystem broker, no Redis): jobs, tool calls and SSE events from a log file."""
 
+import asyncio
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
+from django.contrib.auth import get_user_model
+from django.utils import timezone
 
+from execution import events
+from execution.backplane import LocalBackplane
 from tests.execution.test_events import JOB, _check_sequence, read_events
+from tests.factories import running_job
 from tests.stack import ROOT, Stack
 
 
@@ -40,7 +49,9 @@ class _Client:
         self.http = httpx.Client(base_url=base_url, headers={"Authorization": f"Bearer {key}"}, timeout=60)
 
 
-def test_embedded_jobs_and_events_from_the_records(embedded: tuple[Stack, str]) -> None:
+def test_embedded_jobs_and_their_event_log(embedded: tuple[Stack, str]) -> None:
+    """Live, the embedded log carries what the code prints as it prints it, and a reconnect from any
+    event's id gets exactly the events after it (ids are offsets in the job's log file)."""
     stack, key = embedded
     client = _Client(stack.base_url, key)
     response = client.http.post("/api/v1/exec", json={"code": JOB, "toolsets": ["demo"], "wait": 0})
@@ -50,12 +61,18 @@ def test_embedded_jobs_and_events_from_the_records(embedded: tuple[Stack, str]) 
     job = client.http.get(f"/api/v1/exec/{job_id}").json()
     assert job["status"] == "completed", job["error"]
     assert job["credits_charged"] == 4
-    _check_sequence(events, job, with_output=False)
+    _check_sequence(events, job, with_output=True)
     assert Path(stack.env["PTC_DATA_DIR"], "db.sqlite3").exists()
+    assert Path(stack.env["PTC_DATA_DIR"], "events", f"{job['call_id']}.log").exists()
+    for at, event in enumerate(events[:-1]):
+        resumed, _ = read_events(client, job_id, last_event_id=event["id"])  # type: ignore[arg-type]
+        assert resumed == events[at + 1 :], f"resumed after event {at} ({event['event']})"
+    after_end, _ = read_events(client, job_id, last_event_id=events[-1]["id"])  # type: ignore[arg-type]
+    assert after_end == []
 
 
 def test_embedded_serves_mcp_over_http_and_stdio(embedded: tuple[Stack, str]) -> None:
-    """/mcp and ptc_mcp on the embedded default: progress comes from the records, woken by the job's channel."""
+    """/mcp and ptc_mcp on the embedded default: progress comes from the job's log file, woken by its channel."""
     from tests.execution.test_mcp_server import call, http_client, run, stdio_client
 
     stack, key = embedded
@@ -115,3 +132,30 @@ def test_embedded_channels_leave_no_folders_behind(embedded: tuple[Stack, str]) 
     while (left := _channel_folders(stack) - before) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not left, f"{len(left)} channel folders left behind by 5 jobs"
+
+
+def test_embedded_log_skips_a_torn_line_and_gets_a_lost_end_from_the_records(
+    tmp_path: Path, settings: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A job that ended long enough ago with no ``exec_end`` in its log (its worker died as it
+    appended it) has it appended from its records by its reader; a line cut short is skipped."""
+    settings.DATA_DIR = tmp_path
+    plane = LocalBackplane()
+    monkeypatch.setattr(events, "backplane", lambda: plane)
+    user = get_user_model().objects.create_user(username=f"torn-{uuid.uuid4().hex[:6]}")
+    closed = timezone.now() - timedelta(seconds=events.END_LOST_SECONDS + 5)
+    job = running_job(user=user, status="completed", started_at=closed, finished_at=closed, stdout="hi\n")
+    plane.events_append(job.call_id, [("exec_start", {"id": str(job.pk)})])
+    with open(tmp_path / "events" / f"{job.call_id}.log", "ab") as log:
+        log.write(b'stdout\t{"text":')  # torn: the next append goes on after it, on the same line
+    plane.events_append(job.call_id, [("stdout", {"text": "hi\n"})])
+
+    async def read(last_event_id: str | None = None) -> list[events.Event]:
+        stream = events.event_stream(job_id=job.pk, last_event_id=last_event_id)
+        return [event async for event in stream if event is not None]
+
+    got = asyncio.run(read())
+    assert [e.event for e in got] == ["exec_start", "exec_end"]
+    assert got[-1].data["stdout"] == "hi\n" and got[-1].data["status"] == "completed"
+    assert [e.event for e in asyncio.run(read(got[0].id))] == ["exec_end"]
+    assert asyncio.run(read(got[-1].id)) == []  # appended once: a reconnect after it ends at once

@@ -1,5 +1,6 @@
 """Retention: old finished jobs lose their code, output and tool I/O; every charge stays."""
 
+import os
 import time
 import uuid
 from collections.abc import Callable
@@ -10,12 +11,13 @@ from django.contrib.auth import get_user_model
 from django.utils import timezone
 
 from billing.models import CreditAccount, CreditUsage, LedgerEntry
-from execution.backplane import RedisBackplane, backplane
+from execution.backplane import LocalBackplane, RedisBackplane, backplane
 from execution.models import ExecJob, ToolCall
-from execution.services.retention import PURGED, exec_jobs_purge
+from execution.services import retention
+from execution.services.retention import PURGED, event_logs_expire, exec_jobs_purge
 from ptcproject.accounts.models import UserSettings
 from tests.conftest import Api
-from tests.factories import demo_call
+from tests.factories import demo_call, running_job
 from tools.models import Tool
 
 CODE = """
@@ -176,3 +178,30 @@ def test_a_retention_of_thousands_of_years_keeps_that_user_and_purges_everyone_e
     exec_jobs_purge()
     assert ExecJob.objects.get(pk=purged.pk).purged_at is not None
     assert ExecJob.objects.get(pk=kept.pk).code == "print('private')"
+
+
+def test_embedded_event_logs_go_once_idle_past_retention_and_their_job_ended(
+    tmp_path: Any, settings: Any, monkeypatch: Any
+) -> None:
+    """The embedded backplane's logs are files: the retention round drops those of jobs that ended
+    (or are gone) once not written for PTC_EVENTS_RETENTION_SECONDS, and keeps a running job's."""
+    settings.DATA_DIR = tmp_path
+    plane = LocalBackplane()
+    monkeypatch.setattr(retention, "backplane", lambda: plane)
+    user = get_user_model().objects.create_user(username=f"logs-{uuid.uuid4().hex[:6]}")
+    now = timezone.now()
+    ended = running_job(user=user, status="completed", finished_at=now)
+    running = running_job(user=user, started_at=now, heartbeat_at=now)
+    fresh = running_job(user=user, status="failed", finished_at=now)
+    gone = f"exec_{uuid.uuid4().hex}"
+    for call_id in (ended.call_id, running.call_id, fresh.call_id, gone):
+        plane.events_append(call_id, [("exec_start", {"id": call_id}), ("stdout", {"text": "hi"})])
+    old = time.time() - settings.PTC_EVENTS_RETENTION_SECONDS - 5
+    for call_id in (ended.call_id, running.call_id, gone):
+        os.utime(tmp_path / "events" / f"{call_id}.log", (old, old))
+
+    assert event_logs_expire() == 2
+    assert plane.events_read(ended.call_id) == [] and plane.events_read(gone) == []
+    assert [name for _, name, _ in plane.events_read(running.call_id)] == ["exec_start", "stdout"]
+    assert [name for _, name, _ in plane.events_read(fresh.call_id)] == ["exec_start", "stdout"]
+    assert event_logs_expire() == 0
