@@ -6,6 +6,7 @@ and stopped at the end of the session.
 
 import contextlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -15,7 +16,27 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
-ARTIFACTS = ROOT / "test-artifacts"
+# Runs kept under test-artifacts/, the newest first; test-artifacts/latest is this run's.
+KEEP_RUNS = 5
+
+
+def _run_folder() -> Path:
+    """This run's folder for its processes' logs and screenshots: two runs in one checkout at once
+    (a test session and a benchmark) each read their own logs, not the other's "ready" lines."""
+    root = ROOT / "test-artifacts"
+    folder = root / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+    folder.mkdir(parents=True, exist_ok=True)
+    runs = sorted((p for p in root.iterdir() if p.is_dir() and not p.is_symlink() and p.name[:8].isdigit()), reverse=True)
+    for old in runs[KEEP_RUNS:]:
+        shutil.rmtree(old, ignore_errors=True)
+    link = root / f".latest-{os.getpid()}"
+    link.unlink(missing_ok=True)
+    link.symlink_to(folder.name)
+    link.replace(root / "latest")
+    return folder
+
+
+ARTIFACTS = _run_folder()
 
 
 def free_port() -> int:
@@ -25,7 +46,7 @@ def free_port() -> int:
 
 
 class Process:
-    """One long-running process whose output goes to a log file under test-artifacts/."""
+    """One long-running process whose output goes to a log file in this run's folder (ARTIFACTS)."""
 
     def __init__(self, name: str, argv: list[str], env: dict[str, str], ready: str | None = None) -> None:
         self.name, self.argv, self.env, self.ready = name, argv, env, ready

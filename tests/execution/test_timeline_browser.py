@@ -2,7 +2,7 @@
 
 Chromium comes from apt (scripts/browser-deps.sh), never from `playwright install`. The pages come
 from the running stack; a job with parallel and failing calls is made through the real API.
-Screenshots go to test-artifacts/.
+Screenshots go to the run's folder under test-artifacts/ (test-artifacts/latest/).
 """
 
 import tempfile
