@@ -19,6 +19,7 @@ it is published; the database stays the source of truth, so one that misses a pu
 the outcome in the records.
 """
 
+import asyncio
 import functools
 import hashlib
 import json
@@ -250,6 +251,19 @@ class Subscription:
     def wait(self, timeout: float) -> None:
         """Block until a message is queued or ``timeout`` passes; ``drain`` then returns what came."""
         select.select([self._wake_r], [], [], max(0.0, timeout))
+
+    async def wait_async(self, timeout: float) -> None:
+        """``wait`` on the running event loop: woken by ``fileno()``, holding no thread while it
+        waits (the loop's pool has the cores + 4 threads, and a stream's reads use them too)."""
+        loop = asyncio.get_running_loop()
+        readable = asyncio.Event()
+        loop.add_reader(self._wake_r, readable.set)
+        try:
+            await asyncio.wait_for(readable.wait(), max(0.0, timeout))
+        except TimeoutError:
+            pass
+        finally:
+            loop.remove_reader(self._wake_r)
 
     def confirm(self) -> None:
         """Return once the subscription is in place: nothing published after is missed. Raise if

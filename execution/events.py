@@ -479,7 +479,7 @@ async def _from_file(plane: LocalBackplane, *, job_id: Any, last_event_id: str |
                 if end_at is None and (end := await _end_lost(job_id)) is not None:
                     await asyncio.to_thread(plane.events_append, call_id, [("exec_end", end)])
                     continue
-            await asyncio.to_thread(subscription.wait, settings.PTC_EVENTS_HEARTBEAT_SECONDS)
+            await subscription.wait_async(settings.PTC_EVENTS_HEARTBEAT_SECONDS)
             if not subscription.drain():
                 yield None  # a heartbeat
                 _, ended = await _job_state(job_id)

@@ -159,3 +159,33 @@ def test_embedded_log_skips_a_torn_line_and_gets_a_lost_end_from_the_records(
     assert got[-1].data["stdout"] == "hi\n" and got[-1].data["status"] == "completed"
     assert [e.event for e in asyncio.run(read(got[0].id))] == ["exec_end"]
     assert asyncio.run(read(got[-1].id)) == []  # appended once: a reconnect after it ends at once
+
+
+def test_embedded_followers_waiting_hold_no_thread(tmp_path: Path, settings: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Followers waiting for a job's next event wait on the event loop: a dozen of them, on a
+    quiet job, do not hold up another follower's reads for a heartbeat's interval (the loop's
+    pool of threads, which those reads use, has the cores + 4)."""
+    settings.DATA_DIR = tmp_path
+    settings.PTC_EVENTS_HEARTBEAT_SECONDS = 5
+    plane = LocalBackplane()
+    monkeypatch.setattr(events, "backplane", lambda: plane)
+    user = get_user_model().objects.create_user(username=f"quiet-{uuid.uuid4().hex[:6]}")
+    now = timezone.now()
+    quiet = running_job(user=user, started_at=now, heartbeat_at=now)
+    done = running_job(user=user, status="completed", started_at=now, finished_at=now)
+    plane.events_append(done.call_id, [("exec_start", {"id": str(done.pk)}), ("exec_end", {"status": "completed"})])
+
+    async def main() -> tuple[list[str], float]:
+        waiting = [asyncio.create_task(anext(events.event_stream(job_id=quiet.pk))) for _ in range(12)]
+        await asyncio.sleep(0.5)  # each is waiting for the quiet job's log
+        started = time.monotonic()
+        got = [event.event async for event in events.event_stream(job_id=done.pk) if event is not None]
+        took = time.monotonic() - started
+        for task in waiting:
+            task.cancel()
+        await asyncio.gather(*waiting, return_exceptions=True)
+        return got, took
+
+    got, took = asyncio.run(main())
+    assert got == ["exec_start", "exec_end"]
+    assert took < 2, f"a follower's reads waited {took:.1f} s behind followers of a quiet job"
