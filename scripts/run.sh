@@ -79,7 +79,8 @@ stop() {  # TERM, then KILL what is still up after 20 s: nothing outlives the qu
     kill -KILL "${pids[@]}" 2>/dev/null || true
     wait 2>/dev/null || true
 }
-trap stop EXIT INT TERM HUP
+trap stop EXIT
+trap 'exit 130' INT TERM HUP  # the exit stops them (the EXIT trap), and nothing after it runs
 
 start() {  # name, then the command
     local name=$1; shift
@@ -163,4 +164,13 @@ if [ "${PTC_QUICKSTART_ONCE:-}" = 1 ]; then
     exit 0
 fi
 echo "   Ctrl-C stops everything."
-wait
+# Until Ctrl-C, none of them should stop: the first that does stops the rest, saying which.
+wait -n || true
+for entry in "${started[@]}"; do
+    name=${entry%:*}
+    if ! kill -0 "${entry##*:}" 2>/dev/null; then
+        echo "make run: the $name process stopped; the end of $logs/$name.log:" >&2
+        tail -n 5 "$logs/$name.log" | sed 's/^/  /' >&2 || true
+    fi
+done
+exit 1

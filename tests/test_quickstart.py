@@ -1,6 +1,8 @@
 """The README's run command, on the embedded default: SQLite and a server-less broker."""
 
+import contextlib
 import os
+import signal
 import socket
 import subprocess
 import time
@@ -89,3 +91,58 @@ def test_quickstart_on_a_port_that_is_not_one_says_so_in_a_line(tmp_path: Path) 
     assert result.returncode != 0
     assert "make run: PORT must be a port number (1-65535), not '80a'" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def _children(pid: int) -> dict[int, str]:
+    """The processes whose parent is ``pid``: their command lines."""
+    found = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rpartition(")")[2].split()[1]) == pid:
+                found[int(stat.parent.name)] = stat.with_name("cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except (OSError, ValueError, IndexError):
+            continue
+    return found
+
+
+def _quickstart_up(tmp_path: Path) -> tuple[subprocess.Popen[str], dict[int, str]]:
+    """``make run``'s script, up and past its demo job (waiting for Ctrl-C), and its four processes."""
+    env = _embedded_env(tmp_path, free_port())
+    del env["PTC_QUICKSTART_ONCE"]
+    run = subprocess.Popen(["scripts/run.sh"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert run.stdout is not None
+    for line in run.stdout:
+        if "Ctrl-C stops everything." in line:
+            break
+    else:
+        raise AssertionError(f"make run did not come up: {run.communicate()[1]}")
+    children = _children(run.pid)
+    kinds = sorted("uvicorn" if "bin/uvicorn" in cmd else "celery" if "bin/celery" in cmd else cmd for cmd in children.values())
+    assert kinds == ["celery", "celery", "celery", "uvicorn"]
+    return run, children
+
+
+def test_quickstart_stops_everything_on_ctrl_c(tmp_path: Path) -> None:
+    run, children = _quickstart_up(tmp_path)
+    run.send_signal(signal.SIGINT)  # what the terminal's Ctrl-C sends it (its processes are in sessions of their own)
+    _, stderr = run.communicate(timeout=60)
+    assert run.returncode == 130, stderr
+    assert not [pid for pid in children if Path(f"/proc/{pid}").exists()]
+
+
+def test_quickstart_stops_everything_when_one_of_its_processes_dies(tmp_path: Path) -> None:
+    """The web process killed while the quickstart runs: it said nothing, and the workers and beat
+    ran on behind a dead API until Ctrl-C."""
+    run, children = _quickstart_up(tmp_path)
+    web = next(pid for pid, cmd in children.items() if "uvicorn" in cmd)
+    os.kill(web, signal.SIGKILL)
+    try:
+        _, stderr = run.communicate(timeout=60)
+    finally:
+        run.kill()  # only if it is still up (the assertions below then say so)
+        for pid in children:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    assert run.returncode == 1
+    assert "make run: the web process stopped; the end of" in stderr, stderr
+    assert not [pid for pid in children if Path(f"/proc/{pid}").exists()]
