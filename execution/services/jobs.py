@@ -69,11 +69,11 @@ from ptcproject.db import db_reset, db_retry
 from ptcproject.errors import ApplicationError, call_error, job_error
 from ptcproject.metrics import job_finished_observe
 from ptcproject.policy.models import Policy
-from ptcproject.policy.selectors import policy_get, ptc_decision, quotas_for
+from ptcproject.policy.selectors import policy_get, policy_read, ptc_decision, quotas_of, quotas_read
 from ptcproject.storage import MAX_JSON_DEPTH, json_depth_exceeds, storable
 from tools.client import CLIENT_KEY, client_tools_clean, client_toolset
 from tools.sdk import sdk_cached, sdk_job_files
-from tools.selectors import toolset_keys_for_ptc, toolset_keys_named, toolsets_resolve
+from tools.selectors import toolset_keys_admitted, toolset_keys_known, toolset_keys_read, toolsets_resolve
 
 logger = logging.getLogger("ptc.execution")
 Status = ExecJob.Status
@@ -137,7 +137,13 @@ def exec_job_create(
             status=413,
             details={"size": size, "limit": settings.PTC_MAX_CODE_BYTES},
         )
-    policy = policy_get()
+    # The policy, the toolsets and the quotas in one round trip: none needs another's result. A
+    # session's toolsets are its own (its sandbox has their modules already): none is read.
+    policy, visible, own = rows.together(
+        policy_read(),
+        toolset_keys_read(user=user, keys=[] if session is not None else toolsets),
+        quotas_read(user=user),
+    )
     if timeout is None:
         timeout = policy.default_timeout
     if not timeout >= ExecJob.MIN_TIMEOUT:  # NaN too: every caller's serializer checks it; this holds for any other
@@ -153,12 +159,12 @@ def exec_job_create(
             details={"timeout": [f"Ensure this value is less than or equal to {policy.max_timeout}."]},
         )
     if session is not None:
-        keys = list(session.toolsets)  # the session's: its sandbox has their modules already
+        keys = list(session.toolsets)
     elif toolsets is None:
         # Every toolset the user may use with PTC: the policy's lists narrow what they can see.
-        keys = toolset_keys_for_ptc(user=user, allowlist=policy.toolset_allowlist, blocklist=policy.toolset_blocklist)
+        keys = toolset_keys_admitted(visible=visible, allowlist=policy.toolset_allowlist, blocklist=policy.toolset_blocklist)
     else:
-        keys = toolset_keys_named(user=user, keys=toolsets)  # unknown_toolset (400) if any is not
+        keys = toolset_keys_known(keys=toolsets, visible=visible)  # unknown_toolset (400) if any is not
     client = client_tools_clean(client_tools or [])
     if client and CLIENT_KEY in keys:
         raise ApplicationError(
@@ -171,7 +177,7 @@ def exec_job_create(
         raise ApplicationError(
             "ptc_disabled", f"PTC is disabled here: {decision.reason}.", status=403, details={"reason": decision.reason}
         )
-    quotas = quotas_for(policy=policy, user=user)
+    quotas = quotas_of(policy=policy, own=own)
     limits = job_limits(policy=policy, timeout=timeout, parallel_cap=quotas.parallel_cap())
     if session is not None:
         limits = session_limits(session=session, job=limits)
@@ -293,7 +299,7 @@ def exec_job_run(*, job_id: str, worker: str, node: str = "", call_id: str = "")
     except Exception as exc:  # the job is still claimed, and ends saying why
         channel = exc
     with channel if isinstance(channel, Subscription) else nullcontext():
-        job = _exec_job_claim(job_id=job_id, worker=worker)
+        job, policy = _exec_job_claim(job_id=job_id, worker=worker)
         if job is None:
             # Running with a stale heartbeat means the worker that took it died and the broker
             # redelivered it: the code may have had effects, so it is not run twice. A fresh heartbeat
@@ -310,7 +316,7 @@ def exec_job_run(*, job_id: str, worker: str, node: str = "", call_id: str = "")
             if isinstance(channel, Exception):
                 raise RuntimeError(f"its channel is unreachable: {channel}")
             channel.confirm()
-            outcome = _exec_job_sandbox(job=job, node=node, channel=channel)
+            outcome = _exec_job_sandbox(job=job, node=node, channel=channel, policy=policy)
         except Exception as exc:  # the job must end, never stay running
             logger.exception("the job's run failed", extra={"job_id": job_id})
             error = job_error("InternalError", f"the worker failed while running the job: {exc}")
@@ -344,22 +350,26 @@ def _claim_sql() -> str:
     """  # noqa: S608 - names from the models, values as parameters
 
 
-def _exec_job_claim(*, job_id: str, worker: str) -> ExecJob | None:
+def _exec_job_claim(*, job_id: str, worker: str) -> tuple[ExecJob | None, Policy]:
     """Claim a queued job for this worker with one conditional UPDATE. Return it as claimed, with
     its user, its session and ``has_inputs`` (whether it brought files), or None if it was not
-    queued (a duplicate delivery, or cancelled meanwhile).
+    queued (a duplicate delivery, or cancelled meanwhile); and the policy, read with it, that the
+    job is prepared by.
 
-    On PostgreSQL the claim returns the job in the same statement (a data-modifying CTE): one round
-    trip, and no queryset to compile, where the claim and then the read took two."""
+    On PostgreSQL the claim returns the job in the same statement (a data-modifying CTE), and the
+    policy is read in the same round trip (``rows.together``): one round trip, and no queryset to
+    compile, for what took three (the claim, the job's read, the policy). The claim is committed with the
+    policy's read: should that fail, the job is not claimed, and its task retries."""
     now = timezone.now()
     if connection.vendor != "postgresql":
         claimed = ExecJob.objects.filter(pk=job_id, status=Status.QUEUED).update(
             status=Status.RUNNING, started_at=now, heartbeat_at=now, worker=worker
         )
         if not claimed:
-            return None
+            return None, policy_get()
         inputs = WorkFile.objects.filter(exec_job=OuterRef("pk"), kind=WorkFile.Kind.INPUT)
-        return ExecJob.objects.select_related("user", "session").annotate(has_inputs=Exists(inputs)).get(pk=job_id)
+        job = ExecJob.objects.select_related("user", "session").annotate(has_inputs=Exists(inputs)).get(pk=job_id)
+        return job, policy_get()
     params: dict[str, Any] = {
         "id": job_id,
         "now": now,
@@ -368,11 +378,15 @@ def _exec_job_claim(*, job_id: str, worker: str) -> ExecJob | None:
         "queued": Status.QUEUED,
         "input": WorkFile.Kind.INPUT,
     }
-    with connection.cursor() as cursor:
-        cursor.execute(_claim_sql(), params)
-        row = cursor.fetchone()
-    if row is None:
+    return rows.together(rows.Statement(_claim_sql(), params, _claimed), policy_read())
+
+
+def _claimed(found: list[tuple[Any, ...]]) -> ExecJob | None:
+    """The job of the claim's row (``_claim_sql``), with its user, its session and ``has_inputs``;
+    None without one."""
+    if not found:
         return None
+    row = found[0]
     job = rows.from_row(ExecJob, row)
     at = len(ExecJob._meta.concrete_fields)
     job.user = rows.from_row(get_user_model(), row, start=at)
@@ -382,13 +396,13 @@ def _exec_job_claim(*, job_id: str, worker: str) -> ExecJob | None:
     return job
 
 
-def _exec_job_sandbox(*, job: ExecJob, node: str, channel: Subscription) -> Outcome:
+def _exec_job_sandbox(*, job: ExecJob, node: str, channel: Subscription, policy: Policy) -> Outcome:
     """Run a claimed job's code in a sandbox (its session's, held by this worker, ``node``) and
     return what happened. ``channel``: the job's, subscribed before the claim; a cancel that
-    landed since is in it, and ends the job before its code is sent."""
+    landed since is in it, and ends the job before its code is sent. ``policy``: read with the claim."""
     job_id = str(job.pk)
     # Nothing has run yet: a database that drops meanwhile (a restart) is waited for, not the job's end.
-    prepared = db_retry(lambda: _exec_job_prepare(job=job), what="preparing a job", job_id=job_id)
+    prepared = db_retry(lambda: _exec_job_prepare(job=job, policy=policy), what="preparing a job", job_id=job_id)
     if isinstance(prepared, Outcome):
         return prepared
     job, router, sdk_files = prepared
@@ -508,11 +522,10 @@ def _exec_job_files_done(*, job: ExecJob, outcome: Outcome, sent: list[tuple[int
         logger.exception("could not store a job's files", extra={"job_id": str(job.pk)})
 
 
-def _exec_job_prepare(*, job: ExecJob) -> "tuple[ExecJob, JobCallRouter, dict[str, str]] | Outcome":
-    """Build a claimed job's SDK and its call router. Return those, or the Outcome that ends the
-    job if its SDK can't be built. Safe to run again."""
+def _exec_job_prepare(*, job: ExecJob, policy: Policy) -> "tuple[ExecJob, JobCallRouter, dict[str, str]] | Outcome":
+    """Build a claimed job's SDK and its call router, by ``policy`` (read with its claim). Return
+    those, or the Outcome that ends the job if its SDK can't be built. Safe to run again."""
     job_id = str(job.pk)
-    policy = policy_get()
     direct_only = frozenset(policy.direct_only_tools)
     toolsets, _ = toolsets_resolve(user=job.user, keys=job.toolsets)
     extra = [client_toolset(job.client_tools)] if job.client_tools else []

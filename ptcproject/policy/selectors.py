@@ -4,10 +4,10 @@ import functools
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from django.conf import settings
 from django.contrib.auth.models import User
-from django.db import connection
 
 from ptcproject import rows
 from ptcproject.policy.models import Policy
@@ -28,10 +28,16 @@ def policy_get() -> Policy:
     on its very next request, with no cache to invalidate. Every POST /exec and every job reads
     it, so the statement is a fixed one (ptcproject/rows.py), not a queryset compiled each time.
     """
-    with connection.cursor() as cursor:
-        cursor.execute(_policy_sql(), [POLICY_PK])
-        row = cursor.fetchone()
-    return rows.from_row(Policy, row) if row is not None else Policy(pk=POLICY_PK, **settings.PTC_POLICY_SEED)
+    return policy_read().run()
+
+
+def policy_read() -> rows.Statement[Policy]:
+    """``policy_get`` as a statement, to run with others in one round trip (``rows.together``)."""
+    return rows.Statement(_policy_sql(), [POLICY_PK], _policy_made)
+
+
+def _policy_made(found: list[tuple[Any, ...]]) -> Policy:
+    return rows.from_row(Policy, found[0]) if found else Policy(pk=POLICY_PK, **settings.PTC_POLICY_SEED)
 
 
 @dataclass(frozen=True)
@@ -100,12 +106,26 @@ class Quotas:
         return max(1, self.concurrent_tool_calls // (self.concurrent_jobs or 1))
 
 
+# A user's own quota settings (admin, "User settings"), each None where the policy's applies; None
+# without settings of their own.
+OwnQuotas = tuple[int | None, int | None, int | None] | None
+
+
 def quotas_for(*, policy: Policy, user: User) -> Quotas:
     """Return ``user``'s quotas: their own settings where set (admin, "User settings"), else the policy's."""
+    return quotas_of(policy=policy, own=quotas_read(user=user).run())
+
+
+def quotas_read(*, user: User) -> rows.Statement[OwnQuotas]:
+    """The read of ``user``'s own quota settings, to run with others in one round trip
+    (``rows.together``); ``quotas_of`` makes the quotas in force of them."""
     # Every POST /exec reads it: a fixed statement (ptcproject/rows.py), not a queryset compiled each time.
-    with connection.cursor() as cursor:
-        cursor.execute(_quotas_sql(), [user.pk])
-        own = cursor.fetchone()
+    return rows.Statement(_quotas_sql(), [user.pk], lambda found: found[0] if found else None)
+
+
+def quotas_of(*, policy: Policy, own: OwnQuotas) -> Quotas:
+    """Return the quotas in force for a user whose own settings are ``own`` (``quotas_read``):
+    each of theirs where set, else the policy's."""
 
     def pick(index: int, name: str) -> int:
         value = own[index] if own is not None else None

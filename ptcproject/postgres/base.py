@@ -1,14 +1,18 @@
 """Django's PostgreSQL backend, with the pool checking connections as ``ptcproject.pgcheck`` says,
-and statements prepared where a migration may change what they return.
+statements prepared where a migration may change what they return, and several statements sent in
+one round trip (``DatabaseWrapper.pipelined``, for ``ptcproject.rows.together``).
 
 Django builds the psycopg pool itself and always passes it its own ``check`` (a round trip on every
 checkout with CONN_HEALTH_CHECKS, none at all without); this backend swaps in ours.
 """
 
 import logging
+from collections.abc import Mapping, Sequence
+from contextlib import ExitStack
 from typing import Any
 
 import psycopg
+from django.db import NotSupportedError
 from django.db.backends.postgresql.base import DatabaseWrapper as PostgresWrapper
 from django.db.backends.postgresql.base import ServerBindingCursor
 from psycopg import errors, pq
@@ -53,6 +57,33 @@ class DatabaseWrapper(PostgresWrapper):
         if pool is not None and pool._check is not check_unless_recent:
             pool._check = check_unless_recent  # where psycopg_pool keeps it; tests/test_db.py checks it is used
         return pool
+
+    def pipelined(self, statements: Sequence[tuple[str, Sequence[Any] | Mapping[str, Any]]]) -> list[list[tuple[Any, ...]]]:
+        """Run ``statements`` (SQL and parameters, each returning rows) in one round trip, psycopg's
+        pipeline mode, and return each one's rows. They run in order, outside ``atomic`` as one
+        implicit transaction: an error in any undoes them all, and is raised as a query's would be.
+        A statement whose prepared plan a migration made stale is run again as ``PreparedCursor``
+        runs it, the connection's prepared statements dropped, outside a transaction only."""
+        with ExitStack() as stack:
+            # Opened first: taking a connection from the pool may check it with a round trip of its own.
+            cursors = [stack.enter_context(self.cursor()) for _ in statements]
+            try:
+                self._pipeline_run(cursors, statements)
+            except NotSupportedError as exc:  # Django's, raised from psycopg's
+                stale = isinstance(exc.__cause__, errors.FeatureNotSupported) and _stale_plan(exc.__cause__)
+                if not stale or self.connection.info.transaction_status != pq.TransactionStatus.IDLE:
+                    raise
+                logger.info("a prepared statement outlived a migration; the connection's are dropped and it is run again")
+                self.connection.execute("DEALLOCATE ALL")
+                self._pipeline_run(cursors, statements)
+            return [cursor.fetchall() for cursor in cursors]
+
+    def _pipeline_run(self, cursors: list[Any], statements: Sequence[tuple[str, Any]]) -> None:
+        # Django's cursors, so that each statement is logged and wrapped as any other; they send
+        # here, and the pipeline's end (one Sync) collects every result.
+        with self.wrap_database_errors, self.connection.pipeline():
+            for cursor, (sql, params) in zip(cursors, statements, strict=True):
+                cursor.execute(sql, params)
 
     def get_connection_params(self) -> dict[str, Any]:
         params = super().get_connection_params()

@@ -191,6 +191,25 @@ def test_unknown_toolset_in_the_request_is_400(api: Api) -> None:
     assert body["details"] == {"toolsets": ["nope"]}
 
 
+def test_a_submit_with_several_faults_is_refused_for_the_first_in_order(api: Api) -> None:
+    # The policy, the toolsets and the quotas are read together, in one round trip: what they
+    # refuse is still checked in order, the timeout before the toolsets.
+    from django.contrib.auth import get_user_model
+
+    from execution.services.jobs import exec_job_create
+    from ptcproject.errors import ApplicationError
+    from ptcproject.policy.selectors import policy_get
+
+    user = get_user_model().objects.get(username=api.username)
+    over = float(policy_get().max_timeout + 1)
+    with pytest.raises(ApplicationError) as refused:
+        exec_job_create(user=user, code="1", toolsets=["nope", "demo"], timeout=over)
+    assert (refused.value.code, list(refused.value.details)) == ("validation_error", ["timeout"])
+    with pytest.raises(ApplicationError) as refused:
+        exec_job_create(user=user, code="1", toolsets=["nope", "demo", "nope"], timeout=None)
+    assert (refused.value.code, refused.value.details) == ("unknown_toolset", {"toolsets": ["nope"]})
+
+
 def test_invalid_request_body_is_a_field_error(api: Api) -> None:
     response = api.post("/api/v1/exec", json={"toolsets": "demo", "wait": 500})
     assert response.status_code == 400

@@ -214,13 +214,14 @@ def test_a_cancel_after_the_claim_takes_no_sandbox(api: Api, monkeypatch) -> Non
     from execution.models import ExecJob
     from execution.sandbox.session import Session
     from execution.services import jobs
+    from ptcproject.policy.models import Policy
 
     job = _queued_job(api, SLOW)
     prepare = jobs._exec_job_prepare
 
-    def cancelled_then_prepared(*, job: ExecJob) -> object:
+    def cancelled_then_prepared(*, job: ExecJob, policy: Policy) -> object:
         assert jobs.exec_job_cancel(job=ExecJob.objects.get(pk=job.pk)).status == "cancelled"
-        return prepare(job=job)
+        return prepare(job=job, policy=policy)
 
     runs: list[Session] = []
     monkeypatch.setattr(jobs, "_exec_job_prepare", cancelled_then_prepared)

@@ -1,0 +1,99 @@
+"""Fixed statements run together (``rows.together``): on PostgreSQL in one round trip, giving
+what each gives alone; an error in one undoes them all; elsewhere one after another."""
+
+import os
+import tempfile
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import psycopg
+import pytest
+from django.contrib.auth import get_user_model
+from django.db import DataError, connection, connections
+
+from ptcproject import rows
+from ptcproject.policy.selectors import policy_read, quotas_read
+from tools.selectors import toolset_keys_read
+
+
+@pytest.fixture
+def scratch() -> Iterator[str]:
+    table = f"scratch_{uuid.uuid4().hex[:8]}"
+    with connection.cursor() as cursor:
+        cursor.execute(f"CREATE TABLE {table} (id int, title varchar(10))")
+    yield table
+    with connection.cursor() as cursor:
+        cursor.execute(f"DROP TABLE {table}")
+
+
+def _sent_and_read(run: Callable[[], object]) -> list[str]:
+    """The protocol messages the connection sent (``F``) and read (``B``) while ``run`` ran, in order."""
+    with connection.cursor():  # the connection taken from the pool first: its check is not traced
+        pass
+    pgconn = connection.connection.pgconn
+    with tempfile.TemporaryFile("w+") as trace:
+        pgconn.trace(trace.fileno())
+        pgconn.set_trace_flags(psycopg.pq.Trace.SUPPRESS_TIMESTAMPS)
+        try:
+            run()
+        finally:
+            pgconn.untrace()
+        os.lseek(trace.fileno(), 0, os.SEEK_SET)
+        return [line.split("\t")[0] + " " + line.split("\t")[2].split()[0] for line in trace.read().splitlines()]
+
+
+def _statements() -> tuple[rows.Statement[Any], rows.Statement[Any], rows.Statement[Any]]:
+    """The web's reads for a submit: the policy, the toolsets and a new user's quotas."""
+    user = get_user_model().objects.create_user(username=f"rows-{uuid.uuid4().hex[:8]}")
+    return policy_read(), toolset_keys_read(user=user, keys=None), quotas_read(user=user)
+
+
+def test_statements_together_go_in_one_round_trip() -> None:
+    statements = _statements()
+    together = _sent_and_read(lambda: rows.together(*statements))
+    executes = [i for i, message in enumerate(together) if message == "F Execute"]
+    replies = [i for i, message in enumerate(together) if message.startswith("B ")]
+    assert len(executes) == 3
+    assert max(executes) < min(replies), together  # all sent before the first reply is read
+    # Alone, each waits for its reply before the next is sent: what the check above tells apart.
+    alone = _sent_and_read(lambda: [statement.run() for statement in statements])
+    executes = [i for i, message in enumerate(alone) if message == "F Execute"]
+    assert len(executes) == 3
+    assert any(message.startswith("B ") for message in alone[executes[0] : executes[1]]), alone
+
+
+@pytest.mark.parametrize("vendor", ["postgresql", "sqlite"])
+def test_statements_together_give_what_each_gives_alone(vendor: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    statements = _statements()
+    alone = [statement.run() for statement in statements]
+    # Elsewhere than PostgreSQL they run one after another, each alone.
+    monkeypatch.setattr(connections["default"], "vendor", vendor)
+    for _ in range(8):  # before and after PostgreSQL prepares them (PTC_DB_PREPARE_AFTER)
+        assert list(rows.together(*statements)) == alone
+    nothing = toolset_keys_read(user=get_user_model()(pk=0), keys=[])  # asks nothing
+    policy, keys = rows.together(statements[0], nothing)
+    assert (policy, keys) == (alone[0], [])
+
+
+def test_an_error_in_statements_together_undoes_them_all(scratch: str) -> None:
+    written = rows.Statement(f"INSERT INTO {scratch} VALUES (1, 'a') RETURNING id", [], lambda found: found)
+    failing = rows.Statement("SELECT 1 / %s", [0], lambda found: found)
+    with pytest.raises(DataError):  # Django's, as a query alone raises it
+        rows.together(written, failing)
+    assert connection.connection.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+    count = rows.Statement(f"SELECT count(*) FROM {scratch}", [], lambda found: found[0][0])
+    assert count.run() == 0  # the INSERT went with the failed read
+    assert rows.together(written, count) == ([(1,)], 1)  # and the connection serves on
+
+
+def test_a_prepared_statement_together_survives_a_migration_that_changes_its_columns(django_db_setup: str, scratch: str) -> None:
+    read = rows.Statement(f"SELECT id, title FROM {scratch} WHERE id = %s", [1], lambda found: found)
+    policy = policy_read()
+    rows.Statement(f"INSERT INTO {scratch} VALUES (1, 'a') RETURNING id", [], lambda found: found).run()
+    for _ in range(8):  # past the threshold: prepared on this connection
+        rows.together(read, policy)
+    with psycopg.connect(django_db_setup, autocommit=True) as admin:  # another process's migration
+        admin.execute(f"ALTER TABLE {scratch} ALTER COLUMN title TYPE varchar(200)")
+    found, _ = rows.together(read, policy)
+    assert found == [(1, "a")]
