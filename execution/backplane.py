@@ -36,7 +36,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from django.conf import settings
 
@@ -736,10 +736,18 @@ class LocalBackplane(Backplane):
     def events_after(self, job_call_id: str, offset: int) -> tuple[list[tuple[str, str, dict[str, Any]]], int] | None:
         """Return the job's events after ``offset`` (an event's id's first part; 0: from the start)
         whose lines are whole, at most about LOG_READ_BYTES of them, and the offset to read on from;
-        None if the job has no log."""
+        None if the job has no log.
+
+        As with a Redis Stream, the events after an offset are those whose ids are greater: an
+        offset this log never gave (a Last-Event-ID made up, or another log's) is no line's end,
+        and the line it falls in comes whole, never from the middle (its tail read as an event);
+        one past the log's end has nothing after it until the log grows past it."""
         try:
             with open(_log_path(job_call_id), "rb") as log:
-                log.seek(offset)
+                if offset > os.fstat(log.fileno()).st_size:
+                    return [], offset  # not sought: past the file system's largest file, seek raises
+                at = _line_start(log, offset)
+                log.seek(at)
                 chunk = log.read(LOG_READ_BYTES)
                 while chunk and b"\n" not in chunk and (more := log.read(LOG_READ_BYTES)):
                     chunk += more  # one event longer than a read
@@ -747,7 +755,8 @@ class LocalBackplane(Backplane):
             return None
         events = []
         for line in chunk[: chunk.rfind(b"\n") + 1].splitlines(keepends=True):  # a line being written waits
-            offset += len(line)
+            at += len(line)
+            offset = at
             name, _, data = line.rstrip(b"\n").partition(b"\t")
             try:
                 events.append((f"{offset}-0", name.decode(), json.loads(data)))
@@ -799,6 +808,19 @@ class LocalBackplane(Backplane):
 LOG_READ_BYTES = 1 << 20
 # A job's call id as its log's name, as this backplane makes them ("exec_" and hex).
 _LOG_NAME = re.compile(r"[A-Za-z0-9_-]{1,100}")
+
+
+def _line_start(log: BinaryIO, offset: int) -> int:
+    """Return where the line of ``log`` holding the byte before ``offset`` starts: ``offset``
+    itself where a line ends there (an event's id), else the start of the line it falls in."""
+    end = offset
+    while end > 0:
+        size = min(end, LOG_READ_BYTES)
+        log.seek(end - size)
+        if (newline := log.read(size).rfind(b"\n")) >= 0:
+            return end - size + newline + 1
+        end -= size
+    return 0
 
 
 def _log_dir() -> Path:

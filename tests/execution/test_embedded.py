@@ -189,3 +189,21 @@ def test_embedded_followers_waiting_hold_no_thread(tmp_path: Path, settings: Any
     got, took = asyncio.run(main())
     assert got == ["exec_start", "exec_end"]
     assert took < 2, f"a follower's reads waited {took:.1f} s behind followers of a quiet job"
+
+
+def test_embedded_resume_from_an_id_the_log_never_gave(embedded: tuple[Stack, str]) -> None:
+    """An event's id is an offset in its job's log, and a client may send any id: one in the middle
+    of a line read the line's tail as an event (``c_start``, named from ``exec_start`` cut), and one
+    past what the file system seeks to cut the stream with a traceback (EventSource reconnects with
+    it every second). As on Redis, the events after an id are those whose ids are greater."""
+    stack, key = embedded
+    client = _Client(stack.base_url, key)
+    job = client.http.post("/api/v1/exec", json={"code": "print('hi')", "toolsets": ["demo"], "wait": 30}).json()
+    events, _ = read_events(client, job["id"])
+    assert [e["event"] for e in events] == ["exec_start", "stdout", "exec_end"], events
+    for at, event in enumerate(events):
+        inside = f"{int(event['id'].split('-')[0]) - 3}-0"  # in the event's line, before its end
+        resumed, _ = read_events(client, job["id"], last_event_id=inside)
+        assert resumed == events[at:], f"resumed from inside event {at} ({event['event']})"
+    for beyond in ("4611686018427387904-0", "18446744073709551615-0"):
+        assert read_events(client, job["id"], last_event_id=beyond)[0] == []
