@@ -294,11 +294,18 @@ def events_from_records(job_id: Any) -> tuple[list[Event], bool]:
     return events, ended
 
 
-async def _from_records(job_id: Any, after: str | None) -> AsyncIterator[Event]:
+async def _from_records(job_id: Any, after: str | None, *, offsets: bool = False) -> AsyncIterator[Event]:
     """Replay an ended job's events from its records (its log has expired), after ``after``: they
-    no longer change, so their ids are the same at every replay."""
+    no longer change, so their ids are the same at every replay.
+
+    With ``offsets`` (the embedded log's ids are offsets in its file), an ``after`` less than any
+    time the records give is an offset in the expired log: the records can't tell which events it
+    had, and it gets the job's end only (an hour on, EventSource reconnecting from its end, or a
+    log dropped as it was read), not the whole history again."""
     start = _order(after) if after else (-1, -1)
     events, _ = await db_read(events_from_records)(job_id)
+    if offsets and events and (0, 0) < start < _order(events[0].id):
+        events, start = events[-1:], (-1, -1)
     for event in events:
         if _order(event.id) > start:
             yield event
@@ -452,18 +459,20 @@ async def _from_file(plane: LocalBackplane, *, job_id: Any, last_event_id: str |
     event id names, woken by the job's channel as it grows."""
     call_id, ended = await _job_state(job_id)
     cursor = _order(last_event_id)[0] if last_event_id else 0
+    last = last_event_id  # the last id the reader has
     # Subscribed before the first read: an append after it wakes this reader.
     with await sync_to_async(plane.subscribe)(job_channel(call_id)) as subscription:
         while True:
             read = await asyncio.to_thread(plane.events_after, call_id, cursor)
             if read is None and ended:  # expired (or never written): the records tell it
-                async for event in _from_records(job_id, last_event_id):
+                async for event in _from_records(job_id, last, offsets=True):
                     yield event
                 return
             for event_id, name, data in read[0] if read else []:
                 if "_omitted" in data:  # logged without its large fields: the records have them
                     data = await db_read(event_filled)(job_id, name, data)
                 yield Event(event_id, name, data)
+                last = event_id
                 if name == "exec_end":
                     return
             if read and read[0]:

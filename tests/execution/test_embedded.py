@@ -17,6 +17,7 @@ from django.utils import timezone
 
 from execution import events
 from execution.backplane import LocalBackplane
+from execution.models import ExecJob
 from tests.execution.test_events import JOB, _check_sequence, read_events
 from tests.factories import running_job
 from tests.stack import ROOT, Stack
@@ -207,3 +208,52 @@ def test_embedded_resume_from_an_id_the_log_never_gave(embedded: tuple[Stack, st
         assert resumed == events[at:], f"resumed from inside event {at} ({event['event']})"
     for beyond in ("4611686018427387904-0", "18446744073709551615-0"):
         assert read_events(client, job["id"], last_event_id=beyond)[0] == []
+
+
+def test_embedded_log_expired_gives_a_reader_of_it_the_end_not_the_history_again(
+    tmp_path: Path, settings: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The log's ids are offsets in its file, the records' are times, so every id of the log is
+    less than any the records give: once the log is dropped (beat's sweep, an hour idle; or a purge
+    as it was read), a reader resuming from an id of it (EventSource left open on an ended job
+    reconnects every second), or one reading it as it went, was sent the job's whole history again
+    from the records. It gets the job's end: the records can't tell which events it had."""
+    settings.DATA_DIR = tmp_path
+    settings.PTC_EVENTS_HEARTBEAT_SECONDS = 0.3
+    plane = LocalBackplane()
+    monkeypatch.setattr(events, "backplane", lambda: plane)
+    user = get_user_model().objects.create_user(username=f"gone-{uuid.uuid4().hex[:6]}")
+    started = timezone.now() - timedelta(seconds=30)
+    job = running_job(user=user, status="completed", started_at=started, finished_at=started, stdout="hi\n")
+    plane.events_append(job.call_id, [("exec_start", events.job_start_payload(job)), ("stdout", {"text": "hi\n"})])
+    plane.events_append(job.call_id, [("exec_end", {"status": "completed"})])
+
+    async def read(last_event_id: str | None = None) -> list[events.Event]:
+        stream = events.event_stream(job_id=job.pk, last_event_id=last_event_id)
+        return [event async for event in stream if event is not None]
+
+    logged = asyncio.run(read())
+    assert [e.event for e in logged] == ["exec_start", "stdout", "exec_end"]
+    plane.events_drop([job.call_id])
+    resumed = asyncio.run(read(logged[1].id))
+    assert [e.event for e in resumed] == ["exec_end"] and resumed[0].data["stdout"] == "hi\n"
+    assert asyncio.run(read(resumed[0].id)) == []  # an id of the records: after it, nothing
+    assert [e.event for e in asyncio.run(read())] == ["exec_start", "exec_end"]  # from the start: all of it
+
+    # A reader of a running job whose log goes as the job ends (its end a records' one).
+    running = running_job(user=user, started_at=started)
+    plane.events_append(running.call_id, [("exec_start", events.job_start_payload(running))])
+
+    async def follow() -> list[str]:
+        names = []
+        async for event in events.event_stream(job_id=running.pk):
+            if event is not None:
+                names.append(event.event)
+            if event is not None and event.event == "exec_start":
+                await asyncio.to_thread(plane.events_drop, [running.call_id])
+                await asyncio.to_thread(
+                    ExecJob.objects.filter(pk=running.pk).update, status="completed", finished_at=timezone.now()
+                )
+        return names
+
+    assert asyncio.run(follow()) == ["exec_start", "exec_end"]
