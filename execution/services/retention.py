@@ -99,13 +99,19 @@ def _container_bytes_freed(calls: QuerySet[ToolCall]) -> None:
 
 
 def event_logs_expire() -> int:
-    """Drop the event logs not written for PTC_EVENTS_RETENTION_SECONDS whose jobs have ended (or
-    are gone): the embedded backplane's files (Redis expires its own). Return how many."""
+    """Drop the event logs not written for PTC_EVENTS_RETENTION_SECONDS whose jobs have ended and
+    been closed (or are gone): the embedded backplane's files (Redis expires its own). Return how many."""
     idle = backplane().events_idle(settings.PTC_EVENTS_RETENTION_SECONDS)
+    # As for a purge, not while a job is not closed, nor while a call of it is open: its close (its
+    # worker's, waiting for its running calls, or the reaper's) appends its end, the reaper reads a
+    # cancelled job's output from the log, and a call that outlives the job appends its own end.
+    # Dropped before, those went to a new file, and its readers, at offsets of the old, missed them.
+    open_calls = ToolCall.objects.filter(exec_job=OuterRef("pk"), status__in=ToolCall.OPEN)
+    writing = ~Q(status__in=ExecJob.FINISHED) | Q(closed_at__isnull=True) | Exists(open_calls)
     dropped = 0
     for at in range(0, len(idle), PURGE_BATCH):
         batch = idle[at : at + PURGE_BATCH]
-        running = ExecJob.objects.filter(call_id__in=batch).exclude(status__in=ExecJob.FINISHED)
+        running = ExecJob.objects.filter(writing, call_id__in=batch)
         live = set(running.values_list("call_id", flat=True))
         backplane().events_drop([call_id for call_id in batch if call_id not in live])
         dropped += len(batch) - len(live)

@@ -205,3 +205,30 @@ def test_embedded_event_logs_go_once_idle_past_retention_and_their_job_ended(
     assert [name for _, name, _ in plane.events_read(running.call_id)] == ["exec_start", "stdout"]
     assert [name for _, name, _ in plane.events_read(fresh.call_id)] == ["exec_start", "stdout"]
     assert event_logs_expire() == 0
+
+
+def test_embedded_event_logs_stay_while_their_job_is_not_closed_or_a_call_of_it_runs(
+    tmp_path: Any, settings: Any, monkeypatch: Any
+) -> None:
+    """A job that has ended is still written to until it is closed (its close waits for its running
+    calls, then appends its end; the reaper's reads a cancelled job's output from the log) and while
+    a call of it outlives it. Its log, idle past the retention as a long call ran, was dropped: the
+    end went to a new file, past which its readers' offsets were. Kept until then, as a purge waits."""
+    settings.DATA_DIR = tmp_path
+    plane = LocalBackplane()
+    monkeypatch.setattr(retention, "backplane", lambda: plane)
+    user = get_user_model().objects.create_user(username=f"logs-{uuid.uuid4().hex[:6]}")
+    now = timezone.now()
+    unclosed = running_job(user=user, status="cancelled", finished_at=now, closed_at=None)
+    calling = running_job(user=user, status="timeout", finished_at=now)
+    demo_call(user=user, job=calling, tool="sleep", input={"ms": 10})
+    closed = running_job(user=user, status="completed", finished_at=now)
+    old = time.time() - settings.PTC_EVENTS_RETENTION_SECONDS - 5
+    for job in (unclosed, calling, closed):
+        plane.events_append(job.call_id, [("exec_start", {"id": str(job.pk)}), ("stdout", {"text": "hi"})])
+        os.utime(tmp_path / "events" / f"{job.call_id}.log", (old, old))
+
+    assert event_logs_expire() == 1
+    assert plane.events_read(closed.call_id) == []
+    for job in (unclosed, calling):
+        assert [name for _, name, _ in plane.events_read(job.call_id)] == ["exec_start", "stdout"]
