@@ -460,6 +460,12 @@ async def _from_file(plane: LocalBackplane, *, job_id: Any, last_event_id: str |
     call_id, ended = await _job_state(job_id)
     cursor = _order(last_event_id)[0] if last_event_id else 0
     last = last_event_id  # the last id the reader has
+    if ended and last_event_id and (end_at := await asyncio.to_thread(plane.events_end_at, call_id)) is not None:
+        if end_at <= cursor:
+            # A reconnect after the end (EventSource makes one by itself): nothing is left. What
+            # the log has after its end (an end its worker appended after a reader took it from
+            # the records; a call that outlived its job) that reader was never to be sent.
+            return
     # Subscribed before the first read: an append after it wakes this reader.
     with await sync_to_async(plane.subscribe)(job_channel(call_id)) as subscription:
         while True:

@@ -257,3 +257,30 @@ def test_embedded_log_expired_gives_a_reader_of_it_the_end_not_the_history_again
         return names
 
     assert asyncio.run(follow()) == ["exec_start", "exec_end"]
+
+
+def test_embedded_reconnect_after_the_end_gets_nothing_the_log_has_after_it(
+    tmp_path: Path, settings: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A reader sends a job's end taken from the records when its log has none 10 s after the job
+    closed; its worker's may still come after it (its close retried through a database outage),
+    and so may a call's end that outlived the job. A reconnect from the end sent (EventSource makes
+    one by itself) was sent those, a second end among them: on Redis it closes at once, as here."""
+    settings.DATA_DIR = tmp_path
+    plane = LocalBackplane()
+    monkeypatch.setattr(events, "backplane", lambda: plane)
+    user = get_user_model().objects.create_user(username=f"late-{uuid.uuid4().hex[:6]}")
+    closed = timezone.now() - timedelta(seconds=events.END_LOST_SECONDS + 5)
+    job = running_job(user=user, status="completed", started_at=closed, finished_at=closed, stdout="hi\n")
+    plane.events_append(job.call_id, [("exec_start", events.job_start_payload(job)), ("stdout", {"text": "hi\n"})])
+
+    async def read(last_event_id: str | None = None) -> list[events.Event]:
+        stream = events.event_stream(job_id=job.pk, last_event_id=last_event_id)
+        return [event async for event in stream if event is not None]
+
+    sent = asyncio.run(read())
+    assert [e.event for e in sent] == ["exec_start", "stdout", "exec_end"]
+    late = [("exec_end", {"status": "completed"}), ("tool_call_end", {"call_id": "ptc_late"})]
+    plane.events_append(job.call_id, late)  # the worker's end, late, and a call that outlived the job
+    assert asyncio.run(read(sent[-1].id)) == []
+    assert [e.event for e in asyncio.run(read())] == ["exec_start", "stdout", "exec_end"]  # the end first sent
