@@ -771,7 +771,7 @@ class LocalBackplane(Backplane):
             with open(_log_path(job_call_id), "rb") as log:
                 for line in log:
                     offset += len(line)
-                    if line.startswith(b"exec_end\t") and line.endswith(b"\n"):
+                    if line.startswith(b"exec_end\t") and line.endswith(b"\n") and _whole(line):
                         return offset
         except FileNotFoundError:
             pass
@@ -808,6 +808,16 @@ class LocalBackplane(Backplane):
 LOG_READ_BYTES = 1 << 20
 # A job's call id as its log's name, as this backplane makes them ("exec_" and hex).
 _LOG_NAME = re.compile(r"[A-Za-z0-9_-]{1,100}")
+
+
+def _whole(line: bytes) -> bool:
+    """Return True if ``line`` is an event as appended; False if torn (a write cut short, by a full
+    disk, with the next append on after it): its readers skip it (``events_after``)."""
+    try:
+        json.loads(line.partition(b"\t")[2])
+    except ValueError:
+        return False
+    return True
 
 
 def _line_start(log: BinaryIO, offset: int) -> int:

@@ -284,3 +284,29 @@ def test_embedded_reconnect_after_the_end_gets_nothing_the_log_has_after_it(
     plane.events_append(job.call_id, late)  # the worker's end, late, and a call that outlived the job
     assert asyncio.run(read(sent[-1].id)) == []
     assert [e.event for e in asyncio.run(read())] == ["exec_start", "stdout", "exec_end"]  # the end first sent
+
+
+def test_embedded_log_whose_end_was_torn_still_ends_its_stream(
+    tmp_path: Path, settings: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker's ``exec_end`` cut short (a full disk) is a line with no end; the one its reader
+    then appends from the records goes on after it, on the same line, which is torn, and skipped.
+    That line was taken for the log's end all the same: not behind the reader, and not lost, so
+    the reader waited for it for ever, sending heartbeats. A torn end is no end."""
+    settings.DATA_DIR = tmp_path
+    settings.PTC_EVENTS_HEARTBEAT_SECONDS = 0.2
+    plane = LocalBackplane()
+    monkeypatch.setattr(events, "backplane", lambda: plane)
+    user = get_user_model().objects.create_user(username=f"torn-{uuid.uuid4().hex[:6]}")
+    closed = timezone.now() - timedelta(seconds=events.END_LOST_SECONDS + 5)
+    job = running_job(user=user, status="completed", started_at=closed, finished_at=closed, stdout="hi\n")
+    plane.events_append(job.call_id, [("exec_start", events.job_start_payload(job))])
+    with open(tmp_path / "events" / f"{job.call_id}.log", "ab") as log:
+        log.write(b'exec_end\t{"status":')
+
+    async def read() -> list[events.Event]:
+        stream = events.event_stream(job_id=job.pk)
+        return [event async for event in stream if event is not None]
+
+    got = asyncio.run(asyncio.wait_for(read(), 10))
+    assert [e.event for e in got] == ["exec_start", "exec_end"] and got[-1].data["stdout"] == "hi\n"
