@@ -250,7 +250,7 @@ class Command(BaseCommand):
         finally:
             if main and before is not None:  # None: a handler set outside Python, left as it is
                 signal.signal(signal.SIGTERM, before)
-        if not progress.saw_output:  # no live chunks (the embedded setup): the final output, once
+        if not progress.saw_output:  # no live chunks (their log lost them, a full disk): the final output, once
             for stream, style in (("stdout", ""), ("stderr", "red")):
                 if final.get(stream):
                     console.print(Text(final[stream].rstrip("\n"), style=style), highlight=False)
