@@ -493,6 +493,12 @@ async def _from_file(plane: LocalBackplane, *, job_id: Any, last_event_id: str |
                     return
                 if end_at is None and (end := await _end_lost(job_id)) is not None:
                     await asyncio.to_thread(plane.events_append, call_id, [("exec_end", end)])
+                    if await asyncio.to_thread(plane.events_end_at, call_id) is None:
+                        # Not appended either (the disk that lost it is full, and events_append
+                        # never raises): sent from the records, not looked for again at once.
+                        async for event in _from_records(job_id, last, offsets=True):
+                            yield event
+                        return
                     continue
             await subscription.wait_async(settings.PTC_EVENTS_HEARTBEAT_SECONDS)
             if not subscription.drain():

@@ -310,3 +310,34 @@ def test_embedded_log_whose_end_was_torn_still_ends_its_stream(
 
     got = asyncio.run(asyncio.wait_for(read(), 10))
     assert [e.event for e in got] == ["exec_start", "exec_end"] and got[-1].data["stdout"] == "hi\n"
+
+
+def test_embedded_log_that_takes_no_append_still_ends_its_stream(
+    tmp_path: Path, settings: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A full disk loses a worker's ``exec_end`` (the append logs a warning, the records are the
+    truth), and then the one its reader appends from the records too: the reader looked for it
+    again at once, for ever, rebuilding the job's view from the database each time (a core and a
+    database connection per reader). An end that can't be appended is sent from the records."""
+    settings.DATA_DIR = tmp_path
+    plane = LocalBackplane()
+    monkeypatch.setattr(events, "backplane", lambda: plane)
+    user = get_user_model().objects.create_user(username=f"full-{uuid.uuid4().hex[:6]}")
+    closed = timezone.now() - timedelta(seconds=events.END_LOST_SECONDS + 5)
+    job = running_job(user=user, status="completed", started_at=closed, finished_at=closed, stdout="hi\n")
+    plane.events_append(job.call_id, [("exec_start", events.job_start_payload(job)), ("stdout", {"text": "hi\n"})])
+    log = tmp_path / "events" / f"{job.call_id}.log"
+    # Immutable: read as before, appended to by no one (root included), as a full disk's file is.
+    if subprocess.run(["chattr", "+i", str(log)], capture_output=True).returncode != 0:
+        pytest.skip("chattr +i is not permitted here")
+    try:
+
+        async def read(last_event_id: str | None = None) -> list[events.Event]:
+            stream = events.event_stream(job_id=job.pk, last_event_id=last_event_id)
+            return [event async for event in stream if event is not None]
+
+        got = asyncio.run(asyncio.wait_for(read(), 10))
+        assert [e.event for e in got] == ["exec_start", "stdout", "exec_end"]
+        assert got[-1].data["stdout"] == "hi\n"
+    finally:
+        subprocess.run(["chattr", "-i", str(log)], check=True)
