@@ -1,3 +1,18 @@
+import re
+
+# What ends a job's live output (its stdout or stderr events) once it has streamed as much as the
+# job keeps: exec_end has the tail (``tail_of``).
+LIVE_CUT = "[output truncated here; exec_end has its tail]"
+# What CappedOutput.text puts between the head and the tail it keeps.
+_OMITTED = re.compile(r"\n…\[[0-9]+ bytes omitted\]…\n")
+
+
+def tail_of(text: str) -> str:
+    """Return the tail of an output kept truncated (CappedOutput.text): what follows its marker."""
+    marker = _OMITTED.search(text)
+    return text[marker.end() :] if marker else ""
+
+
 class CappedOutput:
     """Collects a stream up to ``limit`` bytes, keeping its head and its tail, never the middle."""
 

@@ -30,7 +30,7 @@ from typing import Any, Protocol
 
 from execution.backplane import Admitted, Approved, Cancel, Message, Result, Resync
 from execution.sandbox.limits import Limits
-from execution.sandbox.output import CappedOutput
+from execution.sandbox.output import LIVE_CUT, CappedOutput
 from execution.sandbox.pool import Sandbox, sandbox_reap, warm_pool
 from execution.sandbox.process import MOUNT_SDK, SandboxProcess, scratch_bytes
 from ptcproject.errors import call_error, job_error
@@ -538,7 +538,7 @@ class Session:
         if sent >= self.limits.max_output_bytes:
             return
         if sent + len(data) >= self.limits.max_output_bytes:
-            data = data[: self.limits.max_output_bytes - sent] + b"\n[output truncated here; exec_end has its tail]\n"
+            data = data[: self.limits.max_output_bytes - sent] + f"\n{LIVE_CUT}\n".encode()
         self.chunks[name] += data
         self.chunk_since.setdefault(name, time.monotonic())
         if len(self.chunks[name]) >= OUTPUT_CHUNK_BYTES:

@@ -341,3 +341,25 @@ def test_embedded_log_that_takes_no_append_still_ends_its_stream(
         assert got[-1].data["stdout"] == "hi\n"
     finally:
         subprocess.run(["chattr", "-i", str(log)], check=True)
+
+
+def test_embedded_cli_shows_the_end_of_an_output_past_the_limit(embedded: tuple[Stack, str], tmp_path: Path) -> None:
+    """ptc_exec prints a job's output as its live chunks bring it; they stop at the job's limit
+    (PTC_MAX_OUTPUT_BYTES), saying that exec_end has the tail, which it never printed: its last
+    lines (a result, the end of a traceback) were nowhere. On the embedded default it printed the
+    stored output, head and tail, until its log brought the live chunks."""
+    stack, _ = embedded
+    script = tmp_path / "job.py"
+    script.write_text("for i in range(1100):\n    print(str(i).rjust(6) + 'x' * 994)\nprint('THE END')\n")
+    out = subprocess.run(
+        [sys.executable, "manage.py", "ptc_exec", str(script), "--user", "embedded", "--toolsets", "demo"],
+        cwd=ROOT,
+        env=stack.env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stdout.splitlines()
+    assert "[output truncated here; exec_end has its tail]" in lines
+    assert lines[-3] == "THE END" and lines.count("THE END") == 1, lines[-5:]

@@ -37,6 +37,7 @@ from rich.text import Text
 
 from execution.events import Event, event_stream, job_view
 from execution.models import ExecJob, ToolCall
+from execution.sandbox.output import LIVE_CUT, tail_of
 from execution.selectors import exec_job_with_calls
 from execution.serializers import ExecCreateSerializer
 from execution.services.jobs import exec_job_cancel_await, exec_job_create
@@ -124,6 +125,7 @@ class Progress:
         self.live = live
         self.running: dict[str, dict[str, Any]] = {}
         self.saw_output = False
+        self.cut: set[str] = set()  # the streams whose live output stopped at the job's limit
 
     def render(self) -> Group:
         return Group(*(Spinner("dots", text=self._running_text(d)) for d in self.running.values()))
@@ -138,6 +140,8 @@ class Progress:
         data = event.data
         if event.event in ("stdout", "stderr"):
             self.saw_output = True
+            if data["text"].endswith(f"{LIVE_CUT}\n"):
+                self.cut.add(event.event)
             style = "" if event.event == "stdout" else "red"
             self.console.print(Text(data["text"].rstrip("\n"), style=style), highlight=False)
         elif event.event == "tool_call_pending":
@@ -250,10 +254,14 @@ class Command(BaseCommand):
         finally:
             if main and before is not None:  # None: a handler set outside Python, left as it is
                 signal.signal(signal.SIGTERM, before)
-        if not progress.saw_output:  # no live chunks (their log lost them, a full disk): the final output, once
-            for stream, style in (("stdout", ""), ("stderr", "red")):
-                if final.get(stream):
-                    console.print(Text(final[stream].rstrip("\n"), style=style), highlight=False)
+        for stream, style in (("stdout", ""), ("stderr", "red")):
+            if not progress.saw_output and final.get(stream):  # no live chunks (their log lost them): once
+                console.print(Text(final[stream].rstrip("\n"), style=style), highlight=False)
+            elif stream in progress.cut and (tail := tail_of(final.get(stream) or "")):
+                # Its live output stopped at the job's limit, saying exec_end has the tail: shown,
+                # as the output's end (a result, the last of a traceback) is what is looked for.
+                console.print(Text(f"… the end of {stream}, from exec_end:", style="dim"), highlight=False)
+                console.print(Text(tail.rstrip("\n"), style=style), highlight=False)
         self._summary(console, job, final, time.monotonic() - started)
         if final.get("status") != "completed":
             sys.exit(1)
