@@ -101,7 +101,11 @@ def _container_bytes_freed(calls: QuerySet[ToolCall]) -> None:
 def event_logs_expire() -> int:
     """Drop the event logs not written for PTC_EVENTS_RETENTION_SECONDS whose jobs have ended and
     been closed (or are gone): the embedded backplane's files (Redis expires its own). Return how many."""
-    idle = backplane().events_idle(settings.PTC_EVENTS_RETENTION_SECONDS)
+    try:
+        idle = backplane().events_idle(settings.PTC_EVENTS_RETENTION_SECONDS)
+    except OSError:  # as a purge's drop of the logs: logged, and not the purge's end (it runs after)
+        logger.warning("could not list the event logs to expire", exc_info=True)
+        return 0
     # As for a purge, not while a job is not closed, nor while a call of it is open: its close (its
     # worker's, waiting for its running calls, or the reaper's) appends its end, the reaper reads a
     # cancelled job's output from the log, and a call that outlives the job appends its own end.
@@ -113,7 +117,11 @@ def event_logs_expire() -> int:
         batch = idle[at : at + PURGE_BATCH]
         running = ExecJob.objects.filter(writing, call_id__in=batch)
         live = set(running.values_list("call_id", flat=True))
-        backplane().events_drop([call_id for call_id in batch if call_id not in live])
+        try:
+            backplane().events_drop([call_id for call_id in batch if call_id not in live])
+        except OSError:
+            logger.warning("could not drop expired event logs", exc_info=True)
+            return dropped
         dropped += len(batch) - len(live)
     return dropped
 

@@ -232,3 +232,25 @@ def test_embedded_event_logs_stay_while_their_job_is_not_closed_or_a_call_of_it_
     assert plane.events_read(closed.call_id) == []
     for job in (unclosed, calling):
         assert [name for _, name, _ in plane.events_read(job.call_id)] == ["exec_start", "stdout"]
+
+
+def test_beat_purges_jobs_past_retention_when_the_event_logs_cannot_be_listed(
+    tmp_path: Any, settings: Any, monkeypatch: Any
+) -> None:
+    """Beat's retention round expires the embedded event logs, then purges the jobs past their
+    owners' retention. A folder of logs that can't be listed (another user's, mode 0700; here, a
+    file where the folder should be) raised there, every round, and no job was ever purged: the
+    code, output and tool I/O a user asked to have dropped were kept."""
+    from execution import tasks
+
+    settings.DATA_DIR = tmp_path
+    (tmp_path / "events").write_text("")
+    plane = LocalBackplane()
+    monkeypatch.setattr(retention, "backplane", lambda: plane)
+    user = get_user_model().objects.create_user(username=f"logs-{uuid.uuid4().hex[:6]}")
+    UserSettings.objects.create(user=user, retention_days=0)
+    ended = timezone.now() - timedelta(minutes=1)
+    job = running_job(user=user, status="completed", started_at=ended, finished_at=ended, code="print('private')")
+
+    tasks.purge_jobs.run()  # beat's round, as its worker runs it
+    assert ExecJob.objects.get(pk=job.pk).purged_at is not None
