@@ -753,6 +753,9 @@ class LocalBackplane(Backplane):
                     chunk += more  # one event longer than a read
         except FileNotFoundError:
             return None
+        except OSError as exc:  # unreadable (another OS user's, mode 0600): as none, its readers take the records
+            logger.warning("could not read a job's event log: %s", exc, extra={"job_id": job_call_id})
+            return None
         events = []
         for line in chunk[: chunk.rfind(b"\n") + 1].splitlines(keepends=True):  # a line being written waits
             at += len(line)
@@ -773,7 +776,7 @@ class LocalBackplane(Backplane):
                     offset += len(line)
                     if line.startswith(b"exec_end\t") and line.endswith(b"\n") and _whole(line):
                         return offset
-        except FileNotFoundError:
+        except OSError:  # none, or unreadable (events_after)
             pass
         return None
 

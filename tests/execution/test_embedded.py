@@ -363,3 +363,26 @@ def test_embedded_cli_shows_the_end_of_an_output_past_the_limit(embedded: tuple[
     lines = out.stdout.splitlines()
     assert "[output truncated here; exec_end has its tail]" in lines
     assert lines[-3] == "THE END" and lines.count("THE END") == 1, lines[-5:]
+
+
+def test_embedded_log_that_cannot_be_read_is_told_by_the_records(
+    tmp_path: Path, settings: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A log the web can't read (the workers' OS user's, mode 0600; here, a folder in its place)
+    raised out of every stream of the job, cut with a traceback (EventSource then reconnected every
+    second), and out of an MCP call that followed it. Read as no log: the records tell the job."""
+    settings.DATA_DIR = tmp_path
+    plane = LocalBackplane()
+    monkeypatch.setattr(events, "backplane", lambda: plane)
+    user = get_user_model().objects.create_user(username=f"unread-{uuid.uuid4().hex[:6]}")
+    closed = timezone.now() - timedelta(seconds=events.END_LOST_SECONDS + 5)
+    job = running_job(user=user, status="completed", started_at=closed, finished_at=closed, stdout="hi\n")
+    (tmp_path / "events" / f"{job.call_id}.log").mkdir(parents=True)
+
+    async def read(last_event_id: str | None = None) -> list[events.Event]:
+        stream = events.event_stream(job_id=job.pk, last_event_id=last_event_id)
+        return [event async for event in stream if event is not None]
+
+    got = asyncio.run(asyncio.wait_for(read(), 10))
+    assert [e.event for e in got] == ["exec_start", "exec_end"] and got[-1].data["stdout"] == "hi\n"
+    assert asyncio.run(asyncio.wait_for(read("205-0"), 10))[-1].event == "exec_end"
