@@ -481,7 +481,7 @@ async def _from_file(plane: LocalBackplane, *, job_id: Any, last_event_id: str |
                 last = event_id
                 if name == "exec_end":
                     return
-            if read and read[0]:
+            if read and read[1] > cursor:  # events, or lines skipped as torn: never read again
                 cursor = read[1]
                 continue
             if ended:

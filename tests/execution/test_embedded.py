@@ -16,7 +16,7 @@ from django.contrib.auth import get_user_model
 from django.utils import timezone
 
 from execution import events
-from execution.backplane import LocalBackplane
+from execution.backplane import Changed, LocalBackplane, job_channel
 from execution.models import ExecJob
 from tests.execution.test_events import JOB, _check_sequence, read_events
 from tests.factories import running_job
@@ -386,3 +386,33 @@ def test_embedded_log_that_cannot_be_read_is_told_by_the_records(
     got = asyncio.run(asyncio.wait_for(read(), 10))
     assert [e.event for e in got] == ["exec_start", "exec_end"] and got[-1].data["stdout"] == "hi\n"
     assert asyncio.run(asyncio.wait_for(read("205-0"), 10))[-1].event == "exec_end"
+
+
+def test_embedded_log_reads_past_a_torn_line_once(
+    tmp_path: Path, settings: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A torn line that a running job's reader reads alone (nothing whole after it yet) is skipped
+    once: the reader stayed before it, and read it again (and said so) at every wake-up after."""
+    settings.DATA_DIR = tmp_path
+    settings.PTC_EVENTS_HEARTBEAT_SECONDS = 0.1
+    plane = LocalBackplane()
+    monkeypatch.setattr(events, "backplane", lambda: plane)
+    user = get_user_model().objects.create_user(username=f"torn-{uuid.uuid4().hex[:6]}")
+    now = timezone.now()
+    job = running_job(user=user, started_at=now, heartbeat_at=now)
+    plane.events_append(job.call_id, [("exec_start", {"id": str(job.pk)})])
+
+    async def follow() -> list[str]:
+        got = []
+        async for event in events.event_stream(job_id=job.pk):
+            got.append(event.event if event is not None else "heartbeat")
+            if got == ["exec_start"]:  # then a torn line, and a line end: whole as a line, not as an event
+                with open(tmp_path / "events" / f"{job.call_id}.log", "ab") as log:
+                    log.write(b'stdout\t{"text":\n')
+                plane.publish(job_channel(job.call_id), Changed())
+            if len(got) == 6:
+                return got
+        return got
+
+    assert asyncio.run(follow()) == ["exec_start"] + ["heartbeat"] * 5
+    assert sum("skipped a torn line" in r.getMessage() for r in caplog.records) == 1
