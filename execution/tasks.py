@@ -16,7 +16,7 @@ from execution.sandbox import process
 from execution.sandbox.pool import warm_pool
 from execution.services.calls import tool_call_abort, tool_call_execute, tool_calls_heartbeat
 from execution.services.jobs import CALL_ID_HEADER, exec_job_run, exec_jobs_reap, worker_name
-from execution.services.retention import event_logs_expire, exec_jobs_purge
+from execution.services.retention import exec_jobs_purge
 from execution.services.sessions import exec_sessions_heartbeat, exec_sessions_shutdown
 from ptcproject import metrics, queues
 from ptcproject.heap import heap_freeze
@@ -54,7 +54,6 @@ def reap_jobs() -> int:
 # harmless; no retry: the next round, PTC_RETENTION_EVERY later, is the retry.
 @shared_task(queue=queues.MAINTENANCE, acks_late=True)
 def purge_jobs() -> int:
-    event_logs_expire()
     return exec_jobs_purge()
 
 

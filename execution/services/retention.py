@@ -130,10 +130,12 @@ def exec_jobs_purge(*, now: datetime | None = None, batch_size: int = PURGE_BATC
     """Purge every finished job past its owner's retention (UserSettings.retention_days, else
     PTC_RETENTION_DAYS; neither: kept forever), ``batch_size`` jobs per transaction, and the
     standalone and managed containers' tool calls past it too, and the files of sessions that ended
-    before it.
+    before it; first, the event logs that have expired (``event_logs_expire``: a folder of them it
+    can't list or drop is logged, and the purge runs).
 
     Return how many jobs this run purged (0 when run again at once).
     """
+    event_logs_expire()
     now = now or timezone.now()
     # Not while a call of it is still open: one a tools worker took before the job ended finishes
     # after it, and would write its output (and its events) back into the purged job.
