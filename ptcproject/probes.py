@@ -4,16 +4,38 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any
 
 from django.conf import settings
 from django.db import DatabaseError, connection
-from django.http import HttpRequest, JsonResponse
+from django.http import HttpRequest, HttpResponse, JsonResponse
 
 from ptcproject.errors import error_body
 
 # A probe answers within this, whatever is down: an orchestrator must not wait on a hung server.
 READY_TIMEOUT_SECONDS = 1.5
 _checks = ThreadPoolExecutor(max_workers=6, thread_name_prefix="readyz")
+# Answered whatever Host they are sent with: nothing they answer is built from it.
+ANY_HOST_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})
+
+
+class AnyHostMiddleware:
+    """The probes and /metrics skip Django's check of the Host header against DJANGO_ALLOWED_HOSTS.
+
+    The kubelet probes a pod at its IP (``Host: 10.1.2.3:8000``), and Prometheus scrapes it so,
+    where DJANGO_ALLOWED_HOSTS names the public host: the check answered them 400, the liveness
+    probe failed, and every web pod was restarted in a loop. Every other path keeps the check;
+    these still go through the whole chain (sessions, auth, outages) after this one.
+    """
+
+    def __init__(self, get_response: Any) -> None:
+        self.get_response = get_response
+
+    def __call__(self, request: HttpRequest) -> HttpResponse:
+        if request.path_info in ANY_HOST_PATHS:
+            # CommonMiddleware asks get_host(), which raises DisallowedHost; the raw one does not.
+            request.get_host = request._get_raw_host  # type: ignore[method-assign,attr-defined]
+        return self.get_response(request)
 
 
 def healthz(request: HttpRequest) -> JsonResponse:

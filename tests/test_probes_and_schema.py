@@ -2,6 +2,7 @@ import re
 
 import httpx
 
+from tests.conftest import METRICS_TOKEN
 from tests.stack import Stack
 
 
@@ -9,6 +10,19 @@ def test_healthz_and_readyz(stack: Stack) -> None:
     assert httpx.get(f"{stack.base_url}/healthz").json() == {"status": "ok"}
     ready = httpx.get(f"{stack.base_url}/readyz")
     assert ready.status_code == 200, ready.text
+
+
+def test_probes_and_metrics_answer_a_pod_ip_as_host(stack: Stack) -> None:
+    """The kubelet probes a pod at its IP, and Prometheus scrapes it so; DJANGO_ALLOWED_HOSTS names
+    the public host (deploy/kubernetes). They were 400, and the liveness probe restarted every web pod."""
+    pod = {"Host": "10.1.2.3:8000"}
+    assert httpx.get(f"{stack.base_url}/healthz", headers=pod).status_code == 200
+    assert httpx.get(f"{stack.base_url}/readyz", headers=pod).status_code == 200
+    metrics = httpx.get(f"{stack.base_url}/metrics", headers={**pod, "Authorization": f"Bearer {METRICS_TOKEN}"})
+    assert metrics.status_code == 200 and "ptc_fleet_up" in metrics.text
+    assert httpx.get(f"{stack.base_url}/metrics", headers=pod).status_code == 401  # still the token's
+    # Every other path keeps Django's check of the Host.
+    assert httpx.get(f"{stack.base_url}/api/v1/exec", headers=pod).status_code == 400
 
 
 def test_openapi_schema_and_docs_are_served_offline(stack: Stack) -> None:
