@@ -20,6 +20,7 @@ import hmac
 import logging
 import os
 import time
+import uuid
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -27,7 +28,7 @@ from django.conf import settings
 from django.db.models import Count, Min, Sum
 from django.http import HttpRequest, HttpResponse
 from django.utils import timezone
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest, values
 from prometheus_client.core import GaugeMetricFamily, Metric
 
 from ptcproject import queues
@@ -35,6 +36,13 @@ from ptcproject import queues
 logger = logging.getLogger("ptc.metrics")
 
 # -- Events, observed where they happen -----------------------------------------------------------
+if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+    # prometheus_client names each process's file by its pid alone; processes of several containers
+    # sharing the folder (deploy/compose.yaml) are each pid 1 in their own, and wrote one file over
+    # each other's values. A token of this process's own tells them apart; the pid still changes
+    # with a fork, which is how prometheus_client knows a child from its parent.
+    _PROCESS_TOKEN = uuid.uuid4().hex[:12]
+    values.ValueClass = values.MultiProcessValue(lambda: f"{os.getpid()}-{_PROCESS_TOKEN}")
 _SECONDS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600)
 JOB_DURATION = Histogram(
     "ptc_job_duration_seconds",

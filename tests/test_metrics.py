@@ -1,20 +1,25 @@
 """/metrics on the real stack: who may read it, the events of every process, and the fleet's state."""
 
+import os
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 from django.utils import timezone
+from prometheus_client import CollectorRegistry, multiprocess
 from prometheus_client.parser import text_string_to_metric_families
 
 from billing.models import Reservation
 from execution.models import ExecJob, ToolCall
 from tests.conftest import METRICS_TOKEN, Api
-from tests.stack import Stack
+from tests.stack import ROOT, Stack
 from tests.tools.conftest import unique_key
 from tests.tools.http_api import HttpApi
 from tools.sdk import class_name
@@ -136,3 +141,39 @@ def test_a_managed_containers_job_is_not_a_job_stuck_running(stack: Stack, api: 
     job = ExecJob.objects.get(container_id=container)
     ExecJob.objects.filter(pk=job.pk).update(started_at=timezone.now() - timedelta(hours=2))
     assert value(scrape(stack), "ptc_jobs_oldest_age_seconds", status="running") < 3600
+
+
+# One step of a process that counts finished jobs: count, say so in a file, wait for the other's file.
+_COUNTING = """
+import sys, time
+from pathlib import Path
+from ptcproject import metrics
+folder = Path(sys.argv[1])
+for step in sys.argv[2:]:
+    if step.startswith("wait:"):
+        while not (folder / step[5:]).exists():
+            time.sleep(0.02)
+    elif step.startswith("say:"):
+        (folder / step[4:]).touch()
+    else:
+        metrics.job_finished_observe(status="completed", toolsets=["demo"], seconds=1.0, spawn_ms=5.0)
+"""
+
+
+def test_processes_of_equal_pids_in_one_metrics_folder_are_all_counted(tmp_path: Path) -> None:
+    """deploy/compose.yaml shares one PROMETHEUS_MULTIPROC_DIR between its containers, and each
+    container's process is pid 1: prometheus_client named each process's file by its pid, so the web,
+    exec, tools and beat wrote one file over each other, and /metrics lost what they counted."""
+    folder, signals = tmp_path / "metrics", tmp_path / "signals"
+    folder.mkdir()
+    signals.mkdir()
+    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(folder)}
+    # Two PID namespaces, as two containers: each process is pid 1 in its own.
+    run = ["unshare", "--pid", "--fork", sys.executable, "-c", _COUNTING, str(signals)]
+    first = subprocess.Popen([*run, "count", "say:a", "wait:b", "count"], cwd=ROOT, env=env)
+    second = subprocess.Popen([*run, "wait:a", "count", "say:b"], cwd=ROOT, env=env)
+    assert second.wait(60) == 0 and first.wait(60) == 0, "unshare --pid needs root (make test runs as root)"
+    events = CollectorRegistry()
+    multiprocess.MultiProcessCollector(events, path=str(folder))
+    assert events.get_sample_value("ptc_jobs_finished_total", {"status": "completed"}) == 3
+    assert events.get_sample_value("ptc_sandbox_start_seconds_count") == 3
