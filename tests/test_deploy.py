@@ -94,3 +94,32 @@ def test_kubernetes_has_a_keda_scaledobject_on_each_queues_redis_list() -> None:
         workers[queues.EXEC]["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
         > settings.PTC_POLICY_SEED["max_timeout"]
     )
+
+
+def _ignored(path: str, patterns: list[str]) -> bool:
+    """Whether Docker leaves ``path`` (or a folder holding it) out of the build context: ``**/``
+    stands for any folders, none among them; ``*`` for any name; a later ``!pattern`` takes it back."""
+
+    def regex(pattern: str) -> str:
+        out = re.escape(pattern.strip("/")).replace(r"\*\*/", "(?:.*/)?").replace(r"\*", "[^/]*").replace(r"\?", "[^/]")
+        return f"{out}(?:/.*)?"
+
+    ignored = False
+    for pattern in patterns:
+        negated = pattern.startswith("!")
+        if re.fullmatch(regex(pattern.lstrip("!")), path):
+            ignored = not negated
+    return ignored
+
+
+def test_the_image_holds_no_env_file() -> None:
+    """README: put DJANGO_SECRET_KEY, PTC_SECRETS_KEYS and POSTGRES_PASSWORD in deploy/.env. The
+    Dockerfile copies the whole repository, and that file was baked into every image's layers; a
+    .env at the top (settings read it) went in too, and set what the compose file does not."""
+    lines = (DEPLOY / "Dockerfile.dockerignore").read_text().splitlines()
+    patterns = [line.strip() for line in lines if line.strip() and not line.startswith("#")]
+    for secret in (".env", "deploy/.env", "deploy/kubernetes/.env"):
+        assert _ignored(secret, patterns), secret
+    for kept in ("manage.py", "ptcproject/settings.py", "requirements.txt", "deploy/compose.yaml"):
+        assert not _ignored(kept, patterns), kept
+    assert _ignored("var/db.sqlite3", patterns) and _ignored("execution/__pycache__/x.pyc", patterns)
