@@ -1,4 +1,5 @@
 import os
+import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -72,7 +73,15 @@ class SyncChainASGIHandler(ASGIHandler):
         return await sync_to_async(self.get_response, thread_sensitive=True)(request)
 
 
-django.setup(set_prefix=False)
+try:
+    django.setup(set_prefix=False)
+except SystemExit as stop:
+    # Settings stop start-up with one line per bad variable (ptcproject/envvars.py). uvicorn's
+    # supervisor (--workers N) starts a worker that exits again, for ever, unless it exits with
+    # uvicorn's STARTUP_FAILURE (3): then it stops, as a single process does.
+    if isinstance(stop.code, str):
+        print(stop.code, file=sys.stderr)
+    raise SystemExit(3) from None
 # The admin's and Swagger UI's assets come from the installed apps, served by Django itself, so
 # `uvicorn ptcproject.asgi:application` is all it takes: no collectstatic, no CDN.
 django_application = ASGIStaticFilesHandler(SyncChainASGIHandler())

@@ -131,3 +131,14 @@ def test_a_worker_and_the_web_stop_at_once_naming_the_variable(base_env: dict[st
     assert_one_line_each(worker, ["PTC_EXEC_CONCURRENCY"])
     web = run(env, str(BIN / "uvicorn"), "ptcproject.asgi:application", "--port", "0", timeout=30)
     assert_one_line_each(web, ["PTC_EXEC_CONCURRENCY"])
+
+
+def test_the_web_with_several_workers_stops_too(base_env: dict[str, str]) -> None:
+    """README: `uvicorn ptcproject.asgi:application --workers 2`. uvicorn's supervisor started each
+    worker again as it exited, printing the same line twice a second, and never stopped."""
+    env = {**base_env, "PTC_REAP_EVERY": "2 minutes"}
+    web = run(env, str(BIN / "uvicorn"), "ptcproject.asgi:application", "--port", "0", "--workers", "2", timeout=30)
+    # Stopped (uvicorn's parent exits 0 whatever its workers did), with the line and no traceback.
+    assert "Traceback" not in web.stderr, web.stderr[-3000:]
+    assert "ImproperlyConfigured: PTC_REAP_EVERY must be a number" in web.stderr
+    assert "failed to start, stopping the parent process" in web.stderr
