@@ -7,6 +7,7 @@ PostgreSQL and Redis.
 
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import environ
 
@@ -46,6 +47,13 @@ ALLOWED_HOSTS = env.list("DJANGO_ALLOWED_HOSTS", default=["127.0.0.1", "localhos
 # An empty list answers every request 400: never what an operator meant.
 checked.require(bool(ALLOWED_HOSTS), "DJANGO_ALLOWED_HOSTS must list at least one host name (comma-separated).")
 CSRF_TRUSTED_ORIGINS = env.list("DJANGO_CSRF_TRUSTED_ORIGINS", default=[])
+# Django says so only in `manage.py check`, which the web never runs: an origin without its scheme
+# was never matched, and every form of the admin behind the proxy was refused 403.
+for _origin in CSRF_TRUSTED_ORIGINS:
+    checked.require(
+        urlsplit(_origin).scheme in ("http", "https") and bool(urlsplit(_origin).netloc),
+        f"DJANGO_CSRF_TRUSTED_ORIGINS must list origins with their scheme (https://ptc.example.com); got {_origin!r}.",
+    )
 
 INSTALLED_APPS = [
     "django.contrib.admin",
@@ -254,6 +262,11 @@ CELERY_WORKER_SOFT_SHUTDOWN_TIMEOUT = checked.float("PTC_SOFT_SHUTDOWN_SECONDS",
 # Don't let the worker hijack the root logger; our own handlers stay.
 CELERY_WORKER_HIJACK_ROOT_LOGGER = False
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+# The most waiting tool calls a tools worker takes from Redis in one round trip (ptcproject/broker.py),
+# never more than its free slots; 1 takes them one at a time, as kombu does. Exec workers take one
+# job at a time (ptcproject/celery.py). Read on the embedded broker too, so a bad value is found
+# before the day Redis is switched on.
+PTC_BROKER_POP_MOST = checked.int("PTC_BROKER_POP_MOST", 16, 1, 1000)
 if EMBEDDED:
     # kombu's filesystem transport with atomic message writes (ptcproject/broker.py).
     CELERY_BROKER_TRANSPORT = "ptcproject.broker:FilesystemTransport"
@@ -281,10 +294,7 @@ else:
         # Above the longest hard time limit, or a running task is redelivered to a second worker.
         "visibility_timeout": CELERY_TASK_HARD_LIMIT + 300,
         "global_keyprefix": PTC_REDIS_PREFIX,
-        # The most waiting tool calls a tools worker takes in one round trip (ptcproject/broker.py),
-        # never more than its free slots; 1 takes them one at a time, as kombu does. Exec workers
-        # take one job at a time (ptcproject/celery.py).
-        "pop_most": checked.int("PTC_BROKER_POP_MOST", 16, 1, 1000),
+        "pop_most": PTC_BROKER_POP_MOST,
     }
 # How often beat runs the reaper that ends jobs whose worker died (ARCHITECTURE.md, "no job stays running").
 PTC_REAP_EVERY = checked.float("PTC_REAP_EVERY", 15.0, 0, 24 * 3600, above_low=True)

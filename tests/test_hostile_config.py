@@ -60,6 +60,7 @@ BAD = {
     "PTC_RETENTION_EVERY": "0",
     "PTC_DB_CONNECT_TIMEOUT": "0",  # libpq: wait for ever
     "PTC_MCP_SESSIONS_PER_USER": "0",
+    "PTC_BROKER_POP_MOST": "0",  # read only on Redis: the embedded default took anything
     # absurdly large, or not finite
     "PTC_METRICS_PORT": "99999",
     "PTC_EVENTS_HEARTBEAT_SECONDS": "nan",
@@ -73,6 +74,7 @@ BAD = {
     "REDIS_URL": "http://127.0.0.1:6379/0",
     "DATABASE_URL": "",
     "PTC_PUBLIC_URL": "127.0.0.1:8000",
+    "DJANGO_CSRF_TRUSTED_ORIGINS": "https://ptc.example.com,ptc.example.com",  # never matched: admin forms 403
     # a relative path each process would resolve in its own working directory
     "PTC_SANDBOX_DIR": "ptc-sandbox",
 }
