@@ -43,10 +43,10 @@ checked.require(bool(SECRET_KEY.strip()), "DJANGO_SECRET_KEY must not be empty; 
 PTC_SECRETS_KEYS: list[str] = checked.guard(
     lambda: secrets_keys(env.str("PTC_SECRETS_KEYS", default=""), secret_key=SECRET_KEY), []
 )
-ALLOWED_HOSTS = env.list("DJANGO_ALLOWED_HOSTS", default=["127.0.0.1", "localhost", "[::1]", "testserver"])
+ALLOWED_HOSTS = checked.list("DJANGO_ALLOWED_HOSTS", default=["127.0.0.1", "localhost", "[::1]", "testserver"])
 # An empty list answers every request 400: never what an operator meant.
 checked.require(bool(ALLOWED_HOSTS), "DJANGO_ALLOWED_HOSTS must list at least one host name (comma-separated).")
-CSRF_TRUSTED_ORIGINS = env.list("DJANGO_CSRF_TRUSTED_ORIGINS", default=[])
+CSRF_TRUSTED_ORIGINS = checked.list("DJANGO_CSRF_TRUSTED_ORIGINS", default=[])
 # Django says so only in `manage.py check`, which the web never runs: an origin without its scheme
 # was never matched, and every form of the admin behind the proxy was refused 403.
 for _origin in CSRF_TRUSTED_ORIGINS:
@@ -313,7 +313,7 @@ CELERY_BEAT_SCHEDULE = {
 CELERY_BEAT_SCHEDULE_FILENAME = str(DATA_DIR / "celerybeat-schedule")
 # The queues a toolset may route its calls to (Toolset.queue), each served by its own
 # `celery worker -Q <name>`: "tools" always, plus e.g. "tools.slow" for slow MCP servers.
-PTC_TOOLS_QUEUES: list[str] = env.list("PTC_TOOLS_QUEUES", default=[queues.TOOLS])
+PTC_TOOLS_QUEUES: list[str] = checked.list("PTC_TOOLS_QUEUES", default=[queues.TOOLS])
 checked.require(
     queues.TOOLS in PTC_TOOLS_QUEUES and queues.EXEC not in PTC_TOOLS_QUEUES,
     f"PTC_TOOLS_QUEUES must list '{queues.TOOLS}' and must not list '{queues.EXEC}'.",
@@ -321,7 +321,9 @@ checked.require(
 # Metrics (ptcproject/metrics.py). /metrics answers a bearer PTC_METRICS_TOKEN or a staff API key.
 # A worker serves its own on PTC_METRICS_PORT unless PROMETHEUS_MULTIPROC_DIR (read by
 # prometheus_client itself) gathers every process's values for the web's /metrics.
-PTC_METRICS_TOKEN = env.str("PTC_METRICS_TOKEN", default="")
+# Stripped, as the request's is: a token from a file (a Kubernetes Secret) ends with a newline, and
+# no scrape matched it.
+PTC_METRICS_TOKEN = env.str("PTC_METRICS_TOKEN", default="").strip()
 # Read by prometheus_client and OpenTelemetry themselves, later: checked here, so a folder that is
 # not there fails start-up naming it, not every process's first metric deep in prometheus_client,
 # and an endpoint that is no URL is not found only in the exporter's thread at the first job's end.

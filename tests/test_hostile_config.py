@@ -118,6 +118,23 @@ def test_numbers_read_as_written(base_env: dict[str, str]) -> None:
     assert setting({**base_env, "PTC_RETENTION_DAYS": ""}, "PTC_RETENTION_DAYS") == "None"
 
 
+def test_lists_and_the_metrics_token_are_read_without_blanks(base_env: dict[str, str]) -> None:
+    """environ's list kept each item's blanks: " localhost" matched no Host (every request 400),
+    " tools" made PTC_TOOLS_QUEUES "not list 'tools'"; a repeated queue was scraped twice. A
+    metrics token from a file kept its newline, and no scrape matched it (401)."""
+    env = {
+        **base_env,
+        "DJANGO_ALLOWED_HOSTS": "ptc.example.com, localhost,",
+        "DJANGO_CSRF_TRUSTED_ORIGINS": "https://ptc.example.com, https://admin.example.com",
+        "PTC_TOOLS_QUEUES": " tools , tools.slow, tools",
+        "PTC_METRICS_TOKEN": "s3cret\n",
+    }
+    assert setting(env, "ALLOWED_HOSTS") == repr(["ptc.example.com", "localhost"])
+    assert setting(env, "CSRF_TRUSTED_ORIGINS") == repr(["https://ptc.example.com", "https://admin.example.com"])
+    assert setting(env, "PTC_TOOLS_QUEUES") == repr(["tools", "tools.slow"])
+    assert setting(env, "PTC_METRICS_TOKEN") == repr("s3cret")
+
+
 def test_redis_url_alone_is_the_broker_too(base_env: dict[str, str]) -> None:
     """README: "Give it DATABASE_URL and REDIS_URL (or CELERY_BROKER_URL)", and the stdio MCP config
     gives only those two: the broker left on the filesystem queued jobs where no worker looked."""
