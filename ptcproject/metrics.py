@@ -144,7 +144,16 @@ def worker_metrics_serve() -> None:
     if port and not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
         from prometheus_client import start_http_server
 
-        start_http_server(port)
+        try:
+            start_http_server(port)
+        except OSError as error:  # a port another process holds: this worker runs on, unscraped
+            logger.error(
+                "this worker serves no metrics: PTC_METRICS_PORT %s can't be opened (%s); give each worker "
+                "on a host its own port, or every process one PROMETHEUS_MULTIPROC_DIR",
+                port,
+                error.strerror or error,
+            )
+            return
         logger.info("serving this worker's metrics", extra={"port": port})
 
 

@@ -3,6 +3,7 @@ one stops every process (manage.py, a Celery worker, the web) with one line nami
 takes, never a traceback and never a value quietly read as something else."""
 
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -161,3 +162,27 @@ def test_the_web_with_several_workers_stops_too(base_env: dict[str, str]) -> Non
     assert "Traceback" not in web.stderr, web.stderr[-3000:]
     assert "ImproperlyConfigured: PTC_REAP_EVERY must be a number" in web.stderr
     assert "failed to start, stopping the parent process" in web.stderr
+
+
+def test_a_metrics_port_that_is_taken_is_one_line(base_env: dict[str, str]) -> None:
+    """Two workers on one host with one PTC_METRICS_PORT: the second logged a traceback from a
+    Celery signal handler ("Signal handler raised: OSError"), and nothing said what to change."""
+    with socket.socket() as holder:
+        holder.bind(("0.0.0.0", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        env = {**base_env, "PTC_METRICS_PORT": str(port)}
+        argv = [str(BIN / "celery"), "-A", "ptcproject", "worker", "-Q", "tools", "-n", f"taken-{port}@%h", "-l", "info"]
+        worker = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        lines: list[str] = []
+        try:
+            assert worker.stdout is not None
+            # Celery logs "ready." once every worker_ready handler has run (or raised).
+            while (line := worker.stdout.readline()) and " ready." not in line:
+                lines.append(line)
+        finally:
+            worker.terminate()
+            worker.wait(30)
+    log = "".join(lines)
+    assert f"this worker serves no metrics: PTC_METRICS_PORT {port} can't be opened" in log, log[-3000:]
+    assert "Traceback" not in log, log[-3000:]
