@@ -12,6 +12,7 @@ from typing import Any
 
 import httpx
 import pytest
+from django.contrib.auth import get_user_model
 from django.utils import timezone
 from prometheus_client import CollectorRegistry, multiprocess
 from prometheus_client.parser import text_string_to_metric_families
@@ -19,6 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from billing.models import Reservation
 from execution.models import ExecJob, ToolCall
 from tests.conftest import METRICS_TOKEN, Api
+from tests.factories import running_job
 from tests.stack import ROOT, Stack
 from tests.tools.conftest import unique_key
 from tests.tools.http_api import HttpApi
@@ -177,3 +179,23 @@ def test_processes_of_equal_pids_in_one_metrics_folder_are_all_counted(tmp_path:
     multiprocess.MultiProcessCollector(events, path=str(folder))
     assert events.get_sample_value("ptc_jobs_finished_total", {"status": "completed"}) == 3
     assert events.get_sample_value("ptc_sandbox_start_seconds_count") == 3
+
+
+def test_jobs_ended_without_their_worker_are_counted(stack: Stack, api: Api) -> None:
+    """A job whose worker died (failed by the reaper) or cancelled while queued never reached an
+    exec worker's end, which alone counted: PtcJobsFailing stayed quiet while workers died."""
+    user = get_user_model().objects.get(username=api.username)
+    before = scrape(stack)
+    lost = running_job(
+        user=user, started_at=timezone.now() - timedelta(minutes=5), heartbeat_at=timezone.now() - timedelta(minutes=5)
+    )
+    queued = ExecJob.objects.create(user=user, code="1", toolsets=[], timeout_seconds=10)
+    assert api.post(f"/api/v1/exec/{queued.pk}/cancel").status_code == 200
+    deadline = time.monotonic() + 15
+    while ExecJob.objects.get(pk=lost.pk).status != "failed":  # the stack's reaper, every second
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    after = scrape(stack)
+    counted = "ptc_jobs_finished_total"
+    assert value(after, counted, status="failed") > value(before, counted, status="failed")
+    assert value(after, counted, status="cancelled") > value(before, counted, status="cancelled")

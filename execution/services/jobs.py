@@ -799,6 +799,8 @@ def _exec_job_fail_if(*, job_id: str, status: str, kind: str, message: str, stal
     updated = jobs.update(**fields)
     if updated:
         _exec_job_close(job_id=job_id)
+        # Counted here, as no worker will: a job lost with its worker is what PtcJobsFailing is for.
+        job_finished_observe(status=Status.FAILED, toolsets=[], seconds=None, spawn_ms=None)
     return bool(updated)
 
 
@@ -876,6 +878,7 @@ def exec_job_cancel(*, job: ExecJob) -> ExecJob:
         raise ApplicationError("job_finished", f"The job has already finished with status '{job.status}'.", status=409)
     if was_queued:
         _exec_job_close(job_id=job.pk)  # no worker will: it never started
+        job_finished_observe(status=Status.CANCELLED, toolsets=[], seconds=None, spawn_ms=None)
     elif job.container_id:
         # No worker will, and no request should wait for a tool: while a tools worker runs one of
         # its calls, the reaper closes it once they have ended (_exec_jobs_close_left), its end
