@@ -20,6 +20,25 @@ def db_reset() -> None:
         pass
 
 
+def db_unreachable_reason() -> str | None:
+    """Return, in one line, why this process can't open a connection to its PostgreSQL database
+    (the server's own words, which the pool's "couldn't get a connection" hides), or None when it can,
+    or when the database is not PostgreSQL."""
+    db = settings.DATABASES["default"]
+    if db["ENGINE"] != "ptcproject.postgres":
+        return None
+    import psycopg
+
+    where = {"host": db.get("HOST"), "port": db.get("PORT"), "user": db.get("USER"), "password": db.get("PASSWORD")}
+    params = {k: v for k, v in where.items() if v not in ("", None)}
+    try:
+        psycopg.connect(dbname=db["NAME"], connect_timeout=settings.PTC_DB_CONNECT_TIMEOUT, **params).close()
+    except psycopg.Error as error:
+        said = " ".join(str(error).split())
+        return f"cannot reach the database at {db.get('HOST') or 'localhost'}:{db.get('PORT') or 5432} (DATABASE_URL): {said}"
+    return None
+
+
 def db_retry(work: Callable[[], T], *, what: str, job_id: Any, on_wait: Callable[[], None] | None = None) -> T:
     """Run ``work``; while the database is unreachable, retry it on a fresh connection with backoff,
     for up to PTC_DB_RETRY_SECONDS. Raise the last error after that. ``on_wait`` is called once,

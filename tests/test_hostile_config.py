@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.stack import BIN, ROOT
+from tests.stack import BIN, ROOT, free_port
 
 
 @pytest.fixture
@@ -186,3 +186,17 @@ def test_a_metrics_port_that_is_taken_is_one_line(base_env: dict[str, str]) -> N
     log = "".join(lines)
     assert f"this worker serves no metrics: PTC_METRICS_PORT {port} can't be opened" in log, log[-3000:]
     assert "Traceback" not in log, log[-3000:]
+
+
+def test_a_database_that_cannot_be_reached_is_one_line_from_manage_py(base_env: dict[str, str]) -> None:
+    """The README's commands (migrate, create_api_key, check_ledger, ptc_rotate_secrets) ended in a
+    traceback through psycopg's pool that said only "couldn't get a connection after 2.00 sec"."""
+    port = free_port()  # nothing listens there
+    env = {**base_env, "DATABASE_URL": f"postgres://postgres@127.0.0.1:{port}/ptc"}
+    for command in (["migrate", "--no-input"], ["create_api_key", "alice", "--create-user"], ["check_ledger"]):
+        result = run(env, sys.executable, "manage.py", *command)
+        assert result.returncode != 0
+        assert "Traceback" not in result.stderr, result.stderr[-3000:]
+        (line,) = result.stderr.strip().splitlines()
+        assert line.startswith(f"manage.py {command[0]}: cannot reach the database at 127.0.0.1:{port} (DATABASE_URL): ")
+        assert "refused" in line, line
