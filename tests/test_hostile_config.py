@@ -171,7 +171,9 @@ def test_a_metrics_port_that_is_taken_is_one_line(base_env: dict[str, str]) -> N
         holder.bind(("0.0.0.0", 0))
         holder.listen()
         port = holder.getsockname()[1]
-        env = {**base_env, "PTC_METRICS_PORT": str(port)}
+        # On the embedded broker (PTC_DATA_DIR): no queue or binding of it is left in the tests' Redis.
+        env = {k: v for k, v in base_env.items() if k not in ("DATABASE_URL", "REDIS_URL", "CELERY_BROKER_URL")}
+        env["PTC_METRICS_PORT"] = str(port)
         argv = [str(BIN / "celery"), "-A", "ptcproject", "worker", "-Q", "tools", "-n", f"taken-{port}@%h", "-l", "info"]
         worker = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         lines: list[str] = []
