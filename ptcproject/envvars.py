@@ -126,10 +126,14 @@ def parse_path(name: str, default: str) -> Path:
 
 
 def parse_folder(name: str) -> Path | None:
-    """Return ``name`` as an existing folder this process can write, or None when unset or blank."""
+    """Return ``name`` as an existing folder this process can write, or None when unset. Set but
+    blank is an error: prometheus_client takes a variable that is there at all for set, and wrote
+    its files into each process's working directory."""
+    if name not in os.environ:
+        return None
     raw = _raw(name)
     if raw is None:
-        return None
+        raise ImproperlyConfigured(f"{name} is set but empty; unset it, or name a folder every process can write.")
     if not os.path.isabs(raw) or not os.path.isdir(raw) or not os.access(raw, os.W_OK | os.X_OK):
         raise ImproperlyConfigured(
             f"{name} must be an absolute path to a folder that exists and this process can write; got {raw!r}."

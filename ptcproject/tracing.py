@@ -26,7 +26,7 @@ logger = logging.getLogger("ptc.tracing")
 def tracer() -> Tracer | None:
     """This process's tracer, or None when no OTLP endpoint is configured. Built once; its batch
     processor exports from its own thread and flushes when the process exits."""
-    if not os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
+    if not os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT", "").strip():  # blank is unset, as settings read it
         return None
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
     from opentelemetry.sdk.resources import Resource

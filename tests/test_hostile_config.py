@@ -113,6 +113,25 @@ def test_the_metrics_folder_and_the_trace_endpoint_are_checked_too(base_env: dic
     assert check({**base_env, **good}).returncode == 0
 
 
+@pytest.mark.parametrize("blank", ["", " "])
+def test_a_metrics_folder_set_but_blank_is_named(base_env: dict[str, str], tmp_path: Path, blank: str) -> None:
+    """A template's empty value (compose's ${PROMETHEUS_MULTIPROC_DIR:-}): prometheus_client takes a
+    variable that is there for set, and every process wrote its files into its working directory
+    (""), or failed at its first metric with a traceback (" "), while /metrics read one process."""
+    work = tmp_path / "work"
+    work.mkdir()
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "manage.py"), "check"],
+        cwd=work,
+        env={**base_env, "PROMETHEUS_MULTIPROC_DIR": blank, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert_one_line_each(result, ["PROMETHEUS_MULTIPROC_DIR"])
+    assert not list(work.glob("*.db"))
+
+
 def test_numbers_read_as_written(base_env: dict[str, str]) -> None:
     assert setting({**base_env, "PTC_REAP_EVERY": "1e3"}, "PTC_REAP_EVERY") == "1000.0"  # was 13.0
     assert setting({**base_env, "PTC_RETENTION_DAYS": "0"}, "PTC_RETENTION_DAYS") == "0"
