@@ -82,3 +82,16 @@ except ToolError:
     broken = api.run("raise KeyError('x')")
     root = _spans_of(collector, broken["id"], 1)[0]
     assert root["status_code"] == 2 and root["attributes"]["error.type"] == "KeyError"
+
+
+def test_a_blank_endpoint_builds_no_exporter(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Settings read a blank OTEL_EXPORTER_OTLP_ENDPOINT as unset and check nothing; the tracer took
+    it for an endpoint, and its exporter failed at every job's end, in its own thread."""
+    from ptcproject import tracing
+
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", " ")
+    tracing.tracer.cache_clear()
+    try:
+        assert tracing.tracer() is None
+    finally:
+        tracing.tracer.cache_clear()
