@@ -9,6 +9,7 @@ from typing import Any
 
 import psycopg
 import pytest
+from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.db import DataError, connection, connections
 
@@ -79,9 +80,11 @@ def test_statements_together_give_what_each_gives_alone(vendor: str, monkeypatch
 def test_an_error_in_statements_together_undoes_them_all(scratch: str) -> None:
     written = rows.Statement(f"INSERT INTO {scratch} VALUES (1, 'a') RETURNING id", [], lambda found: found)
     failing = rows.Statement("SELECT 1 / %s", [0], lambda found: found)
+    connection.ensure_connection()
+    held = connection.connection
     with pytest.raises(DataError):  # Django's, as a query alone raises it
         rows.together(written, failing)
-    assert connection.connection.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+    assert held.closed  # not given back to the pool: its prepared statements may be wrong (below)
     count = rows.Statement(f"SELECT count(*) FROM {scratch}", [], lambda found: found[0][0])
     assert count.run() == 0  # the INSERT went with the failed read
     assert rows.together(written, count) == ([(1,)], 1)  # and the connection serves on
@@ -97,3 +100,19 @@ def test_a_prepared_statement_together_survives_a_migration_that_changes_its_col
         admin.execute(f"ALTER TABLE {scratch} ALTER COLUMN title TYPE varchar(200)")
     found, _ = rows.together(read, policy)
     assert found == [(1, "a")]
+
+
+def test_a_statement_due_to_be_prepared_in_a_round_trip_that_failed_before_it_runs_after() -> None:
+    # PostgreSQL skips what follows an error in a pipeline, the Parse psycopg sent to prepare a
+    # statement on its PTC_DB_PREPARE_AFTER-th run too; psycopg took it as prepared all the same,
+    # and it failed ever after on that connection ("prepared statement _pg3_N does not exist").
+    failing = rows.Statement("SELECT 1 / %s", [0], lambda found: found)
+    for runs in range(settings.PTC_DB_PREPARE_AFTER + 3):  # which of its runs fails: each, in turn
+        read = rows.Statement(f"SELECT %s::int + {runs}", [1], lambda found: found)
+        for _ in range(runs):
+            rows.together(read, policy_read())
+        with pytest.raises(DataError):
+            rows.together(failing, read)
+        for _ in range(3):
+            assert rows.together(read, policy_read())[0] == [(runs + 1,)]
+            assert read.run() == [(runs + 1,)]

@@ -12,7 +12,7 @@ from contextlib import ExitStack
 from typing import Any
 
 import psycopg
-from django.db import NotSupportedError
+from django.db import DatabaseError, NotSupportedError
 from django.db.backends.postgresql.base import DatabaseWrapper as PostgresWrapper
 from django.db.backends.postgresql.base import ServerBindingCursor
 from psycopg import errors, pq
@@ -61,22 +61,49 @@ class DatabaseWrapper(PostgresWrapper):
     def pipelined(self, statements: Sequence[tuple[str, Sequence[Any] | Mapping[str, Any]]]) -> list[list[tuple[Any, ...]]]:
         """Run ``statements`` (SQL and parameters, each returning rows) in one round trip, psycopg's
         pipeline mode, and return each one's rows. They run in order, outside ``atomic`` as one
-        implicit transaction: an error in any undoes them all, and is raised as a query's would be.
+        implicit transaction: an error in any undoes them all, and is raised as a query's would be,
+        the connection dropped (``_pipeline_failed``).
         A statement whose prepared plan a migration made stale is run again as ``PreparedCursor``
         runs it, the connection's prepared statements dropped, outside a transaction only."""
-        with ExitStack() as stack:
-            # Opened first: taking a connection from the pool may check it with a round trip of its own.
-            cursors = [stack.enter_context(self.cursor()) for _ in statements]
-            try:
-                self._pipeline_run(cursors, statements)
-            except NotSupportedError as exc:  # Django's, raised from psycopg's
-                stale = isinstance(exc.__cause__, errors.FeatureNotSupported) and _stale_plan(exc.__cause__)
-                if not stale or self.connection.info.transaction_status != pq.TransactionStatus.IDLE:
-                    raise
-                logger.info("a prepared statement outlived a migration; the connection's are dropped and it is run again")
-                self.connection.execute("DEALLOCATE ALL")
-                self._pipeline_run(cursors, statements)
-            return [cursor.fetchall() for cursor in cursors]
+        try:
+            with ExitStack() as stack:
+                # Opened first: taking a connection from the pool may check it with a round trip of its own.
+                cursors = [stack.enter_context(self.cursor()) for _ in statements]
+                try:
+                    self._pipeline_run(cursors, statements)
+                except NotSupportedError as exc:  # Django's, raised from psycopg's
+                    stale = isinstance(exc.__cause__, errors.FeatureNotSupported) and _stale_plan(exc.__cause__)
+                    if not stale or self.connection.info.transaction_status != pq.TransactionStatus.IDLE:
+                        raise
+                    logger.info("a prepared statement outlived a migration; the connection's are dropped and it is run again")
+                    self.connection.execute("DEALLOCATE ALL")
+                    self._pipeline_run(cursors, statements)
+                return [cursor.fetchall() for cursor in cursors]
+        except DatabaseError:
+            self._pipeline_failed()
+            raise
+
+    def _pipeline_failed(self) -> None:
+        """Drop the connection a pipeline failed on, outside a transaction: psycopg's record of its
+        prepared statements may be wrong.
+
+        psycopg counts a statement as prepared once it has queued its Parse, in a pipeline as well
+        (it reads the Parse's result only for a statement it has not seen before on the connection).
+        PostgreSQL skips what follows an error in a pipeline, that Parse too: the statement whose
+        turn to be prepared it was (its PTC_DB_PREPARE_AFTER-th run), or the one that failed, then
+        failed on every later run on the connection, "prepared statement _pg3_N does not exist", a
+        500 on each submit it served for as long as the pool kept it. Its prepared statements can't
+        be dropped in psycopg alone (DEALLOCATE ALL is read only the first time it is run), so the
+        connection goes: psycopg's pool discards a closed one, and the next query takes another.
+        Inside a transaction the rollback that must follow makes psycopg forget them."""
+        conn = self.connection
+        if conn is None or conn.closed or conn.prepare_threshold is None:
+            return
+        if conn.info.transaction_status != pq.TransactionStatus.IDLE:
+            return
+        logger.info("a pipeline failed; its connection is replaced, as its prepared statements may not be")
+        conn.close()
+        self.close()
 
     def _pipeline_run(self, cursors: list[Any], statements: Sequence[tuple[str, Any]]) -> None:
         # Django's cursors, so that each statement is logged and wrapped as any other; they send

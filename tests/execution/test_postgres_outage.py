@@ -6,9 +6,11 @@ These tests run their own PostgreSQL and their own stack on it, so they can stop
 import time
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
+import psycopg
 import pytest
 
 from tests.conftest import REDIS_PREFIX
@@ -136,3 +138,30 @@ def test_while_postgres_is_down_the_api_answers_503_at_once(pg: PostgresServer, 
         assert time.monotonic() < deadline, again.text
         time.sleep(0.5)
     assert again.json()["return_value"] == "back"
+
+
+def test_submits_cut_while_the_policy_is_locked_leave_the_web_serving(pg_stack: Stack, http: httpx.Client) -> None:
+    # A migration holds the policy's table; each submit's reads, sent together in one round trip,
+    # wait for it until cancelled (a statement timeout, an operator). Each is a 503; once the lock
+    # is gone every submit is taken, whichever of the web's pooled connections serves it.
+    url = pg_stack.env["DATABASE_URL"]
+    for _ in range(4):  # each of the web's pooled connections has run them before
+        assert http.post("/api/v1/exec", json={"code": "1"}).status_code == 201
+    with psycopg.connect(url, autocommit=True) as admin, psycopg.connect(url) as holder:
+        holder.execute("LOCK TABLE policy_policy IN ACCESS EXCLUSIVE MODE")
+        for _ in range(20):  # past PTC_DB_PREPARE_AFTER runs on each of the web's connections
+            with ThreadPoolExecutor(1) as pool:
+                submitted = pool.submit(http.post, "/api/v1/exec", json={"code": "1"})
+                while not submitted.done():
+                    admin.execute(
+                        "SELECT pg_cancel_backend(pid) FROM pg_locks WHERE NOT granted AND relation = 'policy_policy'::regclass"
+                    )
+                    time.sleep(0.02)
+                response = submitted.result()
+            assert response.status_code == 503, response.text
+            assert response.json()["error"]["code"] == "database_unavailable"
+        holder.rollback()
+    for _ in range(20):
+        response = http.post("/api/v1/exec", json={"code": "'taken'", "wait": 20})
+        assert response.status_code == 201, response.text
+        assert response.json()["return_value"] == "taken"
