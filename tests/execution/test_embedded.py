@@ -6,6 +6,7 @@ import sys
 import time
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,7 @@ from django.contrib.auth import get_user_model
 from django.utils import timezone
 
 from execution import events
-from execution.backplane import Changed, LocalBackplane, job_channel
+from execution.backplane import Changed, LocalBackplane, Result, job_channel
 from execution.models import ExecJob
 from tests.execution.test_events import JOB, _check_sequence, read_events
 from tests.factories import running_job
@@ -416,3 +417,66 @@ def test_embedded_log_reads_past_a_torn_line_once(
 
     assert asyncio.run(follow()) == ["exec_start"] + ["heartbeat"] * 5
     assert sum("skipped a torn line" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_embedded_a_calls_end_is_logged_before_its_result_can_end_the_job(
+    tmp_path: Path, settings: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A tools worker pushes a call's result to its code and logs the call's end; code that ends
+    # the moment it has the result gets its job's exec_end logged at once. The end of the call
+    # must be in the log before it: every stream ends at exec_end.
+    settings.DATA_DIR = tmp_path
+    plane = LocalBackplane()
+    job = f"exec_{uuid.uuid4().hex}"
+    push = plane._publish
+
+    def code_that_ends_at_once(channel: str, data: dict[str, Any]) -> None:
+        push(channel, data)
+        if channel == "result":
+            plane.events_append(job, [("exec_end", {"status": "completed"})])
+
+    monkeypatch.setattr(plane, "_publish", code_that_ends_at_once)
+    result = Result(call_id="ptc_1", ok=True, result={"slept_ms": 1})
+    plane.publish_then_append([("result", result)], [(job, [("tool_call_end", {"call_id": "ptc_1"})])])
+    assert [name for _, name, _ in plane.events_read(job)] == ["tool_call_end", "exec_end"]
+
+
+def test_embedded_under_load_every_stream_tells_every_call(embedded: tuple[Stack, str]) -> None:
+    # 30 jobs at once, 16 parallel calls each, half of them waited for, each followed by an SSE
+    # reader: SQLite, the filesystem broker and the event log files under load.
+    stack, _ = embedded
+    key = subprocess.run(
+        [sys.executable, "manage.py", "create_api_key", "embedded-load", "--create-user", "--credits", "10000"],
+        cwd=ROOT,
+        env=stack.env,
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.splitlines()[-1]
+    code = (
+        "import asyncio\nfrom ptc_tools.demo import Demo\nprint('before')\n"
+        "done = await asyncio.gather(*(Demo.sleep.aio(ms=200) for _ in range(16)))\nprint('after')\nlen(done)"
+    )
+
+    def submit_and_follow(index: int) -> tuple[int, str, dict[str, Any], list[dict[str, Any]]]:
+        with httpx.Client(base_url=stack.base_url, headers={"Authorization": f"Bearer {key}"}, timeout=120) as http:
+            response = http.post("/api/v1/exec", json={"code": code, "toolsets": ["demo"], "wait": 60 if index % 2 else 0})
+            if response.status_code != 201:
+                return response.status_code, response.text, {}, []
+            job_id = response.json()["id"]
+            streamed, _ = read_events(_Client(stack.base_url, key), job_id, timeout=120)  # type: ignore[arg-type]
+            return 201, "", http.get(f"/api/v1/exec/{job_id}").json(), streamed
+
+    with ThreadPoolExecutor(30) as pool:
+        done = list(pool.map(submit_and_follow, range(30)))
+    for status, text, job, streamed in done:
+        assert status == 201, text
+        assert job["status"] == "completed", job["error"]
+        assert job["return_value"] == 16
+        names = [event["event"] for event in streamed]
+        assert names[0] == "exec_start" and names[-1] == "exec_end"
+        assert len({event["id"] for event in streamed}) == len(streamed)
+        for call in job["tool_calls"]:
+            told = [event["event"] for event in streamed if event["data"].get("call_id") == call["call_id"]]
+            assert told == ["tool_call_start", "tool_call_end"], (job["id"], call["call_id"], names)
+        assert "".join(event["data"]["text"] for event in streamed if event["event"] == "stdout") == "before\nafter\n"
