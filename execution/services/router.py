@@ -38,6 +38,18 @@ AWAITING_STATUS = {"client": ToolCall.Status.AWAITING_CLIENT, "approval": ToolCa
 logger = logging.getLogger("ptc.execution")
 
 
+class _Counted:
+    """An execute wrapper (``connection.execute_wrapper``) counting the statements that ran."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def __call__(self, execute: Any, sql: str, params: Any, many: bool, context: Any) -> Any:
+        result = execute(sql, params, many, context)
+        self.count += 1
+        return result
+
+
 class JobCallRouter:
     """Checks and dispatches one job's tool calls from its sandbox: check, record, enqueue."""
 
@@ -70,6 +82,23 @@ class JobCallRouter:
         """Check, record, reserve and enqueue a burst of calls ``(toolset, tool, arguments)``: one
         INSERT, one round trip of events, one producer. Return each one's outcome, in order."""
         try:
+            # The pool hands out a connection used within the last second unchecked
+            # (ptcproject/pgcheck.py): the first statement sent on one whose backend went meanwhile
+            # (a restart, a killed backend) fails, and these calls failed with it, the code seeing
+            # internal_error. Nothing of them was done if no statement ran: they are submitted
+            # again, on the next connection, as long as each is found dead (at most the pool's
+            # size); a database that can't be reached at all fails them.
+            for _ in range(settings.PTC_DB_POOL_MAX):
+                ran = _Counted()
+                try:
+                    with connection.execute_wrapper(ran):
+                        return self._submit_many(requests)
+                except (OperationalError, InterfaceError):
+                    lost = connection.connection is not None and getattr(connection.connection, "closed", False)
+                    if ran.count or not lost:
+                        raise
+                    logger.warning("a pooled database connection was found dead before any call was recorded; submitting again")
+                    db_reset()
             return self._submit_many(requests)
         finally:
             connection.close()  # this runs on a session's submit thread: give its connection back to the pool
