@@ -136,14 +136,18 @@ def test_embedded_channels_leave_no_folders_behind(embedded: tuple[Stack, str]) 
     assert not left, f"{len(left)} channel folders left behind by 5 jobs"
 
 
-def test_embedded_log_skips_a_torn_line_and_gets_a_lost_end_from_the_records(
-    tmp_path: Path, settings: Any, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A job that ended long enough ago with no ``exec_end`` in its log (its worker died as it
-    appended it) has it appended from its records by its reader; a line cut short is skipped."""
+@pytest.fixture
+def plane(tmp_path: Path, settings: Any, monkeypatch: pytest.MonkeyPatch) -> LocalBackplane:
+    """The embedded backplane in this process, its logs under ``tmp_path``: the one event streams read."""
     settings.DATA_DIR = tmp_path
     plane = LocalBackplane()
     monkeypatch.setattr(events, "backplane", lambda: plane)
+    return plane
+
+
+def test_embedded_log_skips_a_torn_line_and_gets_a_lost_end_from_the_records(tmp_path: Path, plane: LocalBackplane) -> None:
+    """A job that ended long enough ago with no ``exec_end`` in its log (its worker died as it
+    appended it) has it appended from its records by its reader; a line cut short is skipped."""
     user = get_user_model().objects.create_user(username=f"torn-{uuid.uuid4().hex[:6]}")
     closed = timezone.now() - timedelta(seconds=events.END_LOST_SECONDS + 5)
     job = running_job(user=user, status="completed", started_at=closed, finished_at=closed, stdout="hi\n")
@@ -163,14 +167,11 @@ def test_embedded_log_skips_a_torn_line_and_gets_a_lost_end_from_the_records(
     assert asyncio.run(read(got[-1].id)) == []  # appended once: a reconnect after it ends at once
 
 
-def test_embedded_followers_waiting_hold_no_thread(tmp_path: Path, settings: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_embedded_followers_waiting_hold_no_thread(settings: Any, plane: LocalBackplane) -> None:
     """Followers waiting for a job's next event wait on the event loop: a dozen of them, on a
     quiet job, do not hold up another follower's reads for a heartbeat's interval (the loop's
     pool of threads, which those reads use, has the cores + 4)."""
-    settings.DATA_DIR = tmp_path
     settings.PTC_EVENTS_HEARTBEAT_SECONDS = 5
-    plane = LocalBackplane()
-    monkeypatch.setattr(events, "backplane", lambda: plane)
     user = get_user_model().objects.create_user(username=f"quiet-{uuid.uuid4().hex[:6]}")
     now = timezone.now()
     quiet = running_job(user=user, started_at=now, heartbeat_at=now)
@@ -211,18 +212,13 @@ def test_embedded_resume_from_an_id_the_log_never_gave(embedded: tuple[Stack, st
         assert read_events(client, job["id"], last_event_id=beyond)[0] == []
 
 
-def test_embedded_log_expired_gives_a_reader_of_it_the_end_not_the_history_again(
-    tmp_path: Path, settings: Any, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_embedded_log_expired_gives_a_reader_of_it_the_end_not_the_history_again(settings: Any, plane: LocalBackplane) -> None:
     """The log's ids are offsets in its file, the records' are times, so every id of the log is
     less than any the records give: once the log is dropped (beat's sweep, an hour idle; or a purge
     as it was read), a reader resuming from an id of it (EventSource left open on an ended job
     reconnects every second), or one reading it as it went, was sent the job's whole history again
     from the records. It gets the job's end: the records can't tell which events it had."""
-    settings.DATA_DIR = tmp_path
     settings.PTC_EVENTS_HEARTBEAT_SECONDS = 0.3
-    plane = LocalBackplane()
-    monkeypatch.setattr(events, "backplane", lambda: plane)
     user = get_user_model().objects.create_user(username=f"gone-{uuid.uuid4().hex[:6]}")
     started = timezone.now() - timedelta(seconds=30)
     job = running_job(user=user, status="completed", started_at=started, finished_at=started, stdout="hi\n")
@@ -260,16 +256,11 @@ def test_embedded_log_expired_gives_a_reader_of_it_the_end_not_the_history_again
     assert asyncio.run(follow()) == ["exec_start", "exec_end"]
 
 
-def test_embedded_reconnect_after_the_end_gets_nothing_the_log_has_after_it(
-    tmp_path: Path, settings: Any, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_embedded_reconnect_after_the_end_gets_nothing_the_log_has_after_it(plane: LocalBackplane) -> None:
     """A reader sends a job's end taken from the records when its log has none 10 s after the job
     closed; its worker's may still come after it (its close retried through a database outage),
     and so may a call's end that outlived the job. A reconnect from the end sent (EventSource makes
     one by itself) was sent those, a second end among them: on Redis it closes at once, as here."""
-    settings.DATA_DIR = tmp_path
-    plane = LocalBackplane()
-    monkeypatch.setattr(events, "backplane", lambda: plane)
     user = get_user_model().objects.create_user(username=f"late-{uuid.uuid4().hex[:6]}")
     closed = timezone.now() - timedelta(seconds=events.END_LOST_SECONDS + 5)
     job = running_job(user=user, status="completed", started_at=closed, finished_at=closed, stdout="hi\n")
@@ -287,17 +278,12 @@ def test_embedded_reconnect_after_the_end_gets_nothing_the_log_has_after_it(
     assert [e.event for e in asyncio.run(read())] == ["exec_start", "stdout", "exec_end"]  # the end first sent
 
 
-def test_embedded_log_whose_end_was_torn_still_ends_its_stream(
-    tmp_path: Path, settings: Any, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_embedded_log_whose_end_was_torn_still_ends_its_stream(tmp_path: Path, settings: Any, plane: LocalBackplane) -> None:
     """A worker's ``exec_end`` cut short (a full disk) is a line with no end; the one its reader
     then appends from the records goes on after it, on the same line, which is torn, and skipped.
     That line was taken for the log's end all the same: not behind the reader, and not lost, so
     the reader waited for it for ever, sending heartbeats. A torn end is no end."""
-    settings.DATA_DIR = tmp_path
     settings.PTC_EVENTS_HEARTBEAT_SECONDS = 0.2
-    plane = LocalBackplane()
-    monkeypatch.setattr(events, "backplane", lambda: plane)
     user = get_user_model().objects.create_user(username=f"torn-{uuid.uuid4().hex[:6]}")
     closed = timezone.now() - timedelta(seconds=events.END_LOST_SECONDS + 5)
     job = running_job(user=user, status="completed", started_at=closed, finished_at=closed, stdout="hi\n")
@@ -313,16 +299,11 @@ def test_embedded_log_whose_end_was_torn_still_ends_its_stream(
     assert [e.event for e in got] == ["exec_start", "exec_end"] and got[-1].data["stdout"] == "hi\n"
 
 
-def test_embedded_log_that_takes_no_append_still_ends_its_stream(
-    tmp_path: Path, settings: Any, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_embedded_log_that_takes_no_append_still_ends_its_stream(tmp_path: Path, plane: LocalBackplane) -> None:
     """A full disk loses a worker's ``exec_end`` (the append logs a warning, the records are the
     truth), and then the one its reader appends from the records too: the reader looked for it
     again at once, for ever, rebuilding the job's view from the database each time (a core and a
     database connection per reader). An end that can't be appended is sent from the records."""
-    settings.DATA_DIR = tmp_path
-    plane = LocalBackplane()
-    monkeypatch.setattr(events, "backplane", lambda: plane)
     user = get_user_model().objects.create_user(username=f"full-{uuid.uuid4().hex[:6]}")
     closed = timezone.now() - timedelta(seconds=events.END_LOST_SECONDS + 5)
     job = running_job(user=user, status="completed", started_at=closed, finished_at=closed, stdout="hi\n")
@@ -366,15 +347,10 @@ def test_embedded_cli_shows_the_end_of_an_output_past_the_limit(embedded: tuple[
     assert lines[-3] == "THE END" and lines.count("THE END") == 1, lines[-5:]
 
 
-def test_embedded_log_that_cannot_be_read_is_told_by_the_records(
-    tmp_path: Path, settings: Any, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_embedded_log_that_cannot_be_read_is_told_by_the_records(tmp_path: Path, plane: LocalBackplane) -> None:
     """A log the web can't read (the workers' OS user's, mode 0600; here, a folder in its place)
     raised out of every stream of the job, cut with a traceback (EventSource then reconnected every
     second), and out of an MCP call that followed it. Read as no log: the records tell the job."""
-    settings.DATA_DIR = tmp_path
-    plane = LocalBackplane()
-    monkeypatch.setattr(events, "backplane", lambda: plane)
     user = get_user_model().objects.create_user(username=f"unread-{uuid.uuid4().hex[:6]}")
     closed = timezone.now() - timedelta(seconds=events.END_LOST_SECONDS + 5)
     job = running_job(user=user, status="completed", started_at=closed, finished_at=closed, stdout="hi\n")
@@ -390,14 +366,11 @@ def test_embedded_log_that_cannot_be_read_is_told_by_the_records(
 
 
 def test_embedded_log_reads_past_a_torn_line_once(
-    tmp_path: Path, settings: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, settings: Any, caplog: pytest.LogCaptureFixture, plane: LocalBackplane
 ) -> None:
     """A torn line that a running job's reader reads alone (nothing whole after it yet) is skipped
     once: the reader stayed before it, and read it again (and said so) at every wake-up after."""
-    settings.DATA_DIR = tmp_path
     settings.PTC_EVENTS_HEARTBEAT_SECONDS = 0.1
-    plane = LocalBackplane()
-    monkeypatch.setattr(events, "backplane", lambda: plane)
     user = get_user_model().objects.create_user(username=f"torn-{uuid.uuid4().hex[:6]}")
     now = timezone.now()
     job = running_job(user=user, started_at=now, heartbeat_at=now)
