@@ -6,7 +6,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from django.conf import settings
-from django.db import DatabaseError, InterfaceError, OperationalError, connection
+from django.db import DEFAULT_DB_ALIAS, DatabaseError, InterfaceError, OperationalError, connection, connections
 
 logger = logging.getLogger("ptc.db")
 T = TypeVar("T")
@@ -29,14 +29,23 @@ def db_unreachable_reason() -> str | None:
         return None
     import psycopg
 
-    where = {"host": db.get("HOST"), "port": db.get("PORT"), "user": db.get("USER"), "password": db.get("PASSWORD")}
-    params = {k: v for k, v in where.items() if v not in ("", None)}
     try:
-        psycopg.connect(dbname=db["NAME"], connect_timeout=settings.PTC_DB_CONNECT_TIMEOUT, **params).close()
+        pg_connect().close()
     except psycopg.Error as error:
         said = " ".join(str(error).split())
         return f"cannot reach the database at {db.get('HOST') or 'localhost'}:{db.get('PORT') or 5432} (DATABASE_URL): {said}"
     return None
+
+
+def pg_connect(alias: str = DEFAULT_DB_ALIAS, **options: Any) -> Any:
+    """Open a psycopg connection of its own (outside Django's pool) to the database ``alias``, which
+    must be PostgreSQL, with ``options`` (``autocommit=True``...)."""
+    import psycopg
+
+    db = connections[alias].settings_dict
+    where = {"host": db.get("HOST"), "port": db.get("PORT"), "user": db.get("USER"), "password": db.get("PASSWORD")}
+    params = {k: v for k, v in where.items() if v not in ("", None)}
+    return psycopg.connect(dbname=db["NAME"], connect_timeout=settings.PTC_DB_CONNECT_TIMEOUT, **params, **options)
 
 
 def db_retry(work: Callable[[], T], *, what: str, job_id: Any, on_wait: Callable[[], None] | None = None) -> T:

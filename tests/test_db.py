@@ -1,6 +1,9 @@
 """The connection pool hands out a connection used a moment ago without a round trip, and checks
 one that sat in the pool a while: after a restart that one is replaced, not given to a query."""
 
+import os
+import subprocess
+import sys
 import time
 import uuid
 
@@ -9,6 +12,7 @@ import pytest
 from django.db import connection
 
 from ptcproject import pgcheck
+from tests.stack import ROOT
 
 
 def test_the_pool_uses_our_check(django_db_setup: str) -> None:
@@ -52,3 +56,20 @@ def test_a_prepared_statement_survives_a_migration_that_changes_its_columns(djan
             assert cursor.fetchall() == [(1, "a")]
         finally:
             cursor.execute(f"DROP TABLE {table}")
+
+
+def test_migrations_run_at_once_on_a_new_database_wait_for_each_other() -> None:
+    """Each web replica migrates before it starts (deploy/kubernetes/web.yaml): three at once on a
+    new database each made its first tables, and all but one failed on a duplicate key."""
+    name = f"ptc_migrate_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(os.environ["TEST_DATABASE_URL"], autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    try:
+        env = {**os.environ, "DATABASE_URL": f"{os.environ['TEST_DATABASE_URL'].rsplit('/', 1)[0]}/{name}"}
+        argv = [sys.executable, "manage.py", "migrate", "--no-input", "-v0"]
+        runs = [subprocess.Popen(argv, cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True) for _ in range(3)]
+        outcomes = [(run.wait(timeout=180), run.stderr.read() if run.stderr else "") for run in runs]
+        assert [code for code, _ in outcomes] == [0, 0, 0], [said[-300:] for _, said in outcomes]
+    finally:
+        with psycopg.connect(os.environ["TEST_DATABASE_URL"], autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')

@@ -1,0 +1,29 @@
+"""Django's ``migrate``, one at a time per PostgreSQL database.
+
+Every web replica runs it before it starts (deploy/kubernetes/web.yaml's init container, compose's
+``migrate`` service): two at once on a new database both created its first tables, and one failed
+(``duplicate key value violates unique constraint "pg_type_typname_nsp_index"``), its pod restarted.
+Here each waits for a PostgreSQL advisory lock, held on a connection of its own for the whole run,
+and the second then finds every migration applied.
+"""
+
+from typing import Any
+
+from django.core.management.commands.migrate import Command as MigrateCommand
+from django.db import connections
+
+from ptcproject.db import pg_connect
+
+# The advisory lock's key: any 64-bit number, the same in every process ("ptcmigr" in ASCII).
+MIGRATE_LOCK = 0x7074636D696772
+
+
+class Command(MigrateCommand):
+    def handle(self, *args: Any, **options: Any) -> None:
+        alias = options["database"]
+        if connections[alias].vendor != "postgresql":
+            super().handle(*args, **options)
+            return
+        with pg_connect(alias, autocommit=True) as lock:
+            lock.execute("SELECT pg_advisory_lock(%s)", [MIGRATE_LOCK])
+            super().handle(*args, **options)  # the lock goes with its connection
