@@ -199,3 +199,24 @@ def test_jobs_ended_without_their_worker_are_counted(stack: Stack, api: Api) -> 
     counted = "ptc_jobs_finished_total"
     assert value(after, counted, status="failed") > value(before, counted, status="failed")
     assert value(after, counted, status="cancelled") > value(before, counted, status="cancelled")
+
+
+def test_a_queue_a_toolset_names_that_no_setting_lists_is_reported(stack: Stack, make_api: Callable[..., Api]) -> None:
+    """A queue dropped from PTC_TOOLS_QUEUES while a toolset still sends its calls there: they wait
+    on it, no worker takes them, and /metrics listed only the configured queues, so no alert fired."""
+    from tools.models import Toolset
+
+    key = unique_key("gone")
+    made = make_api(staff=True).post(
+        "/api/v1/toolsets",
+        json={"key": key, "name": "Gone", "kind": "http", "config": {"base_url": "http://127.0.0.1:9"}, "tools": []},
+    )
+    assert made.status_code == 201, made.text
+    Toolset.objects.filter(key=key).update(queue="tools.gone")  # as the setting was changed under it
+    try:
+        samples = scrape(stack)
+        assert ("ptc_queue_depth", (("queue", "tools.gone"),)) in samples
+        assert value(samples, "ptc_queue_workers", queue="tools.gone") == 0
+        assert ("ptc_queue_workers", (("queue", "tools.slow"),)) in samples  # the configured ones, as before
+    finally:
+        Toolset.objects.filter(key=key).delete()
