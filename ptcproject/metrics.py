@@ -180,7 +180,9 @@ class FleetCollector:
         # Each source is read whole or not at all: an outage gives ptc_fleet_up 0 (alertable), not a
         # failed scrape that hides the process's own metrics too.
         up = GaugeMetricFamily("ptc_fleet_up", "1 if /metrics could read the fleet's state from the source.", labels=["source"])
-        for source, read in (("database", self._database), ("broker", self._broker)):
+        # The broker's queues are read on Redis only: the embedded one's (files) are not, and said up.
+        sources = [("database", self._database)] + ([("broker", self._broker)] if _broker_is_redis() else [])
+        for source, read in sources:
             try:
                 metrics = list(read())
             except Exception:  # an unreachable database or Redis, for as long as it lasts
@@ -232,13 +234,10 @@ class FleetCollector:
         )
 
     def _broker(self) -> Iterator[Metric]:
-        if not settings.CELERY_BROKER_URL.startswith("redis"):
-            return
         from execution.backplane import RedisBackplane, backplane
 
         plane = backplane()
-        if not isinstance(plane, RedisBackplane):
-            return
+        assert isinstance(plane, RedisBackplane)  # _broker_is_redis
         names = _queue_names()
         prefix = settings.PTC_REDIS_PREFIX
         # kombu keeps a queue as a Redis list under the key prefix, one list per priority step
@@ -261,6 +260,13 @@ class FleetCollector:
             workers.add_metric([name], replies[len(names) * len(steps) + i])
         yield depth
         yield workers
+
+
+def _broker_is_redis() -> bool:
+    """Whether the broker is Redis, and the backplane too: the queues are read through its client."""
+    from execution.backplane import RedisBackplane, backplane
+
+    return settings.CELERY_BROKER_URL.startswith("redis") and isinstance(backplane(), RedisBackplane)
 
 
 # Its own registry: the fleet's state is read per scrape, never added to the events' registries.

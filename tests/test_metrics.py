@@ -220,3 +220,17 @@ def test_a_queue_a_toolset_names_that_no_setting_lists_is_reported(stack: Stack,
         assert ("ptc_queue_workers", (("queue", "tools.slow"),)) in samples  # the configured ones, as before
     finally:
         Toolset.objects.filter(key=key).delete()
+
+
+def test_the_embedded_broker_is_not_said_up(settings: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the embedded default nothing of the broker is read (its queues are files): its
+    ptc_fleet_up said 1 all the same."""
+    from execution import backplane as plane_module
+    from ptcproject.metrics import metrics_text
+
+    settings.CELERY_BROKER_URL = "filesystem://"
+    monkeypatch.setattr(plane_module, "backplane", plane_module.LocalBackplane)
+    text = metrics_text().decode()
+    assert 'ptc_fleet_up{source="database"} 1.0' in text
+    assert 'source="broker"' not in text
+    assert "ptc_queue_depth{" not in text
