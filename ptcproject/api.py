@@ -62,18 +62,25 @@ def first_message(detail: Any) -> str:
 def outage_error(exc: BaseException) -> ApplicationError | None:
     """Return the 503 for an exception that means a server we depend on is unreachable, else None.
 
-    The database (connection refused or dropped, the pool's wait ran out) is ``database_unavailable``;
-    the broker or Redis is ``broker_unavailable``. Either way nothing was half done: say so.
+    The database (connection refused or dropped, the pool's wait ran out, a statement cancelled) is
+    ``database_unavailable``; the broker or Redis is ``broker_unavailable``. Either way nothing was
+    half done: say so.
     """
     from kombu.exceptions import OperationalError as BrokerOperationalError
     from redis.exceptions import ConnectionError as RedisConnectionError
     from redis.exceptions import TimeoutError as RedisTimeoutError
 
     if isinstance(exc, DbOperationalError | DbInterfaceError):
+        from psycopg.errors import LockNotAvailable, QueryCanceled
+
+        cancelled = isinstance(exc.__cause__, QueryCanceled | LockNotAvailable)
+        why = (
+            "cancelled the request's statement (a statement or lock timeout, or an operator)"
+            if cancelled
+            else "is unreachable right now"
+        )
         return ApplicationError(
-            "database_unavailable",
-            "The database is unreachable right now; nothing was changed. Try again in a few seconds.",
-            status=503,
+            "database_unavailable", f"The database {why}; nothing was changed. Try again in a few seconds.", status=503
         )
     if isinstance(exc, BrokerOperationalError | RedisConnectionError | RedisTimeoutError):
         return ApplicationError(

@@ -160,6 +160,7 @@ def test_submits_cut_while_the_policy_is_locked_leave_the_web_serving(pg_stack: 
                 response = submitted.result()
             assert response.status_code == 503, response.text
             assert response.json()["error"]["code"] == "database_unavailable"
+            assert "cancelled the request's statement" in response.json()["error"]["message"]  # not "unreachable"
         holder.rollback()
     for _ in range(20):
         response = http.post("/api/v1/exec", json={"code": "'taken'", "wait": 20})
