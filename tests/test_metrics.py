@@ -96,8 +96,13 @@ def test_fleet_state_shows_a_call_waiting_on_a_queue_no_worker_serves(
     made = make_api(staff=True).post("/api/v1/toolsets", json={**body, "queue": "tools.slow", "price": 2})
     assert made.status_code == 201, made.text
     job = api.run(f"from ptc_tools.{key} import {class_name(key)}\n{class_name(key)}.forecast(city='x')", toolsets=[key], wait=0)
+    # Its own call held and queued: tools.slow may hold other tests' calls already (no worker of the
+    # test stack serves it), so its depth alone was no sign that this call had got that far.
     deadline = time.monotonic() + 20
-    while not value(samples := scrape(stack), "ptc_queue_depth", queue="tools.slow"):
+    while not (
+        Reservation.objects.filter(exec_job_id=job["id"], status="held").exists()
+        and value(samples := scrape(stack), "ptc_queue_depth", queue="tools.slow")
+    ):
         assert time.monotonic() < deadline
         time.sleep(0.1)
     try:
