@@ -39,13 +39,15 @@ def db_unreachable_reason() -> str | None:
 
 def pg_connect(alias: str = DEFAULT_DB_ALIAS, **options: Any) -> Any:
     """Open a psycopg connection of its own (outside Django's pool) to the database ``alias``, which
-    must be PostgreSQL, with ``options`` (``autocommit=True``...)."""
+    must be PostgreSQL, with ``options`` (``autocommit=True``...). Return it, connected as the
+    pool's are: with DATABASE_URL's own options (``?sslmode=verify-full``, ``?options=...``) and the
+    connect timeout, where libpq's defaults (``sslmode=prefer``: no certificate checked) would not."""
     import psycopg
 
-    db = connections[alias].settings_dict
-    where = {"host": db.get("HOST"), "port": db.get("PORT"), "user": db.get("USER"), "password": db.get("PASSWORD")}
-    params = {k: v for k, v in where.items() if v not in ("", None)}
-    return psycopg.connect(dbname=db["NAME"], connect_timeout=settings.PTC_DB_CONNECT_TIMEOUT, **params, **options)
+    params = connections[alias].get_connection_params()
+    for django_only in ("cursor_factory", "context", "prepare_threshold"):  # Django's cursors and adapters
+        params.pop(django_only, None)
+    return psycopg.connect(**{**params, **options})
 
 
 def db_retry(work: Callable[[], T], *, what: str, job_id: Any, on_wait: Callable[[], None] | None = None) -> T:

@@ -73,3 +73,18 @@ def test_migrations_run_at_once_on_a_new_database_wait_for_each_other() -> None:
     finally:
         with psycopg.connect(os.environ["TEST_DATABASE_URL"], autocommit=True) as conn:
             conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+def test_a_connection_of_its_own_keeps_the_database_urls_options(django_db_setup: str) -> None:
+    """migrate's lock and manage.py's reason for an unreachable database connect apart from the pool:
+    with the options of DATABASE_URL (?sslmode=verify-full&sslrootcert=..., ?options=...) as the pool
+    has them, not libpq's defaults (sslmode=prefer: no certificate checked, the password sent anyway)."""
+    from ptcproject.db import pg_connect
+
+    options = connection.settings_dict["OPTIONS"]
+    options["application_name"] = "ptc-own-connection"
+    try:
+        with pg_connect() as conn:
+            assert conn.execute("SHOW application_name").fetchone() == ("ptc-own-connection",)
+    finally:
+        del options["application_name"]
