@@ -24,6 +24,9 @@ class Command(MigrateCommand):
         if connections[alias].vendor != "postgresql":
             super().handle(*args, **options)
             return
-        with pg_connect(alias, autocommit=True) as lock:
+        # Django's error, as its own connection's would be: manage.py makes an unreachable database one line.
+        with connections[alias].wrap_database_errors:
+            lock = pg_connect(alias, autocommit=True)
+        with lock:
             lock.execute("SELECT pg_advisory_lock(%s)", [MIGRATE_LOCK])
             super().handle(*args, **options)  # the lock goes with its connection
