@@ -77,7 +77,7 @@ stop() {  # TERM, then KILL what is still up after 20 s: nothing outlives the qu
         sleep 0.1
     done
     kill -KILL "${pids[@]}" 2>/dev/null || true
-    wait 2>/dev/null || true
+    wait "${pids[@]}" 2>/dev/null || true  # theirs, not the watch's sleep (below)
 }
 trap stop EXIT
 trap 'exit 130' INT TERM HUP  # the exit stops them (the EXIT trap), and nothing after it runs
@@ -165,12 +165,23 @@ if [ "${PTC_QUICKSTART_ONCE:-}" = 1 ]; then
 fi
 echo "   Ctrl-C stops everything."
 # Until Ctrl-C, none of them should stop: the first that does stops the rest, saying which.
-wait -n || true
-for entry in "${started[@]}"; do
-    name=${entry%:*}
-    if ! kill -0 "${entry##*:}" 2>/dev/null; then
-        echo "make run: the $name process stopped; the end of $logs/$name.log:" >&2
-        tail -n 5 "$logs/$name.log" | sed 's/^/  /' >&2 || true
-    fi
+stopped() {  # say those of them that have stopped; false if none has
+    local entry name found=1
+    for entry in "${started[@]}"; do
+        name=${entry%:*}
+        if ! kill -0 "${entry##*:}" 2>/dev/null; then
+            echo "make run: the $name process stopped; the end of $logs/$name.log:" >&2
+            tail -n 5 "$logs/$name.log" | sed 's/^/  /' >&2 || true
+            found=0
+        fi
+    done
+    return $found
+}
+# wait -n returns when the next of them stops, never for one that stopped before it was called (in
+# the demo job's seconds, or between a look and the wait): a sleep beside them bounds each wait.
+until stopped; do
+    sleep 5 &
+    wait -n || true
+    kill $! 2>/dev/null || true
 done
 exit 1

@@ -146,3 +146,28 @@ def test_quickstart_stops_everything_when_one_of_its_processes_dies(tmp_path: Pa
     assert run.returncode == 1
     assert "make run: the web process stopped; the end of" in stderr, stderr
     assert not [pid for pid in children if Path(f"/proc/{pid}").exists()]
+
+
+def test_quickstart_stops_everything_when_a_process_dies_before_it_waits(tmp_path: Path) -> None:
+    """beat killed during the demo job, before the script waits: bash's ``wait -n`` waits for the
+    next process to stop, never one that stopped before it was called, and the script hung there."""
+    env = _embedded_env(tmp_path, free_port())
+    del env["PTC_QUICKSTART_ONCE"]
+    run = subprocess.Popen(["scripts/run.sh"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert run.stdout is not None
+    for line in run.stdout:
+        if "== running a demo job" in line:
+            break
+    children = _children(run.pid)
+    try:
+        beat = next(pid for pid, cmd in children.items() if " beat " in cmd)
+        os.kill(beat, signal.SIGKILL)
+        _, stderr = run.communicate(timeout=60)
+    finally:
+        run.kill()  # only if it is still up (the assertions below then say so)
+        for pid in children:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        run.wait()
+    assert run.returncode == 1
+    assert "make run: the beat process stopped; the end of" in stderr, stderr
