@@ -39,13 +39,22 @@ logger = logging.getLogger("ptc.execution")
 
 
 class _Counted:
-    """An execute wrapper (``connection.execute_wrapper``) counting the statements that ran."""
+    """An execute wrapper (``connection.execute_wrapper``) counting the statements that ran, and
+    whether the first one failed because its connection was found dead (``lost``)."""
 
     def __init__(self) -> None:
         self.count = 0
+        self.lost = False
 
     def __call__(self, execute: Any, sql: str, params: Any, many: bool, context: Any) -> Any:
-        result = execute(sql, params, many, context)
+        try:
+            result = execute(sql, params, many, context)
+        except (OperationalError, InterfaceError):
+            # Seen here, as it fails: inside a transaction (a credit cap's lock of the account) the
+            # rollback that follows fails too, and Django lets go of the connection before the caller looks.
+            raw = context["connection"].connection
+            self.lost = not self.count and raw is not None and bool(getattr(raw, "closed", False))
+            raise
         self.count += 1
         return result
 
@@ -94,8 +103,7 @@ class JobCallRouter:
                     with connection.execute_wrapper(ran):
                         return self._submit_many(requests)
                 except (OperationalError, InterfaceError):
-                    lost = connection.connection is not None and getattr(connection.connection, "closed", False)
-                    if ran.count or not lost:
+                    if ran.count or not ran.lost:
                         raise
                     logger.warning("a pooled database connection was found dead before any call was recorded; submitting again")
                     db_reset()

@@ -185,3 +185,24 @@ def test_calls_made_just_after_the_workers_connections_were_cut_are_recorded(pg_
     final = _final(http, job["id"], 60)
     assert final["status"] == "completed", final["error"]
     assert [c["status"] for c in final["tool_calls"]] == ["completed"] * 16
+
+
+def test_calls_under_a_credit_cap_made_just_after_the_workers_connections_were_cut_are_recorded(
+    pg_stack: Stack, http: httpx.Client
+) -> None:
+    # Under max_credits a call's first statement (its price known from the job's first call) is the
+    # account's lock, inside a transaction: the rollback that follows its failure closes the dead
+    # connection, and the submit took that for a database that can't be reached.
+    code = "import time\nfrom ptc_tools.demo import Demo\nfor i in range(16):\n    Demo.add(a=i, b=1)\n    time.sleep(0.25)\n'ok'"
+    url = pg_stack.env["DATABASE_URL"]
+    job = http.post("/api/v1/exec", json={"code": code, "toolsets": ["demo"], "max_credits": 100}).json()
+    _wait_running(http, job["id"])
+    with psycopg.connect(url, autocommit=True) as admin:
+        for _ in range(4):
+            time.sleep(0.6)
+            admin.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = current_database() AND pid <> pg_backend_pid()"
+            )
+    final = _final(http, job["id"], 60)
+    assert final["status"] == "completed", final["error"]
+    assert [c["status"] for c in final["tool_calls"]] == ["completed"] * 16
