@@ -4,7 +4,10 @@ Every web replica runs it before it starts (deploy/kubernetes/web.yaml's init co
 ``migrate`` service): two at once on a new database both created its first tables, and one failed
 (``duplicate key value violates unique constraint "pg_type_typname_nsp_index"``), its pod restarted.
 Here each waits for a PostgreSQL advisory lock, held on a connection of its own for the whole run,
-and the second then finds every migration applied.
+and the second then finds every migration applied. The lock is a transaction's, that transaction
+open for the whole run: behind a PgBouncer in transaction mode (README, PTC_DB_PREPARE_AFTER) a
+session's lock stayed on the server connection the pooler gave the next client, and an open
+transaction keeps that connection this command's until it ends.
 """
 
 from typing import Any
@@ -26,7 +29,7 @@ class Command(MigrateCommand):
             return
         # Django's error, as its own connection's would be: manage.py makes an unreachable database one line.
         with connections[alias].wrap_database_errors:
-            lock = pg_connect(alias, autocommit=True)
-        with lock:
-            lock.execute("SELECT pg_advisory_lock(%s)", [MIGRATE_LOCK])
-            super().handle(*args, **options)  # the lock goes with its connection
+            lock = pg_connect(alias)
+        with lock, lock.transaction():
+            lock.execute("SELECT pg_advisory_xact_lock(%s)", [MIGRATE_LOCK])
+            super().handle(*args, **options)  # the lock goes with its transaction (or its connection)
