@@ -19,8 +19,8 @@ beside these.
 import hmac
 import logging
 import os
+import socket
 import time
-import uuid
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -40,10 +40,12 @@ logger = logging.getLogger("ptc.metrics")
 if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
     # prometheus_client names each process's file by its pid alone; processes of several containers
     # sharing the folder (deploy/compose.yaml) are each pid 1 in their own, and wrote one file over
-    # each other's values. A token of this process's own tells them apart; the pid still changes
-    # with a fork, which is how prometheus_client knows a child from its parent.
-    _PROCESS_TOKEN = uuid.uuid4().hex[:12]
-    values.ValueClass = values.MultiProcessValue(lambda: f"{os.getpid()}-{_PROCESS_TOKEN}")
+    # each other's values. The host's name (a container's own) tells them apart, and a container
+    # restarted takes up its files again rather than adding new ones at each start (a token of the
+    # process's own did, for ever); the pid still changes with a fork, which is how
+    # prometheus_client knows a child from its parent.
+    _HOST = socket.gethostname()
+    values.ValueClass = values.MultiProcessValue(lambda: f"{os.getpid()}-{_HOST}")
 _SECONDS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600)
 JOB_DURATION = Histogram(
     "ptc_job_duration_seconds",

@@ -175,15 +175,38 @@ def test_processes_of_equal_pids_in_one_metrics_folder_are_all_counted(tmp_path:
     folder.mkdir()
     signals.mkdir()
     env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(folder)}
-    # Two PID namespaces, as two containers: each process is pid 1 in its own.
-    run = ["unshare", "--pid", "--fork", sys.executable, "-c", _COUNTING, str(signals)]
-    first = subprocess.Popen([*run, "count", "say:a", "wait:b", "count"], cwd=ROOT, env=env)
-    second = subprocess.Popen([*run, "wait:a", "count", "say:b"], cwd=ROOT, env=env)
+
+    def container(name: str) -> list[str]:
+        """A process as a container's first: pid 1 in a PID namespace of its own, named ``name``."""
+        return [
+            "unshare",
+            "--pid",
+            "--uts",
+            "--fork",
+            "sh",
+            "-c",
+            'hostname "$0" && exec "$@"',
+            name,
+            sys.executable,
+            "-c",
+            _COUNTING,
+            str(signals),
+        ]
+
+    first = subprocess.Popen([*container("web"), "count", "say:a", "wait:b", "count"], cwd=ROOT, env=env)
+    second = subprocess.Popen([*container("exec"), "wait:a", "count", "say:b"], cwd=ROOT, env=env)
     assert second.wait(60) == 0 and first.wait(60) == 0, "unshare --pid needs root (make test runs as root)"
     events = CollectorRegistry()
     multiprocess.MultiProcessCollector(events, path=str(folder))
     assert events.get_sample_value("ptc_jobs_finished_total", {"status": "completed"}) == 3
     assert events.get_sample_value("ptc_sandbox_start_seconds_count") == 3
+    # A container restarted takes up its files again: no new ones at each start, nothing lost.
+    before = sorted(path.name for path in folder.iterdir())
+    assert subprocess.run([*container("exec"), "count"], cwd=ROOT, env=env, timeout=60).returncode == 0
+    assert sorted(path.name for path in folder.iterdir()) == before
+    events = CollectorRegistry()
+    multiprocess.MultiProcessCollector(events, path=str(folder))
+    assert events.get_sample_value("ptc_jobs_finished_total", {"status": "completed"}) == 4
 
 
 def test_jobs_ended_without_their_worker_are_counted(stack: Stack, api: Api) -> None:
