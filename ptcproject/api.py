@@ -73,15 +73,15 @@ def outage_error(exc: BaseException) -> ApplicationError | None:
     if isinstance(exc, DbOperationalError | DbInterfaceError):
         from psycopg.errors import LockNotAvailable, QueryCanceled
 
-        cancelled = isinstance(exc.__cause__, QueryCanceled | LockNotAvailable)
-        why = (
-            "cancelled the request's statement (a statement or lock timeout, or an operator)"
-            if cancelled
-            else "is unreachable right now"
-        )
-        return ApplicationError(
-            "database_unavailable", f"The database {why}; nothing was changed. Try again in a few seconds.", status=503
-        )
+        if isinstance(exc.__cause__, QueryCanceled | LockNotAvailable):
+            # Not "nothing was changed": outside a transaction, the request's earlier statements stand.
+            message = (
+                "The database cancelled the request's statement (a statement or lock timeout, or an operator). "
+                "Try again in a few seconds."
+            )
+        else:
+            message = "The database is unreachable right now; nothing was changed. Try again in a few seconds."
+        return ApplicationError("database_unavailable", message, status=503)
     if isinstance(exc, BrokerOperationalError | RedisConnectionError | RedisTimeoutError):
         return ApplicationError(
             "broker_unavailable",

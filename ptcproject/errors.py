@@ -36,7 +36,7 @@ CODES: dict[str, tuple[int, str]] = {
         "past a tenant quota (jobs at once, tool calls in flight, jobs per minute); retry after Retry-After seconds",
     ),
     "internal_error": (500, "the server failed; it is logged (as a call's code: the worker failed running it)"),
-    "database_unavailable": (503, "the database is unreachable, or cancelled the statement; nothing was changed; retry"),
+    "database_unavailable": (503, "the database is unreachable (nothing was changed), or cancelled a statement; retry"),
     "broker_unavailable": (503, "the broker is unreachable; nothing was queued; retry"),
     "not_ready": (503, "/readyz: a part the service needs is unreachable"),
     # Jobs
