@@ -63,10 +63,16 @@ def purge_jobs() -> int:
 @shared_task(
     queue=queues.TOOLS,
     acks_late=True,
-    # Only a database that is briefly unreachable is worth a retry; the claim makes a retry safe.
+    # Only a database that is unreachable for a while is worth a retry; the claim makes a retry
+    # safe (one after the call's deadline finds its record failed, and runs nothing). Retried 1, 2,
+    # 4, then every 8 s, for about a minute, as long as a worker waits on the database for a job's
+    # end (PTC_DB_RETRY_SECONDS): three retries with the backoff's full jitter could all come within
+    # a few seconds of one pool's outage, and the call then waited out its deadline, never claimed.
     autoretry_for=(OperationalError, InterfaceError),
     retry_backoff=True,
-    max_retries=3,
+    retry_backoff_max=8,
+    retry_jitter=False,
+    max_retries=10,
 )
 def execute_tool(call_id: str, record: str | None = None) -> None:
     # ``record``: a job's call, recorded by its claim (services.calls.tool_call_execute).
