@@ -105,21 +105,37 @@ def _children(pid: int) -> dict[int, str]:
     return found
 
 
-def _quickstart_up(tmp_path: Path) -> tuple[subprocess.Popen[str], dict[int, str]]:
-    """``make run``'s script, up and past its demo job (waiting for Ctrl-C), and its four processes."""
+def _quickstart_up(tmp_path: Path, until: str = "Ctrl-C stops everything.") -> tuple[subprocess.Popen[str], dict[int, str]]:
+    """``make run``'s script, up to the line ``until`` (by default, past its demo job, waiting for
+    Ctrl-C), and its four processes."""
     env = _embedded_env(tmp_path, free_port())
     del env["PTC_QUICKSTART_ONCE"]
     run = subprocess.Popen(["scripts/run.sh"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert run.stdout is not None
     for line in run.stdout:
-        if "Ctrl-C stops everything." in line:
+        if until in line:
             break
     else:
         raise AssertionError(f"make run did not come up: {run.communicate()[1]}")
-    children = _children(run.pid)
-    kinds = sorted("uvicorn" if "bin/uvicorn" in cmd else "celery" if "bin/celery" in cmd else cmd for cmd in children.values())
-    assert kinds == ["celery", "celery", "celery", "uvicorn"]
+    # Its four, not what it runs beside them (the demo job's client, the sleep that bounds its wait).
+    children = {pid: cmd for pid, cmd in _children(run.pid).items() if "bin/uvicorn" in cmd or "bin/celery" in cmd}
+    assert sorted("uvicorn" if "bin/uvicorn" in cmd else "celery" for cmd in children.values()) == ["celery"] * 3 + ["uvicorn"]
     return run, children
+
+
+def _killed(run: subprocess.Popen[str], children: dict[int, str], name: str) -> str:
+    """Kill the quickstart's process whose command line holds ``name``; return what the script said
+    as it stopped (it, and the rest, are killed after 60 s if still up: the assertions say so)."""
+    os.kill(next(pid for pid, cmd in children.items() if name in cmd), signal.SIGKILL)
+    try:
+        _, stderr = run.communicate(timeout=60)
+    finally:
+        run.kill()
+        for pid in children:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        run.wait()
+    return stderr
 
 
 def test_quickstart_stops_everything_on_ctrl_c(tmp_path: Path) -> None:
@@ -134,15 +150,7 @@ def test_quickstart_stops_everything_when_one_of_its_processes_dies(tmp_path: Pa
     """The web process killed while the quickstart runs: it said nothing, and the workers and beat
     ran on behind a dead API until Ctrl-C."""
     run, children = _quickstart_up(tmp_path)
-    web = next(pid for pid, cmd in children.items() if "uvicorn" in cmd)
-    os.kill(web, signal.SIGKILL)
-    try:
-        _, stderr = run.communicate(timeout=60)
-    finally:
-        run.kill()  # only if it is still up (the assertions below then say so)
-        for pid in children:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+    stderr = _killed(run, children, "bin/uvicorn")
     assert run.returncode == 1
     assert "make run: the web process stopped; the end of" in stderr, stderr
     assert not [pid for pid in children if Path(f"/proc/{pid}").exists()]
@@ -151,23 +159,7 @@ def test_quickstart_stops_everything_when_one_of_its_processes_dies(tmp_path: Pa
 def test_quickstart_stops_everything_when_a_process_dies_before_it_waits(tmp_path: Path) -> None:
     """beat killed during the demo job, before the script waits: bash's ``wait -n`` waits for the
     next process to stop, never one that stopped before it was called, and the script hung there."""
-    env = _embedded_env(tmp_path, free_port())
-    del env["PTC_QUICKSTART_ONCE"]
-    run = subprocess.Popen(["scripts/run.sh"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    assert run.stdout is not None
-    for line in run.stdout:
-        if "== running a demo job" in line:
-            break
-    children = _children(run.pid)
-    try:
-        beat = next(pid for pid, cmd in children.items() if " beat " in cmd)
-        os.kill(beat, signal.SIGKILL)
-        _, stderr = run.communicate(timeout=60)
-    finally:
-        run.kill()  # only if it is still up (the assertions below then say so)
-        for pid in children:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        run.wait()
+    run, children = _quickstart_up(tmp_path, until="== running a demo job")
+    stderr = _killed(run, children, " beat ")
     assert run.returncode == 1
     assert "make run: the beat process stopped; the end of" in stderr, stderr

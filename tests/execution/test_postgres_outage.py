@@ -168,34 +168,19 @@ def test_submits_cut_while_the_policy_is_locked_leave_the_web_serving(pg_stack: 
         assert response.json()["return_value"] == "taken"
 
 
-def test_calls_made_just_after_the_workers_connections_were_cut_are_recorded(pg_stack: Stack, http: httpx.Client) -> None:
+@pytest.mark.parametrize("cap", [{}, {"max_credits": 100}], ids=["free", "under_a_credit_cap"])
+def test_calls_made_just_after_the_workers_connections_were_cut_are_recorded(
+    pg_stack: Stack, http: httpx.Client, cap: dict[str, int]
+) -> None:
     # A connection used within the last second leaves the pool unchecked: the first statement on
     # one whose backend was killed meanwhile fails. A call submitted then is submitted again on a
-    # fresh connection, not failed (internal_error, "the call could not be recorded").
-    code = "import time\nfrom ptc_tools.demo import Demo\nfor i in range(16):\n    Demo.add(a=i, b=1)\n    time.sleep(0.25)\n'ok'"
-    url = pg_stack.env["DATABASE_URL"]
-    job = http.post("/api/v1/exec", json={"code": code, "toolsets": ["demo"]}).json()
-    _wait_running(http, job["id"])
-    with psycopg.connect(url, autocommit=True) as admin:
-        for _ in range(4):
-            time.sleep(0.6)
-            admin.execute(
-                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = current_database() AND pid <> pg_backend_pid()"
-            )
-    final = _final(http, job["id"], 60)
-    assert final["status"] == "completed", final["error"]
-    assert [c["status"] for c in final["tool_calls"]] == ["completed"] * 16
-
-
-def test_calls_under_a_credit_cap_made_just_after_the_workers_connections_were_cut_are_recorded(
-    pg_stack: Stack, http: httpx.Client
-) -> None:
-    # Under max_credits a call's first statement (its price known from the job's first call) is the
+    # fresh connection, not failed (internal_error, "the call could not be recorded"). Under
+    # max_credits a call's first statement (its price known from the job's first call) is the
     # account's lock, inside a transaction: the rollback that follows its failure closes the dead
     # connection, and the submit took that for a database that can't be reached.
     code = "import time\nfrom ptc_tools.demo import Demo\nfor i in range(16):\n    Demo.add(a=i, b=1)\n    time.sleep(0.25)\n'ok'"
     url = pg_stack.env["DATABASE_URL"]
-    job = http.post("/api/v1/exec", json={"code": code, "toolsets": ["demo"], "max_credits": 100}).json()
+    job = http.post("/api/v1/exec", json={"code": code, "toolsets": ["demo"], **cap}).json()
     _wait_running(http, job["id"])
     with psycopg.connect(url, autocommit=True) as admin:
         for _ in range(4):
