@@ -16,7 +16,7 @@ from typing import Any
 from django.conf import settings
 from django.contrib.auth.models import User
 from django.core import signing
-from django.db import connection, transaction
+from django.db import InterfaceError, OperationalError, connection, transaction
 from django.db.models import Exists, OuterRef, Subquery
 from django.db.models.functions import Coalesce
 from django.utils import timezone
@@ -45,6 +45,7 @@ from ptcproject import rows
 from ptcproject.accounts.models import ApiKey
 from ptcproject.batching import GroupCommit
 from ptcproject.celery import task_publish
+from ptcproject.db import db_reset
 from ptcproject.errors import ApplicationError, call_error
 from ptcproject.metrics import tool_call_observe
 from ptcproject.policy.models import Policy
@@ -271,10 +272,22 @@ def tool_calls_enqueue(calls: list[tuple[str, str]], *, queued: dict[str, ToolCa
             logger.exception("could not enqueue tool calls", extra={"call_ids": [call_id for call_id, _ in calls]})
             error = call_error("broker_unavailable", f"the call could not be queued ({type(exc).__name__}); retry")
             errors = {call_id: error for call_id, _ in calls}
-            tool_calls_fail_queued([queued[call_id] for call_id, _ in calls if call_id in queued], error=error, running=True)
-            for call_id, _ in calls:
-                if call_id not in queued:
-                    tool_call_finish(call_id=call_id, error=error)
+
+            def fail() -> None:
+                tool_calls_fail_queued([queued[call_id] for call_id, _ in calls if call_id in queued], error=error, running=True)
+                for call_id, _ in calls:
+                    if call_id not in queued:
+                        tool_call_finish(call_id=call_id, error=error)
+
+            # Their failure is written before the code is told, even when its statement is the first
+            # on a pooled connection that turns out dead (calls only announced so far have no other):
+            # it is written again on a fresh one, so that a message that did reach the queue finds
+            # its call failed rather than run it unrecorded. (Both statements change only open calls.)
+            try:
+                fail()
+            except (OperationalError, InterfaceError):
+                db_reset()
+                fail()
     return errors
 
 

@@ -79,6 +79,7 @@ class JobCallRouter:
         # The calls sent to tools workers unrecorded (their worker records each as it claims it),
         # for when the bridge gives up on one (``overdue``) or the job ends first (``closed``).
         self.queued: dict[str, ToolCall] = {}
+        self._announced = False  # whether the burst being submitted has been announced (submit_many)
 
     def _awaits(self, tool: Tool) -> str:
         """Return what a call of ``tool`` waits on before it can end: ``client`` (the caller runs
@@ -96,14 +97,16 @@ class JobCallRouter:
             # (a restart, a killed backend) fails, and these calls failed with it, the code seeing
             # internal_error. Nothing of them was done if no statement ran: they are submitted
             # again, on the next connection, as long as each is found dead (at most the pool's
-            # size); a database that can't be reached at all fails them.
+            # size); a database that can't be reached at all fails them. Not once they were announced
+            # (their start events out, and maybe their messages queued): they are theirs for good.
             for _ in range(settings.PTC_DB_POOL_MAX):
                 ran = _Counted()
+                self._announced = False
                 try:
                     with connection.execute_wrapper(ran):
                         return self._submit_many(requests)
                 except (OperationalError, InterfaceError):
-                    if ran.count or not ran.lost:
+                    if ran.count or not ran.lost or self._announced:
                         raise
                     logger.warning("a pooled database connection was found dead before any call was recorded; submitting again")
                     db_reset()
@@ -160,6 +163,7 @@ class JobCallRouter:
         # each; the others (refused, or waiting on a person) are recorded here.
         for call_id in tool_calls_record(calls, queued=frozenset(queued)):
             del queued[call_id]  # recorded after all (its large input is read back from the record)
+        self._announced = True
         self.queued.update(queued)
         errors = tool_calls_enqueue(accepted, queued=queued)
         return [Refused(call_id=o.call_id, error=errors[o.call_id]) if o.call_id in errors else o for o in outcomes]

@@ -5,17 +5,21 @@ import uuid
 from datetime import timedelta
 from typing import Any
 
+import psycopg
 import pytest
 from django.conf import settings
 from django.contrib.auth import get_user_model
+from django.db import connection
 from django.utils import timezone
 
 from billing.models import Reservation
 from execution.backplane import backplane, job_channel
 from execution.models import ExecJob, ToolCall
 from execution.services import calls as services
+from execution.services.router import JobCallRouter
 from tests.factories import demo_call, running_job
 from tools.models import Tool, Toolset
+from tools.selectors import toolsets_resolve
 
 
 @pytest.fixture
@@ -196,3 +200,48 @@ def test_a_call_whose_tool_was_deleted_while_it_waited_fails_alone(runs: list) -
     # A job's end records its untaken calls as never run, the tool gone or not.
     assert services.tool_calls_fail_queued([never], error={"code": "job_ended", "message": "x"}, running=False) == [never.call_id]
     assert ToolCall.objects.get(call_id=never.call_id).tool_id is None
+
+
+# -- A burst refused by the broker, its connection found dead ---------------------------------------
+def test_calls_the_broker_refused_on_a_connection_found_dead_are_failed_under_the_ids_they_were_announced_with(
+    monkeypatch: pytest.MonkeyPatch, django_db_setup: str
+) -> None:
+    # A free call of a job whose price is known needs no statement before it is queued: announced
+    # (its start event out) and sent. With the broker down, the first statement is its failure's,
+    # and the pooled connection it runs on may be found dead. It is written on a fresh one, under
+    # the id the code and the event log know: not submitted again under a new id, which left the
+    # first announced and never recorded (a message of it that reached the queue would then run).
+    user = get_user_model().objects.create_user(username=f"refused-{uuid.uuid4().hex[:6]}")
+    job = running_job(user=user)
+    toolsets, _ = toolsets_resolve(user=user, keys=["demo"])
+    router = JobCallRouter(job=job, toolsets=toolsets, direct_only=frozenset())
+    announced: list[str] = []
+    real_publish = services.events_publish_by_job
+
+    def publish(events: list[tuple[str, tuple[str, dict[str, Any]]]]) -> None:
+        announced.extend(data["call_id"] for _, (name, data) in events if name == "tool_call_start")
+        real_publish(events)
+
+    monkeypatch.setattr(services, "events_publish_by_job", publish)
+    monkeypatch.setattr(services, "task_publish", lambda *args, **kwargs: None)
+    warm = router.submit_many([("demo", "echo", {"value": "warm"})])  # prices Demo.echo for the job
+    assert [type(outcome).__name__ for outcome in warm] == ["Dispatched"]
+    announced.clear()
+    killed: list[int] = []
+
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        if not killed:  # the connection the failure will be written on dies first
+            connection.ensure_connection()
+            killed.append(connection.connection.info.backend_pid)
+            with psycopg.connect(django_db_setup, autocommit=True) as admin:
+                admin.execute("SELECT pg_terminate_backend(%s)", killed)
+        raise ConnectionError("the broker is down")
+
+    monkeypatch.setattr(services, "task_publish", refuse)
+    outcomes = router.submit_many([("demo", "echo", {"value": "a"}), ("demo", "echo", {"value": "b"})])
+    assert len(killed) == 1
+    ids = [outcome.call_id for outcome in outcomes]
+    assert [(type(o).__name__, o.error["code"]) for o in outcomes] == [("Refused", "broker_unavailable")] * 2  # type: ignore[union-attr]
+    assert announced == ids
+    recorded = ToolCall.objects.filter(exec_job=job).exclude(call_id=warm[0].call_id)
+    assert sorted(recorded.values_list("call_id", "status")) == sorted((call_id, "failed") for call_id in ids)
