@@ -210,8 +210,9 @@ def test_processes_of_equal_pids_in_one_metrics_folder_are_all_counted(tmp_path:
 
 
 def test_jobs_ended_without_their_worker_are_counted(stack: Stack, api: Api) -> None:
-    """A job whose worker died (failed by the reaper) or cancelled while queued never reached an
-    exec worker's end, which alone counted: PtcJobsFailing stayed quiet while workers died."""
+    """A job whose worker died (failed by the reaper, or closed by it once cancelled), cancelled
+    while queued, or a managed container's, cancelled, never reached an exec worker's end, which
+    alone counted: PtcJobsFailing stayed quiet while workers died."""
     user = get_user_model().objects.get(username=api.username)
     before = scrape(stack)
     lost = running_job(
@@ -219,14 +220,23 @@ def test_jobs_ended_without_their_worker_are_counted(stack: Stack, api: Api) -> 
     )
     queued = ExecJob.objects.create(user=user, code="1", toolsets=[], timeout_seconds=10)
     assert api.post(f"/api/v1/exec/{queued.pk}/cancel").status_code == 200
+    # A managed container's job, cancelled: no worker ever closes it.
+    container = running_job(user=user, container_id=f"container_{uuid.uuid4().hex[:8]}", started_at=timezone.now())
+    assert api.post(f"/api/v1/exec/{container.pk}/cancel").status_code == 200
+    # Cancelled as it ran, and its worker died before it closed it: the reaper closes it.
+    long_ago = timezone.now() - timedelta(hours=1)
+    left = running_job(
+        user=user, status="cancelled", started_at=long_ago, heartbeat_at=long_ago, finished_at=long_ago, closed_at=None
+    )
     deadline = time.monotonic() + 15
-    while ExecJob.objects.get(pk=lost.pk).status != "failed":  # the stack's reaper, every second
+    # The stack's reaper, every second.
+    while ExecJob.objects.get(pk=lost.pk).status != "failed" or ExecJob.objects.get(pk=left.pk).closed_at is None:
         assert time.monotonic() < deadline
         time.sleep(0.2)
     after = scrape(stack)
     counted = "ptc_jobs_finished_total"
     assert value(after, counted, status="failed") > value(before, counted, status="failed")
-    assert value(after, counted, status="cancelled") > value(before, counted, status="cancelled")
+    assert value(after, counted, status="cancelled") >= value(before, counted, status="cancelled") + 3
 
 
 def test_a_queue_a_toolset_names_that_no_setting_lists_is_reported(stack: Stack, make_api: Callable[..., Api]) -> None:

@@ -887,6 +887,7 @@ def exec_job_cancel(*, job: ExecJob) -> ExecJob:
             closed_at=now
         ):
             _exec_job_close(job_id=job.pk)
+            job_finished_observe(status=Status.CANCELLED, toolsets=[], seconds=None, spawn_ms=None)
     else:
         job_keys_revoke(exec_job_id=job.pk)
         # Its worker kills the sandbox and ends the job; if this push is lost, its next heartbeat
@@ -1025,6 +1026,8 @@ def _exec_jobs_close_left() -> None:
         printed = _printed_from_events(call_id) if status == Status.CANCELLED else {}
         if ExecJob.objects.filter(pk=job_id, closed_at__isnull=True).update(closed_at=timezone.now(), **printed):
             _exec_job_close(job_id=job_id)
+            # Counted by whoever closes a job: here, as no worker did.
+            job_finished_observe(status=status, toolsets=[], seconds=None, spawn_ms=None)
 
 
 def _calls_still_running(*, job_id: Any) -> bool:
