@@ -5,7 +5,7 @@ import logging
 from typing import Any
 
 from django.conf import settings
-from django.core.exceptions import RequestDataTooBig
+from django.core.exceptions import RequestDataTooBig, SuspiciousOperation, TooManyFieldsSent, TooManyFilesSent
 from django.db import InterfaceError as DbInterfaceError
 from django.db import OperationalError as DbOperationalError
 from django.http import HttpRequest, HttpResponse, JsonResponse
@@ -117,8 +117,24 @@ def body_too_large_error() -> ApplicationError:
     )
 
 
+def too_many_parts_error(exc: TooManyFieldsSent | TooManyFilesSent) -> ApplicationError:
+    """The 400 for a form body of more parts than Django reads (DATA_UPLOAD_MAX_NUMBER_FILES or
+    _FIELDS), which its parser raises as a SuspiciousOperation: past DRF's handler, Django answered
+    it with its HTML page."""
+    files = isinstance(exc, TooManyFilesSent)
+    limit = settings.DATA_UPLOAD_MAX_NUMBER_FILES if files else settings.DATA_UPLOAD_MAX_NUMBER_FIELDS
+    what = "files" if files else "fields"
+    return ApplicationError(
+        "validation_error",
+        f"The form has more than {limit} {what}; send one file per upload (and at most a path).",
+        details={what: [f"more than {limit}"]},
+    )
+
+
 def exception_handler(exc: Exception, context: dict[str, Any]) -> Response | None:
     """Render every API error as ``{"error": {"code", "message", "details"}}`` (API.md)."""
+    if isinstance(exc, TooManyFieldsSent | TooManyFilesSent):
+        exc = too_many_parts_error(exc)
     exc = outage_error(exc) or (body_too_large_error() if isinstance(exc, RequestDataTooBig) else exc)
     if isinstance(exc, ApplicationError):
         body = {"code": exc.code, "message": exc.message, "details": exc.details}
@@ -156,6 +172,19 @@ def not_found(request: HttpRequest, exception: Exception) -> HttpResponse:
     if request.path.startswith("/api/"):
         return JsonResponse(error_body("not_found", f"No such endpoint or object: {request.path}"), status=404)
     return defaults.page_not_found(request, exception)
+
+
+def bad_request(request: HttpRequest, exception: Exception) -> HttpResponse:
+    """400 for a SuspiciousOperation raised outside a view's handler (a bad Host header, a form of
+    too many parts read by middleware): the API's error shape under /api/, Django's page elsewhere."""
+    if request.path.startswith("/api/"):
+        if isinstance(exception, TooManyFieldsSent | TooManyFilesSent):
+            refused = too_many_parts_error(exception)
+            return JsonResponse(error_body(refused.code, refused.message, refused.details), status=400)
+        reason = str(exception) if isinstance(exception, SuspiciousOperation) else ""
+        message = f"The request was refused as malformed: {reason or 'see the API reference'}."
+        return JsonResponse(error_body("validation_error", message), status=400)
+    return defaults.bad_request(request, exception)
 
 
 def server_error(request: HttpRequest) -> HttpResponse:

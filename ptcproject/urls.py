@@ -19,5 +19,6 @@ urlpatterns = [
     path("api/v1/", include("ptcproject.accounts.urls")),
 ]
 
+handler400 = "ptcproject.api.bad_request"
 handler404 = "ptcproject.api.not_found"
 handler500 = "ptcproject.api.server_error"

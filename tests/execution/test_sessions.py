@@ -346,6 +346,27 @@ def test_file_quotas_are_413(api: Api) -> None:
     api.http.delete(f"/api/v1/sessions/{session['id']}")
 
 
+def test_an_upload_of_many_parts_is_refused_in_the_apis_error_shape(api: Api) -> None:
+    # Past Django's DATA_UPLOAD_MAX_NUMBER_FILES (100) or _FIELDS (1000) its form parser raises a
+    # SuspiciousOperation, which went past the API's error handler: 400 with Django's HTML page.
+    session = _session(api)
+    url = f"/api/v1/sessions/{session['id']}/files"
+    files = api.post(url, files=[("file", (f"f{i}", b"x")) for i in range(101)])
+    fields = api.post(url, files={"file": ("a", b"x")}, data={f"k{i}": "v" for i in range(1001)})
+    for refused in (files, fields):
+        assert refused.status_code == 400, refused.text
+        assert refused.headers["content-type"] == "application/json", refused.text
+        error = refused.json()["error"]
+        assert error["code"] == "validation_error" and "one file per upload" in error["message"], error
+    assert api.get(url).json()["count"] == 0  # nothing was stored
+    assert api.post(url, files={"file": ("a", b"x")}).status_code == 201  # the endpoint works on
+    api.http.delete(f"/api/v1/sessions/{session['id']}")
+    # Any other SuspiciousOperation, raised before a view (a Host not allowed), is in the shape too.
+    host = api.get("/api/v1/sessions", headers={"Host": "evil.example"})
+    assert host.status_code == 400 and host.json()["error"]["code"] == "validation_error", host.text
+    assert "evil.example" in host.json()["error"]["message"]
+
+
 def test_too_many_files_are_refused_for_their_count_at_once(api: Api) -> None:
     # The paths were checked against each other, every one with every other, before the count was:
     # 20,000 empty files (a 300 KB body) held the web process 30 s, for an answer the count gave.
