@@ -53,6 +53,7 @@ from ptcproject.policy.selectors import policy_get
 from ptcproject.storage import MAX_JSON_DEPTH, json_depth_exceeds, storable, unstorable
 from tools.arguments import arguments_error, arguments_validator
 from tools.classification import tool_is_ptc
+from tools.client import CLIENT_KEY
 from tools.errors import ToolFailure
 from tools.kinds import tool_run
 from tools.models import Tool, Toolset
@@ -88,6 +89,13 @@ class CallChecker:
         """Return the tool to run, or raise ToolFailure with a stable code."""
         toolset = self.toolsets.get(toolset_key)
         if toolset is None:
+            if toolset_key == CLIENT_KEY:
+                # A session's globals keep the Client class of an earlier job that had client tools.
+                raise ToolFailure(
+                    "unknown_toolset",
+                    "this job has no client tools: list them in its request's client_tools "
+                    "(an earlier job's in the session were that job's only)",
+                )
             if toolsets_resolve(user=self.user, keys=[toolset_key])[0]:
                 raise ToolFailure("toolset_not_granted", f"toolset '{_quoted(toolset_key)}' was not granted to this job")
             raise ToolFailure("unknown_toolset", f"there is no toolset '{_quoted(toolset_key)}'")

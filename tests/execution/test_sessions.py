@@ -112,6 +112,24 @@ time.sleep(0.5)
     assert (third["status"], third["return_value"]) == ("completed", "the third"), third
 
 
+def test_a_client_tool_of_an_earlier_job_called_in_a_job_without_them_says_so(api: Api) -> None:
+    # The session's globals keep the Client class an earlier job imported; a later job made without
+    # client_tools that calls it was told "there is no toolset 'client'", of a module it had used.
+    session = _session(api)
+    once = {"name": "once", "input_schema": {"type": "object", "properties": {"n": {"type": "integer"}}}}
+    first = api.post(
+        "/api/v1/exec",
+        json={"session": session["id"], "client_tools": [once], "wait": 0, "code": "from ptc_tools.client import Client\n1"},
+    )
+    assert first.status_code == 201, first.text
+    _until(api, f"/api/v1/exec/{first.json()['id']}", lambda job: job["status"] == "completed")
+    second = _run(api, session, "Client.once(n=1)")
+    assert second["status"] == "failed" and second["error"]["type"] == "ToolError", second
+    [call] = second["tool_calls"]
+    assert call["error"]["code"] == "unknown_toolset"
+    assert "no client tools" in call["error"]["message"] and "client_tools" in call["error"]["message"], call["error"]
+
+
 def test_one_job_at_a_time_the_second_is_409(api: Api) -> None:
     session = _session(api)
     running = _run(api, session, "import time\nprint('in', flush=True)\ntime.sleep(2)\n'first'", wait=0)
