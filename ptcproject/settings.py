@@ -147,6 +147,11 @@ elif DATABASES["default"]["ENGINE"] == "django.db.backends.postgresql":
         # database_unavailable after this, rather than hold the client. No view holds a
         # connection while it waits on something else, so a healthy pool hands one out in ms.
         "timeout": PTC_DB_POOL_TIMEOUT,
+        # A connection that could not be made is tried again after 1, 2, 4, 8... s for this long,
+        # and meanwhile no other is made for those waiting: after an outage of 20 s the pool went on
+        # refusing for 9 s more (of a minute, up to a minute more). Given up after a second, the
+        # next request makes one anew, within a second of PostgreSQL's return.
+        "reconnect_timeout": 1.0,
     }
     # A connection that PostgreSQL dropped (a restart) is found and replaced when taken from the
     # pool, not handed to a query that fails; one used within the last second is trusted without
