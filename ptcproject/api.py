@@ -181,7 +181,7 @@ def bad_request(request: HttpRequest, exception: Exception) -> HttpResponse:
         if isinstance(exception, TooManyFieldsSent | TooManyFilesSent):
             refused = too_many_parts_error(exception)
             return JsonResponse(error_body(refused.code, refused.message, refused.details), status=400)
-        reason = str(exception) if isinstance(exception, SuspiciousOperation) else ""
+        reason = str(exception).rstrip(".") if isinstance(exception, SuspiciousOperation) else ""
         message = f"The request was refused as malformed: {reason or 'see the API reference'}."
         return JsonResponse(error_body("validation_error", message), status=400)
     return defaults.bad_request(request, exception)

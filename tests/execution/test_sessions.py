@@ -382,7 +382,7 @@ def test_an_upload_of_many_parts_is_refused_in_the_apis_error_shape(api: Api) ->
     # Any other SuspiciousOperation, raised before a view (a Host not allowed), is in the shape too.
     host = api.get("/api/v1/sessions", headers={"Host": "evil.example"})
     assert host.status_code == 400 and host.json()["error"]["code"] == "validation_error", host.text
-    assert "evil.example" in host.json()["error"]["message"]
+    assert "evil.example" in host.json()["error"]["message"] and not host.json()["error"]["message"].endswith("..")
 
 
 def test_too_many_files_are_refused_for_their_count_at_once(api: Api) -> None:
