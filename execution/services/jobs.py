@@ -902,6 +902,14 @@ CANCEL_END_SLACK_SECONDS = 5.0
 # The most a cancel's answer waits for the job's end: a call a tools worker runs may take its
 # tool's whole timeout. Past it, the answer is the job as recorded, and exec_end follows.
 CANCEL_ANSWER_SECONDS = 10.0
+# ... and for a job whose worker missed its lease's renewals (_worker_missed_beats).
+CANCEL_MISSED_BEATS_SECONDS = 1.0
+
+
+def _worker_missed_beats(job: ExecJob) -> bool:
+    """Whether the worker running ``job`` has not renewed its lease for two heartbeats."""
+    missed = timezone.now() - timedelta(seconds=2 * settings.PTC_JOB_HEARTBEAT_SECONDS)
+    return not job.container_id and job.heartbeat_at is not None and job.heartbeat_at < missed
 
 
 def exec_job_cancel_await(*, job: ExecJob) -> End | None:
@@ -929,6 +937,10 @@ def exec_job_cancel_await(*, job: ExecJob) -> End | None:
         deadline = calls_overdue_at(running)
         calls = max((deadline - timezone.now()).total_seconds(), 0.0) if deadline is not None else 0.0
         seconds = min(calls + settings.PTC_JOB_HEARTBEAT_SECONDS + CANCEL_END_SLACK_SECONDS, CANCEL_ANSWER_SECONDS)
+        if _worker_missed_beats(job):
+            # Its worker has not renewed its lease for two beats: most likely dead, and the reaper's
+            # to close. Alive, it hears the cancel pushed at once; the answer waits no longer for it.
+            seconds = min(seconds, CANCEL_MISSED_BEATS_SECONDS)
         end = _job_end_await(subscription, job=job, seconds=seconds)
         # After a reconnect, _job_end_await answers from the record (the job is cancelled there
         # already): no job comes with that End, and the record is read.

@@ -327,3 +327,22 @@ def test_a_cancels_answer_waits_for_a_slow_call_no_longer_than_its_bound(api: Ap
     events = list(sse_events(api, job["id"], timeout=30))
     assert events[-1][0] == "exec_end"
     assert _as_announced(events[-1][1])[1:] == ([(cancelled.json()["tool_calls"][0]["call_id"], "completed", 1)], 1)
+
+
+def test_a_cancel_of_a_job_whose_worker_missed_its_beats_answers_at_once(api: Api) -> None:
+    """Its worker dead (the lease not renewed for two beats, not yet lapsed for the reaper), no end
+    comes for the cancel to wait for: it waited its whole bound (heartbeat and slack, 10 s by
+    default) before answering with the job as recorded."""
+    from django.contrib.auth import get_user_model
+    from django.utils import timezone
+
+    from tests.factories import running_job
+
+    user = get_user_model().objects.get(username=api.username)
+    # The stack beats every second and reaps a lease 4 s old: 2.5 s is two beats missed.
+    job = running_job(user=user, started_at=timezone.now(), heartbeat_at=timezone.now() - timedelta(seconds=2.5))
+    started = time.monotonic()
+    cancelled = api.post(f"/api/v1/exec/{job.pk}/cancel")
+    took = time.monotonic() - started
+    assert cancelled.status_code == 200 and cancelled.json()["status"] == "cancelled", cancelled.text
+    assert took < 2.5, took
