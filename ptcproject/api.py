@@ -8,7 +8,7 @@ from django.conf import settings
 from django.core.exceptions import RequestDataTooBig, SuspiciousOperation, TooManyFieldsSent, TooManyFilesSent
 from django.db import InterfaceError as DbInterfaceError
 from django.db import OperationalError as DbOperationalError
-from django.http import HttpRequest, HttpResponse, JsonResponse
+from django.http import Http404, HttpRequest, HttpResponse, JsonResponse
 from django.views import defaults
 from rest_framework import exceptions
 from rest_framework.pagination import PageNumberPagination
@@ -136,6 +136,10 @@ def exception_handler(exc: Exception, context: dict[str, Any]) -> Response | Non
     if isinstance(exc, TooManyFieldsSent | TooManyFilesSent):
         exc = too_many_parts_error(exc)
     exc = outage_error(exc) or (body_too_large_error() if isinstance(exc, RequestDataTooBig) else exc)
+    if isinstance(exc, Http404):
+        # get_object_or_404's own words name the model ("No WorkFile matches the given query.").
+        request = context.get("request")
+        exc = object_not_found_error(request.path if request is not None else "")
     if isinstance(exc, ApplicationError):
         body = {"code": exc.code, "message": exc.message, "details": exc.details}
         answer = Response({"error": body}, status=exc.status, headers=_retry_after(exc))
@@ -165,6 +169,11 @@ def exception_handler(exc: Exception, context: dict[str, Any]) -> Response | Non
         body = {"code": code, "message": first_message(response.data.get("detail", response.data)), "details": {}}
     response.data = {"error": body}
     return response
+
+
+def object_not_found_error(path: str) -> ApplicationError:
+    """The 404 of a view that found no object (none, or none the caller may see: the same answer)."""
+    return ApplicationError("not_found", f"Nothing found at {path}: no such object, or not one this key may see.")
 
 
 def not_found(request: HttpRequest, exception: Exception) -> HttpResponse:

@@ -153,3 +153,18 @@ def test_a_keys_user_is_fixed_once_it_is_made_in_the_admin(api: Api) -> None:
     key = ApiKey.objects.get(pk=minted["id"])
     assert (key.user.username, key.name) == (api.username, "renamed")
     assert _client(api, minted["key"]).get("/api/v1/keys").json()["count"] >= 1  # still the same user's key
+
+
+def test_another_users_object_and_no_object_get_the_same_404_which_names_no_model(api: Api, make_api: Callable[..., Api]) -> None:
+    """get_object_or_404's words reached the client: "No ExecJob matches the given query." named the
+    model behind the endpoint. Another user's job and no job at all answer alike, in the API's words."""
+    theirs = make_api().run("1", wait=0)["id"]
+    answers = [api.get(f"/api/v1/exec/{job_id}") for job_id in (theirs, str(uuid.uuid4()))]
+    for answer, job_id in zip(answers, (theirs, None), strict=True):
+        assert answer.status_code == 404, answer.text
+        error = answer.json()["error"]
+        assert error["code"] == "not_found" and "ExecJob" not in error["message"], error
+        if job_id:
+            assert error["message"] == f"Nothing found at /api/v1/exec/{job_id}: no such object, or not one this key may see."
+    session_files = api.get(f"/api/v1/sessions/{uuid.uuid4()}/files")
+    assert session_files.status_code == 404 and "matches the given query" not in session_files.text, session_files.text
