@@ -1,3 +1,5 @@
+import logging
+import multiprocessing
 import os
 import sys
 import threading
@@ -82,6 +84,13 @@ except SystemExit as stop:
     if isinstance(stop.code, str):
         print(stop.code, file=sys.stderr)
     raise SystemExit(3) from None
+if multiprocessing.parent_process() is not None and not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+    # One of uvicorn's --workers (or --reload's worker): each keeps its own counts in memory, and a
+    # scrape of /metrics reaches one of them, at random.
+    logging.getLogger("ptc.web").warning(
+        "this web process is one of uvicorn's workers: with --workers N, set PROMETHEUS_MULTIPROC_DIR "
+        "(an empty directory, shared by them), or each scrape of /metrics reads one worker's counts only"
+    )
 # The admin's and Swagger UI's assets come from the installed apps, served by Django itself, so
 # `uvicorn ptcproject.asgi:application` is all it takes: no collectstatic, no CDN.
 django_application = ASGIStaticFilesHandler(SyncChainASGIHandler())

@@ -221,3 +221,26 @@ def test_a_database_that_cannot_be_reached_is_one_line_from_manage_py(base_env: 
         (line,) = result.stderr.strip().splitlines()
         assert line.startswith(f"manage.py {command[0]}: cannot reach the database at 127.0.0.1:{port} (DATABASE_URL): ")
         assert "refused" in line, line
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["alone", "with_a_shared_directory"])
+def test_the_web_with_several_workers_says_when_its_metrics_are_one_workers(
+    base_env: dict[str, str], tmp_path: Path, shared: bool
+) -> None:
+    """README: `uvicorn ptcproject.asgi:application --workers 2`. Each worker counts in its own
+    memory: without PROMETHEUS_MULTIPROC_DIR a scrape reads one of them, and nothing said so."""
+    env = {**base_env, **({"PROMETHEUS_MULTIPROC_DIR": str(tmp_path)} if shared else {})}
+    argv = [str(BIN / "uvicorn"), "ptcproject.asgi:application", "--port", str(free_port()), "--workers", "2"]
+    web = subprocess.Popen(argv, cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    lines: list[str] = []
+    try:
+        assert web.stderr is not None
+        while sum("Application startup complete" in line for line in lines) < 2:
+            line = web.stderr.readline()
+            assert line, "".join(lines)[-3000:]
+            lines.append(line)
+    finally:
+        os.killpg(web.pid, 15)
+        web.wait(30)
+    said = sum("set PROMETHEUS_MULTIPROC_DIR" in line for line in lines)
+    assert said == (0 if shared else 2), "".join(lines)[-3000:]
