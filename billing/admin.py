@@ -2,6 +2,7 @@ from typing import Any
 
 from django import forms
 from django.contrib import admin, messages
+from django.core.exceptions import PermissionDenied
 from django.db.models import QuerySet
 from django.http import HttpRequest
 from django.template.response import TemplateResponse
@@ -56,7 +57,7 @@ class CreditAccountAdmin(admin.ModelAdmin):
     fields = ("user", "balance", "reserved", "plan", "plan_expires_at", "updated_at")
     actions = ("adjust_credits",)
 
-    @admin.action(description="Add or remove credits")
+    @admin.action(description="Add or remove credits", permissions=["change"])
     def adjust_credits(self, request: HttpRequest, queryset: QuerySet[CreditAccount]) -> TemplateResponse | None:
         """Ask how many credits and why, then add them to (or remove them from) each chosen account
         through the ledger (credits_adjust: the account locked, what its running calls hold left as it
@@ -117,6 +118,8 @@ class CreditUsageAdmin(ReadOnlyAdmin):
 
     def chart(self, request: HttpRequest) -> TemplateResponse:
         """Credits spent over the last 30 days, per day, stacked by toolset and by user."""
+        if not self.has_view_permission(request):  # admin_view asks only that the reader be staff
+            raise PermissionDenied
         charts = []
         for group in ("toolset", "user"):
             days, series = usage_by_day(days=30, group=group)

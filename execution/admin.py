@@ -4,6 +4,7 @@ from typing import Any
 
 from django.contrib import admin, messages
 from django.contrib.admin.views.main import ChangeList
+from django.core.exceptions import PermissionDenied
 from django.db.models import QuerySet, TextField
 from django.db.models.functions import Cast, Left, Length
 from django.http import Http404, HttpRequest, HttpResponse, HttpResponseNotAllowed, HttpResponseRedirect
@@ -17,6 +18,7 @@ from execution.services.sessions import exec_session_delete
 from execution.services.waiting import tool_call_decide
 from execution.timeline import PREVIEW_CHARS, clipped, timeline_build
 from ptcproject.accounts.authentication import signed_in_user
+from ptcproject.admin_permissions import has_model_permission
 from ptcproject.errors import ApplicationError
 
 
@@ -121,7 +123,7 @@ class ExecJobAdmin(admin.ModelAdmin):
 
     actions = ("cancel_jobs",)
 
-    @admin.action(description="Cancel the selected jobs")
+    @admin.action(description="Cancel the selected jobs", permissions=["cancel"])
     def cancel_jobs(self, request: HttpRequest, queryset: QuerySet[ExecJob]) -> None:
         """Cancel each job not ended yet, as POST /exec/{id}/cancel does (its sandbox killed, its
         queued calls never run): what the delete page tells an operator to do first, and the only
@@ -203,6 +205,8 @@ class ExecJobAdmin(admin.ModelAdmin):
         """POST from the timeline: approve or deny one call of this job that waits for an approval."""
         if request.method != "POST":
             return HttpResponseNotAllowed(["POST"])
+        if not has_model_permission(request, model=ToolCall, action="change"):  # the decision is recorded on the call
+            raise PermissionDenied
         user = signed_in_user(request)
         back = reverse("admin:execution_execjob_change", args=[object_id])
         try:
@@ -228,6 +232,10 @@ class ExecJobAdmin(admin.ModelAdmin):
 
     def has_change_permission(self, request: Any, obj: Any = None) -> bool:
         return False
+
+    def has_cancel_permission(self, request: HttpRequest) -> bool:
+        # A job has no form to change, but its model's change permission is what cancelling it asks.
+        return has_model_permission(request, model=ExecJob, action="change")
 
     @admin.display(description="code")
     def code_pre(self, job: ExecJob) -> str:
@@ -298,7 +306,7 @@ class ExecSessionAdmin(admin.ModelAdmin):
     inlines = [WorkFileInline]
     actions = ("end_sessions",)
 
-    @admin.action(description="End the selected sessions")
+    @admin.action(description="End the selected sessions", permissions=["end"])
     def end_sessions(self, request: HttpRequest, queryset: QuerySet[ExecSession]) -> None:
         """End each active session, as DELETE /sessions/{id} does (its running job cancelled, its
         queued one failed, its sandbox killed, its files deleted): what the delete page tells an
@@ -325,6 +333,10 @@ class ExecSessionAdmin(admin.ModelAdmin):
 
     def has_change_permission(self, request: Any, obj: Any = None) -> bool:
         return False
+
+    def has_end_permission(self, request: HttpRequest) -> bool:
+        # As for a job's cancel: the session's change permission, though it has no form to change.
+        return has_model_permission(request, model=ExecSession, action="change")
 
 
 @admin.register(WorkFile)

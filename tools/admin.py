@@ -240,7 +240,7 @@ class ToolsetAdmin(admin.ModelAdmin):
         kept = [f"builtin toolset {key} ({BUILTIN_KEPT})" for key in builtin[:20]]
         return _also_protected(super().get_deleted_objects(objs, request), kept)
 
-    @admin.action(description="Sync tools from the MCP server")
+    @admin.action(description="Sync tools from the MCP server", permissions=["change"])
     def sync_mcp_tools(self, request: HttpRequest, queryset: QuerySet[Toolset]) -> None:
         for toolset in queryset:
             try:

@@ -74,7 +74,7 @@ class ApiKeyAdmin(admin.ModelAdmin):
         obj.pk, obj.prefix, obj.key_hash = key.pk, key.prefix, key.key_hash
         messages.warning(request, f"The new key, shown only this once: {plaintext}")
 
-    @admin.action(description="Revoke the selected keys")
+    @admin.action(description="Revoke the selected keys", permissions=["change"])
     def revoke(self, request: HttpRequest, queryset: QuerySet[ApiKey]) -> None:
         for key in queryset:
             api_key_revoke(key=key, actor=signed_in_user(request), source="admin")

@@ -4,6 +4,7 @@ from django import forms
 from django.contrib import admin
 from django.contrib.admin.widgets import AutocompleteSelect
 from django.contrib.auth import get_user_model
+from django.core.exceptions import PermissionDenied
 from django.db.models import QuerySet
 from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
 from django.template.response import TemplateResponse
@@ -114,6 +115,8 @@ class PolicyAdmin(admin.ModelAdmin):
 
     def try_decision(self, request: HttpRequest) -> TemplateResponse:
         """The "try a decision" form: pick a user, toolsets and a title; see the answer and its reason."""
+        if not self.has_view_permission(request):  # admin_view asks only that the reader be staff
+            raise PermissionDenied
         form = DecisionForm(request.GET or None)
         decision = None
         if form.is_valid():

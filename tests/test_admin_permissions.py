@@ -1,0 +1,107 @@
+"""The admin as a staff member with a model's view permission only: they see its rows, and change
+nothing through an action or a page of the admin's own (a grant of credits, a job's cancel, a key's
+revoke, a session's end, a toolset's sync, an approval), nor read what they have no permission on."""
+
+import uuid
+from datetime import timedelta
+
+from django.contrib.auth import get_user_model
+from django.contrib.auth.models import Permission, User
+from django.test import Client
+from django.utils import timezone
+
+from billing.models import CreditAccount
+from billing.services import credits_adjust
+from execution.models import ExecJob, ExecSession, ToolCall
+from ptcproject.accounts.models import ApiKey
+from ptcproject.accounts.services import api_key_create
+from tests.factories import demo_call, running_job
+
+
+def _staff(*codenames: str) -> tuple[User, Client]:
+    """A staff member (not a superuser) with only these model permissions, signed in to the admin."""
+    staff = get_user_model().objects.create_user(username=f"staff-{uuid.uuid4().hex[:6]}", is_staff=True)
+    staff.user_permissions.add(*Permission.objects.filter(codename__in=codenames))
+    client = Client()
+    client.force_login(staff)
+    return staff, client
+
+
+def _user() -> User:
+    return get_user_model().objects.create_user(username=f"u-{uuid.uuid4().hex[:6]}")
+
+
+def test_a_viewer_of_credit_accounts_grants_no_credits() -> None:
+    user = _user()
+    credits_adjust(user=user, amount=5, reason="start")
+    account = CreditAccount.objects.get(user=user)
+    _, client = _staff("view_creditaccount")
+    assert client.get("/admin/billing/creditaccount/").status_code == 200  # they may see the accounts
+    client.post(
+        "/admin/billing/creditaccount/",
+        {"action": "adjust_credits", "_selected_action": [account.pk], "apply": "1", "amount": "1000000", "reason": "mine"},
+    )
+    account.refresh_from_db()
+    assert account.balance == 5
+    assert account.ledger.count() == 1
+
+
+def test_a_viewer_of_jobs_cancels_none() -> None:
+    job = running_job(user=_user())
+    _, client = _staff("view_execjob")
+    client.post("/admin/execution/execjob/", {"action": "cancel_jobs", "_selected_action": [job.pk]})
+    job.refresh_from_db()
+    assert job.status == ExecJob.Status.RUNNING
+    _, operator = _staff("view_execjob", "change_execjob")  # the permission a cancel asks for
+    operator.post("/admin/execution/execjob/", {"action": "cancel_jobs", "_selected_action": [job.pk]})
+    job.refresh_from_db()
+    assert job.status == ExecJob.Status.CANCELLED
+
+
+def test_a_viewer_of_keys_revokes_none() -> None:
+    key, _ = api_key_create(user=_user(), name="k")
+    _, client = _staff("view_apikey")
+    client.post("/admin/accounts/apikey/", {"action": "revoke", "_selected_action": [key.pk]})
+    assert ApiKey.objects.get(pk=key.pk).revoked_at is None
+
+
+def test_staff_without_the_permission_read_no_spend_chart() -> None:
+    _, client = _staff()
+    assert client.get("/admin/billing/creditusage/chart/").status_code == 403
+    _, viewer = _staff("view_creditusage")
+    assert viewer.get("/admin/billing/creditusage/chart/").status_code == 200
+
+
+def test_a_viewer_of_sessions_ends_none() -> None:
+    now = timezone.now()
+    later = now + timedelta(hours=1)
+    session = ExecSession.objects.create(
+        user=_user(),
+        idle_timeout_seconds=3600,
+        max_lifetime_seconds=3600,
+        last_used_at=now,
+        expires_at=later,
+        max_expires_at=later,
+    )
+    _, client = _staff("view_execsession")
+    client.post("/admin/execution/execsession/", {"action": "end_sessions", "_selected_action": [session.pk]})
+    session.refresh_from_db()
+    assert session.status == ExecSession.Status.ACTIVE
+
+
+def test_a_viewer_of_jobs_and_calls_decides_no_call() -> None:
+    job = running_job(user=_user())
+    call = demo_call(user=job.user, job=job, status=ToolCall.Status.AWAITING_APPROVAL)
+    _, client = _staff("view_execjob", "view_toolcall")
+    response = client.post(f"/admin/execution/execjob/{job.pk}/decide/?call_id={call.call_id}", {"approve": "1"})
+    assert response.status_code == 403
+    call.refresh_from_db()
+    assert (call.status, call.decision) == (ToolCall.Status.AWAITING_APPROVAL, ToolCall.Decision.NONE)
+
+
+def test_staff_without_the_permission_try_no_policy_decision() -> None:
+    user = _user()
+    _, client = _staff()
+    assert client.get(f"/admin/policy/policy/try/?user={user.pk}").status_code == 403
+    _, viewer = _staff("view_policy")
+    assert viewer.get(f"/admin/policy/policy/try/?user={user.pk}").status_code == 200
