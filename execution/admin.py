@@ -279,6 +279,13 @@ class ToolCallAdmin(admin.ModelAdmin):
     def has_add_permission(self, request: Any) -> bool:
         return False
 
+    def has_change_permission(self, request: Any, obj: Any = None) -> bool:
+        # Every field is shown read-only, yet a Save wrote the whole row back as the request had read
+        # it: a worker's finish committed meanwhile was undone (the call executing again, its credits
+        # 0, the ledger having charged it). Its workers and services write it; a decision is made on
+        # its job's timeline.
+        return False
+
     def get_deleted_objects(self, objs: Any, request: HttpRequest) -> tuple[Any, ...]:
         calls = ToolCall.objects.filter(pk__in=pks_of(objs))
         return unended_kept(super().get_deleted_objects(objs, request), calls=calls)
