@@ -106,10 +106,18 @@ class ToolInline(admin.StackedInline):
         return not builtin and super().has_delete_permission(request, obj)
 
 
+class WriteOnlyTextarea(forms.Textarea):
+    """A textarea drawn empty whatever it was given, as a password input is: the form drawn again
+    after an error (of any field) showed the secrets just typed, in the clear."""
+
+    def format_value(self, value: object) -> None:
+        return None
+
+
 class ToolsetForm(forms.ModelForm):
     set_secrets = forms.JSONField(
         required=False,
-        widget=forms.Textarea(attrs={"rows": 3, "cols": 90}),
+        widget=WriteOnlyTextarea(attrs={"rows": 3, "cols": 90}),
         help_text='Write-only. A JSON object {"NAME": "value"}: sets those secrets; null removes one. '
         "Left empty, the secrets stay as they are. Reference them in config as {{secrets.NAME}}.",
     )
@@ -122,6 +130,9 @@ class ToolsetForm(forms.ModelForm):
         super().__init__(*args, **kwargs)
         names = sorted(self.instance.secrets or {}) if self.instance.pk else []
         self.fields["set_secrets"].help_text += f" Set now: {', '.join(names) if names else 'none'}."
+        if self.is_bound and (self.data.get(self.add_prefix("set_secrets")) or "").strip():
+            # Drawn again (a field had an error), the box is empty: what was typed in it is not kept.
+            self.fields["set_secrets"].help_text += " The secrets you typed are not shown again: type them again."
         # A choice of this deployment's tools queues (and the current one, should it have left
         # PTC_TOOLS_QUEUES: shown, then refused by clean() until it is changed). Empty means tools.
         current = self.instance.queue or queues.TOOLS

@@ -82,6 +82,19 @@ def test_admin_secrets_are_write_only(admin_client: Client) -> None:
     toolset.delete()
 
 
+def test_a_toolset_form_drawn_again_after_an_error_shows_no_secret_typed_in_it(admin_client: Client) -> None:
+    """Drawn again for a field's error, the form showed the secrets just typed in the clear (its
+    textarea holding them), as it did when the error was a secret's own (not ASCII in a header)."""
+    secret = f"v-{uuid.uuid4().hex}"
+    for tool_name, value in (("not-a-name", secret), ("forecast", f"é{secret}")):
+        key = unique_key("adminagain")
+        page = admin_client.post("/admin/tools/toolset/add/", _form(key, tool_name, json.dumps({"KEY": value})))
+        assert page.status_code == 200 and "errorlist" in page.content.decode()  # the form again, with its error
+        assert secret not in page.content.decode()
+        assert "The secrets you typed are not shown again: type them again." in page.content.decode()
+        assert not Toolset.objects.filter(key=key).exists()
+
+
 def test_admin_sync_action(admin_client: Client) -> None:
     marker = uuid.uuid4().hex
     toolset = Toolset.objects.create(key=unique_key("adminsync"), name="MCP", kind="mcp", config=mcp_stdio_config(marker))
