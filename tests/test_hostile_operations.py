@@ -7,13 +7,15 @@ from datetime import timedelta
 from django.contrib import admin
 from django.contrib.auth import get_user_model
 from django.contrib.messages.storage.fallback import FallbackStorage
+from django.db import connection
 from django.test import Client, RequestFactory
+from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
 from execution.admin import ExecSessionAdmin
 from execution.models import ExecJob, ExecSession, ToolCall
 from tests.conftest import Api
-from tests.factories import demo_call, running_job
+from tests.factories import demo_call, job_calls, running_job
 
 
 def test_the_admin_cancels_a_running_job_it_tells_the_operator_to_cancel(api: Api) -> None:
@@ -138,6 +140,31 @@ def test_the_admin_deletes_no_user_with_a_job_or_call_not_ended() -> None:
         assert all(name in page for name in named), url  # named as what keeps them
     client.post(f"/admin/auth/user/{done.pk}/delete/", {"post": "yes"})
     assert not users.filter(pk=done.pk).exists()
+
+
+def test_a_users_delete_page_counts_what_goes_with_them_without_reading_it() -> None:
+    """The page read every row the delete would take, whole, to link each one: a user's 10,000
+    calls were 13 s and 65 MB a load, and their page grew with their history. It counts them by
+    model now, each once however it is reached (a job's calls are its user's too), and the delete
+    still takes them."""
+    staff = get_user_model().objects.create_user(username=f"ops-{uuid.uuid4().hex[:6]}", is_staff=True, is_superuser=True)
+    client = Client()
+    client.force_login(staff)
+    user = get_user_model().objects.create_user(username=f"ops-u-{uuid.uuid4().hex[:8]}")
+    for _ in range(3):
+        job = running_job(user=user, status="completed", finished_at=timezone.now())
+        job_calls(job, [{"started_at": job.created_at, "input": {"text": "x" * 1000}}] * 1000)
+    demo_call(user=user, status="completed", finished_at=timezone.now())  # a call of no job
+    with CaptureQueriesContext(connection) as queries:
+        page = client.get(f"/admin/auth/user/{user.pk}/delete/").content.decode()
+    read = [q["sql"] for q in queries.captured_queries if '"execution_toolcall"."input"' in q["sql"]]
+    assert read == []  # no call read, let alone whole
+    assert len(page) < 20_000
+    assert "<li>Tool calls: 3001</li>" in page and "<li>Exec jobs: 3</li>" in page
+    assert "3,001 tool calls" in page
+    client.post(f"/admin/auth/user/{user.pk}/delete/", {"post": "yes"})
+    assert not get_user_model().objects.filter(pk=user.pk).exists()
+    assert not ToolCall.objects.filter(user_id=user.pk).exists()
 
 
 def test_the_admin_deletes_no_user_with_an_active_session() -> None:
