@@ -14,18 +14,19 @@ from billing.models import CreditAccount, CreditUsage, Discount, LedgerEntry, Pl
 from billing.selectors import usage_by_day
 from billing.services import credits_adjust
 from ptcproject.accounts.authentication import signed_in_user
+from ptcproject.admin_deletes import CountedDeleteAdmin
 from ptcproject.errors import ApplicationError
 from ptcproject.readonly import ReadOnlyAdmin
 from ptcproject.storage import BIGINT_MAX
 
 
 @admin.register(Plan)
-class PlanAdmin(admin.ModelAdmin):
+class PlanAdmin(CountedDeleteAdmin):
     list_display = ("key", "name", "free_tool_access")
 
 
 @admin.register(Discount)
-class DiscountAdmin(admin.ModelAdmin):
+class DiscountAdmin(CountedDeleteAdmin):
     list_display = ("__str__", "plan", "toolset", "percent")
     # The toolsets that have a discount, and the toolset searched for: every user's own toolsets,
     # as many as they make, were read and drawn on each load.
@@ -49,7 +50,7 @@ class CreditsForm(forms.Form):
 
 
 @admin.register(CreditAccount)
-class CreditAccountAdmin(admin.ModelAdmin):
+class CreditAccountAdmin(CountedDeleteAdmin):
     list_display = ("user", "balance", "reserved", "plan", "plan_expires_at", "updated_at")
     list_filter = ("plan",)
     search_fields = ("user__username",)

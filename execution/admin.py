@@ -18,6 +18,7 @@ from execution.services.sessions import exec_session_delete
 from execution.services.waiting import tool_call_decide
 from execution.timeline import PREVIEW_CHARS, clipped, timeline_build
 from ptcproject.accounts.authentication import signed_in_user
+from ptcproject.admin_deletes import CountedDeleteAdmin, pks_of
 from ptcproject.admin_permissions import has_model_permission
 from ptcproject.errors import ApplicationError
 
@@ -87,13 +88,8 @@ def unended_kept(
     return to_delete, counts, perms_needed, kept
 
 
-def pks_of(objs: Any) -> list[Any]:
-    """The primary keys of ``objs``, a queryset (the delete action's) or a list (the delete page's)."""
-    return list(objs.values_list("pk", flat=True)) if isinstance(objs, QuerySet) else [obj.pk for obj in objs]
-
-
 @admin.register(ExecJob)
-class ExecJobAdmin(admin.ModelAdmin):
+class ExecJobAdmin(CountedDeleteAdmin):
     list_display = ("call_id", "user", "status", "title", "created_at", "execution_time_seconds")
 
     # Not by user: the filter listed every user of the deployment on each load. Search by username.
@@ -264,7 +260,7 @@ class ExecJobAdmin(admin.ModelAdmin):
 
 
 @admin.register(ToolCall)
-class ToolCallAdmin(admin.ModelAdmin):
+class ToolCallAdmin(CountedDeleteAdmin):
     list_display = ("call_id", "type", "toolset_key", "tool_name", "status", "decision", "user", "credits", "started_at")
     # Not by toolset key: the filter was every distinct key in the table (users name their own
     # toolsets freely), a scan of every call each load. Search finds a toolset's calls.
@@ -304,7 +300,7 @@ class WorkFileInline(admin.TabularInline):
 
 
 @admin.register(ExecSession)
-class ExecSessionAdmin(admin.ModelAdmin):
+class ExecSessionAdmin(CountedDeleteAdmin):
     list_display = ("id", "user", "status", "worker", "jobs_run", "created_at", "last_used_at", "expires_at")
     list_filter = ("status", "created_at")  # not by user: as for jobs
     search_fields = ("id", "worker", "user__username")
@@ -347,7 +343,7 @@ class ExecSessionAdmin(admin.ModelAdmin):
 
 
 @admin.register(WorkFile)
-class WorkFileAdmin(admin.ModelAdmin):
+class WorkFileAdmin(CountedDeleteAdmin):
     list_display = ("path", "kind", "size", "pending", "session", "exec_job", "updated_at")
     list_filter = ("kind", "pending", "updated_at")
     search_fields = ("path", "session__id", "exec_job__call_id")

@@ -167,6 +167,31 @@ def test_a_users_delete_page_counts_what_goes_with_them_without_reading_it() -> 
     assert not ToolCall.objects.filter(user_id=user.pk).exists()
 
 
+def test_a_jobs_delete_page_counts_its_calls_without_reading_them() -> None:
+    """As a user's: a job's page read each of its calls whole (a managed container's job has no
+    bound on them), and the delete action did for every job chosen."""
+    staff = get_user_model().objects.create_user(username=f"ops-{uuid.uuid4().hex[:6]}", is_staff=True, is_superuser=True)
+    client = Client()
+    client.force_login(staff)
+    user = get_user_model().objects.create_user(username=f"ops-u-{uuid.uuid4().hex[:8]}")
+    jobs = [running_job(user=user, status="completed", finished_at=timezone.now()) for _ in range(2)]
+    for job in jobs:
+        job_calls(job, [{"started_at": job.created_at, "input": {"text": "x" * 1000}}] * 1500)
+    for url, data in (
+        (f"/admin/execution/execjob/{jobs[0].pk}/delete/", {}),
+        ("/admin/execution/execjob/", {"action": "delete_selected", "_selected_action": [job.pk for job in jobs]}),
+    ):
+        with CaptureQueriesContext(connection) as queries:
+            page = (client.post(url, data) if data else client.get(url)).content.decode()
+        assert [q["sql"] for q in queries.captured_queries if '"execution_toolcall"."input"' in q["sql"]] == [], url
+        assert f"<li>Tool calls: {1500 * (1 + bool(data))}</li>" in page, url
+    client.post(
+        "/admin/execution/execjob/", {"action": "delete_selected", "_selected_action": [j.pk for j in jobs], "post": "yes"}
+    )
+    assert not ExecJob.objects.filter(pk__in=[job.pk for job in jobs]).exists()
+    assert not ToolCall.objects.filter(user=user).exists()
+
+
 def test_the_admin_deletes_no_user_with_an_active_session() -> None:
     """A user's active session (with no job) did not keep them: deleted, the session went with
     them, its sandbox left to its worker's next lease round. It keeps them now, named, until it

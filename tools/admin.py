@@ -9,6 +9,7 @@ from django.utils.html import format_html
 from rest_framework import serializers
 
 from ptcproject import queues
+from ptcproject.admin_deletes import CountedDeleteAdmin, pks_of
 from ptcproject.errors import ApplicationError
 from ptcproject.queues import tools_queue_problem
 from tools.models import Tool, Toolset
@@ -210,13 +211,8 @@ def _also_protected(deleted: tuple[Any, Any, Any, list[Any]], kept: list[str]) -
     return to_delete, counts, perms_needed, [*kept, *protected]
 
 
-def _pks(objs: Any) -> list[Any]:
-    """The primary keys of ``objs``, a queryset (the delete action's) or a list (the delete page's)."""
-    return list(objs.values_list("pk", flat=True)) if isinstance(objs, QuerySet) else [obj.pk for obj in objs]
-
-
 @admin.register(Toolset)
-class ToolsetAdmin(admin.ModelAdmin):
+class ToolsetAdmin(CountedDeleteAdmin):
     form = ToolsetForm
     list_display = ("key", "name", "kind", "owner", "is_global", "enabled", "price", "billing_free", "queue", "requires_approval")
     list_filter = ("kind", "is_global", "enabled", "billing_free", "queue")
@@ -247,7 +243,7 @@ class ToolsetAdmin(admin.ModelAdmin):
         return super().render_change_form(request, context, add=add, change=change, form_url=form_url, obj=obj)
 
     def get_deleted_objects(self, objs: Any, request: HttpRequest) -> tuple[Any, ...]:
-        builtin = Toolset.objects.filter(pk__in=_pks(objs), kind=Toolset.Kind.BUILTIN).values_list("key", flat=True)
+        builtin = Toolset.objects.filter(pk__in=pks_of(objs), kind=Toolset.Kind.BUILTIN).values_list("key", flat=True)
         kept = [f"builtin toolset {key} ({BUILTIN_KEPT})" for key in builtin[:20]]
         return _also_protected(super().get_deleted_objects(objs, request), kept)
 
@@ -269,7 +265,7 @@ class ToolsetAdmin(admin.ModelAdmin):
 
 
 @admin.register(Tool)
-class ToolAdmin(admin.ModelAdmin):
+class ToolAdmin(CountedDeleteAdmin):
     form = ToolForm
     list_display = ("name", "toolset", "signature", "read_only", "enabled", "price")
     # Not by toolset, and the toolset searched for: any user makes toolsets of their own, as many as
@@ -287,7 +283,7 @@ class ToolAdmin(admin.ModelAdmin):
         return self.readonly_fields
 
     def get_deleted_objects(self, objs: Any, request: HttpRequest) -> tuple[Any, ...]:
-        builtin = Tool.objects.filter(pk__in=_pks(objs), toolset__kind=Toolset.Kind.BUILTIN)
+        builtin = Tool.objects.filter(pk__in=pks_of(objs), toolset__kind=Toolset.Kind.BUILTIN)
         kept = [
             f"tool {name} of the builtin toolset {key} ({BUILTIN_KEPT})"
             for key, name in builtin.values_list("toolset__key", "name")[:20]

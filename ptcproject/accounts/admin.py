@@ -6,12 +6,12 @@ from django.contrib.auth.models import User
 from django.db.models import F, QuerySet
 from django.http import HttpRequest
 
-from execution.admin import pks_of, unended_kept
+from execution.admin import unended_kept
 from execution.models import ExecJob, ExecSession, ToolCall
 from ptcproject.accounts.authentication import signed_in_user
 from ptcproject.accounts.models import ApiKey, ApiKeyEvent, UserSettings
 from ptcproject.accounts.services import api_key_create, api_key_expire, api_key_revoke
-from ptcproject.deletion import deletion_counts
+from ptcproject.admin_deletes import CountedDeleteAdmin, pks_of
 from ptcproject.errors import ApplicationError
 
 
@@ -83,7 +83,7 @@ class ApiKeyAdmin(admin.ModelAdmin):
 
 
 @admin.register(UserSettings)
-class UserSettingsAdmin(admin.ModelAdmin):
+class UserSettingsAdmin(CountedDeleteAdmin):
     list_display = ("user", "retention_days", "max_concurrent_jobs", "max_concurrent_tool_calls", "max_jobs_per_minute")
     search_fields = ("user__username",)
     autocomplete_fields = ("user",)
@@ -93,7 +93,7 @@ admin.site.unregister(User)
 
 
 @admin.register(User)
-class PtcUserAdmin(UserAdmin):
+class PtcUserAdmin(CountedDeleteAdmin, UserAdmin):
     """Django's user admin, that deletes no user with a job that has not ended, a tool call that is
     open or a session that is active: deleted, the user took them with them (a cascade), past the
     guard the job, call and session admins keep, and their workers recorded into rows gone under
@@ -103,19 +103,4 @@ class PtcUserAdmin(UserAdmin):
         ids = pks_of(objs)
         jobs, calls = ExecJob.objects.filter(user_id__in=ids), ToolCall.objects.filter(user_id__in=ids)
         sessions = ExecSession.objects.filter(user_id__in=ids)
-        return unended_kept(self._deleted_counted(ids, request), jobs=jobs, calls=calls, sessions=sessions)
-
-    def _deleted_counted(self, ids: list[Any], request: HttpRequest) -> tuple[Any, Any, Any, list[Any]]:
-        """What Django's get_deleted_objects returns, with what goes with the users counted by model
-        rather than each row read and linked (ptcproject.deletion): a user's every call, job and
-        ledger entry, read whole, were the page's load, unbounded."""
-        deleted, protected = deletion_counts(model=User, pks=ids)
-        perms_needed = set()
-        for model in (*deleted, *protected):
-            if self.admin_site.is_registered(model) and not self.admin_site.get_model_admin(model).has_delete_permission(request):
-                perms_needed.add(model._meta.verbose_name)
-        users = [f"User: {user}" for user in User.objects.filter(pk__in=ids).order_by("username")[:100]]
-        related = [f"{count:,} {model._meta.verbose_name_plural}" for model, count in deleted.items() if model is not User]
-        model_count = {model._meta.verbose_name_plural: count for model, count in deleted.items()}
-        kept = [f"{count:,} {model._meta.verbose_name_plural} (protected)" for model, count in protected.items()]
-        return [*users, related], model_count, perms_needed, kept
+        return unended_kept(super().get_deleted_objects(objs, request), jobs=jobs, calls=calls, sessions=sessions)

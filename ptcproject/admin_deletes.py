@@ -1,0 +1,41 @@
+"""The admin's delete pages, counted rather than read (ptcproject.deletion)."""
+
+from typing import Any
+
+from django.contrib import admin
+from django.db.models import QuerySet
+from django.http import HttpRequest
+
+from ptcproject.deletion import deletion_counts
+
+OBJECTS_NAMED = 100  # of the rows chosen for a delete, the most its page names
+
+
+def pks_of(objs: Any) -> list[Any]:
+    """The primary keys of ``objs``, a queryset (the delete action's) or a list (the delete page's)."""
+    return list(objs.values_list("pk", flat=True)) if isinstance(objs, QuerySet) else [obj.pk for obj in objs]
+
+
+class CountedDeleteAdmin(admin.ModelAdmin):
+    """A ModelAdmin whose delete page and delete action say what goes with the rows chosen by model
+    and count, as Django's page says in its summary, and never read those rows: Django's read each
+    one whole to link it (a user's or a job's every call, a session's every file with its bytes, a
+    tool's every call to set its tool to null), so the page's load grew with the history, unbounded.
+    What it returns is what Django's get_deleted_objects returns, and decides the same: the
+    permissions lacking to delete what goes, and the rows a PROTECT relation keeps."""
+
+    def get_deleted_objects(self, objs: Any, request: HttpRequest) -> tuple[Any, ...]:
+        ids = pks_of(objs)
+        deleted, protected = deletion_counts(model=self.model, pks=ids)
+        perms_needed = set()
+        for model in (*deleted, *protected):
+            registered = self.admin_site.is_registered(model)
+            if registered and not self.admin_site.get_model_admin(model).has_delete_permission(request):
+                perms_needed.add(model._meta.verbose_name)
+        opts = self.model._meta
+        chosen = self.model._base_manager.filter(pk__in=ids)[:OBJECTS_NAMED]
+        named: list[Any] = [f"{opts.verbose_name[:1].upper()}{opts.verbose_name[1:]}: {obj}" for obj in chosen]
+        goes = [f"{count:,} {model._meta.verbose_name_plural}" for model, count in deleted.items() if model is not self.model]
+        model_count = {model._meta.verbose_name_plural: count for model, count in deleted.items()}
+        kept = [f"{count:,} {model._meta.verbose_name_plural} (protected)" for model, count in protected.items()]
+        return [*named, goes] if goes else named, model_count, perms_needed, kept
