@@ -4,6 +4,7 @@ from typing import Any
 from django import forms
 from django.contrib import admin, messages
 from django.db.models import Field, JSONField, QuerySet
+from django.forms.fields import InvalidJSONInput
 from django.http import HttpRequest, HttpResponse
 from django.utils.html import format_html
 from rest_framework import serializers
@@ -12,6 +13,7 @@ from ptcproject import queues
 from ptcproject.admin_deletes import CountedDeleteAdmin, pks_of
 from ptcproject.errors import ApplicationError
 from ptcproject.queues import tools_queue_problem
+from ptcproject.storage import MAX_JSON_DEPTH, json_depth_exceeds, unstorable
 from tools.models import Tool, Toolset
 from tools.sdk import tool_signature
 from tools.secret_refs import secret_names_problem
@@ -24,12 +26,40 @@ class PrettyJSONWidget(forms.Textarea):
     def format_value(self, value: object) -> str:
         try:
             return json.dumps(json.loads(value) if isinstance(value, str) else value, indent=2, sort_keys=True)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, RecursionError):
             return str(value)
 
 
+class StorableJSONField(forms.JSONField):
+    """JSON that PostgreSQL's jsonb can hold and its readers can walk: a string or key with a NUL
+    (\\u0000), NaN or Infinity, or lists nested past MAX_JSON_DEPTH are a field error. Each was a 500:
+    the database refused the row (NUL, NaN), or json.loads ran out of stack."""
+
+    def to_python(self, value: Any) -> Any:
+        try:
+            return super().to_python(value)
+        except RecursionError:
+            raise forms.ValidationError(f"nested deeper than {MAX_JSON_DEPTH} levels", code="invalid") from None
+
+    def bound_data(self, data: Any, initial: Any) -> Any:
+        try:
+            return super().bound_data(data, initial)
+        except RecursionError:  # the form drawn again shows it as it was typed
+            return InvalidJSONInput(data)
+
+    def validate(self, value: Any) -> None:
+        super().validate(value)
+        if json_depth_exceeds(value):
+            raise forms.ValidationError(f"nested deeper than {MAX_JSON_DEPTH} levels", code="invalid")
+        problem = unstorable(value)
+        if problem:
+            raise forms.ValidationError(problem, code="invalid")
+
+
 # Schemas and configs are edited as pretty-printed JSON, so they are readable.
-_PRETTY: dict[type[Field], dict[str, Any]] = {JSONField: {"widget": PrettyJSONWidget(attrs={"rows": 10, "cols": 90})}}
+_PRETTY: dict[type[Field], dict[str, Any]] = {
+    JSONField: {"widget": PrettyJSONWidget(attrs={"rows": 10, "cols": 90}), "form_class": StorableJSONField}
+}
 
 
 def _add_errors(form: forms.BaseForm, errors: list[FieldError], prefix: str = "") -> None:

@@ -95,6 +95,31 @@ def test_a_toolset_form_drawn_again_after_an_error_shows_no_secret_typed_in_it(a
         assert not Toolset.objects.filter(key=key).exists()
 
 
+UNSTORABLE_JSON = {
+    "a NUL in a header": (
+        "config",
+        {"base_url": "http://127.0.0.1:9", "headers": {"X-Key": "{{secrets.KEY}}", "X-A": "a\u0000"}},
+    ),
+    "a NUL in a key": ("config", {"base_url": "http://127.0.0.1:9", "headers": {"X-Key": "{{secrets.KEY}}"}, "k\u0000": 1}),
+    "a NUL in an output schema": ("tools-0-output_schema", {"type": "object", "description": "a\u0000b"}),
+    "a NUL in a path": ("tools-0-http", {"method": "GET", "path": "/forecast/{city}\u0000", "query": []}),
+    "lists 100,000 deep": ("tools-0-output_schema", "[" * 100_000 + "]" * 100_000),
+}
+
+
+@pytest.mark.parametrize("case", list(UNSTORABLE_JSON))
+def test_json_the_database_cant_hold_is_a_field_error_in_the_admin(admin_client: Client, case: str) -> None:
+    """Each was a 500: PostgreSQL's jsonb refused the row (a NUL, NaN), or json.loads ran out of stack."""
+    field, value = UNSTORABLE_JSON[case]
+    key = unique_key("adminjson")
+    form = {**_form(key, "forecast", '{"KEY": "v"}'), field: value if isinstance(value, str) else json.dumps(value)}
+    page = Client(raise_request_exception=False)
+    page.cookies = admin_client.cookies
+    response = page.post("/admin/tools/toolset/add/", form)
+    assert response.status_code == 200 and "errorlist" in response.content.decode()
+    assert not Toolset.objects.filter(key=key).exists()
+
+
 def test_admin_sync_action(admin_client: Client) -> None:
     marker = uuid.uuid4().hex
     toolset = Toolset.objects.create(key=unique_key("adminsync"), name="MCP", kind="mcp", config=mcp_stdio_config(marker))
