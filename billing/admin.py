@@ -98,12 +98,17 @@ class LedgerEntryAdmin(ReadOnlyAdmin):
     list_display = ("created_at", "account", "kind", "delta", "reason", "created_by")
     list_filter = ("kind", "created_at")
     search_fields = ("account__user__username", "reason", "tool_call_id")
+    # A row a call charged or refunded, and created_at has no index: the model's ordering by it read
+    # and sorted every entry each load. Newest first by id reads a page of the primary key.
+    ordering = ("-id",)
+    show_full_result_count = False
 
 
 @admin.register(Reservation)
 class ReservationAdmin(ReadOnlyAdmin):
     list_display = ("tool_call_id", "account", "amount", "status", "created_at", "closed_at")
     list_filter = ("status",)
+    show_full_result_count = False  # a row a call: one count of them a load, not two
 
 
 @admin.register(CreditUsage)
@@ -112,6 +117,7 @@ class CreditUsageAdmin(ReadOnlyAdmin):
     list_filter = ("usage_type", "created_at")
     search_fields = ("user__username", "tool_call_id")
     date_hierarchy = "created_at"
+    show_full_result_count = False  # a row a call: one count of them a load, not two
 
     def get_urls(self) -> list[URLPattern]:
         chart = path("chart/", self.admin_site.admin_view(self.chart), name="billing_creditusage_chart")

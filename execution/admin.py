@@ -266,7 +266,13 @@ class ToolCallAdmin(CountedDeleteAdmin):
     # toolsets freely), a scan of every call each load. Search finds a toolset's calls.
     list_filter = ("status", "decision", "type", "started_at")
     search_fields = ("call_id", "ptc_call_id", "toolset_key", "tool_name", "user__username")
-    date_hierarchy = "started_at"
+    # The largest table of all (a row a call), and started_at has no index of its own (each index
+    # is written twice a call): ordered by it (the model's oldest-first ordering) and drawn with a
+    # date hierarchy (its min, max and distinct days), each load of the list read every row, 1 s
+    # at 400,000 calls and growing with them. Newest first by id reads a page of the primary key;
+    # the started-at filter's links (today, past 7 days...) stay. One count, not two.
+    ordering = ("-id",)
+    show_full_result_count = False
     readonly_fields = [f.name for f in ToolCall._meta.fields]
 
     def get_changelist(self, request: HttpRequest, **kwargs: Any) -> type[ChangeList]:

@@ -1,9 +1,19 @@
+import json
 import uuid
+from collections.abc import Callable
+from typing import Any
 
+import pytest
 from django.contrib.auth import get_user_model
+from django.db import connection
 from django.test import Client
+from django.test.utils import CaptureQueriesContext
+from django.utils import timezone
 
+from billing.models import LedgerEntry
+from billing.services import credits_adjust
 from tests.conftest import Api
+from tests.factories import job_calls, running_job
 
 
 def test_admin_pages_render_for_staff(api: Api) -> None:
@@ -36,3 +46,59 @@ def test_admin_is_closed_to_non_staff(api: Api) -> None:
     client = Client()
     client.force_login(user)
     assert client.get("/admin/execution/execjob/").status_code == 302
+
+
+def _rows_read(sql: str, table: str) -> int:
+    """How many rows of ``table`` running ``sql`` reads, by its plan as run (EXPLAIN ANALYZE)."""
+    with connection.cursor() as cursor:
+        cursor.execute(f"EXPLAIN (ANALYZE, FORMAT JSON) {sql}")
+        plan = cursor.fetchone()[0]
+    plan = json.loads(plan) if isinstance(plan, str) else plan
+    read, nodes = 0, [plan[0]["Plan"]]
+    while nodes:
+        node = nodes.pop()
+        if node.get("Relation Name") == table:
+            read += node["Actual Rows"] * node["Actual Loops"] + node.get("Rows Removed by Filter", 0)
+        nodes.extend(node.get("Plans", []))
+    return read
+
+
+ROWS = 5000
+
+
+def _many_calls(user: Any) -> None:
+    job = running_job(user=user, status="completed", finished_at=timezone.now())
+    job_calls(job, [{"started_at": job.created_at}] * ROWS)
+
+
+def _many_ledger_entries(user: Any) -> None:
+    entry = credits_adjust(user=user, amount=1, reason="start")
+    # Entries that add up to nothing, so the balance stays the ledger's sum.
+    LedgerEntry.objects.bulk_create(
+        LedgerEntry(account_id=entry.account_id, kind="adjustment", delta=(-1) ** i, reason="even") for i in range(ROWS)
+    )
+
+
+@pytest.mark.parametrize(
+    "page,table,make",
+    [
+        ("/admin/execution/toolcall/", "execution_toolcall", _many_calls),
+        ("/admin/billing/ledgerentry/", "billing_ledgerentry", _many_ledger_entries),
+    ],
+)
+def test_the_largest_tables_lists_read_a_page_not_the_table(page: str, table: str, make: Callable[[Any], None]) -> None:
+    """A row a tool call: the call and ledger lists were ordered by a column with no index (and the
+    calls drawn with a date hierarchy over another), so each load read and sorted every row, 1 s at
+    400,000 calls and growing with them. Each query of the page but its count now reads a page."""
+    make(get_user_model().objects.create_user(username=f"many-{uuid.uuid4().hex[:6]}"))
+    staff = get_user_model().objects.create_user(username=f"admin-{uuid.uuid4().hex[:6]}", is_staff=True, is_superuser=True)
+    client = Client()
+    client.force_login(staff)
+    with CaptureQueriesContext(connection) as queries:
+        assert client.get(page).status_code == 200
+    read = {
+        query["sql"][:200]: _rows_read(query["sql"], table)
+        for query in queries.captured_queries
+        if f'"{table}"' in query["sql"] and not query["sql"].startswith("SELECT COUNT(*)")
+    }
+    assert read and all(rows <= 200 for rows in read.values()), read
