@@ -17,6 +17,7 @@ from ptcproject.storage import MAX_JSON_DEPTH, json_depth_exceeds, unstorable
 from tools.models import Tool, Toolset
 from tools.sdk import tool_signature
 from tools.secret_refs import secret_names_problem
+from tools.selectors import toolset_key_taken
 from tools.serializers import ToolWriteSerializer
 from tools.services import TOOL_FIELDS, TOOLSET_FIELDS, mcp_toolset_sync
 from tools.validation import CLIENT_NOT_GATED, FieldError, config_errors, identifier_problem, tool_errors
@@ -198,6 +199,13 @@ class ToolsetForm(forms.ModelForm):
         queue_problem = tools_queue_problem(data.get("queue") or "")
         if queue_problem:
             self.add_error("queue", queue_problem)
+        key, owner = data.get("key"), data.get("owner")
+        if key and not problem and toolset_key_taken(key=key, owner=owner, exclude=self.instance):
+            # The key is read-only once made, so Django's own check of the (key, owner) constraints
+            # skipped them on a change: an owner changed to a user with a toolset of that key, or
+            # one made ownerless where a global toolset has it, was an IntegrityError, a 500.
+            whose = "A global toolset" if owner is None else f"{owner} has a toolset"
+            self.add_error("owner", f"{whose} with key '{key}' already: choose another owner, or change that one.")
         if not data.get("is_global") and data.get("owner") is None:
             # Only a toolset's owner sees one that is not global (tools.selectors): with no owner, nobody would.
             self.add_error(

@@ -12,6 +12,14 @@ from ptcproject.kept import Kept
 from tools.models import Tool, Toolset
 
 
+def toolset_key_taken(*, key: str, owner: User | None, exclude: Toolset | None = None) -> bool:
+    """Return True if a toolset other than ``exclude`` has ``key`` for ``owner`` (None: the global keys)."""
+    taken = Toolset.objects.filter(key=key, owner=owner)
+    if exclude is not None and exclude.pk is not None:
+        taken = taken.exclude(pk=exclude.pk)
+    return taken.exists()
+
+
 def _toolsets_of(*, user: User, include_disabled: bool = False) -> QuerySet[Toolset]:
     """The toolsets ``user`` may use, without their tools: their own, plus global ones they don't shadow.
 

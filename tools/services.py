@@ -16,6 +16,7 @@ from tools.errors import ToolFailure
 from tools.kinds import mcp
 from tools.models import Tool, Toolset
 from tools.secret_refs import REDACTED
+from tools.selectors import toolset_key_taken
 from tools.validation import FieldError, schema_errors, toolset_errors
 
 # The toolset fields a write may set; ``secrets`` and ``tools`` are handled on their own.
@@ -117,10 +118,7 @@ def _owner_for(*, is_global: bool, actor: User) -> User | None:
 
 
 def _check_key_free(*, key: str, owner: User | None, exclude: Toolset | None = None) -> None:
-    taken = Toolset.objects.filter(key=key, owner=owner)
-    if exclude is not None:
-        taken = taken.exclude(pk=exclude.pk)
-    if taken.exists():
+    if toolset_key_taken(key=key, owner=owner, exclude=exclude):
         whose = "A global toolset" if owner is None else "Your own toolset"
         raise ApplicationError(
             "toolset_exists", f"{whose} with key '{key}' already exists. Change that one, or pick another key.", status=409

@@ -120,6 +120,33 @@ def test_json_the_database_cant_hold_is_a_field_error_in_the_admin(admin_client:
     assert not Toolset.objects.filter(key=key).exists()
 
 
+def test_a_toolset_moved_onto_a_key_taken_is_a_field_error_in_the_admin(admin_client: Client) -> None:
+    """The key is read-only once made, so the form's own check of the (key, owner) constraints
+    skipped them: a toolset given to a user who has one of its key, or made global where a global
+    one has it, was an IntegrityError, a 500, as the API answers 409 toolset_exists."""
+    users = get_user_model().objects
+    alice, bob = (users.create_user(username=f"{name}-{uuid.uuid4().hex[:6]}") for name in ("alice", "bob"))
+    key = unique_key("clash")
+    config = {"base_url": "http://127.0.0.1:9"}
+    Toolset.objects.create(key=key, name="G", kind="http", config=config, is_global=True)
+    Toolset.objects.create(key=key, name="B", kind="http", config=config, is_global=False, owner=bob)
+    mine = Toolset.objects.create(key=key, name="A", kind="http", config=config, is_global=False, owner=alice)
+    form = {
+        **{name: value for name, value in _form(key, "forecast", "").items() if not name.startswith("tools-0-")},
+        **{"tools-TOTAL_FORMS": "0", "config": json.dumps(config), "queue": "tools"},
+    }
+    client = Client(raise_request_exception=False)
+    client.cookies = admin_client.cookies
+    for moved, said in (
+        ({"owner": str(bob.pk), "is_global": ""}, f"{bob} has a toolset with key &#x27;{key}&#x27; already"),
+        ({"owner": "", "is_global": "on"}, f"A global toolset with key &#x27;{key}&#x27; already"),
+    ):
+        page = client.post(f"/admin/tools/toolset/{mine.pk}/change/", {**form, **moved})
+        assert page.status_code == 200 and said in page.content.decode()
+        mine.refresh_from_db()
+        assert (mine.owner, mine.is_global) == (alice, False)
+
+
 def test_admin_sync_action(admin_client: Client) -> None:
     marker = uuid.uuid4().hex
     toolset = Toolset.objects.create(key=unique_key("adminsync"), name="MCP", kind="mcp", config=mcp_stdio_config(marker))
