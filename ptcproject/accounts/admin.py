@@ -49,7 +49,12 @@ class ApiKeyAdmin(admin.ModelAdmin):
     def get_readonly_fields(self, request: HttpRequest, obj: ApiKey | None = None) -> Any:
         # A key is its user's for life: moved to another user, whoever holds it would act as that
         # user, with no audit of the move. To give someone a key, make them one.
-        return (*self.readonly_fields, "user") if obj is not None else self.readonly_fields
+        if obj is None:
+            return self.readonly_fields
+        # A revoked key's expiry is refused by its service (conflict): offered, its change was
+        # refused with an error, yet the page said the key was changed and its history recorded
+        # "Changed Expires at" for a change that never happened.
+        return (*self.readonly_fields, "user", *(("expires_at",) if obj.revoked_at is not None else ()))
 
     def has_delete_permission(self, request: HttpRequest, obj: ApiKey | None = None) -> bool:
         # A key is revoked, never deleted, as over the API: a delete took its audit trail (who made

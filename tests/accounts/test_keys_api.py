@@ -7,6 +7,7 @@ import httpx
 from django.utils import timezone
 
 from ptcproject.accounts.models import ApiKey, ApiKeyEvent
+from ptcproject.accounts.services import api_key_create, api_key_revoke
 from tests.conftest import Api
 from tests.execution.test_tools_execute import JOB, _job_key
 
@@ -132,6 +133,28 @@ def test_the_admin_audits_what_it_does_to_keys(api: Api) -> None:
         ("expiry_set", staff, "admin"),
         ("revoked", staff, "admin"),
     ]
+
+
+def test_a_revoked_keys_expiry_is_not_offered_in_the_admin_nor_recorded_as_changed(api: Api) -> None:
+    """Its service refuses it (conflict): the admin offered the field, showed that error, and then
+    said the key was changed, its history recording "Changed Expires at" for nothing changed."""
+    from django.contrib.admin.models import LogEntry
+    from django.contrib.auth import get_user_model
+    from django.test import Client
+
+    staff = get_user_model().objects.create_user(username=f"admin-r-{api.username}", is_staff=True, is_superuser=True)
+    owner = get_user_model().objects.get(username=api.username)
+    key, _ = api_key_create(user=owner, name="old")
+    api_key_revoke(key=key)
+    client = Client()
+    client.force_login(staff)
+    change = f"/admin/accounts/apikey/{key.pk}/change/"
+    assert 'name="expires_at_0"' not in client.get(change).content.decode()
+    form = {"name": "renamed", "expires_at_0": "2030-01-01", "expires_at_1": "00:00:00"}
+    client.post(change, {**form, "events-TOTAL_FORMS": 0, "events-INITIAL_FORMS": 0})
+    key.refresh_from_db()
+    assert (key.name, key.expires_at) == ("renamed", None)
+    assert "Expires at" not in LogEntry.objects.get(object_id=str(key.pk)).get_change_message()
 
 
 def test_a_page_that_is_not_a_positive_number_is_a_400(api: Api) -> None:
