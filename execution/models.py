@@ -89,6 +89,9 @@ class ExecJob(models.Model):
         ordering = ["-created_at"]
         indexes = [
             models.Index(fields=["user", "-created_at"]),
+            # The admin's list, newest first: without it each load read and sorted every job. Set at
+            # insert and never changed, so a job's updates stay heap-only.
+            models.Index(fields=["-created_at"], name="execjob_created"),
             models.Index(fields=["status", "heartbeat_at"]),
             # Retention's scan: finished jobs not purged yet, oldest first.
             models.Index(fields=["finished_at"], condition=models.Q(purged_at__isnull=True), name="execjob_unpurged_finished"),
