@@ -155,7 +155,9 @@ class ExecJobAdmin(CountedDeleteAdmin):
         form_url: str = "",
         obj: Any = None,
     ) -> HttpResponse:
-        if obj is not None:
+        # The timeline shows the calls' inputs, outputs and errors: a staff member let view jobs but
+        # not tool calls read them there all the same.
+        if obj is not None and has_model_permission(request, model=ToolCall, action="view"):
             calls_url = reverse("admin:execution_toolcall_changelist")
             # One query for the calls (and a count past DRAWN_MAX); nothing below touches a related row. Of
             # their inputs and outputs, only as much as a preview shows: read whole, a job's 1,000

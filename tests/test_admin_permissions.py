@@ -105,3 +105,15 @@ def test_staff_without_the_permission_try_no_policy_decision() -> None:
     assert client.get(f"/admin/policy/policy/try/?user={user.pk}").status_code == 403
     _, viewer = _staff("view_policy")
     assert viewer.get(f"/admin/policy/policy/try/?user={user.pk}").status_code == 200
+
+
+def test_a_viewer_of_jobs_but_not_of_calls_reads_no_call_on_the_timeline() -> None:
+    job = running_job(user=_user())
+    call = demo_call(user=job.user, job=job, input={"secret_plan": "buy"})
+    _, client = _staff("view_execjob")
+    page = client.get(f"/admin/execution/execjob/{job.pk}/change/").content.decode()
+    assert job.call_id in page  # the job is theirs to see
+    assert call.call_id not in page and "secret_plan" not in page
+    _, viewer = _staff("view_execjob", "view_toolcall")
+    page = viewer.get(f"/admin/execution/execjob/{job.pk}/change/").content.decode()
+    assert call.call_id in page and "secret_plan" in page
