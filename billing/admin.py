@@ -28,6 +28,7 @@ class PlanAdmin(CountedDeleteAdmin):
 @admin.register(Discount)
 class DiscountAdmin(CountedDeleteAdmin):
     list_display = ("__str__", "plan", "toolset", "percent")
+    list_select_related = ("plan", "toolset")  # as for the accounts' plans
     # The toolsets that have a discount, and the toolset searched for: every user's own toolsets,
     # as many as they make, were read and drawn on each load.
     list_filter = ("plan", ("toolset", admin.RelatedOnlyFieldListFilter))
@@ -52,6 +53,9 @@ class CreditsForm(forms.Form):
 @admin.register(CreditAccount)
 class CreditAccountAdmin(CountedDeleteAdmin):
     list_display = ("user", "balance", "reserved", "plan", "plan_expires_at", "updated_at")
+    # Named: Django's own joins follow only the columns that can't be null, so each row's plan was
+    # a query of its own (a page of 100 accounts, 100 more queries), as was each entry's created_by.
+    list_select_related = ("user", "plan")
     list_filter = ("plan",)
     search_fields = ("user__username",)
     readonly_fields = ("user", "balance", "reserved", "updated_at")
@@ -96,6 +100,7 @@ class CreditAccountAdmin(CountedDeleteAdmin):
 @admin.register(LedgerEntry)
 class LedgerEntryAdmin(ReadOnlyAdmin):
     list_display = ("created_at", "account", "kind", "delta", "reason", "created_by")
+    list_select_related = ("account__user", "created_by")  # as for the accounts' plans
     list_filter = ("kind", "created_at")
     search_fields = ("account__user__username", "reason", "tool_call_id")
     # A row a call charged or refunded, and created_at has no index: the model's ordering by it read

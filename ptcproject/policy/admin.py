@@ -65,6 +65,7 @@ class PolicyChangeAdmin(ReadOnlyAdmin):
     """Every change of the policy, newest first, a page at a time: read only, as it was recorded."""
 
     list_display = ("changed_at", "changed_by", "__str__")
+    list_select_related = ("changed_by",)  # can be null, so Django's own join left it: a query a row
     list_per_page = 50
     fields = ("policy", "changed_at", "changed_by", "changes")
     readonly_fields = fields
