@@ -49,7 +49,7 @@ from execution.serializers import (
     job_json_parts,
 )
 from execution.services.calls import tool_call_standalone
-from execution.services.jobs import exec_job_cancel_await, exec_job_for_container, exec_job_submit
+from execution.services.jobs import exec_job_cancel_await, exec_job_submit
 from execution.services.sessions import (
     exec_session_create,
     exec_session_delete,
@@ -412,15 +412,12 @@ class ToolExecuteApi(APIView):
         body.is_valid(raise_exception=True)
         data = body.validated_data
         key = request_key(request)
-        container_job = None
-        if data.get("container_id"):
-            if key is not None and key.exec_job_id is not None:
-                raise ApplicationError(
-                    "validation_error",
-                    "A job-scoped key calls for its own job; container_id is for a user's key.",
-                    details={"container_id": ["not with a job-scoped key"]},
-                )
-            container_job = exec_job_for_container(user=signed_in_user(request), container_id=data["container_id"])
+        if data.get("container_id") and key is not None and key.exec_job_id is not None:
+            raise ApplicationError(
+                "validation_error",
+                "A job-scoped key calls for its own job; container_id is for a user's key.",
+                details={"container_id": ["not with a job-scoped key"]},
+            )
         call = tool_call_standalone(
             user=signed_in_user(request),
             key=key,
@@ -428,7 +425,7 @@ class ToolExecuteApi(APIView):
             tool=data["tool"],
             arguments=data["arguments"],
             job_call_id=request.headers.get("x-ptc-call-id", ""),
-            container_job=container_job,
+            container_id=data.get("container_id") or "",
             caller=dict(data["caller"]) if data.get("caller") else None,
         )
         return Response(ToolCallSerializer(call).data)

@@ -338,20 +338,21 @@ def tool_call_standalone(
     tool: str,
     arguments: Any,
     job_call_id: str = "",
-    container_job: ExecJob | None = None,
+    container_id: str = "",
     caller: dict[str, str] | None = None,
 ) -> ToolCall:
     """Run one call outside any sandbox (POST /api/v1/tools/execute) and return its finished record.
 
     With a user key it is a ``standalone`` call. With a job-scoped key and the job's call_id, it is
-    a ``ptc`` call of that job, held to the job's toolsets. With ``container_job`` (a managed
-    container's job: code running in a provider's own container), it is a ``ptc`` call of that job.
+    a ``ptc`` call of that job, held to the job's toolsets. With ``container_id`` (a provider's own
+    container running the code), it is a ``ptc`` call of that container's job, made on its first
+    call that names a toolset and tool it may call: a request refused as it is checked makes none.
     ``caller`` (``{type, tool_id}``) is recorded as given. A tool that fails still returns its
     record (``failed``); a request that names no such toolset or tool raises ApplicationError, and
     so does a call that needs an approval or a client (``approval_required``, ``kind_unsupported``):
     only a job's sandbox waits for those.
     """
-    job = container_job
+    job: ExecJob | None = None
     if key is not None and key.exec_job_id is not None:
         job = ExecJob.objects.select_related("user").get(pk=key.exec_job_id)
         if job_call_id != job.call_id:
@@ -364,19 +365,8 @@ def tool_call_standalone(
             )
     found_toolsets, _ = toolsets_resolve(user=user, keys=[toolset])
     policy = policy_get()
-    checker = CallChecker(
-        user=user, toolsets=found_toolsets, direct_only=frozenset(policy.direct_only_tools), ptc_only=job is not None
-    )
-    call_id = f"ptc_{uuid.uuid4().hex}" if job else f"standalone_{uuid.uuid4().hex}"
-    record = {
-        "call_id": call_id,
-        "user": user,
-        "job": job,
-        "toolset": toolset,
-        "tool": tool,
-        "arguments": arguments,
-        "caller": caller,
-    }
+    of_job = job is not None or bool(container_id)
+    checker = CallChecker(user=user, toolsets=found_toolsets, direct_only=frozenset(policy.direct_only_tools), ptc_only=of_job)
     found: Tool | None = None
     error = None
     try:
@@ -399,6 +389,21 @@ def tool_call_standalone(
         if failure.code == "tool_not_ptc":
             raise ApplicationError(failure.code, f"{failure.message[:1].upper()}{failure.message[1:]}.", status=403) from None
         found, error = None, failure.as_dict()
+    container_job = None
+    if container_id:
+        from execution.services.jobs import exec_job_for_container  # which imports this module
+
+        job = container_job = exec_job_for_container(user=user, container_id=container_id)
+    call_id = f"ptc_{uuid.uuid4().hex}" if of_job else f"standalone_{uuid.uuid4().hex}"
+    record = {
+        "call_id": call_id,
+        "user": user,
+        "job": job,
+        "toolset": toolset,
+        "tool": tool,
+        "arguments": arguments,
+        "caller": caller,
+    }
     # A remote sandbox's call (a job-scoped key) is held to the job's limits as the bridge holds its
     # calls: admitted and recorded under the job row's lock, so calls at once from many threads are
     # counted one by one. A managed container's job has no code of ours to hold to them. Either

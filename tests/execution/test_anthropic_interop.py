@@ -149,3 +149,24 @@ def test_a_bad_container_id_is_400(api: Api, container_id: str) -> None:
     body = {"toolset": "demo", "tool": "echo", "arguments": {"value": 1}, "container_id": container_id}
     response = api.post("/api/v1/tools/execute", json={**body, "caller": {"type": "code_execution_20250825", "tool_id": "s"}})
     assert response.status_code == 400
+
+
+@pytest.mark.parametrize(
+    ("toolset", "tool", "code"),
+    [("nope", "echo", "unknown_toolset"), ("demo", "nope", "unknown_tool"), ("client", "echo", "unknown_toolset")],
+)
+def test_a_container_call_refused_as_it_is_checked_makes_no_job(api: Api, toolset: str, tool: str, code: str) -> None:
+    """A call its request names no such toolset or tool for is refused before anything is written:
+    not a running job for a container that has made no call (one never reaped), nor its start."""
+    container = f"container_{uuid.uuid4().hex[:12]}"
+    caller = {"type": "code_execution_20250825", "tool_id": "srvtoolu_1"}
+    body = {"toolset": toolset, "tool": tool, "arguments": {"value": 1}, "caller": caller, "container_id": container}
+    refused = api.post("/api/v1/tools/execute", json=body)
+    assert refused.status_code == 400, refused.text
+    assert refused.json()["error"]["code"] == code
+    assert [j for j in api.get("/api/v1/exec").json()["results"] if j["container_id"] == container] == []
+    # Its first call that is checked makes the job, which then has that one call.
+    made = api.post("/api/v1/tools/execute", json={**body, "toolset": "demo", "tool": "echo"})
+    assert made.status_code == 200 and made.json()["output"] == 1, made.text
+    [job] = [j for j in api.get("/api/v1/exec").json()["results"] if j["container_id"] == container]
+    assert [c["call_id"] for c in job["tool_calls"]] == [made.json()["call_id"]]
