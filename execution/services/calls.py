@@ -384,6 +384,13 @@ def tool_call_standalone(
                 status=403,
             )
     except ToolFailure as failure:
+        if failure.code == "unknown_toolset" and toolset == CLIENT_KEY:
+            # Not the sandbox's word (list them in the job's client_tools): no job's code made this call.
+            raise ApplicationError(
+                failure.code,
+                f"There is no toolset '{CLIENT_KEY}' to call here: a job's client tools are called from that job's code, "
+                "and run by its client.",
+            ) from None
         if failure.code in ("unknown_toolset", "unknown_tool"):
             raise ApplicationError(failure.code, f"{failure.message[:1].upper()}{failure.message[1:]}.") from None
         if failure.code == "tool_not_ptc":

@@ -52,6 +52,19 @@ def test_a_request_for_no_such_tool_is_400(api: Api, body: dict, code: str) -> N
     assert response.json()["error"]["code"] == code
 
 
+def test_a_standalone_call_of_a_client_tool_is_told_there_is_no_job_to_have_one(api: Api) -> None:
+    """``client`` is the toolset of a job's client tools: a call with no job (or a container's) is not
+    told to list them in its job's client_tools, which it has not got."""
+    response = execute(api.http, {"toolset": "client", "tool": "lookup", "arguments": {}})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["code"] == "unknown_toolset"
+    assert error["message"] == (
+        "There is no toolset 'client' to call here: a job's client tools are called from that job's code, and run by its client."
+    )
+    assert api.get("/api/v1/tool-calls").json()["count"] == 0
+
+
 JOB = """
 import time
 from ptc_tools import _runtime
