@@ -21,7 +21,10 @@ from ptcproject.accounts.serializers import (
 from ptcproject.accounts.services import api_key_create, api_key_expire, api_key_revoke
 from ptcproject.lists import FilteredListApi
 
-REVOKED = OpenApiResponse(description="conflict: the key is revoked; its expiry can't change.")
+REVOKED_OR_TOO_MANY = OpenApiResponse(
+    description="conflict: the key is revoked; its expiry can't change. too_many_keys: the key has expired, and "
+    "PTC_MAX_KEYS_PER_USER of the user's keys work: it can't be made to work again until one is revoked."
+)
 OUTLIVES = OpenApiResponse(
     description="permission_denied: the request's key expires, and the key would work past that (no expiry, or a later one); "
     "or a job-scoped key."
@@ -74,7 +77,7 @@ class ApiKeyDetailApi(APIView):
     def get(self, request: Request, key_id: str) -> Response:
         return Response(ApiKeySerializer(_own_key_or_404(request, key_id)).data)
 
-    @extend_schema(request=ApiKeyExpireSerializer, responses={200: ApiKeySerializer, 403: OUTLIVES, 409: REVOKED})
+    @extend_schema(request=ApiKeyExpireSerializer, responses={200: ApiKeySerializer, 403: OUTLIVES, 409: REVOKED_OR_TOO_MANY})
     def patch(self, request: Request, key_id: str) -> Response:
         key = _own_key_or_404(request, key_id)
         body = ApiKeyExpireSerializer(data=request.data)
@@ -85,6 +88,7 @@ class ApiKeyDetailApi(APIView):
             actor=signed_in_user(request),
             source="api",
             acting_key=request_key(request),
+            bounded=True,
         )
         return Response(ApiKeySerializer(key).data)
 

@@ -95,11 +95,11 @@ def api_key_create(
     return key, plaintext
 
 
-def _keys_within_limit(*, user: User) -> None:
+def _keys_within_limit(*, user: User, then: str = "make this one") -> None:
     """Raise ApplicationError ``too_many_keys`` (409) if ``user`` has PTC_MAX_KEYS_PER_USER keys of
     their own that work. Locks the user's row till the transaction ends: two requests at once are
     counted one after the other."""
-    list(get_user_model().objects.select_for_update().filter(pk=user.pk).values_list("pk"))
+    _user_locked(user_id=user.pk)
     now = timezone.now()
     working = ApiKey.objects.filter(user=user, exec_job__isnull=True, revoked_at__isnull=True)
     count = working.exclude(expires_at__lte=now).count()
@@ -108,10 +108,15 @@ def _keys_within_limit(*, user: User) -> None:
         raise ApplicationError(
             "too_many_keys",
             f"You have {count} keys that work; the limit is {limit}. Revoke one you no longer use "
-            "(POST /api/v1/keys/{id}/revoke) or let one expire, then make this one.",
+            f"(POST /api/v1/keys/{{id}}/revoke) or let one expire, then {then}.",
             status=409,
             details={"active": count, "limit": limit},
         )
+
+
+def _user_locked(*, user_id: Any) -> None:
+    """Lock the user's row till the transaction ends (again: no wait)."""
+    list(get_user_model().objects.select_for_update().filter(pk=user_id).values_list("pk"))
 
 
 def job_keys_revoke(*, exec_job_id: Any) -> bool:
@@ -147,21 +152,30 @@ def api_key_expire(
     actor: User | None = None,
     source: str = "system",
     acting_key: ApiKey | None = None,
+    bounded: bool = False,
 ) -> ApiKey:
     """Set when ``key`` stops working (a time in the past ends it now; None: never). Return the key as stored.
 
     A revoked key stays revoked: changing its expiry is refused with ``conflict``, so nobody reads
     a new expiry as the key being usable again. ``acting_key`` is the key the request was made
     with: a key that expires may not have any key (itself among them) work past its own end
-    (``permission_denied``, 403).
+    (``permission_denied``, 403). A ``bounded`` one (the user's own request) that would make an
+    expired key work again is a key made: refused with ``too_many_keys`` (409) as ``api_key_create``
+    refuses one, the expired key not being among those that work.
     """
     _within_acting_key(acting_key=acting_key, expires_at=expires_at)
+    now = timezone.now()
     with transaction.atomic():
+        if bounded:  # the user's row before the key's, as a key made locks it: one count at a time
+            _user_locked(user_id=key.user_id)
         locked = ApiKey.objects.select_for_update().get(pk=key.pk)
         if locked.revoked_at is not None:
             raise ApplicationError(
                 "conflict", "This key is revoked; a revoked key can't be given a new expiry. Create a new key."
             )
+        expired = locked.expires_at is not None and locked.expires_at <= now
+        if bounded and expired and (expires_at is None or expires_at > now) and locked.exec_job_id is None:
+            _keys_within_limit(user=locked.user, then="give this expired key its new expiry")
         old = locked.expires_at
         locked.expires_at = expires_at
         locked.save(update_fields=["expires_at"])

@@ -201,3 +201,36 @@ def test_a_user_with_the_most_keys_that_work_must_revoke_one_to_make_another(api
     assert api.post("/api/v1/keys", json={"name": "over"}).json()["error"]["code"] == "too_many_keys"
     # The operator's ways are not bound.
     api_key_create(user=user, name="by the admin")
+
+
+def test_an_expired_key_given_a_new_expiry_counts_against_the_limit(api: Api) -> None:
+    """Expired keys don't count, so a new expiry that makes one work again is a key made: past
+    PTC_MAX_KEYS_PER_USER it is refused as a new key is. Else keys made, left to expire and given
+    a new expiry kept any number working."""
+    from django.contrib.auth.models import User
+
+    from ptcproject.accounts.services import api_key_create
+
+    user = User.objects.get(username=api.username)
+    expired, _ = api_key_create(user=user, name="expired", expires_at=timezone.now() - timedelta(minutes=1))
+    limit = 100  # PTC_MAX_KEYS_PER_USER's default, which the stack runs with
+    for n in range(limit - 1):  # with the fixture's own key: at the limit
+        api_key_create(user=user, name=f"k{n}")
+    later = (timezone.now() + timedelta(days=1)).isoformat()
+    for expires_at in (None, later):
+        revived = api.http.patch(f"/api/v1/keys/{expired.pk}", json={"expires_at": expires_at})
+        assert revived.status_code == 409, revived.text
+        assert revived.json()["error"]["code"] == "too_many_keys"
+        assert revived.json()["error"]["details"] == {"active": limit, "limit": limit}
+        assert revived.json()["error"]["message"].endswith("then give this expired key its new expiry."), revived.text
+    expired.refresh_from_db()
+    assert not expired.is_active
+    # A key that works may still change its expiry at the limit (it adds none), and an expired one
+    # may be given another time past; with room made, it may work again.
+    working = ApiKey.objects.get(user=user, name="k0")
+    assert api.http.patch(f"/api/v1/keys/{working.pk}", json={"expires_at": later}).status_code == 200
+    past = (timezone.now() - timedelta(hours=1)).isoformat()
+    assert api.http.patch(f"/api/v1/keys/{expired.pk}", json={"expires_at": past}).status_code == 200
+    assert api.post(f"/api/v1/keys/{working.pk}/revoke").status_code == 200
+    assert api.http.patch(f"/api/v1/keys/{expired.pk}", json={"expires_at": None}).status_code == 200
+    assert ApiKey.objects.get(pk=expired.pk).is_active
