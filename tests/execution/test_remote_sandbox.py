@@ -112,3 +112,51 @@ def test_the_sdk_calls_over_http_within_the_jobs_limits(api: Api, tmp_path: Path
         timeout=60,
     )
     assert done.stdout.strip() == "job_ended", done.stderr
+
+
+UNSENDABLE = """
+import json
+from ptc_tools import ToolError
+from ptc_tools.demo import Demo
+
+json.dumps = lambda *a, **k: "not json"  # the code's own: the SDK's calls don't go through it
+out = []
+for value in (float("nan"), float("inf")):
+    try:
+        Demo.echo(value=value)
+    except ToolError as exc:
+        out.append([exc.code, exc.message])
+out.append(Demo.echo(value="sent"))
+print(json.JSONEncoder().encode(out))
+"""
+
+
+def test_arguments_that_are_not_json_are_refused_by_the_sdk_over_http_as_over_the_bridge(api: Api, tmp_path: Path) -> None:
+    """NaN and infinities are not JSON: the bridge's SDK refuses them (invalid_arguments, "cannot be
+    sent"), and so does the HTTP path, rather than post what the API can't parse. Neither uses a
+    json.dumps the code replaced."""
+    job = api.run(HOLDER, toolsets=["demo"], wait=0)
+    key = _job_key(api, job["id"])
+    sdk = api.get("/api/v1/sdk", params={"toolset_keys": "demo"}).json()
+    for name, text in sdk["files"].items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    env = {
+        "PTC_API_URL": str(api.http.base_url),
+        "PTC_JOB_KEY": key,
+        "PTC_JOB_CALL_ID": job["call_id"],
+        "PYTHONPATH": str(tmp_path),
+    }
+    try:
+        done = subprocess.run(
+            [settings.PTC_SANDBOX_PYTHON, "-c", UNSENDABLE], env=env, capture_output=True, text=True, timeout=60
+        )
+        assert done.returncode == 0, done.stderr
+        *refused, sent = json.loads(done.stdout)
+        assert sent == "sent"
+        assert [code for code, _ in refused] == ["invalid_arguments", "invalid_arguments"], refused
+        assert all(message.startswith("arguments cannot be sent: Out of range float") for _, message in refused), refused
+        # Nothing was sent for them: the job has its key's echo and the one call that was.
+        assert [c.tool_name for c in ToolCall.objects.filter(exec_job_id=job["id"]).order_by("started_at")] == ["echo", "echo"]
+    finally:
+        assert api.post(f"/api/v1/exec/{job['id']}/cancel").status_code == 200

@@ -284,24 +284,30 @@ class _Http:
         self.headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json", "x-ptc-call-id": call_id}
 
     def call(self, toolset: str, tool: str, arguments: dict[str, Any]) -> Any:
-        import json
         import time
         import urllib.error
         import urllib.request
 
+        # The protocol's JSON, as a frame is: bound before the code ran (code that replaces
+        # json.dumps or json.loads can't break its calls), and strict (NaN and infinities are
+        # refused here, as the bridge's SDK refuses them, not posted for the API to fail to parse).
+        dumps, loads = _protocol.json_dumps, _protocol.json_loads
         name = f"{toolset}.{tool}"
-        body = json.dumps({"toolset": toolset, "tool": tool, "arguments": arguments}).encode()
+        try:
+            body = dumps({"toolset": toolset, "tool": tool, "arguments": arguments}, allow_nan=False).encode()
+        except ValueError as exc:
+            raise ToolError(f"arguments cannot be sent: {exc}", tool=name, code="invalid_arguments") from None
         pause = 0.02
         while True:
             # The scheme was checked in __init__: http or https only.
             request = urllib.request.Request(self.url, data=body, headers=self.headers, method="POST")  # noqa: S310
             try:
                 with urllib.request.urlopen(request, timeout=3600) as response:  # noqa: S310  # the server bounds the call
-                    record = json.load(response)
+                    record = loads(response.read())
                 break
             except urllib.error.HTTPError as exc:
                 try:
-                    error = json.loads(exc.read() or b"{}").get("error") or {}
+                    error = loads(exc.read() or b"{}").get("error") or {}
                 except ValueError:
                     error = {}
                 if exc.code == 429 and error.get("code") == "parallel_limit":
