@@ -26,7 +26,11 @@ CODES: dict[str, tuple[int, str]] = {
     "method_not_allowed": (405, "the endpoint does not take this method"),
     "not_acceptable": (406, "the response can't be given in the format asked for"),
     "conflict": (409, "the request conflicts with the object's state"),
-    "too_many_keys": (409, "POST /keys: the user has PTC_MAX_KEYS_PER_USER keys that work; revoke one first"),
+    "too_many_keys": (
+        409,
+        "POST /keys, or a PATCH that makes an expired key work again: the user has PTC_MAX_KEYS_PER_USER keys that work; "
+        "revoke one first",
+    ),
     "code_too_large": (413, "the code, or the whole body, is over its limit"),
     "unsupported_media_type": (415, "the body is not application/json"),
     "length_required": (411, "the body was sent chunked, without a Content-Length"),
