@@ -3,7 +3,9 @@ that path holds the job to the same max_tool_calls, parallel cap and sequential 
 
 import json
 import subprocess
+import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -160,3 +162,77 @@ def test_arguments_that_are_not_json_are_refused_by_the_sdk_over_http_as_over_th
         assert [c.tool_name for c in ToolCall.objects.filter(exec_job_id=job["id"]).order_by("started_at")] == ["echo", "echo"]
     finally:
         assert api.post(f"/api/v1/exec/{job['id']}/cancel").status_code == 200
+
+
+class _NotTheApi(BaseHTTPRequestHandler):
+    """What may answer a remote sandbox in the API's place (a proxy, a restart): its Nth request
+    gets the Nth of ANSWERS: a status, a body, and how many bytes of it are sent before the cut."""
+
+    served = 0
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers["Content-Length"]))
+        status, body, sent = ANSWERS[type(self).served % len(ANSWERS)]
+        type(self).served += 1
+        self.send_response(status)
+        self.send_header("Content-Type", "text/html" if body.startswith(b"<") else "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body[:sent])
+        self.wfile.flush()
+        self.close_connection = True
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+ANSWERS = [
+    (200, b"<html>welcome to the hotel wifi</html>", 1000),
+    (200, b"[1, 2]", 1000),
+    (502, b"[1, 2]", 1000),
+    (502, b'{"error": "bad gateway"}', 1000),
+    (200, b'{"status": "completed", "output": "cut off"}', 10),
+]
+
+CALLS = """
+import json
+from ptc_tools import ToolError
+from ptc_tools.demo import Demo
+out = []
+for _ in range(5):
+    try:
+        out.append(["ok", Demo.echo(value=1)])
+    except ToolError as exc:
+        out.append([exc.code, exc.message])
+print(json.dumps(out))
+"""
+
+
+def test_an_answer_that_is_not_the_apis_is_a_tool_error_for_the_code(api: Api, tmp_path: Path) -> None:
+    """A remote SDK's call answered by something else (a page, JSON that is not a record or an
+    error, a body cut off) raises ToolError with a stable code, as any failed call does: never a
+    ValueError, AttributeError or http.client.IncompleteRead from the SDK's insides."""
+    sdk = api.get("/api/v1/sdk", params={"toolset_keys": "demo"}).json()
+    for name, text in sdk["files"].items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _NotTheApi)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        env = {
+            "PTC_API_URL": f"http://127.0.0.1:{server.server_address[1]}",
+            "PTC_JOB_KEY": "ptc_x_y",
+            "PTC_JOB_CALL_ID": "exec_" + "0" * 32,
+            "PYTHONPATH": str(tmp_path),
+        }
+        done = subprocess.run([settings.PTC_SANDBOX_PYTHON, "-c", CALLS], env=env, capture_output=True, text=True, timeout=60)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert done.returncode == 0, done.stderr
+    page, listed, listed_error, text_error, cut = json.loads(done.stdout)
+    assert page == ["internal_error", "the API's answer is not a tool call's record: b'<html>welcome to the hotel wifi</html>'"]
+    assert listed == ["internal_error", "the API's answer is not a tool call's record: b'[1, 2]'"]
+    assert listed_error == ["tool_error", "HTTP Error 502: Bad Gateway"]
+    assert text_error == ["tool_error", "HTTP Error 502: Bad Gateway"]
+    assert cut[0] == "bridge_closed" and cut[1].startswith("the API could not be reached: IncompleteRead"), cut

@@ -284,6 +284,7 @@ class _Http:
         self.headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json", "x-ptc-call-id": call_id}
 
     def call(self, toolset: str, tool: str, arguments: dict[str, Any]) -> Any:
+        import http.client
         import time
         import urllib.error
         import urllib.request
@@ -303,20 +304,29 @@ class _Http:
             request = urllib.request.Request(self.url, data=body, headers=self.headers, method="POST")  # noqa: S310
             try:
                 with urllib.request.urlopen(request, timeout=3600) as response:  # noqa: S310  # the server bounds the call
-                    record = loads(response.read())
+                    answer = response.read()
                 break
             except urllib.error.HTTPError as exc:
+                # What answers may not be the API (a proxy's page): its error is read if it is one.
                 try:
                     error = loads(exc.read() or b"{}").get("error") or {}
-                except ValueError:
+                except (ValueError, AttributeError, OSError, http.client.HTTPException):
                     error = {}
+                error = error if isinstance(error, dict) else {}
                 if exc.code == 429 and error.get("code") == "parallel_limit":
                     time.sleep(pause)  # a slot frees when one of this job's calls ends
                     pause = min(pause * 2, 0.5)
                     continue
                 raise ToolError(error.get("message", str(exc)), tool=name, code=error.get("code", "tool_error")) from None
-            except OSError as exc:
-                raise ToolError(f"the API could not be reached: {exc}", tool=name, code="bridge_closed") from None
+            except (OSError, http.client.HTTPException) as exc:  # unreachable, or cut off as it answered
+                reason = f"the API could not be reached: {type(exc).__name__}: {exc}"
+                raise ToolError(reason, tool=name, code="bridge_closed") from None
+        try:
+            record = loads(answer)
+        except ValueError:
+            record = None
+        if not isinstance(record, dict):
+            raise ToolError(f"the API's answer is not a tool call's record: {answer[:200]!r}", tool=name, code="internal_error")
         if record.get("status") == "completed":
             return record.get("output")
         error = record.get("error") or {}
