@@ -65,13 +65,18 @@ def _remote(api: Api, sdk_dir: Path, key: str, call_id: str, *args: int) -> dict
     return json.loads(done.stdout)
 
 
+def _sdk_written(api: Api, folder: Path) -> None:
+    """Write the demo toolset's SDK, as GET /sdk gives it, under ``folder``: a remote sandbox's."""
+    sdk = api.get("/api/v1/sdk", params={"toolset_keys": "demo"}).json()
+    for name, text in sdk["files"].items():
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_text(text)
+
+
 def test_the_sdk_calls_over_http_within_the_jobs_limits(api: Api, tmp_path: Path) -> None:
     job = api.run(HOLDER, toolsets=["demo"], wait=0)
     key = _job_key(api, job["id"])
-    sdk = api.get("/api/v1/sdk", params={"toolset_keys": "demo"}).json()
-    for name, text in sdk["files"].items():
-        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / name).write_text(text)
+    _sdk_written(api, tmp_path)
     stored = ExecJob.objects.get(pk=job["id"])
     # The limits this job runs under, made small for the test (the HTTP path reads them from the record).
     ExecJob.objects.filter(pk=job["id"]).update(limits={**stored.limits, "max_tool_calls": 10, "max_parallel_tool_calls": 2})
@@ -139,10 +144,7 @@ def test_arguments_that_are_not_json_are_refused_by_the_sdk_over_http_as_over_th
     json.dumps the code replaced."""
     job = api.run(HOLDER, toolsets=["demo"], wait=0)
     key = _job_key(api, job["id"])
-    sdk = api.get("/api/v1/sdk", params={"toolset_keys": "demo"}).json()
-    for name, text in sdk["files"].items():
-        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / name).write_text(text)
+    _sdk_written(api, tmp_path)
     env = {
         "PTC_API_URL": str(api.http.base_url),
         "PTC_JOB_KEY": key,
@@ -212,10 +214,7 @@ def test_an_answer_that_is_not_the_apis_is_a_tool_error_for_the_code(api: Api, t
     """A remote SDK's call answered by something else (a page, JSON that is not a record or an
     error, a body cut off) raises ToolError with a stable code, as any failed call does: never a
     ValueError, AttributeError or http.client.IncompleteRead from the SDK's insides."""
-    sdk = api.get("/api/v1/sdk", params={"toolset_keys": "demo"}).json()
-    for name, text in sdk["files"].items():
-        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / name).write_text(text)
+    _sdk_written(api, tmp_path)
     server = ThreadingHTTPServer(("127.0.0.1", 0), _NotTheApi)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
