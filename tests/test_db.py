@@ -75,6 +75,31 @@ def test_migrations_run_at_once_on_a_new_database_wait_for_each_other() -> None:
             conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
+def test_a_concurrent_index_is_built_while_migrate_holds_its_lock(django_db_setup: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A migration may build an index with CREATE INDEX CONCURRENTLY (atomic = False), which waits
+    for every transaction holding a snapshot. migrate's lock is a transaction's, open for the whole
+    run: it held one, and such a migration waited for ever."""
+    from django.core.management import call_command
+    from django.core.management.commands.migrate import Command as DjangoMigrate
+
+    table = f"scratch_{uuid.uuid4().hex[:8]}"
+    built = []
+
+    def migrating(*args: object, **options: object) -> None:  # what a migration would run, in its place
+        with psycopg.connect(django_db_setup, autocommit=True) as other:
+            other.execute("SET statement_timeout = '10s'")
+            other.execute(f"CREATE TABLE {table} (id int)")
+            try:
+                other.execute(f"CREATE INDEX CONCURRENTLY {table}_id ON {table} (id)")
+                built.append(table)
+            finally:
+                other.execute(f"DROP TABLE {table}")
+
+    monkeypatch.setattr(DjangoMigrate, "handle", migrating)
+    call_command("migrate")
+    assert built == [table]
+
+
 def test_a_connection_of_its_own_keeps_the_database_urls_options(django_db_setup: str) -> None:
     """migrate's lock and manage.py's reason for an unreachable database connect apart from the pool:
     with the options of DATABASE_URL (?sslmode=verify-full&sslrootcert=..., ?options=...) as the pool

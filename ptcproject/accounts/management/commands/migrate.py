@@ -14,6 +14,7 @@ from typing import Any
 
 from django.core.management.commands.migrate import Command as MigrateCommand
 from django.db import connections
+from psycopg import sql
 
 from ptcproject.db import pg_connect
 
@@ -31,5 +32,9 @@ class Command(MigrateCommand):
         with connections[alias].wrap_database_errors:
             lock = pg_connect(alias)
         with lock, lock.transaction():
-            lock.execute("SELECT pg_advisory_xact_lock(%s)", [MIGRATE_LOCK])
+            # The key written into the statement, not bound as a parameter: a statement with
+            # parameters goes by the extended protocol, whose portal keeps its snapshot (the
+            # connection's xmin) until the next statement. Held so for the whole run, it made a
+            # migration's CREATE INDEX CONCURRENTLY wait for this transaction: for ever.
+            lock.execute(sql.SQL("SELECT pg_advisory_xact_lock({})").format(sql.Literal(MIGRATE_LOCK)))
             super().handle(*args, **options)  # the lock goes with its transaction (or its connection)
