@@ -100,6 +100,49 @@ def test_a_concurrent_index_is_built_while_migrate_holds_its_lock(django_db_setu
     assert built == [table]
 
 
+def test_an_index_a_cut_off_concurrent_build_left_invalid_is_built_again_by_the_next_migrate() -> None:
+    """execjob_created is built concurrently (jobs go on being written meanwhile). A build cut off
+    (a deploy's timeout, a cancelled statement) leaves the index behind, invalid, and the migration
+    unrecorded: the next migrate must build it again, not fail on the name being taken."""
+    name = f"ptc_migrate_{uuid.uuid4().hex[:8]}"
+    server = os.environ["TEST_DATABASE_URL"].rsplit("/", 1)[0]
+    with psycopg.connect(os.environ["TEST_DATABASE_URL"], autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    try:
+        env = {**os.environ, "DATABASE_URL": f"{server}/{name}"}
+
+        def migrate(*target: str) -> None:
+            argv = [sys.executable, "manage.py", "migrate", "--no-input", "-v0", *target]
+            run = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+            assert run.returncode == 0, run.stderr[-600:]
+
+        def valid() -> list[bool]:
+            with psycopg.connect(f"{server}/{name}") as conn:
+                found = conn.execute(
+                    "SELECT i.indisvalid FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid WHERE c.relname = 'execjob_created'"
+                )
+                return [row[0] for row in found.fetchall()]
+
+        migrate()
+        assert valid() == [True]
+        migrate("execution", "0012")
+        assert valid() == []
+        # A build cut off: it waits for a transaction older than it, and its statement times out.
+        with psycopg.connect(f"{server}/{name}") as older, psycopg.connect(f"{server}/{name}", autocommit=True) as build:
+            older.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+            older.execute("SELECT 1")
+            build.execute("SET statement_timeout = '1s'")
+            with pytest.raises(psycopg.errors.QueryCanceled):
+                build.execute("CREATE INDEX CONCURRENTLY execjob_created ON execution_execjob (created_at DESC)")
+            older.rollback()
+        assert valid() == [False]
+        migrate()
+        assert valid() == [True]
+    finally:
+        with psycopg.connect(os.environ["TEST_DATABASE_URL"], autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
 def test_a_connection_of_its_own_keeps_the_database_urls_options(django_db_setup: str) -> None:
     """migrate's lock and manage.py's reason for an unreachable database connect apart from the pool:
     with the options of DATABASE_URL (?sslmode=verify-full&sslrootcert=..., ?options=...) as the pool
