@@ -3,13 +3,14 @@
 Every web replica runs it before it starts (deploy/kubernetes/web.yaml's init container, compose's
 ``migrate`` service): two at once on a new database both created its first tables, and one failed
 (``duplicate key value violates unique constraint "pg_type_typname_nsp_index"``), its pod restarted.
-Here each waits for a PostgreSQL advisory lock, held on a connection of its own for the whole run,
-and the second then finds every migration applied. The lock is a transaction's, that transaction
+Here each takes a PostgreSQL advisory lock in turn, held on a connection of its own for the whole
+run, and the second then finds every migration applied. The lock is a transaction's, that transaction
 open for the whole run: behind a PgBouncer in transaction mode (README, PTC_DB_PREPARE_AFTER) a
 session's lock stayed on the server connection the pooler gave the next client, and an open
 transaction keeps that connection this command's until it ends.
 """
 
+import time
 from typing import Any
 
 from django.core.management.commands.migrate import Command as MigrateCommand
@@ -20,6 +21,7 @@ from ptcproject.db import pg_connect
 
 # The advisory lock's key: any 64-bit number, the same in every process ("ptcmigr" in ASCII).
 MIGRATE_LOCK = 0x7074636D696772
+LOCK_POLL_SECONDS = 0.2
 
 
 class Command(MigrateCommand):
@@ -31,10 +33,16 @@ class Command(MigrateCommand):
         # Django's error, as its own connection's would be: manage.py makes an unreachable database one line.
         with connections[alias].wrap_database_errors:
             lock = pg_connect(alias)
-        with lock, lock.transaction():
-            # The key written into the statement, not bound as a parameter: a statement with
-            # parameters goes by the extended protocol, whose portal keeps its snapshot (the
-            # connection's xmin) until the next statement. Held so for the whole run, it made a
-            # migration's CREATE INDEX CONCURRENTLY wait for this transaction: for ever.
-            lock.execute(sql.SQL("SELECT pg_advisory_xact_lock({})").format(sql.Literal(MIGRATE_LOCK)))
-            super().handle(*args, **options)  # the lock goes with its transaction (or its connection)
+        with lock:
+            # Taken by trying, between waits that hold no transaction: a statement waiting on the lock
+            # would hold a snapshot, and a concurrent index build (AddIndexConcurrently) in the
+            # migrating process waits for every snapshot older than it: the two waited on each other,
+            # for ever. The key is written into the statement, not bound as a parameter: a statement
+            # with parameters goes by the extended protocol, whose portal keeps its snapshot until the
+            # next statement, which here is the end of the run.
+            take = sql.SQL("SELECT pg_try_advisory_xact_lock({})").format(sql.Literal(MIGRATE_LOCK))
+            while not lock.execute(take).fetchone()[0]:
+                lock.rollback()
+                time.sleep(LOCK_POLL_SECONDS)
+            super().handle(*args, **options)
+        # The lock went with its transaction, which the connection's end ended.
