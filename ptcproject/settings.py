@@ -119,6 +119,11 @@ checked.require(
     f"PTC_DB_POOL_MAX ({PTC_DB_POOL_MAX}) must be at least PTC_DB_POOL_MIN ({PTC_DB_POOL_MIN}).",
 )
 PTC_DB_POOL_TIMEOUT = checked.float("PTC_DB_POOL_TIMEOUT", 2.0, 0, 3600, above_low=True)
+# A statement that runs, or waits on a lock, longer than this is cancelled (PostgreSQL's
+# statement_timeout, set on each pooled connection as it is made; migrate runs without it): a row
+# locked by a stuck transaction fails the request (503 database_unavailable) or the task (retried)
+# instead of holding it, and its worker thread, for as long as the lock is held. 0: PostgreSQL's own.
+PTC_DB_STATEMENT_TIMEOUT = checked.float("PTC_DB_STATEMENT_TIMEOUT", 30.0, 0, 86400)
 if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
     # Web, exec and tools workers write from separate processes: wait for the lock instead of
     # failing, and take it at BEGIN so two writers never deadlock on an upgrade.

@@ -143,6 +143,60 @@ def test_an_index_a_cut_off_concurrent_build_left_invalid_is_built_again_by_the_
             conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
+def test_pooled_connections_have_the_statement_timeout_and_migrate_runs_without_it(
+    django_db_setup: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from django.core.management import call_command
+    from django.core.management.commands.migrate import Command as DjangoMigrate
+
+    def show() -> str:
+        with connection.cursor() as cursor:
+            cursor.execute("SHOW statement_timeout")
+            return str(cursor.fetchone()[0])
+
+    during = []
+    monkeypatch.setattr(DjangoMigrate, "handle", lambda *args, **options: during.append(show()))
+    assert show() == "30s"  # PTC_DB_STATEMENT_TIMEOUT's default
+    call_command("migrate")
+    assert during == ["0"]
+    assert show() == "30s"  # and set again after it, on a connection the process goes on using
+
+
+# A process whose statement waits on a row another transaction holds locked (a stuck admin action, a
+# migration's ALTER TABLE): with PTC_DB_STATEMENT_TIMEOUT=1 it is cancelled, as an OperationalError.
+_WAITING_ON_A_LOCK = """
+import time
+import django
+django.setup()
+from django.db import OperationalError, transaction
+from ptcproject.policy.models import Policy
+
+began = time.monotonic()
+try:
+    with transaction.atomic():
+        Policy.objects.select_for_update().first()
+except OperationalError as exc:
+    print(type(exc.__cause__).__name__, round(time.monotonic() - began, 1))
+"""
+
+
+def test_a_statement_waiting_on_a_lock_is_cancelled_at_the_statement_timeout(django_db_setup: str) -> None:
+    from ptcproject.policy.models import Policy
+
+    table = Policy._meta.db_table
+    with psycopg.connect(django_db_setup) as holder:
+        holder.execute(f"SELECT * FROM {table} FOR UPDATE")  # held, its transaction open, for the test
+        env = {**os.environ, "DATABASE_URL": django_db_setup, "PTC_DB_STATEMENT_TIMEOUT": "1"}
+        run = subprocess.run(
+            [sys.executable, "-c", _WAITING_ON_A_LOCK], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60
+        )
+        holder.rollback()
+    assert run.returncode == 0, run.stderr[-600:]
+    cancelled, after = run.stdout.split()
+    assert cancelled == "QueryCanceled"
+    assert 0.9 <= float(after) < 5
+
+
 def test_a_connection_of_its_own_keeps_the_database_urls_options(django_db_setup: str) -> None:
     """migrate's lock and manage.py's reason for an unreachable database connect apart from the pool:
     with the options of DATABASE_URL (?sslmode=verify-full&sslrootcert=..., ?options=...) as the pool

@@ -7,11 +7,12 @@ checkout with CONN_HEALTH_CHECKS, none at all without); this backend swaps in ou
 """
 
 import logging
-from collections.abc import Mapping, Sequence
-from contextlib import ExitStack
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import ExitStack, contextmanager, suppress
 from typing import Any
 
 import psycopg
+from django.conf import settings
 from django.db import DatabaseError, NotSupportedError
 from django.db.backends.postgresql.base import DatabaseWrapper as PostgresWrapper
 from django.db.backends.postgresql.base import ServerBindingCursor
@@ -27,6 +28,10 @@ def _stale_plan(exc: errors.FeatureNotSupported) -> bool:
     migration altered a column): it fails on that connection until it is deallocated. By the
     code and the server function that raise it, not the message, which the server may translate."""
     return exc.sqlstate == "0A000" and exc.diag.source_function == "RevalidateCachedQuery"
+
+
+def _statement_timeout() -> str:
+    return f"{round(settings.PTC_DB_STATEMENT_TIMEOUT * 1000)}ms"
 
 
 class PreparedCursor(ServerBindingCursor):
@@ -51,6 +56,29 @@ class PreparedCursor(ServerBindingCursor):
 
 
 class DatabaseWrapper(PostgresWrapper):
+    def _configure_connection(self, connection: Any) -> bool:
+        """Django's set-up of a new connection (the pool's ``configure``: its time zone, its role),
+        and ``PTC_DB_STATEMENT_TIMEOUT``, set for its session: one round trip, once per connection.
+        Set so rather than by libpq's ``options`` in the URL, which PgBouncer refuses at connect."""
+        commit: bool = super()._configure_connection(connection)  # type: ignore[misc]  # Django 5.1+, not in the stubs
+        if settings.PTC_DB_STATEMENT_TIMEOUT:
+            connection.execute("SELECT set_config('statement_timeout', %s, false)", [_statement_timeout()])
+        return commit
+
+    @contextmanager
+    def statement_timeout_off(self) -> Iterator[None]:
+        """Run this connection's statements with no statement timeout meanwhile (a migration's)."""
+        with self.cursor() as cursor:
+            cursor.execute("SET statement_timeout = 0")
+        try:
+            yield
+        finally:
+            with suppress(DatabaseError), self.cursor() as cursor:  # an error of the block's is the one raised
+                if settings.PTC_DB_STATEMENT_TIMEOUT:
+                    cursor.execute("SELECT set_config('statement_timeout', %s, false)", [_statement_timeout()])
+                else:
+                    cursor.execute("RESET statement_timeout")
+
     @property
     def pool(self) -> Any:
         pool = super().pool

@@ -11,13 +11,14 @@ transaction keeps that connection this command's until it ends.
 """
 
 import time
-from typing import Any
+from typing import Any, cast
 
 from django.core.management.commands.migrate import Command as MigrateCommand
 from django.db import connections
 from psycopg import sql
 
 from ptcproject.db import pg_connect
+from ptcproject.postgres.base import DatabaseWrapper
 
 # The advisory lock's key: any 64-bit number, the same in every process ("ptcmigr" in ASCII).
 MIGRATE_LOCK = 0x7074636D696772
@@ -44,5 +45,9 @@ class Command(MigrateCommand):
             while not lock.execute(take).fetchone()[0]:
                 lock.rollback()
                 time.sleep(LOCK_POLL_SECONDS)
-            super().handle(*args, **options)
+            # A migration may take longer than PTC_DB_STATEMENT_TIMEOUT (an index built on a large
+            # table): it runs without it (the lock's connection, not Django's, never had it).
+            database = cast(DatabaseWrapper, connections[alias])  # the engine settings.py sets for PostgreSQL
+            with database.statement_timeout_off():
+                super().handle(*args, **options)
         # The lock went with its transaction, which the connection's end ended.
