@@ -117,3 +117,46 @@ def test_a_viewer_of_jobs_but_not_of_calls_reads_no_call_on_the_timeline() -> No
     _, viewer = _staff("view_execjob", "view_toolcall")
     page = viewer.get(f"/admin/execution/execjob/{job.pk}/change/").content.decode()
     assert call.call_id in page and "secret_plan" in page
+
+
+def test_a_staff_member_let_add_keys_makes_none_for_staff_or_superusers() -> None:
+    """A key acts as its owner, and a staff owner's key may do all over the API: a staff member let
+    only add keys made one for a superuser in the admin, and with it was one. They may make keys for
+    themselves and for users who are not staff; a superuser's or another staff member's is refused
+    in the form's choices, in the owner's search and in a crafted POST, and those keys stay as they
+    are to them (no revoke, no new expiry)."""
+    boss = get_user_model().objects.create_superuser(username=f"su-{uuid.uuid4().hex[:6]}", password="x")
+    colleague = get_user_model().objects.create_user(username=f"st-{uuid.uuid4().hex[:6]}", is_staff=True)
+    user = _user()
+    staff, client = _staff("add_apikey", "change_apikey", "view_apikey", "view_user")
+    for owner in (boss, colleague):
+        refused = client.post("/admin/accounts/apikey/add/", {"user": owner.pk, "name": "escalate"})
+        assert refused.status_code == 200 and "Select a valid choice" in refused.content.decode()
+        assert not ApiKey.objects.filter(user=owner).exists()
+    for owner in (user, staff):
+        client.post("/admin/accounts/apikey/add/", {"user": owner.pk, "name": "fine"})
+        assert ApiKey.objects.filter(user=owner, name="fine").exists()
+    search = {"app_label": "accounts", "model_name": "apikey", "field_name": "user"}
+    for owner, offered in ((user, True), (staff, True), (boss, False), (colleague, False)):
+        found = client.get("/admin/autocomplete/", {**search, "term": owner.username}).json()["results"]
+        assert (str(owner.pk) in {row["id"] for row in found}) is offered, owner
+
+    theirs, _ = api_key_create(user=boss, name="the boss's")
+    client.post("/admin/accounts/apikey/", {"action": "revoke", "_selected_action": [theirs.pk]})
+    change = f"/admin/accounts/apikey/{theirs.pk}/change/"
+    assert 'name="expires_at_0"' not in client.get(change).content.decode()  # shown, read-only
+    expiry = {"name": "x", "expires_at_0": "2000-01-01", "expires_at_1": "00:00:00", "events-TOTAL_FORMS": 0}
+    assert client.post(change, {**expiry, "events-INITIAL_FORMS": 0}).status_code == 403
+    theirs.refresh_from_db()
+    assert (theirs.revoked_at, theirs.expires_at, theirs.name) == (None, None, "the boss's")
+
+
+def test_a_staff_key_makes_no_key_for_another_user_over_the_api() -> None:
+    """POST /api/v1/keys makes the caller's own key: a staff key naming another user is refused."""
+    boss = get_user_model().objects.create_superuser(username=f"su-{uuid.uuid4().hex[:6]}", password="x")
+    staff = get_user_model().objects.create_user(username=f"st-{uuid.uuid4().hex[:6]}", is_staff=True)
+    _, plaintext = api_key_create(user=staff, name="staff")
+    body = {"name": "escalate", "user": boss.pk, "user_id": boss.pk, "username": boss.username}
+    response = Client().post("/api/v1/keys", body, content_type="application/json", HTTP_AUTHORIZATION=f"Bearer {plaintext}")
+    assert response.status_code == 400
+    assert not ApiKey.objects.filter(user=boss).exists()

@@ -10,6 +10,7 @@ from execution.admin import unended_kept
 from execution.models import ExecJob, ExecSession, ToolCall
 from ptcproject.accounts.authentication import signed_in_user
 from ptcproject.accounts.models import ApiKey, ApiKeyEvent, UserSettings
+from ptcproject.accounts.selectors import api_key_owner_allowed, api_key_owners
 from ptcproject.accounts.services import api_key_create, api_key_expire, api_key_revoke
 from ptcproject.admin_deletes import CountedDeleteAdmin, pks_of
 from ptcproject.errors import ApplicationError
@@ -56,6 +57,17 @@ class ApiKeyAdmin(admin.ModelAdmin):
         # "Changed Expires at" for a change that never happened.
         return (*self.readonly_fields, "user", *(("expires_at",) if obj.revoked_at is not None else ()))
 
+    def formfield_for_foreignkey(self, db_field: Any, request: HttpRequest, **kwargs: Any) -> Any:
+        # Offered, and taken: a POST naming anyone else is refused by the field ("Select a valid choice").
+        if db_field.name == "user":
+            kwargs["queryset"] = api_key_owners(actor=signed_in_user(request))
+        return super().formfield_for_foreignkey(db_field, request, **kwargs)
+
+    def has_change_permission(self, request: HttpRequest, obj: ApiKey | None = None) -> bool:
+        # Another staff member's key, or a superuser's, is read-only to whoever may not make one for them.
+        allowed = obj is None or api_key_owner_allowed(actor=signed_in_user(request), owner=obj.user)
+        return allowed and super().has_change_permission(request, obj)
+
     def has_delete_permission(self, request: HttpRequest, obj: ApiKey | None = None) -> bool:
         # A key is revoked, never deleted, as over the API: a delete took its audit trail (who made
         # it, changed its expiry, revoked it) with it, and recorded nothing.
@@ -82,9 +94,19 @@ class ApiKeyAdmin(admin.ModelAdmin):
 
     @admin.action(description="Revoke the selected keys", permissions=["change"])
     def revoke(self, request: HttpRequest, queryset: QuerySet[ApiKey]) -> None:
-        for key in queryset:
-            api_key_revoke(key=key, actor=signed_in_user(request), source="admin")
-        messages.success(request, f"Revoked {queryset.count()} key(s).")
+        actor = signed_in_user(request)
+        keys = list(queryset.select_related("user"))
+        mine = [key for key in keys if api_key_owner_allowed(actor=actor, owner=key.user)]
+        for key in mine:
+            api_key_revoke(key=key, actor=actor, source="admin")
+        if mine:
+            messages.success(request, f"Revoked {len(mine)} key(s).")
+        if len(mine) < len(keys):
+            messages.error(
+                request,
+                f"{len(keys) - len(mine)} key(s) of staff members or superusers were left as they are: "
+                "only a superuser may revoke them.",
+            )
 
 
 @admin.register(UserSettings)
@@ -103,6 +125,14 @@ class PtcUserAdmin(CountedDeleteAdmin, UserAdmin):
     open or a session that is active: deleted, the user took them with them (a cascade), past the
     guard the job, call and session admins keep, and their workers recorded into rows gone under
     them."""
+
+    def get_search_results(self, request: HttpRequest, queryset: QuerySet[Any], search_term: str) -> tuple[QuerySet[Any], bool]:
+        # The search for a new key's owner (the admin's autocomplete) finds only those the signed-in
+        # member may make a key for, as its form takes only them.
+        field = (request.GET.get("app_label"), request.GET.get("model_name"), request.GET.get("field_name"))
+        if field == ("accounts", "apikey", "user"):
+            queryset = queryset.filter(pk__in=api_key_owners(actor=signed_in_user(request)).values("pk"))
+        return super().get_search_results(request, queryset, search_term)
 
     def get_deleted_objects(self, objs: Any, request: HttpRequest) -> tuple[Any, ...]:
         ids = pks_of(objs)
