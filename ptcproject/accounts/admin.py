@@ -4,7 +4,8 @@ from django.contrib import admin, messages
 from django.contrib.auth.admin import UserAdmin
 from django.contrib.auth.models import User
 from django.db.models import F, QuerySet
-from django.http import HttpRequest
+from django.http import HttpRequest, HttpResponse
+from django.template.response import TemplateResponse
 
 from execution.admin import unended_kept
 from execution.models import ExecJob, ExecSession, ToolCall
@@ -90,7 +91,20 @@ class ApiKeyAdmin(admin.ModelAdmin):
             return
         key, plaintext = api_key_create(user=obj.user, name=obj.name, expires_at=obj.expires_at, actor=actor, source="admin")
         obj.pk, obj.prefix, obj.key_hash = key.pk, key.prefix, key.key_hash
-        messages.warning(request, f"The new key, shown only this once: {plaintext}")
+        obj.plaintext = plaintext  # type: ignore[attr-defined]  # for response_add only; never stored
+
+    def response_add(self, request: HttpRequest, obj: ApiKey, post_url_continue: str | None = None) -> HttpResponse:
+        # The new key is shown in the answer to the POST that made it, and nowhere else: as a message
+        # it sat in the messages cookie (signed, not encrypted) till the next page, and went out with
+        # that page's request; with session storage it would sit in the database.
+        context = {
+            **self.admin_site.each_context(request),
+            "title": "The new API key",
+            "key": obj,
+            "plaintext": obj.plaintext,  # type: ignore[attr-defined]  # set by save_model
+            "opts": self.model._meta,
+        }
+        return TemplateResponse(request, "admin/accounts/apikey/created.html", context)
 
     @admin.action(description="Revoke the selected keys", permissions=["change"])
     def revoke(self, request: HttpRequest, queryset: QuerySet[ApiKey]) -> None:
