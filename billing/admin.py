@@ -1,3 +1,4 @@
+import uuid
 from typing import Any
 
 from django import forms
@@ -42,6 +43,9 @@ class CreditsForm(forms.Form):
         min_value=-BIGINT_MAX, max_value=BIGINT_MAX, help_text="Credits to add; negative to remove (the balance may go below 0)."
     )
     reason = forms.CharField(max_length=300, help_text="Kept on the ledger entry.")
+    # New each time the form is drawn: the same form posted again (a resubmit, a double click)
+    # changes no account twice (credits_adjust's idempotency_key).
+    token = forms.UUIDField(widget=forms.HiddenInput, initial=uuid.uuid4)
 
     def clean_amount(self) -> int:
         amount: int = self.cleaned_data["amount"]
@@ -78,11 +82,13 @@ class CreditAccountAdmin(CountedDeleteAdmin):
                 "opts": self.model._meta,
             }
             return TemplateResponse(request, "admin/billing/creditaccount/adjust_credits.html", context)
-        amount, reason = form.cleaned_data["amount"], form.cleaned_data["reason"]
+        amount, reason, token = form.cleaned_data["amount"], form.cleaned_data["reason"], form.cleaned_data["token"]
         for account in queryset.select_related("user"):
             try:
-                credits_adjust(user=account.user, amount=amount, reason=reason, created_by=signed_in_user(request))
-            except ApplicationError as exc:  # the balance would leave its column's range: that account unchanged
+                credits_adjust(
+                    user=account.user, amount=amount, reason=reason, created_by=signed_in_user(request), idempotency_key=token
+                )
+            except ApplicationError as exc:  # out of the balance's range, or this form applied already: that account unchanged
                 self.message_user(request, f"{account.user}: {exc.message}", messages.ERROR)
             else:
                 self.message_user(request, f"{account.user}: {amount:+d} credits ({reason}).", messages.SUCCESS)

@@ -120,13 +120,22 @@ class LedgerEntry(models.Model):
     tool_call_id = models.CharField(max_length=80, blank=True, db_index=True)
     created_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+")
     created_at = models.DateTimeField(auto_now_add=True)
+    # The one-time token of the form that made it (the admin's grant): the same form posted again (a
+    # resubmit, a double click) is refused for an account it already changed, not granted twice.
+    idempotency_key = models.UUIDField(null=True, blank=True)
 
     class Meta:
         ordering = ["-created_at", "-id"]
         verbose_name_plural = "ledger entries"
         constraints = [
             # A call is charged at most once, however often its task is delivered.
-            models.UniqueConstraint(fields=["tool_call_id"], condition=Q(kind="charge"), name="ledger_one_charge_per_call")
+            models.UniqueConstraint(fields=["tool_call_id"], condition=Q(kind="charge"), name="ledger_one_charge_per_call"),
+            # A form's token changes an account once, however often it is posted.
+            models.UniqueConstraint(
+                fields=["account", "idempotency_key"],
+                condition=Q(idempotency_key__isnull=False),
+                name="ledger_once_per_idempotency_key",
+            ),
         ]
 
     def __str__(self) -> str:

@@ -6,6 +6,7 @@ writes a ledger entry in the same transaction: the balance always equals the sum
 
 import logging
 import math
+import uuid
 from contextlib import nullcontext
 from dataclasses import dataclass
 from datetime import datetime
@@ -162,15 +163,28 @@ def credits_release(*, tool_call_id: str) -> None:
     ledger().release(tool_call_id=tool_call_id)
 
 
-def credits_adjust(*, user: User, amount: int, reason: str, created_by: User | None = None) -> LedgerEntry:
+def credits_adjust(
+    *, user: User, amount: int, reason: str, created_by: User | None = None, idempotency_key: uuid.UUID | None = None
+) -> LedgerEntry:
     """Add (or with a negative amount, remove) credits, with a ledger entry. Return the entry.
 
     Raise ApplicationError ``validation_error`` (400), and change nothing, if the balance would leave
-    the range its column holds.
+    the range its column holds; ``conflict`` (409), and change nothing, if the account already has an
+    entry made with ``idempotency_key`` (the same form posted twice).
     """
     kind = LedgerEntry.Kind.GRANT if created_by is None and amount >= 0 else LedgerEntry.Kind.ADJUSTMENT
     with transaction.atomic():
         account = CreditAccount.objects.select_for_update().get(pk=account_get(user=user).pk)
+        # Under the account's lock: two posts of one form at once are checked one after the other
+        # (the unique constraint stands behind it).
+        done = account.ledger.filter(idempotency_key=idempotency_key).first() if idempotency_key else None
+        if done is not None:
+            raise ApplicationError(
+                "conflict",
+                f"This form was applied already: {done.delta:+d} credits ({done.reason}) at "
+                f"{done.created_at.isoformat()}; nothing was changed again. To change the balance once more, open the form anew.",
+                status=409,
+            )
         if not BIGINT_MIN <= account.balance + amount <= BIGINT_MAX:
             raise ApplicationError(
                 "validation_error",
@@ -180,4 +194,6 @@ def credits_adjust(*, user: User, amount: int, reason: str, created_by: User | N
             )
         account.balance += amount
         account.save(update_fields=["balance", "updated_at"])
-        return LedgerEntry.objects.create(account=account, kind=kind, delta=amount, reason=reason, created_by=created_by)
+        return LedgerEntry.objects.create(
+            account=account, kind=kind, delta=amount, reason=reason, created_by=created_by, idempotency_key=idempotency_key
+        )

@@ -39,7 +39,14 @@ def test_a_viewer_of_credit_accounts_grants_no_credits() -> None:
     assert client.get("/admin/billing/creditaccount/").status_code == 200  # they may see the accounts
     client.post(
         "/admin/billing/creditaccount/",
-        {"action": "adjust_credits", "_selected_action": [account.pk], "apply": "1", "amount": "1000000", "reason": "mine"},
+        {
+            "action": "adjust_credits",
+            "_selected_action": [account.pk],
+            "apply": "1",
+            "amount": "1000000",
+            "reason": "mine",
+            "token": uuid.uuid4(),
+        },
     )
     account.refresh_from_db()
     assert account.balance == 5

@@ -1,6 +1,7 @@
 """Billing against real workers and PostgreSQL: every call that should cost credits costs exactly once."""
 
 import io
+import re
 import uuid
 from collections.abc import Callable
 from datetime import timedelta
@@ -378,7 +379,10 @@ def test_the_admin_adds_and_removes_credits_through_the_ledger_while_calls_hold_
     assert page.status_code == 200 and 'name="amount"' in page.content.decode()
     try:
         for amount, reason in ((25, "goodwill"), (-5, "correction")):
-            done = client.post("/admin/billing/creditaccount/", {**action, "apply": "1", "amount": amount, "reason": reason})
+            done = client.post(
+                "/admin/billing/creditaccount/",
+                {**action, "apply": "1", "amount": amount, "reason": reason, "token": uuid.uuid4()},
+            )
             assert done.status_code == 302
         account.refresh_from_db()
         assert (account.balance, account.reserved) == (30, 1)
@@ -392,6 +396,33 @@ def test_the_admin_adds_and_removes_credits_through_the_ledger_while_calls_hold_
         assert refused.status_code == 200 and "must not be 0" in refused.content.decode()
     finally:
         credits_release(tool_call_id=held)
+
+
+def test_the_admins_credit_form_posted_twice_grants_once() -> None:
+    """A browser's resubmit or a double click posted the admin's grant again, and it was granted
+    again. The form carries a token of its own, kept on the ledger entry: the same form changes an
+    account once, and the second post says so; a form drawn anew grants again."""
+    admin = get_user_model().objects.create_superuser(username=f"admin-{uuid.uuid4().hex[:6]}", password="x")
+    client = Client()
+    client.force_login(admin)
+    user = get_user_model().objects.create_user(username=f"twice-{uuid.uuid4().hex[:6]}")
+    account = account_get(user=user)
+    action = {"action": "adjust_credits", "_selected_action": [str(account.pk)]}
+    grant = {**action, "apply": "1", "amount": 25, "reason": "goodwill", "token": str(uuid.uuid4())}
+    assert client.post("/admin/billing/creditaccount/", grant).status_code == 302
+    again = client.post("/admin/billing/creditaccount/", grant, follow=True).content.decode()
+    account.refresh_from_db()
+    assert account.balance == 25
+    assert list(account.ledger.values_list("delta", flat=True)) == [25]
+    assert "This form was applied already" in again and "nothing was changed again" in again
+    # The form draws a new token each time it is shown: a new form grants again.
+    forms = [client.post("/admin/billing/creditaccount/", action).content.decode() for _ in range(2)]
+    tokens = [re.search(r'name="token" value="([0-9a-f-]{36})"', form) for form in forms]
+    assert tokens[0] and tokens[1] and tokens[0][1] != tokens[1][1]
+    client.post("/admin/billing/creditaccount/", {**grant, "token": tokens[0][1]})
+    account.refresh_from_db()
+    assert (account.balance, account.ledger.count()) == (50, 2)
+    assert not [bad for bad in ledger_mismatches() if bad[0].pk == account.pk]
 
 
 def test_staff_grant_credits_through_the_ledger(make_api: Callable[..., Api], api: Api) -> None:
