@@ -72,9 +72,11 @@ RATE_LIMITED = OpenApiResponse(
 
 
 JOB_NOT_RUNNING = OpenApiResponse(description="job_ended: with a job-scoped key, the job is no longer running.")
-PARALLEL_LIMIT = OpenApiResponse(
-    description="parallel_limit: with a job-scoped key, the job has its parallel cap of calls in flight (1 when "
-    "sequential); nothing was recorded. Retry after Retry-After seconds. Past max_tool_calls it is 403 tool_call_limit."
+CALL_LIMITED = OpenApiResponse(
+    description="rate_limited: with a user's key (a standalone call, or a managed container's), you have your quota "
+    "of tool calls in flight (max_concurrent_tool_calls); `details` names the quota and its limit. parallel_limit: "
+    "with a job-scoped key, the job has its parallel cap of calls in flight (1 when sequential); past max_tool_calls "
+    "it is 403 tool_call_limit. Either way nothing was recorded or charged: retry after Retry-After seconds."
 )
 
 
@@ -396,7 +398,7 @@ class ToolExecuteApi(APIView):
 
     @extend_schema(
         request=ToolExecuteSerializer,
-        responses={200: ToolCallSerializer, 409: JOB_NOT_RUNNING, 429: PARALLEL_LIMIT},
+        responses={200: ToolCallSerializer, 409: JOB_NOT_RUNNING, 429: CALL_LIMITED},
         parameters=[
             OpenApiParameter(
                 "x-ptc-call-id",

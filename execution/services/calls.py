@@ -41,6 +41,7 @@ from execution.events import (
 )
 from execution.models import ExecJob, ToolCall
 from execution.sandbox.session import CALL_GRACE_SECONDS
+from execution.services.quotas import tool_call_quota_check
 from ptcproject import rows
 from ptcproject.accounts.models import ApiKey
 from ptcproject.batching import GroupCommit
@@ -49,7 +50,7 @@ from ptcproject.db import db_reset
 from ptcproject.errors import ApplicationError, call_error
 from ptcproject.metrics import tool_call_observe
 from ptcproject.policy.models import Policy
-from ptcproject.policy.selectors import policy_get
+from ptcproject.policy.selectors import policy_get, quotas_for
 from ptcproject.storage import MAX_JSON_DEPTH, json_depth_exceeds, storable, unstorable
 from tools.arguments import arguments_error, arguments_validator
 from tools.classification import tool_is_ptc
@@ -396,40 +397,50 @@ def tool_call_standalone(
         if failure.code == "tool_not_ptc":
             raise ApplicationError(failure.code, f"{failure.message[:1].upper()}{failure.message[1:]}.", status=403) from None
         found, error = None, failure.as_dict()
-    container_job = None
-    if container_id:
-        from execution.services.jobs import exec_job_for_container  # which imports this module
-
-        job = container_job = exec_job_for_container(user=user, container_id=container_id)
-    call_id = f"ptc_{uuid.uuid4().hex}" if of_job else f"standalone_{uuid.uuid4().hex}"
-    record = {
-        "call_id": call_id,
-        "user": user,
-        "job": job,
-        "toolset": toolset,
-        "tool": tool,
-        "arguments": arguments,
-        "caller": caller,
-    }
     # A remote sandbox's call (a job-scoped key) is held to the job's limits as the bridge holds its
     # calls: admitted and recorded under the job row's lock, so calls at once from many threads are
     # counted one by one. A managed container's job has no code of ours to hold to them. Either
     # job's calls add to every view of it, though: their bytes are held to PTC_MAX_JOB_TOOL_BYTES,
     # counted on its row (a container's job would otherwise grow without end).
-    admit = job is not None and container_job is None
+    admit = job is not None
+    # A call with no job's key (standalone, or a managed container's) has no parallel cap of ours:
+    # it is held to the user's quota of calls in flight, counted under a lock on the user's row
+    # until it is recorded, so calls at once are counted one by one. (A job's key is held to its
+    # job's cap, which the same quota sets when the job is submitted: Quotas.parallel_cap.)
+    quotas = None if job is not None else quotas_for(policy=policy, user=user)
+    counted = quotas is not None and quotas.concurrent_tool_calls > 0
+    call_id = f"ptc_{uuid.uuid4().hex}" if of_job else f"standalone_{uuid.uuid4().hex}"
     http_tool_bytes = 0
-    # A container's calls have no parallel cap: each holds room for the largest result a call may
-    # have until its own has come, or calls made at once all passed on what was counted before any
-    # result came, and took the job past the bound by as many results. So it is passed by one call's
-    # at most, as by calls one at a time. (A job's key is held to its parallel cap, as its bridge.)
-    reserve = settings.PTC_MAX_TOOL_OUTPUT_BYTES if container_job is not None else 0
-    with transaction.atomic() if admit else nullcontext():
+    container_job = None
+    with transaction.atomic() if admit or counted else nullcontext():
+        if counted:
+            assert quotas is not None
+            tool_call_quota_check(user=user, quotas=quotas)  # rate_limited (429): nothing recorded, no job made
+        if container_id:
+            from execution.services.jobs import exec_job_for_container  # which imports this module
+
+            job = container_job = exec_job_for_container(user=user, container_id=container_id)
+        # A container's calls have no parallel cap: each holds room for the largest result a call may
+        # have until its own has come, or calls made at once all passed on what was counted before any
+        # result came, and took the job past the bound by as many results. So it is passed by one call's
+        # at most, as by calls one at a time. (A job's key is held to its parallel cap, as its bridge.)
+        reserve = settings.PTC_MAX_TOOL_OUTPUT_BYTES if container_job is not None else 0
         if admit:
             assert job is not None
             _job_call_admit(job=job)
         if job is not None:
             http_tool_bytes = _job_bytes_take(job=job, size=CALL_RECORD_BYTES + _json_bytes(arguments), reserve=reserve)
-        call = _tool_call_record(**record, found=found, error=error)
+        call = _tool_call_record(
+            call_id=call_id,
+            user=user,
+            job=job,
+            toolset=toolset,
+            tool=tool,
+            arguments=arguments,
+            caller=caller,
+            found=found,
+            error=error,
+        )
     if admit:
         assert job is not None
         # The job's sandbox counts it with its own calls (a lost push: one fewer counted there).

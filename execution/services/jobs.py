@@ -239,7 +239,12 @@ def exec_job_for_container(*, user: User, container_id: str) -> ExecJob:
         except IntegrityError:  # another call of the same container created it first
             job = ExecJob.objects.get(user=user, container_id=container_id)
         else:
-            event_publish(job_call_id=job.call_id, event="exec_start", data=job_start_payload(job))
+            # Announced once made for good: the caller may make it in a transaction it then rolls
+            # back (its call refused as it is recorded).
+            made = job
+            transaction.on_commit(
+                lambda: event_publish(job_call_id=made.call_id, event="exec_start", data=job_start_payload(made))
+            )
             logger.info("managed container job created", extra={"job_id": str(job.pk)})
     if job.status != Status.RUNNING:
         raise ApplicationError(

@@ -1,8 +1,10 @@
-"""Tenant quotas: how much of the fleet one user may hold at once, checked when a job is submitted.
+"""Tenant quotas: how much of the fleet one user may hold at once, checked when a job is submitted,
+and when a call is made over HTTP without a job's key (POST /tools/execute: standalone, or a
+managed container's).
 
 A user past a quota gets 429 ``rate_limited`` with ``Retry-After``, and nothing is created. The
 tool-call quota is also held per job, through its parallel cap (``Quotas.parallel_cap``), so it
-costs the tool calls' path nothing.
+costs a job's calls' path nothing.
 """
 
 import math
@@ -30,6 +32,30 @@ def _limited(message: str, *, quota: str, limit: int, retry_after: int) -> Appli
     )
 
 
+def _user_lock(user: User) -> None:
+    """Lock ``user``'s row until the transaction ends: one user's requests are counted one after
+    the other, and other users are not held up."""
+    list(get_user_model().objects.select_for_update().filter(pk=user.pk).values_list("pk"))
+
+
+def _tool_calls_check(*, user: User, quotas: Quotas, then: str) -> None:
+    """Raise ``rate_limited`` if ``user`` has ``quotas.concurrent_tool_calls`` calls in flight; the
+    message ends with ``then``, what to do. Call it with the user's row locked."""
+    in_flight = ToolCall.objects.filter(user=user, status=ToolCall.Status.EXECUTING).count()
+    # A job's calls for tools workers have no row until a worker claims one: those queued are
+    # counted by the prices held for them (a free tool's, queued, is not seen).
+    recorded = ToolCall.objects.filter(call_id=OuterRef("tool_call_id"))
+    held = Reservation.objects.filter(account__user=user, status=Reservation.Status.HELD)
+    in_flight += held.filter(~Exists(recorded)).count()
+    if in_flight >= quotas.concurrent_tool_calls:
+        raise _limited(
+            f"You have {in_flight} tool calls in flight; your quota is {quotas.concurrent_tool_calls}. {then}",
+            quota="concurrent_tool_calls",
+            limit=quotas.concurrent_tool_calls,
+            retry_after=BUSY_RETRY_SECONDS,
+        )
+
+
 def exec_quota_check(*, user: User, quotas: Quotas, session: ExecSession | None = None) -> None:
     """Raise ApplicationError ``rate_limited`` (429) if a new job (or a new session: ``quotas``
     say only its jobs count) would take ``user`` past a quota. An open session holds a sandbox, so
@@ -40,7 +66,7 @@ def exec_quota_check(*, user: User, quotas: Quotas, session: ExecSession | None 
     """
     if not quotas.any:
         return
-    list(get_user_model().objects.select_for_update().filter(pk=user.pk).values_list("pk"))
+    _user_lock(user)
     jobs = ExecJob.objects.filter(user=user)
     if quotas.concurrent_jobs:
         busy = (ExecJob.Status.QUEUED, ExecJob.Status.RUNNING)
@@ -61,20 +87,7 @@ def exec_quota_check(*, user: User, quotas: Quotas, session: ExecSession | None 
                 retry_after=BUSY_RETRY_SECONDS,
             )
     if quotas.concurrent_tool_calls:
-        in_flight = ToolCall.objects.filter(user=user, status=ToolCall.Status.EXECUTING).count()
-        # A job's calls for tools workers have no row until a worker claims one: those queued are
-        # counted by the prices held for them (a free tool's, queued, is not seen).
-        recorded = ToolCall.objects.filter(call_id=OuterRef("tool_call_id"))
-        held = Reservation.objects.filter(account__user=user, status=Reservation.Status.HELD)
-        in_flight += held.filter(~Exists(recorded)).count()
-        if in_flight >= quotas.concurrent_tool_calls:
-            raise _limited(
-                f"You have {in_flight} tool calls in flight; your quota is {quotas.concurrent_tool_calls}. "
-                "Submit this job when some have finished.",
-                quota="concurrent_tool_calls",
-                limit=quotas.concurrent_tool_calls,
-                retry_after=BUSY_RETRY_SECONDS,
-            )
+        _tool_calls_check(user=user, quotas=quotas, then="Submit this job when some have finished.")
     if quotas.jobs_per_minute:
         now = timezone.now()
         window = list(
@@ -89,3 +102,16 @@ def exec_quota_check(*, user: User, quotas: Quotas, session: ExecSession | None 
                 limit=quotas.jobs_per_minute,
                 retry_after=math.ceil((leaves - now).total_seconds()),
             )
+
+
+def tool_call_quota_check(*, user: User, quotas: Quotas) -> None:
+    """Raise ApplicationError ``rate_limited`` (429) if ``user`` already has their quota of tool
+    calls in flight (counted as for a job's submission): for a call made over HTTP without a job's
+    key, whose job (if any: a managed container's) has no parallel cap of ours.
+
+    Call it inside the transaction that records the call: it locks the user's row, so calls of one
+    user at once are counted one after the other, each seeing those recorded before it."""
+    if not quotas.concurrent_tool_calls:
+        return
+    _user_lock(user)
+    _tool_calls_check(user=user, quotas=quotas, then="Make this call when one of them has finished.")

@@ -10,7 +10,7 @@ from typing import Any
 import httpx
 from django.contrib.auth import get_user_model
 
-from execution.models import ExecJob
+from execution.models import ExecJob, ToolCall
 from ptcproject.accounts.models import UserSettings
 from ptcproject.policy.selectors import policy_get, quotas_for
 from tests.conftest import Api
@@ -167,3 +167,47 @@ def test_a_managed_containers_job_takes_none_of_the_jobs_at_once_quota(api: Api)
     assert ExecJob.objects.filter(container_id=container, status="running").exists()
     job = api.run("6 * 7")
     assert job["status"] == "completed" and job["return_value"] == 42, job
+
+
+def _execute(api: Api, tool: str = "echo", container: str = "", **arguments: Any) -> httpx.Response:
+    body: dict[str, Any] = {"toolset": "demo", "tool": tool, "arguments": arguments or {"value": 1}}
+    if container:
+        body.update(container_id=container, caller={"type": "code_execution_20260120", "tool_id": "srvtoolu_1"})
+    return api.post("/api/v1/tools/execute", json=body)
+
+
+def test_tools_execute_is_held_to_the_tool_calls_in_flight_quota(api: Api) -> None:
+    """A standalone call, or a managed container's, is held to the user's quota of calls in flight as
+    a job's submission is: past it, 429 rate_limited with Retry-After, and nothing recorded or made."""
+    _quota(api, max_concurrent_tool_calls=2)
+    user = get_user_model().objects.get(username=api.username)
+    balance = api.get("/api/v1/billing/balance").json()["balance"]
+    # Six at once: counted one by one under the user's lock, so exactly two run.
+    with ThreadPoolExecutor(6) as pool:
+        answers = list(pool.map(lambda _: _execute(api, "sleep", ms=2000), range(6)))
+    assert sorted(r.status_code for r in answers) == [200, 200, 429, 429, 429, 429], [r.text for r in answers]
+    for refused in (r for r in answers if r.status_code == 429):
+        error = refused.json()["error"]
+        assert error["code"] == "rate_limited", error
+        assert error["details"] == {"quota": "concurrent_tool_calls", "limit": 2, "retry_after": 2}
+        assert refused.headers["Retry-After"] == "2"
+    assert ToolCall.objects.filter(user=user).count() == 2  # nothing recorded of the refused
+    assert api.get("/api/v1/billing/balance").json()["balance"] == balance - 2  # nor charged
+    # With two in flight, a container's first call is refused too, and makes no job.
+    with ThreadPoolExecutor(2) as pool:
+        running = [pool.submit(_execute, api, "sleep", ms=3000) for _ in range(2)]
+        deadline = time.monotonic() + 10
+        while ToolCall.objects.filter(user=user, status="executing").count() < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        container = f"container_{uuid.uuid4().hex[:12]}"
+        refused = _execute(api, container=container)
+        assert refused.status_code == 429 and refused.json()["error"]["code"] == "rate_limited", refused.text
+        assert int(refused.headers["Retry-After"]) >= 1
+        assert not ExecJob.objects.filter(container_id=container).exists()
+        assert all(r.result().status_code == 200 for r in running)
+    # Under the quota again: both kinds run.
+    assert _execute(api).status_code == 200
+    called = _execute(api, container=container)
+    assert called.status_code == 200 and called.json()["status"] == "completed", called.text
+    assert ExecJob.objects.filter(container_id=container, status="running").exists()
