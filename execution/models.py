@@ -13,7 +13,7 @@ class ExecJobQuerySet(models.QuerySet["ExecJob"]):
     def run_here(self) -> "ExecJobQuerySet":
         """The jobs whose code runs on this deployment's workers: all but managed containers'
         (their code runs in the provider's container; their job stays ``running`` for as long as
-        it may call back, holding no worker, no sandbox and no lease)."""
+        it calls back, holding no worker, no sandbox and no lease; the reaper closes it once idle)."""
         return self.filter(container_id="")
 
 
@@ -51,7 +51,8 @@ class ExecJob(models.Model):
     client_tools = models.JSONField(default=list, blank=True)
     # Set on a managed container's job: the parent of the calls a provider's own code-execution
     # container made through POST /tools/execute with this ``container_id``. Such a job runs no code
-    # here; it stays ``running`` (the reaper leaves it alone) until cancelled.
+    # here; it stays ``running`` until cancelled, or closed by the reaper after PTC_CONTAINER_IDLE_SECONDS
+    # without a call (container_jobs_close_idle).
     container_id = models.CharField(max_length=200, blank=True, default="")
     # What its calls made over HTTP (POST /tools/execute: with its job-scoped key, or a managed
     # container's) added to every view of it: their arguments, results and records, in bytes. Held

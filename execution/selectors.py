@@ -3,7 +3,8 @@ from typing import Any
 
 from django.conf import settings
 from django.contrib.auth.models import User
-from django.db.models import Prefetch, Q, QuerySet
+from django.db.models import Exists, Max, OuterRef, Prefetch, Q, QuerySet, Subquery
+from django.db.models.functions import Coalesce
 from django.utils import timezone
 
 from execution.models import ExecJob, ExecSession, ToolCall, WorkFile
@@ -87,3 +88,39 @@ def calls_overdue_at(calls: QuerySet[ToolCall]) -> datetime | None:
         for claimed_at, started_at, timeout in calls.values_list("claimed_at", "started_at", "tool__timeout")
     ]
     return max(ends, default=None)
+
+
+def container_jobs_open(*, user: User | None = None) -> QuerySet[ExecJob]:
+    """Return the managed containers' jobs still open (``running``), of ``user`` if given."""
+    jobs = ExecJob.objects.exclude(container_id="").filter(status=ExecJob.Status.RUNNING)
+    return jobs if user is None else jobs.filter(user=user)
+
+
+def _last_used_at() -> Coalesce:
+    """A managed container's job's last use: when its last call started or ended (a job is made by
+    its first call, so never before its own start)."""
+    last_call = (
+        ToolCall.objects.filter(exec_job=OuterRef("pk"))
+        .values("exec_job")
+        .annotate(last=Max(Coalesce("finished_at", "started_at")))
+        .values("last")
+    )
+    return Coalesce(Subquery(last_call), "started_at")
+
+
+def _call_open() -> Exists:
+    """Whether a call of the job is still open."""
+    return Exists(ToolCall.objects.filter(exec_job=OuterRef("pk"), status__in=ToolCall.OPEN))
+
+
+def container_jobs_idle(*, since: datetime) -> QuerySet[ExecJob]:
+    """Return the managed containers' jobs open with no call since ``since`` and none still open:
+    those the reaper closes (PTC_CONTAINER_IDLE_SECONDS)."""
+    return container_jobs_open().filter(~_call_open()).annotate(last_used_at=_last_used_at()).filter(last_used_at__lt=since)
+
+
+def container_jobs_idle_since(*, user: User, container_id: str) -> datetime | None:
+    """Return when the managed container's job of ``user`` unused longest (no call open; other than
+    ``container_id``'s) was last used: the first the reaper will close. None if each has a call open."""
+    jobs = container_jobs_open(user=user).exclude(container_id=container_id).filter(~_call_open())
+    return jobs.annotate(last_used_at=_last_used_at()).order_by("last_used_at").values_list("last_used_at", flat=True).first()

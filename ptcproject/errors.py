@@ -37,7 +37,8 @@ CODES: dict[str, tuple[int, str]] = {
     "throttled": (429, "too many requests; wait as Retry-After says"),
     "rate_limited": (
         429,
-        "past a tenant quota (jobs at once, tool calls in flight, jobs per minute); retry after Retry-After seconds",
+        "past a tenant quota (jobs at once, tool calls in flight, jobs per minute, managed containers open); "
+        "retry after Retry-After seconds",
     ),
     "internal_error": (500, "the server failed; it is logged (as a call's code: the worker failed running it)"),
     "database_unavailable": (503, "the database is unreachable (nothing was changed), or cancelled a statement; retry"),

@@ -387,6 +387,12 @@ PTC_SESSIONS_PER_WORKER = checked.int("PTC_SESSIONS_PER_WORKER", 32, 1, 100_000)
 # A user's own keys that work (not revoked, not expired) one may make over the API: each is a row
 # kept for good (its audit trail with it), so a key may not make them without end.
 PTC_MAX_KEYS_PER_USER = checked.int("PTC_MAX_KEYS_PER_USER", 100, 1, 100_000)
+# Managed containers' jobs (README, "Client tools and approvals"): each is made by a container's
+# first call (POST /tools/execute with container_id, the client's choice), so one user may hold at
+# most this many open (0: no bound), and one with no call for PTC_CONTAINER_IDLE_SECONDS is closed
+# by the reaper (0: never).
+PTC_MAX_CONTAINERS_PER_USER = checked.int("PTC_MAX_CONTAINERS_PER_USER", 16, 0, 100_000)
+PTC_CONTAINER_IDLE_SECONDS = checked.int("PTC_CONTAINER_IDLE_SECONDS", 3600, 0, 365 * 24 * 3600)
 PTC_SESSION_IDLE_TIMEOUT = checked.float("PTC_SESSION_IDLE_TIMEOUT", 600.0, 0, 365 * 24 * 3600, above_low=True)
 PTC_SESSION_MAX_IDLE_TIMEOUT = checked.float("PTC_SESSION_MAX_IDLE_TIMEOUT", 3600.0, 0, 365 * 24 * 3600, above_low=True)
 PTC_SESSION_MAX_LIFETIME = checked.float("PTC_SESSION_MAX_LIFETIME", 3600.0, 0, 365 * 24 * 3600, above_low=True)

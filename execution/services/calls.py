@@ -412,7 +412,8 @@ def tool_call_standalone(
     call_id = f"ptc_{uuid.uuid4().hex}" if of_job else f"standalone_{uuid.uuid4().hex}"
     http_tool_bytes = 0
     container_job = None
-    with transaction.atomic() if admit or counted else nullcontext():
+    # A container's call is recorded under its job row's lock (exec_job_for_container), for the reaper.
+    with transaction.atomic() if admit or counted or container_id else nullcontext():
         if counted:
             assert quotas is not None
             tool_call_quota_check(user=user, quotas=quotas)  # rate_limited (429): nothing recorded, no job made

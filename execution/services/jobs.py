@@ -35,7 +35,7 @@ from execution.sandbox.limits import Limits
 from execution.sandbox.pool import sandbox_reap
 from execution.sandbox.process import SDK_MB, SandboxUnavailable
 from execution.sandbox.session import Outcome, Session
-from execution.selectors import CALLS_IN_ORDER, calls_overdue_at, exec_job_with_calls
+from execution.selectors import CALLS_IN_ORDER, calls_overdue_at, container_jobs_idle, exec_job_with_calls
 from execution.services.calls import (
     CALL_TIMEOUT_MESSAGE,
     JOB_ENDED_MESSAGE,
@@ -45,7 +45,7 @@ from execution.services.calls import (
     tool_calls_fail_queued,
     tool_calls_reap,
 )
-from execution.services.quotas import exec_quota_check
+from execution.services.quotas import container_quota_check, exec_quota_check
 from execution.services.router import JobCallRouter
 from execution.services.sessions import (
     LiveSession,
@@ -215,16 +215,23 @@ def exec_job_create(
 def exec_job_for_container(*, user: User, container_id: str) -> ExecJob:
     """Return ``user``'s job for a managed container (a provider's own code-execution container
     whose calls come through POST /tools/execute), created ``running`` on its first call: one per
-    user and ``container_id`` (a unique constraint settles a race). It runs no code here and is
-    never reaped; cancelling it refuses its later calls.
+    user and ``container_id`` (a unique constraint settles a race), at most
+    PTC_MAX_CONTAINERS_PER_USER open. It runs no code here; cancelling it refuses its later calls,
+    and the reaper closes it once idle (``container_jobs_close_idle``).
 
-    Raise ApplicationError ``job_finished`` (409) if that job was cancelled.
+    Call it in the transaction that records the call: the job's row stays locked until then, so
+    the reaper never closes a job under a call being recorded (it reads the job's calls once it
+    holds that lock itself).
+
+    Raise ApplicationError ``job_finished`` (409) if that job has ended (cancelled, or closed
+    idle), ``rate_limited`` (429) if it is new and the user has the most open.
     """
     job = ExecJob.objects.filter(user=user, container_id=container_id).first()
     if job is None:
         now = timezone.now()
         try:
             with transaction.atomic():
+                container_quota_check(user=user, container_id=container_id)
                 job = ExecJob.objects.create(
                     user=user,
                     container_id=container_id,
@@ -246,10 +253,11 @@ def exec_job_for_container(*, user: User, container_id: str) -> ExecJob:
                 lambda: event_publish(job_call_id=made.call_id, event="exec_start", data=job_start_payload(made))
             )
             logger.info("managed container job created", extra={"job_id": str(job.pk)})
-    if job.status != Status.RUNNING:
+    status = ExecJob.objects.select_for_update().filter(pk=job.pk).values_list("status", flat=True).first()
+    if status != Status.RUNNING:
         raise ApplicationError(
             "job_finished",
-            f"The job of container {container_id} has ended ('{job.status}'); its container takes no more calls.",
+            f"The job of container {container_id} has ended ('{status}'); its container takes no more calls.",
             status=409,
         )
     return job
@@ -979,7 +987,7 @@ def exec_jobs_reap() -> int:
     # From its claim, not its start: a gated call starts when it begins to wait for its approval.
     abandoned = timezone.now() - timedelta(seconds=settings.PTC_DEFAULT_TOOL_TIMEOUT * 2 + settings.PTC_JOB_LEASE_SECONDS)
     overdue = timezone.now() - timedelta(seconds=settings.PTC_TIMEOUT_CEILING + 2 * settings.PTC_JOB_LEASE_SECONDS)
-    # A managed container's job runs until someone cancels it: its call that no worker took (the
+    # A managed container's job runs until cancelled or closed idle: its call that no worker took (the
     # web process that recorded it and held its price died before it queued it) is abandoned as a
     # standalone call is, or it stayed executing, its price held, for the job's life.
     in_container = Exists(ExecJob.objects.filter(pk=OuterRef("exec_job_id")).exclude(container_id=""))
@@ -999,8 +1007,9 @@ def exec_jobs_reap() -> int:
             message=f"no exec worker took the job within {settings.PTC_QUEUED_MAX_SECONDS} s; its queue message was lost",
         )
     _exec_jobs_close_left()
+    container_jobs_close_idle()
     reaped = 0
-    # A managed container's job has no worker and no lease: it is not reaped.
+    # A managed container's job has no worker and no lease: it is not reaped, only closed once idle (above).
     running = ExecJob.objects.run_here().filter(status=Status.RUNNING, heartbeat_at__lt=stale)
     for job_id in running.values_list("pk", flat=True):
         if _calls_still_running(job_id=job_id):
@@ -1045,6 +1054,41 @@ def _exec_jobs_close_left() -> None:
             _exec_job_close(job_id=job_id)
             # Counted by whoever closes a job: here, as no worker did.
             job_finished_observe(status=status, toolsets=[], seconds=None, spawn_ms=None)
+
+
+def container_jobs_close_idle() -> int:
+    """Close the managed containers' jobs with no call for PTC_CONTAINER_IDLE_SECONDS (0: never)
+    and none still open: each ends ``completed``, its end announced and counted as any job's, and a
+    later call of its container is refused (409 ``job_finished``). Return how many were closed.
+
+    A container's job is made by its first call, named by the client: without this, each stayed
+    open for good (and held a place in PTC_MAX_CONTAINERS_PER_USER)."""
+    idle = settings.PTC_CONTAINER_IDLE_SECONDS
+    if not idle:
+        return 0
+    since = timezone.now() - timedelta(seconds=idle)
+    closed = 0
+    for job_id in container_jobs_idle(since=since).values_list("pk", flat=True):
+        with transaction.atomic():
+            # A call of it is recorded under this lock (exec_job_for_container): once it is held,
+            # a call recorded is seen below (each statement reads what was committed before it),
+            # and a call not yet recorded finds the job ended.
+            if (
+                not ExecJob.objects.select_for_update()
+                .filter(pk=job_id, status=Status.RUNNING)
+                .values_list("pk", flat=True)
+                .first()
+            ):
+                continue  # cancelled meanwhile
+            if not container_jobs_idle(since=since).filter(pk=job_id).exists():
+                continue  # called meanwhile
+            now = timezone.now()
+            ExecJob.objects.filter(pk=job_id).update(status=Status.COMPLETED, finished_at=now, closed_at=now)
+        logger.info("managed container job closed: idle", extra={"job_id": str(job_id), "idle_seconds": idle})
+        _exec_job_close(job_id=job_id)  # no call is open: nothing to wait for
+        job_finished_observe(status=Status.COMPLETED, toolsets=[], seconds=None, spawn_ms=None)
+        closed += 1
+    return closed
 
 
 def _calls_still_running(*, job_id: Any) -> bool:

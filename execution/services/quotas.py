@@ -10,6 +10,7 @@ costs a job's calls' path nothing.
 import math
 from datetime import timedelta
 
+from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.contrib.auth.models import User
 from django.db.models import Exists, OuterRef
@@ -17,7 +18,7 @@ from django.utils import timezone
 
 from billing.models import Reservation
 from execution.models import ExecJob, ExecSession, ToolCall
-from execution.selectors import sessions_in_state
+from execution.selectors import container_jobs_idle_since, container_jobs_open, sessions_in_state
 from ptcproject.errors import ApplicationError
 from ptcproject.policy.selectors import Quotas
 
@@ -115,3 +116,34 @@ def tool_call_quota_check(*, user: User, quotas: Quotas) -> None:
         return
     _user_lock(user)
     _tool_calls_check(user=user, quotas=quotas, then="Make this call when one of them has finished.")
+
+
+def container_quota_check(*, user: User, container_id: str) -> None:
+    """Raise ApplicationError ``rate_limited`` (429) if ``user`` has PTC_MAX_CONTAINERS_PER_USER
+    managed containers' jobs open besides ``container_id``'s: its first call would open one more.
+
+    Call it inside the transaction that creates the job: it locks the user's row, so two new
+    containers of one user at once are counted one after the other."""
+    most = settings.PTC_MAX_CONTAINERS_PER_USER
+    if not most:
+        return
+    _user_lock(user)
+    # A call beside this one may have made this container's job meanwhile: it takes no new place.
+    count = container_jobs_open(user=user).exclude(container_id=container_id).count()
+    if count < most:
+        return
+    idle = settings.PTC_CONTAINER_IDLE_SECONDS
+    retry_after = BUSY_RETRY_SECONDS
+    oldest = container_jobs_idle_since(user=user, container_id=container_id) if idle else None
+    if oldest is not None:
+        # A place frees when the one unused longest is closed: its idle time out, then the reaper's round.
+        closes = oldest + timedelta(seconds=idle + settings.PTC_REAP_EVERY)
+        retry_after = math.ceil((closes - timezone.now()).total_seconds())
+    raise _limited(
+        f"You have {count} managed containers' jobs open; your quota is {most} (PTC_MAX_CONTAINERS_PER_USER). "
+        "Call from one of those containers, or cancel the job of one you are done with (POST /api/v1/exec/{id}/cancel)"
+        + (f"; one with no call for {idle} s is closed." if idle else "."),
+        quota="containers",
+        limit=most,
+        retry_after=retry_after,
+    )

@@ -148,8 +148,8 @@ def exec_jobs_purge(*, now: datetime | None = None, batch_size: int = PURGE_BATC
         ~Exists(still_open), ~unclosed, status__in=ExecJob.FINISHED, purged_at__isnull=True, finished_at__isnull=False
     )
     # Calls no finished job carries, each purged on its own once past retention: standalone ones, and
-    # a managed container's, whose job never finishes (its container may call back for as long as it
-    # lives), so the jobs' purge never reached them.
+    # a managed container's, whose job stays open for as long as its container calls (the reaper
+    # closes it once idle: PTC_CONTAINER_IDLE_SECONDS), so the jobs' purge did not reach them.
     holding = (
         ToolCall.objects.filter(finished_at__isnull=False)
         .filter(Q(exec_job__isnull=True) | Q(exec_job__container_id__gt=""))

@@ -13,6 +13,7 @@ from datetime import timedelta
 import pytest
 from django.contrib.auth import get_user_model
 from django.core.management import call_command
+from django.db import transaction
 from django.utils import timezone
 
 from billing.models import CreditAccount, CreditUsage, LedgerEntry, Reservation
@@ -141,7 +142,8 @@ def test_a_managed_containers_call_its_web_process_never_queued_gives_back_its_h
     fails such a call of a job that has ended, or of no job, once no worker took it in twice the
     tools' timeout, left this one and its hold for the job's life."""
     user = get_user_model().objects.get(username=api.username)
-    job = exec_job_for_container(user=user, container_id=f"cntr_{uuid.uuid4().hex[:12]}")
+    with transaction.atomic():  # as the call that makes it: its row is locked until the call is recorded
+        job = exec_job_for_container(user=user, container_id=f"cntr_{uuid.uuid4().hex[:12]}")
     long_ago = timezone.now() - timedelta(hours=1)
     call = demo_call(user=user, job=job, started_at=long_ago)
     credits_reserve(

@@ -14,6 +14,7 @@ from execution.models import ExecJob, ToolCall
 from ptcproject.accounts.models import UserSettings
 from ptcproject.policy.selectors import policy_get, quotas_for
 from tests.conftest import Api
+from tests.stack import Stack
 
 SLEEP = "import time\ntime.sleep(4)"
 
@@ -211,3 +212,95 @@ def test_tools_execute_is_held_to_the_tool_calls_in_flight_quota(api: Api) -> No
     called = _execute(api, container=container)
     assert called.status_code == 200 and called.json()["status"] == "completed", called.text
     assert ExecJob.objects.filter(container_id=container, status="running").exists()
+
+
+def test_a_user_may_open_at_most_their_bound_of_containers(api: Api) -> None:
+    """A managed container's job is made by its first call, and container ids are the client's to
+    choose: past PTC_MAX_CONTAINERS_PER_USER (16 here) open, a new container's first call is refused."""
+    containers = [f"container_{uuid.uuid4().hex[:12]}" for _ in range(17)]
+    for container in containers[:16]:
+        assert _execute(api, container=container).status_code == 200
+    refused = _execute(api, container=containers[16])
+    assert refused.status_code == 429, refused.text
+    error = refused.json()["error"]
+    assert error["code"] == "rate_limited" and "PTC_MAX_CONTAINERS_PER_USER" in error["message"], error
+    assert error["details"]["quota"] == "containers" and error["details"]["limit"] == 16
+    # The one idle longest is closed by the reaper an hour after its call (a round after).
+    assert 3590 <= int(refused.headers["Retry-After"]) <= 3602
+    assert not ExecJob.objects.filter(container_id=containers[16]).exists()
+    assert ToolCall.objects.filter(user__username=api.username).count() == 16  # nothing recorded of it
+    # The containers open still call; cancelling the job of one makes room for a new one.
+    assert _execute(api, container=containers[0]).status_code == 200
+    job = ExecJob.objects.get(container_id=containers[0])
+    assert api.post(f"/api/v1/exec/{job.pk}/cancel").status_code == 200
+    called = _execute(api, container=containers[16])
+    assert called.status_code == 200 and called.json()["status"] == "completed", called.text
+
+
+def _unused_since(container: str, *, hours: float) -> ExecJob:
+    """Make the container's job, and its calls, look as if last used ``hours`` ago (not their claims:
+    a claim that old is a call whose tool never returned, for the reaper)."""
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    then = timezone.now() - timedelta(hours=hours)
+    job = ExecJob.objects.get(container_id=container)
+    ExecJob.objects.filter(pk=job.pk).update(started_at=then, created_at=then)
+    ToolCall.objects.filter(exec_job=job).update(started_at=then)
+    ToolCall.objects.filter(exec_job=job, finished_at__isnull=False).update(finished_at=then)
+    return job
+
+
+def _job_status_after(job: ExecJob, seconds: float, until: str = "") -> str:
+    """The job's status once it is ``until``, or after ``seconds`` (the reaper runs every second here)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        status = ExecJob.objects.values_list("status", flat=True).get(pk=job.pk)
+        if status == until:
+            return status
+        time.sleep(0.2)
+    return ExecJob.objects.values_list("status", flat=True).get(pk=job.pk)
+
+
+def test_an_idle_containers_job_is_closed_by_the_reaper_and_its_container_refused(stack: Stack, api: Api) -> None:
+    """A container's job with no call for PTC_CONTAINER_IDLE_SECONDS (an hour) is closed by the
+    reaper: it ends completed, its exec_end out and counted, and its container's next call is 409."""
+    from tests.execution.client_loop import sse_events
+    from tests.test_metrics import scrape, value
+
+    container = f"container_{uuid.uuid4().hex[:12]}"
+    assert _execute(api, container=container).status_code == 200
+    before = value(scrape(stack), "ptc_jobs_finished_total", status="completed")
+    job = _unused_since(container, hours=2)
+    assert _job_status_after(job, 15, until="completed") == "completed"
+    shown = api.get(f"/api/v1/exec/{job.pk}").json()
+    assert shown["status"] == "completed" and shown["success"] is True and shown["finished_at"], shown
+    assert len(shown["tool_calls"]) == 1
+    events = list(sse_events(api, str(job.pk), timeout=15))
+    assert events[-1][0] == "exec_end" and events[-1][1]["status"] == "completed", events[-1]
+    assert value(scrape(stack), "ptc_jobs_finished_total", status="completed") > before
+    refused = _execute(api, container=container)
+    assert refused.status_code == 409, refused.text
+    assert refused.json()["error"]["code"] == "job_finished" and "has ended" in refused.json()["error"]["message"]
+    assert ToolCall.objects.filter(exec_job=job).count() == 1  # nothing recorded of it
+
+
+def test_a_containers_job_with_a_call_in_flight_is_not_closed(api: Api) -> None:
+    """An idle container's job is closed only once no call of it is open: a call long under way is
+    not cut; once it has ended, the job is idle from that end."""
+    container = f"container_{uuid.uuid4().hex[:12]}"
+    with ThreadPoolExecutor(1) as pool:
+        running = pool.submit(_execute, api, "sleep", container, ms=4000)
+        deadline = time.monotonic() + 10
+        while not ToolCall.objects.filter(exec_job__container_id=container, claimed_at__isnull=False).exists():
+            assert time.monotonic() < deadline, "no tools worker took the call"
+            time.sleep(0.05)
+        job = _unused_since(container, hours=2)
+        assert _job_status_after(job, 3) == "running"  # three reaper rounds, the call open
+        called = running.result()
+    assert called.status_code == 200 and called.json()["status"] == "completed", called.text
+    assert _job_status_after(job, 2) == "running"  # used a moment ago: its call's end
+    assert _execute(api, container=container).status_code == 200
+    _unused_since(container, hours=2)
+    assert _job_status_after(job, 15, until="completed") == "completed"
