@@ -351,7 +351,9 @@ def tool_call_standalone(
     ``caller`` (``{type, tool_id}``) is recorded as given. A tool that fails still returns its
     record (``failed``); a request that names no such toolset or tool raises ApplicationError, and
     so does a call that needs an approval or a client (``approval_required``, ``kind_unsupported``):
-    only a job's sandbox waits for those.
+    only a job's sandbox waits for those. So does, with nothing recorded, a call without a job's key
+    past the user's quota of calls in flight or, a new container's, past PTC_MAX_CONTAINERS_PER_USER
+    (``rate_limited``, 429), and a container's whose job has ended (``job_finished``, 409).
     """
     job: ExecJob | None = None
     if key is not None and key.exec_job_id is not None:
