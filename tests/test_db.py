@@ -100,10 +100,25 @@ def test_a_concurrent_index_is_built_while_migrate_holds_its_lock(django_db_setu
     assert built == [table]
 
 
-def test_an_index_a_cut_off_concurrent_build_left_invalid_is_built_again_by_the_next_migrate() -> None:
-    """execjob_created is built concurrently (jobs go on being written meanwhile). A build cut off
-    (a deploy's timeout, a cancelled statement) leaves the index behind, invalid, and the migration
-    unrecorded: the next migrate must build it again, not fail on the name being taken."""
+@pytest.mark.parametrize(
+    ("app", "before", "index", "build"),
+    [
+        ("execution", "0012", "execjob_created", "ON execution_execjob (created_at DESC)"),
+        (
+            "billing",
+            "0004",
+            "ledger_once_per_idempotency_key",
+            "ON billing_ledgerentry (account_id, idempotency_key) WHERE idempotency_key IS NOT NULL",
+        ),
+    ],
+)
+def test_an_index_a_cut_off_concurrent_build_left_invalid_is_built_again_by_the_next_migrate(
+    app: str, before: str, index: str, build: str
+) -> None:
+    """An index on a busy table (jobs, the ledger) is built concurrently: its rows go on being
+    written meanwhile. A build cut off (a deploy's timeout, a cancelled statement) leaves the index
+    behind, invalid, and the migration unrecorded: the next migrate must build it again, not fail on
+    the name being taken."""
     name = f"ptc_migrate_{uuid.uuid4().hex[:8]}"
     server = os.environ["TEST_DATABASE_URL"].rsplit("/", 1)[0]
     with psycopg.connect(os.environ["TEST_DATABASE_URL"], autocommit=True) as conn:
@@ -119,21 +134,21 @@ def test_an_index_a_cut_off_concurrent_build_left_invalid_is_built_again_by_the_
         def valid() -> list[bool]:
             with psycopg.connect(f"{server}/{name}") as conn:
                 found = conn.execute(
-                    "SELECT i.indisvalid FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid WHERE c.relname = 'execjob_created'"
+                    "SELECT i.indisvalid FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid WHERE c.relname = %s", [index]
                 )
                 return [row[0] for row in found.fetchall()]
 
         migrate()
         assert valid() == [True]
-        migrate("execution", "0012")
+        migrate(app, before)
         assert valid() == []
         # A build cut off: it waits for a transaction older than it, and its statement times out.
-        with psycopg.connect(f"{server}/{name}") as older, psycopg.connect(f"{server}/{name}", autocommit=True) as build:
+        with psycopg.connect(f"{server}/{name}") as older, psycopg.connect(f"{server}/{name}", autocommit=True) as cut:
             older.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
             older.execute("SELECT 1")
-            build.execute("SET statement_timeout = '1s'")
+            cut.execute("SET statement_timeout = '1s'")
             with pytest.raises(psycopg.errors.QueryCanceled):
-                build.execute("CREATE INDEX CONCURRENTLY execjob_created ON execution_execjob (created_at DESC)")
+                cut.execute(f"CREATE {'UNIQUE ' if app == 'billing' else ''}INDEX CONCURRENTLY {index} {build}")
             older.rollback()
         assert valid() == [False]
         migrate()

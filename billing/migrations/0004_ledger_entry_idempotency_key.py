@@ -5,7 +5,6 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
         ('billing', '0003_reservation_kept_when_its_job_is_deleted'),
         migrations.swappable_dependency(settings.AUTH_USER_MODEL),
@@ -16,9 +15,5 @@ class Migration(migrations.Migration):
             model_name='ledgerentry',
             name='idempotency_key',
             field=models.UUIDField(blank=True, null=True),
-        ),
-        migrations.AddConstraint(
-            model_name='ledgerentry',
-            constraint=models.UniqueConstraint(condition=models.Q(('idempotency_key__isnull', False)), fields=('account', 'idempotency_key'), name='ledger_once_per_idempotency_key'),
         ),
     ]
