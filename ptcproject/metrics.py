@@ -199,8 +199,9 @@ class FleetCollector:
         from billing.models import Reservation
         from execution.models import ExecJob, ToolCall
 
-        # Managed containers' jobs are left out: each stays running for as long as its container
-        # may call back, with no worker; counted, it would set off PtcJobsStuckRunning for good.
+        # Managed containers' jobs are left out: each stays running while its container calls back
+        # (up to PTC_CONTAINER_IDLE_SECONDS after its last call), with no worker; counted, it would
+        # set off PtcJobsStuckRunning.
         here = ExecJob.objects.run_here()
         active = (ExecJob.Status.QUEUED, ExecJob.Status.RUNNING)
         jobs = GaugeMetricFamily("ptc_jobs", "Jobs queued or running now, by status.", labels=["status"])
