@@ -4,9 +4,10 @@ revoke, a session's end, a toolset's sync, an approval), nor read what they have
 
 import uuid
 from datetime import timedelta
+from typing import Any
 
 from django.contrib.auth import get_user_model
-from django.contrib.auth.models import Permission, User
+from django.contrib.auth.models import Group, Permission, User
 from django.test import Client
 from django.utils import timezone
 
@@ -167,3 +168,81 @@ def test_a_staff_key_makes_no_key_for_another_user_over_the_api() -> None:
     response = Client().post("/api/v1/keys", body, content_type="application/json", HTTP_AUTHORIZATION=f"Bearer {plaintext}")
     assert response.status_code == 400
     assert not ApiKey.objects.filter(user=boss).exists()
+
+
+def _account_form(user: User, **fields: Any) -> dict[str, Any]:
+    """A user's change page posted as it shows, with ``fields`` changed."""
+    joined = timezone.localtime(user.date_joined)
+    return {
+        "username": user.username,
+        "first_name": user.first_name,
+        "last_name": user.last_name,
+        "email": user.email,
+        "is_active": "on",
+        "date_joined_0": joined.strftime("%Y-%m-%d"),
+        "date_joined_1": joined.strftime("%H:%M:%S"),
+        **fields,
+    }
+
+
+def test_a_staff_member_let_change_users_makes_no_one_more_than_they_are() -> None:
+    """Django's user admin let anyone with "change user" tick is_superuser and is_staff, and grant
+    groups and permissions, on any account, their own among them: a staff member made themselves a
+    superuser. To a member who is not a superuser those fields are read-only, a crafted POST setting
+    them changes nothing, and a superuser's or another staff member's account is read-only whole
+    (its page, its password, its delete); a user who is neither they still manage. A superuser may
+    do it all."""
+    boss = get_user_model().objects.create_superuser(username=f"su-{uuid.uuid4().hex[:6]}", password="boss-pw")
+    colleague = get_user_model().objects.create_user(username=f"st-{uuid.uuid4().hex[:6]}", is_staff=True, password="st-pw")
+    user = get_user_model().objects.create_user(username=f"u-{uuid.uuid4().hex[:6]}", password="u-pw")
+    everything = Group.objects.create(name=f"all-{uuid.uuid4().hex[:6]}")
+    everything.permissions.set(Permission.objects.all())
+    codenames = ("add_user", "change_user", "view_user", "delete_user")
+    staff, client = _staff(*codenames)
+    escalate = {
+        "is_staff": "on",
+        "is_superuser": "on",
+        "groups": [everything.pk],
+        "user_permissions": list(Permission.objects.values_list("pk", flat=True)[:20]),
+    }
+
+    for account in (staff, user):
+        page = client.get(f"/admin/auth/user/{account.pk}/change/").content.decode()
+        assert 'name="is_superuser"' not in page and 'name="groups"' not in page  # shown, read-only
+        saved = client.post(f"/admin/auth/user/{account.pk}/change/", _account_form(account, first_name="Renamed", **escalate))
+        assert saved.status_code == 302
+        account.refresh_from_db()
+        assert account.first_name == "Renamed"  # the rest of the page they change as before
+        assert (account.is_superuser, account.is_staff) == (False, account is staff)
+        granted = set(account.user_permissions.values_list("codename", flat=True))
+        assert not account.groups.exists() and granted == (set(codenames) if account is staff else set())
+    new_user = {"username": "newbie", "password1": "A-long-pw-42", "password2": "A-long-pw-42"}
+    added = client.post("/admin/auth/user/add/", {**new_user, **escalate})
+    assert added.status_code == 302
+    newbie = get_user_model().objects.get(username="newbie")
+    assert (newbie.is_superuser, newbie.is_staff, newbie.groups.exists()) == (False, False, False)
+
+    new_password = {"password1": "Taken-over-42", "password2": "Taken-over-42"}
+    for account in (boss, colleague):
+        change = f"/admin/auth/user/{account.pk}/change/"
+        assert 'name="is_active"' not in client.get(change).content.decode()  # shown, read-only
+        assert client.post(change, _account_form(account, is_active="", first_name="Gone", **escalate)).status_code == 403
+        assert client.get(f"/admin/auth/user/{account.pk}/password/").status_code == 403
+        assert client.post(f"/admin/auth/user/{account.pk}/password/", new_password).status_code == 403
+        assert client.post(f"/admin/auth/user/{account.pk}/delete/", {"post": "yes"}).status_code == 403
+        bulk = {"action": "delete_selected", "_selected_action": [account.pk, newbie.pk], "post": "yes"}
+        client.post("/admin/auth/user/", bulk)
+        account.refresh_from_db()
+        assert (account.is_active, account.first_name) == (True, "")
+        assert account.check_password("boss-pw" if account is boss else "st-pw")
+    assert get_user_model().objects.filter(pk=newbie.pk).exists()  # a bulk delete with either in it deletes none
+    assert client.post(f"/admin/auth/user/{user.pk}/password/", new_password).status_code == 302
+    user.refresh_from_db()
+    assert user.check_password("Taken-over-42")
+
+    superuser = Client()
+    superuser.force_login(boss)
+    assert superuser.post(f"/admin/auth/user/{staff.pk}/change/", _account_form(staff, **escalate)).status_code == 302
+    staff.refresh_from_db()
+    assert staff.is_superuser and staff.groups.filter(pk=everything.pk).exists()
+    assert superuser.post(f"/admin/auth/user/{colleague.pk}/password/", new_password).status_code == 302

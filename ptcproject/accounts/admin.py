@@ -1,6 +1,7 @@
 from typing import Any
 
 from django.contrib import admin, messages
+from django.contrib.auth import get_user_model
 from django.contrib.auth.admin import UserAdmin
 from django.contrib.auth.models import User
 from django.db.models import F, QuerySet
@@ -138,7 +139,30 @@ class PtcUserAdmin(CountedDeleteAdmin, UserAdmin):
     """Django's user admin, that deletes no user with a job that has not ended, a tool call that is
     open or a session that is active: deleted, the user took them with them (a cascade), past the
     guard the job, call and session admins keep, and their workers recorded into rows gone under
-    them."""
+    them.
+
+    A member who is not a superuser may not make anyone more than they are: Django's own let anyone
+    with "change user" tick is_superuser or is_staff, or grant groups and permissions, on any account
+    their own among them, and a staff key may do all over the API. To them those four fields are
+    read-only, and the accounts of other staff members and of superusers (api_key_owner_allowed, the
+    rule of who may hold whose keys) are read-only whole: their page, their password's page, and
+    their delete, one by one or in bulk. A superuser keeps it all."""
+
+    ESCALATING_FIELDS = ("is_staff", "is_superuser", "groups", "user_permissions")
+
+    def get_readonly_fields(self, request: HttpRequest, obj: User | None = None) -> Any:
+        # Read-only fields are left out of the form, so a crafted POST that sets them is ignored.
+        readonly = tuple(super().get_readonly_fields(request, obj))
+        return readonly if signed_in_user(request).is_superuser else (*readonly, *self.ESCALATING_FIELDS)
+
+    def has_change_permission(self, request: HttpRequest, obj: User | None = None) -> bool:
+        # Also held by the password's page (UserAdmin.user_change_password asks it of the user).
+        allowed = obj is None or api_key_owner_allowed(actor=signed_in_user(request), owner=obj)
+        return allowed and super().has_change_permission(request, obj)
+
+    def has_delete_permission(self, request: HttpRequest, obj: User | None = None) -> bool:
+        allowed = obj is None or api_key_owner_allowed(actor=signed_in_user(request), owner=obj)
+        return allowed and super().has_delete_permission(request, obj)
 
     def get_search_results(self, request: HttpRequest, queryset: QuerySet[Any], search_term: str) -> tuple[QuerySet[Any], bool]:
         # The search for a new key's owner (the admin's autocomplete) finds only those the signed-in
@@ -152,4 +176,9 @@ class PtcUserAdmin(CountedDeleteAdmin, UserAdmin):
         ids = pks_of(objs)
         jobs, calls = ExecJob.objects.filter(user_id__in=ids), ToolCall.objects.filter(user_id__in=ids)
         sessions = ExecSession.objects.filter(user_id__in=ids)
-        return unended_kept(super().get_deleted_objects(objs, request), jobs=jobs, calls=calls, sessions=sessions)
+        named, model_count, perms_needed, protected = super().get_deleted_objects(objs, request)
+        # The delete action asks for the model's permission only: one user it may not delete is
+        # enough to refuse the lot, as Django refuses it for a row of another model it may not delete.
+        if get_user_model().objects.filter(pk__in=ids).exclude(pk__in=api_key_owners(actor=signed_in_user(request))).exists():
+            perms_needed = {*perms_needed, self.model._meta.verbose_name}
+        return unended_kept((named, model_count, perms_needed, protected), jobs=jobs, calls=calls, sessions=sessions)
