@@ -123,6 +123,11 @@ class LedgerEntry(models.Model):
     # The one-time token of the form that made it (the admin's grant): the same form posted again (a
     # resubmit, a double click) is refused for an account it already changed, not granted twice.
     idempotency_key = models.UUIDField(null=True, blank=True)
+    # The balance this entry left, for a grant or adjustment (credits_adjust): a repeat of a grant
+    # over the API is answered with it, as the first post was. Not derivable from the ledger: a
+    # call's charge may draw its id before its account's row is locked, so ids need not follow the
+    # order the balance moved in.
+    balance_after = models.BigIntegerField(null=True, blank=True)
 
     class Meta:
         ordering = ["-created_at", "-id"]

@@ -31,6 +31,12 @@ class CreditsSerializer(KnownKeysOnly, serializers.Serializer):
     # Within the balance column's range; credits_adjust also refuses one that would take the balance out of it.
     amount = serializers.IntegerField(min_value=-BIGINT_MAX, max_value=BIGINT_MAX)
     reason = serializers.CharField(max_length=300)
+    idempotency_key = serializers.UUIDField(
+        required=False,
+        help_text="A UUID of the client's, new for each grant and sent again with each retry of it: a "
+        "repeat grants nothing and is answered as the first post was (201, the entry and the balance it "
+        "left then). Sent with another username, amount or reason, it is 409 conflict, nothing changed.",
+    )
 
     def validate_username(self, value: str) -> str:
         if not get_user_model().objects.filter(username=value).exists():

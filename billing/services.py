@@ -13,7 +13,7 @@ from datetime import datetime
 from typing import Any
 
 from django.contrib.auth.models import User
-from django.db import transaction
+from django.db import connection, transaction
 from django.db.models import F, Max, Q, Sum
 from django.utils import timezone
 
@@ -195,5 +195,55 @@ def credits_adjust(
         account.balance += amount
         account.save(update_fields=["balance", "updated_at"])
         return LedgerEntry.objects.create(
-            account=account, kind=kind, delta=amount, reason=reason, created_by=created_by, idempotency_key=idempotency_key
+            account=account,
+            kind=kind,
+            delta=amount,
+            reason=reason,
+            created_by=created_by,
+            idempotency_key=idempotency_key,
+            balance_after=account.balance,
+        )
+
+
+# The class of the advisory locks credits_adjust_once takes, one per idempotency key (the two-key
+# form: apart from the one-key locks, migrate's among them). "cred" in ASCII.
+IDEMPOTENCY_LOCK_CLASS = 0x63726564
+
+
+def credits_adjust_once(*, user: User, amount: int, reason: str, created_by: User, idempotency_key: uuid.UUID) -> LedgerEntry:
+    """Add (or remove) credits as credits_adjust does, once for ``idempotency_key`` (a client's
+    retry of one grant). Return the entry made; or, if the key made a grant of the same ``amount``
+    and ``reason`` to ``user`` already, that entry, nothing changed.
+
+    Raise ApplicationError ``conflict`` (409), and change nothing, if the key was used for a
+    different grant (another user, amount or reason); and what credits_adjust raises.
+    """
+    with transaction.atomic():
+        if connection.vendor == "postgresql":
+            # The key's unique constraint is per account, and credits_adjust locks only the user's:
+            # two posts with one key at once are put one after the other here, so that a retry sent
+            # while its first post is being answered finds that post's entry, and one key sent for
+            # two users grants one of them.
+            with connection.cursor() as cursor:
+                cursor.execute(
+                    "SELECT pg_advisory_xact_lock(%s, %s)",
+                    [IDEMPOTENCY_LOCK_CLASS, int.from_bytes(idempotency_key.bytes[:4], "big", signed=True)],
+                )
+        # Through the partial unique index (keyed entries only: grants, not charges).
+        used = LedgerEntry.objects.filter(idempotency_key=idempotency_key).select_related("account__user")
+        earlier = list(used[:2])
+        if not earlier:
+            return credits_adjust(user=user, amount=amount, reason=reason, created_by=created_by, idempotency_key=idempotency_key)
+        same = [entry for entry in earlier if (entry.account.user_id, entry.delta, entry.reason) == (user.pk, amount, reason)]
+        if len(earlier) == 1 and same:
+            return same[0]
+        # Two entries: the key is an admin form's token, that form applied to several accounts (one
+        # entry each; the key's constraint is per account).
+        other = next(entry for entry in earlier if entry not in same)
+        raise ApplicationError(
+            "conflict",
+            f"This idempotency_key was used already for a different grant: {other.delta:+d} credits to "
+            f"'{other.account.user.username}' ({other.reason}) at {other.created_at.isoformat()}; nothing was "
+            "changed. To repeat that grant, send it as it was; for a new grant, send a new key.",
+            status=409,
         )

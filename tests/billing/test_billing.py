@@ -4,6 +4,7 @@ import io
 import re
 import uuid
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
 import httpx
@@ -437,6 +438,54 @@ def test_staff_grant_credits_through_the_ledger(make_api: Callable[..., Api], ap
     entries = LedgerEntry.objects.filter(account__user__username=api.username).order_by("id")
     assert [(e.kind, e.delta) for e in entries][-2:] == [("adjustment", 25), ("adjustment", -5)]
     assert api.post("/api/v1/billing/credits", json={"username": api.username, "amount": 5, "reason": "x"}).status_code == 403
+
+
+def test_a_grant_retried_with_its_idempotency_key_is_made_once_and_answered_as_the_first_time(
+    make_api: Callable[..., Api], api: Api
+) -> None:
+    """A client that retried POST /api/v1/billing/credits (a timeout, a dropped connection) granted
+    twice. Sent with an idempotency_key, a repeat makes nothing and is answered as the first post was
+    (the entry, and the balance it left then, though the balance has moved since); another key
+    grants again; the key sent for another grant (another amount, reason or user) is 409 conflict,
+    nothing changed; without a key each post grants, as before."""
+    staff, other = make_api(staff=True), make_api(credits=10)
+    before = balance(api)
+    grant = {"username": api.username, "amount": 25, "reason": "goodwill", "idempotency_key": str(uuid.uuid4())}
+    first = staff.post("/api/v1/billing/credits", json=grant)
+    assert first.status_code == 201, first.text
+    assert first.json()["balance"] == before + 25
+    another = {**grant, "amount": 7, "idempotency_key": str(uuid.uuid4())}
+    assert staff.post("/api/v1/billing/credits", json=another).status_code == 201  # another key: granted too
+    again = staff.post("/api/v1/billing/credits", json=grant)
+    assert (again.status_code, again.json()) == (201, first.json())
+    assert balance(api) == before + 32
+    entries = LedgerEntry.objects.filter(account__user__username=api.username)
+    assert entries.filter(idempotency_key=grant["idempotency_key"]).count() == 1
+    made = entries.count()
+    for changed in ({"amount": 26}, {"reason": "more goodwill"}, {"username": other.username}):
+        refused = staff.post("/api/v1/billing/credits", json={**grant, **changed})
+        assert refused.status_code == 409, refused.text
+        error = refused.json()["error"]
+        assert error["code"] == "conflict" and "a different grant" in error["message"], error
+    assert (balance(api), entries.count(), balance(other)) == (before + 32, made, 10)
+    assert not LedgerEntry.objects.filter(account__user__username=other.username, idempotency_key__isnull=False).exists()
+    plain = {"username": api.username, "amount": 1, "reason": "no key"}
+    assert [staff.post("/api/v1/billing/credits", json=plain).status_code for _ in range(2)] == [201, 201]
+    assert balance(api) == before + 34
+
+
+def test_retries_of_one_grant_sent_at_once_grant_once(make_api: Callable[..., Api], api: Api) -> None:
+    """A retry sent while the first post is still being answered waits for it, and is answered as
+    it is: one entry, every answer the same."""
+    staff = make_api(staff=True)
+    before = balance(api)
+    grant = {"username": api.username, "amount": 3, "reason": "at once", "idempotency_key": str(uuid.uuid4())}
+    with ThreadPoolExecutor(max_workers=6) as pool:
+        answers = list(pool.map(lambda _: staff.post("/api/v1/billing/credits", json=grant), range(6)))
+    assert {answer.status_code for answer in answers} == {201}, [answer.text for answer in answers]
+    assert len({answer.text for answer in answers}) == 1
+    assert balance(api) == before + 3
+    assert LedgerEntry.objects.filter(idempotency_key=grant["idempotency_key"]).count() == 1
 
 
 @pytest.mark.parametrize(
