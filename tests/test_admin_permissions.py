@@ -246,3 +246,23 @@ def test_a_staff_member_let_change_users_makes_no_one_more_than_they_are() -> No
     staff.refresh_from_db()
     assert staff.is_superuser and staff.groups.filter(pk=everything.pk).exists()
     assert superuser.post(f"/admin/auth/user/{colleague.pk}/password/", new_password).status_code == 302
+
+
+def test_a_staff_member_let_change_groups_gives_their_group_no_permission() -> None:
+    group = Group.objects.create(name=f"g-{uuid.uuid4().hex[:6]}")
+    staff, client = _staff("add_group", "change_group", "view_group")
+    staff.groups.add(group)
+    wanted = list(Permission.objects.filter(codename__in=["change_user", "add_apikey", "change_creditaccount"]))
+    assert b'name="permissions"' not in client.get(f"/admin/auth/group/{group.pk}/change/").content
+    changed = client.post(f"/admin/auth/group/{group.pk}/change/", {"name": group.name, "permissions": [p.pk for p in wanted]})
+    assert changed.status_code == 302
+    added = client.post("/admin/auth/group/add/", {"name": "mine", "permissions": [p.pk for p in wanted]})
+    assert added.status_code == 302
+    assert list(group.permissions.all()) == []
+    assert list(Group.objects.get(name="mine").permissions.all()) == []
+    staff = get_user_model().objects.get(pk=staff.pk)  # its permissions cache anew
+    assert not staff.has_perm("auth.change_user")
+    boss = get_user_model().objects.create_superuser(username=f"boss-{uuid.uuid4().hex[:6]}")
+    client.force_login(boss)
+    client.post(f"/admin/auth/group/{group.pk}/change/", {"name": group.name, "permissions": [p.pk for p in wanted]})
+    assert set(group.permissions.all()) == set(wanted)

@@ -2,8 +2,8 @@ from typing import Any
 
 from django.contrib import admin, messages
 from django.contrib.auth import get_user_model
-from django.contrib.auth.admin import UserAdmin
-from django.contrib.auth.models import User
+from django.contrib.auth.admin import GroupAdmin, UserAdmin
+from django.contrib.auth.models import Group, User
 from django.db.models import F, QuerySet
 from django.http import HttpRequest, HttpResponse
 from django.template.response import TemplateResponse
@@ -129,6 +129,20 @@ class UserSettingsAdmin(CountedDeleteAdmin):
     list_display = ("user", "retention_days", "max_concurrent_jobs", "max_concurrent_tool_calls", "max_jobs_per_minute")
     search_fields = ("user__username",)
     autocomplete_fields = ("user",)
+
+
+admin.site.unregister(Group)
+
+
+@admin.register(Group)
+class PtcGroupAdmin(GroupAdmin):
+    """Django's group admin, whose permissions only a superuser may change: a member with "change
+    group" could give a group they are in any permission, and so take it (PtcUserAdmin keeps them
+    from joining one, not from filling their own)."""
+
+    def get_readonly_fields(self, request: HttpRequest, obj: Group | None = None) -> Any:
+        readonly = tuple(super().get_readonly_fields(request, obj))
+        return readonly if signed_in_user(request).is_superuser else (*readonly, "permissions")
 
 
 admin.site.unregister(User)
