@@ -320,13 +320,19 @@ def test_what_users_and_toolset_authors_write_is_text_on_every_staff_page() -> N
 
 def test_the_job_and_session_lists_do_not_read_every_user_for_their_filters() -> None:
     """The lists of jobs and of sessions filtered by user: their sidebar listed every user of the
-    deployment, each a row read and a link drawn, on every load; so did the form that adds a key,
-    in its owner's select. 50,000 users are a few MB of HTML a load."""
+    deployment, each a row read and a link drawn, on every load; so did the forms that add a key
+    or a toolset (or change a toolset), in their owner's select. 50,000 users are a few MB of HTML
+    a load (the toolset's form took 20 s to draw)."""
+    from tools.models import Toolset
+
     get_user_model().objects.bulk_create(get_user_model()(username=f"hh-many-{uuid.uuid4().hex}") for _ in range(50_000))
     client = _staff_client()
+    owned = Toolset.objects.create(key=f"t{uuid.uuid4().hex}", name="mine", kind="http", owner=_user(), is_global=False)
     for url in (
         "/admin/policy/policy/try/",
         "/admin/accounts/apikey/add/",
+        "/admin/tools/toolset/add/",
+        f"/admin/tools/toolset/{owned.pk}/change/",
         "/admin/execution/execsession/",
         "/admin/execution/execjob/?status__exact=completed",
     ):
@@ -334,12 +340,17 @@ def test_the_job_and_session_lists_do_not_read_every_user_for_their_filters() ->
         assert response.status_code == 200
         assert peak < LIST_PAGE_BUDGET, f"{url} held {peak / MB:.0f} MB"
         assert len(response.content) < 1 * MB, f"{url} is {len(response.content) / MB:.1f} MB of HTML"
-    # The try page's user is searched for instead, as the key's owner is.
-    for app, model in (("accounts", "usersettings"), ("accounts", "apikey")):
+    # The try page's user is searched for instead, as the key's and the toolset's owner are.
+    for app, model, field in (
+        ("accounts", "usersettings", "user"),
+        ("accounts", "apikey", "user"),
+        ("tools", "toolset", "owner"),
+    ):
         found = client.get(
-            "/admin/autocomplete/", {"app_label": app, "model_name": model, "field_name": "user", "term": "hh-many-"}
+            "/admin/autocomplete/", {"app_label": app, "model_name": model, "field_name": field, "term": "hh-many-"}
         )
         assert found.status_code == 200 and found.json()["results"], (app, model)
+    owned.delete()
 
 
 def test_state_changing_admin_and_api_requests_need_the_csrf_token_of_a_staff_session() -> None:
