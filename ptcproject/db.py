@@ -2,8 +2,9 @@
 
 import logging
 import time
-from collections.abc import Callable
-from typing import Any, TypeVar
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, TypeVar, cast
 
 from django.conf import settings
 from django.db import DEFAULT_DB_ALIAS, DatabaseError, InterfaceError, OperationalError, connection, connections
@@ -71,3 +72,18 @@ def db_retry(work: Callable[[], T], *, what: str, job_id: Any, on_wait: Callable
             # At most a second apart: once the database is back, the work is done within a second,
             # before any reaper stops trusting the leases that lapsed meanwhile.
             delay = min(delay * 2, 1.0)
+
+
+@contextmanager
+def statement_timeout_off(alias: str = DEFAULT_DB_ALIAS) -> Iterator[None]:
+    """Run the block with no PTC_DB_STATEMENT_TIMEOUT on this thread's connection to ``alias``, set
+    back after: for work whose statements may rightly run long on a large database (a migration's
+    index, a retention round's purge, the ledger's check), not for a request's or a call's."""
+    database = connections[alias]
+    if database.vendor != "postgresql":
+        yield
+        return
+    from ptcproject.postgres.base import DatabaseWrapper  # the engine settings.py sets for PostgreSQL
+
+    with cast(DatabaseWrapper, database).statement_timeout_off():
+        yield

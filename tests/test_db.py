@@ -158,23 +158,47 @@ def test_an_index_a_cut_off_concurrent_build_left_invalid_is_built_again_by_the_
             conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
+def _statement_timeout() -> str:
+    with connection.cursor() as cursor:
+        cursor.execute("SHOW statement_timeout")
+        return str(cursor.fetchone()[0])
+
+
 def test_pooled_connections_have_the_statement_timeout_and_migrate_runs_without_it(
     django_db_setup: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from django.core.management import call_command
     from django.core.management.commands.migrate import Command as DjangoMigrate
 
-    def show() -> str:
-        with connection.cursor() as cursor:
-            cursor.execute("SHOW statement_timeout")
-            return str(cursor.fetchone()[0])
-
     during = []
-    monkeypatch.setattr(DjangoMigrate, "handle", lambda *args, **options: during.append(show()))
-    assert show() == "30s"  # PTC_DB_STATEMENT_TIMEOUT's default
+    monkeypatch.setattr(DjangoMigrate, "handle", lambda *args, **options: during.append(_statement_timeout()))
+    assert _statement_timeout() == "30s"  # PTC_DB_STATEMENT_TIMEOUT's default
     call_command("migrate")
     assert during == ["0"]
-    assert show() == "30s"  # and set again after it, on a connection the process goes on using
+    assert _statement_timeout() == "30s"  # and set again after it, on a connection the process goes on using
+
+
+@pytest.mark.parametrize("work", ["retention", "check_ledger"])
+def test_work_that_may_rightly_run_long_runs_without_the_statement_timeout(
+    django_db_setup: str, monkeypatch: pytest.MonkeyPatch, work: str
+) -> None:
+    # A retention round empties up to 500 jobs' calls in one statement, and check_ledger sums the
+    # whole ledger: on a large database either may pass 30 s, and cut off, the purge would fail on
+    # the same batch at every round.
+    from django.core.management import call_command
+
+    from billing.management.commands import check_ledger
+    from execution.services import retention
+
+    during: list[str] = []
+    if work == "retention":
+        monkeypatch.setattr(retention, "event_logs_expire", lambda: during.append(_statement_timeout()))
+        retention.exec_jobs_purge()
+    else:
+        monkeypatch.setattr(check_ledger, "ledger_mismatches", lambda: during.append(_statement_timeout()) or [])
+        call_command("check_ledger")
+    assert during == ["0"]
+    assert _statement_timeout() == "30s"
 
 
 # A process whose statement waits on a row another transaction holds locked (a stuck admin action, a

@@ -21,6 +21,7 @@ from django.utils import timezone
 from execution.backplane import backplane
 from execution.models import ExecJob, ExecSession, ToolCall, WorkFile
 from ptcproject.accounts.models import UserSettings
+from ptcproject.db import statement_timeout_off
 
 logger = logging.getLogger("ptc.execution")
 PURGE_BATCH = 500
@@ -134,7 +135,16 @@ def exec_jobs_purge(*, now: datetime | None = None, batch_size: int = PURGE_BATC
     can't list or drop is logged, and the purge runs).
 
     Return how many jobs this run purged (0 when run again at once).
+
+    It runs without PTC_DB_STATEMENT_TIMEOUT: a batch's calls are emptied in one statement (up to
+    PURGE_BATCH jobs' calls, a thousand each), which on a busy deployment may take longer; cut off,
+    the same batch would be tried, and cut off, at every round, and nothing purged again.
     """
+    with statement_timeout_off():
+        return _exec_jobs_purge(now=now, batch_size=batch_size)
+
+
+def _exec_jobs_purge(*, now: datetime | None, batch_size: int) -> int:
     event_logs_expire()
     now = now or timezone.now()
     # Not while a call of it is still open: one a tools worker took before the job ended finishes

@@ -11,14 +11,13 @@ transaction keeps that connection this command's until it ends.
 """
 
 import time
-from typing import Any, cast
+from typing import Any
 
 from django.core.management.commands.migrate import Command as MigrateCommand
 from django.db import connections
 from psycopg import sql
 
-from ptcproject.db import pg_connect
-from ptcproject.postgres.base import DatabaseWrapper
+from ptcproject.db import pg_connect, statement_timeout_off
 
 # The advisory lock's key: any 64-bit number, the same in every process ("ptcmigr" in ASCII).
 MIGRATE_LOCK = 0x7074636D696772
@@ -47,7 +46,6 @@ class Command(MigrateCommand):
                 time.sleep(LOCK_POLL_SECONDS)
             # A migration may take longer than PTC_DB_STATEMENT_TIMEOUT (an index built on a large
             # table): it runs without it (the lock's connection, not Django's, never had it).
-            database = cast(DatabaseWrapper, connections[alias])  # the engine settings.py sets for PostgreSQL
-            with database.statement_timeout_off():
+            with statement_timeout_off(alias):
                 super().handle(*args, **options)
         # The lock went with its transaction, which the connection's end ended.
