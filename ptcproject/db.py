@@ -3,8 +3,8 @@
 import logging
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from typing import Any, TypeVar, cast
+from contextlib import contextmanager, suppress
+from typing import Any, TypeVar
 
 from django.conf import settings
 from django.db import DEFAULT_DB_ALIAS, DatabaseError, InterfaceError, OperationalError, connection, connections
@@ -83,7 +83,12 @@ def statement_timeout_off(alias: str = DEFAULT_DB_ALIAS) -> Iterator[None]:
     if database.vendor != "postgresql":
         yield
         return
-    from ptcproject.postgres.base import DatabaseWrapper  # the engine settings.py sets for PostgreSQL
+    from ptcproject.postgres.base import statement_timeout_set
 
-    with cast(DatabaseWrapper, database).statement_timeout_off():
+    with database.cursor() as cursor:
+        cursor.execute("SET statement_timeout = 0")
+    try:
         yield
+    finally:
+        with suppress(DatabaseError), database.cursor() as cursor:  # an error of the block's is the one raised
+            statement_timeout_set(cursor)

@@ -7,8 +7,8 @@ checkout with CONN_HEALTH_CHECKS, none at all without); this backend swaps in ou
 """
 
 import logging
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import ExitStack, contextmanager, suppress
+from collections.abc import Mapping, Sequence
+from contextlib import ExitStack
 from typing import Any
 
 import psycopg
@@ -30,8 +30,14 @@ def _stale_plan(exc: errors.FeatureNotSupported) -> bool:
     return exc.sqlstate == "0A000" and exc.diag.source_function == "RevalidateCachedQuery"
 
 
-def _statement_timeout() -> str:
-    return f"{round(settings.PTC_DB_STATEMENT_TIMEOUT * 1000)}ms"
+def statement_timeout_set(executor: Any) -> None:
+    """Give the session of ``executor`` (a psycopg connection, or a cursor) PTC_DB_STATEMENT_TIMEOUT;
+    0: PostgreSQL's own."""
+    if settings.PTC_DB_STATEMENT_TIMEOUT:
+        timeout = f"{round(settings.PTC_DB_STATEMENT_TIMEOUT * 1000)}ms"
+        executor.execute("SELECT set_config('statement_timeout', %s, false)", [timeout])
+    else:
+        executor.execute("RESET statement_timeout")
 
 
 class PreparedCursor(ServerBindingCursor):
@@ -62,22 +68,8 @@ class DatabaseWrapper(PostgresWrapper):
         Set so rather than by libpq's ``options`` in the URL, which PgBouncer refuses at connect."""
         commit: bool = super()._configure_connection(connection)  # type: ignore[misc]  # Django 5.1+, not in the stubs
         if settings.PTC_DB_STATEMENT_TIMEOUT:
-            connection.execute("SELECT set_config('statement_timeout', %s, false)", [_statement_timeout()])
+            statement_timeout_set(connection)
         return commit
-
-    @contextmanager
-    def statement_timeout_off(self) -> Iterator[None]:
-        """Run this connection's statements with no statement timeout meanwhile (a migration's)."""
-        with self.cursor() as cursor:
-            cursor.execute("SET statement_timeout = 0")
-        try:
-            yield
-        finally:
-            with suppress(DatabaseError), self.cursor() as cursor:  # an error of the block's is the one raised
-                if settings.PTC_DB_STATEMENT_TIMEOUT:
-                    cursor.execute("SELECT set_config('statement_timeout', %s, false)", [_statement_timeout()])
-                else:
-                    cursor.execute("RESET statement_timeout")
 
     @property
     def pool(self) -> Any:
