@@ -15,6 +15,7 @@ from rest_framework.pagination import PageNumberPagination
 from rest_framework.response import Response
 from rest_framework.views import exception_handler as drf_exception_handler
 
+from ptcproject.db import statement_cancelled
 from ptcproject.errors import ApplicationError, error_body
 
 logger = logging.getLogger("ptc.api")
@@ -71,9 +72,7 @@ def outage_error(exc: BaseException) -> ApplicationError | None:
     from redis.exceptions import TimeoutError as RedisTimeoutError
 
     if isinstance(exc, DbOperationalError | DbInterfaceError):
-        from psycopg.errors import LockNotAvailable, QueryCanceled
-
-        if isinstance(exc.__cause__, QueryCanceled | LockNotAvailable):
+        if statement_cancelled(exc):
             # Not "nothing was changed": outside a transaction, the request's earlier statements stand.
             message = (
                 "The database cancelled the request's statement (a statement or lock timeout, or an operator). "

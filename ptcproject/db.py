@@ -21,6 +21,14 @@ def db_reset() -> None:
         pass
 
 
+def statement_cancelled(exc: BaseException) -> bool:
+    """Whether a database error (Django's) is PostgreSQL cancelling a statement (PTC_DB_STATEMENT_TIMEOUT,
+    a lock timeout, an operator), not the database being out of reach."""
+    from psycopg.errors import LockNotAvailable, QueryCanceled
+
+    return isinstance(exc.__cause__, QueryCanceled | LockNotAvailable)
+
+
 def db_unreachable_reason() -> str | None:
     """Return, in one line, why this process can't open a connection to its PostgreSQL database
     (the server's own words, which the pool's "couldn't get a connection" hides), or None when it can,
@@ -60,13 +68,14 @@ def db_retry(work: Callable[[], T], *, what: str, job_id: Any, on_wait: Callable
     while True:
         try:
             return work()
-        except (OperationalError, InterfaceError):
+        except (OperationalError, InterfaceError) as exc:
             if time.monotonic() + delay > deadline:
                 raise
             if on_wait is not None:
                 on_wait()
                 on_wait = None
-            logger.warning("database unreachable while %s; retrying in %.1f s", what, delay, extra={"job_id": str(job_id)})
+            why = "a statement was cancelled (statement or lock timeout)" if statement_cancelled(exc) else "database unreachable"
+            logger.warning("%s while %s; retrying in %.1f s", why, what, delay, extra={"job_id": str(job_id)})
             db_reset()
             time.sleep(delay)
             # At most a second apart: once the database is back, the work is done within a second,

@@ -201,6 +201,32 @@ def test_work_that_may_rightly_run_long_runs_without_the_statement_timeout(
     assert _statement_timeout() == "30s"
 
 
+def test_a_worker_retrying_a_cancelled_statement_says_it_was_cancelled_not_unreachable(
+    django_db_setup: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    from ptcproject.db import db_retry
+
+    tries: list[int] = []
+
+    def work() -> int:
+        tries.append(1)
+        with connection.cursor() as cursor:
+            if len(tries) == 1:  # the first try is cancelled, as PTC_DB_STATEMENT_TIMEOUT cancels
+                cursor.execute("SET statement_timeout = '10ms'")
+                try:
+                    cursor.execute("SELECT pg_sleep(1)")
+                finally:
+                    cursor.execute("SET statement_timeout = '30s'")
+            cursor.execute("SELECT 1")
+            return int(cursor.fetchone()[0])
+
+    with caplog.at_level("WARNING", logger="ptc.db"):
+        assert db_retry(work, what="claiming a job", job_id="j") == 1
+    assert len(tries) == 2
+    [said] = [record.getMessage() for record in caplog.records if record.name == "ptc.db"]
+    assert said.startswith("a statement was cancelled (statement or lock timeout) while claiming a job"), said
+
+
 # A process whose statement waits on a row another transaction holds locked (a stuck admin action, a
 # migration's ALTER TABLE): with PTC_DB_STATEMENT_TIMEOUT=1 it is cancelled, as an OperationalError.
 _WAITING_ON_A_LOCK = """
