@@ -226,7 +226,9 @@ def exec_job_for_container(*, user: User, container_id: str) -> ExecJob:
     Raise ApplicationError ``job_finished`` (409) if that job has ended (cancelled, or closed
     idle), ``rate_limited`` (429) if it is new and the user has the most open.
     """
-    job = ExecJob.objects.filter(user=user, container_id=container_id).first()
+    # Read locked at once: its status then is the one the reaper's close, or a cancel, left.
+    jobs = ExecJob.objects.select_for_update().filter(user=user, container_id=container_id)
+    job = jobs.first()
     if job is None:
         now = timezone.now()
         try:
@@ -244,7 +246,7 @@ def exec_job_for_container(*, user: User, container_id: str) -> ExecJob:
                     worker="managed container",
                 )
         except IntegrityError:  # another call of the same container created it first
-            job = ExecJob.objects.get(user=user, container_id=container_id)
+            job = jobs.get()
         else:
             # Announced once made for good: the caller may make it in a transaction it then rolls
             # back (its call refused as it is recorded).
@@ -253,11 +255,10 @@ def exec_job_for_container(*, user: User, container_id: str) -> ExecJob:
                 lambda: event_publish(job_call_id=made.call_id, event="exec_start", data=job_start_payload(made))
             )
             logger.info("managed container job created", extra={"job_id": str(job.pk)})
-    status = ExecJob.objects.select_for_update().filter(pk=job.pk).values_list("status", flat=True).first()
-    if status != Status.RUNNING:
+    if job.status != Status.RUNNING:
         raise ApplicationError(
             "job_finished",
-            f"The job of container {container_id} has ended ('{status}'); its container takes no more calls.",
+            f"The job of container {container_id} has ended ('{job.status}'); its container takes no more calls.",
             status=409,
         )
     return job
