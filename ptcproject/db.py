@@ -3,11 +3,11 @@
 import logging
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from typing import Any, TypeVar
 
 from django.conf import settings
-from django.db import DEFAULT_DB_ALIAS, DatabaseError, InterfaceError, OperationalError, connection, connections
+from django.db import DEFAULT_DB_ALIAS, DatabaseError, InterfaceError, OperationalError, connection, connections, transaction
 
 logger = logging.getLogger("ptc.db")
 T = TypeVar("T")
@@ -85,19 +85,29 @@ def db_retry(work: Callable[[], T], *, what: str, job_id: Any, on_wait: Callable
 
 @contextmanager
 def statement_timeout_off(alias: str = DEFAULT_DB_ALIAS) -> Iterator[None]:
-    """Run the block with no PTC_DB_STATEMENT_TIMEOUT on this thread's connection to ``alias``, set
-    back after: for work whose statements may rightly run long on a large database (a migration's
-    index, a retention round's purge, the ledger's check), not for a request's or a call's."""
+    """Run the block's statements on this thread's connection to ``alias`` with no statement timeout
+    (PTC_DB_STATEMENT_TIMEOUT, or one set on the role): for work whose statements may rightly run
+    long on a large database (a retention round's purge, the ledger's check), not for a request's or
+    a call's.
+
+    Each statement runs in a transaction that lifts the timeout until it ends (``SET LOCAL``): the
+    block's own ``atomic`` block, or one of its own around a statement outside them. Nothing outlives
+    the transaction. A session's ``SET`` would: behind PgBouncer in transaction mode it stayed on the server
+    connection the pooler lent, for whichever client came next, and the block's next statement went
+    to another server connection, with the timeout. It costs a round trip per statement."""
     database = connections[alias]
     if database.vendor != "postgresql":
         yield
         return
-    from ptcproject.postgres.base import statement_timeout_set
-
-    with database.cursor() as cursor:
-        cursor.execute("SET statement_timeout = 0")
-    try:
+    with database.execute_wrapper(_statement_timeout_lifted):
         yield
-    finally:
-        with suppress(DatabaseError), database.cursor() as cursor:  # an error of the block's is the one raised
-            statement_timeout_set(cursor)
+
+
+def _statement_timeout_lifted(execute: Callable[..., Any], sql: str, params: Any, many: bool, context: dict[str, Any]) -> Any:
+    database, cursor = context["connection"], context["cursor"].cursor  # psycopg's: not through the wrappers again
+    if not database.get_autocommit():
+        cursor.execute("SET LOCAL statement_timeout = 0")
+        return execute(sql, params, many, context)
+    with transaction.atomic(using=database.alias):
+        cursor.execute("SET LOCAL statement_timeout = 0")
+        return execute(sql, params, many, context)

@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Install what the outage tests need: their own throwaway PostgreSQL and Redis servers, which they
-# stop and start at will (tests/servers.py). Idempotent: when both are there, it prints nothing.
+# stop and start at will, and PgBouncer, which they put in front of PostgreSQL (tests/servers.py).
+# Idempotent: when all are there, it prints nothing.
 set -euo pipefail
 
 need=()
 compgen -G "/usr/lib/postgresql/*/bin/initdb" >/dev/null || need+=(postgresql)
 command -v redis-server >/dev/null || need+=(redis-server)
+[ -x /usr/sbin/pgbouncer ] || command -v pgbouncer >/dev/null || need+=(pgbouncer)
 [ ${#need[@]} -eq 0 ] && exit 0
 
 if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then

@@ -10,6 +10,7 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
 
@@ -84,6 +85,57 @@ class PostgresServer:
     def remove(self) -> None:
         if (self.data / "postmaster.pid").exists():
             self.stop()
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+
+class PgBouncer:
+    """PgBouncer in transaction mode in front of the PostgreSQL of ``upstream`` (a URL), serving
+    every database there as its user, ``pool_size`` server connections per database: a client's
+    session lasts one transaction, as behind a production pooler. Run as ``nobody`` as root (it
+    refuses root)."""
+
+    def __init__(self, upstream: str, pool_size: int = 4) -> None:
+        self.binary = shutil.which("pgbouncer") or "/usr/sbin/pgbouncer"
+        if not os.access(self.binary, os.X_OK):
+            pytest.fail("pgbouncer is needed for this test: apt-get install pgbouncer (scripts/outage-deps.sh)")
+        server = urlsplit(upstream)
+        self.port = free_port()
+        self.directory = Path(tempfile.mkdtemp(prefix="ptc-test-pgbouncer-"))
+        self.as_user = ["runuser", "-u", "nobody", "--"] if os.geteuid() == 0 else []
+        self.config = self.directory / "pgbouncer.ini"
+        self.config.write_text(
+            "[databases]\n"
+            f"* = host={server.hostname} port={server.port or 5432} user={server.username or 'postgres'}\n"
+            "[pgbouncer]\n"
+            f"listen_addr = 127.0.0.1\nlisten_port = {self.port}\nunix_socket_dir =\n"
+            "auth_type = any\npool_mode = transaction\n"
+            f"default_pool_size = {pool_size}\nmax_client_conn = 1000\n"
+            f"logfile = {self.directory / 'log'}\n"
+        )
+        if self.as_user:
+            shutil.chown(self.directory, "nobody")
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def url(self, database: str) -> str:
+        return f"postgres://postgres@127.0.0.1:{self.port}/{database}"
+
+    def start(self) -> None:
+        import psycopg
+
+        self.proc = subprocess.Popen([*self.as_user, self.binary, str(self.config)], cwd="/", stdout=subprocess.DEVNULL)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                psycopg.connect(self.url("postgres"), connect_timeout=1).close()
+                return
+            except psycopg.OperationalError:
+                assert self.proc.poll() is None and time.monotonic() < deadline, "pgbouncer did not start"
+                time.sleep(0.05)
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait()
         shutil.rmtree(self.directory, ignore_errors=True)
 
 

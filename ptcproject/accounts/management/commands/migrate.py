@@ -11,13 +11,15 @@ transaction keeps that connection this command's until it ends.
 """
 
 import time
+from contextlib import suppress
 from typing import Any
 
 from django.core.management.commands.migrate import Command as MigrateCommand
-from django.db import connections
+from django.db import DatabaseError, connections
 from psycopg import sql
 
-from ptcproject.db import pg_connect, statement_timeout_off
+from ptcproject.db import pg_connect
+from ptcproject.postgres.base import statement_timeout_set
 
 # The advisory lock's key: any 64-bit number, the same in every process ("ptcmigr" in ASCII).
 MIGRATE_LOCK = 0x7074636D696772
@@ -45,7 +47,16 @@ class Command(MigrateCommand):
                 lock.rollback()
                 time.sleep(LOCK_POLL_SECONDS)
             # A migration may take longer than PTC_DB_STATEMENT_TIMEOUT (an index built on a large
-            # table): it runs without it (the lock's connection, not Django's, never had it).
-            with statement_timeout_off(alias):
+            # table): it runs without it (the lock's connection, not Django's, never had it). Lifted
+            # for the session, not per transaction as ptcproject.db.statement_timeout_off lifts it:
+            # a concurrent build can't run in a transaction. Behind a pooler in transaction mode the
+            # session's setting would go astray (README, "Behind PgBouncer"): migrate runs on a
+            # direct connection.
+            with connections[alias].cursor() as cursor:
+                cursor.execute("SET statement_timeout = 0")
+            try:
                 super().handle(*args, **options)
+            finally:
+                with suppress(DatabaseError), connections[alias].cursor() as cursor:  # the run's own error is the one raised
+                    statement_timeout_set(cursor)
         # The lock went with its transaction, which the connection's end ended.
