@@ -15,6 +15,7 @@ from rest_framework.pagination import PageNumberPagination
 from rest_framework.response import Response
 from rest_framework.views import exception_handler as drf_exception_handler
 
+from ptcproject.broker import broker_trouble
 from ptcproject.db import statement_cancelled
 from ptcproject.errors import ApplicationError, error_body
 
@@ -69,6 +70,7 @@ def outage_error(exc: BaseException) -> ApplicationError | None:
     """
     from kombu.exceptions import OperationalError as BrokerOperationalError
     from redis.exceptions import ConnectionError as RedisConnectionError
+    from redis.exceptions import OutOfMemoryError as RedisOutOfMemoryError
     from redis.exceptions import TimeoutError as RedisTimeoutError
 
     if isinstance(exc, DbOperationalError | DbInterfaceError):
@@ -81,10 +83,10 @@ def outage_error(exc: BaseException) -> ApplicationError | None:
         else:
             message = "The database is unreachable right now; nothing was changed. Try again in a few seconds."
         return ApplicationError("database_unavailable", message, status=503)
-    if isinstance(exc, BrokerOperationalError | RedisConnectionError | RedisTimeoutError):
+    if isinstance(exc, BrokerOperationalError | RedisConnectionError | RedisTimeoutError | RedisOutOfMemoryError):
         return ApplicationError(
             "broker_unavailable",
-            "The message broker is unreachable right now; nothing was queued. Try again in a few seconds.",
+            f"The message broker {broker_trouble(exc)} right now; nothing was queued. Try again in a few seconds.",
             status=503,
         )
     return None

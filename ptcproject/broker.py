@@ -46,11 +46,23 @@ from typing import Any
 from kombu.transport import filesystem, redis, virtual
 from kombu.utils.encoding import bytes_to_str
 from kombu.utils.json import dumps, loads
-from redis.exceptions import ResponseError
+from redis.exceptions import OutOfMemoryError, RedisError, ResponseError
 
 logger = logging.getLogger("ptc.broker")
 # How often a reader tries an exchange table that is still being written (5 ms apart).
 TABLE_READ_TRIES = 200
+
+
+def broker_trouble(exc: BaseException) -> str:
+    """What a send to the broker (or Redis) that failed says of it, for an error's message: that it
+    "is full" when Redis refused the write for want of memory (its maxmemory reached, noeviction;
+    kombu raises that as a connection error), else that it "is unreachable"."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, OutOfMemoryError):
+            return "is full (Redis has reached its maxmemory)"
+        seen = seen.__cause__ or seen.__context__
+    return "is unreachable"
 
 
 class QoS(redis.QoS):
@@ -95,32 +107,41 @@ class QoS(redis.QoS):
             self._delivered.clear()
 
     def ack(self, delivery_tag: Any) -> None:
+        virtual.QoS.ack(self, delivery_tag)  # its slot is free at once
         transport = self.channel.connection  # None once the channel is closed (its connection lost)
         if transport is not None and transport.in_loop():
-            virtual.QoS.ack(self, delivery_tag)  # its slot is free at once; Redis is told at the turn's end
-            self._acks_held.append(delivery_tag)
-            return
-        try:
-            super().ack(delivery_tag)
-        except AttributeError:
-            logger.warning("could not ack a message on a lost connection; its record already says how it ended")
+            self._acks_held.append(delivery_tag)  # Redis is told at the turn's end
+        else:
+            self._acks_send([delivery_tag])
 
     def acks_flush(self) -> None:
         """Take the acks held in this turn of the event loop off Redis's unacked records, in one round trip."""
         tags, self._acks_held = self._acks_held, []
-        if not tags:
-            return
+        if tags:
+            self._acks_send(tags)
+
+    def _acks_send(self, tags: list[str]) -> None:
+        """Take ``tags`` off Redis's unacked records, in one round trip, or say why not: a message
+        whose ack is lost is restored after visibility_timeout, and its task finds its record ended.
+
+        Not in a transaction, as kombu's ack is: a full Redis (maxmemory, noeviction) refuses every
+        command queued in a MULTI, a deletion too, and the error killed the worker. Alone, a deletion
+        is served, and frees memory. The record goes before its index entry: an entry left without
+        its record is skipped by the restore."""
         try:
-            with self.pipe_or_acquire() as pipe:
-                pipe.zrem(self.unacked_index_key, *tags).hdel(self.unacked_key, *tags).execute()
-        except (AttributeError, *self.channel.connection_errors):  # restored after visibility_timeout
-            logger.warning("could not ack %d messages on a lost connection; their records already say how they ended", len(tags))
+            with self.channel.conn_or_acquire() as client:
+                client.pipeline(transaction=False).hdel(self.unacked_key, *tags).zrem(self.unacked_index_key, *tags).execute()
+        except (AttributeError, RedisError) as exc:  # AttributeError: kombu's, on a connection it has dropped
+            logger.warning("could not ack %d messages (%s); their records already say how they ended", len(tags), exc)
 
     def reject(self, delivery_tag: Any, requeue: bool = False) -> None:
+        if not requeue:
+            self.ack(delivery_tag)  # what kombu's reject without requeue does, in a MULTI
+            return
         try:
             super().reject(delivery_tag, requeue=requeue)
-        except AttributeError:
-            logger.warning("could not reject a message on a lost connection")
+        except (AttributeError, RedisError) as exc:
+            logger.warning("could not put a rejected message back (%s); restored after the visibility timeout", exc)
 
 
 class Channel(redis.Channel):
@@ -159,7 +180,9 @@ class Channel(redis.Channel):
 
     def _brpop_start(self, timeout: float | None = None) -> None:
         if self._multi_pop is None:
-            self._multi_pop = self.pop_most > 1 and self._server_pops_many()
+            info = self._server_info()
+            self._evictions_warn(info)
+            self._multi_pop = self.pop_most > 1 and self._server_pops_many(info)
         if not self._multi_pop:
             return super()._brpop_start(timeout)
         queues = self._queue_cycle.consume(len(self.active_queues))
@@ -174,19 +197,42 @@ class Channel(redis.Channel):
         self.client.connection.send_command("BLMPOP", wait or 0, len(keys), *keys, "RIGHT", "COUNT", most)
         return None
 
-    def _server_pops_many(self) -> bool:
-        """Whether the server has BLMPOP (Redis 7); said once in the log. A server that refuses INFO
-        (an ACL without @dangerous) is taken as one without: kombu's BRPOP needs list commands only."""
+    def _server_info(self) -> dict[str, Any] | None:
+        """The server's INFO (its default sections), asked once, as the consumer first pops; None
+        from a server that refuses it (an ACL without @dangerous)."""
         try:
-            version = str(self._create_client().info("server")["redis_version"])
+            return dict(self._create_client().info())
         except ResponseError as exc:
             logger.info("Redis refused INFO (%s): this consumer takes one message at a time", exc)
+            return None
+
+    def _server_pops_many(self, info: dict[str, Any] | None) -> bool:
+        """Whether the server has BLMPOP (Redis 7); said once in the log. A server that refuses INFO
+        is taken as one without: kombu's BRPOP needs list commands only."""
+        if info is None:
             return False
+        version = str(info["redis_version"])
         if int(version.split(".")[0]) < 7:
             logger.info("Redis %s has no BLMPOP (Redis 7): this consumer takes one message at a time", version)
             return False
         logger.info("this consumer takes up to %d waiting messages at once", self.pop_most)
         return True
+
+    @staticmethod
+    def _evictions_warn(info: dict[str, Any] | None) -> None:
+        """Say, once, that the server may evict the queues under memory pressure: with a
+        ``maxmemory`` and an ``allkeys-*`` policy, Redis drops keys of any kind, a queue's list or its
+        unacked messages among them, and each message dropped is a job or a tool call lost with no
+        error anywhere. The ``volatile-*`` policies drop only keys that expire, which no queue does."""
+        if info is None or not int(info.get("maxmemory", 0)):
+            return
+        policy = str(info.get("maxmemory_policy", ""))
+        if policy.startswith("allkeys-"):
+            logger.warning(
+                "the broker's Redis has maxmemory-policy %s: once full it evicts queued messages, each a job or a "
+                "tool call lost without an error. Set maxmemory-policy noeviction (or a volatile-* policy) there",
+                policy,
+            )
 
     def _brpop_read(self, **options: Any) -> bool:
         if not self._multi_pop:

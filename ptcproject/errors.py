@@ -42,7 +42,7 @@ CODES: dict[str, tuple[int, str]] = {
     ),
     "internal_error": (500, "the server failed; it is logged (as a call's code: the worker failed running it)"),
     "database_unavailable": (503, "the database is unreachable (nothing was changed), or cancelled a statement; retry"),
-    "broker_unavailable": (503, "the broker is unreachable; nothing was queued; retry"),
+    "broker_unavailable": (503, "the broker is unreachable, or Redis is full (its maxmemory); nothing was queued; retry"),
     "not_ready": (503, "/readyz: a part the service needs is unreachable"),
     # Jobs
     "ptc_disabled": (403, "the rollout policy says no; the message gives its reason"),

@@ -14,6 +14,7 @@ import redis
 from kombu import Connection, Consumer, Exchange, Producer, Queue
 
 from tests.conftest import REDIS_URL
+from tests.servers import RedisServer
 
 
 def test_filesystem_messages_are_whole_or_absent(tmp_path: Path) -> None:
@@ -108,7 +109,7 @@ def _redis_queue(name: str, *, most: int, url: str = REDIS_URL, no_ack: bool = F
     prefix = f"ptc-broker-test-{uuid.uuid4().hex[:8]}:"
     options = {"global_keyprefix": prefix, "pop_most": most, "visibility_timeout": 3600}
     conn = Connection(url, transport="ptcproject.broker:Transport", transport_options=options)
-    server = redis.Redis.from_url(REDIS_URL)
+    server = redis.Redis.from_url(url)
     try:
         yield _Broker(conn, Queue(name, Exchange(name, type="direct"), routing_key=name, no_ack=no_ack), server, prefix)
     finally:
@@ -216,6 +217,31 @@ def test_redis_a_server_that_refuses_info_is_consumed_one_message_at_a_time() ->
             assert got == [0, 1, 2]
     finally:
         server.acl_deluser(user)
+
+
+@pytest.mark.parametrize("policy", ["allkeys-lru", "volatile-lru", "noeviction"])
+def test_a_consumer_warns_when_its_redis_may_evict_the_queues(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, policy: str
+) -> None:
+    """Redis with a maxmemory and an allkeys-* policy drops queued messages once full: each a job or
+    a tool call gone without an error anywhere. A worker says so as it starts consuming."""
+    server = RedisServer(tmp_path)
+    server.start()
+    try:
+        redis.Redis.from_url(server.url).config_set("maxmemory", "64mb")
+        redis.Redis.from_url(server.url).config_set("maxmemory-policy", policy)
+        with caplog.at_level("WARNING", logger="ptc.broker"), _redis_queue("evict", most=16, url=server.url) as broker:
+            got: list[int] = []
+            broker.publish(2)
+            with broker.conn.channel() as channel, Consumer(channel, [broker.queue], callbacks=[_acking(got)]):
+                broker.drain(lambda: len(got) >= 2)
+    finally:
+        server.stop()
+    said = [record.getMessage() for record in caplog.records if record.name == "ptc.broker"]
+    if policy.startswith("allkeys-"):
+        assert len(said) == 1 and said[0].startswith("the broker's Redis has maxmemory-policy allkeys-lru: once full"), said
+    else:  # volatile-*: only keys that expire, which no queue does
+        assert said == []
 
 
 def test_acks_in_the_event_loop_go_to_redis_together_at_the_end_of_its_turn() -> None:

@@ -45,6 +45,7 @@ from execution.services.quotas import tool_call_quota_check
 from ptcproject import rows
 from ptcproject.accounts.models import ApiKey
 from ptcproject.batching import GroupCommit
+from ptcproject.broker import broker_trouble
 from ptcproject.celery import task_publish
 from ptcproject.db import db_reset
 from ptcproject.errors import ApplicationError, call_error
@@ -279,7 +280,7 @@ def tool_calls_enqueue(calls: list[tuple[str, str]], *, queued: dict[str, ToolCa
                     task_publish(execute_tool, producer, args, queue=queue, retry=len(calls) == 1, argsrepr=repr((call_id,)))
         except Exception as exc:
             logger.exception("could not enqueue tool calls", extra={"call_ids": [call_id for call_id, _ in calls]})
-            error = call_error("broker_unavailable", f"the call could not be queued ({type(exc).__name__}); retry")
+            error = call_error("broker_unavailable", f"the call could not be queued: the broker {broker_trouble(exc)}; retry")
             errors = {call_id: error for call_id, _ in calls}
 
             def fail() -> None:

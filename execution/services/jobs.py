@@ -64,6 +64,7 @@ from execution.services.sessions import (
 )
 from ptcproject import queues, rows, tracing
 from ptcproject.accounts.services import api_key_create, job_keys_revoke
+from ptcproject.broker import broker_trouble
 from ptcproject.celery import task_publish
 from ptcproject.db import db_reset, db_retry
 from ptcproject.errors import ApplicationError, call_error, job_error
@@ -286,7 +287,7 @@ def _exec_job_enqueue(*, job: ExecJob, node: str = "", before: Callable[[], None
         if withdrawn:
             raise ApplicationError(
                 "broker_unavailable",
-                "The job could not be queued: the message broker is unreachable. Nothing was run; try again.",
+                f"The job could not be queued: the message broker {broker_trouble(exc)}. Nothing was run; try again.",
                 status=503,
             ) from exc
         # It was taken after all: the message went out before the error.
