@@ -65,6 +65,17 @@ def broker_trouble(exc: BaseException) -> str:
     return "is unreachable"
 
 
+def _unrecorded_warn(count: int) -> None:
+    """A full Redis (maxmemory, noeviction) took messages off their queue but refused their unacked
+    records, and can't take them back either (a push needs memory): they are handed over all the
+    same. Raised, the error lost them, and killed the worker."""
+    logger.warning(
+        "Redis is full (its maxmemory): %d messages taken from their queue are handed over without their unacked "
+        "record; should this worker die before they end, they are not restored",
+        count,
+    )
+
+
 class QoS(redis.QoS):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -75,13 +86,16 @@ class QoS(redis.QoS):
         """Record messages just taken from their queue as unacked, in one round trip, as ``append``
         does each (its own round trip) when it is handed over."""
         now = time()
-        with self.pipe_or_acquire() as pipe:
-            for payload in payloads:
-                properties = payload["properties"]
-                tag, delivery = properties["delivery_tag"], properties["delivery_info"]
-                pipe.zadd(self.unacked_index_key, {tag: now})
-                pipe.hset(self.unacked_key, tag, dumps([payload, delivery["exchange"], delivery["routing_key"]]))
-            pipe.execute()
+        try:
+            with self.pipe_or_acquire() as pipe:
+                for payload in payloads:
+                    properties = payload["properties"]
+                    tag, delivery = properties["delivery_tag"], properties["delivery_info"]
+                    pipe.zadd(self.unacked_index_key, {tag: now})
+                    pipe.hset(self.unacked_key, tag, dumps([payload, delivery["exchange"], delivery["routing_key"]]))
+                pipe.execute()
+        except OutOfMemoryError:
+            _unrecorded_warn(len(payloads))
         self._recorded.update(payload["properties"]["delivery_tag"] for payload in payloads)
 
     def restore_taken(self, payloads: list[dict[str, Any]]) -> None:
@@ -96,8 +110,12 @@ class QoS(redis.QoS):
         if delivery_tag in self._recorded:
             self._recorded.discard(delivery_tag)
             virtual.QoS.append(self, message, delivery_tag)  # in memory only: Redis has it
-        else:
+            return
+        try:
             super().append(message, delivery_tag)
+        except OutOfMemoryError:
+            _unrecorded_warn(1)
+            virtual.QoS.append(self, message, delivery_tag)
 
     def restore_unacked(self, client: Any = None) -> None:
         try:

@@ -244,6 +244,34 @@ def test_a_consumer_warns_when_its_redis_may_evict_the_queues(
         assert said == []
 
 
+@pytest.mark.parametrize("most", [16, 1])
+def test_redis_messages_taken_while_it_is_full_are_handed_over_not_lost(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, most: int
+) -> None:
+    """A full Redis (maxmemory, noeviction) serves a pop but refuses the unacked record after it (and
+    would refuse the message back): the consumer raised, the messages it took were gone, and a
+    worker died of it. Each is handed over (BLMPOP's several, and kombu's BRPOP's one), and acked."""
+    server = RedisServer(tmp_path)
+    server.start()
+    try:
+        with _redis_queue("full", most=most, url=server.url) as broker:
+            got: list[int] = []
+            broker.publish(3)
+            with broker.conn.channel() as channel, Consumer(channel, [broker.queue], callbacks=[_acking(got)]):
+                broker.server.config_set("maxmemory", "1")
+                try:
+                    with caplog.at_level("WARNING", logger="ptc.broker"):
+                        broker.drain(lambda: len(got) >= 3)
+                finally:
+                    broker.server.config_set("maxmemory", "0")
+            assert got == [0, 1, 2]
+            assert broker.waiting() == 0 and broker.unacked() == 0
+    finally:
+        server.stop()
+    said = [record.getMessage() for record in caplog.records if record.name == "ptc.broker"]
+    assert said and all(line.startswith("Redis is full (its maxmemory): ") for line in said), said
+
+
 def test_acks_in_the_event_loop_go_to_redis_together_at_the_end_of_its_turn() -> None:
     from kombu.asynchronous import Hub
 
