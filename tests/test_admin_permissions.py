@@ -209,6 +209,7 @@ def test_a_staff_member_let_change_users_makes_no_one_more_than_they_are() -> No
     for account in (staff, user):
         page = client.get(f"/admin/auth/user/{account.pk}/change/").content.decode()
         assert 'name="is_superuser"' not in page and 'name="groups"' not in page  # shown, read-only
+        assert 'href="../password/"' in page  # theirs to change
         saved = client.post(f"/admin/auth/user/{account.pk}/change/", _account_form(account, first_name="Renamed", **escalate))
         assert saved.status_code == 302
         account.refresh_from_db()
@@ -225,7 +226,10 @@ def test_a_staff_member_let_change_users_makes_no_one_more_than_they_are() -> No
     new_password = {"password1": "Taken-over-42", "password2": "Taken-over-42"}
     for account in (boss, colleague):
         change = f"/admin/auth/user/{account.pk}/change/"
-        assert 'name="is_active"' not in client.get(change).content.decode()  # shown, read-only
+        page = client.get(change).content.decode()
+        assert 'name="is_active"' not in page  # shown, read-only
+        # Its password summed up, with no button to the password's page, which refuses them.
+        assert "<strong>algorithm</strong>" in page and 'href="../password/"' not in page
         assert client.post(change, _account_form(account, is_active="", first_name="Gone", **escalate)).status_code == 403
         assert client.get(f"/admin/auth/user/{account.pk}/password/").status_code == 403
         assert client.post(f"/admin/auth/user/{account.pk}/password/", new_password).status_code == 403

@@ -3,10 +3,13 @@ from typing import Any
 from django.contrib import admin, messages
 from django.contrib.auth import get_user_model
 from django.contrib.auth.admin import GroupAdmin, UserAdmin
+from django.contrib.auth.forms import ReadOnlyPasswordHashWidget
 from django.contrib.auth.models import Group, User
 from django.db.models import F, QuerySet
 from django.http import HttpRequest, HttpResponse
+from django.template.loader import render_to_string
 from django.template.response import TemplateResponse
+from django.utils.safestring import SafeString
 
 from execution.admin import unended_kept
 from execution.models import ExecJob, ExecSession, ToolCall
@@ -148,6 +151,17 @@ class PtcGroupAdmin(GroupAdmin):
 admin.site.unregister(User)
 
 
+class PasswordSummary(ReadOnlyPasswordHashWidget):
+    """The password's summary without Django's button to the password's page, for an account the
+    member may not change: that page refuses them. Rendered from the project's templates (the
+    form renderer's don't reach them)."""
+
+    template_name = "admin/auth/user/password_summary.html"
+
+    def render(self, name: str, value: Any, attrs: Any = None, renderer: Any = None) -> SafeString:
+        return SafeString(render_to_string(self.template_name, self.get_context(name, value, attrs)))  # autoescaped
+
+
 @admin.register(User)
 class PtcUserAdmin(CountedDeleteAdmin, UserAdmin):
     """Django's user admin, that deletes no user with a job that has not ended, a tool call that is
@@ -168,6 +182,20 @@ class PtcUserAdmin(CountedDeleteAdmin, UserAdmin):
         # Read-only fields are left out of the form, so a crafted POST that sets them is ignored.
         readonly = tuple(super().get_readonly_fields(request, obj))
         return readonly if signed_in_user(request).is_superuser else (*readonly, *self.ESCALATING_FIELDS)
+
+    def render_change_form(
+        self,
+        request: HttpRequest,
+        context: dict[str, Any],
+        add: bool = False,
+        change: bool = False,
+        form_url: str = "",
+        obj: Any = None,
+    ) -> Any:
+        fields = context["adminform"].form.fields  # this page's own form's
+        if obj is not None and "password" in fields and not self.has_change_permission(request, obj):
+            fields["password"].widget = PasswordSummary()
+        return super().render_change_form(request, context, add, change, form_url, obj)
 
     def has_change_permission(self, request: HttpRequest, obj: User | None = None) -> bool:
         # Also held by the password's page (UserAdmin.user_change_password asks it of the user).
