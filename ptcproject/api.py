@@ -16,7 +16,7 @@ from rest_framework.response import Response
 from rest_framework.views import exception_handler as drf_exception_handler
 
 from ptcproject.broker import broker_trouble
-from ptcproject.db import statement_cancelled
+from ptcproject.db import database_read_only, statement_cancelled
 from ptcproject.errors import ApplicationError, error_body
 
 logger = logging.getLogger("ptc.api")
@@ -78,6 +78,11 @@ def outage_error(exc: BaseException) -> ApplicationError | None:
             # Not "nothing was changed": outside a transaction, the request's earlier statements stand.
             message = (
                 "The database cancelled the request's statement (a statement or lock timeout, or an operator). "
+                "Try again in a few seconds."
+            )
+        elif database_read_only(exc):
+            message = (
+                "The database is read-only right now (a failover, or maintenance); nothing was written. "
                 "Try again in a few seconds."
             )
         else:

@@ -29,6 +29,15 @@ def statement_cancelled(exc: BaseException) -> bool:
     return isinstance(exc.__cause__, QueryCanceled | LockNotAvailable)
 
 
+def database_read_only(exc: BaseException) -> bool:
+    """Whether a database error (Django's) is PostgreSQL refusing a write because its server is
+    read-only: a standby, as the old primary is after a failover (ptcproject.postgres.base's
+    FailoverErrorWrapper raises it as an OperationalError)."""
+    from psycopg.errors import ReadOnlySqlTransaction
+
+    return isinstance(exc.__cause__, ReadOnlySqlTransaction)
+
+
 def db_unreachable_reason() -> str | None:
     """Return, in one line, why this process can't open a connection to its PostgreSQL database
     (the server's own words, which the pool's "couldn't get a connection" hides), or None when it can,
@@ -74,7 +83,10 @@ def db_retry(work: Callable[[], T], *, what: str, job_id: Any, on_wait: Callable
             if on_wait is not None:
                 on_wait()
                 on_wait = None
-            why = "a statement was cancelled (statement or lock timeout)" if statement_cancelled(exc) else "database unreachable"
+            if statement_cancelled(exc):
+                why = "a statement was cancelled (statement or lock timeout)"
+            else:
+                why = "the database is read-only (a failover?)" if database_read_only(exc) else "database unreachable"
             logger.warning("%s while %s; retrying in %.1f s", why, what, delay, extra={"job_id": str(job_id)})
             db_reset()
             time.sleep(delay)

@@ -7,15 +7,19 @@ checkout with CONN_HEALTH_CHECKS, none at all without); this backend swaps in ou
 """
 
 import logging
+import threading
+import time
 from collections.abc import Mapping, Sequence
 from contextlib import ExitStack
 from typing import Any
 
 import psycopg
 from django.conf import settings
-from django.db import DatabaseError, NotSupportedError
+from django.db import DatabaseError, NotSupportedError, OperationalError
 from django.db.backends.postgresql.base import DatabaseWrapper as PostgresWrapper
 from django.db.backends.postgresql.base import ServerBindingCursor
+from django.db.utils import DatabaseErrorWrapper
+from django.utils.functional import cached_property
 from psycopg import errors, pq
 
 from ptcproject.pgcheck import check_unless_recent
@@ -61,7 +65,44 @@ class PreparedCursor(ServerBindingCursor):
             return super().execute(query, params, **kwargs)  # type: ignore[misc]
 
 
+class FailoverErrorWrapper(DatabaseErrorWrapper):
+    """Django's translation of psycopg's errors, where a write refused because the server is
+    read-only is an OperationalError, as a database out of reach is: every path that waits out an
+    outage (a worker's retry, the API's 503) then waits out a failover too.
+
+    After a failover (Aurora's, Patroni's) a pool's connections still reach the old primary, now a
+    standby, which answers every write so for as long as they live, and passes the pool's check (a
+    read). The connection is closed, so the pool discards it, and the pool drained (psycopg_pool's
+    ``drain``: the others replaced, those in use as they come back), once per FAILOVER_DRAIN_SECONDS:
+    the next try reaches the new primary."""
+
+    FAILOVER_DRAIN_SECONDS = 5.0
+    _drained_at = float("-inf")
+    _drain_lock = threading.Lock()
+
+    def __exit__(self, exc_type: Any, exc_value: Any, traceback: Any) -> None:
+        if exc_type is None or not issubclass(exc_type, errors.ReadOnlySqlTransaction):
+            return super().__exit__(exc_type, exc_value, traceback)
+        database = self.wrapper  # type: ignore[attr-defined]  # set by Django's __init__, not in the stubs
+        database.errors_occurred = True
+        if database.connection is not None:
+            database.connection.close()
+        pool = database.pool
+        with self._drain_lock:
+            drain = pool is not None and time.monotonic() - FailoverErrorWrapper._drained_at > self.FAILOVER_DRAIN_SECONDS
+            if drain:
+                FailoverErrorWrapper._drained_at = time.monotonic()
+        if drain:
+            logger.warning("the database refused a write, read-only (a failover?): its pool's connections are replaced")
+            pool.drain()
+        raise OperationalError(*exc_value.args).with_traceback(traceback) from exc_value
+
+
 class DatabaseWrapper(PostgresWrapper):
+    @cached_property
+    def wrap_database_errors(self) -> FailoverErrorWrapper:
+        return FailoverErrorWrapper(self)
+
     def _configure_connection(self, connection: Any) -> bool:
         """Django's set-up of a new connection (the pool's ``configure``: its time zone, its role),
         and ``PTC_DB_STATEMENT_TIMEOUT``, set for its session: one round trip, once per connection.
