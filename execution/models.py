@@ -59,6 +59,12 @@ class ExecJob(models.Model):
     # to PTC_MAX_JOB_TOOL_BYTES with what its bridge passed (which the bridge counts itself). A
     # container's call in flight holds PTC_MAX_TOOL_OUTPUT_BYTES here for its result until it comes.
     http_tool_bytes = models.BigIntegerField(default=0, editable=False)
+    # A managed container's job: when a call of it was last recorded or returned, set by the
+    # statement that counts that call's bytes above (calls._job_bytes_take), under the row's lock.
+    # The reaper's idle close scans this, not the calls. Null on other jobs, and on containers' jobs
+    # made before it was kept (their calls tell, and the reaper sets it from them). Not indexed:
+    # the open containers' jobs are found by status, and an update of it stays heap-only.
+    last_call_at = models.DateTimeField(null=True, blank=True, editable=False)
     # The session it ran in (its sandbox kept between jobs), or null for a sandbox of its own.
     session = models.ForeignKey("ExecSession", null=True, blank=True, on_delete=models.SET_NULL, related_name="jobs")
     # The files under /work the code wrote or changed, ``[{"path", "size"}]``, and those left out

@@ -3,7 +3,7 @@ from typing import Any
 
 from django.conf import settings
 from django.contrib.auth.models import User
-from django.db.models import Exists, Max, OuterRef, Prefetch, Q, QuerySet, Subquery
+from django.db.models import Count, Exists, Max, OuterRef, Prefetch, Q, QuerySet, Subquery
 from django.db.models.functions import Coalesce
 from django.utils import timezone
 
@@ -97,15 +97,16 @@ def container_jobs_open(*, user: User | None = None) -> QuerySet[ExecJob]:
 
 
 def _last_used_at() -> Coalesce:
-    """A managed container's job's last use: when its last call started or ended (a job is made by
-    its first call, so never before its own start)."""
+    """A managed container's job's last use: ``last_call_at``; for a job made before it was kept,
+    when its last call started or ended (read only for such a job: PostgreSQL evaluates a
+    COALESCE's arguments only as far as the first not null), or its start."""
     last_call = (
         ToolCall.objects.filter(exec_job=OuterRef("pk"))
         .values("exec_job")
         .annotate(last=Max(Coalesce("finished_at", "started_at")))
         .values("last")
     )
-    return Coalesce(Subquery(last_call), "started_at")
+    return Coalesce("last_call_at", Subquery(last_call), "started_at")
 
 
 def _call_open() -> Exists:
@@ -114,9 +115,20 @@ def _call_open() -> Exists:
 
 
 def container_jobs_idle(*, since: datetime) -> QuerySet[ExecJob]:
-    """Return the managed containers' jobs open with no call since ``since`` and none still open:
-    those the reaper closes (PTC_CONTAINER_IDLE_SECONDS)."""
-    return container_jobs_open().filter(~_call_open()).annotate(last_used_at=_last_used_at()).filter(last_used_at__lt=since)
+    """Return the managed containers' jobs open whose ``last_call_at`` is before ``since``, or not
+    known (made before it was kept): those the reaper may close (PTC_CONTAINER_IDLE_SECONDS), once
+    their calls confirm it (``container_job_calls_last``). Their calls are not read here: this
+    runs every reaper round, over every open container's job."""
+    return container_jobs_open().filter(Q(last_call_at__lt=since) | Q(last_call_at__isnull=True))
+
+
+def container_job_calls_last(*, job_id: Any) -> tuple[datetime | None, bool]:
+    """Return when the last call of a job started or ended (None if it has none), and whether one
+    is still open, from its calls, in one statement: the reaper's word before it closes the job."""
+    found = ToolCall.objects.filter(exec_job_id=job_id).aggregate(
+        last=Max(Coalesce("finished_at", "started_at")), open=Count("pk", filter=Q(status__in=ToolCall.OPEN))
+    )
+    return found["last"], bool(found["open"])
 
 
 def container_jobs_idle_since(*, user: User, container_id: str) -> datetime | None:

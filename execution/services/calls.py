@@ -486,15 +486,27 @@ def _json_bytes(value: Any) -> int:
 
 def _job_bytes_take(*, job: ExecJob, size: int, held: bool = True, reserve: int = 0) -> int:
     """Add ``size`` (and ``reserve``, room held for a result to come) to what ``job``'s calls over
-    HTTP passed, and return the new total, in one statement. With ``held`` (a call about to be
+    HTTP passed, and return the new total, in one statement (which, for a managed container's job,
+    also sets its ``last_call_at`` to now). With ``held`` (a call about to be
     recorded), raise ApplicationError ``tool_bytes_limit`` (403) instead if ``size`` would pass
     PTC_MAX_JOB_TOOL_BYTES: nothing is added. A result is added as it came (the next call is refused)."""
     most = settings.PTC_MAX_JOB_TOOL_BYTES if held else 0
+    used: list[Any] = []
+    if job.container_id:
+        # A managed container's job was used now (a call recorded, or returned): the reaper's idle
+        # close reads this, not the calls. Set in this statement, which runs anyway; never back.
+        now = connection.ops.adapt_datetimefield_value(timezone.now())
+        used = [now, now]
     with connection.cursor() as cursor:
         cursor.execute(
             f"UPDATE {rows.table(ExecJob)} SET http_tool_bytes = http_tool_bytes + %s"  # noqa: S608 - names from the model
-            " WHERE id = %s AND (%s = 0 OR http_tool_bytes + %s <= %s) RETURNING http_tool_bytes",
-            [size + reserve, ExecJob._meta.pk.get_db_prep_value(job.pk, connection), most, size, most],
+            + (
+                ", last_call_at = CASE WHEN last_call_at IS NULL OR last_call_at < %s THEN %s ELSE last_call_at END"
+                if used
+                else ""
+            )
+            + " WHERE id = %s AND (%s = 0 OR http_tool_bytes + %s <= %s) RETURNING http_tool_bytes",
+            [size + reserve, *used, ExecJob._meta.pk.get_db_prep_value(job.pk, connection), most, size, most],
         )
         found = cursor.fetchone()
     if found is None and not held:

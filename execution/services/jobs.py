@@ -35,7 +35,13 @@ from execution.sandbox.limits import Limits
 from execution.sandbox.pool import sandbox_reap
 from execution.sandbox.process import SDK_MB, SandboxUnavailable
 from execution.sandbox.session import Outcome, Session
-from execution.selectors import CALLS_IN_ORDER, calls_overdue_at, container_jobs_idle, exec_job_with_calls
+from execution.selectors import (
+    CALLS_IN_ORDER,
+    calls_overdue_at,
+    container_job_calls_last,
+    container_jobs_idle,
+    exec_job_with_calls,
+)
 from execution.services.calls import (
     CALL_TIMEOUT_MESSAGE,
     JOB_ENDED_MESSAGE,
@@ -222,7 +228,7 @@ def exec_job_for_container(*, user: User, container_id: str) -> ExecJob:
 
     Call it in the transaction that records the call: the job's row stays locked until then, so
     the reaper never closes a job under a call being recorded (it reads the job's calls once it
-    holds that lock itself).
+    holds that lock itself). The call's record sets the job's ``last_call_at`` (_job_bytes_take).
 
     Raise ApplicationError ``job_finished`` (409) if that job has ended (cancelled, or closed
     idle), ``rate_limited`` (429) if it is new and the user has the most open.
@@ -244,6 +250,7 @@ def exec_job_for_container(*, user: User, container_id: str) -> ExecJob:
                     timeout_seconds=0,
                     started_at=now,
                     heartbeat_at=now,
+                    last_call_at=now,
                     worker="managed container",
                 )
         except IntegrityError:  # another call of the same container created it first
@@ -1064,28 +1071,39 @@ def container_jobs_close_idle() -> int:
     later call of its container is refused (409 ``job_finished``). Return how many were closed.
 
     A container's job is made by its first call, named by the client: without this, each stayed
-    open for good (and held a place in PTC_MAX_CONTAINERS_PER_USER)."""
+    open for good (and held a place in PTC_MAX_CONTAINERS_PER_USER).
+
+    Each round finds the jobs by their ``last_call_at`` alone; only a job found idle has its calls
+    read, once, to confirm it (a call recorded by a process that does not keep it, or one whose
+    end its web process never saw, as it died): one not idle after all has it set from them."""
     idle = settings.PTC_CONTAINER_IDLE_SECONDS
     if not idle:
         return 0
     since = timezone.now() - timedelta(seconds=idle)
     closed = 0
-    for job_id in container_jobs_idle(since=since).values_list("pk", flat=True):
+    for job_id in container_jobs_idle(since=since).order_by().values_list("pk", flat=True):
         with transaction.atomic():
             # A call of it is recorded under this lock (exec_job_for_container): once it is held,
             # a call recorded is seen below (each statement reads what was committed before it),
             # and a call not yet recorded finds the job ended.
-            if (
-                not ExecJob.objects.select_for_update()
+            started = (
+                ExecJob.objects.select_for_update()
                 .filter(pk=job_id, status=Status.RUNNING)
-                .values_list("pk", flat=True)
+                .values_list("started_at", flat=True)
                 .first()
-            ):
+            )
+            if started is None:
                 continue  # cancelled meanwhile
-            if not container_jobs_idle(since=since).filter(pk=job_id).exists():
-                continue  # called meanwhile
+            last, open_call = container_job_calls_last(job_id=job_id)
+            last = max(last or started, started)
+            if last >= since:  # called meanwhile, or its last_call_at was behind its calls'
+                unknown = Q(last_call_at__isnull=True) | Q(last_call_at__lt=last)
+                ExecJob.objects.filter(unknown, pk=job_id).update(last_call_at=last)
+                continue
+            if open_call:
+                continue  # a call under way longer than the idle time: idle from its end
             now = timezone.now()
-            ExecJob.objects.filter(pk=job_id).update(status=Status.COMPLETED, finished_at=now, closed_at=now)
+            ExecJob.objects.filter(pk=job_id).update(status=Status.COMPLETED, finished_at=now, closed_at=now, last_call_at=last)
         logger.info("managed container job closed: idle", extra={"job_id": str(job_id), "idle_seconds": idle})
         _exec_job_close(job_id=job_id)  # no call is open: nothing to wait for
         job_finished_observe(status=Status.COMPLETED, toolsets=[], seconds=None, spawn_ms=None)

@@ -246,7 +246,7 @@ def _unused_since(container: str, *, hours: float) -> ExecJob:
 
     then = timezone.now() - timedelta(hours=hours)
     job = ExecJob.objects.get(container_id=container)
-    ExecJob.objects.filter(pk=job.pk).update(started_at=then, created_at=then)
+    ExecJob.objects.filter(pk=job.pk).update(started_at=then, created_at=then, last_call_at=then)
     ToolCall.objects.filter(exec_job=job).update(started_at=then)
     ToolCall.objects.filter(exec_job=job, finished_at__isnull=False).update(finished_at=then)
     return job
@@ -304,3 +304,26 @@ def test_a_containers_job_with_a_call_in_flight_is_not_closed(api: Api) -> None:
     assert _execute(api, container=container).status_code == 200
     _unused_since(container, hours=2)
     assert _job_status_after(job, 15, until="completed") == "completed"
+
+
+def test_the_idle_close_reads_no_calls_of_containers_in_use(api: Api, settings: Any) -> None:
+    """The reaper's idle close, every round (15 s), read every call of every open container's job
+    for its last one's time: a scan growing with the calls containers made. It reads each job's
+    ``last_call_at`` (set as a call is recorded and as it returns), and the calls of a job only
+    once that says it is idle."""
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    from execution.services.jobs import container_jobs_close_idle
+
+    container = f"container_{uuid.uuid4().hex[:12]}"
+    for _ in range(3):
+        assert _execute(api, container=container).status_code == 200
+    job = ExecJob.objects.get(container_id=container)
+    assert job.last_call_at is not None and job.last_call_at >= max(c.finished_at for c in job.tool_calls.all())
+    settings.PTC_CONTAINER_IDLE_SECONDS = 30 * 24 * 3600  # no container's job of this session is idle that long
+    with CaptureQueriesContext(connection) as queries:
+        assert container_jobs_close_idle() == 0
+    assert [query["sql"] for query in queries if ToolCall._meta.db_table in query["sql"]] == []
+    assert len(queries) == 1, [query["sql"] for query in queries]
+    assert ExecJob.objects.get(pk=job.pk).status == "running"
