@@ -1070,6 +1070,9 @@ def container_jobs_close_idle() -> int:
     and none still open: each ends ``completed``, its end announced and counted as any job's, and a
     later call of its container is refused (409 ``job_finished``). Return how many were closed.
 
+    A closed job's ``finished_at`` is its last call's end, when it was last used, not the close's
+    time an idle period later (``closed_at``): its duration is the time it was in use.
+
     A container's job is made by its first call, named by the client: without this, each stayed
     open for good (and held a place in PTC_MAX_CONTAINERS_PER_USER).
 
@@ -1102,8 +1105,9 @@ def container_jobs_close_idle() -> int:
                 continue
             if open_call:
                 continue  # a call under way longer than the idle time: idle from its end
-            now = timezone.now()
-            ExecJob.objects.filter(pk=job_id).update(status=Status.COMPLETED, finished_at=now, closed_at=now, last_call_at=last)
+            ExecJob.objects.filter(pk=job_id).update(
+                status=Status.COMPLETED, finished_at=last, closed_at=timezone.now(), last_call_at=last
+            )
         logger.info("managed container job closed: idle", extra={"job_id": str(job_id), "idle_seconds": idle})
         _exec_job_close(job_id=job_id)  # no call is open: nothing to wait for
         job_finished_observe(status=Status.COMPLETED, toolsets=[], seconds=None, spawn_ms=None)

@@ -12,6 +12,7 @@ import pytest
 
 from execution.models import ExecJob
 from tests.conftest import Api, own_deployment
+from tests.execution.client_loop import sse_events
 from tests.servers import api_key
 from tests.stack import Stack, free_port
 
@@ -57,6 +58,30 @@ def _at(value: str) -> datetime:
     return datetime.fromisoformat(value.replace("Z", "+00:00"))
 
 
+def test_an_idle_containers_job_ends_when_it_was_last_used_not_when_it_was_closed(idle_api: Api) -> None:
+    """A container's job closed idle had for its finished_at the close's time, its idle time and a
+    reaper's round after its last call: its execution_time_seconds counted that hour of nothing.
+    It now ends when its last call ended; closed only once idle, as before."""
+    container = f"container_{uuid.uuid4().hex[:12]}"
+    _call(idle_api, container, ms=0)
+    _call(idle_api, container, ms=300)
+    job_id = _job_id(idle_api)
+    time.sleep(IDLE / 2)
+    assert idle_api.get(f"/api/v1/exec/{job_id}").json()["status"] == "running"  # used a second ago
+    job = _ended(idle_api, job_id, 15)
+    assert (job["status"], job["success"]) == ("completed", True), job
+    last = max(_at(call["finished_at"]) for call in job["tool_calls"])
+    assert _at(job["finished_at"]) == last, job  # before: a close at least IDLE / 2 s after it
+    assert job["execution_time_seconds"] == round((last - _at(job["started_at"])).total_seconds(), 4)
+    assert job["execution_time_seconds"] < IDLE, job
+    [end] = [data for name, data in sse_events(idle_api, job_id, timeout=15) if name == "exec_end"]
+    assert (end["status"], end["finished_at"], end["execution_time_seconds"]) == (
+        "completed",
+        job["finished_at"],
+        job["execution_time_seconds"],
+    )
+
+
 def test_a_containers_job_made_before_last_call_at_was_kept_is_closed_by_its_calls(idle_stack: Stack, idle_api: Api) -> None:
     """A container's job open when the migration adding ``last_call_at`` ran has none (and a web
     process not yet updated records calls without it): the reaper goes by its calls, so it is closed
@@ -76,3 +101,4 @@ def test_a_containers_job_made_before_last_call_at_was_kept_is_closed_by_its_cal
     assert job["status"] == "completed", job
     last = max(_at(call["finished_at"]) for call in job["tool_calls"])
     assert kept is not None and kept[0] == last  # set from its calls by the reaper's first look
+    assert _at(job["finished_at"]) == last, job
