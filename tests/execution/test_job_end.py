@@ -1,6 +1,7 @@
 """A job's end, as announced (exec_end, the End its waiters get, a cancel's answer), is its last word:
 the calls a tools worker was running when the job ended are in it as they ended, and charged."""
 
+import json
 import threading
 import time
 import uuid
@@ -193,6 +194,55 @@ def test_a_managed_containers_job_cancelled_while_a_call_runs_announces_that_cal
 
 class _WorkerKilled(BaseException):
     """What stands for the worker's process dying where it is raised: nothing after it runs."""
+
+
+def test_a_managed_containers_idle_close_whose_reaper_died_before_announcing_it_still_ends_its_stream(
+    api: Api, monkeypatch: pytest.MonkeyPatch, settings: Any
+) -> None:
+    """The reaper's idle close commits the job's end, ``closed_at`` with it, then announces it: a
+    reaper dead between the two left exec_end unsent. Its readers take it from the records once
+    the close is END_LOST_SECONDS old (events._end_lost), as for any job whose closer died there,
+    and append it to the log for the next. Run here, the close dies there; the stack's own reaper
+    (idle after an hour) leaves the job be."""
+    from execution.backplane import backplane
+    from execution.events import END_LOST_SECONDS
+    from execution.models import ExecJob
+    from execution.services import jobs
+
+    container = f"container_{uuid.uuid4().hex[:12]}"
+    body = {"toolset": "demo", "tool": "echo", "arguments": {"value": 1}, "container_id": container}
+    body["caller"] = {"type": "code_execution_20260120", "tool_id": "srvtoolu_1"}
+    assert api.post("/api/v1/tools/execute", json=body).status_code == 200
+    job = ExecJob.objects.get(container_id=container)
+
+    def killed(**_: object) -> None:
+        raise _WorkerKilled
+
+    monkeypatch.setattr(jobs, "_exec_job_close", killed)
+    # This job's close alone: the session's other containers' jobs are idle this long too.
+    idle = jobs.container_jobs_idle
+    monkeypatch.setattr(jobs, "container_jobs_idle", lambda since: idle(since=since).filter(pk=job.pk))
+    settings.PTC_CONTAINER_IDLE_SECONDS = 1
+    time.sleep(1.2)
+    with pytest.raises(_WorkerKilled):
+        jobs.container_jobs_close_idle()
+    closed = ExecJob.objects.get(pk=job.pk)
+    assert closed.status == "completed" and closed.closed_at is not None
+    assert not [name for _, name, _ in backplane().events_read(job.call_id) if name == "exec_end"]  # never sent
+    # Followed until its end, or a deadline (its heartbeats, every second, would hold it for good).
+    deadline = time.monotonic() + END_LOST_SECONDS + 10
+    end: dict[str, Any] = {}
+    with api.http.stream("GET", f"/api/v1/exec/{job.pk}/events", timeout=30) as response:
+        event = ""
+        for line in response.iter_lines():
+            assert time.monotonic() < deadline, "no exec_end came"
+            if line.startswith("event: "):
+                event = line[7:]
+            elif line.startswith("data: ") and event == "exec_end":
+                end = json.loads(line[6:])
+                break
+    assert (end["status"], end["finished_at"]) == ("completed", api.get(f"/api/v1/exec/{job.pk}").json()["finished_at"])
+    assert [e["status"] for e in _logged_ends(job.call_id)] == ["completed"]  # the next reader's, in the log
 
 
 @pytest.mark.parametrize("status", ["cancelled", "completed"])
