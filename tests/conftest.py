@@ -9,6 +9,7 @@ import os
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -17,7 +18,7 @@ import pytest
 from django.conf import settings
 from django.db import connections
 
-from tests.servers import database_drop, migrated_database, redis_keys_drop
+from tests.servers import RedisServer, database_drop, migrated_database, redis_keys_drop
 from tests.stack import Stack
 
 TEST_DATABASE_URL = os.environ.get("TEST_DATABASE_URL", "")
@@ -133,6 +134,22 @@ def own_deployment(stack_env: dict[str, str], name: str, **env: str) -> Iterator
     finally:
         stack.stop()
         database_drop(own["DATABASE_URL"])
+
+
+@pytest.fixture
+def redis_stack(stack_env: dict[str, str], tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[tuple[RedisServer, Stack]]:
+    """A stack on a Redis of its own (broker and backplane), which the test may stop, restart or fill
+    at will; its database is the suite's. Named after the test's module (its processes' logs)."""
+    redis = RedisServer(tmp_path)
+    redis.start()
+    env = {**stack_env, "CELERY_BROKER_URL": redis.url, "REDIS_URL": redis.url}
+    stack = Stack(env, name=request.module.__name__.rsplit(".", 1)[-1].removeprefix("test_").replace("_", "-"))
+    try:
+        stack.start(beat=False)
+        yield redis, stack
+    finally:
+        stack.stop()
+        redis.stop()
 
 
 class Api:

@@ -2,30 +2,13 @@
 way ends with one, nothing is left half-written, and once there is room again the stack goes on."""
 
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
-import pytest
 import redis as redis_py
 
 from ptcproject.accounts.services import user_with_key_create
 from tests.servers import RedisServer
 from tests.stack import Stack, free_port
-
-
-@pytest.fixture
-def full_stack(stack_env: dict[str, str], tmp_path: Path) -> Iterator[tuple[RedisServer, Stack]]:
-    redis = RedisServer(tmp_path)
-    redis.start()
-    env = {**stack_env, "CELERY_BROKER_URL": redis.url, "REDIS_URL": redis.url}
-    stack = Stack(env, name="redis-full")
-    try:
-        stack.start(beat=False)
-        yield redis, stack
-    finally:
-        stack.stop()
-        redis.stop()
 
 
 def _fill(url: str) -> redis_py.Redis:
@@ -48,11 +31,11 @@ out
 
 
 def test_while_redis_is_full_work_is_refused_saying_so_and_the_stack_goes_on_after(
-    full_stack: tuple[RedisServer, Stack],
+    redis_stack: tuple[RedisServer, Stack],
 ) -> None:
     from execution.models import ExecJob
 
-    redis, stack = full_stack
+    redis, stack = redis_stack
     username = f"full-{free_port()}"
     _, key = user_with_key_create(username=username, create_user=True, staff=False, credits=100)
     http = httpx.Client(base_url=stack.base_url, headers={"Authorization": f"Bearer {key}"}, timeout=60)

@@ -11,26 +11,11 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import pytest
 
 from ptcproject.accounts.services import user_with_key_create
 from tests.conftest import Api
 from tests.servers import RedisServer
 from tests.stack import Stack, free_port
-
-
-@pytest.fixture
-def redis_stack(stack_env: dict[str, str], tmp_path: Path) -> Iterator[tuple[RedisServer, Stack]]:
-    redis = RedisServer(tmp_path)
-    redis.start()
-    env = {**stack_env, "CELERY_BROKER_URL": redis.url, "REDIS_URL": redis.url}
-    stack = Stack(env, name="redis-restart")
-    try:
-        stack.start(beat=False)
-        yield redis, stack
-    finally:
-        stack.stop()
-        redis.stop()
 
 
 def test_a_job_survives_a_redis_restart(redis_stack: tuple[RedisServer, Stack]) -> None:
