@@ -409,7 +409,8 @@ class ToolExecuteApi(APIView):
                 str,
                 OpenApiParameter.HEADER,
                 required=False,
-                description="With a job-scoped key: the job's call_id; the call is then recorded under that job.",
+                description="With a job-scoped key: the job's call_id; the call is then recorded under that job. "
+                "With a user's key it is refused (403 call_id_mismatch): only a job's own key makes its calls.",
             )
         ],
     )

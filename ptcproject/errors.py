@@ -91,7 +91,10 @@ CODES: dict[str, tuple[int, str]] = {
     "ambiguous_tool": (400, "`tools.<name>` or describe_tool names a tool several granted toolsets have; name its toolset"),
     "toolset_not_granted": (403, "the toolset was not granted to the job"),
     "tool_not_ptc": (403, "a direct tool can't be called from code"),
-    "call_id_mismatch": (403, "x-ptc-call-id is not the call_id of the key's job"),
+    "call_id_mismatch": (
+        403,
+        "x-ptc-call-id is not the call_id of the key's job, or came with a user's key: only a job's own key makes its calls",
+    ),
     "tool_call_limit": (403, "over HTTP: the job has made its max_tool_calls calls; no more can run"),
     "tool_bytes_limit": (
         403,

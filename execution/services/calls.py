@@ -345,8 +345,9 @@ def tool_call_standalone(
 ) -> ToolCall:
     """Run one call outside any sandbox (POST /api/v1/tools/execute) and return its finished record.
 
-    With a user key it is a ``standalone`` call. With a job-scoped key and the job's call_id, it is
-    a ``ptc`` call of that job, held to the job's toolsets. With ``container_id`` (a provider's own
+    With a user key it is a ``standalone`` call (with a job's call_id too: ``call_id_mismatch``,
+    403). With a job-scoped key and the job's call_id, it is a ``ptc`` call of that job, held to the
+    job's toolsets. With ``container_id`` (a provider's own
     container running the code), it is a ``ptc`` call of that container's job, made on its first
     call that names a toolset and tool it may call: a request refused as it is checked makes none.
     ``caller`` (``{type, tool_id}``) is recorded as given. A tool that fails still returns its
@@ -357,6 +358,15 @@ def tool_call_standalone(
     (``rate_limited``, 429), and a container's whose job has ended (``job_finished``, 409).
     """
     job: ExecJob | None = None
+    if job_call_id and (key is None or key.exec_job_id is None):
+        # A job's call is made with that job's own key only: one made with a user's key would run
+        # as a standalone call, outside the job's toolsets and limits, and the caller never know.
+        raise ApplicationError(
+            "call_id_mismatch",
+            "A user's key cannot make a job's call: x-ptc-call-id is sent with the job-scoped key of the job it names "
+            "(its code's key). Without the header, this key makes a standalone call.",
+            status=403,
+        )
     if key is not None and key.exec_job_id is not None:
         job = ExecJob.objects.select_related("user").get(pk=key.exec_job_id)
         if job_call_id != job.call_id:

@@ -65,6 +65,30 @@ def test_a_standalone_call_of_a_client_tool_is_told_there_is_no_job_to_have_one(
     assert api.get("/api/v1/tool-calls").json()["count"] == 0
 
 
+def test_a_user_key_with_a_jobs_call_id_is_refused_not_made_a_standalone_call(api: Api) -> None:
+    """x-ptc-call-id says the call is a job's: only that job's own key may make one. A user's key
+    sending it (its own running job's call_id, or one that is no job's) is 403 call_id_mismatch,
+    nothing recorded; it was run as a standalone call, outside the job's toolsets and limits."""
+    job = api.run(JOB, toolsets=["demo"], wait=0)
+    try:
+        _job_key(api, job["id"])  # the job runs, and has its key
+        for call_id in (job["call_id"], f"exec_{uuid.uuid4().hex}"):
+            refused = execute(
+                api.http, {"toolset": "demo", "tool": "add", "arguments": {"a": 1, "b": 1}}, **{"x-ptc-call-id": call_id}
+            )
+            assert refused.status_code == 403, refused.text
+            error = refused.json()["error"]
+            assert error["code"] == "call_id_mismatch"
+            assert error["message"].startswith("A user's key cannot make a job's call"), error
+        # Nothing recorded: the job has its key's echo, and the user no standalone call.
+        assert [c["tool"] for c in api.get("/api/v1/tool-calls").json()["results"]] == ["echo"]
+        # Without the header the same key makes a standalone call, as before.
+        alone = execute(api.http, {"toolset": "demo", "tool": "add", "arguments": {"a": 1, "b": 1}})
+        assert (alone.status_code, alone.json()["type"]) == (200, "standalone"), alone.text
+    finally:
+        assert api.post(f"/api/v1/exec/{job['id']}/cancel").status_code == 200
+
+
 JOB = """
 import time
 from ptc_tools import _runtime
