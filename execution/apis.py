@@ -79,7 +79,8 @@ CALL_LIMITED = OpenApiResponse(
     description="rate_limited: with a user's key (a standalone call, or a managed container's), you have your quota "
     "of tool calls in flight (max_concurrent_tool_calls), or a new container_id's first call finds you with "
     "PTC_MAX_CONTAINERS_PER_USER managed containers' jobs open; `details` names the quota and its limit. parallel_limit: "
-    "with a job-scoped key, the job has its parallel cap of calls in flight (1 when sequential); past max_tool_calls "
+    "with a job-scoped key, the job has its parallel cap of calls in flight, its code's and those over HTTP together "
+    "(1 when sequential); past max_tool_calls "
     "it is 403 tool_call_limit. Either way nothing was recorded or charged: retry after Retry-After seconds."
 )
 

@@ -2,9 +2,11 @@
 
 It carries two things (ARCHITECTURE.md, "pushed, not polled"):
 - **messages on a channel**: a job's channel carries its tool results, approvals and its cancel,
-  for its worker; its end channel carries its end, for whoever waits on it (so a waiter is not
-  woken by every result); a standalone call's channel carries its result. Typed: ``Result``,
-  ``Approved``, ``Cancel``, ``End`` (and ``Resync``, ``Changed`` from the backplane itself);
+  for its worker, and its calls over HTTP asking its bridge to start and saying they ended; its
+  end channel carries its end, for whoever waits on it (so a waiter is not woken by every result);
+  a standalone call's channel carries its result, a job's call over HTTP's its bridge's answer.
+  Typed: ``Result``, ``Approved``, ``Ask``, ``Answer``, ``Admitted``, ``Released``, ``Cancel``,
+  ``End`` (and ``Resync``, ``Changed`` from the backplane itself);
 - **a job's event log**: what the SSE stream and the CLI read, in order, resumable by id.
 
 Two adapters:
@@ -83,13 +85,48 @@ class Approved:
 
 
 @dataclass(frozen=True)
+class Ask:
+    """A call of the job over HTTP, with its key, asks the job's bridge whether it may start: the
+    bridge holds the job's count of calls and those in flight, its sandbox's and these together,
+    and answers on the call's channel (``call_channel``) with ``Answer``. Admitted, the call holds
+    a slot of the job's parallel cap until its ``Released``, or ``timeout`` seconds at most (its
+    caller's own bound on it, and more: a caller that died holds it no longer)."""
+
+    call_id: str
+    timeout: float
+
+
+@dataclass(frozen=True)
+class Answer:
+    """The bridge's answer to ``Ask``: ``ok``, or the code it was refused with (``tool_call_limit``,
+    ``parallel_limit``, ``job_ended``) and the ``limit`` it is past."""
+
+    call_id: str
+    ok: bool
+    code: str = ""
+    limit: int = 0
+
+
+@dataclass(frozen=True)
 class Admitted:
-    """A call of the job was admitted over HTTP, with its key: it counts against the job's
-    max_tool_calls in its sandbox too, and ``tool_bytes`` (what its calls over HTTP have passed so
-    far) against PTC_MAX_JOB_TOOL_BYTES."""
+    """A call of the job over HTTP, with its key, was recorded: ``tool_bytes`` (what its calls over
+    HTTP have passed so far) counts against PTC_MAX_JOB_TOOL_BYTES in its sandbox too. One the
+    bridge did not admit (``Ask``: an older web's) counts against its max_tool_calls here."""
 
     call_id: str
     tool_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class Released:
+    """A call of the job over HTTP that the bridge admitted has ended, or was not made after all:
+    its slot of the parallel cap is free. ``tool_bytes`` as in ``Admitted``, its result's with them.
+    Not ``counted``: it was refused after it was admitted (its bytes past the bound, its job ended),
+    nothing recorded: no call of the job's count."""
+
+    call_id: str
+    tool_bytes: int = 0
+    counted: bool = True
 
 
 @dataclass(frozen=True)
@@ -116,14 +153,14 @@ class Changed:
     """The job's event log grew (the local backplane's wake-up for its readers)."""
 
 
-Message = Result | Approved | Admitted | Cancel | End | Resync | Changed
+Message = Result | Approved | Ask | Answer | Admitted | Released | Cancel | End | Resync | Changed
 # A job's events in order, ``(name, data)``; several jobs' events, ``(job call_id, events)``; and
 # messages to push, ``(channel, message)``.
 Events = list[tuple[str, dict[str, Any]]]
 JobsEvents = list[tuple[str, Events]]
 Pushes = list[tuple[str, Message]]
 _KINDS: dict[str, type[Message]] = {
-    cls.__name__.lower(): cls for cls in (Result, Approved, Admitted, Cancel, End, Resync, Changed)
+    cls.__name__.lower(): cls for cls in (Result, Approved, Ask, Answer, Admitted, Released, Cancel, End, Resync, Changed)
 }
 
 

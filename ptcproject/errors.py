@@ -95,12 +95,19 @@ CODES: dict[str, tuple[int, str]] = {
         403,
         "x-ptc-call-id is not the call_id of the key's job, or came with a user's key: only a job's own key makes its calls",
     ),
-    "tool_call_limit": (403, "over HTTP: the job has made its max_tool_calls calls; no more can run"),
+    "tool_call_limit": (
+        403,
+        "over HTTP: the job has made its max_tool_calls calls (its code's and those over HTTP together); no more can run",
+    ),
     "tool_bytes_limit": (
         403,
         "over HTTP: the job's calls have passed `PTC_MAX_JOB_TOOL_BYTES` (a managed container's job too); no more can run",
     ),
-    "parallel_limit": (429, "over HTTP: the job has its parallel cap of calls in flight (1 if sequential); retry"),
+    "parallel_limit": (
+        429,
+        "over HTTP: the job has its parallel cap of calls in flight, its code's and those over HTTP together "
+        "(1 if sequential); retry",
+    ),
     "approval_required": (403, "the tool needs an approval before each call; only a job's code can wait for one"),
     "invalid_arguments": (400, "the arguments don't match the tool's input schema, or nest too deep"),
     "insufficient_credits": (400, "the call costs more than the balance has available"),

@@ -28,7 +28,19 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from execution.backplane import Admitted, Approved, Cancel, Message, Result, Resync
+from execution.backplane import (
+    Admitted,
+    Answer,
+    Approved,
+    Ask,
+    Cancel,
+    Message,
+    Released,
+    Result,
+    Resync,
+    backplane,
+    call_channel,
+)
 from execution.sandbox.limits import Limits
 from execution.sandbox.output import LIVE_CUT, CappedOutput
 from execution.sandbox.pool import Sandbox, sandbox_reap, warm_pool
@@ -130,6 +142,11 @@ class CallRouter(Protocol):
 
     def closed(self, *, open_calls: list[str]) -> None:
         """The job ended with these calls unanswered (their code will never read a reply)."""
+        ...
+
+    def calls_open(self, *, call_ids: list[str]) -> dict[str, bool] | None:
+        """Of these calls (the job's over HTTP), whether each recorded one is still open, by call id;
+        one with no record is left out. None if the records can't be read now."""
         ...
 
 
@@ -254,7 +271,14 @@ class Session:
         self.early: dict[str, dict[str, Any]] = {}
         self.waiting: deque[dict[str, Any]] = deque()
         self.calls = 0
-        self.key_calls = 0  # the job's calls made over HTTP with its key, which count against its limit too
+        # The job's calls made over HTTP with its key, which count against its limit too: this bridge
+        # admits them (``Ask``), so that the two ways together never pass its limit or its parallel
+        # cap. Those in flight hold a slot of the cap until their ``Released``, or their deadline
+        # (a web process that died with one never says), by call id.
+        self.key_calls = 0
+        self.key_in_flight: dict[str, float] = {}
+        self.key_admitted: dict[str, float] = {}  # when each of those was admitted
+        self.stopped = False  # the loop has stopped: the job is ending, and admits no call
         # The bytes of its calls' frames and of their answers so far, and the most it may pass
         # (0: no bound). Each call is recorded whole, and every view of the job (exec_end, GET, MCP)
         # carries every call's arguments and result: past this, the job ends, rather than make
@@ -299,6 +323,11 @@ class Session:
                 self.submit_stopped = True
             self.submitter.shutdown(wait=True, cancel_futures=True)
             unanswered = self._close_calls()
+            # Calls over HTTP asking as the job ends are told so now, not left to find out by its record.
+            self.stopped = True
+            for message in self.channel.drain():
+                if isinstance(message, Ask):
+                    self._ask(message)
             os.close(self._wake_r)
             os.close(self._wake_w)
             ended_well = self.ended is None and self.result is not None
@@ -446,7 +475,9 @@ class Session:
                 now = time.monotonic()
                 deadline = base_deadline + self._client_wait(now)
                 flush_at = [t + OUTPUT_CHUNK_SECONDS for t in self.chunk_since.values()]
-                wake = min([deadline, next_beat, *flush_at] + [c.deadline for c in self.in_flight.values()])
+                wake = min(
+                    [deadline, next_beat, *flush_at, *self.key_in_flight.values()] + [c.deadline for c in self.in_flight.values()]
+                )
                 # Output before the bridge: what the code printed before a call was written before
                 # the call was sent, so when both are ready the output is read first, and its
                 # events go out before the call's.
@@ -485,9 +516,13 @@ class Session:
                     if not self.heartbeat():  # the job was ended elsewhere: a cancel whose push was lost
                         self._end("cancelled", "Cancelled", "the job was ended while it ran")
                     next_beat = now + self.heartbeat_every
+                    if self.key_admitted:
+                        self._key_calls_check(settled_before=now - 2 * self.heartbeat_every)
                 for call_id, call in list(self.in_flight.items()):
                     if now >= call.deadline and call_id in self.in_flight:
                         self._reply(call_id, self.router.overdue(call_id=call_id))
+                if self.key_in_flight and now >= min(self.key_in_flight.values()):
+                    self._key_calls_release([c for c, at in self.key_in_flight.items() if now >= at])
                 # Last: what this wake-up dispatched goes out in one go, and replies are written.
                 self._flush_submits()
                 if "bridge" in open_streams:
@@ -669,7 +704,9 @@ class Session:
         return {"ok": True, "result": self.key}
 
     def _busy(self) -> int:
-        return len(self.in_flight) + self.submitting
+        """The calls of the job in flight: its code's (submitted, or being submitted) and those it
+        makes over HTTP with its key. Its code's next call waits while they fill its parallel cap."""
+        return len(self.in_flight) + self.submitting + len(self.key_in_flight)
 
     def _dispatch(self, message: dict[str, Any]) -> None:
         toolset, tool = message.get("toolset"), message.get("tool")
@@ -811,8 +848,17 @@ class Session:
             self._reply(message.call_id, message.reply())
         elif isinstance(message, Approved):
             self._approved(message)
+        elif isinstance(message, Ask):
+            self._ask(message)
+        elif isinstance(message, Released):
+            if not message.counted and message.call_id in self.key_in_flight:
+                self.key_calls -= 1  # admitted, then refused before it was recorded: no call of the job
+            self._key_calls_release([message.call_id])
+            self.http_tool_bytes = max(self.http_tool_bytes, message.tool_bytes)
+            self._count_tool_bytes(0)
         elif isinstance(message, Admitted):
-            self.key_calls += 1
+            if message.call_id not in self.key_in_flight:
+                self.key_calls += 1  # recorded without asking this bridge (an older web): counted now
             self.http_tool_bytes = max(self.http_tool_bytes, message.tool_bytes)
             self._count_tool_bytes(0)
         elif isinstance(message, Cancel):
@@ -829,6 +875,58 @@ class Session:
                     self._approved(found.approved, ago=found.approved_ago)
                 if found.reply is not None:  # (approved, it may have run and ended meanwhile)
                     self._reply(call_id, found.reply)
+            # A call over HTTP whose Released was lost has ended by its record.
+            self._key_calls_check(settled_before=None)
+
+    def _ask(self, ask: Ask) -> None:
+        """Answer a call over HTTP with the job's key that asks to start: admitted while the job runs,
+        has made fewer than its max_tool_calls calls (its code's and these together) and has fewer
+        than its parallel cap in flight; else refused with the code its caller answers. The same
+        call asking again (its answer was lost) is answered the same, counted once."""
+        limits = self.limits
+        if ask.call_id in self.key_in_flight:
+            answer = Answer(call_id=ask.call_id, ok=True)
+        elif self.ended is not None or self.result is not None or self.stopped:
+            answer = Answer(call_id=ask.call_id, ok=False, code="job_ended")
+        elif self.calls + self.key_calls >= limits.max_tool_calls:
+            answer = Answer(call_id=ask.call_id, ok=False, code="tool_call_limit", limit=limits.max_tool_calls)
+        elif self._busy() >= limits.max_parallel_tool_calls:
+            answer = Answer(call_id=ask.call_id, ok=False, code="parallel_limit", limit=limits.max_parallel_tool_calls)
+        else:
+            self.key_calls += 1
+            timeout = ask.timeout if isinstance(ask.timeout, int | float) and ask.timeout >= 0 else 0.0
+            # Past its caller's own bound on it (its tool's timeout and the grace, from its record),
+            # with as much again for the rest of its request: a caller that died says nothing.
+            now = time.monotonic()
+            self.key_in_flight[ask.call_id] = now + timeout + 2 * CALL_GRACE_SECONDS
+            self.key_admitted[ask.call_id] = now
+            answer = Answer(call_id=ask.call_id, ok=True)
+        backplane().publish(call_channel(ask.call_id), answer)
+
+    def _key_calls_release(self, call_ids: list[str]) -> None:
+        """Free the slots of these calls over HTTP (ended, or past their deadline); the code's calls
+        waiting for one take them."""
+        freed = [call_id for call_id in call_ids if self.key_in_flight.pop(call_id, None) is not None]
+        for call_id in freed:
+            del self.key_admitted[call_id]
+        if freed:
+            self._fill_slots()
+
+    def _key_calls_check(self, *, settled_before: float | None) -> None:
+        """Free the slots of calls over HTTP whose records have ended (their Released was lost); with
+        ``settled_before``, of those admitted before then with no record too: their web process died
+        before it recorded them (or its Released was lost), and they are no call of the job's count.
+        A call whose record can't be read keeps its slot, until its deadline at most."""
+        if settled_before is None:
+            call_ids = list(self.key_in_flight)
+        else:
+            call_ids = [call_id for call_id, at in self.key_admitted.items() if at < settled_before]
+        found = self.router.calls_open(call_ids=call_ids) if call_ids else None
+        if found is None:
+            return
+        unrecorded = [call_id for call_id in call_ids if call_id not in found] if settled_before is not None else []
+        self.key_calls -= len(unrecorded)
+        self._key_calls_release([call_id for call_id in call_ids if found.get(call_id) is False] + unrecorded)
 
     def _end(self, status: str, kind: str, message: str) -> None:
         if self.ended is None:

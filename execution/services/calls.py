@@ -31,7 +31,7 @@ from billing.services import (
     credits_settle_many,
     price_quote,
 )
-from execution.backplane import Admitted, Result, backplane, call_channel, job_channel, logged_whole
+from execution.backplane import Admitted, Answer, Ask, Released, Result, backplane, call_channel, job_channel, logged_whole
 from execution.events import (
     event_publish,
     events_publish_by_job,
@@ -410,11 +410,12 @@ def tool_call_standalone(
         if failure.code == "tool_not_ptc":
             raise ApplicationError(failure.code, f"{failure.message[:1].upper()}{failure.message[1:]}.", status=403) from None
         found, error = None, failure.as_dict()
-    # A remote sandbox's call (a job-scoped key) is held to the job's limits as the bridge holds its
-    # calls: admitted and recorded under the job row's lock, so calls at once from many threads are
-    # counted one by one. A managed container's job has no code of ours to hold to them. Either
-    # job's calls add to every view of it, though: their bytes are held to PTC_MAX_JOB_TOOL_BYTES,
-    # counted on its row (a container's job would otherwise grow without end).
+    # A remote sandbox's call (a job-scoped key) is held to the job's limits by the job's bridge,
+    # which counts its code's calls (those still queued, with no record yet, among them) and these
+    # together, and admits them one at a time (_job_call_ask): the two ways never pass the job's
+    # max_tool_calls or its parallel cap in all. A managed container's job has no code of ours to
+    # hold to them. Either job's calls add to every view of it, though: their bytes are held to
+    # PTC_MAX_JOB_TOOL_BYTES, counted on its row (a container's job would otherwise grow without end).
     admit = job is not None
     # A call with no job's key (standalone, or a managed container's) has no parallel cap of ours:
     # it is held to the user's quota of calls in flight, counted under a lock on the user's row
@@ -425,45 +426,60 @@ def tool_call_standalone(
     call_id = f"ptc_{uuid.uuid4().hex}" if of_job else f"standalone_{uuid.uuid4().hex}"
     http_tool_bytes = 0
     container_job = None
-    # A container's call is recorded under its job row's lock (exec_job_for_container), for the reaper.
-    with transaction.atomic() if admit or counted or container_id else nullcontext():
-        if counted:
-            assert quotas is not None
-            tool_call_quota_check(user=user, quotas=quotas)  # rate_limited (429): nothing recorded, no job made
-        if container_id:
-            from execution.services.jobs import exec_job_for_container  # which imports this module
-
-            job = container_job = exec_job_for_container(user=user, container_id=container_id)
-        # A container's calls have no parallel cap: each holds room for the largest result a call may
-        # have until its own has come, or calls made at once all passed on what was counted before any
-        # result came, and took the job past the bound by as many results. So it is passed by one call's
-        # at most, as by calls one at a time. (A job's key is held to its parallel cap, as its bridge.)
-        reserve = settings.PTC_MAX_TOOL_OUTPUT_BYTES if container_job is not None else 0
-        if admit:
-            assert job is not None
-            _job_call_admit(job=job)
-        if job is not None:
-            http_tool_bytes = _job_bytes_take(job=job, size=CALL_RECORD_BYTES + _json_bytes(arguments), reserve=reserve)
-        call = _tool_call_record(
-            call_id=call_id,
-            user=user,
-            job=job,
-            toolset=toolset,
-            tool=tool,
-            arguments=arguments,
-            caller=caller,
-            found=found,
-            error=error,
-        )
+    recorded = False
     if admit:
         assert job is not None
-        # The job's sandbox counts it with its own calls (a lost push: one fewer counted there).
-        backplane().publish(job_channel(job.call_id), Admitted(call_id=call_id, tool_bytes=http_tool_bytes))
-    if found is not None:
-        _standalone_run(call_id=call_id, found=found, user=user, job=job)
-    call = ToolCall.objects.get(call_id=call_id)
-    if job is not None:  # (a call that raised on its way here keeps the room it held: its result may still come)
-        _job_bytes_take(job=job, size=_json_bytes(call.output) + _json_bytes(call.error) - reserve, held=False)
+        timeout = (found.timeout if found is not None else 0) or settings.PTC_DEFAULT_TOOL_TIMEOUT
+        _job_call_ask(job=job, call_id=call_id, timeout=timeout)  # or tool_call_limit, parallel_limit, job_ended
+    try:
+        # A container's call is recorded under its job row's lock (exec_job_for_container), for the reaper.
+        with transaction.atomic() if admit or counted or container_id else nullcontext():
+            if counted:
+                assert quotas is not None
+                tool_call_quota_check(user=user, quotas=quotas)  # rate_limited (429): nothing recorded, no job made
+            if container_id:
+                from execution.services.jobs import exec_job_for_container  # which imports this module
+
+                job = container_job = exec_job_for_container(user=user, container_id=container_id)
+            # A container's calls have no parallel cap: each holds room for the largest result a call may
+            # have until its own has come, or calls made at once all passed on what was counted before any
+            # result came, and took the job past the bound by as many results. So it is passed by one call's
+            # at most, as by calls one at a time. (A job's key is held to its parallel cap, as its bridge.)
+            reserve = settings.PTC_MAX_TOOL_OUTPUT_BYTES if container_job is not None else 0
+            if admit:
+                assert job is not None
+                _job_call_admit(job=job)
+            if job is not None:
+                http_tool_bytes = _job_bytes_take(job=job, size=CALL_RECORD_BYTES + _json_bytes(arguments), reserve=reserve)
+            call = _tool_call_record(
+                call_id=call_id,
+                user=user,
+                job=job,
+                toolset=toolset,
+                tool=tool,
+                arguments=arguments,
+                caller=caller,
+                found=found,
+                error=error,
+            )
+        recorded = True
+        if admit:
+            assert job is not None
+            # Its bytes count with its code's in the job's sandbox.
+            backplane().publish(job_channel(job.call_id), Admitted(call_id=call_id, tool_bytes=http_tool_bytes))
+        if found is not None:
+            _standalone_run(call_id=call_id, found=found, user=user, job=job)
+        call = ToolCall.objects.get(call_id=call_id)
+        if job is not None:  # (a call that raised on its way here keeps the room it held: its result may still come)
+            size = _json_bytes(call.output) + _json_bytes(call.error) - reserve
+            http_tool_bytes = max(http_tool_bytes, _job_bytes_take(job=job, size=size, held=False))
+    finally:
+        if admit:
+            assert job is not None
+            # Its slot of the job's parallel cap is free (the bridge's deadline frees it should this
+            # push be lost); refused before it was recorded, it is no call of the job's count either.
+            released = Released(call_id=call_id, tool_bytes=http_tool_bytes, counted=recorded)
+            backplane().publish(job_channel(job.call_id), released)
     return call
 
 
@@ -540,32 +556,72 @@ def _job_bytes_take(*, job: ExecJob, size: int, held: bool = True, reserve: int 
 CALL_TIMEOUT_MESSAGE = "no result arrived in time: the tools workers may be down or overloaded"
 
 
+# How long a call over HTTP waits for its job's bridge to answer before it reads whether the job
+# still runs (and asks again: a push may be lost); PTC_JOB_LEASE_SECONDS in all, by when the reaper
+# has ended a job whose worker died.
+ASK_SLICE_SECONDS = 1.0
+
+
+def _job_call_ask(*, job: ExecJob, call_id: str, timeout: float) -> None:
+    """Ask ``job``'s bridge to admit one more call over HTTP with its key (``Ask``), counted with its
+    code's calls, or raise ApplicationError: ``tool_call_limit`` (403) past its max_tool_calls,
+    ``parallel_limit`` (429, retry) with its parallel cap in flight (1 when sequential), ``job_ended``
+    (409). Admitted, the call holds a slot of the cap until its ``Released`` (``timeout``, its tool's,
+    bounds how long the bridge waits for that). No statement unless the bridge is slow to answer."""
+    ask = Ask(call_id=call_id, timeout=timeout)
+    deadline = time.monotonic() + settings.PTC_JOB_LEASE_SECONDS
+    with backplane().subscribe(call_channel(call_id)) as answers:
+        while True:
+            backplane().publish(job_channel(job.call_id), ask)
+            until = min(deadline, time.monotonic() + ASK_SLICE_SECONDS)
+            answer = None
+            while answer is None and (left := until - time.monotonic()) > 0:
+                answers.wait(left)
+                answer = next((m for m in answers.drain() if isinstance(m, Answer) and m.call_id == call_id), None)
+            if answer is not None:
+                break
+            status = ExecJob.objects.filter(pk=job.pk).values_list("status", flat=True).first()
+            if status != ExecJob.Status.RUNNING:
+                raise ApplicationError(
+                    "job_ended", f"Job {job.call_id} is not running (it is {status}); no call can start.", status=409
+                )
+            if time.monotonic() >= deadline:
+                # It may yet be admitted: its slot is given back.
+                backplane().publish(job_channel(job.call_id), Released(call_id=call_id, counted=False))
+                logger.warning("a job's bridge did not answer a call over HTTP", extra={"job_id": str(job.pk)})
+                raise ApplicationError(
+                    "internal_error",
+                    f"Job {job.call_id}'s worker did not answer within {settings.PTC_JOB_LEASE_SECONDS} s whether this call "
+                    "may start; nothing was run. Retry.",
+                    status=500,
+                )
+    if answer.ok:
+        return
+    if answer.code == "tool_call_limit":
+        raise ApplicationError(
+            "tool_call_limit",
+            f"Job {job.call_id} has made its {answer.limit} tool calls, the most it may; no more can run.",
+            status=403,
+            details={"limit": answer.limit},
+        )
+    if answer.code == "parallel_limit":
+        raise ApplicationError(
+            "parallel_limit",
+            f"Job {job.call_id} has {answer.limit} tool calls in flight, the most it may at once; retry when one has finished.",
+            status=429,
+            details={"limit": answer.limit, "retry_after": 1},
+        )
+    raise ApplicationError("job_ended", f"Job {job.call_id} is ending; no call can start.", status=409)
+
+
 def _job_call_admit(*, job: ExecJob) -> None:
-    """Admit one more call of ``job`` made over HTTP, or raise ApplicationError: ``job_ended`` (409)
-    when it is not running, ``tool_call_limit`` (403) past its max_tool_calls, ``parallel_limit``
-    (429, retry) with its parallel cap in flight (1 when sequential). Locks the job's row until the
-    caller's transaction ends: call it in the transaction that records the call."""
+    """Raise ApplicationError ``job_ended`` (409) unless ``job`` is running. Locks the job's row
+    until the caller's transaction ends: call it in the transaction that records the call (a job's
+    end closes its open calls after it is recorded ended). Its limits are its bridge's to hold
+    (``_job_call_ask``)."""
     status = ExecJob.objects.select_for_update().filter(pk=job.pk).values_list("status", flat=True).first()
     if status != ExecJob.Status.RUNNING:
         raise ApplicationError("job_ended", f"Job {job.call_id} is not running (it is {status}); no call can start.", status=409)
-    limits = job.limits or {}
-    calls = ToolCall.objects.filter(exec_job=job)
-    most = int(limits.get("max_tool_calls") or 0)
-    if most and calls.count() >= most:
-        raise ApplicationError(
-            "tool_call_limit",
-            f"Job {job.call_id} has made its {most} tool calls, the most it may; no more can run.",
-            status=403,
-            details={"limit": most},
-        )
-    cap = 1 if job.sequential else int(limits.get("max_parallel_tool_calls") or 0)
-    if cap and calls.filter(status=ToolCall.Status.EXECUTING).count() >= cap:
-        raise ApplicationError(
-            "parallel_limit",
-            f"Job {job.call_id} has {cap} tool calls in flight, the most it may at once; retry when one has finished.",
-            status=429,
-            details={"limit": cap, "retry_after": 1},
-        )
 
 
 def call_job_running() -> Exists:

@@ -207,6 +207,14 @@ class JobCallRouter:
             db_reset()
             return {"ok": False, "error": error}
 
+    def calls_open(self, *, call_ids: list[str]) -> dict[str, bool] | None:
+        try:
+            found = ToolCall.objects.filter(call_id__in=call_ids, exec_job=self.job).values_list("call_id", "status")
+            return {call_id: status in ToolCall.OPEN for call_id, status in found}
+        except (OperationalError, InterfaceError):
+            db_reset()
+            return None
+
     def closed(self, *, open_calls: list[str]) -> None:
         """The job ended with ``open_calls`` unanswered: those sent to a tools worker that none has
         taken are recorded as never run (one a worker took, it finishes)."""

@@ -1,5 +1,6 @@
 """Remote sandboxes: the SDK, with no bridge, calls tools over HTTP with the job-scoped key, and
-that path holds the job to the same max_tool_calls, parallel cap and sequential as the bridge."""
+that path holds the job to the same max_tool_calls, parallel cap and sequential as the bridge (its
+bridge admits them: tests/execution/test_job_call_limits.py has the two ways at once)."""
 
 import json
 import subprocess
@@ -11,7 +12,7 @@ from typing import Any
 
 from django.conf import settings
 
-from execution.models import ExecJob, ToolCall
+from execution.models import ToolCall
 from tests.conftest import Api
 from tests.execution.test_tools_execute import _job_key
 
@@ -73,13 +74,13 @@ def _sdk_written(api: Api, folder: Path) -> None:
         (folder / name).write_text(text)
 
 
-def test_the_sdk_calls_over_http_within_the_jobs_limits(api: Api, tmp_path: Path) -> None:
+def test_the_sdk_calls_over_http_within_the_jobs_limits(api: Api, staff: Api, tmp_path: Path) -> None:
+    # The limits the job runs under, made small for the test: its bridge holds its calls over HTTP to
+    # them too, as it started (a policy changed since holds the next job).
+    assert staff.http.patch("/api/v1/policy", json={"max_tool_calls": 10, "max_parallel_tool_calls": 2}).status_code == 200
     job = api.run(HOLDER, toolsets=["demo"], wait=0)
     key = _job_key(api, job["id"])
     _sdk_written(api, tmp_path)
-    stored = ExecJob.objects.get(pk=job["id"])
-    # The limits this job runs under, made small for the test (the HTTP path reads them from the record).
-    ExecJob.objects.filter(pk=job["id"]).update(limits={**stored.limits, "max_tool_calls": 10, "max_parallel_tool_calls": 2})
     try:
         out = _remote(api, tmp_path, key, job["call_id"], 6, 5)
         assert out["add"] == 3
@@ -91,15 +92,19 @@ def test_the_sdk_calls_over_http_within_the_jobs_limits(api: Api, tmp_path: Path
         assert _most_at_once(sleeps) == 2  # the parallel cap: the others waited their turn
         assert out["sleeps_s"] >= 1.1  # three rounds of 0.4 s
         assert ToolCall.objects.filter(exec_job_id=job["id"]).count() == 10
+    finally:
+        assert api.post(f"/api/v1/exec/{job['id']}/cancel").status_code == 200
 
-        # Sequential: one call at a time, whatever the code asks.
-        ExecJob.objects.filter(pk=job["id"]).update(sequential=True, limits={**stored.limits, "max_tool_calls": 100})
-        out = _remote(api, tmp_path, key, job["call_id"], 3, 0)
-        sleeps = list(ToolCall.objects.filter(exec_job_id=job["id"], tool_name="sleep").order_by("started_at")[6:])
+    # Sequential: one call at a time, whatever the code asks.
+    assert staff.http.patch("/api/v1/policy", json={"sequential": True, "max_tool_calls": 100}).status_code == 200
+    one_by_one = api.run(HOLDER, toolsets=["demo"], wait=0)
+    try:
+        out = _remote(api, tmp_path, _job_key(api, one_by_one["id"]), one_by_one["call_id"], 3, 0)
+        sleeps = list(ToolCall.objects.filter(exec_job_id=one_by_one["id"], tool_name="sleep"))
         assert len(sleeps) == 3 and _most_at_once(sleeps) == 1
         assert out["sleeps_s"] >= 1.1
     finally:
-        assert api.post(f"/api/v1/exec/{job['id']}/cancel").status_code == 200
+        assert api.post(f"/api/v1/exec/{one_by_one['id']}/cancel").status_code == 200
     # The job has ended: its key is revoked and the remote SDK's calls fail, saying the job ended.
     time.sleep(0.5)
     done = subprocess.run(

@@ -1,0 +1,184 @@
+"""A job's tool calls reach us two ways, from its sandbox over the bridge and over HTTP with its
+job-scoped key: its max_tool_calls and its parallel cap hold over both together, calls queued for
+a tools worker (no record yet) counted as they are."""
+
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from billing.models import Reservation
+from execution.backplane import Answer, Ask, backplane, call_channel, job_channel
+from execution.models import ToolCall
+from tests.conftest import Api
+from tests.execution.test_remote_sandbox import _most_at_once
+from tests.execution.test_tools_execute import _job_key
+from tests.tools.conftest import unique_key
+from tools.sdk import class_name
+
+ADD = {"toolset": "demo", "tool": "add", "arguments": {"a": 1, "b": 1}}
+
+
+@pytest.fixture
+def stuck(staff: Api) -> Iterator[str]:
+    """A priced toolset on tools.slow, which no worker of the test stack serves: a call of it is
+    held and queued, and waits there with no record (as any call does until a worker takes it)."""
+    key = unique_key("stuck")
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    tool = {"name": "forecast", "input_schema": schema, "http": {"method": "GET", "path": "/f/{city}", "query": []}}
+    body = {"key": key, "name": "Stuck", "kind": "http", "config": {"base_url": "http://127.0.0.1:9"}, "tools": [tool]}
+    made = staff.post("/api/v1/toolsets", json={**body, "queue": "tools.slow", "price": 1, "is_global": True})
+    assert made.status_code == 201, made.text
+    yield key
+    staff.http.delete(f"/api/v1/toolsets/{key}")
+
+
+def _stuck_job(api: Api, key: str, queued: int) -> tuple[dict[str, Any], httpx.Client]:
+    """A job whose code hands over its key, then makes ``queued`` calls that wait in their queue;
+    return it, once they are held and queued, and a client with its key."""
+    code = f"""
+import threading, time
+from ptc_tools import _runtime
+from ptc_tools.demo import Demo
+from ptc_tools.{key} import {class_name(key)}
+Demo.echo(value=_runtime.job_info["key"])
+for _ in range({queued}):
+    threading.Thread(target={class_name(key)}.forecast, kwargs={{"city": "x"}}, daemon=True).start()
+time.sleep(60)
+"""
+    job = api.run(code, toolsets=["demo", key], wait=0)
+    client = httpx.Client(base_url=api.http.base_url, headers={"Authorization": f"Bearer {_job_key(api, job['id'])}"}, timeout=30)
+    deadline = time.monotonic() + 20
+    while Reservation.objects.filter(exec_job_id=job["id"], status="held").count() < queued:
+        assert time.monotonic() < deadline, "the job's calls were not queued"
+        time.sleep(0.05)
+    return job, client
+
+
+def _execute(client: httpx.Client, job: dict[str, Any], body: dict[str, Any] = ADD) -> httpx.Response:
+    return client.post("/api/v1/tools/execute", json=body, headers={"x-ptc-call-id": job["call_id"]})
+
+
+def test_calls_over_http_count_the_bridges_calls_still_queued_against_max_tool_calls(api: Api, staff: Api, stuck: str) -> None:
+    assert staff.http.patch("/api/v1/policy", json={"max_tool_calls": 3}).status_code == 200
+    job, client = _stuck_job(api, stuck, queued=1)  # its echo and its queued call: two of its three
+    try:
+        first = _execute(client, job)
+        assert (first.status_code, first.json()["status"]) == (200, "completed"), first.text
+        refused = _execute(client, job)
+        assert refused.status_code == 403, refused.text
+        assert refused.json()["error"]["code"] == "tool_call_limit"
+        assert [c.tool_name for c in ToolCall.objects.filter(exec_job_id=job["id"]).order_by("started_at")] == ["echo", "add"]
+    finally:
+        assert api.post(f"/api/v1/exec/{job['id']}/cancel").status_code == 200
+        client.close()
+
+
+@pytest.mark.parametrize("policy", [{"max_parallel_tool_calls": 2}, {"sequential": True}])
+def test_calls_over_http_count_the_bridges_calls_still_queued_against_the_parallel_cap(
+    api: Api, staff: Api, stuck: str, policy: dict[str, Any]
+) -> None:
+    assert staff.http.patch("/api/v1/policy", json=policy).status_code == 200
+    job, client = _stuck_job(api, stuck, queued=policy.get("max_parallel_tool_calls", 1))
+    try:
+        refused = _execute(client, job)
+        assert refused.status_code == 429, refused.text
+        assert refused.json()["error"]["code"] == "parallel_limit"
+        assert [c.tool_name for c in ToolCall.objects.filter(exec_job_id=job["id"])] == ["echo"]  # nothing recorded
+    finally:
+        assert api.post(f"/api/v1/exec/{job['id']}/cancel").status_code == 200
+        client.close()
+
+
+BRIDGE_AFTER = """
+import threading, time
+from ptc_tools import _runtime
+from ptc_tools.demo import Demo
+Demo.echo(value=_runtime.job_info["key"])
+time.sleep(2)  # the test's call over HTTP is in flight by then, for 4 s
+threads = [threading.Thread(target=Demo.sleep, kwargs={"ms": 1000}) for _ in range(2)]
+for thread in threads:
+    thread.start()
+for thread in threads:
+    thread.join()
+"""
+
+
+def test_the_bridge_counts_the_calls_over_http_in_flight_against_the_parallel_cap(api: Api, staff: Api) -> None:
+    assert staff.http.patch("/api/v1/policy", json={"max_parallel_tool_calls": 2}).status_code == 200
+    job = api.run(BRIDGE_AFTER, toolsets=["demo"], wait=0)
+    key = _job_key(api, job["id"])
+    answers: list[httpx.Response] = []
+    with httpx.Client(base_url=api.http.base_url, headers={"Authorization": f"Bearer {key}"}, timeout=30) as client:
+        over_http = threading.Thread(
+            target=lambda: answers.append(_execute(client, job, {"toolset": "demo", "tool": "sleep", "arguments": {"ms": 4000}}))
+        )
+        over_http.start()
+        deadline = time.monotonic() + 30
+        while (final := api.get(f"/api/v1/exec/{job['id']}").json())["status"] == "running":
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        over_http.join(30)
+    assert answers and answers[0].status_code == 200, answers and answers[0].text
+    assert final["status"] == "completed", final["error"]
+    sleeps = list(ToolCall.objects.filter(exec_job_id=job["id"], tool_name="sleep"))
+    assert len(sleeps) == 3 and all(c.status == "completed" for c in sleeps)
+    # The code's two calls ran one after the other: the call over HTTP held the cap's other slot.
+    assert _most_at_once(sleeps) == 2
+
+
+HOLDER = """
+import time
+from ptc_tools import _runtime
+from ptc_tools.demo import Demo
+Demo.echo(value=_runtime.job_info["key"])
+time.sleep(60)
+"""
+
+
+def _asked(job: dict[str, Any], call_id: str) -> Answer:
+    """Ask the job's bridge to admit ``call_id``, as the web does for a call over HTTP; its answer."""
+    with backplane().subscribe(call_channel(call_id)) as answers:
+        backplane().publish(job_channel(job["call_id"]), Ask(call_id=call_id, timeout=600))
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            answers.wait(deadline - time.monotonic())
+            for message in answers.drain():
+                if isinstance(message, Answer) and message.call_id == call_id:
+                    return message
+    raise AssertionError("the job's bridge did not answer")
+
+
+def test_a_call_over_http_whose_web_process_died_before_recording_it_holds_its_slot_a_few_heartbeats_at_most(
+    api: Api, staff: Api
+) -> None:
+    """A web process that died between its call's admission and its record never says the call
+    ended: the bridge finds no record of it a couple of the job's heartbeats later (1 s here), frees
+    its slot and does not count it. The job is not wedged at its parallel cap."""
+    assert staff.http.patch("/api/v1/policy", json={"sequential": True, "max_tool_calls": 3}).status_code == 200
+    job = api.run(HOLDER, toolsets=["demo"], wait=0)
+    client = httpx.Client(base_url=api.http.base_url, headers={"Authorization": f"Bearer {_job_key(api, job['id'])}"}, timeout=30)
+    try:
+        ghost = f"ptc_{uuid.uuid4().hex}"
+        deadline = time.monotonic() + 10
+        while not (answer := _asked(job, ghost)).ok:  # its echo is in flight until its result reaches the bridge
+            assert answer.code == "parallel_limit" and time.monotonic() < deadline, answer
+            time.sleep(0.05)
+        held = _execute(client, job)
+        assert (held.status_code, held.json()["error"]["code"]) == (429, "parallel_limit"), held.text
+        deadline = time.monotonic() + 10
+        while (made := _execute(client, job)).status_code == 429:
+            assert time.monotonic() < deadline, "the dead call's slot was never freed"
+            time.sleep(0.2)
+        assert (made.status_code, made.json()["status"]) == (200, "completed"), made.text
+        # Its echo and two calls over HTTP: the one that was never recorded is not among its three.
+        assert _execute(client, job).status_code == 200
+        refused = _execute(client, job)
+        assert (refused.status_code, refused.json()["error"]["code"]) == (403, "tool_call_limit"), refused.text
+    finally:
+        assert api.post(f"/api/v1/exec/{job['id']}/cancel").status_code == 200
+        client.close()
