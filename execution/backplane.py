@@ -89,22 +89,29 @@ class Ask:
     """A call of the job over HTTP, with its key, asks the job's bridge whether it may start: the
     bridge holds the job's count of calls and those in flight, its sandbox's and these together,
     and answers on the call's channel (``call_channel``) with ``Answer``. Admitted, the call holds
-    a slot of the job's parallel cap until its ``Released``, or ``timeout`` seconds at most (its
-    caller's own bound on it, and more: a caller that died holds it no longer)."""
+    a slot of the job's parallel cap until its ``Released``, or its tool's timeout (``timeout`` if
+    longer) and more at most: a caller that died holds it no longer. ``toolset`` and ``tool`` name
+    the tool it calls, which the bridge finds in the job's grant, as it started (none: not looked up)."""
 
     call_id: str
-    timeout: float
+    timeout: float = 0.0
+    toolset: str = ""
+    tool: str = ""
 
 
 @dataclass(frozen=True)
 class Answer:
-    """The bridge's answer to ``Ask``: ``ok``, or the code it was refused with (``tool_call_limit``,
-    ``parallel_limit``, ``job_ended``) and the ``limit`` it is past."""
+    """The bridge's answer to ``Ask``: ``ok``, with ``tool_id``, the tool of the job's grant it
+    calls; or the code it was refused with (``tool_call_limit``, ``parallel_limit``, ``job_ended``,
+    or not in the grant: ``toolset_not_granted``, ``unknown_tool``, ``kind_unsupported``, with its
+    ``message``) and the ``limit`` it is past."""
 
     call_id: str
     ok: bool
     code: str = ""
     limit: int = 0
+    tool_id: str = ""
+    message: str = ""
 
 
 @dataclass(frozen=True)

@@ -124,6 +124,14 @@ class Looked:
     approved_ago: float = 0.0
 
 
+@dataclass(frozen=True)
+class Granted:
+    """The tool of a job's grant a call over HTTP names: its id, and its timeout."""
+
+    tool_id: str
+    timeout: float
+
+
 class CallRouter(Protocol):
     """What the session needs from the rest of the system to run a tool call."""
 
@@ -147,6 +155,11 @@ class CallRouter(Protocol):
     def calls_open(self, *, call_ids: list[str]) -> dict[str, bool] | None:
         """Of these calls (the job's over HTTP), whether each recorded one is still open, by call id;
         one with no record is left out. None if the records can't be read now."""
+        ...
+
+    def granted(self, *, toolset: str, tool: str) -> "Granted | dict[str, str]":
+        """The tool ``toolset.tool`` of the job's grant, as it started (its code's calls are checked
+        against the same), for a call over HTTP with its key; or why it is none (``call_error``)."""
         ...
 
 
@@ -884,8 +897,15 @@ class Session:
         than its parallel cap in flight; else refused with the code its caller answers. The same
         call asking again (its answer was lost) is answered the same, counted once."""
         limits = self.limits
-        if ask.call_id in self.key_in_flight:
-            answer = Answer(call_id=ask.call_id, ok=True)
+        granted: Granted | dict[str, str] = Granted(tool_id="", timeout=0.0)
+        if ask.toolset and not self.stopped:
+            # The tool of the job's grant as it started, as its code's calls have it (a toolset
+            # disabled or made private since is the tools worker's to refuse, for both).
+            granted = self.router.granted(toolset=str(ask.toolset), tool=str(ask.tool))
+        if isinstance(granted, dict):
+            answer = Answer(call_id=ask.call_id, ok=False, code=granted["code"], message=granted["message"])
+        elif ask.call_id in self.key_in_flight:
+            answer = Answer(call_id=ask.call_id, ok=True, tool_id=granted.tool_id)
         elif self.ended is not None or self.result is not None or self.stopped:
             answer = Answer(call_id=ask.call_id, ok=False, code="job_ended")
         elif self.calls + self.key_calls >= limits.max_tool_calls:
@@ -895,12 +915,13 @@ class Session:
         else:
             self.key_calls += 1
             timeout = ask.timeout if isinstance(ask.timeout, int | float) and ask.timeout >= 0 else 0.0
+            timeout = max(timeout, granted.timeout)
             # Past its caller's own bound on it (its tool's timeout and the grace, from its record),
             # with as much again for the rest of its request: a caller that died says nothing.
             now = time.monotonic()
             self.key_in_flight[ask.call_id] = now + timeout + 2 * CALL_GRACE_SECONDS
             self.key_admitted[ask.call_id] = now
-            answer = Answer(call_id=ask.call_id, ok=True)
+            answer = Answer(call_id=ask.call_id, ok=True, tool_id=granted.tool_id)
         backplane().publish(call_channel(ask.call_id), answer)
 
     def _key_calls_release(self, call_ids: list[str]) -> None:

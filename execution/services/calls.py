@@ -17,7 +17,7 @@ from django.conf import settings
 from django.contrib.auth.models import User
 from django.core import signing
 from django.db import InterfaceError, OperationalError, connection, transaction
-from django.db.models import Exists, OuterRef, Subquery
+from django.db.models import Exists, OuterRef, Prefetch, Subquery
 from django.db.models.functions import Coalesce
 from django.utils import timezone
 
@@ -346,8 +346,8 @@ def tool_call_standalone(
     """Run one call outside any sandbox (POST /api/v1/tools/execute) and return its finished record.
 
     With a user key it is a ``standalone`` call (with a job's call_id too: ``call_id_mismatch``,
-    403). With a job-scoped key and the job's call_id, it is a ``ptc`` call of that job, held to the
-    job's toolsets. With ``container_id`` (a provider's own
+    403). With a job-scoped key and the job's call_id, it is a ``ptc`` call of that job, held by its
+    bridge to what the job was granted as it started and to its limits. With ``container_id`` (a provider's own
     container running the code), it is a ``ptc`` call of that container's job, made on its first
     call that names a toolset and tool it may call: a request refused as it is checked makes none.
     ``caller`` (``{type, tool_id}``) is recorded as given. A tool that fails still returns its
@@ -377,45 +377,99 @@ def tool_call_standalone(
             raise ApplicationError(
                 "toolset_not_granted", f"Toolset '{toolset}' was not granted to job {job.call_id}.", status=403
             )
-    found_toolsets, _ = toolsets_resolve(user=user, keys=[toolset])
     policy = policy_get()
     of_job = job is not None or bool(container_id)
-    checker = CallChecker(user=user, toolsets=found_toolsets, direct_only=frozenset(policy.direct_only_tools), ptc_only=of_job)
-    found: Tool | None = None
-    error = None
-    try:
-        found = checked = checker.check(toolset, tool, arguments)
-        if checked.toolset.kind == Toolset.Kind.CLIENT:
-            raise ApplicationError(
-                "kind_unsupported",
-                f"'{toolset}.{tool}' is a client tool: its caller runs it; there is nothing to run here.",
-                status=400,
-            )
-        if tool_needs_approval(tool=checked, policy=policy):
-            raise ApplicationError(
-                "approval_required",
-                f"'{toolset}.{tool}' needs an approval before each call; call it from a job's code, where it waits for one.",
-                status=403,
-            )
-    except ToolFailure as failure:
-        if failure.code == "unknown_toolset" and toolset == CLIENT_KEY:
-            # Not the sandbox's word (list them in the job's client_tools): no job's code made this call.
-            raise ApplicationError(
-                failure.code,
-                f"There is no toolset '{CLIENT_KEY}' to call here: a job's client tools are called from that job's code, "
-                "and run by its client.",
-            ) from None
-        if failure.code in ("unknown_toolset", "unknown_tool"):
-            raise ApplicationError(failure.code, f"{failure.message[:1].upper()}{failure.message[1:]}.") from None
-        if failure.code == "tool_not_ptc":
-            raise ApplicationError(failure.code, f"{failure.message[:1].upper()}{failure.message[1:]}.", status=403) from None
-        found, error = None, failure.as_dict()
+    call_id = f"ptc_{uuid.uuid4().hex}" if of_job else f"standalone_{uuid.uuid4().hex}"
+    made = _Making(call_id=call_id, user=user, policy=policy, of_job=of_job)
+    if job is None:
+        return _tool_call_made(
+            made, job=None, toolset=toolset, tool=tool, arguments=arguments, container_id=container_id, caller=caller
+        )
     # A remote sandbox's call (a job-scoped key) is held to the job's limits by the job's bridge,
     # which counts its code's calls (those still queued, with no record yet, among them) and these
-    # together, and admits them one at a time (_job_call_ask): the two ways never pass the job's
-    # max_tool_calls or its parallel cap in all. A managed container's job has no code of ours to
-    # hold to them. Either job's calls add to every view of it, though: their bytes are held to
-    # PTC_MAX_JOB_TOOL_BYTES, counted on its row (a container's job would otherwise grow without end).
+    # together, and admits them one at a time: the two ways never pass the job's max_tool_calls or
+    # its parallel cap in all. It calls the tool its job was granted as it started, as its code's
+    # calls do: the bridge names it (a toolset disabled or made private since is then the tools
+    # worker's to refuse, or to run, for both alike).
+    # tool_call_limit, parallel_limit, job_ended; toolset_not_granted, unknown_tool, kind_unsupported
+    made.granted = _job_call_ask(job=job, call_id=call_id, toolset=toolset, tool=tool)
+    try:
+        return _tool_call_made(made, job=job, toolset=toolset, tool=tool, arguments=arguments, container_id="", caller=caller)
+    finally:
+        # Its slot of the job's parallel cap is free (the bridge's deadline frees it should this
+        # push be lost); refused before it was recorded, it is no call of the job's count either.
+        released = Released(call_id=call_id, tool_bytes=made.tool_bytes, counted=made.recorded)
+        backplane().publish(job_channel(job.call_id), released)
+
+
+@dataclass
+class _Making:
+    """A call over POST /tools/execute as it is made: ``granted``, for a job's key, the id of the tool
+    of the job's grant its bridge named; ``recorded`` once it is, and what its job's calls over
+    HTTP passed (``tool_bytes``) as last counted."""
+
+    call_id: str
+    user: User
+    policy: Policy
+    of_job: bool
+    granted: str = ""
+    recorded: bool = False
+    tool_bytes: int = 0
+
+
+def _tool_call_made(
+    made: _Making,
+    *,
+    job: ExecJob | None,
+    toolset: str,
+    tool: str,
+    arguments: Any,
+    container_id: str,
+    caller: dict[str, str] | None,
+) -> ToolCall:
+    """Check, record, run and return the call ``tool_call_standalone`` takes (its job's bridge has
+    admitted it, for a job's key)."""
+    user, policy, call_id = made.user, made.policy, made.call_id
+    if job is not None:
+        found_toolsets = _granted_toolsets(tool_id=made.granted, toolset=toolset)
+    else:
+        found_toolsets, _ = toolsets_resolve(user=user, keys=[toolset])
+    checker = CallChecker(
+        user=user, toolsets=found_toolsets, direct_only=frozenset(policy.direct_only_tools), ptc_only=made.of_job
+    )
+    found: Tool | None = None
+    error = None
+    if job is not None and not found_toolsets:
+        # Deleted since the job started: recorded failed, as its code's call of it is by its tools worker.
+        error = call_error("unknown_tool", "the tool no longer exists")
+    else:
+        try:
+            found = checked = checker.check(toolset, tool, arguments)
+            if checked.toolset.kind == Toolset.Kind.CLIENT:
+                raise ApplicationError(
+                    "kind_unsupported",
+                    f"'{toolset}.{tool}' is a client tool: its caller runs it; there is nothing to run here.",
+                    status=400,
+                )
+            if tool_needs_approval(tool=checked, policy=policy):
+                raise ApplicationError(
+                    "approval_required",
+                    f"'{toolset}.{tool}' needs an approval before each call; call it from a job's code, where it waits for one.",
+                    status=403,
+                )
+        except ToolFailure as failure:
+            if failure.code == "unknown_toolset" and toolset == CLIENT_KEY:
+                # Not the sandbox's word (list them in the job's client_tools): no job's code made this call.
+                raise ApplicationError(
+                    failure.code,
+                    f"There is no toolset '{CLIENT_KEY}' to call here: a job's client tools are called from that job's code, "
+                    "and run by its client.",
+                ) from None
+            if failure.code in ("unknown_toolset", "unknown_tool"):
+                raise ApplicationError(failure.code, f"{failure.message[:1].upper()}{failure.message[1:]}.") from None
+            if failure.code == "tool_not_ptc":
+                raise ApplicationError(failure.code, f"{failure.message[:1].upper()}{failure.message[1:]}.", status=403) from None
+            found, error = None, failure.as_dict()
     admit = job is not None
     # A call with no job's key (standalone, or a managed container's) has no parallel cap of ours:
     # it is held to the user's quota of calls in flight, counted under a lock on the user's row
@@ -423,64 +477,57 @@ def tool_call_standalone(
     # job's cap, which the same quota sets when the job is submitted: Quotas.parallel_cap.)
     quotas = None if job is not None else quotas_for(policy=policy, user=user)
     counted = quotas is not None and quotas.concurrent_tool_calls > 0
-    call_id = f"ptc_{uuid.uuid4().hex}" if of_job else f"standalone_{uuid.uuid4().hex}"
-    http_tool_bytes = 0
     container_job = None
-    recorded = False
+    # A container's call is recorded under its job row's lock (exec_job_for_container), for the reaper.
+    with transaction.atomic() if admit or counted or container_id else nullcontext():
+        if counted:
+            assert quotas is not None
+            tool_call_quota_check(user=user, quotas=quotas)  # rate_limited (429): nothing recorded, no job made
+        if container_id:
+            from execution.services.jobs import exec_job_for_container  # which imports this module
+
+            job = container_job = exec_job_for_container(user=user, container_id=container_id)
+        # A container's calls have no parallel cap: each holds room for the largest result a call may
+        # have until its own has come, or calls made at once all passed on what was counted before any
+        # result came, and took the job past the bound by as many results. So it is passed by one call's
+        # at most, as by calls one at a time. (A job's key is held to its parallel cap, as its bridge.)
+        reserve = settings.PTC_MAX_TOOL_OUTPUT_BYTES if container_job is not None else 0
+        if admit:
+            assert job is not None
+            _job_call_admit(job=job)
+        if job is not None:
+            made.tool_bytes = _job_bytes_take(job=job, size=CALL_RECORD_BYTES + _json_bytes(arguments), reserve=reserve)
+        call = _tool_call_record(
+            call_id=call_id,
+            user=user,
+            job=job,
+            toolset=toolset,
+            tool=tool,
+            arguments=arguments,
+            caller=caller,
+            found=found,
+            error=error,
+        )
+    made.recorded = True
     if admit:
         assert job is not None
-        timeout = (found.timeout if found is not None else 0) or settings.PTC_DEFAULT_TOOL_TIMEOUT
-        _job_call_ask(job=job, call_id=call_id, timeout=timeout)  # or tool_call_limit, parallel_limit, job_ended
-    try:
-        # A container's call is recorded under its job row's lock (exec_job_for_container), for the reaper.
-        with transaction.atomic() if admit or counted or container_id else nullcontext():
-            if counted:
-                assert quotas is not None
-                tool_call_quota_check(user=user, quotas=quotas)  # rate_limited (429): nothing recorded, no job made
-            if container_id:
-                from execution.services.jobs import exec_job_for_container  # which imports this module
-
-                job = container_job = exec_job_for_container(user=user, container_id=container_id)
-            # A container's calls have no parallel cap: each holds room for the largest result a call may
-            # have until its own has come, or calls made at once all passed on what was counted before any
-            # result came, and took the job past the bound by as many results. So it is passed by one call's
-            # at most, as by calls one at a time. (A job's key is held to its parallel cap, as its bridge.)
-            reserve = settings.PTC_MAX_TOOL_OUTPUT_BYTES if container_job is not None else 0
-            if admit:
-                assert job is not None
-                _job_call_admit(job=job)
-            if job is not None:
-                http_tool_bytes = _job_bytes_take(job=job, size=CALL_RECORD_BYTES + _json_bytes(arguments), reserve=reserve)
-            call = _tool_call_record(
-                call_id=call_id,
-                user=user,
-                job=job,
-                toolset=toolset,
-                tool=tool,
-                arguments=arguments,
-                caller=caller,
-                found=found,
-                error=error,
-            )
-        recorded = True
-        if admit:
-            assert job is not None
-            # Its bytes count with its code's in the job's sandbox.
-            backplane().publish(job_channel(job.call_id), Admitted(call_id=call_id, tool_bytes=http_tool_bytes))
-        if found is not None:
-            _standalone_run(call_id=call_id, found=found, user=user, job=job)
-        call = ToolCall.objects.get(call_id=call_id)
-        if job is not None:  # (a call that raised on its way here keeps the room it held: its result may still come)
-            size = _json_bytes(call.output) + _json_bytes(call.error) - reserve
-            http_tool_bytes = max(http_tool_bytes, _job_bytes_take(job=job, size=size, held=False))
-    finally:
-        if admit:
-            assert job is not None
-            # Its slot of the job's parallel cap is free (the bridge's deadline frees it should this
-            # push be lost); refused before it was recorded, it is no call of the job's count either.
-            released = Released(call_id=call_id, tool_bytes=http_tool_bytes, counted=recorded)
-            backplane().publish(job_channel(job.call_id), released)
+        # Its bytes count with its code's in the job's sandbox.
+        backplane().publish(job_channel(job.call_id), Admitted(call_id=call_id, tool_bytes=made.tool_bytes))
+    if found is not None:
+        _standalone_run(call_id=call_id, found=found, user=user, job=job)
+    call = ToolCall.objects.get(call_id=call_id)
+    if job is not None:  # (a call that raised on its way here keeps the room it held: its result may still come)
+        size = _json_bytes(call.output) + _json_bytes(call.error) - reserve
+        made.tool_bytes = max(made.tool_bytes, _job_bytes_take(job=job, size=size, held=False))
     return call
+
+
+def _granted_toolsets(*, tool_id: str, toolset: str) -> list[Toolset]:
+    """The toolset of the tool ``tool_id`` (of the job's grant, as its bridge named it) with that
+    tool, as they are now (none if it was deleted since): one disabled since is queued all the same,
+    and its tools worker refuses it ``tool_disabled``, as it does the job's code's calls."""
+    tools = Prefetch("tools", queryset=Tool.objects.filter(pk=tool_id))
+    return list(Toolset.objects.filter(key=toolset, tools__pk=tool_id).prefetch_related(tools)) if tool_id else []
 
 
 def _standalone_run(*, call_id: str, found: Tool, user: User, job: ExecJob | None) -> None:
@@ -556,19 +603,23 @@ def _job_bytes_take(*, job: ExecJob, size: int, held: bool = True, reserve: int 
 CALL_TIMEOUT_MESSAGE = "no result arrived in time: the tools workers may be down or overloaded"
 
 
+# A call over HTTP with a job's key naming no tool of the job's grant, as its bridge says: not counted.
+_NOT_GRANTED = {"toolset_not_granted": 403, "unknown_tool": 400, "kind_unsupported": 400}
 # How long a call over HTTP waits for its job's bridge to answer before it reads whether the job
 # still runs (and asks again: a push may be lost); PTC_JOB_LEASE_SECONDS in all, by when the reaper
 # has ended a job whose worker died.
 ASK_SLICE_SECONDS = 1.0
 
 
-def _job_call_ask(*, job: ExecJob, call_id: str, timeout: float) -> None:
-    """Ask ``job``'s bridge to admit one more call over HTTP with its key (``Ask``), counted with its
-    code's calls, or raise ApplicationError: ``tool_call_limit`` (403) past its max_tool_calls,
-    ``parallel_limit`` (429, retry) with its parallel cap in flight (1 when sequential), ``job_ended``
-    (409). Admitted, the call holds a slot of the cap until its ``Released`` (``timeout``, its tool's,
-    bounds how long the bridge waits for that). No statement unless the bridge is slow to answer."""
-    ask = Ask(call_id=call_id, timeout=timeout)
+def _job_call_ask(*, job: ExecJob, call_id: str, toolset: str, tool: str) -> str:
+    """Ask ``job``'s bridge to admit one more call over HTTP with its key (``Ask``), of ``toolset.tool``
+    as the job was granted it when it started, counted with its code's calls. Return the id of that
+    tool, or raise ApplicationError: ``toolset_not_granted`` (403), ``unknown_tool`` or
+    ``kind_unsupported`` (400) for a tool not in the grant (not counted); ``tool_call_limit`` (403)
+    past its max_tool_calls, ``parallel_limit`` (429, retry) with its parallel cap in flight (1 when
+    sequential), ``job_ended`` (409). Admitted, the call holds a slot of the cap until its
+    ``Released`` (its tool's timeout, and more, at most). No statement unless the bridge is slow to answer."""
+    ask = Ask(call_id=call_id, toolset=toolset, tool=tool)
     deadline = time.monotonic() + settings.PTC_JOB_LEASE_SECONDS
     with backplane().subscribe(call_channel(call_id)) as answers:
         while True:
@@ -596,7 +647,10 @@ def _job_call_ask(*, job: ExecJob, call_id: str, timeout: float) -> None:
                     status=500,
                 )
     if answer.ok:
-        return
+        return answer.tool_id
+    if answer.code in _NOT_GRANTED:
+        message = answer.message or answer.code
+        raise ApplicationError(answer.code, f"{message[:1].upper()}{message[1:]}.", status=_NOT_GRANTED[answer.code])
     if answer.code == "tool_call_limit":
         raise ApplicationError(
             "tool_call_limit",

@@ -11,7 +11,7 @@ from django.utils import timezone
 
 from execution.backplane import Approved
 from execution.models import ExecJob, ToolCall
-from execution.sandbox.session import Dispatched, Looked, Refused
+from execution.sandbox.session import Dispatched, Granted, Looked, Refused
 from execution.services.calls import (
     CALL_TIMEOUT_MESSAGE,
     JOB_ENDED_MESSAGE,
@@ -206,6 +206,20 @@ class JobCallRouter:
             logger.warning("could not record an overdue call: the database is unreachable", extra={"call_id": call_id})
             db_reset()
             return {"ok": False, "error": error}
+
+    def granted(self, *, toolset: str, tool: str) -> Granted | dict[str, str]:
+        # What the checker holds: the toolsets resolved as the job started, with their tools then.
+        # No statement: their tools were read with them.
+        found_toolset = self.checker.toolsets.get(toolset)
+        if found_toolset is None:
+            return call_error("toolset_not_granted", f"toolset '{toolset[:64]}' was not granted to job {self.job.call_id}")
+        if toolset in self.checker.extra_tools or found_toolset.kind == Toolset.Kind.CLIENT:
+            message = f"'{toolset}.{tool[:128]}' is a client tool: its caller runs it; there is nothing to run here"
+            return call_error("kind_unsupported", message)
+        found = next((t for t in found_toolset.tools.all() if t.name == tool), None)
+        if found is None:
+            return call_error("unknown_tool", f"toolset '{toolset}' has no tool '{tool[:128]}'")
+        return Granted(tool_id=str(found.pk), timeout=float(found.timeout or settings.PTC_DEFAULT_TOOL_TIMEOUT))
 
     def calls_open(self, *, call_ids: list[str]) -> dict[str, bool] | None:
         try:

@@ -18,6 +18,7 @@ from tests.conftest import Api
 from tests.execution.test_remote_sandbox import _most_at_once
 from tests.execution.test_tools_execute import _job_key
 from tests.tools.conftest import unique_key
+from tests.tools.http_api import HttpApi
 from tools.sdk import class_name
 
 ADD = {"toolset": "demo", "tool": "add", "arguments": {"a": 1, "b": 1}}
@@ -182,3 +183,73 @@ def test_a_call_over_http_whose_web_process_died_before_recording_it_holds_its_s
     finally:
         assert api.post(f"/api/v1/exec/{job['id']}/cancel").status_code == 200
         client.close()
+
+
+@pytest.fixture(scope="module")
+def http_api() -> Iterator[HttpApi]:
+    with HttpApi(expected_key="") as server:
+        yield server
+
+
+BOTH_WAYS = """
+import time
+from ptc_tools import ToolError, _runtime
+from ptc_tools.demo import Demo
+from ptc_tools.{key} import {cls}
+Demo.echo(value=_runtime.job_info["key"])
+time.sleep(5)  # the test changes the toolset meanwhile, and calls it over HTTP
+try:
+    out = ["ok", {cls}.forecast(city="x")]
+except ToolError as exc:
+    out = [exc.code]
+out
+"""
+
+
+@pytest.mark.parametrize(
+    ("change", "outcome"), [({"enabled": False}, "tool_disabled"), ({"is_global": False}, "completed"), (None, "unknown_tool")]
+)
+def test_a_toolset_changed_mid_job_is_called_alike_by_its_code_and_over_http_with_its_key(
+    api: Api, staff: Api, http_api: HttpApi, change: dict[str, Any] | None, outcome: str
+) -> None:
+    """A job calls what it was granted as it started, both ways: a toolset disabled since is refused
+    ``tool_disabled`` by the tools worker for both, one made private to another user since still runs
+    for both, one deleted (None) fails both ``unknown_tool`` (over HTTP each was 400 unknown_toolset)."""
+    key = unique_key("granted")
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    tool = {"name": "forecast", "input_schema": schema, "http": {"method": "GET", "path": "/forecast/{city}", "query": []}}
+    body = {
+        "key": key,
+        "name": "Granted",
+        "kind": "http",
+        "is_global": True,
+        "config": {"base_url": http_api.url},
+        "tools": [tool],
+    }
+    assert staff.post("/api/v1/toolsets", json=body).status_code == 201
+    forecast = {"toolset": key, "tool": "forecast", "arguments": {"city": "x"}}
+    try:
+        job = api.run(BOTH_WAYS.format(key=key, cls=class_name(key)), toolsets=["demo", key], wait=0)
+        with httpx.Client(base_url=api.http.base_url, headers={"Authorization": f"Bearer {_job_key(api, job['id'])}"}) as client:
+            before = _execute(client, job, forecast)
+            assert (before.status_code, before.json()["status"]) == (200, "completed"), before.text
+            if change is None:
+                assert staff.http.delete(f"/api/v1/toolsets/{key}").status_code == 204
+            else:
+                assert staff.http.patch(f"/api/v1/toolsets/{key}", json=change).status_code == 200
+            time.sleep(2.5)  # past the tools workers' cache of a tool (TOOL_CACHE_SECONDS)
+            after = _execute(client, job, forecast)
+        deadline = time.monotonic() + 30
+        while (final := api.get(f"/api/v1/exec/{job['id']}").json())["status"] == "running":
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+    finally:
+        staff.http.delete(f"/api/v1/toolsets/{key}")
+    assert final["status"] == "completed", final["error"]
+    assert after.status_code == 200, after.text
+    if outcome != "completed":
+        assert (after.json()["status"], after.json()["error"]["code"]) == ("failed", outcome)
+        assert final["return_value"] == [outcome]
+    else:
+        assert after.json()["status"] == "completed"
+        assert final["return_value"][0] == "ok"
