@@ -136,6 +136,46 @@ def test_embedded_channels_leave_no_folders_behind(embedded: tuple[Stack, str]) 
     assert not left, f"{len(left)} channel folders left behind by 5 jobs"
 
 
+KEY_HOLDER = """
+import time
+from ptc_tools import _runtime
+from ptc_tools.demo import Demo
+Demo.echo(value=_runtime.job_info["key"])
+time.sleep(2)
+threads = [__import__("threading").Thread(target=Demo.sleep, kwargs={"ms": 300}) for _ in range(3)]
+for thread in threads:
+    thread.start()
+for thread in threads:
+    thread.join()
+"""
+
+
+def test_embedded_a_jobs_calls_over_http_with_its_key_are_admitted_by_its_bridge(embedded: tuple[Stack, str]) -> None:
+    """Its bridge admits a call over HTTP with the job's key over the embedded channels (unix
+    sockets) as over Redis: the call runs, counted with the code's, and leaves no channel behind."""
+    stack, key = embedded
+    client = _Client(stack.base_url, key)
+    before = _channel_folders(stack)
+    job = client.http.post("/api/v1/exec", json={"code": KEY_HOLDER, "toolsets": ["demo"], "wait": 0}).json()
+    deadline = time.monotonic() + 20
+    while not (calls := client.http.get("/api/v1/tool-calls", params={"exec": job["id"]}).json()["results"]):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    scoped = httpx.Client(base_url=stack.base_url, headers={"Authorization": f"Bearer {calls[0]['input']['value']}"}, timeout=30)
+    with scoped:
+        body = {"toolset": "demo", "tool": "add", "arguments": {"a": 2, "b": 3}}
+        made = scoped.post("/api/v1/tools/execute", json=body, headers={"x-ptc-call-id": job["call_id"]})
+    assert (made.status_code, made.json()["output"]) == (200, 5), made.text
+    while (final := client.http.get(f"/api/v1/exec/{job['id']}").json())["status"] == "running":
+        assert time.monotonic() < deadline + 20
+        time.sleep(0.2)
+    assert final["status"] == "completed", final["error"]
+    assert [c["tool"] for c in final["tool_calls"]][:2] == ["echo", "add"] and len(final["tool_calls"]) == 5
+    while (left := _channel_folders(stack) - before) and time.monotonic() < deadline + 30:
+        time.sleep(0.2)
+    assert not left, f"{len(left)} channel folders left behind"
+
+
 @pytest.fixture
 def plane(tmp_path: Path, settings: Any, monkeypatch: pytest.MonkeyPatch) -> LocalBackplane:
     """The embedded backplane in this process, its logs under ``tmp_path``: the one event streams read."""
