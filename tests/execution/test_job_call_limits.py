@@ -100,7 +100,7 @@ import threading, time
 from ptc_tools import _runtime
 from ptc_tools.demo import Demo
 Demo.echo(value=_runtime.job_info["key"])
-time.sleep(2)  # the test's call over HTTP is in flight by then, for 4 s
+time.sleep(3)  # the test's call over HTTP is in flight by then, for 5 s
 threads = [threading.Thread(target=Demo.sleep, kwargs={"ms": 1000}) for _ in range(2)]
 for thread in threads:
     thread.start()
@@ -116,7 +116,7 @@ def test_the_bridge_counts_the_calls_over_http_in_flight_against_the_parallel_ca
     answers: list[httpx.Response] = []
     with httpx.Client(base_url=api.http.base_url, headers={"Authorization": f"Bearer {key}"}, timeout=30) as client:
         over_http = threading.Thread(
-            target=lambda: answers.append(_execute(client, job, {"toolset": "demo", "tool": "sleep", "arguments": {"ms": 4000}}))
+            target=lambda: answers.append(_execute(client, job, {"toolset": "demo", "tool": "sleep", "arguments": {"ms": 5000}}))
         )
         over_http.start()
         deadline = time.monotonic() + 30
