@@ -44,6 +44,10 @@ CODES: dict[str, tuple[int, str]] = {
     "database_unavailable": (503, "the database is unreachable (nothing was changed), or cancelled a statement; retry"),
     "broker_unavailable": (503, "the broker is unreachable, or Redis is full (its maxmemory); nothing was queued; retry"),
     "not_ready": (503, "/readyz: a part the service needs is unreachable"),
+    "worker_unavailable": (
+        503,
+        "a running job's worker did not answer in time whether its call over HTTP may start; nothing was run; retry",
+    ),
     # Jobs
     "ptc_disabled": (403, "the rollout policy says no; the message gives its reason"),
     "job_finished": (409, "the job has already finished"),

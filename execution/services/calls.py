@@ -641,10 +641,10 @@ def _job_call_ask(*, job: ExecJob, call_id: str, toolset: str, tool: str) -> str
                 backplane().publish(job_channel(job.call_id), Released(call_id=call_id, counted=False))
                 logger.warning("a job's bridge did not answer a call over HTTP", extra={"job_id": str(job.pk)})
                 raise ApplicationError(
-                    "internal_error",
+                    "worker_unavailable",
                     f"Job {job.call_id}'s worker did not answer within {settings.PTC_JOB_LEASE_SECONDS} s whether this call "
                     "may start; nothing was run. Retry.",
-                    status=500,
+                    status=503,
                 )
     if answer.ok:
         return answer.tool_id

@@ -253,3 +253,30 @@ def test_a_toolset_changed_mid_job_is_called_alike_by_its_code_and_over_http_wit
     else:
         assert after.json()["status"] == "completed"
         assert final["return_value"][0] == "ok"
+
+
+def test_a_call_over_http_whose_jobs_worker_never_answers_is_503_and_runs_nothing(api: Api) -> None:
+    """The job's record says it runs, but no bridge answers (its worker wedged, or one older than the
+    web, in a rolling upgrade): past PTC_JOB_LEASE_SECONDS (4 s here) the call is 503
+    worker_unavailable, to retry, and nothing is recorded or run."""
+    from datetime import timedelta
+
+    from django.contrib.auth import get_user_model
+    from django.utils import timezone
+
+    from ptcproject.accounts.services import api_key_create
+    from tests.factories import running_job
+
+    user = get_user_model().objects.get(username=api.username)
+    now = timezone.now()
+    # Its heartbeat ahead: the stack's reaper leaves it running for the test.
+    job = running_job(user=user, started_at=now, heartbeat_at=now + timedelta(minutes=5))
+    _, key = api_key_create(user=user, exec_job=job)
+    client = httpx.Client(base_url=api.http.base_url, headers={"Authorization": f"Bearer {key}"}, timeout=30)
+    began = time.monotonic()
+    refused = _execute(client, {"call_id": job.call_id})
+    assert refused.status_code == 503, refused.text
+    assert refused.json()["error"]["code"] == "worker_unavailable"
+    assert 3.5 <= time.monotonic() - began < 15
+    assert not ToolCall.objects.filter(exec_job=job).exists()
+    job.delete()
