@@ -116,10 +116,19 @@ def statement_timeout_off(alias: str = DEFAULT_DB_ALIAS) -> Iterator[None]:
 
 
 def _statement_timeout_lifted(execute: Callable[..., Any], sql: str, params: Any, many: bool, context: dict[str, Any]) -> Any:
-    database, cursor = context["connection"], context["cursor"].cursor  # psycopg's: not through the wrappers again
+    database = context["connection"]
     if not database.get_autocommit():
-        cursor.execute("SET LOCAL statement_timeout = 0")
+        _statement_timeout_lift(database, context["cursor"])
         return execute(sql, params, many, context)
     with transaction.atomic(using=database.alias):
-        cursor.execute("SET LOCAL statement_timeout = 0")
+        _statement_timeout_lift(database, context["cursor"])
         return execute(sql, params, many, context)
+
+
+def _statement_timeout_lift(database: Any, cursor: Any) -> None:
+    # On psycopg's cursor (not through the wrappers again), but through Django's translation of its
+    # errors, as every statement: the SET is the transaction's first statement, the one that finds
+    # a connection lost (a restart, a killed backend), which must be Django's OperationalError, an
+    # outage's, not psycopg's own error, which no outage path knows.
+    with database.wrap_database_errors:
+        cursor.cursor.execute("SET LOCAL statement_timeout = 0")

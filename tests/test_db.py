@@ -201,6 +201,29 @@ def test_work_that_may_rightly_run_long_runs_without_the_statement_timeout(
     assert _statement_timeout() == "30s"
 
 
+def test_a_connection_lost_under_work_run_without_the_statement_timeout_is_an_outage_error(django_db_setup: str) -> None:
+    # The timeout is lifted by a SET LOCAL that opens each transaction of such work: the statement
+    # that finds a connection lost (its backend killed, a restart). It was sent past Django's error
+    # translation: psycopg's own AdminShutdown came out, which no outage path (db_retry, the API's
+    # 503) knows.
+    from django.db import OperationalError
+
+    from ptcproject.db import statement_timeout_off
+
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_backend_pid()")
+        pid = cursor.fetchone()[0]
+    with psycopg.connect(django_db_setup, autocommit=True) as admin:
+        admin.execute("SELECT pg_terminate_backend(%s)", [pid])
+    with pytest.raises(OperationalError) as raised, statement_timeout_off(), connection.cursor() as cursor:
+        cursor.execute("SELECT 1")
+    assert isinstance(raised.value.__cause__, psycopg.OperationalError)
+    with statement_timeout_off(), connection.cursor() as cursor:  # the next one is a good connection
+        cursor.execute("SHOW statement_timeout")
+        assert cursor.fetchone()[0] == "0"
+    assert _statement_timeout() == "30s"
+
+
 def test_a_worker_retrying_a_cancelled_statement_says_it_was_cancelled_not_unreachable(
     django_db_setup: str, caplog: pytest.LogCaptureFixture
 ) -> None:
