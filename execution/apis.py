@@ -83,6 +83,11 @@ CALL_LIMITED = OpenApiResponse(
     "(1 when sequential); past max_tool_calls "
     "it is 403 tool_call_limit. Either way nothing was recorded or charged: retry after Retry-After seconds."
 )
+CALL_UNAVAILABLE = OpenApiResponse(
+    description="database_unavailable or broker_unavailable: nothing was done. worker_unavailable: with a job-scoped "
+    "key, the job's worker did not answer within PTC_JOB_LEASE_SECONDS whether the call may start; nothing was run. "
+    "Either way, retry after Retry-After seconds."
+)
 
 
 class ExecListCreateApi(FilteredListApi):
@@ -403,7 +408,7 @@ class ToolExecuteApi(APIView):
 
     @extend_schema(
         request=ToolExecuteSerializer,
-        responses={200: ToolCallSerializer, 409: JOB_NOT_RUNNING, 429: CALL_LIMITED},
+        responses={200: ToolCallSerializer, 409: JOB_NOT_RUNNING, 429: CALL_LIMITED, 503: CALL_UNAVAILABLE},
         parameters=[
             OpenApiParameter(
                 "x-ptc-call-id",

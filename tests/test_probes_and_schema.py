@@ -57,3 +57,16 @@ def test_every_operation_documents_its_errors_with_the_error_body(stack: Stack) 
             for status, response in responses.items():
                 if status[0] in "45":
                     assert response["content"]["application/json"]["schema"] == error, (method, path, status)
+
+
+def test_the_tool_call_endpoint_documents_its_worker_unavailable() -> None:
+    # A job-scoped key's call asks the job's bridge whether it may start: a worker that never
+    # answers is 503 worker_unavailable, to retry. The document said only database_unavailable or
+    # broker_unavailable there, and a client built from it could not know it.
+    from drf_spectacular.generators import SchemaGenerator
+
+    document = SchemaGenerator().get_schema(request=None, public=True)
+    unavailable = document["paths"]["/api/v1/tools/execute"]["post"]["responses"]["503"]
+    assert "worker_unavailable" in unavailable["description"]
+    assert {"database_unavailable", "broker_unavailable"} <= set(unavailable["description"].replace(":", " ").split())
+    assert "Retry-After" in unavailable["headers"]
