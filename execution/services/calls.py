@@ -627,6 +627,10 @@ def _job_call_ask(*, job: ExecJob, call_id: str, toolset: str, tool: str) -> str
             until = min(deadline, time.monotonic() + ASK_SLICE_SECONDS)
             answer = None
             while answer is None and (left := until - time.monotonic()) > 0:
+                # Not held while blocked, as a call's wait for its result holds none: calls waiting on
+                # a worker that never answers (wedged, or older than the web) took the process's pool
+                # for PTC_JOB_LEASE_SECONDS, and its every other request was 503 database_unavailable.
+                connection.close()
                 answers.wait(left)
                 answer = next((m for m in answers.drain() if isinstance(m, Answer) and m.call_id == call_id), None)
             if answer is not None:

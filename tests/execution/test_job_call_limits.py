@@ -280,3 +280,49 @@ def test_a_call_over_http_whose_jobs_worker_never_answers_is_503_and_runs_nothin
     assert 3.5 <= time.monotonic() - began < 15
     assert not ToolCall.objects.filter(exec_job=job).exists()
     job.delete()
+
+
+def test_calls_over_http_waiting_on_a_silent_worker_hold_no_database_connection(api: Api) -> None:
+    """Calls over HTTP waiting for the answer of a job's worker that never comes (wedged, or older
+    than the web) each held a pooled connection of the web process for PTC_JOB_LEASE_SECONDS:
+    PTC_DB_POOL_MAX (20) of them took the pool, and every other request of that process, anyone's,
+    was 503 database_unavailable. They wait as a call waits for its result: holding none."""
+    from datetime import timedelta
+
+    from django.contrib.auth import get_user_model
+    from django.utils import timezone
+
+    from ptcproject.accounts.services import api_key_create
+    from tests.factories import running_job
+
+    user = get_user_model().objects.get(username=api.username)
+    now = timezone.now()
+    job = running_job(user=user, started_at=now, heartbeat_at=now + timedelta(minutes=5))  # the reaper leaves it
+    _, key = api_key_create(user=user, exec_job=job)
+    waiting = 24  # more than the web's pool (PTC_DB_POOL_MAX, 20)
+    answers: list[httpx.Response] = []
+    try:
+        with httpx.Client(
+            base_url=api.http.base_url,
+            headers={"Authorization": f"Bearer {key}"},
+            timeout=30,
+            limits=httpx.Limits(max_connections=waiting),
+        ) as client:
+            threads = [
+                threading.Thread(target=lambda: answers.append(_execute(client, {"call_id": job.call_id})))
+                for _ in range(waiting)
+            ]
+            for thread in threads:
+                thread.start()
+            time.sleep(1.5)  # all of them asked, and wait
+            assert all(thread.is_alive() for thread in threads)
+            began = time.monotonic()
+            seen = api.get("/api/v1/exec")  # another request of the same web process
+            assert seen.status_code == 200, seen.text
+            assert time.monotonic() - began < 1.5
+            for thread in threads:
+                thread.join(30)
+        assert len(answers) == waiting
+        assert {(answer.status_code, answer.json()["error"]["code"]) for answer in answers} == {(503, "worker_unavailable")}
+    finally:
+        job.delete()
