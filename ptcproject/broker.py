@@ -58,9 +58,11 @@ def broker_trouble(exc: BaseException) -> str:
     "is full" when Redis refused the write for want of memory (its maxmemory reached, noeviction;
     kombu raises that as a connection error), else that it "is unreachable"."""
     seen: BaseException | None = exc
-    while seen is not None:
+    chain: set[int] = set()
+    while seen is not None and id(seen) not in chain:  # a chain may loop back on itself
         if isinstance(seen, OutOfMemoryError):
             return "is full (Redis has reached its maxmemory)"
+        chain.add(id(seen))
         seen = seen.__cause__ or seen.__context__
     return "is unreachable"
 

@@ -129,7 +129,11 @@ class PgBouncer:
                 psycopg.connect(self.url("postgres"), connect_timeout=1).close()
                 return
             except psycopg.OperationalError:
-                assert self.proc.poll() is None and time.monotonic() < deadline, "pgbouncer did not start"
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    log = self.directory / "log"
+                    said = log.read_text(errors="replace")[-800:] if log.exists() else ""
+                    self.stop()
+                    raise AssertionError(f"pgbouncer did not start: {said}") from None
                 time.sleep(0.05)
 
     def stop(self) -> None:

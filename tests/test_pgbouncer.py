@@ -20,17 +20,21 @@ def pooled(stack_env: dict[str, str]) -> Iterator[tuple[Stack, str]]:
     statements off, as PgBouncer before 1.22 needs), migrated on a direct connection, as the README
     says. Yields the stack and its database's direct URL."""
     bouncer = PgBouncer(TEST_DATABASE_URL, pool_size=8)
-    bouncer.start()
     own = {**stack_env, "PTC_REDIS_PREFIX": f"{REDIS_PREFIX}pooled:", "PTC_DB_PREPARE_AFTER": "0", "PTC_DB_POOL_MIN": "1"}
-    direct = migrated_database(TEST_DATABASE_URL, own)
-    own["DATABASE_URL"] = bouncer.url(direct.rsplit("/", 1)[1])
-    stack = Stack(own, name="pooled")
+    direct = ""
+    stack = None
     try:
+        bouncer.start()
+        direct = migrated_database(TEST_DATABASE_URL, own)
+        own["DATABASE_URL"] = bouncer.url(direct.rsplit("/", 1)[1])
+        stack = Stack(own, name="pooled")
         stack.start(beat=False)
         yield stack, direct
     finally:
-        stack.stop()
-        database_drop(direct)
+        if stack is not None:
+            stack.stop()
+        if direct:
+            database_drop(direct)
         bouncer.stop()
 
 

@@ -20,15 +20,17 @@ from tests.stack import Stack
 @pytest.fixture
 def failing_over(stack_env: dict[str, str]) -> Iterator[tuple[PostgresServer, Stack]]:
     server = PostgresServer()
-    server.start()
     env = {**stack_env, "PTC_REDIS_PREFIX": f"{REDIS_PREFIX}failover:", "PTC_DB_RETRY_SECONDS": "30"}
-    env["DATABASE_URL"] = migrated_database(server.url(), env)
-    stack = Stack(env, name="pg-failover")
+    stack = None
     try:
+        server.start()
+        env["DATABASE_URL"] = migrated_database(server.url(), env)
+        stack = Stack(env, name="pg-failover")
         stack.start(beat=False)
         yield server, stack
     finally:
-        stack.stop()
+        if stack is not None:
+            stack.stop()
         server.remove()
 
 
