@@ -441,7 +441,7 @@ def _tool_call_made(
     error = None
     if job is not None and not found_toolsets:
         # Deleted since the job started: recorded failed, as its code's call of it is by its tools worker.
-        error = call_error("unknown_tool", "the tool no longer exists")
+        error = call_error("unknown_tool", TOOL_GONE)
     else:
         try:
             found = checked = checker.check(toolset, tool, arguments)
@@ -601,6 +601,8 @@ def _job_bytes_take(*, job: ExecJob, size: int, held: bool = True, reserve: int 
 
 
 CALL_TIMEOUT_MESSAGE = "no result arrived in time: the tools workers may be down or overloaded"
+# A call of a tool deleted since its job started, as its tools worker and a call over HTTP record it.
+TOOL_GONE = "the tool no longer exists"
 
 
 # A call over HTTP with a job's key naming no tool of the job's grant, as its bridge says: not counted.
@@ -949,7 +951,7 @@ def tool_call_execute(*, call_id: str, record: str | None = None) -> None:
                     _running_calls.discard(call_id)
             return
         else:
-            reply = _tool_call_fail(call_id, "unknown_tool", "the tool no longer exists")
+            reply = _tool_call_fail(call_id, "unknown_tool", TOOL_GONE)
     elif call.status != ToolCall.Status.EXECUTING:
         reply = tool_call_reply(call)
     elif call.claimed_at is not None and _lease_fresh(call):
