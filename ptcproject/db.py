@@ -68,10 +68,12 @@ def pg_connect(alias: str = DEFAULT_DB_ALIAS, **options: Any) -> Any:
     return psycopg.connect(**{**params, **options})
 
 
-def db_retry(work: Callable[[], T], *, what: str, job_id: Any, on_wait: Callable[[], None] | None = None) -> T:
-    """Run ``work``; while the database is unreachable, retry it on a fresh connection with backoff,
-    for up to PTC_DB_RETRY_SECONDS. Raise the last error after that. ``on_wait`` is called once,
-    before the first wait: what must not wait as long as the database does."""
+def db_retry(work: Callable[[], T], *, what: str, job_id: Any, on_wait: Callable[[], None] | None = None, call_id: str = "") -> T:
+    """Run ``work``; while the database is unreachable (or cancels its statement), retry it on a fresh
+    connection with backoff, for up to PTC_DB_RETRY_SECONDS. Raise the last error after that.
+    ``on_wait`` is called once, before the first wait: what must not wait as long as the database
+    does. ``job_id`` and ``call_id`` (either may be empty) name what the log lines are about."""
+    ids = {name: str(value) for name, value in (("job_id", job_id), ("call_id", call_id)) if value}
     deadline = time.monotonic() + settings.PTC_DB_RETRY_SECONDS
     delay = 0.2
     while True:
@@ -87,7 +89,7 @@ def db_retry(work: Callable[[], T], *, what: str, job_id: Any, on_wait: Callable
                 why = "a statement was cancelled (statement or lock timeout)"
             else:
                 why = "the database is read-only (a failover?)" if database_read_only(exc) else "database unreachable"
-            logger.warning("%s while %s; retrying in %.1f s", why, what, delay, extra={"job_id": str(job_id)})
+            logger.warning("%s while %s; retrying in %.1f s", why, what, delay, extra=ids)
             db_reset()
             time.sleep(delay)
             # At most a second apart: once the database is back, the work is done within a second,

@@ -47,7 +47,7 @@ from ptcproject.accounts.models import ApiKey
 from ptcproject.batching import GroupCommit
 from ptcproject.broker import broker_trouble
 from ptcproject.celery import task_publish
-from ptcproject.db import db_reset
+from ptcproject.db import db_reset, db_retry
 from ptcproject.errors import ApplicationError, call_error
 from ptcproject.metrics import tool_call_observe
 from ptcproject.policy.models import Policy
@@ -1082,8 +1082,13 @@ def _tool_call_run(*, call: ToolCall, tool: Tool) -> None:
     else:
         reply = {"ok": True, "result": output}
     # Billed as it was made: what was held for it as it was made (the claim says whether a price
-    # was) is settled or released, whatever its toolset's billing says by now.
-    finished = _finishes(_Ran(call=call, reply=reply, billed=call.price_held))  # type: ignore[attr-defined]  # set by the claim
+    # was) is settled or released, whatever its toolset's billing says by now. The tool has run: its
+    # result is worth waiting for, through a database away or a statement cancelled (its account's
+    # row held locked past PTC_DB_STATEMENT_TIMEOUT), as a job's end is. Raised to the task, the
+    # retry's claim found the call running under a fresh lease and dropped it, and the reaper then
+    # failed it worker_lost. The finish changes only open calls: a retry never finishes one twice.
+    ran = _Ran(call=call, reply=reply, billed=call.price_held)  # type: ignore[attr-defined]  # set by the claim
+    finished = db_retry(lambda: _finishes(ran), what="recording a tool call's result", job_id=call.exec_job_id, call_id=call_id)
     # A tools worker's one line a call (Celery's own per-task lines are off there): STYLE.md §14's ids.
     job = {"job_id": str(call.exec_job_id)} if call.exec_job_id else {}
     ms = round((time.monotonic() - started) * 1000, 2)

@@ -1,0 +1,80 @@
+"""Statements PostgreSQL cancels (PTC_DB_STATEMENT_TIMEOUT) under a running deployment: a row held
+locked by another transaction past the timeout is a cancel, not an outage, and what the workers
+were doing still ends as it should, recorded once and charged exactly.
+
+The deployment is its own (its database, its queues), with a statement timeout of 1 s.
+"""
+
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+
+import psycopg
+import pytest
+
+from tests.conftest import Api, own_deployment
+from tests.servers import api_key
+from tests.stack import ROOT, Stack
+
+
+@pytest.fixture(scope="module")
+def cut(stack_env: dict[str, str]) -> Iterator[Stack]:
+    with own_deployment(stack_env, "statement-cancelled", PTC_DB_STATEMENT_TIMEOUT="1") as stack:
+        yield stack
+
+
+def _hold_account(stack: Stack, username: str, seconds: float) -> None:
+    """Hold ``username``'s credit account row locked for ``seconds``, as a stuck transaction would."""
+    with psycopg.connect(stack.env["DATABASE_URL"]) as conn:
+        conn.execute(
+            "SELECT 1 FROM billing_creditaccount a JOIN auth_user u ON u.id = a.user_id WHERE u.username = %s FOR UPDATE OF a",
+            [username],
+        )
+        time.sleep(seconds)
+
+
+def _check_ledger(stack: Stack) -> None:
+    checked = subprocess.run(
+        [sys.executable, "manage.py", "check_ledger"], cwd=ROOT, env=stack.env, capture_output=True, text=True
+    )
+    assert checked.returncode == 0 and "Every balance equals the sum of its ledger." in checked.stdout, checked.stderr
+
+
+def test_a_tools_workers_finish_cancelled_by_the_statement_timeout_is_recorded_once_the_lock_goes(cut: Stack) -> None:
+    """A billed call's finish (its record and its settle, one statement) waits on its account's row,
+    held locked past the statement timeout: cancelled, it is tried again until the lock goes, and
+    the call ends completed with its result, charged once, nothing left held. Before, the cancel
+    went up to the task's retry, whose claim dropped the call as a duplicate of one still running:
+    its result was lost, and once its lease lapsed the reaper failed it worker_lost, as if its
+    worker had died."""
+    username = f"cancel-{uuid.uuid4().hex[:8]}"
+    api = Api(cut.base_url, api_key(cut.env, username, credits=100), username)
+    answers: list[dict] = []
+
+    def call() -> None:
+        body = {"toolset": "demo", "tool": "sleep", "arguments": {"ms": 1500}}
+        answers.append(api.post("/api/v1/tools/execute", json=body).json())
+
+    caller = threading.Thread(target=call)
+    caller.start()
+    deadline = time.monotonic() + 20
+    while api.get("/api/v1/billing/balance").json()["reserved"] < 1:
+        assert time.monotonic() < deadline, "the call's price was never held"
+        time.sleep(0.05)
+    # Locked before the tool returns (1.5 s), held past the timeout and the call's lease (4 s).
+    _hold_account(cut, username, 7)
+    caller.join(60)
+    assert not caller.is_alive()
+    (record,) = answers
+    assert record["status"] == "completed", record["error"]
+    assert (record["output"], record["credits"]) == ({"slept_ms": 1500}, 1)
+    assert api.get("/api/v1/billing/balance").json() | {"plan": None, "plan_expires_at": None} == {
+        "balance": 99,
+        "reserved": 0,
+        "plan": None,
+        "plan_expires_at": None,
+    }
+    _check_ledger(cut)
