@@ -97,6 +97,21 @@ def db_retry(work: Callable[[], T], *, what: str, job_id: Any, on_wait: Callable
             delay = min(delay * 2, 1.0)
 
 
+def unless_cancelled(work: Callable[[], T], *, what: str, **ids: Any) -> T | None:
+    """Run ``work``, one item of a round of upkeep (the reaper's), and return what it returns; or
+    None, logged, if PostgreSQL cancelled its statement: a row it needs held locked past
+    PTC_DB_STATEMENT_TIMEOUT by a transaction stuck elsewhere. That item waits for a later round, and
+    the round goes on with the others, which one stuck row must not hold up. Any other error is
+    raised (an outage ends the round). ``ids`` (``job_id=``, ``call_id=``...) go on the log line."""
+    try:
+        return work()
+    except OperationalError as exc:
+        if not statement_cancelled(exc):
+            raise
+        logger.warning("%s skipped this round: a row it needs is held locked (its statement was cancelled)", what, extra=ids)
+        return None
+
+
 @contextmanager
 def statement_timeout_off(alias: str = DEFAULT_DB_ALIAS) -> Iterator[None]:
     """Run the block's statements on this thread's connection to ``alias`` with no statement timeout

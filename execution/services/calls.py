@@ -47,7 +47,7 @@ from ptcproject.accounts.models import ApiKey
 from ptcproject.batching import GroupCommit
 from ptcproject.broker import broker_trouble
 from ptcproject.celery import task_publish
-from ptcproject.db import db_reset, db_retry
+from ptcproject.db import db_reset, db_retry, unless_cancelled
 from ptcproject.errors import ApplicationError, call_error
 from ptcproject.metrics import tool_call_observe
 from ptcproject.policy.models import Policy
@@ -1190,21 +1190,26 @@ _finishes = GroupCommit(_tool_calls_finish_ran)
 def tool_calls_close_held() -> None:
     """Settle or release the credits a dead worker left held, by how each call ended. A call with
     no record yet is queued for a tools worker (which records it as it claims it) while its job
-    runs; once its job has ended it can never run, and what was held for it goes back."""
+    runs; once its job has ended it can never run, and what was held for it goes back. A call whose
+    account's row is held locked past PTC_DB_STATEMENT_TIMEOUT waits for a later round."""
     for call_id in reservations_held(older_than_seconds=settings.PTC_JOB_LEASE_SECONDS):
-        status = ToolCall.objects.filter(call_id=call_id).values_list("status", flat=True).first()
-        if status == ToolCall.Status.COMPLETED:
-            with transaction.atomic():
-                # Only if this settled it: a call that completed after the list was read was settled
-                # by its finish, which recorded what it charged (a settle now charges, and says, 0).
-                charged = credits_settle_many(tool_call_ids=[call_id])
-                if call_id in charged:
-                    ToolCall.objects.filter(call_id=call_id).update(credits=charged[call_id])
-        elif status is None:
-            if not Reservation.objects.filter(tool_call_id=call_id, exec_job__status=ExecJob.Status.RUNNING).exists():
-                credits_release(tool_call_id=call_id)
-        elif status not in ToolCall.OPEN:  # a call awaiting its approval holds its price until decided
+        unless_cancelled(functools.partial(_tool_call_close_held, call_id), what="closing a call's hold", call_id=call_id)
+
+
+def _tool_call_close_held(call_id: str) -> None:
+    status = ToolCall.objects.filter(call_id=call_id).values_list("status", flat=True).first()
+    if status == ToolCall.Status.COMPLETED:
+        with transaction.atomic():
+            # Only if this settled it: a call that completed after the list was read was settled
+            # by its finish, which recorded what it charged (a settle now charges, and says, 0).
+            charged = credits_settle_many(tool_call_ids=[call_id])
+            if call_id in charged:
+                ToolCall.objects.filter(call_id=call_id).update(credits=charged[call_id])
+    elif status is None:
+        if not Reservation.objects.filter(tool_call_id=call_id, exec_job__status=ExecJob.Status.RUNNING).exists():
             credits_release(tool_call_id=call_id)
+    elif status not in ToolCall.OPEN:  # a call awaiting its approval holds its price until decided
+        credits_release(tool_call_id=call_id)
 
 
 def tool_calls_reap() -> None:
@@ -1218,5 +1223,9 @@ def tool_calls_reap() -> None:
     )
     for call_id, ptc_call_id in lapsed.values_list("call_id", "ptc_call_id"):
         logger.warning("a tools worker stopped renewing a call's lease; failing it", extra={"call_id": call_id})
-        reply = _tool_call_fail(call_id, "worker_lost", "the tools worker running this call stopped; it was not run again")
-        backplane().publish(_result_channel(call_id, ptc_call_id), Result(call_id=call_id, **reply))
+        fail = functools.partial(
+            _tool_call_fail, call_id, "worker_lost", "the tools worker running this call stopped; it was not run again"
+        )
+        reply = unless_cancelled(fail, what="failing a call whose worker stopped", call_id=call_id)
+        if reply is not None:
+            backplane().publish(_result_channel(call_id, ptc_call_id), Result(call_id=call_id, **reply))

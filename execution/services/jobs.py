@@ -72,7 +72,7 @@ from ptcproject import queues, rows, tracing
 from ptcproject.accounts.services import api_key_create, job_keys_revoke
 from ptcproject.broker import broker_trouble
 from ptcproject.celery import task_publish
-from ptcproject.db import db_reset, db_retry
+from ptcproject.db import db_reset, db_retry, unless_cancelled
 from ptcproject.errors import ApplicationError, call_error, job_error
 from ptcproject.metrics import job_finished_observe
 from ptcproject.policy.models import Policy
@@ -1002,18 +1002,31 @@ def exec_jobs_reap() -> int:
     in_container = Exists(ExecJob.objects.filter(pk=OuterRef("exec_job_id")).exclude(container_id=""))
     never_taken = Q(~call_job_running() | in_container) & Q(claimed_at__isnull=True, started_at__lt=abandoned)
     stuck = Q(claimed_at__lt=overdue)
-    ToolCall.objects.filter(never_taken | stuck, status=ToolCall.Status.EXECUTING).update(
-        status=ToolCall.Status.FAILED,
-        error=call_error("worker_lost", "no tools worker finished this call; it was abandoned"),
-        finished_at=timezone.now(),
-    )
+    # Each round's work is done a job or a call at a time, and one whose row a stuck transaction
+    # holds locked (its statement cancelled at PTC_DB_STATEMENT_TIMEOUT) waits for a later round
+    # (unless_cancelled): it ended the round, and no job of anyone's was reaped past it while the
+    # lock was held. The abandoned calls' rows are skipped while locked.
+    with transaction.atomic():
+        abandoned_calls = ToolCall.objects.select_for_update(skip_locked=True).filter(
+            never_taken | stuck, status=ToolCall.Status.EXECUTING
+        )
+        ToolCall.objects.filter(pk__in=list(abandoned_calls.values_list("pk", flat=True))).update(
+            status=ToolCall.Status.FAILED,
+            error=call_error("worker_lost", "no tools worker finished this call; it was abandoned"),
+            finished_at=timezone.now(),
+        )
     lost = timezone.now() - timedelta(seconds=settings.PTC_QUEUED_MAX_SECONDS)
     for job_id in ExecJob.objects.filter(status=Status.QUEUED, created_at__lt=lost).values_list("pk", flat=True):
-        _exec_job_fail_if(
+        unless_cancelled(
+            functools.partial(
+                _exec_job_fail_if,
+                job_id=str(job_id),
+                status=Status.QUEUED,
+                kind="WorkerLost",
+                message=f"no exec worker took the job within {settings.PTC_QUEUED_MAX_SECONDS} s; its queue message was lost",
+            ),
+            what="failing a job lost in the queue",
             job_id=str(job_id),
-            status=Status.QUEUED,
-            kind="WorkerLost",
-            message=f"no exec worker took the job within {settings.PTC_QUEUED_MAX_SECONDS} s; its queue message was lost",
         )
     _exec_jobs_close_left()
     container_jobs_close_idle()
@@ -1021,16 +1034,24 @@ def exec_jobs_reap() -> int:
     # A managed container's job has no worker and no lease: it is not reaped, only closed once idle (above).
     running = ExecJob.objects.run_here().filter(status=Status.RUNNING, heartbeat_at__lt=stale)
     for job_id in running.values_list("pk", flat=True):
-        if _calls_still_running(job_id=job_id):
-            continue  # ended once they have: its end, announced here without waiting, is then final
-        reaped += _exec_job_fail_if(
-            job_id=str(job_id),
-            stale=True,
-            status=Status.RUNNING,
-            kind="WorkerLost",
-            message="the worker running this job stopped renewing its lease; the job was ended",
+        reaped += bool(
+            unless_cancelled(functools.partial(_exec_job_reap, job_id=job_id), what="reaping a job", job_id=str(job_id))
         )
     return reaped
+
+
+def _exec_job_reap(*, job_id: Any) -> bool:
+    """Fail a running job whose lease lapsed (its worker died), once its calls have ended. Return
+    whether it was failed here."""
+    if _calls_still_running(job_id=job_id):
+        return False  # ended once they have: its end, announced here without waiting, is then final
+    return _exec_job_fail_if(
+        job_id=str(job_id),
+        stale=True,
+        status=Status.RUNNING,
+        kind="WorkerLost",
+        message="the worker running this job stopped renewing its lease; the job was ended",
+    )
 
 
 def _exec_jobs_close_left() -> None:
@@ -1054,15 +1075,20 @@ def _exec_jobs_close_left() -> None:
     unowned = Q(lapsed, finished_at__lt=stale) | ~Q(container_id="")
     left = ExecJob.objects.filter(unowned, status__in=ExecJob.FINISHED, closed_at__isnull=True)
     for job_id, call_id, container_id, status in left.values_list("pk", "call_id", "container_id", "status"):
-        if _calls_still_running(job_id=job_id):
-            continue  # closed once they have: its end, announced here without waiting, is then final
-        if not container_id:
-            logger.warning("a job ended and its worker did not close it; closing it", extra={"job_id": str(job_id)})
-        printed = _printed_from_events(call_id) if status == Status.CANCELLED else {}
-        if ExecJob.objects.filter(pk=job_id, closed_at__isnull=True).update(closed_at=timezone.now(), **printed):
-            _exec_job_close(job_id=job_id)
-            # Counted by whoever closes a job: here, as no worker did.
-            job_finished_observe(status=status, toolsets=[], seconds=None, spawn_ms=None)
+        close = functools.partial(_exec_job_close_left, job_id=job_id, call_id=call_id, container_id=container_id, status=status)
+        unless_cancelled(close, what="closing an ended job", job_id=str(job_id))
+
+
+def _exec_job_close_left(*, job_id: Any, call_id: str, container_id: str, status: str) -> None:
+    if _calls_still_running(job_id=job_id):
+        return  # closed once they have: its end, announced here without waiting, is then final
+    if not container_id:
+        logger.warning("a job ended and its worker did not close it; closing it", extra={"job_id": str(job_id)})
+    printed = _printed_from_events(call_id) if status == Status.CANCELLED else {}
+    if ExecJob.objects.filter(pk=job_id, closed_at__isnull=True).update(closed_at=timezone.now(), **printed):
+        _exec_job_close(job_id=job_id)
+        # Counted by whoever closes a job: here, as no worker did.
+        job_finished_observe(status=status, toolsets=[], seconds=None, spawn_ms=None)
 
 
 def container_jobs_close_idle() -> int:
@@ -1085,34 +1111,42 @@ def container_jobs_close_idle() -> int:
     since = timezone.now() - timedelta(seconds=idle)
     closed = 0
     for job_id in container_jobs_idle(since=since).order_by().values_list("pk", flat=True):
-        with transaction.atomic():
-            # A call of it is recorded under this lock (exec_job_for_container): once it is held,
-            # a call recorded is seen below (each statement reads what was committed before it),
-            # and a call not yet recorded finds the job ended.
-            started = (
-                ExecJob.objects.select_for_update()
-                .filter(pk=job_id, status=Status.RUNNING)
-                .values_list("started_at", flat=True)
-                .first()
-            )
-            if started is None:
-                continue  # cancelled meanwhile
-            last, open_call = container_job_calls_last(job_id=job_id)
-            last = max(last or started, started)
-            if last >= since:  # called meanwhile, or its last_call_at was behind its calls'
-                unknown = Q(last_call_at__isnull=True) | Q(last_call_at__lt=last)
-                ExecJob.objects.filter(unknown, pk=job_id).update(last_call_at=last)
-                continue
-            if open_call:
-                continue  # a call under way longer than the idle time: idle from its end
-            ExecJob.objects.filter(pk=job_id).update(
-                status=Status.COMPLETED, finished_at=last, closed_at=timezone.now(), last_call_at=last
-            )
-        logger.info("managed container job closed: idle", extra={"job_id": str(job_id), "idle_seconds": idle})
-        _exec_job_close(job_id=job_id)  # no call is open: nothing to wait for
-        job_finished_observe(status=Status.COMPLETED, toolsets=[], seconds=None, spawn_ms=None)
-        closed += 1
+        close = functools.partial(_container_job_close_idle, job_id=job_id, since=since)
+        closed += bool(unless_cancelled(close, what="closing an idle container's job", job_id=str(job_id)))
     return closed
+
+
+def _container_job_close_idle(*, job_id: Any, since: datetime) -> bool:
+    with transaction.atomic():
+        # A call of it is recorded under this lock (exec_job_for_container): once it is held,
+        # a call recorded is seen below (each statement reads what was committed before it),
+        # and a call not yet recorded finds the job ended. Held by another (a call being
+        # recorded, or a transaction stuck elsewhere): not idle, or not now.
+        started = (
+            ExecJob.objects.select_for_update(skip_locked=True)
+            .filter(pk=job_id, status=Status.RUNNING)
+            .values_list("started_at", flat=True)
+            .first()
+        )
+        if started is None:
+            return False  # cancelled meanwhile, or its row held
+        last, open_call = container_job_calls_last(job_id=job_id)
+        last = max(last or started, started)
+        if last >= since:  # called meanwhile, or its last_call_at was behind its calls'
+            unknown = Q(last_call_at__isnull=True) | Q(last_call_at__lt=last)
+            ExecJob.objects.filter(unknown, pk=job_id).update(last_call_at=last)
+            return False
+        if open_call:
+            return False  # a call under way longer than the idle time: idle from its end
+        ExecJob.objects.filter(pk=job_id).update(
+            status=Status.COMPLETED, finished_at=last, closed_at=timezone.now(), last_call_at=last
+        )
+    logger.info(
+        "managed container job closed: idle", extra={"job_id": str(job_id), "idle_seconds": settings.PTC_CONTAINER_IDLE_SECONDS}
+    )
+    _exec_job_close(job_id=job_id)  # no call is open: nothing to wait for
+    job_finished_observe(status=Status.COMPLETED, toolsets=[], seconds=None, spawn_ms=None)
+    return True
 
 
 def _calls_still_running(*, job_id: Any) -> bool:

@@ -21,6 +21,7 @@ over the bridge with the job (see guest.py).
 import base64
 import binascii
 import bisect
+import functools
 import logging
 import threading
 import time
@@ -42,6 +43,7 @@ from execution.sandbox.pool import Sandbox, sandbox_start
 from execution.sandbox.session import Outcome
 from execution.selectors import sessions_in_state
 from execution.services.quotas import exec_quota_check
+from ptcproject.db import unless_cancelled
 from ptcproject.errors import ApplicationError, job_error
 from ptcproject.policy.selectors import policy_get, ptc_decision, quotas_for
 from ptcproject.storage import storable, unstorable
@@ -322,17 +324,21 @@ def exec_sessions_reap() -> int:
     lease (``lost``). Run by the reaper. Return how many ended."""
     now = timezone.now()
     ended = 0
+    # One whose row a stuck transaction holds locked waits for a later round, not the rest of the reaper's.
     for session in ExecSession.objects.filter(status=Status.ACTIVE, expires_at__lte=now):
         status, reason = session.state()
-        ended += _session_end(session_id=session.pk, status=status, reason=reason)
+        end = functools.partial(_session_end, session_id=session.pk, status=status, reason=reason)
+        ended += unless_cancelled(end, what="ending a session past its time", session_id=str(session.pk)) or 0
     stale = now - timedelta(seconds=settings.PTC_JOB_LEASE_SECONDS)
     lost = ExecSession.objects.filter(status=Status.ACTIVE, heartbeat_at__lt=stale).exclude(worker="")
     for session_id in lost.values_list("pk", flat=True):
-        ended += _session_end(
+        end = functools.partial(
+            _session_end,
             session_id=session_id,
             status=Status.LOST,
             reason="the exec worker holding its sandbox stopped (it died or lost the database)",
         )
+        ended += unless_cancelled(end, what="ending a session whose worker stopped", session_id=str(session_id)) or 0
     return ended
 
 

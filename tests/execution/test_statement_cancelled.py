@@ -78,3 +78,45 @@ def test_a_tools_workers_finish_cancelled_by_the_statement_timeout_is_recorded_o
         "plan_expires_at": None,
     }
     _check_ledger(cut)
+
+
+def _job_copy(conn: psycopg.Connection, job_id: str, **values: str) -> str:
+    """Write a copy of job ``job_id`` with a new id and call_id and ``values`` (SQL expressions, by
+    column); return its id. As the job of a worker that died, or a queue message that was lost."""
+    new = str(uuid.uuid4())
+    sets = ", ".join(f"{column} = {expression}" for column, expression in values.items())
+    conn.execute("CREATE TEMP TABLE copied AS SELECT * FROM execution_execjob WHERE id = %s", [job_id])
+    conn.execute(f"UPDATE copied SET id = %s, call_id = %s, {sets}", [new, f"exec_{uuid.uuid4().hex}"])
+    conn.execute("INSERT INTO execution_execjob SELECT * FROM copied")
+    conn.execute("DROP TABLE copied")
+    return new
+
+
+def test_a_job_row_held_locked_past_the_statement_timeout_holds_up_only_that_job_in_the_reapers_round(cut: Stack) -> None:
+    """A job lost in the queue (past PTC_QUEUED_MAX_SECONDS) whose row a stuck transaction holds
+    locked: the reaper's statement failing it is cancelled at the timeout. Only that job waits for
+    the lock: a job whose worker died is still failed WorkerLost at the reaper's next rounds, and
+    the locked one once the lock goes. Before, the cancel ended every round there, and the reaper
+    failed no job after it, of any user, for as long as the lock was held."""
+    username = f"reaper-{uuid.uuid4().hex[:8]}"
+    api = Api(cut.base_url, api_key(cut.env, username), username)
+    done = api.run("1")
+    assert done["status"] == "completed", done
+    with psycopg.connect(cut.env["DATABASE_URL"], autocommit=True) as conn:
+        lost = _job_copy(conn, done["id"], status="'queued'", created_at="now() - interval '2 hours'", started_at="NULL")
+        dead = _job_copy(conn, done["id"], status="'running'", heartbeat_at="now() - interval '1 hour'", closed_at="NULL")
+        conn.execute("UPDATE execution_execjob SET finished_at = NULL WHERE id IN (%s, %s)", [lost, dead])
+    with psycopg.connect(cut.env["DATABASE_URL"]) as holder:
+        holder.execute("SELECT 1 FROM execution_execjob WHERE id = %s FOR UPDATE", [lost])
+        deadline = time.monotonic() + 15
+        while (dead_job := api.get(f"/api/v1/exec/{dead}").json())["status"] == "running":
+            assert time.monotonic() < deadline, "the job whose worker died was not reaped while another job's row was locked"
+            time.sleep(0.2)
+        assert api.get(f"/api/v1/exec/{lost}").json()["status"] == "queued"
+    assert (dead_job["status"], dead_job["error"]["type"]) == ("failed", "WorkerLost"), dead_job
+    deadline = time.monotonic() + 15
+    while (lost_job := api.get(f"/api/v1/exec/{lost}").json())["status"] == "queued":
+        assert time.monotonic() < deadline, "the lost job was not failed once its row's lock went"
+        time.sleep(0.2)
+    assert (lost_job["status"], lost_job["error"]["type"]) == ("failed", "WorkerLost"), lost_job
+    assert "no exec worker took the job" in lost_job["error"]["message"]
