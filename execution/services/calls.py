@@ -47,7 +47,7 @@ from ptcproject.accounts.models import ApiKey
 from ptcproject.batching import GroupCommit
 from ptcproject.broker import broker_trouble
 from ptcproject.celery import task_publish
-from ptcproject.db import db_reset, db_retry, unless_cancelled
+from ptcproject.db import db_reset, db_retry, statement_cancelled, unless_cancelled
 from ptcproject.errors import ApplicationError, call_error
 from ptcproject.metrics import tool_call_observe
 from ptcproject.policy.models import Policy
@@ -530,9 +530,29 @@ def _granted_toolsets(*, tool_id: str, toolset: str) -> list[Toolset]:
     return list(Toolset.objects.filter(key=toolset, tools__pk=tool_id).prefetch_related(tools)) if tool_id else []
 
 
+def _standalone_unheld(*, call_id: str, exc: Exception) -> None:
+    """Fail a recorded call whose price could not be held (the database away, or its statement
+    cancelled: the account's row held locked past PTC_DB_STATEMENT_TIMEOUT), before its request
+    answers 503: nothing was held, queued or run, and a record left executing held a place in the
+    user's quota of calls in flight (and its job's bytes) until the reaper abandoned it, twice the
+    tool timeout later, refusing the retry the 503 asks for. Left to the reaper if the database
+    can't be reached for this either."""
+    why = "cancelled a statement" if statement_cancelled(exc) else "could not be reached"
+    error = call_error("database_unavailable", f"the database {why} as the call's price was held; it was not run: retry")
+    try:
+        db_reset()
+        tool_call_finish(call_id=call_id, error=error)
+    except (OperationalError, InterfaceError):
+        logger.warning("a call whose price could not be held is left to the reaper", extra={"call_id": call_id})
+
+
 def _standalone_run(*, call_id: str, found: Tool, user: User, job: ExecJob | None) -> None:
     """Hold the recorded call's price, queue it and wait for its end (or end it ``tool_timeout``)."""
-    refused = tool_calls_reserve(calls=[(call_id, found)], user=user, job=job)
+    try:
+        refused = tool_calls_reserve(calls=[(call_id, found)], user=user, job=job)
+    except (OperationalError, InterfaceError) as exc:
+        _standalone_unheld(call_id=call_id, exc=exc)
+        raise
     for error in refused.values():
         tool_call_finish(call_id=call_id, error=error)
     if not refused and _tool_call_enqueue(call_id=call_id, queue=found.toolset.queue) is None:

@@ -120,3 +120,39 @@ def test_a_job_row_held_locked_past_the_statement_timeout_holds_up_only_that_job
         time.sleep(0.2)
     assert (lost_job["status"], lost_job["error"]["type"]) == ("failed", "WorkerLost"), lost_job
     assert "no exec worker took the job" in lost_job["error"]["message"]
+
+
+def test_a_standalone_call_whose_hold_is_cancelled_is_failed_and_frees_its_place_in_the_quota(cut: Stack) -> None:
+    """POST /tools/execute records the call, then holds its price: with the account's row held locked
+    past the statement timeout, the hold is cancelled and the answer is 503 database_unavailable,
+    try again. The call was not run: its record says so (failed, nothing held or charged), and it
+    no longer counts in the user's quota of calls in flight, so the retry the 503 asks for runs.
+    Before, the record stayed executing, unclaimed, until the reaper abandoned it (twice the tool
+    timeout later), and at a quota of 1 the retry was 429 rate_limited."""
+    username = f"hold-{uuid.uuid4().hex[:8]}"
+    api = Api(cut.base_url, api_key(cut.env, username, credits=100), username)
+    with psycopg.connect(cut.env["DATABASE_URL"], autocommit=True) as conn:
+        conn.execute(
+            "INSERT INTO accounts_usersettings (user_id, max_concurrent_tool_calls) SELECT id, 1 FROM auth_user WHERE username = %s",
+            [username],
+        )
+    body = {"toolset": "demo", "tool": "add", "arguments": {"a": 1, "b": 2}}
+    with psycopg.connect(cut.env["DATABASE_URL"]) as holder:
+        holder.execute(
+            "SELECT 1 FROM billing_creditaccount a JOIN auth_user u ON u.id = a.user_id WHERE u.username = %s FOR UPDATE OF a",
+            [username],
+        )
+        cancelled = api.post("/api/v1/tools/execute", json=body)
+    assert cancelled.status_code == 503, cancelled.text
+    assert cancelled.json()["error"]["code"] == "database_unavailable"
+    with psycopg.connect(cut.env["DATABASE_URL"]) as conn:
+        (status, code, credits), *others = conn.execute(
+            "SELECT c.status, c.error->>'code', c.credits FROM execution_toolcall c JOIN auth_user u ON u.id = c.user_id "
+            "WHERE u.username = %s",
+            [username],
+        ).fetchall()
+    assert (others, status, code, credits) == ([], "failed", "database_unavailable", 0)
+    again = api.post("/api/v1/tools/execute", json=body)
+    assert again.status_code == 200 and again.json()["status"] == "completed", again.text
+    assert api.get("/api/v1/billing/balance").json()["balance"] == 99
+    _check_ledger(cut)
