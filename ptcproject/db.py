@@ -98,11 +98,13 @@ def db_retry(work: Callable[[], T], *, what: str, job_id: Any, on_wait: Callable
 
 
 def unless_cancelled(work: Callable[[], T], *, what: str, **ids: Any) -> T | None:
-    """Run ``work``, one item of a round of upkeep (the reaper's), and return what it returns; or
-    None, logged, if PostgreSQL cancelled its statement: a row it needs held locked past
-    PTC_DB_STATEMENT_TIMEOUT by a transaction stuck elsewhere. That item waits for a later round, and
-    the round goes on with the others, which one stuck row must not hold up. Any other error is
-    raised (an outage ends the round). ``ids`` (``job_id=``, ``call_id=``...) go on the log line."""
+    """Run ``work`` and return what it returns; or None, logged, if PostgreSQL cancelled its
+    statement: a row it needs held locked past PTC_DB_STATEMENT_TIMEOUT by a transaction stuck
+    elsewhere. For work that may wait, or be left undone: one item of a round of upkeep (the
+    reaper's), left to a later round while the round goes on with the others, which one stuck row
+    must not hold up; or bookkeeping after what a request did, which must not turn its answer into
+    a 503. Any other error is raised (an outage). ``ids`` (``job_id=``, ``call_id=``...) go on the
+    log line."""
     try:
         return work()
     except OperationalError as exc:

@@ -517,8 +517,18 @@ def _tool_call_made(
         _standalone_run(call_id=call_id, found=found, user=user, job=job)
     call = ToolCall.objects.get(call_id=call_id)
     if job is not None:  # (a call that raised on its way here keeps the room it held: its result may still come)
+        # The call has run and is charged: its answer is its record. The job's row held locked past
+        # PTC_DB_STATEMENT_TIMEOUT (a transaction stuck elsewhere) cancelled this, and the request
+        # answered 503 "try again": the retry ran the tool, and charged it, twice. Skipped so, the
+        # job keeps the room held for the result, more than it took.
         size = _json_bytes(call.output) + _json_bytes(call.error) - reserve
-        made.tool_bytes = max(made.tool_bytes, _job_bytes_take(job=job, size=size, held=False))
+        taken = unless_cancelled(
+            lambda: _job_bytes_take(job=job, size=size, held=False),
+            what="counting a call's result in its job's bytes",
+            job_id=str(job.pk),
+            call_id=call_id,
+        )
+        made.tool_bytes = max(made.tool_bytes, taken or 0)
     return call
 
 

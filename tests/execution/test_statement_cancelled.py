@@ -156,3 +156,40 @@ def test_a_standalone_call_whose_hold_is_cancelled_is_failed_and_frees_its_place
     assert again.status_code == 200 and again.json()["status"] == "completed", again.text
     assert api.get("/api/v1/billing/balance").json()["balance"] == 99
     _check_ledger(cut)
+
+
+def test_a_containers_call_that_ran_is_answered_though_its_jobs_row_is_held_locked_as_it_ends(cut: Stack) -> None:
+    """A managed container's call adds its result's size to its job's row once it has run. With that
+    row held locked past the statement timeout (by a transaction that updated it and is stuck), that
+    statement is cancelled: the call has run and is charged, so its answer is still its record (200
+    completed), not 503 "try again", whose retry ran the tool, and charged it, a second time. The
+    job's bytes keep the room held for the result."""
+    username = f"container-{uuid.uuid4().hex[:8]}"
+    api = Api(cut.base_url, api_key(cut.env, username, credits=100), username)
+    caller = {"type": "code_execution_20260120", "tool_id": "srvtoolu_1"}
+    container = f"container_{uuid.uuid4().hex[:12]}"
+    body = {"toolset": "demo", "tool": "echo", "arguments": {"value": 1}, "caller": caller, "container_id": container}
+    first = api.post("/api/v1/tools/execute", json=body)
+    assert first.status_code == 200 and first.json()["status"] == "completed", first.text
+    job_call_id = first.json()["ptc_call_id"]
+    before = api.get("/api/v1/billing/balance").json()["balance"]
+    answers: list = []
+    slow = {**body, "tool": "sleep", "arguments": {"ms": 1500}}
+    caller_thread = threading.Thread(target=lambda: answers.append(api.post("/api/v1/tools/execute", json=slow)))
+    caller_thread.start()
+    deadline = time.monotonic() + 20
+    while api.get("/api/v1/billing/balance").json()["reserved"] < 1:
+        assert time.monotonic() < deadline, "the call's price was never held"
+        time.sleep(0.05)
+    # As a transaction that updated the job's row and is stuck holds it: the call's own updates of
+    # its row (its lease, its finish) take a key-share lock on the job's, which this lets through.
+    with psycopg.connect(cut.env["DATABASE_URL"]) as holder:
+        holder.execute("SELECT 1 FROM execution_execjob WHERE call_id = %s FOR NO KEY UPDATE", [job_call_id])
+        caller_thread.join(5)
+    caller_thread.join(30)
+    assert not caller_thread.is_alive()
+    (answer,) = answers
+    assert answer.status_code == 200, answer.text
+    assert (answer.json()["status"], answer.json()["output"], answer.json()["credits"]) == ("completed", {"slept_ms": 1500}, 1)
+    assert api.get("/api/v1/billing/balance").json()["balance"] == before - 1  # charged once
+    _check_ledger(cut)
