@@ -193,3 +193,37 @@ def test_a_containers_call_that_ran_is_answered_though_its_jobs_row_is_held_lock
     assert (answer.json()["status"], answer.json()["output"], answer.json()["credits"]) == ("completed", {"slept_ms": 1500}, 1)
     assert api.get("/api/v1/billing/balance").json()["balance"] == before - 1  # charged once
     _check_ledger(cut)
+
+
+def test_a_jobs_claim_cancelled_by_the_statement_timeout_runs_the_job_once_the_lock_goes(cut: Stack) -> None:
+    """A queued job whose row a stuck transaction holds locked: the exec worker's claim is cancelled
+    at the timeout, again at each of run_exec's retries, and once the lock goes the job is claimed
+    and runs once, its call charged once, and the worker serves the next job. (This held before; it
+    was untested end to end.)"""
+    username = f"claim-{uuid.uuid4().hex[:8]}"
+    api = Api(cut.base_url, api_key(cut.env, username, credits=100), username)
+    code = "from ptc_tools.demo import Demo\nprint('ran')\nDemo.add(a=1, b=2)"
+    logged = cut.exec_worker.log.stat().st_size
+    cut.exec_worker.stop()
+    try:
+        job = api.post("/api/v1/exec", json={"code": code, "toolsets": ["demo"], "wait": 0}).json()
+        assert job["status"] == "queued", job
+        with psycopg.connect(cut.env["DATABASE_URL"]) as holder:
+            holder.execute("SELECT 1 FROM execution_execjob WHERE id = %s FOR UPDATE", [job["id"]])
+            cut.exec_worker.start()
+            time.sleep(5)  # the claim and its retries cancelled meanwhile
+            assert api.get(f"/api/v1/exec/{job['id']}").json()["status"] == "queued"
+    finally:
+        if cut.exec_worker.proc is None or cut.exec_worker.proc.poll() is not None:
+            cut.exec_worker.start()
+    deadline = time.monotonic() + 30
+    while (final := api.get(f"/api/v1/exec/{job['id']}").json())["status"] in ("queued", "running"):
+        assert time.monotonic() < deadline, "the job did not run once its row's lock went"
+        time.sleep(0.2)
+    assert (final["status"], final["return_value"], final["stdout"]) == ("completed", 3, "ran\n"), final
+    assert final["credits_charged"] == 1
+    assert api.get("/api/v1/billing/balance").json()["balance"] == 99
+    assert api.run("6 * 7")["return_value"] == 42
+    with cut.exec_worker.log.open("rb") as log:
+        log.seek(logged)
+        assert b"canceling statement due to statement timeout" in log.read()  # the claim was cancelled, and retried
