@@ -1118,7 +1118,19 @@ def _tool_call_run(*, call: ToolCall, tool: Tool) -> None:
     # retry's claim found the call running under a fresh lease and dropped it, and the reaper then
     # failed it worker_lost. The finish changes only open calls: a retry never finishes one twice.
     ran = _Ran(call=call, reply=reply, billed=call.price_held)  # type: ignore[attr-defined]  # set by the claim
-    finished = db_retry(lambda: _finishes(ran), what="recording a tool call's result", job_id=call.exec_job_id, call_id=call_id)
+    first = True
+
+    def finish() -> bool:
+        # Through this worker's batches the first time, alone after: its batches run one at a time,
+        # and a finish waiting on a row held locked (its account's) held up every other call's
+        # finish on this worker for as long, at each of its retries (and failed those batched with it).
+        nonlocal first
+        if first:
+            first = False
+            return _finishes(ran)
+        return _tool_calls_finish_ran([ran])[0]
+
+    finished = db_retry(finish, what="recording a tool call's result", job_id=call.exec_job_id, call_id=call_id)
     # A tools worker's one line a call (Celery's own per-task lines are off there): STYLE.md §14's ids.
     job = {"job_id": str(call.exec_job_id)} if call.exec_job_id else {}
     ms = round((time.monotonic() - started) * 1000, 2)

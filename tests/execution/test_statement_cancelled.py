@@ -11,6 +11,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import psycopg
 import pytest
@@ -77,6 +78,53 @@ def test_a_tools_workers_finish_cancelled_by_the_statement_timeout_is_recorded_o
         "plan": None,
         "plan_expires_at": None,
     }
+    _check_ledger(cut)
+
+
+def test_a_finish_waiting_on_a_locked_account_holds_up_no_other_users_calls(cut: Stack) -> None:
+    """While one user's call waits to be recorded (its account's row held locked past the timeout,
+    its finish tried again until the lock goes), another user's calls on the same tools worker go on
+    as usual. A tools worker records the calls that end at once in one statement, a batch at a time:
+    the waiting call's retries went through the batches, and each held up every other call's finish
+    for a timeout (here 1 s: 37 of the other user's calls took over 0.5 s; now only those held up by
+    its first try, one per thread)."""
+    stuck_name, other_name = f"stuck-{uuid.uuid4().hex[:8]}", f"other-{uuid.uuid4().hex[:8]}"
+    stuck = Api(cut.base_url, api_key(cut.env, stuck_name, credits=100), stuck_name)
+    other = Api(cut.base_url, api_key(cut.env, other_name, credits=1000), other_name)
+    answers: list[dict] = []
+    slow = {"toolset": "demo", "tool": "sleep", "arguments": {"ms": 1000}}
+    caller = threading.Thread(target=lambda: answers.append(stuck.post("/api/v1/tools/execute", json=slow).json()))
+    caller.start()
+    deadline = time.monotonic() + 20
+    while stuck.get("/api/v1/billing/balance").json()["reserved"] < 1:
+        assert time.monotonic() < deadline, "the call's price was never held"
+        time.sleep(0.05)
+    took: list[float] = []
+    records: list[dict] = []
+
+    def calls(until: float) -> None:
+        while time.monotonic() < until:
+            started = time.monotonic()
+            response = other.post("/api/v1/tools/execute", json={"toolset": "demo", "tool": "add", "arguments": {"a": 1, "b": 2}})
+            took.append(time.monotonic() - started)
+            records.append(response.json())
+
+    with psycopg.connect(cut.env["DATABASE_URL"]) as holder:
+        holder.execute(
+            "SELECT 1 FROM billing_creditaccount a JOIN auth_user u ON u.id = a.user_id WHERE u.username = %s FOR UPDATE OF a",
+            [stuck_name],
+        )
+        time.sleep(1.5)  # the stuck call's finish has begun waiting
+        until = time.monotonic() + 6
+        with ThreadPoolExecutor(8) as pool:
+            list(pool.map(calls, [until] * 8))
+    caller.join(30)
+    assert answers and answers[0]["status"] == "completed", answers
+    assert records and all(record.get("status") == "completed" for record in records), [
+        r for r in records if r.get("status") != "completed"
+    ][:3]
+    held_up = [round(t, 2) for t in took if t > 0.5]
+    assert len(held_up) <= 16, held_up  # the 8 threads, held up by its first try, and as many again to spare
     _check_ledger(cut)
 
 
