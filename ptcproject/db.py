@@ -116,16 +116,16 @@ def unless_cancelled(work: Callable[[], T], *, what: str, **ids: Any) -> T | Non
 
 @contextmanager
 def statement_timeout_off(alias: str = DEFAULT_DB_ALIAS) -> Iterator[None]:
-    """Run the block's statements on this thread's connection to ``alias`` with no statement timeout
-    (PTC_DB_STATEMENT_TIMEOUT, or one set on the role): for work whose statements may rightly run
-    long on a large database (a retention round's purge, the ledger's check), not for a request's or
-    a call's.
+    """Run the block's statements on this thread's connection to ``alias`` with no
+    PTC_DB_STATEMENT_TIMEOUT (its statement_timeout and lock_timeout, or those set on the role): for
+    work whose statements may rightly run long on a large database (a retention round's purge, the
+    ledger's check), not for a request's or a call's.
 
-    Each statement runs in a transaction that lifts the timeout until it ends (``SET LOCAL``): the
-    block's own ``atomic`` block, or one of its own around a statement outside them. Nothing outlives
-    the transaction. A session's ``SET`` would: behind PgBouncer in transaction mode it stayed on the server
-    connection the pooler lent, for whichever client came next, and the block's next statement went
-    to another server connection, with the timeout. It costs a round trip per statement."""
+    Each statement runs in a transaction that lifts both until it ends (``SET LOCAL``): the block's
+    own ``atomic`` block, or one of its own around a statement outside them. Nothing outlives the
+    transaction. A session's ``SET`` would: behind PgBouncer in transaction mode it stayed on the
+    server connection the pooler lent, for whichever client came next, and the block's next
+    statement went to another server connection, with the timeout. It costs a round trip per statement."""
     database = connections[alias]
     if database.vendor != "postgresql":
         yield
@@ -150,4 +150,4 @@ def _statement_timeout_lift(database: Any, cursor: Any) -> None:
     # a connection lost (a restart, a killed backend), which must be Django's OperationalError, an
     # outage's, not psycopg's own error, which no outage path knows.
     with database.wrap_database_errors:
-        cursor.cursor.execute("SET LOCAL statement_timeout = 0")
+        cursor.cursor.execute("SELECT set_config('statement_timeout', '0', true), set_config('lock_timeout', '0', true)")

@@ -35,13 +35,22 @@ def _stale_plan(exc: errors.FeatureNotSupported) -> bool:
 
 
 def statement_timeout_set(executor: Any) -> None:
-    """Give the session of ``executor`` (a psycopg connection, or a cursor) PTC_DB_STATEMENT_TIMEOUT;
-    0: PostgreSQL's own."""
+    """Give the session of ``executor`` (a psycopg connection, or a cursor) PTC_DB_STATEMENT_TIMEOUT,
+    as its statement_timeout and its lock_timeout; 0: PostgreSQL's own.
+
+    lock_timeout too: a foreign key's check (Django makes them DEFERRABLE INITIALLY DEFERRED) runs
+    at the commit, which PostgreSQL runs after it has stopped the statement's clock. A row written
+    that names a job (a call's record, a hold) waited for the job's row, held locked by a stuck
+    transaction, for as long as it was held, whatever statement_timeout said: a tools worker's
+    claim did, and every claim on that worker waited behind it. A lock's wait is timed wherever it is."""
     if settings.PTC_DB_STATEMENT_TIMEOUT:
         timeout = f"{round(settings.PTC_DB_STATEMENT_TIMEOUT * 1000)}ms"
-        executor.execute("SELECT set_config('statement_timeout', %s, false)", [timeout])
+        executor.execute(
+            "SELECT set_config('statement_timeout', %s, false), set_config('lock_timeout', %s, false)", [timeout, timeout]
+        )
     else:
         executor.execute("RESET statement_timeout")
+        executor.execute("RESET lock_timeout")
 
 
 class PreparedCursor(ServerBindingCursor):

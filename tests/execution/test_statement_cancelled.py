@@ -81,6 +81,27 @@ def test_a_tools_workers_finish_cancelled_by_the_statement_timeout_is_recorded_o
     _check_ledger(cut)
 
 
+def _calls_for(api: Api, seconds: float, threads: int = 8) -> tuple[list[float], list[dict]]:
+    """Make calls of demo.add for ``api`` from ``threads`` threads for ``seconds``; return how long
+    each took, and its record."""
+    took: list[float] = []
+    records: list[dict] = []
+    until = time.monotonic() + seconds
+
+    def calls() -> None:
+        while time.monotonic() < until:
+            started = time.monotonic()
+            body = {"toolset": "demo", "tool": "add", "arguments": {"a": 1, "b": 2}}
+            response = api.http.post("/api/v1/tools/execute", json=body, timeout=15)
+            took.append(time.monotonic() - started)
+            records.append(response.json())
+
+    with ThreadPoolExecutor(threads) as pool:
+        for done in [pool.submit(calls) for _ in range(threads)]:
+            done.result()
+    return took, records
+
+
 def test_a_finish_waiting_on_a_locked_account_holds_up_no_other_users_calls(cut: Stack) -> None:
     """While one user's call waits to be recorded (its account's row held locked past the timeout,
     its finish tried again until the lock goes), another user's calls on the same tools worker go on
@@ -99,25 +120,13 @@ def test_a_finish_waiting_on_a_locked_account_holds_up_no_other_users_calls(cut:
     while stuck.get("/api/v1/billing/balance").json()["reserved"] < 1:
         assert time.monotonic() < deadline, "the call's price was never held"
         time.sleep(0.05)
-    took: list[float] = []
-    records: list[dict] = []
-
-    def calls(until: float) -> None:
-        while time.monotonic() < until:
-            started = time.monotonic()
-            response = other.post("/api/v1/tools/execute", json={"toolset": "demo", "tool": "add", "arguments": {"a": 1, "b": 2}})
-            took.append(time.monotonic() - started)
-            records.append(response.json())
-
     with psycopg.connect(cut.env["DATABASE_URL"]) as holder:
         holder.execute(
             "SELECT 1 FROM billing_creditaccount a JOIN auth_user u ON u.id = a.user_id WHERE u.username = %s FOR UPDATE OF a",
             [stuck_name],
         )
         time.sleep(1.5)  # the stuck call's finish has begun waiting
-        until = time.monotonic() + 6
-        with ThreadPoolExecutor(8) as pool:
-            list(pool.map(calls, [until] * 8))
+        took, records = _calls_for(other, 6)
     caller.join(30)
     assert answers and answers[0]["status"] == "completed", answers
     assert records and all(record.get("status") == "completed" for record in records), [
@@ -126,6 +135,37 @@ def test_a_finish_waiting_on_a_locked_account_holds_up_no_other_users_calls(cut:
     held_up = [round(t, 2) for t in took if t > 0.5]
     assert len(held_up) <= 16, held_up  # the 8 threads, held up by its first try, and as many again to spare
     _check_ledger(cut)
+
+
+def test_a_claim_waiting_on_a_locked_user_holds_up_no_other_users_calls(cut: Stack) -> None:
+    """A job's call is claimed by writing its record, whose foreign keys (Django's are DEFERRABLE
+    INITIALLY DEFERRED) are checked at the commit: the one to its user waits on the user's row
+    while a stuck transaction holds it locked (FOR UPDATE, as the quota check of a request takes it).
+    PostgreSQL runs that check past the statement's clock: statement_timeout never cancelled it, and
+    the tools worker's claims, a batch at a time, all waited behind it, any user's, for as long as
+    the lock was held (here another user's calls timed out). With lock_timeout set too, it is
+    cancelled, its task tries again until the lock goes, and the job then ends with the call's
+    result; the other user's calls go on."""
+    stuck_name, other_name = f"claimed-{uuid.uuid4().hex[:8]}", f"others-{uuid.uuid4().hex[:8]}"
+    stuck = Api(cut.base_url, api_key(cut.env, stuck_name), stuck_name)
+    other = Api(cut.base_url, api_key(cut.env, other_name, credits=1000), other_name)
+    code = "import time\nfrom ptc_tools.demo import Demo\ntime.sleep(2)\nDemo.echo(value=7)"
+    job = stuck.post("/api/v1/exec", json={"code": code, "toolsets": ["demo"], "wait": 0}).json()
+    deadline = time.monotonic() + 20
+    while stuck.get(f"/api/v1/exec/{job['id']}").json()["status"] != "running":
+        assert time.monotonic() < deadline, "the job never ran"
+        time.sleep(0.05)
+    with psycopg.connect(cut.env["DATABASE_URL"]) as holder:
+        holder.execute("SELECT 1 FROM auth_user WHERE username = %s FOR UPDATE", [stuck_name])
+        time.sleep(3)  # its call's claim has begun waiting
+        took, records = _calls_for(other, 6)
+    deadline = time.monotonic() + 30
+    while (final := stuck.get(f"/api/v1/exec/{job['id']}").json())["status"] in ("queued", "running"):
+        assert time.monotonic() < deadline, "the job did not end once its row's lock went"
+        time.sleep(0.2)
+    assert (final["status"], final["return_value"]) == ("completed", 7), (final["error"], final["stderr"][-2000:])
+    assert records and all(record.get("status") == "completed" for record in records)
+    assert max(took) < 10, sorted(took)[-5:]
 
 
 def _job_copy(conn: psycopg.Connection, job_id: str, **values: str) -> str:

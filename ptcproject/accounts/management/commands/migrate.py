@@ -47,13 +47,13 @@ class Command(MigrateCommand):
                 lock.rollback()
                 time.sleep(LOCK_POLL_SECONDS)
             # A migration may take longer than PTC_DB_STATEMENT_TIMEOUT (an index built on a large
-            # table): it runs without it (the lock's connection, not Django's, never had it). Lifted
-            # for the session, not per transaction as ptcproject.db.statement_timeout_off lifts it:
-            # a concurrent build can't run in a transaction. Behind a pooler in transaction mode the
-            # session's setting would go astray (README, "Behind PgBouncer"): migrate runs on a
-            # direct connection.
+            # table): it runs without it, its statement and lock timeouts both (the lock's connection,
+            # not Django's, never had them). Lifted for the session, not per transaction as
+            # ptcproject.db.statement_timeout_off lifts it: a concurrent build can't run in a
+            # transaction. Behind a pooler in transaction mode the session's setting would go astray
+            # (README, "Behind PgBouncer"): migrate runs on a direct connection.
             with connections[alias].cursor() as cursor:
-                cursor.execute("SET statement_timeout = 0")
+                cursor.execute("SELECT set_config('statement_timeout', '0', false), set_config('lock_timeout', '0', false)")
             try:
                 super().handle(*args, **options)
             finally:
