@@ -315,3 +315,27 @@ def test_a_jobs_claim_cancelled_by_the_statement_timeout_runs_the_job_once_the_l
     with cut.exec_worker.log.open("rb") as log:
         log.seek(logged)
         assert b"canceling statement due to statement timeout" in log.read()  # the claim was cancelled, and retried
+
+
+def test_a_running_jobs_row_held_locked_past_its_lease_is_not_reaped_before_its_worker_renews(cut: Stack) -> None:
+    """A running job whose row a stuck transaction holds locked: its worker's lease renewals wait on
+    the lock and are cancelled, as the reaper's statement failing it is, so its lease lapses though
+    its worker lives. Once the lock goes, the reaper gives its worker a lease to renew before it
+    judges the job. Before, its next round failed the job WorkerLost (the worker's renewal here comes
+    1.5 s after the lock went, the reaper's round every second)."""
+    username = f"renew-{uuid.uuid4().hex[:8]}"
+    api = Api(cut.base_url, api_key(cut.env, username), username)
+    done = api.run("1")
+    with psycopg.connect(cut.env["DATABASE_URL"], autocommit=True) as conn:
+        live = _job_copy(conn, done["id"], status="'running'", heartbeat_at="now() - interval '10 seconds'", closed_at="NULL")
+        conn.execute("UPDATE execution_execjob SET finished_at = NULL WHERE id = %s", [live])
+        with psycopg.connect(cut.env["DATABASE_URL"]) as holder:
+            holder.execute("SELECT 1 FROM execution_execjob WHERE id = %s FOR UPDATE", [live])
+            time.sleep(3)  # the reaper's rounds find it locked
+        time.sleep(1.5)
+        renewed = conn.execute(
+            "UPDATE execution_execjob SET heartbeat_at = now() WHERE id = %s AND status = 'running'", [live]
+        ).rowcount  # as its worker's next renewal
+        status = api.get(f"/api/v1/exec/{live}").json()
+        conn.execute("UPDATE execution_execjob SET status = 'cancelled', finished_at = now() WHERE id = %s", [live])
+    assert renewed == 1, status["error"]
