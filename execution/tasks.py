@@ -77,7 +77,8 @@ def purge_jobs() -> int:
 def execute_tool(call_id: str, record: str | None = None) -> None:
     # ``record``: a job's call, recorded by its claim (services.calls.tool_call_execute).
     try:
-        tool_call_execute(call_id=call_id, record=record)
+        # A retry claims its call on its own, not in the worker's batches (services.calls.tool_call_execute).
+        tool_call_execute(call_id=call_id, record=record, alone=bool(execute_tool.request.retries))
     except (OperationalError, InterfaceError):
         raise
     except Exception:

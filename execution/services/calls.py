@@ -931,7 +931,7 @@ def tool_calls_heartbeat() -> int:
     return ToolCall.objects.filter(call_id__in=running, status=ToolCall.Status.EXECUTING).update(heartbeat_at=timezone.now())
 
 
-def tool_call_execute(*, call_id: str, record: str | None = None) -> None:
+def tool_call_execute(*, call_id: str, record: str | None = None, alone: bool = False) -> None:
     """Run one call, once: claim it, run it, record the result, push it to the job.
 
     A call from a job's sandbox comes with its ``record`` (signed): the claim writes it, one
@@ -941,6 +941,11 @@ def tool_call_execute(*, call_id: str, record: str | None = None) -> None:
     finished, its result is pushed again (the bridge ignores repeats); if it runs under a fresh
     lease, the delivery is a duplicate and is dropped; if its lease lapsed, the worker that ran it
     died, and it fails as ``worker_lost`` rather than run twice.
+
+    The claim goes with those of this worker's other threads, a batch at a time (``_claims``); with
+    ``alone`` (its task's retry), on its own: a claim that failed may fail again (its statement
+    cancelled, waiting on a row held locked), and through the batches each try held up every other
+    call's claim on this worker as long.
     """
     queued = _tool_call_unsigned(record) if record is not None else None
     if record is not None and queued is None:
@@ -950,7 +955,8 @@ def tool_call_execute(*, call_id: str, record: str | None = None) -> None:
         reply: dict[str, Any] = {"ok": False, "error": call_error("internal_error", BAD_RECORD_MESSAGE)}
         backplane().publish(_result_channel(call_id, _unverified_job(record)), Result(call_id=call_id, **reply))
         return
-    call = _claims((call_id, queued))  # with the claims of this worker's other threads, when they coincide
+    # With the claims of this worker's other threads, when they coincide; a retry's on its own.
+    call = _tool_calls_claim([(call_id, queued)])[0] if alone else _claims((call_id, queued))
     claimed = call is not None
     if call is None:
         call = ToolCall.objects.filter(call_id=call_id).first()

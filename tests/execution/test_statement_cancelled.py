@@ -145,7 +145,8 @@ def test_a_claim_waiting_on_a_locked_user_holds_up_no_other_users_calls(cut: Sta
     the tools worker's claims, a batch at a time, all waited behind it, any user's, for as long as
     the lock was held (here another user's calls timed out). With lock_timeout set too, it is
     cancelled, its task tries again until the lock goes, and the job then ends with the call's
-    result; the other user's calls go on."""
+    result; the other user's calls go on, held up by none of its retries, which claim it alone (in
+    the worker's batches, each held every other claim up for a timeout: 16 of those calls)."""
     stuck_name, other_name = f"claimed-{uuid.uuid4().hex[:8]}", f"others-{uuid.uuid4().hex[:8]}"
     stuck = Api(cut.base_url, api_key(cut.env, stuck_name), stuck_name)
     other = Api(cut.base_url, api_key(cut.env, other_name, credits=1000), other_name)
@@ -165,7 +166,9 @@ def test_a_claim_waiting_on_a_locked_user_holds_up_no_other_users_calls(cut: Sta
         time.sleep(0.2)
     assert (final["status"], final["return_value"]) == ("completed", 7), (final["error"], final["stderr"][-2000:])
     assert records and all(record.get("status") == "completed" for record in records)
-    assert max(took) < 10, sorted(took)[-5:]
+    # Its first try came before these calls; its retries, claimed alone, hold up none of them.
+    held_up = [round(t, 2) for t in took if t > 0.5]
+    assert len(held_up) <= 8, held_up
 
 
 def _job_copy(conn: psycopg.Connection, job_id: str, **values: str) -> str:
