@@ -1260,6 +1260,12 @@ def _tool_call_close_held(call_id: str) -> None:
         credits_release(tool_call_id=call_id)
 
 
+# The calls whose rows this process's reaper found held locked (its statement cancelled), and when
+# (time.monotonic()): their workers' lease renewals waited on the same lock, and a live call's lease
+# lapsed. Each is judged a whole lease after its row was last found locked (as jobs are).
+_reaper_found_locked: dict[str, float] = {}
+
+
 def tool_calls_reap() -> None:
     """Fail the calls whose tools worker stopped renewing their lease (it died), and tell their
     code at once: ``worker_lost``, never run again."""
@@ -1269,11 +1275,19 @@ def tool_calls_reap() -> None:
         .annotate(lease=Coalesce("heartbeat_at", "claimed_at"))
         .filter(lease__lt=stale)
     )
+    trusted = time.monotonic() - settings.PTC_JOB_LEASE_SECONDS
+    for call_id, found in list(_reaper_found_locked.items()):
+        if found < trusted:
+            _reaper_found_locked.pop(call_id, None)
     for call_id, ptc_call_id in lapsed.values_list("call_id", "ptc_call_id"):
+        if call_id in _reaper_found_locked:
+            continue  # its worker's renewals waited on the lock its row was held by: judged later
         logger.warning("a tools worker stopped renewing a call's lease; failing it", extra={"call_id": call_id})
         fail = functools.partial(
             _tool_call_fail, call_id, "worker_lost", "the tools worker running this call stopped; it was not run again"
         )
         reply = unless_cancelled(fail, what="failing a call whose worker stopped", call_id=call_id)
-        if reply is not None:
+        if reply is None:
+            _reaper_found_locked[call_id] = time.monotonic()
+        else:
             backplane().publish(_result_channel(call_id, ptc_call_id), Result(call_id=call_id, **reply))

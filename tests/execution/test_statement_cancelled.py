@@ -171,15 +171,20 @@ def test_a_claim_waiting_on_a_locked_user_holds_up_no_other_users_calls(cut: Sta
     assert len(held_up) <= 8, held_up
 
 
-def _job_copy(conn: psycopg.Connection, job_id: str, **values: str) -> str:
-    """Write a copy of job ``job_id`` with a new id and call_id and ``values`` (SQL expressions, by
-    column); return its id. As the job of a worker that died, or a queue message that was lost."""
-    new = str(uuid.uuid4())
+def _row_copy(conn: psycopg.Connection, table: str, where: tuple[str, str], **values: str) -> None:
+    """Write a copy of the row of ``table`` where ``where`` (column, value) is, with ``values`` (SQL
+    expressions, by column): as a job or call of a worker that died, or a queue message lost."""
     sets = ", ".join(f"{column} = {expression}" for column, expression in values.items())
-    conn.execute("CREATE TEMP TABLE copied AS SELECT * FROM execution_execjob WHERE id = %s", [job_id])
-    conn.execute(f"UPDATE copied SET id = %s, call_id = %s, {sets}", [new, f"exec_{uuid.uuid4().hex}"])
-    conn.execute("INSERT INTO execution_execjob SELECT * FROM copied")
+    conn.execute(f"CREATE TEMP TABLE copied AS SELECT * FROM {table} WHERE {where[0]} = %s", [where[1]])
+    conn.execute(f"UPDATE copied SET {sets}")
+    conn.execute(f"INSERT INTO {table} SELECT * FROM copied")
     conn.execute("DROP TABLE copied")
+
+
+def _job_copy(conn: psycopg.Connection, job_id: str, **values: str) -> str:
+    """Write a copy of job ``job_id`` with a new id and call_id and ``values``; return its id."""
+    new = str(uuid.uuid4())
+    _row_copy(conn, "execution_execjob", ("id", job_id), id=f"'{new}'", call_id=f"'exec_{uuid.uuid4().hex}'", **values)
     return new
 
 
@@ -342,3 +347,38 @@ def test_a_running_jobs_row_held_locked_past_its_lease_is_not_reaped_before_its_
         status = api.get(f"/api/v1/exec/{live}").json()
         conn.execute("UPDATE execution_execjob SET status = 'cancelled', finished_at = now() WHERE id = %s", [live])
     assert renewed == 1, status["error"]
+
+
+def test_a_running_calls_row_held_locked_past_its_lease_is_not_reaped_before_its_worker_renews(cut: Stack) -> None:
+    """A call a tools worker runs, whose row a stuck transaction holds locked: the worker's lease
+    renewals wait on the lock and are cancelled, as the reaper's statement failing it is, so its
+    lease lapses though its worker lives. Once the lock goes, the reaper gives the worker a lease
+    to renew before it judges the call. Before, its next round failed the call worker_lost (the
+    renewal here comes 1.5 s after the lock went, the reaper's round every second)."""
+    username = f"lease-{uuid.uuid4().hex[:8]}"
+    api = Api(cut.base_url, api_key(cut.env, username), username)
+    done = api.post("/api/v1/tools/execute", json={"toolset": "demo", "tool": "echo", "arguments": {"value": 1}}).json()
+    live = f"standalone_{uuid.uuid4().hex}"
+    with psycopg.connect(cut.env["DATABASE_URL"], autocommit=True) as conn:
+        _row_copy(
+            conn,
+            "execution_toolcall",
+            ("call_id", done["call_id"]),
+            id="nextval(pg_get_serial_sequence('execution_toolcall', 'id'))",
+            call_id=f"'{live}'",
+            status="'executing'",
+            claimed_at="now() - interval '1 minute'",
+            heartbeat_at="now() - interval '10 seconds'",
+            finished_at="NULL",
+            output="NULL",
+        )
+        with psycopg.connect(cut.env["DATABASE_URL"]) as holder:
+            holder.execute("SELECT 1 FROM execution_toolcall WHERE call_id = %s FOR UPDATE", [live])
+            time.sleep(3)  # the reaper's rounds find it locked
+        time.sleep(1.5)
+        renewed = conn.execute(
+            "UPDATE execution_toolcall SET heartbeat_at = now() WHERE call_id = %s AND status = 'executing'", [live]
+        ).rowcount  # as its worker's next renewal
+        error = conn.execute("SELECT error FROM execution_toolcall WHERE call_id = %s", [live]).fetchone()
+        conn.execute("UPDATE execution_toolcall SET status = 'failed', finished_at = now() WHERE call_id = %s", [live])
+    assert renewed == 1, error
