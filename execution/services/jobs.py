@@ -72,7 +72,7 @@ from ptcproject import queues, rows, tracing
 from ptcproject.accounts.services import api_key_create, job_keys_revoke
 from ptcproject.broker import broker_trouble
 from ptcproject.celery import task_publish
-from ptcproject.db import db_reset, db_retry, unless_cancelled
+from ptcproject.db import db_reset, db_retry, statement_cancelled, unless_cancelled
 from ptcproject.errors import ApplicationError, call_error, job_error
 from ptcproject.metrics import job_finished_observe
 from ptcproject.policy.models import Policy
@@ -585,11 +585,15 @@ def _exec_job_key(*, job: ExecJob) -> str:
 def _exec_job_heartbeat(*, job_id: Any) -> bool:
     """Renew a running job's lease. Return False if the job is no longer running (cancelled, or
     reaped while its worker stalled): its sandbox must stop. A database outage is not the job's end:
-    the lease outlasts a short one, so this says go on."""
+    the lease outlasts a short one, so this says go on; nor is its row held locked (the renewal
+    cancelled at PTC_DB_STATEMENT_TIMEOUT), which the log line says, not an outage."""
     try:
         return bool(ExecJob.objects.filter(pk=job_id, status=Status.RUNNING).update(heartbeat_at=timezone.now()))
-    except (OperationalError, InterfaceError):
-        logger.warning("could not renew the job's lease: the database is unreachable", extra={"job_id": str(job_id)})
+    except (OperationalError, InterfaceError) as exc:
+        why = (
+            "its row is held locked (the statement was cancelled)" if statement_cancelled(exc) else "the database is unreachable"
+        )
+        logger.warning("could not renew the job's lease: %s", why, extra={"job_id": str(job_id)})
         db_reset()
         return True
 

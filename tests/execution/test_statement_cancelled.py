@@ -382,3 +382,30 @@ def test_a_running_calls_row_held_locked_past_its_lease_is_not_reaped_before_its
         error = conn.execute("SELECT error FROM execution_toolcall WHERE call_id = %s", [live]).fetchone()
         conn.execute("UPDATE execution_toolcall SET status = 'failed', finished_at = now() WHERE call_id = %s", [live])
     assert renewed == 1, error
+
+
+def test_a_jobs_lease_renewal_cancelled_on_its_locked_row_is_logged_as_such_and_the_job_goes_on(cut: Stack) -> None:
+    """A running job whose row is held locked for a while: its worker's lease renewals are
+    cancelled, the job goes on and ends as it would, and the worker's log says why the renewal
+    failed: its row held locked, not "the database is unreachable" (an operator then looks for an
+    outage that is not there, as db_retry's line said before c0adf5a)."""
+    username = f"logged-{uuid.uuid4().hex[:8]}"
+    api = Api(cut.base_url, api_key(cut.env, username), username)
+    logged = cut.exec_worker.log.stat().st_size
+    job = api.post("/api/v1/exec", json={"code": "import time\ntime.sleep(4)\n6 * 7", "wait": 0}).json()
+    deadline = time.monotonic() + 20
+    while api.get(f"/api/v1/exec/{job['id']}").json()["status"] != "running":
+        assert time.monotonic() < deadline, "the job never ran"
+        time.sleep(0.05)
+    with psycopg.connect(cut.env["DATABASE_URL"]) as holder:
+        holder.execute("SELECT 1 FROM execution_execjob WHERE id = %s FOR NO KEY UPDATE", [job["id"]])
+        time.sleep(2.5)  # under the lease (4 s): two renewals cancelled
+    deadline = time.monotonic() + 20
+    while (final := api.get(f"/api/v1/exec/{job['id']}").json())["status"] in ("queued", "running"):
+        assert time.monotonic() < deadline, "the job did not end"
+        time.sleep(0.2)
+    assert (final["status"], final["return_value"]) == ("completed", 42), final["error"]
+    with cut.exec_worker.log.open("rb") as log:
+        log.seek(logged)
+        lines = [line for line in log.read().decode().splitlines() if "could not renew the job's lease" in line]
+    assert lines and all("held locked" in line for line in lines), lines
