@@ -114,6 +114,44 @@ def unless_cancelled(work: Callable[[], T], *, what: str, **ids: Any) -> T | Non
         return None
 
 
+class LockedRows:
+    """The rows of ``model`` (by ``field``) a reaper found held locked (its statement cancelled), for
+    rows whose lease their worker renews: the worker's renewals wait on the same lock, and are
+    cancelled as the reaper's statement is, so a live worker's lease lapses. Such a row is judged
+    a whole lease (PTC_JOB_LEASE_SECONDS) after it was last found held: each round probes it again
+    (``SELECT ... FOR UPDATE SKIP LOCKED``, which waits on nothing), so the lease is counted from
+    when the lock went, as every lease is after an outage. One process's reaper, one thread."""
+
+    def __init__(self, model: Any, field: str) -> None:
+        self.model, self.field = model, field
+        self.found: dict[Any, float] = {}  # when each was last found held (time.monotonic())
+
+    def held(self, key: Any) -> None:
+        """Say the row of ``key`` was just found held locked."""
+        self.found[key] = time.monotonic()
+
+    def waits(self, key: Any) -> bool:
+        """Whether the row of ``key`` (lapsed) is left to a later round: held locked now, or within a
+        lease of when it last was."""
+        found = self.found.get(key)
+        if found is None:
+            return False
+        with transaction.atomic():
+            free = self.model.objects.select_for_update(skip_locked=True).filter(**{self.field: key}).values_list("pk").first()
+        if free is None:
+            self.held(key)
+            return True
+        if time.monotonic() - found < settings.PTC_JOB_LEASE_SECONDS:
+            return True
+        del self.found[key]
+        return False
+
+    def keep_only(self, keys: set[Any]) -> None:
+        """Forget the rows not among ``keys`` (those still lapsed): renewed, or ended."""
+        for key in [key for key in self.found if key not in keys]:
+            del self.found[key]
+
+
 @contextmanager
 def statement_timeout_off(alias: str = DEFAULT_DB_ALIAS) -> Iterator[None]:
     """Run the block's statements on this thread's connection to ``alias`` with no

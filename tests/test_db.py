@@ -223,7 +223,7 @@ def test_a_connection_lost_under_work_run_without_the_statement_timeout_is_an_ou
     with statement_timeout_off(), connection.cursor() as cursor:  # the next one is a good connection
         cursor.execute("SHOW statement_timeout")
         assert cursor.fetchone()[0] == "0"
-    assert _statement_timeout() == "30s"
+    assert _statement_timeout() == "30s/30s"
 
 
 def test_a_worker_retrying_a_cancelled_statement_says_it_was_cancelled_not_unreachable(

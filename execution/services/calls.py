@@ -47,7 +47,7 @@ from ptcproject.accounts.models import ApiKey
 from ptcproject.batching import GroupCommit
 from ptcproject.broker import broker_trouble
 from ptcproject.celery import task_publish
-from ptcproject.db import db_reset, db_retry, statement_cancelled, unless_cancelled
+from ptcproject.db import LockedRows, db_reset, db_retry, statement_cancelled, unless_cancelled
 from ptcproject.errors import ApplicationError, call_error
 from ptcproject.metrics import tool_call_observe
 from ptcproject.policy.models import Policy
@@ -1260,10 +1260,8 @@ def _tool_call_close_held(call_id: str) -> None:
         credits_release(tool_call_id=call_id)
 
 
-# The calls whose rows this process's reaper found held locked (its statement cancelled), and when
-# (time.monotonic()): their workers' lease renewals waited on the same lock, and a live call's lease
-# lapsed. Each is judged a whole lease after its row was last found locked (as jobs are).
-_reaper_found_locked: dict[str, float] = {}
+# The calls whose rows this process's reaper found held locked: their workers' renewals waited on the lock.
+_reaper_found_locked = LockedRows(ToolCall, "call_id")
 
 
 def tool_calls_reap() -> None:
@@ -1275,12 +1273,10 @@ def tool_calls_reap() -> None:
         .annotate(lease=Coalesce("heartbeat_at", "claimed_at"))
         .filter(lease__lt=stale)
     )
-    trusted = time.monotonic() - settings.PTC_JOB_LEASE_SECONDS
-    for call_id, found in list(_reaper_found_locked.items()):
-        if found < trusted:
-            _reaper_found_locked.pop(call_id, None)
-    for call_id, ptc_call_id in lapsed.values_list("call_id", "ptc_call_id"):
-        if call_id in _reaper_found_locked:
+    lapsed_calls = list(lapsed.values_list("call_id", "ptc_call_id"))
+    _reaper_found_locked.keep_only({call_id for call_id, _ in lapsed_calls})
+    for call_id, ptc_call_id in lapsed_calls:
+        if _reaper_found_locked.waits(call_id):
             continue  # its worker's renewals waited on the lock its row was held by: judged later
         logger.warning("a tools worker stopped renewing a call's lease; failing it", extra={"call_id": call_id})
         fail = functools.partial(
@@ -1288,6 +1284,6 @@ def tool_calls_reap() -> None:
         )
         reply = unless_cancelled(fail, what="failing a call whose worker stopped", call_id=call_id)
         if reply is None:
-            _reaper_found_locked[call_id] = time.monotonic()
+            _reaper_found_locked.held(call_id)
         else:
             backplane().publish(_result_channel(call_id, ptc_call_id), Result(call_id=call_id, **reply))

@@ -72,7 +72,7 @@ from ptcproject import queues, rows, tracing
 from ptcproject.accounts.services import api_key_create, job_keys_revoke
 from ptcproject.broker import broker_trouble
 from ptcproject.celery import task_publish
-from ptcproject.db import db_reset, db_retry, statement_cancelled, unless_cancelled
+from ptcproject.db import LockedRows, db_reset, db_retry, statement_cancelled, unless_cancelled
 from ptcproject.errors import ApplicationError, call_error, job_error
 from ptcproject.metrics import job_finished_observe
 from ptcproject.policy.models import Policy
@@ -977,12 +977,8 @@ def exec_job_cancel_await(*, job: ExecJob) -> End | None:
 # every lease lapsed for all alike, and live workers (and finishers retrying their record) need
 # time to renew theirs. A whole lease: after an outage, a dead worker is found one lease later.
 _reaper_blind_until = 0.0
-# The running jobs whose rows this process's reaper found held locked (its statement cancelled), and
-# when (time.monotonic()). Their workers' renewals waited on the same lock, and were cancelled as
-# the reaper's was: each lease lapsed though its worker lived, and once the lock went, the reaper
-# failed the job WorkerLost if it came before the worker's next renewal. Such a job is judged a
-# whole lease after its row was last found locked, as every job is after an outage.
-_reaper_found_locked: dict[Any, float] = {}
+# The running jobs whose rows this process's reaper found held locked: their workers' renewals waited on the lock.
+_reaper_found_locked = LockedRows(ExecJob, "pk")
 
 
 def exec_jobs_reap() -> int:
@@ -1043,16 +1039,14 @@ def exec_jobs_reap() -> int:
     reaped = 0
     # A managed container's job has no worker and no lease: it is not reaped, only closed once idle (above).
     running = ExecJob.objects.run_here().filter(status=Status.RUNNING, heartbeat_at__lt=stale)
-    trusted = time.monotonic() - settings.PTC_JOB_LEASE_SECONDS
-    for job_id, found in list(_reaper_found_locked.items()):
-        if found < trusted:
-            _reaper_found_locked.pop(job_id, None)
-    for job_id in running.values_list("pk", flat=True):
-        if job_id in _reaper_found_locked:
+    lapsed = list(running.values_list("pk", flat=True))
+    _reaper_found_locked.keep_only(set(lapsed))
+    for job_id in lapsed:
+        if _reaper_found_locked.waits(job_id):
             continue  # its worker's renewals waited on the lock its row was held by: judged later
         failed = unless_cancelled(functools.partial(_exec_job_reap, job_id=job_id), what="reaping a job", job_id=str(job_id))
         if failed is None:
-            _reaper_found_locked[job_id] = time.monotonic()
+            _reaper_found_locked.held(job_id)
         reaped += bool(failed)
     return reaped
 

@@ -374,7 +374,7 @@ def test_a_running_calls_row_held_locked_past_its_lease_is_not_reaped_before_its
         )
         with psycopg.connect(cut.env["DATABASE_URL"]) as holder:
             holder.execute("SELECT 1 FROM execution_toolcall WHERE call_id = %s FOR UPDATE", [live])
-            time.sleep(3)  # the reaper's rounds find it locked
+            time.sleep(5)  # the reaper's rounds (every second) find it locked, a loaded machine's too
         time.sleep(1.5)
         renewed = conn.execute(
             "UPDATE execution_toolcall SET heartbeat_at = now() WHERE call_id = %s AND status = 'executing'", [live]
