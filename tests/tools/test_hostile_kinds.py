@@ -214,6 +214,8 @@ def hostile(upstream: str, create_toolset: Callable[..., dict[str, Any]]) -> str
                 _get("search", "/query", where={"type": "object"}, ids={"type": "array"}),
                 _get("pick", "/ok", "POST", picks={"type": "array", "items": {"enum": [f"v{i}" for i in range(5000)]}}),
                 _get("spell", "/ok", "POST", words={"type": "array", "items": {"type": "string", "pattern": "^(a|aa)+$"}}),
+                # Items that must NOT match: each refused match passes, so every item is matched.
+                _get("misspell", "/ok", "POST", words={"type": "array", "items": {"not": {"pattern": "^(a|aa)+$"}}}),
                 _get("bigint", "/bigint"),
                 _get("cut", "/cut"),
                 _get("gzip", "/gzip"),
@@ -436,14 +438,18 @@ def test_a_long_list_is_checked_against_a_large_enum_in_time(api: Api, hostile: 
 
 
 def test_patterns_are_bounded_over_a_whole_call_not_only_each_match(api: Api, hostile: str) -> None:
-    """A pattern that backtracks (``^(a|aa)+$``), against 1,000 items that each take it about 3 ms
+    """A pattern that backtracks (``^(a|aa)+$``), against 5,000 items that each take it 0.5 to 3 ms
     to refuse, far under the 0.1 s a match may take (at 25 ms each, a busy machine's slow moment
     took one past it, and the call was refused for that match instead): the call's matches are
     bounded in all, so the call is refused in about a second, not after the seconds all of them
-    take; one item that matches still goes."""
-    slow, ok = _timed_calls(api, hostile, "spell", "words", '["a" * 22 + "!"] * 1000', '["aaaa"]')
+    take; one item that matches still goes. The items must not match (``not``): each is then no
+    error, and every one is matched. Items that should match and don't stopped the check at its
+    100th error (ERRORS_WEIGHED), which a quick machine reached in under a second, so the test
+    failed there."""
+    [slow] = _timed_calls(api, hostile, "misspell", "words", '["a" * 22 + "!"] * 5000')
     assert slow[0] == "invalid_arguments" and float(slow[2]) < 5, slow
     assert slow[1].startswith("the tool's input schema has patterns that took over 1 s in all to match"), slow
+    [ok] = _timed_calls(api, hostile, "spell", "words", '["aaaa"]')
     assert ok[:2] == ["ok", "{'ok': True}"], ok
 
 
