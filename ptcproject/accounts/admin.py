@@ -191,7 +191,7 @@ class PtcUserAdmin(CountedDeleteAdmin, UserAdmin):
         change: bool = False,
         form_url: str = "",
         obj: Any = None,
-    ) -> Any:
+    ) -> HttpResponse:
         fields = context["adminform"].form.fields  # this page's own form's
         if obj is not None and "password" in fields and not self.has_change_permission(request, obj):
             fields["password"].widget = PasswordSummary()

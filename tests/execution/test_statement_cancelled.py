@@ -12,6 +12,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 
 import psycopg
 import pytest
@@ -27,14 +28,28 @@ def cut(stack_env: dict[str, str]) -> Iterator[Stack]:
         yield stack
 
 
-def _hold_account(stack: Stack, username: str, seconds: float) -> None:
-    """Hold ``username``'s credit account row locked for ``seconds``, as a stuck transaction would."""
+@contextmanager
+def _account_held(stack: Stack, username: str) -> Iterator[None]:
+    """Hold ``username``'s credit account row locked for the block, as a stuck transaction would."""
     with psycopg.connect(stack.env["DATABASE_URL"]) as conn:
         conn.execute(
             "SELECT 1 FROM billing_creditaccount a JOIN auth_user u ON u.id = a.user_id WHERE u.username = %s FOR UPDATE OF a",
             [username],
         )
-        time.sleep(seconds)
+        yield
+
+
+def _held_call(api: Api, body: dict) -> tuple[threading.Thread, list]:
+    """Post the call ``body`` to /tools/execute from a thread; return the thread and the list its
+    answer (the response) goes to, once the call's price is held."""
+    answers: list = []
+    caller = threading.Thread(target=lambda: answers.append(api.post("/api/v1/tools/execute", json=body)))
+    caller.start()
+    deadline = time.monotonic() + 20
+    while api.get("/api/v1/billing/balance").json()["reserved"] < 1:
+        assert time.monotonic() < deadline, "the call's price was never held"
+        time.sleep(0.05)
+    return caller, answers
 
 
 def _check_ledger(stack: Stack) -> None:
@@ -53,23 +68,13 @@ def test_a_tools_workers_finish_cancelled_by_the_statement_timeout_is_recorded_o
     worker had died."""
     username = f"cancel-{uuid.uuid4().hex[:8]}"
     api = Api(cut.base_url, api_key(cut.env, username, credits=100), username)
-    answers: list[dict] = []
-
-    def call() -> None:
-        body = {"toolset": "demo", "tool": "sleep", "arguments": {"ms": 1500}}
-        answers.append(api.post("/api/v1/tools/execute", json=body).json())
-
-    caller = threading.Thread(target=call)
-    caller.start()
-    deadline = time.monotonic() + 20
-    while api.get("/api/v1/billing/balance").json()["reserved"] < 1:
-        assert time.monotonic() < deadline, "the call's price was never held"
-        time.sleep(0.05)
+    caller, answers = _held_call(api, {"toolset": "demo", "tool": "sleep", "arguments": {"ms": 1500}})
     # Locked before the tool returns (1.5 s), held past the timeout and the call's lease (4 s).
-    _hold_account(cut, username, 7)
+    with _account_held(cut, username):
+        time.sleep(7)
     caller.join(60)
     assert not caller.is_alive()
-    (record,) = answers
+    (record,) = [answer.json() for answer in answers]
     assert record["status"] == "completed", record["error"]
     assert (record["output"], record["credits"]) == ({"slept_ms": 1500}, 1)
     assert api.get("/api/v1/billing/balance").json() | {"plan": None, "plan_expires_at": None} == {
@@ -112,22 +117,12 @@ def test_a_finish_waiting_on_a_locked_account_holds_up_no_other_users_calls(cut:
     stuck_name, other_name = f"stuck-{uuid.uuid4().hex[:8]}", f"other-{uuid.uuid4().hex[:8]}"
     stuck = Api(cut.base_url, api_key(cut.env, stuck_name, credits=100), stuck_name)
     other = Api(cut.base_url, api_key(cut.env, other_name, credits=1000), other_name)
-    answers: list[dict] = []
-    slow = {"toolset": "demo", "tool": "sleep", "arguments": {"ms": 1000}}
-    caller = threading.Thread(target=lambda: answers.append(stuck.post("/api/v1/tools/execute", json=slow).json()))
-    caller.start()
-    deadline = time.monotonic() + 20
-    while stuck.get("/api/v1/billing/balance").json()["reserved"] < 1:
-        assert time.monotonic() < deadline, "the call's price was never held"
-        time.sleep(0.05)
-    with psycopg.connect(cut.env["DATABASE_URL"]) as holder:
-        holder.execute(
-            "SELECT 1 FROM billing_creditaccount a JOIN auth_user u ON u.id = a.user_id WHERE u.username = %s FOR UPDATE OF a",
-            [stuck_name],
-        )
+    caller, answered = _held_call(stuck, {"toolset": "demo", "tool": "sleep", "arguments": {"ms": 1000}})
+    with _account_held(cut, stuck_name):
         time.sleep(1.5)  # the stuck call's finish has begun waiting
         took, records = _calls_for(other, 6)
     caller.join(30)
+    answers = [answer.json() for answer in answered]
     assert answers and answers[0]["status"] == "completed", answers
     assert records and all(record.get("status") == "completed" for record in records), [
         r for r in records if r.get("status") != "completed"
@@ -269,14 +264,7 @@ def test_a_containers_call_that_ran_is_answered_though_its_jobs_row_is_held_lock
     assert first.status_code == 200 and first.json()["status"] == "completed", first.text
     job_call_id = first.json()["ptc_call_id"]
     before = api.get("/api/v1/billing/balance").json()["balance"]
-    answers: list = []
-    slow = {**body, "tool": "sleep", "arguments": {"ms": 1500}}
-    caller_thread = threading.Thread(target=lambda: answers.append(api.post("/api/v1/tools/execute", json=slow)))
-    caller_thread.start()
-    deadline = time.monotonic() + 20
-    while api.get("/api/v1/billing/balance").json()["reserved"] < 1:
-        assert time.monotonic() < deadline, "the call's price was never held"
-        time.sleep(0.05)
+    caller_thread, answers = _held_call(api, {**body, "tool": "sleep", "arguments": {"ms": 1500}})
     # As a transaction that updated the job's row and is stuck holds it: the call's own updates of
     # its row (its lease, its finish) take a key-share lock on the job's, which this lets through.
     with psycopg.connect(cut.env["DATABASE_URL"]) as holder:
