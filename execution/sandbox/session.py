@@ -895,7 +895,8 @@ class Session:
         """Answer a call over HTTP with the job's key that asks to start: admitted while the job runs,
         has made fewer than its max_tool_calls calls (its code's and these together) and has fewer
         than its parallel cap in flight; else refused with the code its caller answers. The same
-        call asking again (its answer was lost) is answered the same, counted once."""
+        call asking again (its answer was lost) is answered the same, counted once, while the job
+        runs."""
         limits = self.limits
         granted: Granted | dict[str, str] = Granted(tool_id="", timeout=0.0)
         if ask.toolset and not self.stopped:
@@ -904,10 +905,11 @@ class Session:
             granted = self.router.granted(toolset=str(ask.toolset), tool=str(ask.tool))
         if isinstance(granted, dict):
             answer = Answer(call_id=ask.call_id, ok=False, code=granted["code"], message=granted["message"])
+        elif self.ended is not None or self.result is not None or self.stopped:
+            # Asking again too (admitted before): the job's grant is no longer looked up.
+            answer = Answer(call_id=ask.call_id, ok=False, code="job_ended")
         elif ask.call_id in self.key_in_flight:
             answer = Answer(call_id=ask.call_id, ok=True, tool_id=granted.tool_id)
-        elif self.ended is not None or self.result is not None or self.stopped:
-            answer = Answer(call_id=ask.call_id, ok=False, code="job_ended")
         elif self.calls + self.key_calls >= limits.max_tool_calls:
             answer = Answer(call_id=ask.call_id, ok=False, code="tool_call_limit", limit=limits.max_tool_calls)
         elif self._busy() >= limits.max_parallel_tool_calls:

@@ -141,10 +141,10 @@ time.sleep(60)
 """
 
 
-def _asked(job: dict[str, Any], call_id: str) -> Answer:
+def _asked(job: dict[str, Any], call_id: str, **ask: Any) -> Answer:
     """Ask the job's bridge to admit ``call_id``, as the web does for a call over HTTP; its answer."""
     with backplane().subscribe(call_channel(call_id)) as answers:
-        backplane().publish(job_channel(job["call_id"]), Ask(call_id=call_id, timeout=600))
+        backplane().publish(job_channel(job["call_id"]), Ask(call_id=call_id, timeout=600, **ask))
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
             answers.wait(deadline - time.monotonic())
@@ -183,6 +183,45 @@ def test_a_call_over_http_whose_web_process_died_before_recording_it_holds_its_s
     finally:
         assert api.post(f"/api/v1/exec/{job['id']}/cancel").status_code == 200
         client.close()
+
+
+def test_a_call_over_http_asking_again_as_its_job_ends_is_told_the_job_ended(api: Api, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A call over HTTP admitted while its job ran asks again (its answer was lost) as the job ends:
+    its bridge, past its loop, no longer has the job's grant to look the tool up in. It answered
+    ``ok`` with no tool, and the web recorded the call failed ``unknown_tool``; it is told the job
+    ended, as a new call is. In this process, the repeated ask put on the job's channel as its loop
+    ends, for the drain that answers those."""
+    from execution.models import ExecJob
+    from execution.sandbox.session import Session
+    from execution.services import jobs
+    from tests.execution.test_exec_api import _queued_job
+
+    queued = _queued_job(api, "import time\ntime.sleep(1)")
+    job = {"id": str(queued.pk), "call_id": queued.call_id}
+    call_id = f"ptc_{uuid.uuid4().hex}"
+    close_calls = Session._close_calls
+
+    def asked_again_then_closed(self: Session):  # type: ignore[no-untyped-def]
+        backplane().publish(job_channel(job["call_id"]), Ask(call_id=call_id, timeout=600, toolset="demo", tool="echo"))
+        self.channel.wait(10)  # there for the drain
+        return close_calls(self)
+
+    monkeypatch.setattr(Session, "_close_calls", asked_again_then_closed)
+    runner = threading.Thread(target=jobs.exec_job_run, kwargs={"job_id": job["id"], "worker": "test", "call_id": job["call_id"]})
+    with backplane().subscribe(call_channel(call_id)) as answers:
+        answers.confirm()
+        runner.start()
+        deadline = time.monotonic() + 20
+        while (status := ExecJob.objects.get(pk=queued.pk).status) != "running":  # its channel is listened to
+            assert time.monotonic() < deadline, status
+            time.sleep(0.05)
+        admitted = _asked(job, call_id, toolset="demo", tool="echo")
+        assert admitted.ok and admitted.tool_id, admitted
+        runner.join(30)
+        queued.refresh_from_db()
+        assert queued.status == "completed"
+        again = [m for m in answers.drain() if isinstance(m, Answer) and m.call_id == call_id][1:]
+    assert [(answer.ok, answer.code) for answer in again] == [(False, "job_ended")]
 
 
 @pytest.fixture(scope="module")
