@@ -27,6 +27,18 @@ record loses what it popped, as kombu's loses the one message it popped: a tool 
 failed by its bridge at its timeout, and nothing is charged for it. Without BLMPOP (Redis 6, or an
 ACL that refuses INFO), or with ``pop_most`` 1, it is kombu's BRPOP.
 
+A worker started while Redis is full (its maxmemory reached, noeviction) died at its start: Celery's
+start-up writes to Redis, and a full Redis refuses each write. In order: the restore round of
+unacked messages past their visibility timeout (its lock, a SET), then each queue the worker
+declares (mingle's reply queue, gossip's, its task queues, its direct queue, its pidbox): kombu
+reads the queue's length in a MULTI, which a full Redis refuses whole though it only reads, and
+writes its binding (SADD, or a script for a queue that expires); and mingle deletes its reply queue
+in a MULTI. Here the restore round is skipped (the next one tries again), lengths are read and
+queues deleted outside a MULTI, and a binding Redis refuses is left
+as it is when Redis has it already; one of Celery's expiring queues (control replies, gossip, the
+pidbox) is bound by kombu's periodic refresh once there is room; any other waits, the worker saying
+so, until Redis has room. So the worker starts, and consumes once its queues are bound.
+
 And kombu acks each message in a round trip of its own, on that same thread, as its task ends: in a
 burst, four tenths of that thread's time. In a worker's event loop, the acks of one turn of the loop
 go in one round trip at its end, before it waits again. An ack lost so (Redis gone at that moment,
@@ -51,6 +63,10 @@ from redis.exceptions import OutOfMemoryError, RedisError, ResponseError
 logger = logging.getLogger("ptc.broker")
 # How often a reader tries an exchange table that is still being written (5 ms apart).
 TABLE_READ_TRIES = 200
+# A queue's binding that a full Redis refuses is tried again this often, and said again in the log
+# this often, until Redis has room.
+ROOM_TRY_SECONDS = 1.0
+ROOM_SAY_SECONDS = 30.0
 
 
 def broker_trouble(exc: BaseException) -> str:
@@ -118,6 +134,15 @@ class QoS(redis.QoS):
         except OutOfMemoryError:
             _unrecorded_warn(1)
             virtual.QoS.append(self, message, delivery_tag)
+
+    def restore_visible(self, *args: Any, **kwargs: Any) -> None:
+        try:
+            super().restore_visible(*args, **kwargs)
+        except OutOfMemoryError as exc:  # its lock is a SET: a worker starting while Redis was full died of it
+            logger.warning(
+                "the broker %s: messages unacked past their visibility timeout are not restored this round; the next tries again",
+                broker_trouble(exc),
+            )
 
     def restore_unacked(self, client: Any = None) -> None:
         try:
@@ -197,6 +222,59 @@ class Channel(redis.Channel):
         no_ack = kwargs["no_ack"] if "no_ack" in kwargs else bool(args and args[0])
         (self._no_ack.add if no_ack else self._no_ack.discard)(queue)
         return super().basic_consume(queue, *args, **kwargs)
+
+    # kombu reads a queue's lengths, and deletes its lists, in a MULTI, which a full Redis refuses
+    # whole though a read or a DEL alone is served: every queue a worker declares at its start is
+    # measured so, and mingle deletes its reply queue. These are kombu's, outside a MULTI.
+    def _size(self, queue: str) -> int:
+        with self.conn_or_acquire() as client:
+            pipe = client.pipeline(transaction=False)
+            for pri in self.priority_steps:
+                pipe.llen(self._q_for_pri(queue, pri))
+            return sum(size for size in pipe.execute() if isinstance(size, int))
+
+    def _delete(self, queue: str, exchange: str, routing_key: str, pattern: str, *args: Any, **kwargs: Any) -> None:
+        self.auto_delete_queues.discard(queue)
+        member = self.sep.join([routing_key or "", pattern or "", queue or ""])
+        with self.conn_or_acquire(client=kwargs.get("client")) as client:
+            pipe = client.pipeline(transaction=False)
+            pipe.srem(self.keyprefix_queue % (exchange,), member)
+            pipe.srem(self.keyprefix_binding_permanent % (exchange,), member)
+            for pri in self.priority_steps:
+                pipe.delete(self._q_for_pri(queue, pri))
+            pipe.execute()
+
+    def _queue_bind(self, exchange: str, routing_key: str, pattern: str, queue: str) -> None:
+        """Bind ``queue`` as kombu does; while Redis is full (it refuses the write), leave a binding
+        it already has as it is, leave one of Celery's expiring queues to kombu's periodic refresh
+        (maybe_refresh_binding_expiry, which writes it again once there is room), and wait for room
+        for any other: a publish through its exchange would find no queue bound, and be dropped."""
+        said_at: float | None = None
+        while True:
+            try:
+                return super()._queue_bind(exchange, routing_key, pattern, queue)
+            except OutOfMemoryError as exc:
+                trouble = broker_trouble(exc)
+            member = self.sep.join([routing_key or "", pattern or "", queue or ""])
+            with self.conn_or_acquire() as client:
+                # A read, served. SMEMBERS, which kombu's client prefixes (its SISMEMBER it does not).
+                if member in {bytes_to_str(bound) for bound in client.smembers(self.keyprefix_queue % (exchange,))}:
+                    logger.info("the broker %s: queue %s is bound to %s already", trouble, queue, exchange)
+                    return None
+            if queue in self._expires:
+                logger.warning("the broker %s: queue %s is bound to %s once there is room", trouble, queue, exchange)
+                return None
+            if said_at is None or monotonic() - said_at >= ROOM_SAY_SECONDS:
+                said_at = monotonic()
+                logger.warning(
+                    "the broker %s: this worker can't bind queue %s to %s, and consumes nothing until it has; "
+                    "it tries again every %g s",
+                    trouble,
+                    queue,
+                    exchange,
+                    ROOM_TRY_SECONDS,
+                )
+            _room_wait()
 
     def _brpop_start(self, timeout: float | None = None) -> None:
         if self._multi_pop is None:
@@ -283,6 +361,20 @@ class Channel(redis.Channel):
         finally:
             self._in_poll = None  # type: ignore[assignment]  # as kombu's own _brpop_read leaves it
             self._flush_brpop_reauth()
+
+
+def _room_wait() -> None:
+    """Wait ROOM_TRY_SECONDS for a full Redis to have room, or raise Celery's WorkerShutdown (or
+    WorkerTerminate) at once when the worker has been asked to stop (its signal handlers only say so)."""
+    from celery.worker.state import maybe_shutdown
+
+    deadline = monotonic() + ROOM_TRY_SECONDS
+    while True:
+        maybe_shutdown()
+        left = deadline - monotonic()
+        if left <= 0:
+            return
+        sleep(min(left, 0.1))
 
 
 def _messages(items: list[bytes], queue: str) -> list[dict[str, Any]]:

@@ -1,14 +1,18 @@
 """Redis full (its maxmemory reached, noeviction): new work is refused with a clear error, work under
 way ends with one, nothing is left half-written, and once there is room again the stack goes on."""
 
+import os
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import httpx
 import redis as redis_py
 
 from ptcproject.accounts.services import user_with_key_create
+from tests.conftest import REDIS_PREFIX
 from tests.servers import RedisServer
-from tests.stack import Stack, free_port
+from tests.stack import BIN, Process, Stack, free_port
 
 
 def _fill(url: str) -> redis_py.Redis:
@@ -76,3 +80,69 @@ def test_while_redis_is_full_work_is_refused_saying_so_and_the_stack_goes_on_aft
         "/api/v1/exec", json={"code": "from ptc_tools.demo import Demo\nDemo.add(a=1, b=2)", "toolsets": ["demo"], "wait": 30}
     )
     assert again.status_code == 201 and again.json()["return_value"] == 3, again.text
+
+
+def _client(stack: Stack, credits: int = 100) -> httpx.Client:
+    _, key = user_with_key_create(username=f"full-{free_port()}", create_user=True, staff=False, credits=credits)
+    return httpx.Client(base_url=stack.base_url, headers={"Authorization": f"Bearer {key}"}, timeout=60)
+
+
+@contextmanager
+def _tools_worker(stack: Stack, name: str, *extra: str) -> Iterator[Process]:
+    """A tools worker of its own, named ``name`` (its direct queue is new to Redis), started without
+    waiting for it to be ready; stopped after."""
+    argv = [str(BIN / "celery"), "-A", "ptcproject", "worker", "-Q", "tools", "-n", f"{name}-{os.getpid()}@%h", "-l", "info"]
+    worker = Process(f"redis-full-{name}", [*argv, *extra], stack.env)
+    try:
+        worker.start()
+        yield worker
+    finally:
+        worker.stop()
+
+
+def _logged(process: Process, text: str, seconds: float = 60) -> None:
+    """Wait until ``process`` has logged ``text``, failing at once should it exit."""
+    deadline = time.monotonic() + seconds
+    while text not in process.log.read_text(errors="replace"):
+        assert process.proc is not None and process.proc.poll() is None, f"{process.name} exited; see {process.log}"
+        assert time.monotonic() < deadline, f"{process.name} did not log {text!r}; see {process.log}"
+        time.sleep(0.2)
+
+
+def _ended(http: httpx.Client, job_id: str, seconds: float = 60) -> dict:
+    deadline = time.monotonic() + seconds
+    while (job := http.get(f"/api/v1/exec/{job_id}").json())["status"] in ("queued", "running"):
+        assert time.monotonic() < deadline, f"the job did not end: {job}"
+        time.sleep(0.2)
+    return job
+
+
+def test_a_worker_started_while_redis_is_full_waits_for_room_then_runs_what_was_queued(
+    redis_stack: tuple[RedisServer, Stack],
+) -> None:
+    """A worker started while Redis is full exited at its start (Celery's start-up writes to Redis),
+    over and over under its supervisor. It now starts, says Redis is full, waits for the bindings
+    it needs, and once there is room consumes: a job's call queued meanwhile runs, and the job ends."""
+    redis, stack = redis_stack
+    stack.tools_worker.stop()  # no tools worker: the job's call waits in its queue
+    http = _client(stack)
+    job = http.post(
+        "/api/v1/exec", json={"code": "from ptc_tools.demo import Demo\nDemo.add(a=1, b=2)", "toolsets": ["demo"], "wait": 0}
+    )
+    assert job.status_code == 201, job.text
+    server = redis_py.Redis.from_url(redis.url)
+    deadline = time.monotonic() + 30
+    while not server.llen(f"{REDIS_PREFIX}tools"):  # the call is in the queue, in Redis
+        assert time.monotonic() < deadline, "the job's call was not queued"
+        time.sleep(0.1)
+    _fill(redis.url)
+    with _tools_worker(stack, "late") as late:
+        # Its direct queue (named after it) is new to Redis: it can't bind it, says so, and waits.
+        _logged(late, "the broker is full (Redis has reached its maxmemory): this worker can't bind queue")
+        assert late.proc is not None and late.proc.poll() is None
+        assert http.get(f"/api/v1/exec/{job.json()['id']}").json()["status"] == "running"
+        server.config_set("maxmemory", "0")
+        done = _ended(http, job.json()["id"])
+        assert done["status"] == "completed" and done["return_value"] == 3, done
+        _logged(late, " ready.")
+        assert late.proc.poll() is None
