@@ -39,6 +39,12 @@ as it is when Redis has it already; one of Celery's expiring queues (control rep
 pidbox) is bound by kombu's periodic refresh once there is room; any other waits, the worker saying
 so, until Redis has room. So the worker starts, and consumes once its queues are bound.
 
+A message taken while Redis is full is handed over without its unacked record (Redis refuses it):
+Redis has no copy of it, only the worker's memory. Its record is written once Redis has room (at a
+turn's end in the event loop, tried at most every second); a channel closed before (a warm shutdown)
+puts such a message back on its queue from memory, waiting ``restore_wait`` for room, and logs as
+an error, whole, one it could not. Only a worker killed while Redis is full loses them.
+
 And kombu acks each message in a round trip of its own, on that same thread, as its task ends: in a
 burst, four tenths of that thread's time. In a worker's event loop, the acks of one turn of the loop
 go in one round trip at its end, before it waits again. An ack lost so (Redis gone at that moment,
@@ -89,9 +95,16 @@ def _unrecorded_warn(count: int) -> None:
     same. Raised, the error lost them, and killed the worker."""
     logger.warning(
         "Redis is full (its maxmemory): %d messages taken from their queue are handed over without their unacked "
-        "record; should this worker die before they end, they are not restored",
+        "record, which this worker writes once Redis has room; should it be killed before that, they are lost "
+        "(a warm shutdown puts back those not started)",
         count,
     )
+
+
+def _named(payload: dict[str, Any]) -> str:
+    """A message as a log names it: its task, its task id and its arguments (a job's or a call's id)."""
+    headers = payload.get("headers") or {}
+    return f"{headers.get('task', '?')}[{headers.get('id', '?')}]{headers.get('argsrepr', '')}"
 
 
 class QoS(redis.QoS):
@@ -99,6 +112,10 @@ class QoS(redis.QoS):
         super().__init__(*args, **kwargs)
         self._recorded: set[str] = set()  # taken by a multi-pop and recorded unacked already
         self._acks_held: list[str] = []  # acked in this turn of the event loop, not yet in Redis
+        # Handed over while Redis was full, without an unacked record: Redis has no copy of these,
+        # only this worker's memory (_delivered). Recorded once there is room (unrecorded_record).
+        self._unrecorded: set[str] = set()
+        self._unrecorded_tried = 0.0  # when unrecorded_record last tried (monotonic)
 
     def append_taken(self, payloads: list[dict[str, Any]]) -> None:
         """Record messages just taken from their queue as unacked, in one round trip, as ``append``
@@ -114,15 +131,108 @@ class QoS(redis.QoS):
                 pipe.execute()
         except OutOfMemoryError:
             _unrecorded_warn(len(payloads))
+            self._unrecorded.update(payload["properties"]["delivery_tag"] for payload in payloads)
+            self._unrecorded_tried = monotonic()
         self._recorded.update(payload["properties"]["delivery_tag"] for payload in payloads)
 
     def restore_taken(self, payloads: list[dict[str, Any]]) -> None:
         """Put messages taken and recorded but never handed over back at the head of their queue,
-        in their order."""
+        in their order (from memory those Redis refused to record)."""
+        unrecorded = [payload for payload in payloads if payload["properties"]["delivery_tag"] in self._unrecorded]
         for payload in reversed(payloads):  # each goes to the head: the last first
             tag = payload["properties"]["delivery_tag"]
             self._recorded.discard(tag)
-            self.restore_by_tag(tag)
+            if tag in self._unrecorded:
+                self._unrecorded.discard(tag)
+            else:
+                self.restore_by_tag(tag)
+        if unrecorded:
+            self._unrecorded_put(unrecorded, wait=0)
+
+    def unrecorded_record(self) -> None:
+        """Write the unacked records a full Redis refused, for the messages still held, once it has
+        room (tried at most every ROOM_TRY_SECONDS): from then on they are restored, as any other,
+        should this worker die. A message acked from another thread meanwhile may be recorded after
+        its ack: it is restored after the visibility timeout, and its task finds its record ended."""
+        if not self._unrecorded or monotonic() - self._unrecorded_tried < ROOM_TRY_SECONDS:
+            return
+        self._unrecorded_tried = monotonic()
+        held = [(tag, message) for tag in list(self._unrecorded) if (message := self._delivered.get(tag)) is not None]
+        now = time()
+        try:
+            with self.pipe_or_acquire() as pipe:  # a MULTI: all recorded, or none
+                for tag, message in held:
+                    delivery = message.delivery_info
+                    pipe.zadd(self.unacked_index_key, {tag: now})
+                    pipe.hset(self.unacked_key, tag, dumps([message._raw, delivery["exchange"], delivery["routing_key"]]))
+                pipe.execute()
+        except (AttributeError, RedisError):  # still full (or gone): the next turn tries again
+            return
+        self._unrecorded.difference_update(tag for tag, _ in held)
+        logger.warning(
+            "Redis has room again: the %d messages handed over without their unacked record are recorded now (%s)",
+            len(held),
+            ", ".join(_named(message._raw) for _, message in held),
+        )
+
+    def _unrecorded_put(self, payloads: list[dict[str, Any]], *, wait: float) -> None:
+        """Put messages handed over without an unacked record (Redis was full) back at the head of
+        their queue, in their order, from this worker's memory: Redis has no copy of them. While Redis
+        is full, try again every ROOM_TRY_SECONDS for up to ``wait`` seconds; a message that can't go
+        back by then is lost, and logged as an error, whole, for an operator to put back."""
+        left = list(payloads)
+        deadline = monotonic() + wait
+        trouble = ""
+        while left:
+            try:
+                with self.channel.conn_or_acquire() as client:
+                    while left:  # each to the head of its queue: the last first
+                        self._put_back(client, left[-1])
+                        left.pop()
+            except OutOfMemoryError as exc:
+                if not trouble:
+                    trouble = broker_trouble(exc)
+                    logger.error(
+                        "the broker %s: %d messages this worker took while it was full, unacked (Redis has no copy of "
+                        "them), can't go back to their queue; it tries again every %g s for %g s, then they are lost: %s",
+                        trouble,
+                        len(left),
+                        ROOM_TRY_SECONDS,
+                        wait,
+                        ", ".join(_named(payload) for payload in left),
+                    )
+                if monotonic() + ROOM_TRY_SECONDS > deadline:
+                    break
+                sleep(ROOM_TRY_SECONDS)
+            except (AttributeError, RedisError) as exc:  # AttributeError: kombu's, on a connection it has dropped
+                trouble = broker_trouble(exc) if isinstance(exc, RedisError) else "is unreachable"
+                break
+        if trouble and len(left) < len(payloads):
+            logger.warning("the broker has room again: %d messages went back to their queue", len(payloads) - len(left))
+        for payload in left:
+            logger.error(
+                "LOST: message %s, taken while Redis was full and unacked, could not go back to its queue (the broker "
+                "%s); put it back with RPUSH %s '%s'",
+                _named(payload),
+                trouble,
+                self._queue_key(payload),
+                dumps(payload),
+            )
+
+    def _queue_key(self, payload: dict[str, Any]) -> str:
+        """The Redis key (with its prefix) of the list a message goes back to: its queue's head is its right end."""
+        channel, delivery = self.channel, payload["properties"]["delivery_info"]
+        queue = channel._lookup(delivery["exchange"], delivery["routing_key"])[0]
+        return channel.global_keyprefix + channel._q_for_pri(queue, channel._get_message_priority(payload, reverse=False))
+
+    def _put_back(self, client: Any, payload: dict[str, Any]) -> None:
+        """Push ``payload`` to the head of its queue, marked redelivered, as kombu restores a message."""
+        payload.setdefault("headers", {})["redelivered"] = True
+        channel, delivery = self.channel, payload["properties"]["delivery_info"]
+        delivery["redelivered"] = True
+        priority = channel._get_message_priority(payload, reverse=False)
+        for queue in channel._lookup(delivery["exchange"], delivery["routing_key"]):
+            client.rpush(channel._q_for_pri(queue, priority), dumps(payload))
 
     def append(self, message: Any, delivery_tag: str) -> None:
         if delivery_tag in self._recorded:
@@ -133,6 +243,8 @@ class QoS(redis.QoS):
             super().append(message, delivery_tag)
         except OutOfMemoryError:
             _unrecorded_warn(1)
+            self._unrecorded.add(delivery_tag)
+            self._unrecorded_tried = monotonic()
             virtual.QoS.append(self, message, delivery_tag)
 
     def restore_visible(self, *args: Any, **kwargs: Any) -> None:
@@ -145,13 +257,29 @@ class QoS(redis.QoS):
             )
 
     def restore_unacked(self, client: Any = None) -> None:
+        # Those Redis has no record of go back from memory (kombu's restore reads the record, and
+        # found none: each was lost), waiting a while for room should Redis still be full.
+        unrecorded = [(tag, message._raw) for tag, message in list(self._delivered.items()) if tag in self._unrecorded]
+        for tag, _ in unrecorded:
+            self._delivered.pop(tag, None)
+        self._unrecorded.clear()
+        if unrecorded:
+            self._unrecorded_put([payload for _, payload in unrecorded], wait=self.channel.restore_wait)
         try:
             super().restore_unacked(client)
         except AttributeError:
             logger.warning("could not restore unacked messages on a lost connection; visibility timeout will")
             self._delivered.clear()
+        except RedisError as exc:  # a full Redis refuses kombu's restore (a MULTI): Redis keeps their records
+            logger.warning(
+                "could not put back %d unacked messages (the broker %s); they are restored after the visibility timeout",
+                len(self._delivered),
+                broker_trouble(exc),
+            )
+            self._delivered.clear()
 
     def ack(self, delivery_tag: Any) -> None:
+        self._unrecorded.discard(delivery_tag)
         virtual.QoS.ack(self, delivery_tag)  # its slot is free at once
         transport = self.channel.connection  # None once the channel is closed (its connection lost)
         if transport is not None and transport.in_loop():
@@ -183,6 +311,13 @@ class QoS(redis.QoS):
         if not requeue:
             self.ack(delivery_tag)  # what kombu's reject without requeue does, in a MULTI
             return
+        if delivery_tag in self._unrecorded:  # Redis has no record to restore it from
+            message = self._delivered.get(delivery_tag)
+            self._unrecorded.discard(delivery_tag)
+            virtual.QoS.ack(self, delivery_tag)
+            if message is not None:
+                self._unrecorded_put([message._raw], wait=0)
+            return
         try:
             super().reject(delivery_tag, requeue=requeue)
         except (AttributeError, RedisError) as exc:
@@ -195,7 +330,10 @@ class Channel(redis.Channel):
     # The most messages one pop takes (transport option; 1 is kombu's own BRPOP). Within a
     # consumer's free slots: more would take a burst away from the other workers on the queue.
     pop_most = 16
-    from_transport_options = (*redis.Channel.from_transport_options, "pop_most")  # type: ignore[assignment]
+    # How long a channel closing (a worker's warm shutdown) waits for a full Redis to have room to
+    # take back the messages it holds that Redis has no record of (transport option).
+    restore_wait = 60.0
+    from_transport_options = (*redis.Channel.from_transport_options, "pop_most", "restore_wait")  # type: ignore[assignment]
     _multi_pop: bool | None = None  # whether the server has BLMPOP (Redis 7), asked once
 
     def _create_client(self, asynchronous: bool = False) -> Any:
@@ -411,6 +549,7 @@ class Transport(redis.Transport):
         for channel in self.channels:
             if channel._qos is not None:  # one that never consumed has none to make
                 channel._qos.acks_flush()
+                channel._qos.unrecorded_record()
 
 
 class FilesystemChannel(filesystem.Channel):

@@ -305,6 +305,10 @@ else:
         "visibility_timeout": CELERY_TASK_HARD_LIMIT + 300,
         "global_keyprefix": PTC_REDIS_PREFIX,
         "pop_most": PTC_BROKER_POP_MOST,
+        # How long a stopping worker waits for a full Redis to take back the messages it took while
+        # Redis was full and did not run (Redis has no copy of them): as long as a cold shutdown
+        # lets running tasks finish, within the pod's grace (ptcproject/broker.py).
+        "restore_wait": CELERY_WORKER_SOFT_SHUTDOWN_TIMEOUT,
     }
 # How often beat runs the reaper that ends jobs whose worker died (ARCHITECTURE.md, "no job stays running").
 PTC_REAP_EVERY = checked.float("PTC_REAP_EVERY", 15.0, 0, 24 * 3600, above_low=True)

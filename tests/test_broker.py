@@ -2,6 +2,7 @@
 on Redis, a consumer takes a burst several messages at a time and loses none of them."""
 
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -339,3 +340,38 @@ def test_redis_messages_of_a_pop_not_handed_over_go_back_at_once_when_one_fails(
             assert broker.waiting() == 3 and broker.unacked() == 2
             broker.drain(lambda: len(got) >= 5)
         assert got == [0, 1, 2, 3, 4]
+
+
+def test_redis_messages_taken_while_it_is_full_are_recorded_unacked_once_it_has_room(tmp_path: Path) -> None:
+    """Handed over without their unacked record (a full Redis refused it), messages were lost should
+    their worker die before acking them, even long after Redis had room again. Their records are
+    written once it has room, so they are restored as any other."""
+    server = RedisServer(tmp_path)
+    server.start()
+    try:
+        with _redis_queue("later", most=16, url=server.url) as broker:
+            received: list[Any] = []
+            broker.publish(3)
+            with broker.conn.channel() as channel, Consumer(channel, [broker.queue], callbacks=[lambda _, m: received.append(m)]):
+                broker.server.config_set("maxmemory", "1")
+                try:
+                    broker.drain(lambda: len(received) >= 3)
+                    broker.conn.transport._acks_flush()  # a turn of the loop's end: still full, nothing written
+                    assert broker.unacked() == 0 and broker.waiting() == 0
+                finally:
+                    broker.server.config_set("maxmemory", "0")
+                received[0].ack()
+                deadline = time.monotonic() + 30
+                while broker.unacked() < 2:  # a later turn's end (at most one a second tries)
+                    assert time.monotonic() < deadline, "the records were not written"
+                    broker.conn.transport._acks_flush()
+                    time.sleep(0.05)
+                assert broker.unacked() == 2
+            # The channel closed with two unacked: back in the queue from their records.
+            assert broker.waiting() == 2 and broker.unacked() == 0
+            again: list[int] = []
+            with broker.conn.channel() as channel, Consumer(channel, [broker.queue], callbacks=[_acking(again)]):
+                broker.drain(lambda: len(again) >= 2)
+            assert sorted(again) == [1, 2]
+    finally:
+        server.stop()

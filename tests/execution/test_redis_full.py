@@ -2,6 +2,7 @@
 way ends with one, nothing is left half-written, and once there is room again the stack goes on."""
 
 import os
+import signal
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -146,3 +147,54 @@ def test_a_worker_started_while_redis_is_full_waits_for_room_then_runs_what_was_
         assert done["status"] == "completed" and done["return_value"] == 3, done
         _logged(late, " ready.")
         assert late.proc.poll() is None
+
+
+def test_a_job_taken_while_redis_is_full_and_not_started_goes_back_to_its_queue_at_a_warm_shutdown(
+    redis_stack: tuple[RedisServer, Stack],
+) -> None:
+    """A message a worker takes while Redis is full is handed over without its unacked record (Redis
+    refuses it): a worker stopped (SIGTERM) before starting it lost it, a job left queued until the
+    reaper failed it. It now goes back to its queue from the worker's memory, the worker waiting for
+    room (saying so, with the job's id) if Redis is still full; another worker runs it."""
+    redis, stack = redis_stack
+    stack.exec_worker.stop()
+    argv = [str(BIN / "celery"), "-A", "ptcproject", "worker", "-Q", "exec", "-n", f"slots-{os.getpid()}@%h", "-l", "info"]
+    # One slot, two messages at a time: the second job is handed over, and waits for the slot.
+    slots = Process("redis-full-slots", [*argv, "-c", "1", "--prefetch-multiplier", "2"], stack.env, ready=" ready.")
+    slots.start()  # once with room: its queues are bound
+    slots.stop()
+    http = _client(stack)
+    busy = http.post("/api/v1/exec", json={"code": "import time\ntime.sleep(8)\n1", "wait": 0}).json()
+    waiting = http.post("/api/v1/exec", json={"code": "1 + 2", "wait": 0}).json()
+    server = redis_py.Redis.from_url(redis.url)
+    deadline = time.monotonic() + 30
+    while server.llen(f"{REDIS_PREFIX}exec") < 2:
+        assert time.monotonic() < deadline, "the jobs were not queued"
+        time.sleep(0.1)
+    _fill(redis.url)
+    try:
+        slots.start()
+        deadline = time.monotonic() + 60
+        while slots.log.read_text(errors="replace").count("handed over without their unacked record") < 2:
+            assert slots.proc is not None and slots.proc.poll() is None, f"the worker exited; see {slots.log}"
+            assert time.monotonic() < deadline, f"the worker took no two jobs; see {slots.log}"
+            time.sleep(0.1)
+        while http.get(f"/api/v1/exec/{busy['id']}").json()["status"] != "running":
+            assert time.monotonic() < deadline, "the first job did not start"
+            time.sleep(0.1)
+        assert http.get(f"/api/v1/exec/{waiting['id']}").json()["status"] == "queued"
+        slots.proc.send_signal(signal.SIGTERM)  # a warm shutdown: the running job ends first
+        # Redis is still full: the second job can't go back yet, and the worker says so, naming it.
+        _logged(slots, "can't go back to their queue")
+        assert waiting["id"] in slots.log.read_text(errors="replace")
+        server.config_set("maxmemory", "0")
+        assert slots.proc.wait(60) == 0
+        log = slots.log.read_text(errors="replace")
+        assert "messages went back to their queue" in log and "LOST" not in log, log
+    finally:
+        slots.stop()
+        server.config_set("maxmemory", "0")
+    stack.exec_worker.start()
+    assert _ended(http, busy["id"])["status"] == "completed"
+    done = _ended(http, waiting["id"])
+    assert done["status"] == "completed" and done["return_value"] == 3, done
