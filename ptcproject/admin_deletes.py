@@ -2,10 +2,10 @@
 
 from typing import Any
 
-from django.contrib import admin
 from django.db.models import QuerySet
 from django.http import HttpRequest
 
+from ptcproject.admin_lists import LargeListAdmin
 from ptcproject.deletion import deletion_counts
 
 OBJECTS_NAMED = 100  # of the rows chosen for a delete, the most its page names
@@ -16,7 +16,7 @@ def pks_of(objs: Any) -> list[Any]:
     return list(objs.values_list("pk", flat=True)) if isinstance(objs, QuerySet) else [obj.pk for obj in objs]
 
 
-class CountedDeleteAdmin(admin.ModelAdmin):
+class CountedDeleteAdmin(LargeListAdmin):
     """A ModelAdmin whose delete page and delete action say what goes with the rows chosen by model
     and count, as Django's page says in its summary, and never read those rows: Django's read each
     one whole to link it (a user's or a job's every call, a session's every file with its bytes, a

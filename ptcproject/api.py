@@ -18,16 +18,30 @@ from rest_framework.views import exception_handler as drf_exception_handler
 from ptcproject.broker import broker_trouble
 from ptcproject.db import database_read_only, statement_cancelled
 from ptcproject.errors import ApplicationError, error_body
+from ptcproject.paging import EstimatingPaginator
 
 logger = logging.getLogger("ptc.api")
 
 
 class Pagination(PageNumberPagination):
     """DRF's page numbers, where a page that is not a positive number (``0``, ``-1``, ``abc``) is a
-    400 saying so; DRF answers 404 "Invalid page.", as for a page past the last, which exists in form."""
+    400 saying so; DRF answers 404 "Invalid page.", as for a page past the last, which exists in form.
+
+    Counted as ptcproject.paging counts: past 10,000 rows, ``count`` is PostgreSQL's estimate (a
+    staff member's list of every call of a large deployment was a count of millions of rows, past
+    PTC_DB_STATEMENT_TIMEOUT: 503), and ``next`` is there if another page is, whatever the estimate.
+    ``page=last`` of such a list is a 400: where its last page is is not known."""
 
     page_size_query_param = "page_size"
     max_page_size = 500
+    django_paginator_class = EstimatingPaginator
+
+    def get_page_number(self, request: Any, paginator: Any) -> Any:
+        if request.query_params.get(self.page_query_param) in self.last_page_strings and paginator.estimated:
+            raise exceptions.ValidationError(
+                {self.page_query_param: "this list is too long to find its last page; follow its next links"}
+            )
+        return super().get_page_number(request, paginator)
 
     def paginate_queryset(self, queryset: Any, request: Any, view: Any = None) -> Any:
         page = request.query_params.get(self.page_query_param)

@@ -2,11 +2,12 @@
 
 from typing import Any
 
-from django.contrib import admin
 from django.http import HttpRequest
 
+from ptcproject.admin_lists import LargeListAdmin
 
-class ReadOnlyAdmin(admin.ModelAdmin):
+
+class ReadOnlyAdmin(LargeListAdmin):
     """Lists and shows its rows; adds, changes and deletes none."""
 
     def has_add_permission(self, request: HttpRequest) -> bool:

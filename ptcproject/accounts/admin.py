@@ -18,6 +18,7 @@ from ptcproject.accounts.models import ApiKey, ApiKeyEvent, UserSettings
 from ptcproject.accounts.selectors import api_key_owner_allowed, api_key_owners
 from ptcproject.accounts.services import api_key_create, api_key_expire, api_key_revoke
 from ptcproject.admin_deletes import CountedDeleteAdmin, pks_of
+from ptcproject.admin_lists import LargeListAdmin
 from ptcproject.errors import ApplicationError
 
 
@@ -33,7 +34,7 @@ class ApiKeyEventInline(admin.TabularInline):
 
 
 @admin.register(ApiKey)
-class ApiKeyAdmin(admin.ModelAdmin):
+class ApiKeyAdmin(LargeListAdmin):
     list_display = ("prefix", "user", "name", "job", "created_at", "expires_at", "revoked_at", "last_used_at")
     list_filter = ("revoked_at", "expires_at", ("exec_job", admin.EmptyFieldListFilter))
     search_fields = ("prefix", "user__username", "name")
@@ -138,7 +139,7 @@ admin.site.unregister(Group)
 
 
 @admin.register(Group)
-class PtcGroupAdmin(GroupAdmin):
+class PtcGroupAdmin(LargeListAdmin, GroupAdmin):
     """Django's group admin, whose permissions only a superuser may change: a member with "change
     group" could give a group they are in any permission, and so take it (PtcUserAdmin keeps them
     from joining one, not from filling their own)."""

@@ -12,6 +12,7 @@ from django.urls import URLPattern, path, reverse
 
 from ptcproject.accounts.authentication import signed_in_user
 from ptcproject.accounts.models import UserSettings
+from ptcproject.admin_lists import LargeListAdmin
 from ptcproject.policy.models import Policy, PolicyChange
 from ptcproject.policy.selectors import POLICY_PK, policy_get, ptc_decision
 from ptcproject.policy.serializers import PolicySerializer
@@ -89,7 +90,7 @@ class DecisionForm(forms.Form):
 
 
 @admin.register(Policy)
-class PolicyAdmin(admin.ModelAdmin):
+class PolicyAdmin(LargeListAdmin):
     form = PolicyForm
     inlines = [PolicyChangeInline]
     list_display = ("__str__", "rollout_percent", "debug", "sequential", "updated_at")

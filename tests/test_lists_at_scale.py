@@ -1,0 +1,140 @@
+"""Staff lists over tables of millions of rows (the API's lists and the admin's), under
+PTC_DB_STATEMENT_TIMEOUT: they are counted exactly up to 10,000 rows, and past them (or past
+half a second of counting) by PostgreSQL's planner's estimate (ptcproject.paging).
+
+A table of millions is shown by its planner statistics: a table of 10,050 rows whose pg_class
+entry says it holds 50 million, as ANALYZE would say of a table that does."""
+
+import re
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from django.contrib import admin
+from django.contrib.auth import get_user_model
+from django.db import connection
+from django.db.models import BooleanField
+from django.db.models.expressions import RawSQL
+from django.test import Client
+from django.test.utils import CaptureQueriesContext
+
+from billing.models import CreditUsage
+from ptcproject.admin_lists import LargeListAdmin
+from ptcproject.api import Pagination
+from ptcproject.paging import COUNT_EXACT_UP_TO, COUNT_SECONDS, EstimatingPaginator
+from tests.conftest import Api
+
+PLANNED = 50_000_000
+ROWS = COUNT_EXACT_UP_TO + 50
+
+
+@pytest.fixture
+def huge_usage() -> Iterator[Any]:
+    """A user with ROWS usage rows, in a table the planner believes holds PLANNED rows; the rows
+    gone and the statistics true again after."""
+    user = get_user_model().objects.create_user(username=f"huge-{uuid.uuid4().hex[:6]}")
+    CreditUsage.objects.bulk_create(
+        CreditUsage(user=user, tool_call_id=f"ptc_{uuid.uuid4().hex}", amount=1, due_amount=1) for _ in range(ROWS)
+    )
+    with connection.cursor() as cursor:
+        # As ANALYZE finds it, but for its rows per page: the planner scales reltuples by the
+        # pages the table has now (relpages as ANALYZE left it), so it expects PLANNED rows.
+        cursor.execute("ANALYZE billing_creditusage")
+        cursor.execute("UPDATE pg_class SET reltuples = %s WHERE relname = 'billing_creditusage'", [PLANNED])
+    try:
+        yield user
+    finally:
+        CreditUsage.objects.filter(user=user).delete()
+        with connection.cursor() as cursor:
+            cursor.execute("ANALYZE billing_creditusage")
+
+
+def _admin_client() -> Client:
+    staff = get_user_model().objects.create_user(username=f"admin-{uuid.uuid4().hex[:6]}", is_staff=True, is_superuser=True)
+    client = Client()
+    client.force_login(staff)
+    return client
+
+
+def test_every_admin_list_is_counted_at_scale() -> None:
+    """Django's paginator counted every row of a list each load, and show_full_result_count every
+    row of the table again; each of our admins counts as ptcproject.paging does."""
+    counting = {
+        type(model_admin).__name__: (model_admin.paginator, model_admin.show_full_result_count)
+        for model_admin in admin.site._registry.values()
+        if not isinstance(model_admin, LargeListAdmin)
+        or model_admin.paginator is not EstimatingPaginator
+        or model_admin.show_full_result_count
+    }
+    assert not counting, counting
+
+
+def test_a_count_that_would_run_past_its_budget_is_the_planners_estimate() -> None:
+    """A list whose rows take long to find (a filter no index serves, over a table of millions; here
+    a filter that sleeps 0.5 s a row) is counted for COUNT_SECONDS at most, then estimated: its page
+    answers instead of running into PTC_DB_STATEMENT_TIMEOUT."""
+    user = get_user_model().objects.create_user(username=f"slow-{uuid.uuid4().hex[:6]}")
+    CreditUsage.objects.bulk_create(
+        CreditUsage(user=user, tool_call_id=f"ptc_{uuid.uuid4().hex}", amount=1, due_amount=1) for _ in range(10)
+    )
+    slow = RawSQL("pg_sleep(0.5) IS NOT NULL", [], output_field=BooleanField())
+    rows = CreditUsage.objects.filter(user=user).alias(slow=slow).filter(slow=True).order_by("-id")
+    paginator = Pagination.django_paginator_class(rows, 100)
+    started = time.monotonic()
+    count = paginator.count  # counted whole, 5 s
+    took = time.monotonic() - started
+    assert getattr(paginator, "estimated", False) and count >= 1, count
+    assert took < COUNT_SECONDS + 2, took
+    page = paginator.page(1)  # read as a page is: 5 s here, but its ten rows, all there
+    assert len(page.object_list) == 10 and not page.has_next()
+
+
+def test_the_staff_api_list_of_a_huge_table_answers_with_an_estimate(huge_usage: Any, make_api: Callable[..., Api]) -> None:
+    """GET /billing/usage as staff lists every user's usage: its count was every row of the table,
+    past PTC_DB_STATEMENT_TIMEOUT on a large deployment (503). It is now the planner's estimate, and
+    its pages still follow one another by their next links; a user's own list is counted exactly."""
+    staff = make_api(staff=True)
+    first = staff.get("/api/v1/billing/usage", params={"page_size": 500})
+    assert first.status_code == 200, first.text
+    body = first.json()
+    assert body["count"] > PLANNED // 2, body["count"]  # not the ~10,000 rows there are
+    assert len(body["results"]) == 500 and body["next"] and body["previous"] is None
+    second = staff.get(body["next"])
+    assert second.status_code == 200, second.text
+    assert {row["id"] for row in second.json()["results"]}.isdisjoint({row["id"] for row in body["results"]})
+    assert second.json()["previous"]
+    last = staff.get("/api/v1/billing/usage", params={"page": "last"})
+    assert last.status_code == 400 and last.json()["error"]["details"]["page"], last.text
+    # Past the last page there is: 404, as before, though the estimate has pages there.
+    past = staff.get("/api/v1/billing/usage", params={"page": 10_000, "page_size": 500})
+    assert past.status_code == 404, past.text
+
+    own = make_api()
+    CreditUsage.objects.bulk_create(
+        CreditUsage(
+            user_id=get_user_model().objects.get(username=own.username).pk,
+            tool_call_id=f"ptc_{i}_{uuid.uuid4().hex}",
+            amount=1,
+            due_amount=1,
+        )
+        for i in range(3)
+    )
+    mine = own.get("/api/v1/billing/usage", params={"page_size": 2})
+    assert mine.status_code == 200 and mine.json()["count"] == 3 and mine.json()["next"], mine.text
+    assert own.get("/api/v1/billing/usage", params={"page": "last", "page_size": 2}).json()["results"]
+
+
+def test_the_admin_list_of_a_huge_table_reads_no_more_than_it_counts(huge_usage: Any) -> None:
+    """The usage list in the admin counted the whole table each load. It now reads at most
+    COUNT_EXACT_UP_TO + 1 rows to count, says "about" the planner's estimate, and pages on."""
+    client = _admin_client()
+    with CaptureQueriesContext(connection) as queries:
+        page = client.get("/admin/billing/creditusage/")
+    assert page.status_code == 200
+    counts = [query["sql"] for query in queries.captured_queries if query["sql"].startswith("SELECT COUNT(*)")]
+    assert counts and all("LIMIT" in sql for sql in counts), counts
+    said = re.search(r"about (\d+) credit usages", page.content.decode())
+    assert said and int(said[1]) > PLANNED // 2, page.content.decode()[-3000:]
+    assert client.get("/admin/billing/creditusage/?p=2").status_code == 200
