@@ -16,6 +16,7 @@ from billing.selectors import usage_by_day
 from billing.services import credits_adjust
 from ptcproject.accounts.authentication import signed_in_user
 from ptcproject.admin_deletes import CountedDeleteAdmin
+from ptcproject.admin_search import IndexedSearchAdmin
 from ptcproject.errors import ApplicationError
 from ptcproject.readonly import ReadOnlyAdmin
 from ptcproject.storage import BIGINT_MAX
@@ -55,13 +56,14 @@ class CreditsForm(forms.Form):
 
 
 @admin.register(CreditAccount)
-class CreditAccountAdmin(CountedDeleteAdmin):
+class CreditAccountAdmin(IndexedSearchAdmin, CountedDeleteAdmin):
     list_display = ("user", "balance", "reserved", "plan", "plan_expires_at", "updated_at")
     # Named: Django's own joins follow only the columns that can't be null, so each row's plan was
     # a query of its own (a page of 100 accounts, 100 more queries), as was each entry's created_by.
     list_select_related = ("user", "plan")
     list_filter = ("plan",)
-    search_fields = ("user__username",)
+    search_fields = ("user__username",)  # matched whole, by its index (IndexedSearchAdmin)
+    search_help_text = "A username, whole."
     readonly_fields = ("user", "balance", "reserved", "updated_at")
     fields = ("user", "balance", "reserved", "plan", "plan_expires_at", "updated_at")
     actions = ("adjust_credits",)
@@ -104,11 +106,13 @@ class CreditAccountAdmin(CountedDeleteAdmin):
 
 
 @admin.register(LedgerEntry)
-class LedgerEntryAdmin(ReadOnlyAdmin):
+class LedgerEntryAdmin(IndexedSearchAdmin, ReadOnlyAdmin):
     list_display = ("created_at", "account", "kind", "delta", "reason", "created_by")
     list_select_related = ("account__user", "created_by")  # as for the accounts' plans
     list_filter = ("kind", "created_at")
-    search_fields = ("account__user__username", "reason", "tool_call_id")
+    # Matched whole, by their indexes (IndexedSearchAdmin); not the reason, which no index serves.
+    search_fields = ("account__user__username", "tool_call_id")
+    search_help_text = "A username or a call id (ptc_…, standalone_…), whole."
     # A row a call charged or refunded, and created_at has no index: the model's ordering by it read
     # and sorted every entry each load. Newest first by id reads a page of the primary key.
     ordering = ("-id",)
@@ -123,10 +127,11 @@ class ReservationAdmin(ReadOnlyAdmin):
 
 
 @admin.register(CreditUsage)
-class CreditUsageAdmin(ReadOnlyAdmin):
+class CreditUsageAdmin(IndexedSearchAdmin, ReadOnlyAdmin):
     list_display = ("created_at", "user", "tool_call_id", "usage_type", "amount", "due_amount")
     list_filter = ("usage_type", "created_at")
-    search_fields = ("user__username", "tool_call_id")
+    search_fields = ("user__username", "tool_call_id")  # matched whole, by their indexes (IndexedSearchAdmin)
+    search_help_text = "A username or a call id (ptc_…, standalone_…), whole."
     # A row a call: no date hierarchy (its distinct days were a scan of every row each load; the
     # created-at filter's links stay), and one count a load, not two.
     show_full_result_count = False

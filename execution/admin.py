@@ -20,6 +20,7 @@ from execution.timeline import PREVIEW_CHARS, clipped, timeline_build
 from ptcproject.accounts.authentication import signed_in_user
 from ptcproject.admin_deletes import CountedDeleteAdmin, pks_of
 from ptcproject.admin_permissions import has_model_permission
+from ptcproject.admin_search import IndexedSearchAdmin
 from ptcproject.errors import ApplicationError
 
 
@@ -89,12 +90,14 @@ def unended_kept(
 
 
 @admin.register(ExecJob)
-class ExecJobAdmin(CountedDeleteAdmin):
+class ExecJobAdmin(IndexedSearchAdmin, CountedDeleteAdmin):
     list_display = ("call_id", "user", "status", "title", "created_at", "execution_time_seconds")
 
     # Not by user: the filter listed every user of the deployment on each load. Search by username.
     list_filter = ("status", "created_at")
-    search_fields = ("call_id", "id", "title", "user__username")
+    # Matched whole, by their indexes (IndexedSearchAdmin); not the title, which no index serves.
+    search_fields = ("id", "call_id", "user__username")
+    search_help_text = "A job's id or call id (exec_…), or a username, whole."
     # No date hierarchy: its distinct days were a scan of every job each load (the created-at
     # filter's links stay), and one count a load, not two.
     show_full_result_count = False
@@ -264,12 +267,17 @@ class ExecJobAdmin(CountedDeleteAdmin):
 
 
 @admin.register(ToolCall)
-class ToolCallAdmin(CountedDeleteAdmin):
+class ToolCallAdmin(IndexedSearchAdmin, CountedDeleteAdmin):
     list_display = ("call_id", "type", "toolset_key", "tool_name", "status", "decision", "user", "credits", "started_at")
     # Not by toolset key: the filter was every distinct key in the table (users name their own
     # toolsets freely), a scan of every call each load. Search finds a toolset's calls.
     list_filter = ("status", "decision", "type", "started_at")
-    search_fields = ("call_id", "ptc_call_id", "toolset_key", "tool_name", "user__username")
+    # Matched whole, by their indexes (IndexedSearchAdmin): the job's call id (ptc_call_id) by the
+    # job, and a toolset's calls by its tools (those of a tool since deleted by their job or user).
+    search_fields = ("call_id", "exec_job__call_id", "user__username", "tool__toolset__key", "tool__name")
+    search_help_text = (
+        "A call id (ptc_…, standalone_…), its job's call id (exec_…), a username, a toolset's key or a tool's name, whole."
+    )
     # The largest table of all (a row a call), and started_at has no index of its own (each index
     # is written twice a call): ordered by it (the model's oldest-first ordering) and drawn with a
     # date hierarchy (its min, max and distinct days), each load of the list read every row, 1 s
@@ -310,10 +318,11 @@ class WorkFileInline(admin.TabularInline):
 
 
 @admin.register(ExecSession)
-class ExecSessionAdmin(CountedDeleteAdmin):
+class ExecSessionAdmin(IndexedSearchAdmin, CountedDeleteAdmin):
     list_display = ("id", "user", "status", "worker", "jobs_run", "created_at", "last_used_at", "expires_at")
     list_filter = ("status", "created_at")  # not by user: as for jobs
-    search_fields = ("id", "worker", "user__username")
+    search_fields = ("id", "user__username")  # matched whole, by their indexes (IndexedSearchAdmin)
+    search_help_text = "A session's id or a username, whole."
     date_hierarchy = "created_at"
     readonly_fields = [f.name for f in ExecSession._meta.fields]
     inlines = [WorkFileInline]
@@ -353,10 +362,11 @@ class ExecSessionAdmin(CountedDeleteAdmin):
 
 
 @admin.register(WorkFile)
-class WorkFileAdmin(CountedDeleteAdmin):
+class WorkFileAdmin(IndexedSearchAdmin, CountedDeleteAdmin):
     list_display = ("path", "kind", "size", "pending", "session", "exec_job", "updated_at")
     list_filter = ("kind", "pending", "updated_at")
-    search_fields = ("path", "session__id", "exec_job__call_id")
+    search_fields = ("session", "exec_job__call_id")  # matched whole, by their indexes (IndexedSearchAdmin)
+    search_help_text = "A session's id or a job's call id (exec_…), whole."
     # The contents are bytes: shown by size, downloaded through the API.
     readonly_fields = ("session", "exec_job", "kind", "path", "size", "pending", "updated_at")
     exclude = ("content",)

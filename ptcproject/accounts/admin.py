@@ -19,6 +19,7 @@ from ptcproject.accounts.selectors import api_key_owner_allowed, api_key_owners
 from ptcproject.accounts.services import api_key_create, api_key_expire, api_key_revoke
 from ptcproject.admin_deletes import CountedDeleteAdmin, pks_of
 from ptcproject.admin_lists import LargeListAdmin
+from ptcproject.admin_search import IndexedSearchAdmin
 from ptcproject.errors import ApplicationError
 
 
@@ -34,10 +35,12 @@ class ApiKeyEventInline(admin.TabularInline):
 
 
 @admin.register(ApiKey)
-class ApiKeyAdmin(LargeListAdmin):
+class ApiKeyAdmin(IndexedSearchAdmin):
     list_display = ("prefix", "user", "name", "job", "created_at", "expires_at", "revoked_at", "last_used_at")
     list_filter = ("revoked_at", "expires_at", ("exec_job", admin.EmptyFieldListFilter))
-    search_fields = ("prefix", "user__username", "name")
+    # A key a job (every job has one): matched whole, by their indexes (IndexedSearchAdmin); not the name.
+    search_fields = ("prefix", "user__username")
+    search_help_text = "A key's prefix (ptc_<prefix>_…) or a username, whole."
     readonly_fields = ("prefix", "exec_job", "created_at", "last_used_at", "revoked_at")
     fields = ("user", "name", "expires_at", "prefix", "exec_job", "created_at", "last_used_at", "revoked_at")
     actions = ("revoke",)
@@ -129,9 +132,10 @@ class ApiKeyAdmin(LargeListAdmin):
 
 
 @admin.register(UserSettings)
-class UserSettingsAdmin(CountedDeleteAdmin):
+class UserSettingsAdmin(IndexedSearchAdmin, CountedDeleteAdmin):
     list_display = ("user", "retention_days", "max_concurrent_jobs", "max_concurrent_tool_calls", "max_jobs_per_minute")
-    search_fields = ("user__username",)
+    search_fields = ("user__username",)  # matched whole, by its index (IndexedSearchAdmin)
+    search_help_text = "A username, whole."
     autocomplete_fields = ("user",)
 
 
