@@ -138,3 +138,35 @@ def test_the_admin_list_of_a_huge_table_reads_no_more_than_it_counts(huge_usage:
     said = re.search(r"about (\d+) credit usages", page.content.decode())
     assert said and int(said[1]) > PLANNED // 2, page.content.decode()[-3000:]
     assert client.get("/admin/billing/creditusage/?p=2").status_code == 200
+
+
+def test_the_staff_api_lists_read_a_page_not_the_table() -> None:
+    """A staff member's lists of every job, call and usage row: each query of a page but its count
+    (which stops at COUNT_EXACT_UP_TO + 1 rows) reads a page of its table, not the table. The calls
+    were in start order, by started_at, which has no index of its own (each call writes its row
+    twice, into every index): each page read and sorted every call of the deployment."""
+    from ptcproject.accounts.services import user_with_key_create
+    from tests.test_admin import _many_calls, _many_jobs, _much_usage, _rows_read
+
+    crowd = get_user_model().objects.create_user(username=f"crowd-{uuid.uuid4().hex[:6]}")
+    for make in (_many_calls, _many_jobs, _much_usage):
+        make(crowd)
+    _, key = user_with_key_create(username=f"staff-{uuid.uuid4().hex[:6]}", create_user=True, staff=True)
+    client = Client(HTTP_AUTHORIZATION=f"Bearer {key}")
+    for path, table in (
+        ("/api/v1/tool-calls", "execution_toolcall"),
+        ("/api/v1/exec", "execution_execjob"),
+        ("/api/v1/billing/usage", "billing_creditusage"),
+    ):
+        with connection.cursor() as cursor:
+            cursor.execute(f"ANALYZE {table}")  # as autovacuum would have: the planner knows the table is not small
+        with CaptureQueriesContext(connection) as queries:
+            response = client.get(path, {"page_size": 100})
+            body = b"".join(response.streaming_content)  # type: ignore[attr-defined]
+        assert response.status_code == 200, body[:500]
+        read = {
+            query["sql"][:300]: _rows_read(query["sql"], table)
+            for query in queries.captured_queries
+            if f'"{table}"' in query["sql"] and not query["sql"].startswith("SELECT COUNT(*)")
+        }
+        assert read and all(rows <= 200 for rows in read.values()), (path, read)
