@@ -19,7 +19,7 @@ from tools.sdk import tool_signature
 from tools.secret_refs import secret_names_problem
 from tools.selectors import toolset_key_taken
 from tools.serializers import ToolWriteSerializer
-from tools.services import TOOL_FIELDS, TOOLSET_FIELDS, mcp_toolset_sync
+from tools.services import TOOL_FIELDS, TOOLSET_FIELDS, mcp_toolset_sync, tool_calls_unlink
 from tools.validation import CLIENT_NOT_GATED, FieldError, config_errors, identifier_problem, tool_errors
 
 
@@ -286,6 +286,22 @@ class ToolsetAdmin(CountedDeleteAdmin):
             self.message_user(request, f"'{obj.key}' is a builtin toolset: {BUILTIN_FIXED}", messages.INFO)
         return super().render_change_form(request, context, add=add, change=change, form_url=form_url, obj=obj)
 
+    # Its tools' calls unlinked a batch at a time first (tool_calls_unlink): Django's delete unlinks
+    # them in one statement, past PTC_DB_STATEMENT_TIMEOUT for a tool of millions of calls.
+    def delete_model(self, request: HttpRequest, obj: Toolset) -> None:
+        tool_calls_unlink(tools=obj.tools.all())
+        super().delete_model(request, obj)
+
+    def delete_queryset(self, request: HttpRequest, queryset: QuerySet[Toolset]) -> None:
+        tool_calls_unlink(tools=Tool.objects.filter(toolset__in=queryset))
+        super().delete_queryset(request, queryset)
+
+    def save_formset(self, request: HttpRequest, form: Any, formset: Any, change: bool) -> None:
+        if formset.model is Tool:  # the tools deleted on the toolset's page
+            gone = [tool.pk for tool in (f.instance for f in formset.deleted_forms) if tool.pk is not None]
+            tool_calls_unlink(tools=Tool.objects.filter(pk__in=gone))
+        super().save_formset(request, form, formset, change)
+
     def get_deleted_objects(self, objs: Any, request: HttpRequest) -> tuple[Any, ...]:
         builtin = Toolset.objects.filter(pk__in=pks_of(objs), kind=Toolset.Kind.BUILTIN).values_list("key", flat=True)
         kept = [f"builtin toolset {key} ({BUILTIN_KEPT})" for key in builtin[:20]]
@@ -325,6 +341,14 @@ class ToolAdmin(CountedDeleteAdmin):
             fields = [field.name for field in Tool._meta.fields if field.editable and field.name not in BUILTIN_TOOL_EDITABLE]
             return (*self.readonly_fields, *fields)
         return self.readonly_fields
+
+    def delete_model(self, request: HttpRequest, obj: Tool) -> None:
+        tool_calls_unlink(tools=Tool.objects.filter(pk=obj.pk))  # as ToolsetAdmin's
+        super().delete_model(request, obj)
+
+    def delete_queryset(self, request: HttpRequest, queryset: QuerySet[Tool]) -> None:
+        tool_calls_unlink(tools=queryset)
+        super().delete_queryset(request, queryset)
 
     def get_deleted_objects(self, objs: Any, request: HttpRequest) -> tuple[Any, ...]:
         builtin = Tool.objects.filter(pk__in=pks_of(objs), toolset__kind=Toolset.Kind.BUILTIN)
