@@ -367,6 +367,9 @@ class WorkFileAdmin(IndexedSearchAdmin, CountedDeleteAdmin):
     list_filter = ("kind", "pending", "updated_at")
     search_fields = ("session", "exec_job__call_id")  # matched whole, by their indexes (IndexedSearchAdmin)
     search_help_text = "A session's id or a job's call id (exec_…), whole."
+    # Newest first, by the primary key: the model's order, by path, has no index of its own (a
+    # file's are per session and per job), and sorted every file of the deployment each load.
+    ordering = ("-id",)
     # The contents are bytes: shown by size, downloaded through the API.
     readonly_fields = ("session", "exec_job", "kind", "path", "size", "pending", "updated_at")
     exclude = ("content",)

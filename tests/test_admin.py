@@ -12,7 +12,8 @@ from django.utils import timezone
 
 from billing.models import CreditAccount, CreditUsage, LedgerEntry, Plan
 from billing.services import credits_adjust
-from execution.models import ExecJob
+from execution.models import ExecJob, WorkFile
+from ptcproject.accounts.models import ApiKey
 from tests.conftest import Api
 from tests.factories import job_calls, running_job
 from tools.models import Tool, Toolset
@@ -94,6 +95,18 @@ def _many_jobs(user: Any) -> None:
     )
 
 
+def _many_keys(user: Any) -> None:
+    # One a job: as many as the jobs.
+    ApiKey.objects.bulk_create(ApiKey(user=user, prefix=uuid.uuid4().hex[:16], key_hash=uuid.uuid4().hex) for _ in range(ROWS))
+
+
+def _many_files(user: Any) -> None:
+    job = running_job(user=user, status="completed", finished_at=timezone.now())
+    WorkFile.objects.bulk_create(
+        WorkFile(exec_job=job, kind="output", path=f"out/{i}.txt", content=b"1", size=1) for i in range(ROWS)
+    )
+
+
 @pytest.mark.parametrize(
     "page,table,make",
     [
@@ -101,6 +114,8 @@ def _many_jobs(user: Any) -> None:
         ("/admin/billing/ledgerentry/", "billing_ledgerentry", _many_ledger_entries),
         ("/admin/billing/creditusage/", "billing_creditusage", _much_usage),
         ("/admin/execution/execjob/", "execution_execjob", _many_jobs),
+        ("/admin/accounts/apikey/", "accounts_apikey", _many_keys),
+        ("/admin/execution/workfile/", "execution_workfile", _many_files),
     ],
 )
 def test_the_largest_tables_lists_read_a_page_not_the_table(page: str, table: str, make: Callable[[Any], None]) -> None:

@@ -29,6 +29,9 @@ class ApiKey(models.Model):
     class Meta:
         ordering = ["-created_at"]
         verbose_name = "API key"
+        # Every job has a key: the admin's list, newest first, sorted them all each load without it.
+        # Set once, at insert: a key's updates (last_used_at, revoked_at) stay heap-only.
+        indexes = [models.Index(fields=["-created_at"], name="apikey_created")]
 
     def __str__(self) -> str:
         return f"ptc_{self.prefix}_… ({self.user})"
