@@ -1,4 +1,4 @@
-from datetime import timedelta
+from datetime import datetime, time, timedelta
 
 from django.contrib.auth.models import User
 from django.db.models import F, OuterRef, QuerySet, Subquery, Sum
@@ -49,8 +49,12 @@ def usage_by_day(*, days: int = 30, group: str = "toolset") -> tuple[list[str], 
     # Its days by this clock, the rows' times by the database's (the settle's now()): one ahead of
     # this one dated a row after today, and dates.index() failed the page. It waits for its day.
     end = start + timedelta(days=days - 1)
+    # By the times themselves, which created_at's index serves: by their dates (created_at__date,
+    # a cast of each row's time) every row of the table was read, a row a call ever charged.
+    since = timezone.make_aware(datetime.combine(start, time.min))
+    until = timezone.make_aware(datetime.combine(end + timedelta(days=1), time.min))
     rows = (
-        CreditUsage.objects.filter(created_at__date__gte=start, created_at__date__lte=end)
+        CreditUsage.objects.filter(created_at__gte=since, created_at__lt=until)
         .annotate(day=TruncDate("created_at"), series=key)
         .values("day", "series")
         .annotate(total=Sum("amount"))

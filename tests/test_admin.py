@@ -1,6 +1,7 @@
 import json
 import uuid
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -210,3 +211,35 @@ def test_the_largest_tables_searches_read_what_they_find_not_the_table() -> None
     usage = CreditUsage.objects.create(user=user, tool_call_id=first.call_id, amount=1, due_amount=1)
     _searched("/admin/billing/ledgerentry/", "billing_ledgerentry", [user.username], ["found me"])
     _searched("/admin/billing/creditusage/", "billing_creditusage", [user.username, usage.tool_call_id], [first.call_id] * 2)
+
+
+def test_the_usage_chart_reads_its_thirty_days_not_the_whole_history() -> None:
+    """The chart of the last 30 days' spend picked its rows by their dates (created_at__date, a cast
+    of each row's time, which created_at's index does not serve): each load read every usage row
+    ever written, a row a call charged. It now reads the 30 days' rows, by the index. (History
+    here: 100,000 rows of 90 days ago, beside the other tests' recent ones.)"""
+    user = get_user_model().objects.create_user(username=f"spent-{uuid.uuid4().hex[:6]}")
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "INSERT INTO billing_creditusage (user_id, tool_call_id, usage_type, tool_call_meta, amount, due_amount, created_at)"
+            " SELECT %s, 'ptc_old_' || md5(random()::text || g), 'tool_call', '{}'::jsonb, 1, 1, now() - interval '90 days'"
+            " FROM generate_series(1, 100000) g",
+            [user.pk],
+        )
+    CreditUsage.objects.create(user=user, tool_call_id=f"ptc_{uuid.uuid4().hex}", amount=7, due_amount=7)
+    try:
+        with connection.cursor() as cursor:
+            cursor.execute("ANALYZE billing_creditusage")
+        staff = get_user_model().objects.create_user(username=f"admin-{uuid.uuid4().hex[:6]}", is_staff=True, is_superuser=True)
+        client = Client()
+        client.force_login(staff)
+        with CaptureQueriesContext(connection) as queries:
+            page = client.get("/admin/billing/creditusage/chart/")
+        assert page.status_code == 200 and f"{user.username} (7)" in page.content.decode()  # today's 7, not the old rows
+        recent = CreditUsage.objects.filter(created_at__gte=timezone.now() - timedelta(days=31)).count()  # other tests' too
+        read = [
+            _rows_read(q["sql"], "billing_creditusage") for q in queries.captured_queries if '"billing_creditusage"' in q["sql"]
+        ]
+        assert read and all(rows <= recent for rows in read), (read, recent)
+    finally:
+        CreditUsage.objects.filter(user=user).delete()
