@@ -4,9 +4,10 @@ calls, jobs or ledger of a large deployment ran past PTC_DB_STATEMENT_TIMEOUT an
 
 A list's count is exact up to COUNT_EXACT_UP_TO rows, if counting them takes at most COUNT_SECONDS
 (a filter no index serves may have to read the whole table to find a few rows); past either, it is
-PostgreSQL's planner's estimate (EXPLAIN), never less than what was seen. Such a page is read as
-``per_page + 1`` rows, the last telling whether there is a next page: the links never depend on
-the estimate.
+PostgreSQL's planner's estimate (EXPLAIN), and never under COUNT_EXACT_UP_TO + 1: a list said to
+hold no more than a page would be drawn whole (the admin's), and one that is slow to count may be
+long. Such a page is read as ``per_page + 1`` rows, the last telling whether there is a next page:
+the links never depend on the estimate; and a page with none after it makes the count exact.
 """
 
 import json
@@ -59,8 +60,8 @@ def planned_rows(queryset: QuerySet[Any]) -> int:
 def rows_counted(queryset: QuerySet[Any]) -> tuple[int, bool]:
     """Return how many rows ``queryset`` has, and whether that is exact: it is up to
     COUNT_EXACT_UP_TO rows counted within COUNT_SECONDS (or PTC_DB_STATEMENT_TIMEOUT, if shorter);
-    past either, the planner's estimate, at least COUNT_EXACT_UP_TO + 1 if that many were seen.
-    Exact on any database but PostgreSQL (the embedded SQLite, for small deployments)."""
+    past either, the planner's estimate, at least COUNT_EXACT_UP_TO + 1. Exact on any database but
+    PostgreSQL (the embedded SQLite, for small deployments)."""
     alias = queryset.db
     if connections[alias].vendor != "postgresql":
         return queryset.count(), True
@@ -72,10 +73,10 @@ def rows_counted(queryset: QuerySet[Any]) -> tuple[int, bool]:
     except OperationalError as exc:
         if not statement_cancelled(exc):
             raise
-        return planned_rows(queryset), False
-    if counted <= COUNT_EXACT_UP_TO:
-        return counted, True
-    return max(planned_rows(queryset), counted), False
+    else:
+        if counted <= COUNT_EXACT_UP_TO:
+            return counted, True
+    return max(planned_rows(queryset), COUNT_EXACT_UP_TO + 1), False
 
 
 class EstimatingPage(Page):
@@ -139,7 +140,12 @@ class EstimatingPaginator(Paginator):
         rows = list(self.object_list[bottom : bottom + self.per_page + 1])
         if not rows and number > 1:
             raise EmptyPage(self.error_messages["no_results"])
-        return EstimatingPage(rows[: self.per_page], number, self, more=len(rows) > self.per_page)
+        more = len(rows) > self.per_page
+        if not more:  # the last page: the count is known
+            self.__dict__["_counted"] = (bottom + len(rows), True)
+            for counted_from in ("count", "num_pages"):
+                self.__dict__.pop(counted_from, None)
+        return EstimatingPage(rows[: self.per_page], number, self, more=more)
 
     def get_elided_page_range(self, number: Any = 1, *, on_each_side: int = 3, on_ends: int = 2) -> Iterator[Any]:
         """Django's links to pages, but for an estimated list none past a few after ``number``:
