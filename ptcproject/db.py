@@ -1,5 +1,6 @@
 """Working through a database that may drop away for a while (a restart)."""
 
+import functools
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -114,6 +115,38 @@ def unless_cancelled(work: Callable[[], T], *, what: str, **ids: Any) -> T | Non
         return None
 
 
+# How long a statement that must not hold up others waits on a row lock before PostgreSQL cancels it
+# (its lock_timeout, PTC_DB_STATEMENT_TIMEOUT otherwise): a lock held longer is a transaction stuck
+# elsewhere, or one the statement can go round (a tools worker's batch: its calls then go alone; a
+# reaper's round: the row waits for the next). Longer than a row is held by any statement's
+# transaction of ours on a busy machine; a wait cut short costs a statement again, never a result.
+BRIEF_LOCK_WAIT_MS = 200
+
+
+def brief_lock_wait_sql(placeholder: str = "%(lock_wait)s") -> str:
+    """A condition for a PostgreSQL statement's WHERE that holds and sets the lock_timeout of its
+    transaction to its parameter's value (``placeholder``'s: ``brief_lock_wait``, ``'200ms'``), or
+    leaves it as it is when that value is NULL. An uncorrelated subquery: PostgreSQL evaluates it once,
+    before the statement's scan (a one-time filter), so every lock it then waits on (a row it
+    updates, a foreign key's check at the commit) is waited on that long at most. One round trip,
+    where ``SET LOCAL`` in a transaction of its own took three more."""
+    return f"(SELECT set_config('lock_timeout', COALESCE({placeholder}, current_setting('lock_timeout')), true)) IS NOT NULL"
+
+
+def brief_lock_wait(brief: bool) -> str | None:
+    """The value of ``brief_lock_wait_sql``'s parameter: ``BRIEF_LOCK_WAIT_MS`` with ``brief``, else None."""
+    return f"{BRIEF_LOCK_WAIT_MS}ms" if brief else None
+
+
+def unless_locked(work: Callable[[], T], *, what: str, **ids: Any) -> T | None:
+    """``unless_cancelled`` for one item of a round of upkeep (the reaper's), whose statements wait
+    on a lock ``BRIEF_LOCK_WAIT_MS`` at most (on PostgreSQL): a row held locked by a transaction stuck
+    elsewhere costs the round that, not PTC_DB_STATEMENT_TIMEOUT, and is left to a later round.
+    Each statement outside a transaction goes in one of its own (a round trip or three more)."""
+    with _lock_wait_brief():
+        return unless_cancelled(work, what=what, **ids)
+
+
 class LockedRows:
     """The rows of ``model`` (by ``field``) a reaper found held locked (its statement cancelled), for
     rows whose lease their worker renews: the worker's renewals wait on the same lock, and are
@@ -164,28 +197,47 @@ def statement_timeout_off(alias: str = DEFAULT_DB_ALIAS) -> Iterator[None]:
     transaction. A session's ``SET`` would: behind PgBouncer in transaction mode it stayed on the
     server connection the pooler lent, for whichever client came next, and the block's next
     statement went to another server connection, with the timeout. It costs a round trip per statement."""
+    with _each_transaction_set("SELECT set_config('statement_timeout', '0', true), set_config('lock_timeout', '0', true)", alias):
+        yield
+
+
+@contextmanager
+def _lock_wait_brief(alias: str = DEFAULT_DB_ALIAS) -> Iterator[None]:
+    """Run the block's statements on this thread's connection to ``alias`` with a lock_timeout of
+    ``BRIEF_LOCK_WAIT_MS``, each transaction's own (as ``statement_timeout_off``)."""
+    with _each_transaction_set(f"SELECT set_config('lock_timeout', '{BRIEF_LOCK_WAIT_MS}ms', true)", alias):
+        yield
+
+
+@contextmanager
+def _each_transaction_set(setting: str, alias: str) -> Iterator[None]:
+    """Run ``setting`` (a ``set_config(..., true)``) first in the transaction of each of the block's
+    statements on ``alias``: the block's own ``atomic`` block, or one of its own around a statement
+    outside them. Nothing outside PostgreSQL."""
     database = connections[alias]
     if database.vendor != "postgresql":
         yield
         return
-    with database.execute_wrapper(_statement_timeout_lifted):
+    with database.execute_wrapper(functools.partial(_set_in_transaction, setting)):
         yield
 
 
-def _statement_timeout_lifted(execute: Callable[..., Any], sql: str, params: Any, many: bool, context: dict[str, Any]) -> Any:
+def _set_in_transaction(
+    setting: str, execute: Callable[..., Any], sql: str, params: Any, many: bool, context: dict[str, Any]
+) -> Any:
     database = context["connection"]
     if not database.get_autocommit():
-        _statement_timeout_lift(database, context["cursor"])
+        _set_first(database, context["cursor"], setting)
         return execute(sql, params, many, context)
     with transaction.atomic(using=database.alias):
-        _statement_timeout_lift(database, context["cursor"])
+        _set_first(database, context["cursor"], setting)
         return execute(sql, params, many, context)
 
 
-def _statement_timeout_lift(database: Any, cursor: Any) -> None:
+def _set_first(database: Any, cursor: Any, setting: str) -> None:
     # On psycopg's cursor (not through the wrappers again), but through Django's translation of its
     # errors, as every statement: the SET is the transaction's first statement, the one that finds
     # a connection lost (a restart, a killed backend), which must be Django's OperationalError, an
     # outage's, not psycopg's own error, which no outage path knows.
     with database.wrap_database_errors:
-        cursor.cursor.execute("SELECT set_config('statement_timeout', '0', true), set_config('lock_timeout', '0', true)")
+        cursor.cursor.execute(setting)

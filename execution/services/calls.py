@@ -47,7 +47,16 @@ from ptcproject.accounts.models import ApiKey
 from ptcproject.batching import GroupCommit
 from ptcproject.broker import broker_trouble
 from ptcproject.celery import task_publish
-from ptcproject.db import LockedRows, db_reset, db_retry, statement_cancelled, unless_cancelled
+from ptcproject.db import (
+    LockedRows,
+    brief_lock_wait,
+    brief_lock_wait_sql,
+    db_reset,
+    db_retry,
+    statement_cancelled,
+    unless_cancelled,
+    unless_locked,
+)
 from ptcproject.errors import ApplicationError, call_error
 from ptcproject.metrics import tool_call_observe
 from ptcproject.policy.models import Policy
@@ -836,11 +845,12 @@ _PRICE_HELD = (
     f"WHERE r.tool_call_id = {ToolCall._meta.db_table}.call_id AND r.status = 'held')"
 )
 # The claim and the read of the rows in one statement (PostgreSQL and SQLite both have RETURNING):
-# executing, unclaimed, and its job (if any) still running. {ids} is a placeholder per call.
+# executing, unclaimed, and its job (if any) still running. {ids} is a placeholder per call, {brief}
+# the condition that sets how long the statement waits on a lock (_lock_wait).
 _CALL_FIELDS = ToolCall._meta.concrete_fields
 _CLAIM_SQL = f"""
 UPDATE {ToolCall._meta.db_table} SET claimed_at = %s
-WHERE call_id IN ({{ids}}) AND status = 'executing' AND claimed_at IS NULL
+WHERE call_id IN ({{ids}}) AND {{brief}} AND status = 'executing' AND claimed_at IS NULL
   AND (exec_job_id IS NULL OR EXISTS (
     SELECT 1 FROM {ExecJob._meta.db_table} j WHERE j.id = {ToolCall._meta.db_table}.exec_job_id AND j.status = 'running'))
 RETURNING {rows.columns(ToolCall)}, {_PRICE_HELD}
@@ -870,7 +880,7 @@ _JOB_RUNNING = f"SELECT 1 FROM {ExecJob._meta.db_table} j WHERE j.id = {{job}} A
 _RECORD_CLAIMED_SQL = f"""
 INSERT INTO {ToolCall._meta.db_table} ({_ROW_COLUMNS})
 SELECT * FROM (VALUES {{rows}}) AS v ({_ROW_COLUMNS})
-WHERE v.exec_job_id IS NULL OR EXISTS ({_JOB_RUNNING.format(job="v.exec_job_id")})
+WHERE (v.exec_job_id IS NULL OR EXISTS ({_JOB_RUNNING.format(job="v.exec_job_id")})) AND {brief_lock_wait_sql("%s")}
 ON CONFLICT (call_id) DO NOTHING
 RETURNING call_id, id, tool_id, {_PRICE_HELD}
 """  # noqa: S608
@@ -906,6 +916,7 @@ finished AS (
     ), 0) ELSE t.credits END
   FROM jsonb_to_recordset(%(calls)s::jsonb) AS v(call_id text, status text, output jsonb, error jsonb, settles boolean)
   WHERE t.call_id = v.call_id AND t.status IN ({", ".join(f"'{status.value}'" for status in ToolCall.OPEN)})
+    AND {brief_lock_wait_sql()}
   RETURNING t.call_id, t.credits, v.settles
 )"""  # noqa: S608
 _FINISH_SQL = f"WITH {_FINISHED} SELECT call_id, credits FROM finished"  # noqa: S608
@@ -955,8 +966,20 @@ def tool_call_execute(*, call_id: str, record: str | None = None, alone: bool = 
         reply: dict[str, Any] = {"ok": False, "error": call_error("internal_error", BAD_RECORD_MESSAGE)}
         backplane().publish(_result_channel(call_id, _unverified_job(record)), Result(call_id=call_id, **reply))
         return
-    # With the claims of this worker's other threads, when they coincide; a retry's on its own.
-    call = _tool_calls_claim([(call_id, queued)])[0] if alone else _claims((call_id, queued))
+    # With the claims of this worker's other threads, when they coincide; a retry's on its own. A
+    # batch waits on a lock briefly: one that waited longer (its statement cancelled, nothing
+    # claimed) is tried again at once alone, by each of its calls, on its own thread: the one whose
+    # row (or user's, or job's) is held locked waits for it there, holding up no other.
+    call = None
+    if not alone:
+        try:
+            call = _claims((call_id, queued))
+        except OperationalError as exc:
+            if not statement_cancelled(exc):
+                raise
+            alone = True
+    if alone:
+        call = _tool_calls_claim([(call_id, queued)])[0]
     claimed = call is not None
     if call is None:
         call = ToolCall.objects.filter(call_id=call_id).first()
@@ -1014,35 +1037,44 @@ def _lease_fresh(call: ToolCall) -> bool:
     return lease is not None and lease > timezone.now() - timedelta(seconds=settings.PTC_JOB_LEASE_SECONDS)
 
 
-def _tool_calls_claim(items: list[tuple[str, ToolCall | None]]) -> list[ToolCall | None]:
+def _tool_calls_claim(items: list[tuple[str, ToolCall | None]], *, brief: bool = False) -> list[ToolCall | None]:
     """Claim calls ``(call_id, record or None)``: the queued ones by writing their records, the
-    recorded ones by updating theirs, a statement each. Return each one's row if this claimed it,
-    else None (a repeat of a call in the same batch is not claimed twice)."""
+    recorded ones by updating theirs, a statement each (in one transaction when there are both: a
+    batch that fails has claimed none of them). Return each one's row if this claimed it, else None
+    (a repeat of a call in the same batch is not claimed twice). With ``brief`` (a batch of this
+    worker's), a lock is waited on BRIEF_LOCK_WAIT_MS at most: a row held locked longer fails the
+    batch (its statement cancelled) rather than hold its other calls up to PTC_DB_STATEMENT_TIMEOUT."""
     now = timezone.now()
     claimed: dict[str, ToolCall] = {}
     queued = {call_id: record for call_id, record in items if record is not None}
-    if queued:
-        claimed.update(_tool_calls_record_claimed(list(queued.values()), now=now))
     recorded = list(dict.fromkeys(call_id for call_id, record in items if record is None))
-    if recorded:
-        sql = _CLAIM_SQL.format(ids=", ".join(["%s"] * len(recorded)))
-        with connection.cursor() as cursor:
-            cursor.execute(sql, [now, *recorded])
-            for row in cursor.fetchall():
-                call = rows.from_row(ToolCall, row)
-                call.price_held = bool(row[-1])  # type: ignore[attr-defined]  # as _CLAIM_SQL returns it
-                claimed[call.call_id] = call
+    # Apart, the records written by the first statement stayed claimed when the second failed: their
+    # tasks, tried again, found them claimed under a fresh lease and dropped them as duplicates.
+    with transaction.atomic() if queued and recorded else nullcontext():
+        if queued:
+            claimed.update(_tool_calls_record_claimed(list(queued.values()), now=now, brief=brief))
+        if recorded:
+            postgres = connection.vendor == "postgresql"
+            wait = brief_lock_wait_sql("%s") if postgres else "1 = 1"
+            sql = _CLAIM_SQL.format(ids=", ".join(["%s"] * len(recorded)), brief=wait)
+            with connection.cursor() as cursor:
+                cursor.execute(sql, [now, *recorded, *([brief_lock_wait(brief)] if postgres else [])])
+                for row in cursor.fetchall():
+                    call = rows.from_row(ToolCall, row)
+                    call.price_held = bool(row[-1])  # type: ignore[attr-defined]  # as _CLAIM_SQL returns it
+                    claimed[call.call_id] = call
     return [claimed.pop(call_id, None) for call_id, _ in items]
 
 
-def _tool_calls_record_claimed(calls: list[ToolCall], *, now: datetime) -> dict[str, ToolCall]:
+def _tool_calls_record_claimed(calls: list[ToolCall], *, now: datetime, brief: bool = False) -> dict[str, ToolCall]:
     """Write queued calls' records, claimed (``claimed_at``), those whose job still runs and of which
-    no row exists yet. Return the ones written, by call id, saved."""
+    no row exists yet. Return the ones written, by call id, saved. ``brief``: as ``_tool_calls_claim``'s."""
     for call in calls:
         call.claimed_at = now
     if connection.vendor == "postgresql":
         placeholders = ", ".join([_claimed_row()] * len(calls))
         params = [value for call in calls for value in rows.prepared(call, _ROW_FIELDS)]
+        params.append(brief_lock_wait(brief))
         with connection.cursor() as cursor:
             cursor.execute(_RECORD_CLAIMED_SQL.format(rows=placeholders), params)
             written = {call_id: (pk, tool_id, held) for call_id, pk, tool_id, held in cursor.fetchall()}
@@ -1064,7 +1096,8 @@ def _tool_calls_record_claimed(calls: list[ToolCall], *, now: datetime) -> dict[
     return {call.call_id: call for call in calls if call.call_id in written}
 
 
-_claims = GroupCommit(_tool_calls_claim)
+# A batch waits on a lock briefly: a call whose claim waits longer is claimed again alone (tool_call_execute).
+_claims = GroupCommit(functools.partial(_tool_calls_claim, brief=True))
 
 
 def _result_channel(call_id: str, ptc_call_id: str) -> str:
@@ -1130,10 +1163,16 @@ def _tool_call_run(*, call: ToolCall, tool: Tool) -> None:
         # Through this worker's batches the first time, alone after: its batches run one at a time,
         # and a finish waiting on a row held locked (its account's) held up every other call's
         # finish on this worker for as long, at each of its retries (and failed those batched with it).
+        # A batch waits on a lock briefly: one that waited longer is tried again alone at once (each
+        # of its calls: which one waited is not known), the one the lock holds waiting for it alone.
         nonlocal first
         if first:
             first = False
-            return _finishes(ran)
+            try:
+                return _finishes(ran)
+            except OperationalError as exc:
+                if not statement_cancelled(exc):
+                    raise
         return _tool_calls_finish_ran([ran])[0]
 
     finished = db_retry(finish, what="recording a tool call's result", job_id=call.exec_job_id, call_id=call_id)
@@ -1158,15 +1197,16 @@ class _Ran:
     billed: bool
 
 
-def _tool_calls_finish_ran(batch: list[_Ran]) -> list[bool]:
+def _tool_calls_finish_ran(batch: list[_Ran], *, brief: bool = False) -> list[bool]:
     """Record the outcomes of calls that ran (settling or releasing their credits), then push
     each result to its code and, after all of them, each event to the job's watchers, in one
     round trip. Return whether each call was finished here (False: it had finished already).
 
     On PostgreSQL the batch is one UPDATE (and a settle per billed call, in its transaction);
-    elsewhere it is a call at a time."""
+    elsewhere it is a call at a time. With ``brief`` (a batch of this worker's), a lock is waited on
+    BRIEF_LOCK_WAIT_MS at most, as ``_tool_calls_claim`` has it."""
     if connection.vendor == "postgresql":
-        finished = _tool_calls_finish_postgres(batch)
+        finished = _tool_calls_finish_postgres(batch, brief=brief)
     else:
         finished = [
             tool_call_finish(
@@ -1187,7 +1227,7 @@ def _tool_calls_finish_ran(batch: list[_Ran]) -> list[bool]:
     return finished
 
 
-def _tool_calls_finish_postgres(batch: list[_Ran]) -> list[bool]:
+def _tool_calls_finish_postgres(batch: list[_Ran], *, brief: bool = False) -> list[bool]:
     """``tool_call_finish`` for a batch, on PostgreSQL: the calls' rows and the settle of the billed
     ones in one statement when they are one user's (a job's usually are); else one UPDATE, then a
     settle per user in the same transaction. What a failed billed call held is released after.
@@ -1204,7 +1244,7 @@ def _tool_calls_finish_postgres(batch: list[_Ran]) -> list[bool]:
         {"call_id": ran.call.call_id, "status": f["status"].value, "output": f["output"], "error": f["error"], "settles": settle}
         for ran, f, settle in zip(batch, fields, settles, strict=True)
     ]
-    params: dict[str, Any] = {"now": now, "calls": json.dumps(calls)}
+    params: dict[str, Any] = {"now": now, "calls": json.dumps(calls), "lock_wait": brief_lock_wait(brief)}
     payers = {ran.call.user_id for ran, settle in zip(batch, settles, strict=True) if settle}
     if len(payers) <= 1:
         # One statement is atomic on its own; its one account row is locked only while it runs.
@@ -1227,12 +1267,19 @@ def _tool_calls_finish_postgres(batch: list[_Ran]) -> list[bool]:
     for ran, values in zip(batch, fields, strict=True):
         if ran.call.call_id in credits:
             if ran.billed and values["error"]:
-                credits_release(tool_call_id=ran.call.call_id)
+                release = functools.partial(credits_release, tool_call_id=ran.call.call_id)
+                if brief:
+                    # The calls are finished: a hold whose account's row is held locked is left to the
+                    # reaper's close of held credits (tool_calls_close_held), not waited on by the batch.
+                    unless_locked(release, what="releasing a failed call's hold", call_id=ran.call.call_id)
+                else:
+                    release()
             _record_finished(ran.call, values, credits[ran.call.call_id])
     return [ran.call.call_id in credits for ran in batch]
 
 
-_finishes = GroupCommit(_tool_calls_finish_ran)
+# A batch waits on a lock briefly: a call whose finish waits longer is finished again alone (_tool_call_run).
+_finishes = GroupCommit(functools.partial(_tool_calls_finish_ran, brief=True))
 
 
 def tool_calls_close_held() -> None:
