@@ -1286,9 +1286,10 @@ def tool_calls_close_held() -> None:
     """Settle or release the credits a dead worker left held, by how each call ended. A call with
     no record yet is queued for a tools worker (which records it as it claims it) while its job
     runs; once its job has ended it can never run, and what was held for it goes back. A call whose
-    account's row is held locked past PTC_DB_STATEMENT_TIMEOUT waits for a later round."""
+    account's row is held locked waits for a later round (unless_locked: a moment's wait, not
+    PTC_DB_STATEMENT_TIMEOUT's, for each such call)."""
     for call_id in reservations_held(older_than_seconds=settings.PTC_JOB_LEASE_SECONDS):
-        unless_cancelled(functools.partial(_tool_call_close_held, call_id), what="closing a call's hold", call_id=call_id)
+        unless_locked(functools.partial(_tool_call_close_held, call_id), what="closing a call's hold", call_id=call_id)
 
 
 def _tool_call_close_held(call_id: str) -> None:
@@ -1329,7 +1330,7 @@ def tool_calls_reap() -> None:
         fail = functools.partial(
             _tool_call_fail, call_id, "worker_lost", "the tools worker running this call stopped; it was not run again"
         )
-        reply = unless_cancelled(fail, what="failing a call whose worker stopped", call_id=call_id)
+        reply = unless_locked(fail, what="failing a call whose worker stopped", call_id=call_id)
         if reply is None:
             _reaper_found_locked.held(call_id)
         else:

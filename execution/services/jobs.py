@@ -72,7 +72,7 @@ from ptcproject import queues, rows, tracing
 from ptcproject.accounts.services import api_key_create, job_keys_revoke
 from ptcproject.broker import broker_trouble
 from ptcproject.celery import task_publish
-from ptcproject.db import LockedRows, db_reset, db_retry, statement_cancelled, unless_cancelled
+from ptcproject.db import LockedRows, db_reset, db_retry, statement_cancelled, unless_locked
 from ptcproject.errors import ApplicationError, call_error, job_error
 from ptcproject.metrics import job_finished_observe
 from ptcproject.policy.models import Policy
@@ -1009,9 +1009,10 @@ def exec_jobs_reap() -> int:
     never_taken = Q(~call_job_running() | in_container) & Q(claimed_at__isnull=True, started_at__lt=abandoned)
     stuck = Q(claimed_at__lt=overdue)
     # Each round's work is done a job or a call at a time, and one whose row a stuck transaction
-    # holds locked (its statement cancelled at PTC_DB_STATEMENT_TIMEOUT) waits for a later round
-    # (unless_cancelled): it ended the round, and no job of anyone's was reaped past it while the
-    # lock was held. The abandoned calls' rows are skipped while locked.
+    # holds locked waits for a later round (unless_locked: its statements wait on a lock a moment,
+    # then are cancelled): it ended the round, and no job of anyone's was reaped past it while the
+    # lock was held; then it cost the round PTC_DB_STATEMENT_TIMEOUT, at every round, for each such
+    # row. The abandoned calls' rows are skipped while locked.
     with transaction.atomic():
         abandoned_calls = ToolCall.objects.select_for_update(skip_locked=True).filter(
             never_taken | stuck, status=ToolCall.Status.EXECUTING
@@ -1023,7 +1024,7 @@ def exec_jobs_reap() -> int:
         )
     lost = timezone.now() - timedelta(seconds=settings.PTC_QUEUED_MAX_SECONDS)
     for job_id in ExecJob.objects.filter(status=Status.QUEUED, created_at__lt=lost).values_list("pk", flat=True):
-        unless_cancelled(
+        unless_locked(
             functools.partial(
                 _exec_job_fail_if,
                 job_id=str(job_id),
@@ -1044,7 +1045,7 @@ def exec_jobs_reap() -> int:
     for job_id in lapsed:
         if _reaper_found_locked.waits(job_id):
             continue  # its worker's renewals waited on the lock its row was held by: judged later
-        failed = unless_cancelled(functools.partial(_exec_job_reap, job_id=job_id), what="reaping a job", job_id=str(job_id))
+        failed = unless_locked(functools.partial(_exec_job_reap, job_id=job_id), what="reaping a job", job_id=str(job_id))
         if failed is None:
             _reaper_found_locked.held(job_id)
         reaped += bool(failed)
@@ -1087,7 +1088,7 @@ def _exec_jobs_close_left() -> None:
     left = ExecJob.objects.filter(unowned, status__in=ExecJob.FINISHED, closed_at__isnull=True)
     for job_id, call_id, container_id, status in left.values_list("pk", "call_id", "container_id", "status"):
         close = functools.partial(_exec_job_close_left, job_id=job_id, call_id=call_id, container_id=container_id, status=status)
-        unless_cancelled(close, what="closing an ended job", job_id=str(job_id))
+        unless_locked(close, what="closing an ended job", job_id=str(job_id))
 
 
 def _exec_job_close_left(*, job_id: Any, call_id: str, container_id: str, status: str) -> None:
@@ -1123,7 +1124,7 @@ def container_jobs_close_idle() -> int:
     closed = 0
     for job_id in container_jobs_idle(since=since).order_by().values_list("pk", flat=True):
         close = functools.partial(_container_job_close_idle, job_id=job_id, since=since)
-        closed += bool(unless_cancelled(close, what="closing an idle container's job", job_id=str(job_id)))
+        closed += bool(unless_locked(close, what="closing an idle container's job", job_id=str(job_id)))
     return closed
 
 

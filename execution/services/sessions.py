@@ -43,7 +43,7 @@ from execution.sandbox.pool import Sandbox, sandbox_start
 from execution.sandbox.session import Outcome
 from execution.selectors import sessions_in_state
 from execution.services.quotas import exec_quota_check
-from ptcproject.db import unless_cancelled
+from ptcproject.db import unless_locked
 from ptcproject.errors import ApplicationError, job_error
 from ptcproject.policy.selectors import policy_get, ptc_decision, quotas_for
 from ptcproject.storage import storable, unstorable
@@ -328,7 +328,7 @@ def exec_sessions_reap() -> int:
     for session in ExecSession.objects.filter(status=Status.ACTIVE, expires_at__lte=now):
         status, reason = session.state()
         end = functools.partial(_session_end, session_id=session.pk, status=status, reason=reason)
-        ended += unless_cancelled(end, what="ending a session past its time", session_id=str(session.pk)) or 0
+        ended += unless_locked(end, what="ending a session past its time", session_id=str(session.pk)) or 0
     stale = now - timedelta(seconds=settings.PTC_JOB_LEASE_SECONDS)
     lost = ExecSession.objects.filter(status=Status.ACTIVE, heartbeat_at__lt=stale).exclude(worker="")
     for session_id in lost.values_list("pk", flat=True):
@@ -338,7 +338,7 @@ def exec_sessions_reap() -> int:
             status=Status.LOST,
             reason="the exec worker holding its sandbox stopped (it died or lost the database)",
         )
-        ended += unless_cancelled(end, what="ending a session whose worker stopped", session_id=str(session_id)) or 0
+        ended += unless_locked(end, what="ending a session whose worker stopped", session_id=str(session_id)) or 0
     return ended
 
 

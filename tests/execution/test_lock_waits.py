@@ -14,7 +14,7 @@ import psycopg
 import pytest
 
 from tests.conftest import Api, own_deployment
-from tests.execution.test_statement_cancelled import _account_held, _calls_for, _check_ledger, _held_call
+from tests.execution.test_statement_cancelled import _account_held, _calls_for, _check_ledger, _held_call, _job_copy, _row_copy
 from tests.servers import api_key
 from tests.stack import Stack
 
@@ -84,3 +84,57 @@ def test_a_claim_waiting_on_a_locked_user_holds_up_no_call_batched_with_its_firs
     assert records and all(record.get("status") == "completed" for record in records)
     held_up = sorted(round(t, 2) for t in took if t > HELD_UP)
     assert not held_up, held_up
+
+
+def test_a_locked_row_costs_the_reapers_round_next_to_nothing(slow_cut: Stack) -> None:
+    """A job lost in the queue and a call whose tools worker died, their rows held locked by stuck
+    transactions: the reaper skips each at once and goes on, and a job whose worker died is failed
+    WorkerLost within a few rounds (a second apart) while the locks are held. Before, each locked
+    row cost the round a statement timeout (15 s) before it was skipped."""
+    username = f"reaped-{uuid.uuid4().hex[:8]}"
+    api = Api(slow_cut.base_url, api_key(slow_cut.env, username), username)
+    done = api.run("1")
+    assert done["status"] == "completed", done
+    made = api.post("/api/v1/tools/execute", json={"toolset": "demo", "tool": "echo", "arguments": {"value": 1}}).json()
+    lapsed_call = f"standalone_{uuid.uuid4().hex}"
+    with psycopg.connect(slow_cut.env["DATABASE_URL"], autocommit=True) as conn:
+        lost = _job_copy(conn, done["id"], status="'queued'", created_at="now() - interval '2 hours'", started_at="NULL")
+        _row_copy(
+            conn,
+            "execution_toolcall",
+            ("call_id", made["call_id"]),
+            id="nextval(pg_get_serial_sequence('execution_toolcall', 'id'))",
+            call_id=f"'{lapsed_call}'",
+            status="'executing'",
+            claimed_at="now() - interval '1 minute'",
+            heartbeat_at="now() - interval '1 minute'",
+            finished_at="NULL",
+            output="NULL",
+        )
+        conn.execute("UPDATE execution_execjob SET finished_at = NULL WHERE id = %s", [lost])
+        with psycopg.connect(slow_cut.env["DATABASE_URL"]) as holder:
+            holder.execute("SELECT 1 FROM execution_execjob WHERE id = %s FOR UPDATE", [lost])
+            holder.execute("SELECT 1 FROM execution_toolcall WHERE call_id = %s FOR UPDATE", [lapsed_call])
+            time.sleep(2)  # the reaper's rounds have found both locked
+            dead = _job_copy(conn, done["id"], status="'running'", heartbeat_at="now() - interval '1 hour'", closed_at="NULL")
+            conn.execute("UPDATE execution_execjob SET finished_at = NULL WHERE id = %s", [dead])
+            found = time.monotonic()
+            deadline = found + 8  # a round a second; before, the rounds took 30 s, a timeout for each locked row
+            while (dead_job := api.get(f"/api/v1/exec/{dead}").json())["status"] == "running":
+                assert time.monotonic() < deadline, "the job whose worker died was not reaped while other rows were locked"
+                time.sleep(0.2)
+            assert api.get(f"/api/v1/exec/{lost}").json()["status"] == "queued"
+    assert (dead_job["status"], dead_job["error"]["type"]) == ("failed", "WorkerLost"), dead_job
+    deadline = time.monotonic() + 30
+    while (lost_job := api.get(f"/api/v1/exec/{lost}").json())["status"] == "queued":
+        assert time.monotonic() < deadline, "the lost job was not failed once its row's lock went"
+        time.sleep(0.2)
+    assert (lost_job["status"], lost_job["error"]["type"]) == ("failed", "WorkerLost"), lost_job
+    with psycopg.connect(slow_cut.env["DATABASE_URL"]) as conn:
+        deadline = time.monotonic() + 30
+        while (row := conn.execute("SELECT status, error FROM execution_toolcall WHERE call_id = %s", [lapsed_call]).fetchone())[
+            0
+        ] == "executing":
+            assert time.monotonic() < deadline, "the call whose worker died was not failed once its row's lock went"
+            time.sleep(0.2)
+    assert (row[0], row[1]["code"]) == ("failed", "worker_lost"), row
