@@ -30,9 +30,10 @@ logger = logging.getLogger("ptc.execution")
 @shared_task(
     queue=queues.EXEC,
     acks_late=True,
-    # Only the claim raises, and only when the database is unreachable: a job accepted during a
-    # PostgreSQL restart runs as soon as it is back. The claim makes a retry safe; past
-    # PTC_QUEUED_MAX_SECONDS the reaper has failed the job and the claim finds nothing to do.
+    # Only the claim raises, and only when the database is unreachable (or cancels it): a job
+    # accepted during a PostgreSQL restart runs as soon as it is back. The claim makes a retry safe;
+    # past PTC_QUEUED_MAX_SECONDS a failed claim is not retried (the job is failed, or left to the
+    # reaper, which fails it), and the claim of one the reaper failed finds nothing to do.
     autoretry_for=(OperationalError, InterfaceError),
     retry_backoff=1,
     retry_backoff_max=5,

@@ -321,7 +321,12 @@ def exec_job_run(*, job_id: str, worker: str, node: str = "", call_id: str = "")
     except Exception as exc:  # the job is still claimed, and ends saying why
         channel = exc
     with channel if isinstance(channel, Subscription) else nullcontext():
-        job, policy = _exec_job_claim(job_id=job_id, worker=worker)
+        try:
+            job, policy = _exec_job_claim(job_id=job_id, worker=worker)
+        except (OperationalError, InterfaceError):
+            if _exec_job_unclaimable(job_id=job_id):
+                return
+            raise  # retried by the task
         if job is None:
             # Running with a stale heartbeat means the worker that took it died and the broker
             # redelivered it: the code may have had effects, so it is not run twice. A fresh heartbeat
@@ -347,6 +352,32 @@ def exec_job_run(*, job_id: str, worker: str, node: str = "", call_id: str = "")
         exec_job_finish(job_id=job_id, call_id=call_id, outcome=outcome, user=job.user, sdk_hash=job.sdk_hash)
     finally:
         _spent_reap(outcome)
+
+
+def _exec_job_unclaimable(*, job_id: str) -> bool:
+    """After a failed claim of a job: whether it has been queued past PTC_QUEUED_MAX_SECONDS, and its
+    claim is not to be tried again. It is then failed ``WorkerLost`` here, as the reaper fails a job
+    lost in the queue, or, its row held locked still, left to the reaper, which does so once the
+    lock goes. A claim cancelled at each try (its row held locked past PTC_DB_STATEMENT_TIMEOUT)
+    took a timeout and a backoff a try, and run_exec's retries went on for hours past the bound,
+    the job queued all along. Raises what reading the job raises (the database away: the task retries)."""
+    db_reset()  # the claim's connection may be the broken one
+    created = ExecJob.objects.filter(pk=job_id, status=Status.QUEUED).values_list("created_at", flat=True).first()
+    bound = settings.PTC_QUEUED_MAX_SECONDS
+    if created is None or created > timezone.now() - timedelta(seconds=bound):
+        return False
+    fail = functools.partial(
+        _exec_job_fail_if,
+        job_id=job_id,
+        status=Status.QUEUED,
+        kind="WorkerLost",
+        message=f"no exec worker could claim the job within {bound} s (PTC_QUEUED_MAX_SECONDS): its record was held "
+        "locked, or the database could not be reached; it was not run",
+    )
+    failed = unless_locked(fail, what="failing a job its worker could not claim", job_id=job_id)
+    then = "left to the reaper (its row held locked)" if failed is None else "failed WorkerLost"
+    logger.warning("a claim failed past PTC_QUEUED_MAX_SECONDS is not retried: the job is %s", then, extra={"job_id": job_id})
+    return True
 
 
 def _spent_reap(outcome: Outcome) -> None:

@@ -397,3 +397,40 @@ def test_a_jobs_lease_renewal_cancelled_on_its_locked_row_is_logged_as_such_and_
         log.seek(logged)
         lines = [line for line in log.read().decode().splitlines() if "could not renew the job's lease" in line]
     assert lines and all("held locked" in line for line in lines), lines
+
+
+def test_a_jobs_claim_cancelled_past_the_queued_bound_is_not_retried_and_the_job_fails(cut: Stack) -> None:
+    """A job queued past PTC_QUEUED_MAX_SECONDS whose row a stuck transaction holds locked: its exec
+    worker's claim is cancelled, and not tried again (the job is failed, or, its row still locked,
+    left to the reaper), and once the lock goes the job ends failed WorkerLost, never run. Before,
+    run_exec retried the claim a timeout and a backoff apart for as many tries as the bound has 5 s
+    (hours, at a 30 s timeout), and a try after the lock went could run a job queued for hours."""
+    username = f"bound-{uuid.uuid4().hex[:8]}"
+    api = Api(cut.base_url, api_key(cut.env, username, credits=100), username)
+    logged = cut.exec_worker.log.stat().st_size
+    cut.exec_worker.stop()
+    try:
+        job = api.post("/api/v1/exec", json={"code": "print('ran')", "wait": 0}).json()
+        assert job["status"] == "queued", job
+        with psycopg.connect(cut.env["DATABASE_URL"], autocommit=True) as conn:
+            conn.execute("UPDATE execution_execjob SET created_at = now() - interval '2 hours' WHERE id = %s", [job["id"]])
+        with psycopg.connect(cut.env["DATABASE_URL"]) as holder:
+            holder.execute("SELECT 1 FROM execution_execjob WHERE id = %s FOR UPDATE", [job["id"]])
+            cut.exec_worker.start()
+            deadline = time.monotonic() + 30
+            while not any(line in cut.exec_worker.log.read_bytes()[logged:] for line in (b"is not retried", b"retry: Retry in")):
+                assert time.monotonic() < deadline, "the worker's claim was neither retried nor given up"
+                time.sleep(0.2)
+            time.sleep(4)  # the time for a retry or two, were there any
+            assert api.get(f"/api/v1/exec/{job['id']}").json()["status"] == "queued"
+            log = cut.exec_worker.log.read_bytes()[logged:]
+            assert b"retry: Retry in" not in log, log.decode(errors="replace")[-3000:]
+    finally:
+        if cut.exec_worker.proc is None or cut.exec_worker.proc.poll() is not None:
+            cut.exec_worker.start()
+    deadline = time.monotonic() + 30
+    while (final := api.get(f"/api/v1/exec/{job['id']}").json())["status"] in ("queued", "running"):
+        assert time.monotonic() < deadline, "the job did not end once its row's lock went"
+        time.sleep(0.2)
+    assert (final["status"], final["error"]["type"], final["started_at"], final["stdout"]) == ("failed", "WorkerLost", None, "")
+    assert b"retry: Retry in" not in cut.exec_worker.log.read_bytes()[logged:]
