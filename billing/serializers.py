@@ -2,7 +2,7 @@ from django.contrib.auth import get_user_model
 from rest_framework import serializers
 
 from billing.models import CreditUsage
-from ptcproject.fields import KnownKeysOnly
+from ptcproject.fields import KeyUuidField, KnownKeysOnly
 from ptcproject.storage import BIGINT_MAX
 
 
@@ -31,9 +31,9 @@ class CreditsSerializer(KnownKeysOnly, serializers.Serializer):
     # Within the balance column's range; credits_adjust also refuses one that would take the balance out of it.
     amount = serializers.IntegerField(min_value=-BIGINT_MAX, max_value=BIGINT_MAX)
     reason = serializers.CharField(max_length=300)
-    idempotency_key = serializers.UUIDField(
+    idempotency_key = KeyUuidField(
         required=False,
-        help_text="A UUID of the client's, new for each grant and sent again with each retry of it: a "
+        help_text="A UUID (a string) of the client's, new for each grant and sent again with each retry of it: a "
         "repeat grants nothing and is answered as the first post was (201, the entry and the balance it "
         "left then). Sent with another username, amount or reason, it is 409 conflict, nothing changed.",
     )

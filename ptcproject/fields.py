@@ -46,6 +46,26 @@ class TextField(serializers.CharField):
         return super().to_internal_value(data)
 
 
+class KeyUuidField(serializers.UUIDField):
+    """A client's key of its own (an ``idempotency_key``): a UUID sent as a string, in any form
+    ``uuid.UUID`` reads. DRF's UUIDField takes a number too (``12345`` is ``UUID(int=12345)``), and
+    the nil and max UUIDs (all zeros, all ones), which no client makes for one request: every client
+    that sent one shared one key, and a second grant of theirs was answered with the first's."""
+
+    default_error_messages = {
+        "not_text": "Send a UUID as a string, not {kind}.",
+        "shared": "The nil and max UUIDs are no key of one request's: send a new random UUID (uuid4) for each.",
+    }
+
+    def to_internal_value(self, data: Any) -> Any:
+        if not isinstance(data, str):
+            self.fail("not_text", kind=type(data).__name__)
+        value = super().to_internal_value(data)
+        if value.int in (0, (1 << 128) - 1):
+            self.fail("shared")
+        return value
+
+
 class JsonValueField(serializers.JSONField):
     """Any JSON value nested at most MAX_JSON_DEPTH levels: deeper ones would overflow the stack of
     the code that reads them (json, jsonschema), so they are refused before anything walks them."""

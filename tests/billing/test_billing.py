@@ -499,6 +499,15 @@ def test_retries_of_one_grant_sent_at_once_grant_once(make_api: Callable[..., Ap
         ({"username": "{me}", "amount": 2**63, "reason": "x"}, "amount"),
         ({"username": "{me}", "amount": -(2**63), "reason": "x"}, "amount"),
         ({"username": "{me}", "amount": True, "reason": "x"}, "amount"),
+        # A key is a UUID as a string, one of the client's own: not a number, not one every client could send.
+        ({"username": "{me}", "amount": 5, "reason": "x", "idempotency_key": 12345}, "idempotency_key"),
+        ({"username": "{me}", "amount": 5, "reason": "x", "idempotency_key": 0}, "idempotency_key"),
+        ({"username": "{me}", "amount": 5, "reason": "x", "idempotency_key": str(uuid.UUID(int=0))}, "idempotency_key"),
+        (
+            {"username": "{me}", "amount": 5, "reason": "x", "idempotency_key": "ffffffff-ffff-ffff-ffff-ffffffffffff"},
+            "idempotency_key",
+        ),
+        ({"username": "{me}", "amount": 5, "reason": "x", "idempotency_key": [str(uuid.uuid4())]}, "idempotency_key"),
     ],
 )
 def test_bad_adjustments_get_a_field_error_and_write_nothing(make_api: Callable[..., Api], body: dict, field: str) -> None:
@@ -506,7 +515,8 @@ def test_bad_adjustments_get_a_field_error_and_write_nothing(make_api: Callable[
     body = {k: (staff.username if v == "{me}" else v) for k, v in body.items()}
     entries = LedgerEntry.objects.count()
     response = staff.post("/api/v1/billing/credits", json=body)
-    assert response.status_code == 400
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["code"] == "validation_error"
     assert field in response.json()["error"]["details"]
     assert LedgerEntry.objects.count() == entries
 
