@@ -999,7 +999,8 @@ def tool_call_execute(*, call_id: str, record: str | None = None, alone: bool = 
         if tool is not None and not (tool.enabled and tool.toolset.enabled):
             # Disabled since the call was made (a running job's tools are those it started with): an
             # admin stopping a tool that misbehaves stops its calls no worker has started yet too.
-            reply = _tool_call_fail(call_id, "tool_disabled", f"'{tool}' was disabled before this call started; it was not run")
+            disabled = f"'{tool}' was disabled before this call started; it was not run"
+            reply = _tool_call_fail_retried(call_id, "tool_disabled", disabled)
         elif tool is not None:
             with _running_lock:
                 _running_calls.add(call_id)
@@ -1010,7 +1011,7 @@ def tool_call_execute(*, call_id: str, record: str | None = None, alone: bool = 
                     _running_calls.discard(call_id)
             return
         else:
-            reply = _tool_call_fail(call_id, "unknown_tool", TOOL_GONE)
+            reply = _tool_call_fail_retried(call_id, "unknown_tool", TOOL_GONE)
     elif call.status != ToolCall.Status.EXECUTING:
         reply = tool_call_reply(call)
     elif call.claimed_at is not None and _lease_fresh(call):
@@ -1019,13 +1020,14 @@ def tool_call_execute(*, call_id: str, record: str | None = None, alone: bool = 
         logger.warning("a duplicate delivery of a running call was dropped", extra={"call_id": call_id})
         return
     elif call.claimed_at is not None:
-        reply = _tool_call_fail(call_id, "worker_lost", "the tools worker running this call stopped; it was not run again")
+        reply = _tool_call_fail_retried(call_id, "worker_lost", WORKER_LOST_MESSAGE)
     else:
-        reply = _tool_call_fail(call_id, "job_ended", JOB_ENDED_MESSAGE)
+        reply = _tool_call_fail_retried(call_id, "job_ended", JOB_ENDED_MESSAGE)
     backplane().publish(_result_channel(call_id, call.ptc_call_id), Result(call_id=call_id, **reply))
 
 
 JOB_ENDED_MESSAGE = "the job ended before this call started; it was not run"  # also the job's close's
+WORKER_LOST_MESSAGE = "the tools worker running this call stopped; it was not run again"
 BAD_RECORD_MESSAGE = (
     "the call's message failed its signature check and was not run: every worker of a deployment needs the same DJANGO_SECRET_KEY"
 )
@@ -1110,13 +1112,29 @@ def tool_call_abort(*, call_id: str, record: str | None = None) -> None:
     push that to its job, so the code gets a ToolError now."""
     error = call_error("internal_error", "the tools worker failed while running this call; see its log")
     queued = _tool_call_unsigned(record) if record is not None else None
-    if queued is not None:
-        tool_calls_fail_queued([queued], error=error, running=True)
-    else:
-        tool_call_finish(call_id=call_id, error=error)
+
+    def fail() -> None:
+        if queued is not None:
+            tool_calls_fail_queued([queued], error=error, running=True)
+        else:
+            tool_call_finish(call_id=call_id, error=error)
+
+    # Tried again through a database away or a statement cancelled, as a call's finish is: raised,
+    # the call stayed executing under its claim, its task's retry dropped it as a duplicate, and the
+    # reaper failed it worker_lost a lease later, which says its worker died, not what happened.
+    db_retry(fail, what="recording a call's failure", job_id=queued.exec_job_id if queued else "", call_id=call_id)
     call = ToolCall.objects.filter(call_id=call_id).first()
     if call is not None:
         backplane().publish(_result_channel(call_id, call.ptc_call_id), Result(call_id=call_id, **tool_call_reply(call)))
+
+
+def _tool_call_fail_retried(call_id: str, code: str, message: str) -> dict[str, Any]:
+    """``_tool_call_fail`` for a call this worker claimed (or found claimed), tried again through a
+    database away or a statement cancelled (a row it needs held locked), for up to PTC_DB_RETRY_SECONDS,
+    as a call's finish is. Raised to the task, its retry found the call claimed under a fresh lease
+    and dropped it as a duplicate, and the reaper then failed it worker_lost, whatever it was."""
+    fail = functools.partial(_tool_call_fail, call_id, code, message)
+    return db_retry(fail, what=f"recording a call's failure ({code})", job_id="", call_id=call_id)
 
 
 def _tool_call_fail(call_id: str, code: str, message: str) -> dict[str, Any]:
@@ -1327,9 +1345,7 @@ def tool_calls_reap() -> None:
         if _reaper_found_locked.waits(call_id):
             continue  # its worker's renewals waited on the lock its row was held by: judged later
         logger.warning("a tools worker stopped renewing a call's lease; failing it", extra={"call_id": call_id})
-        fail = functools.partial(
-            _tool_call_fail, call_id, "worker_lost", "the tools worker running this call stopped; it was not run again"
-        )
+        fail = functools.partial(_tool_call_fail, call_id, "worker_lost", WORKER_LOST_MESSAGE)
         reply = unless_locked(fail, what="failing a call whose worker stopped", call_id=call_id)
         if reply is None:
             _reaper_found_locked.held(call_id)

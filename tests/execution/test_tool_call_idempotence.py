@@ -1,7 +1,10 @@
 """The tools task under redelivery and cancel: a call runs at most once, and never for an ended job."""
 
 import copy
+import threading
+import time
 import uuid
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -245,3 +248,81 @@ def test_calls_the_broker_refused_on_a_connection_found_dead_are_failed_under_th
     assert announced == ids
     recorded = ToolCall.objects.filter(exec_job=job).exclude(call_id=warm[0].call_id)
     assert sorted(recorded.values_list("call_id", "status")) == sorted((call_id, "failed") for call_id in ids)
+
+
+@pytest.fixture
+def row_locked_awhile(django_db_setup: str) -> Iterator[Callable[[str], None]]:
+    """Lock a call's row (by call_id) as a transaction stuck elsewhere would, for 1.5 s, on a
+    connection of its own; this process's statements wait on a lock 0.3 s at most meanwhile (its
+    PTC_DB_STATEMENT_TIMEOUT is 30 s), so one that waits on it is cancelled."""
+    holders: list[threading.Thread] = []
+
+    def lock(call_id: str) -> None:
+        locked = threading.Event()
+
+        def hold() -> None:
+            with psycopg.connect(django_db_setup) as holder:
+                holder.execute("SELECT 1 FROM execution_toolcall WHERE call_id = %s FOR UPDATE", [call_id])
+                locked.set()
+                time.sleep(1.5)
+
+        holders.append(threading.Thread(target=hold))
+        holders[-1].start()
+        assert locked.wait(10)
+        with connection.cursor() as cursor:
+            cursor.execute("SET lock_timeout = '300ms'")
+
+    try:
+        yield lock
+    finally:
+        for holder in holders:
+            holder.join(10)
+        connection.close()
+        connection.close_pool()  # none of the pool's connections keeps the short lock_timeout
+
+
+def test_a_claimed_calls_failure_whose_statement_is_cancelled_ends_it_with_its_own_code(
+    queued_call: ToolCall, runs: list, monkeypatch: pytest.MonkeyPatch, row_locked_awhile: Callable[[str], None]
+) -> None:
+    """A tools worker claims a job's call whose tool was deleted since, and fails it unknown_tool;
+    that statement waits on the call's row, held locked a while, and is cancelled. It is tried again
+    until the lock goes, and the call ends unknown_tool, its price released, its code told so. Before,
+    the cancel went up to the task, whose retry found the call claimed under a fresh lease and
+    dropped it as a duplicate; a lease later the reaper failed it worker_lost."""
+    queued_call.tool = None  # its tool deleted as the call waited in the queue
+    real = services._claims
+
+    def claimed_then_locked(item: Any) -> Any:
+        claimed = real(item)
+        row_locked_awhile(queued_call.call_id)  # a transaction stuck elsewhere takes its row
+        return claimed
+
+    monkeypatch.setattr(services, "_claims", claimed_then_locked)
+    with backplane().subscribe(job_channel(queued_call.ptc_call_id)) as channel:
+        services.tool_call_execute(call_id=queued_call.call_id, record=services.tool_call_signed(queued_call))
+        channel.wait(5)
+        replies = channel.drain()
+    call = ToolCall.objects.get(call_id=queued_call.call_id)
+    assert runs == []
+    assert (call.status, call.error["code"]) == ("failed", "unknown_tool")
+    assert [r.error["code"] for r in replies if r.call_id == call.call_id] == ["unknown_tool"]
+    assert _held(call) == "released"
+
+
+def test_a_crashed_calls_failure_whose_statement_is_cancelled_ends_it_internal_error(
+    running_call: ToolCall, row_locked_awhile: Callable[[str], None]
+) -> None:
+    """A tools worker's task crashed running a call it claimed (a bug), and it fails the call
+    internal_error; that statement waits on the call's row, held locked a while, and is cancelled.
+    It is tried again until the lock goes, and the call ends internal_error. Before, the cancel went
+    up from the crash's handler and the call stayed executing, until the reaper failed it
+    worker_lost, as if its worker had died."""
+    assert services._claims((running_call.call_id, None)) is not None
+    row_locked_awhile(running_call.call_id)
+    with backplane().subscribe(job_channel(running_call.ptc_call_id)) as channel:
+        services.tool_call_abort(call_id=running_call.call_id)
+        channel.wait(5)
+        replies = channel.drain()
+    call = ToolCall.objects.get(call_id=running_call.call_id)
+    assert (call.status, call.error["code"]) == ("failed", "internal_error")
+    assert [r.error["code"] for r in replies if r.call_id == call.call_id] == ["internal_error"]
