@@ -934,12 +934,26 @@ _running_lock = threading.Lock()
 
 
 def tool_calls_heartbeat() -> int:
-    """Renew the lease of every call this tools worker is running. Return how many were renewed."""
+    """Renew the lease of every call this tools worker is running, but those whose rows are held
+    locked now (skipped: their own finish under way, or a transaction stuck elsewhere, whose call the
+    reaper leaves to a later round as well: LockedRows). Return how many were renewed.
+
+    One row held locked held up the renewal of all: the statement waited on it, up to
+    PTC_DB_STATEMENT_TIMEOUT at each renewal, the other calls' leases lapsed, and the reaper failed
+    them worker_lost as this worker ran them."""
     with _running_lock:
         running = list(_running_calls)
     if not running:
         return 0
-    return ToolCall.objects.filter(call_id__in=running, status=ToolCall.Status.EXECUTING).update(heartbeat_at=timezone.now())
+    return _tool_calls_renew(running)
+
+
+def _tool_calls_renew(call_ids: list[str]) -> int:
+    """Renew the leases of the calls ``call_ids`` still executing, but those whose rows are held
+    locked now. Return how many were renewed."""
+    with transaction.atomic():  # SKIP LOCKED takes its locks in a transaction
+        free = ToolCall.objects.select_for_update(skip_locked=True).filter(call_id__in=call_ids, status=ToolCall.Status.EXECUTING)
+        return ToolCall.objects.filter(pk__in=free.values("pk")).update(heartbeat_at=timezone.now())
 
 
 def tool_call_execute(*, call_id: str, record: str | None = None, alone: bool = False) -> None:
@@ -1112,8 +1126,13 @@ def tool_call_abort(*, call_id: str, record: str | None = None) -> None:
     push that to its job, so the code gets a ToolError now."""
     error = call_error("internal_error", "the tools worker failed while running this call; see its log")
     queued = _tool_call_unsigned(record) if record is not None else None
+    tries = 0
 
     def fail() -> None:
+        nonlocal tries
+        if tries:  # its lease, as _tool_call_fail_retried renews it
+            _tool_calls_renew([call_id])
+        tries += 1
         if queued is not None:
             tool_calls_fail_queued([queued], error=error, running=True)
         else:
@@ -1133,7 +1152,15 @@ def _tool_call_fail_retried(call_id: str, code: str, message: str) -> dict[str, 
     database away or a statement cancelled (a row it needs held locked), for up to PTC_DB_RETRY_SECONDS,
     as a call's finish is. Raised to the task, its retry found the call claimed under a fresh lease
     and dropped it as a duplicate, and the reaper then failed it worker_lost, whatever it was."""
-    fail = functools.partial(_tool_call_fail, call_id, code, message)
+    tries = 0
+
+    def fail() -> dict[str, Any]:
+        nonlocal tries
+        if tries:  # its lease, which no renewal of this worker's keeps: the reaper failed it worker_lost between tries
+            _tool_calls_renew([call_id])
+        tries += 1
+        return _tool_call_fail(call_id, code, message)
+
     return db_retry(fail, what=f"recording a call's failure ({code})", job_id="", call_id=call_id)
 
 
@@ -1183,6 +1210,9 @@ def _tool_call_run(*, call: ToolCall, tool: Tool) -> None:
         # finish on this worker for as long, at each of its retries (and failed those batched with it).
         # A batch waits on a lock briefly: one that waited longer is tried again alone at once (each
         # of its calls: which one waited is not known), the one the lock holds waiting for it alone.
+        # Tried again after a failure, it renews the call's lease first: the renewals of this worker
+        # skip a row held locked, as the call's is by its own finish waiting on its account's row,
+        # and the reaper failed the call worker_lost between two tries.
         nonlocal first
         if first:
             first = False
@@ -1191,6 +1221,8 @@ def _tool_call_run(*, call: ToolCall, tool: Tool) -> None:
             except OperationalError as exc:
                 if not statement_cancelled(exc):
                     raise
+        else:
+            _tool_calls_renew([call_id])
         return _tool_calls_finish_ran([ran])[0]
 
     finished = db_retry(finish, what="recording a tool call's result", job_id=call.exec_job_id, call_id=call_id)

@@ -6,6 +6,7 @@ The deployment is its own (its database, its queues). tests/execution/test_state
 has the same at a 1 s timeout, where what is cancelled is tried again.
 """
 
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -138,3 +139,40 @@ def test_a_locked_row_costs_the_reapers_round_next_to_nothing(slow_cut: Stack) -
             assert time.monotonic() < deadline, "the call whose worker died was not failed once its row's lock went"
             time.sleep(0.2)
     assert (row[0], row[1]["code"]) == ("failed", "worker_lost"), row
+
+
+def test_a_running_calls_row_held_locked_holds_up_no_other_calls_lease(slow_cut: Stack) -> None:
+    """A tools worker renews the leases of the calls it runs in one statement. With one call's row
+    held locked by a stuck transaction, the others' leases are renewed all the same, and a call of
+    another user running meanwhile completes; the locked one completes too once the lock goes (the
+    reaper judges it a lease after). Before, the renewal waited on the locked row (for up to the
+    statement timeout, at every renewal), every lease on that worker lapsed, and the reaper failed
+    the other user's call worker_lost while its worker ran it."""
+    names = [f"lease-{uuid.uuid4().hex[:8]}" for _ in range(2)]
+    apis = [Api(slow_cut.base_url, api_key(slow_cut.env, name, credits=100), name) for name in names]
+    answers: list[list] = [[], []]
+    body = {"toolset": "demo", "tool": "sleep", "arguments": {"ms": 7000}}
+    callers = [
+        threading.Thread(target=lambda api=api, out=out: out.append(api.post("/api/v1/tools/execute", json=body)))
+        for api, out in zip(apis, answers, strict=True)
+    ]
+    for caller in callers:
+        caller.start()
+    claimed = (
+        "SELECT c.call_id FROM execution_toolcall c JOIN auth_user u ON u.id = c.user_id "
+        "WHERE u.username = %s AND c.status = 'executing' AND c.claimed_at IS NOT NULL"
+    )
+    with psycopg.connect(slow_cut.env["DATABASE_URL"], autocommit=True) as conn:
+        deadline = time.monotonic() + 20
+        while not all(conn.execute(claimed, [name]).fetchone() for name in names):
+            assert time.monotonic() < deadline, "the calls were not both claimed"
+            time.sleep(0.05)
+        (locked,) = conn.execute(claimed, [names[0]]).fetchone()
+    with psycopg.connect(slow_cut.env["DATABASE_URL"]) as holder:
+        holder.execute("SELECT 1 FROM execution_toolcall WHERE call_id = %s FOR UPDATE", [locked])
+        time.sleep(5.5)  # past the lease (4 s) of every call whose renewals it held up
+    for caller in callers:
+        caller.join(60)
+        assert not caller.is_alive()
+    records = [out[0].json() for out in answers]
+    assert [(r["status"], r["error"]) for r in records] == [("completed", None), ("completed", None)], records
