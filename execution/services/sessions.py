@@ -603,7 +603,12 @@ def exec_sessions_heartbeat() -> None:
         keys = list(_live)
     if not keys:
         return
-    ExecSession.objects.filter(pk__in=keys, status=Status.ACTIVE).update(heartbeat_at=timezone.now())
+    # Those whose rows are held locked now are skipped (SKIP LOCKED, in its transaction): one such row
+    # held up the renewal of all, up to PTC_DB_STATEMENT_TIMEOUT at each, and the reaper ended every
+    # other session of this worker lost, their sandboxes killed, as it held them.
+    with transaction.atomic():
+        free = ExecSession.objects.select_for_update(skip_locked=True).filter(pk__in=keys, status=Status.ACTIVE)
+        ExecSession.objects.filter(pk__in=free.values("pk")).update(heartbeat_at=timezone.now())
     active = {str(pk) for pk in ExecSession.objects.filter(pk__in=keys, status=Status.ACTIVE).values_list("pk", flat=True)}
     # Why each ended goes into the error of a job running in it (SessionEnded): expired, deleted or lost, and why.
     ended = {

@@ -176,3 +176,25 @@ def test_a_running_calls_row_held_locked_holds_up_no_other_calls_lease(slow_cut:
         assert not caller.is_alive()
     records = [out[0].json() for out in answers]
     assert [(r["status"], r["error"]) for r in records] == [("completed", None), ("completed", None)], records
+
+
+def test_a_sessions_row_held_locked_holds_up_no_other_sessions_lease(slow_cut: Stack) -> None:
+    """An exec worker renews the leases of the sessions whose sandboxes it holds in one statement.
+    With one session's row held locked by a stuck transaction, the others' leases are renewed all
+    the same: another session on that worker stays active and runs its next job. Before, the renewal
+    waited on the locked row, every lease on that worker lapsed, and the reaper ended the other
+    session lost, its sandbox killed, while its worker held it."""
+    username = f"sessions-{uuid.uuid4().hex[:8]}"
+    api = Api(slow_cut.base_url, api_key(slow_cut.env, username), username)
+    sessions = []
+    for _ in range(2):
+        made = api.post("/api/v1/sessions", json={"toolsets": ["demo"]})
+        assert made.status_code == 201, made.text
+        sessions.append(made.json())
+        assert api.run("x = 6 * 7\nx", session=sessions[-1]["id"])["return_value"] == 42  # its sandbox held by the worker
+    with psycopg.connect(slow_cut.env["DATABASE_URL"]) as holder:
+        holder.execute("SELECT 1 FROM execution_execsession WHERE id = %s FOR UPDATE", [sessions[0]["id"]])
+        time.sleep(6)  # past the lease (4 s) of every session whose renewals it held up, and a reaper's round
+        other = api.get(f"/api/v1/sessions/{sessions[1]['id']}").json()
+    assert other["status"] == "active", other
+    assert api.run("x", session=sessions[1]["id"])["return_value"] == 42
