@@ -43,7 +43,7 @@ from execution.sandbox.pool import Sandbox, sandbox_start
 from execution.sandbox.session import Outcome
 from execution.selectors import sessions_in_state
 from execution.services.quotas import exec_quota_check
-from ptcproject.db import unless_locked
+from ptcproject.db import LockedRows, unless_locked
 from ptcproject.errors import ApplicationError, job_error
 from ptcproject.policy.selectors import policy_get, ptc_decision, quotas_for
 from ptcproject.storage import storable, unstorable
@@ -330,16 +330,30 @@ def exec_sessions_reap() -> int:
         end = functools.partial(_session_end, session_id=session.pk, status=status, reason=reason)
         ended += unless_locked(end, what="ending a session past its time", session_id=str(session.pk)) or 0
     stale = now - timedelta(seconds=settings.PTC_JOB_LEASE_SECONDS)
-    lost = ExecSession.objects.filter(status=Status.ACTIVE, heartbeat_at__lt=stale).exclude(worker="")
-    for session_id in lost.values_list("pk", flat=True):
+    lost = list(
+        ExecSession.objects.filter(status=Status.ACTIVE, heartbeat_at__lt=stale).exclude(worker="").values_list("pk", flat=True)
+    )
+    _reaper_found_locked.keep_only(set(lost))
+    for session_id in lost:
+        if _reaper_found_locked.waits(session_id):
+            continue  # its worker's renewals were held up by the lock its row was held by: judged later
         end = functools.partial(
             _session_end,
             session_id=session_id,
             status=Status.LOST,
             reason="the exec worker holding its sandbox stopped (it died or lost the database)",
         )
-        ended += unless_locked(end, what="ending a session whose worker stopped", session_id=str(session_id)) or 0
+        done = unless_locked(end, what="ending a session whose worker stopped", session_id=str(session_id))
+        if done is None:
+            _reaper_found_locked.held(session_id)
+        ended += done or 0
     return ended
+
+
+# The sessions whose rows this process's reaper found held locked: their workers could not renew
+# them meanwhile (their renewals skip a locked row), so each is judged a lease after the lock went,
+# as a job or a call is; the reaper ended it lost before its worker's next renewal.
+_reaper_found_locked = LockedRows(ExecSession, "pk")
 
 
 # -- Sessions: the holding worker's side ---------------------------------------------------------

@@ -434,3 +434,30 @@ def test_a_jobs_claim_cancelled_past_the_queued_bound_is_not_retried_and_the_job
         time.sleep(0.2)
     assert (final["status"], final["error"]["type"], final["started_at"], final["stdout"]) == ("failed", "WorkerLost", None, "")
     assert b"retry: Retry in" not in cut.exec_worker.log.read_bytes()[logged:]
+
+
+def test_a_sessions_row_held_locked_past_its_lease_is_not_reaped_before_its_worker_renews(cut: Stack) -> None:
+    """A session an exec worker holds, whose row a stuck transaction holds locked: the worker's
+    renewals skip it, so its lease lapses though its worker lives. Once the lock goes, the reaper
+    gives the worker a lease to renew before it judges the session, as for a job or a call. Before,
+    its next round ended the session lost, its sandbox killed (the renewal here comes 1.5 s after the
+    lock went, the reaper's round every second)."""
+    username = f"session-{uuid.uuid4().hex[:8]}"
+    api = Api(cut.base_url, api_key(cut.env, username), username)
+    session = api.post("/api/v1/sessions", json={"toolsets": ["demo"]}).json()
+    assert api.run("1", session=session["id"])["status"] == "completed"  # held by the worker, which renews it
+    live = str(uuid.uuid4())
+    with psycopg.connect(cut.env["DATABASE_URL"], autocommit=True) as conn:
+        _row_copy(
+            conn, "execution_execsession", ("id", session["id"]), id=f"'{live}'", heartbeat_at="now() - interval '10 seconds'"
+        )
+        with psycopg.connect(cut.env["DATABASE_URL"]) as holder:
+            holder.execute("SELECT 1 FROM execution_execsession WHERE id = %s FOR UPDATE", [live])
+            time.sleep(5)  # the reaper's rounds (every second) find it locked, a loaded machine's too
+        time.sleep(1.5)
+        renewed = conn.execute(
+            "UPDATE execution_execsession SET heartbeat_at = now() WHERE id = %s AND status = 'active'", [live]
+        ).rowcount  # as its worker's next renewal
+        reason = conn.execute("SELECT end_reason FROM execution_execsession WHERE id = %s", [live]).fetchone()
+        conn.execute("UPDATE execution_execsession SET status = 'deleted', ended_at = now() WHERE id = %s", [live])
+    assert renewed == 1, reason
