@@ -59,17 +59,17 @@ def timed(fn: Callable[[], Any], runs: int) -> list[float]:
 
 @contextmanager
 def running_stack(
-    extra_env: dict[str, str] | None = None, exec_workers: int = 1, tools_workers: int = 1
+    extra_env: dict[str, str] | None = None, exec_workers: int = 1, tools_workers: int = 1, name: str = ""
 ) -> Iterator[tuple[Stack, httpx.Client]]:
     """Start ``exec_workers`` exec workers, ``tools_workers`` tools workers and the web process on a
     fresh database, with ``extra_env`` (the policy's seed too: it is read at migrate); yield an
-    authed client."""
+    authed client. ``name`` tells apart the logs of two stacks in one run (bench/ab.py)."""
     server = os.environ["TEST_DATABASE_URL"]
     redis = os.environ["REDIS_URL"]
-    name = f"ptc_bench_{uuid.uuid4().hex[:8]}"
+    database = f"ptc_bench_{uuid.uuid4().hex[:8]}"
     with psycopg.connect(server, autocommit=True) as conn:
-        conn.execute(f'CREATE DATABASE "{name}"')
-    db_url = f"{server.rsplit('/', 1)[0]}/{name}"
+        conn.execute(f'CREATE DATABASE "{database}"')
+    db_url = f"{server.rsplit('/', 1)[0]}/{database}"
     env = {
         **os.environ,
         "DATABASE_URL": db_url,
@@ -79,12 +79,12 @@ def running_stack(
         "PTC_LOG_LEVEL": "WARNING",
         # Queues and channels of this stack's own: two stacks on one Redis (two benchmarks at once,
         # or one beside the tests) must not take each other's jobs.
-        "PTC_REDIS_PREFIX": f"{name}:",
+        "PTC_REDIS_PREFIX": f"{database}:",
         **(extra_env or {}),
     }
     # For Django in this process too, and for bare Celery's client here (bench/bare.py).
     os.environ.update(DATABASE_URL=db_url, CELERY_BROKER_URL=redis, PTC_REDIS_PREFIX=env["PTC_REDIS_PREFIX"])
-    stack = Stack(env)
+    stack = Stack(env, name)
     for n in range(1, exec_workers):
         extra = Process(
             f"exec-worker-{n + 1}",
@@ -107,8 +107,8 @@ def running_stack(
     finally:
         stack.stop()
         with psycopg.connect(server, autocommit=True) as conn:
-            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-        redis_keys_drop(redis, f"{name}:")
+            conn.execute(f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)')
+        redis_keys_drop(redis, f"{database}:")
 
 
 def run_job(client: httpx.Client, code: str, **body: Any) -> dict[str, Any]:
