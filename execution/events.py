@@ -25,7 +25,7 @@ from django.conf import settings
 from django.db import DatabaseError, connection
 from django.utils import timezone
 
-from execution.backplane import Events, LocalBackplane, RedisBackplane, backplane, job_channel
+from execution.backplane import Events, JobsEvents, LocalBackplane, RedisBackplane, backplane, job_channel
 from execution.models import ExecJob, ToolCall
 from execution.selectors import calls_overdue_at, exec_job_with_calls, tool_call_is_client
 from ptcproject.errors import ApplicationError
@@ -139,14 +139,24 @@ def events_publish(*, job_call_id: str, events: Events, expire: int | None = Non
     backplane().events_append(job_call_id, events, expire=expire)
 
 
-def events_publish_by_job(events: list[tuple[str, tuple[str, dict[str, Any]]]]) -> None:
+# An event of a job's: ``(job call_id, (name, data))``.
+JobEvent = tuple[str, tuple[str, dict[str, Any]]]
+
+
+def events_publish_by_job(events: list[JobEvent]) -> None:
     """Append events ``(job call_id, event)`` of any jobs to their logs, each job's in order, all in
     one round trip. Events of no job (``""``: a standalone call's) are left out. Never raises."""
+    backplane().publish_then_append([], events_by_job(events))
+
+
+def events_by_job(events: list[JobEvent]) -> JobsEvents:
+    """Events ``(job call_id, event)`` as ``(job call_id, its events)``, each job's in order; those
+    of no job (``""``) left out."""
     by_job: dict[str, Events] = {}
     for job_call_id, event in events:
         if job_call_id:
             by_job.setdefault(job_call_id, []).append(event)
-    backplane().publish_then_append([], list(by_job.items()))
+    return list(by_job.items())
 
 
 def output_events(output: Sequence[tuple[str, str]]) -> Events:

@@ -45,6 +45,10 @@ turn's end in the event loop, tried at most every second); a channel closed befo
 puts such a message back on its queue from memory, waiting ``restore_wait`` for room, and logs as
 an error, whole, one it could not. Only a worker killed while Redis is full loses them.
 
+A message published alone can take commands with it (``publish_riding``), in its own round trip,
+sent before it: a tool call's start event, which must be in Redis before its worker's end event,
+costs the bridge no round trip of its own.
+
 And kombu acks each message in a round trip of its own, on that same thread, as its task ends: in a
 burst, four tenths of that thread's time. In a worker's event loop, the acks of one turn of the loop
 go in one round trip at its end, before it waits again. An ack lost so (Redis gone at that moment,
@@ -56,7 +60,8 @@ import logging
 import os
 import threading
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from queue import Empty
 from time import monotonic, sleep, time
 from typing import Any
@@ -87,6 +92,27 @@ def broker_trouble(exc: BaseException) -> str:
         chain.add(id(seen))
         seen = seen.__cause__ or seen.__context__
     return "is unreachable"
+
+
+# The commands the next message this thread publishes alone takes with it (publish_riding).
+_riders = threading.local()
+
+
+@contextmanager
+def publish_riding(add: Callable[[Any], None]) -> Iterator[Callable[[], bool]]:
+    """Within the block, the first message this thread publishes alone (not in a batch) on the
+    Redis transport goes to Redis in one round trip with the commands ``add(pipeline)`` queues,
+    run before it: what must be in Redis before any consumer can take the message costs no round
+    trip of its own. They are sent at most once (a publish retried goes without them), and their
+    errors are logged, never raised: the message's alone are the publish's. The pipeline is kombu's:
+    the keys of the commands kombu prefixes (LPUSH, HSET, ...) get ``global_keyprefix``, others' (XADD,
+    EXPIRE) are as given. Yield a function that says whether they were sent, or tried with a message
+    whose publish failed (not if the block published nothing, or not on this transport)."""
+    _riders.add, _riders.sent = add, False
+    try:
+        yield lambda: bool(_riders.sent)
+    finally:
+        _riders.add = None
 
 
 def _unrecorded_warn(count: int) -> None:
@@ -355,6 +381,32 @@ class Channel(redis.Channel):
         if self._qos is not None:  # a turn's acks, sent before the channel goes
             self._qos.acks_flush()
         super().close()
+
+    def _put(self, queue: str, message: Any, **kwargs: Any) -> None:
+        add = getattr(_riders, "add", None)
+        if add is None or kwargs.get("_publish_batch") is not None:
+            return super()._put(queue, message, **kwargs)
+        _riders.add, _riders.sent = None, True  # once: a retried publish goes without them
+        with self.conn_or_acquire() as client:
+            pipe = client.pipeline(transaction=False)
+            try:
+                add(pipe)
+            except Exception:
+                logger.warning("could not queue the commands sent with a message; it goes alone", exc_info=True)
+                pipe.reset()
+            riders = len(pipe.command_stack)
+            pipe.lpush(self._q_for_pri(queue, self._get_message_priority(message, reverse=False)), dumps(message))
+            if self._expires and queue in self._expires:  # as kombu's _put
+                for pri in self.priority_steps:
+                    pipe.pexpire(self._q_for_pri(queue, pri), self._expires[queue])
+            replies = pipe.execute(raise_on_error=False)
+        for reply in replies[:riders]:
+            if isinstance(reply, Exception):
+                logger.warning("Redis refused a command sent with a message: %s", reply)
+        for reply in replies[riders:]:
+            if isinstance(reply, Exception):
+                raise reply
+        return None
 
     def basic_consume(self, queue: str, *args: Any, **kwargs: Any) -> Any:
         no_ack = kwargs["no_ack"] if "no_ack" in kwargs else bool(args and args[0])

@@ -375,3 +375,37 @@ def test_redis_messages_taken_while_it_is_full_are_recorded_unacked_once_it_has_
             assert sorted(again) == [1, 2]
     finally:
         server.stop()
+
+
+def test_commands_riding_a_lone_message_go_in_its_round_trip_once_and_never_fail_it(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A tool call's start event rides its message to Redis (publish_riding): one round trip for
+    both, the event first, sent once however many messages the block publishes; one Redis refuses
+    is logged, and the message is queued all the same."""
+    from redis.connection import Connection as RedisConnection
+
+    from ptcproject.broker import publish_riding
+
+    sends: list[int] = []
+    send = RedisConnection.send_packed_command
+    monkeypatch.setattr(RedisConnection, "send_packed_command", lambda self, *a, **k: (sends.append(1), send(self, *a, **k))[1])
+    with _redis_queue("riding", most=16) as broker:
+        stream = f"{broker.prefix}events"
+        with broker.conn.channel() as channel:
+            producer = Producer(channel)
+            producer.publish({"n": 0}, exchange="", routing_key="riding")  # the channel's connection made
+            sends.clear()
+            with publish_riding(lambda pipe: pipe.xadd(stream, {"event": "start"})) as sent:
+                producer.publish({"n": 1}, exchange="", routing_key="riding")
+                assert len(sends) == 1 and sent()  # the event and the message in one round trip
+                producer.publish({"n": 2}, exchange="", routing_key="riding")
+            assert broker.server.xlen(stream) == 1 and broker.waiting() == 3
+            # A command Redis refuses (INCR of the stream) costs the message nothing.
+            with caplog.at_level("WARNING", logger="ptc.broker"), publish_riding(lambda pipe: pipe.incr(stream)):
+                producer.publish({"n": 3}, exchange="", routing_key="riding")
+            assert broker.waiting() == 4
+            assert any("Redis refused a command sent with a message" in r.getMessage() for r in caplog.records)
+            # Outside a block a message goes alone, as kombu sends it.
+            producer.publish({"n": 4}, exchange="", routing_key="riding")
+            assert broker.server.xlen(stream) == 1 and broker.waiting() == 5

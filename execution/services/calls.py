@@ -8,10 +8,11 @@ import logging
 import threading
 import time
 import uuid
-from contextlib import nullcontext
+from collections.abc import Callable
+from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, cast
 
 from django.conf import settings
 from django.contrib.auth.models import User
@@ -31,9 +32,22 @@ from billing.services import (
     credits_settle_many,
     price_quote,
 )
-from execution.backplane import Admitted, Answer, Ask, Released, Result, backplane, call_channel, job_channel, logged_whole
+from execution.backplane import (
+    Admitted,
+    Answer,
+    Ask,
+    RedisBackplane,
+    Released,
+    Result,
+    backplane,
+    call_channel,
+    job_channel,
+    logged_whole,
+)
 from execution.events import (
+    JobEvent,
     event_publish,
+    events_by_job,
     events_publish_by_job,
     tool_call_event,
     tool_call_payload,
@@ -45,7 +59,8 @@ from execution.services.quotas import tool_call_quota_check
 from ptcproject import rows
 from ptcproject.accounts.models import ApiKey
 from ptcproject.batching import GroupCommit
-from ptcproject.broker import broker_trouble
+from ptcproject.broker import Channel as BrokerChannel
+from ptcproject.broker import broker_trouble, publish_riding
 from ptcproject.celery import task_publish
 from ptcproject.db import (
     LockedRows,
@@ -183,14 +198,18 @@ def tool_call_build(
     )
 
 
-def tool_calls_record(calls: list[ToolCall], *, queued: frozenset[str] = frozenset()) -> frozenset[str]:
+def tool_calls_record(
+    calls: list[ToolCall], *, queued: frozenset[str] = frozenset(), starts_held: bool = False
+) -> tuple[frozenset[str], list[JobEvent]]:
     """Write records before their calls run, in one INSERT, and publish their start events (and the
     errors of refused ones) in one round trip. The ``queued`` calls are announced but not written:
     a job's calls for a tools worker are recorded by the statement that claims them (``execute_tool``
     carries the record), which saves the bridge a statement on every call's path. Those whose start
     the event log keeps without its large input are written here all the same: its readers fill it
     in from the record, at once (a live reader got it with no input, before any worker took the
-    call). Return those: they are queued as recorded calls, without their record."""
+    call). Return those (they are queued as recorded calls, without their record), and with
+    ``starts_held`` the queued calls' start events, not published: ``tool_calls_enqueue`` sends
+    them with their messages."""
     starts = {call.call_id: tool_call_payload(call) for call in calls if call.ptc_call_id}
     written = frozenset(
         call_id for call_id in queued if call_id in starts and not logged_whole("tool_call_start", starts[call_id])
@@ -202,16 +221,19 @@ def tool_calls_record(calls: list[ToolCall], *, queued: frozenset[str] = frozens
         rows[0].save(force_insert=True)
     elif rows:
         ToolCall.objects.bulk_create(rows)
-    events = []
+    events: list[JobEvent] = []
+    held: list[JobEvent] = []
     for call in calls:
         if call.ptc_call_id:
-            events.append((call.ptc_call_id, ("tool_call_start", starts[call.call_id])))
+            start: JobEvent = (call.ptc_call_id, ("tool_call_start", starts[call.call_id]))
+            (held if starts_held and call.call_id in queued else events).append(start)
             if call.status in ToolCall.AWAITING:
                 events.append((call.ptc_call_id, ("tool_call_pending", tool_call_pending_payload(call))))
             if call.status == ToolCall.Status.FAILED:
                 events.append((call.ptc_call_id, tool_call_event(call)))
-    events_publish_by_job(events)
-    return written
+    if events:
+        events_publish_by_job(events)
+    return written, held
 
 
 # What a queued call's message carries to the worker that claims it: the record's fields, signed
@@ -262,12 +284,17 @@ def _tool_call_event_publish(call: ToolCall) -> None:
         event_publish(job_call_id=call.ptc_call_id, event=name, data=data)
 
 
-def tool_calls_enqueue(calls: list[tuple[str, str]], *, queued: dict[str, ToolCall] | None = None) -> dict[str, dict[str, str]]:
+def tool_calls_enqueue(
+    calls: list[tuple[str, str]], *, queued: dict[str, ToolCall] | None = None, starts: list[JobEvent] | None = None
+) -> dict[str, dict[str, str]]:
     """Send calls ``(call_id, queue)`` to their toolset's tools queue through one producer, a burst
     in one round trip (kombu's publish batch, on Redis). The ``queued`` ones (by call id: unsaved
-    records) go with their record, which their worker writes as it claims them. Return the errors of
-    those that failed (their records are failed too): the broker was down even after the publish
-    retries.
+    records) go with their record, which their worker writes as it claims them. Their ``starts``
+    (``(job call_id, event)``, held by ``tool_calls_record``) are in their jobs' logs before any
+    worker can take them, and so before the worker's end events: a lone call's in the round trip of
+    its message, when the backplane's Redis is the broker's (``publish_riding``); else before it is
+    sent, in a round trip of their own. Return the errors of those that failed (their records are
+    failed too): the broker was down even after the publish retries.
 
     A batch that fails fails all its calls: some of its messages may have reached the queue, but
     their records are failed first (or a worker that took one already finds it failed when it
@@ -277,17 +304,30 @@ def tool_calls_enqueue(calls: list[tuple[str, str]], *, queued: dict[str, ToolCa
 
     queued = queued or {}
     errors = {}
+    starts_by_job = events_by_job(starts or [])
     with execute_tool.app.producer_or_acquire() as producer:
+        sent: Callable[[], bool] | None = None  # whether the starts went with the message
         try:
-            # A lone message is sent at once, under the publish retries; a burst is sent when the
-            # block ends, in one pipeline, not retried (a replay could queue a call twice).
-            with producer.batch() if len(calls) > 1 else nullcontext():
+            riding = bool(starts_by_job) and len(calls) == 1 and _starts_ride(producer)
+            if starts_by_job and not riding:
+                backplane().publish_then_append([], starts_by_job)
+                starts_by_job = []
+            with ExitStack() as block:
+                # A lone message is sent at once, under the publish retries; a burst is sent when the
+                # block ends, in one pipeline, not retried (a replay could queue a call twice).
+                if len(calls) > 1:
+                    block.enter_context(producer.batch())
+                elif riding:
+                    redis_backplane = cast(RedisBackplane, backplane())
+                    sent = block.enter_context(publish_riding(lambda pipe: redis_backplane.events_into(pipe, starts_by_job)))
                 for call_id, queue in calls:
                     record = tool_call_signed(queued[call_id]) if call_id in queued else None
                     args = (call_id,) if record is None else (call_id, record)
                     # The worker's log shows the call id only, never the record (it holds the call's input).
                     task_publish(execute_tool, producer, args, queue=queue, retry=len(calls) == 1, argsrepr=repr((call_id,)))
         except Exception as exc:
+            if starts_by_job and not (sent and sent()):  # they never reached Redis: before the failures' events
+                backplane().publish_then_append([], starts_by_job)
             logger.exception("could not enqueue tool calls", extra={"call_ids": [call_id for call_id, _ in calls]})
             error = call_error("broker_unavailable", f"the call could not be queued: the broker {broker_trouble(exc)}; retry")
             errors = {call_id: error for call_id, _ in calls}
@@ -308,6 +348,16 @@ def tool_calls_enqueue(calls: list[tuple[str, str]], *, queued: dict[str, ToolCa
                 db_reset()
                 fail()
     return errors
+
+
+def _starts_ride(producer: Any) -> bool:
+    """Whether calls' start events can go to Redis in the round trip of their message: the
+    backplane's Redis is the broker's, and the message goes through our transport."""
+    return (
+        settings.REDIS_URL == settings.CELERY_BROKER_URL
+        and isinstance(backplane(), RedisBackplane)
+        and isinstance(producer.channel, BrokerChannel)
+    )
 
 
 def tool_calls_fail_queued(calls: list[ToolCall], *, error: dict[str, str], running: bool) -> list[str]:

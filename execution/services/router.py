@@ -161,11 +161,14 @@ class JobCallRouter:
                 queued[call.call_id] = call
         # The calls for tools workers are announced here and recorded by the worker that claims
         # each; the others (refused, or waiting on a person) are recorded here.
-        for call_id in tool_calls_record(calls, queued=frozenset(queued)):
+        # A lone call's start event goes to Redis with its message, in one round trip (tool_calls_enqueue).
+        # In a burst they go with the others' events, as they are in the order of their calls.
+        written, starts = tool_calls_record(calls, queued=frozenset(queued), starts_held=len(calls) == 1)
+        for call_id in written:
             del queued[call_id]  # recorded after all (its large input is read back from the record)
         self._announced = True
         self.queued.update(queued)
-        errors = tool_calls_enqueue(accepted, queued=queued)
+        errors = tool_calls_enqueue(accepted, queued=queued, starts=starts)
         return [Refused(call_id=o.call_id, error=errors[o.call_id]) if o.call_id in errors else o for o in outcomes]
 
     def lookup(self, *, call_id: str) -> Looked:
