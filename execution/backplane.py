@@ -294,20 +294,21 @@ class Subscription:
 
     def wait(self, timeout: float) -> None:
         """Block until a message is queued or ``timeout`` passes; ``drain`` then returns what came."""
-        select.select([self._wake_r], [], [], max(0.0, timeout))
+        select.select([self.fileno()], [], [], max(0.0, timeout))
 
     async def wait_async(self, timeout: float) -> None:
         """``wait`` on the running event loop: woken by ``fileno()``, holding no thread while it
         waits (the loop's pool has the cores + 4 threads, and a stream's reads use them too)."""
         loop = asyncio.get_running_loop()
         readable = asyncio.Event()
-        loop.add_reader(self._wake_r, readable.set)
+        fd = self.fileno()
+        loop.add_reader(fd, readable.set)
         try:
             await asyncio.wait_for(readable.wait(), max(0.0, timeout))
         except TimeoutError:
             pass
         finally:
-            loop.remove_reader(self._wake_r)
+            loop.remove_reader(fd)
 
     def confirm(self) -> None:
         """Return once the subscription is in place: nothing published after is missed. Raise if
@@ -345,6 +346,156 @@ class _RedisSubscription(Subscription):
 
     def _stop(self) -> None:
         self._hub.remove(self)
+
+
+class _DirectSubscription(_RedisSubscription):
+    """One channel on a pub/sub connection of its own, read by the thread that owns the
+    subscription: ``fileno()`` is the connection's socket, so a message wakes that thread itself,
+    where through the hub it wakes the hub's reader, which hands it over through a pipe (a running
+    job's tool results: a thread hand-off less on every call). Its connection is one of a few this
+    process keeps (``_DirectConnections``), given back when the subscription closes.
+
+    Should the connection fail (or redis-py remake it under us), the channel is followed through
+    the hub from then on, as any other, and a ``Resync`` is queued once the hub has it (what was
+    pushed meanwhile is lost: the records say it); ``fileno()`` is then the hub's pipe, so a
+    selector that registered the socket registers ``fileno()`` again once it differs. The socket's
+    number stays held until the subscription closes: no other file takes it meanwhile."""
+
+    def __init__(self, hub: "_RedisHub", connections: "_DirectConnections", channel: str) -> None:
+        Subscription.__init__(self)
+        self._hub, self._connections, self.channel = hub, connections, channel
+        self._key = channel.encode()
+        self._early: list[Message] = []  # read while waiting for the confirmation, for drain
+        self._subscribed = False
+        self._retry: threading.Timer | None = None
+        self._pubsub: Any = connections.take()
+        try:
+            self._pubsub.subscribe(channel)
+            self._sock = self._pubsub.connection._sock
+            self._fd = os.dup(self._sock.fileno())  # the number held (see above), and what a selector watches
+        except BaseException:
+            self._pubsub.close()
+            os.close(self._wake_r)
+            os.close(self._wake_w)
+            raise
+
+    def fileno(self) -> int:
+        return self._fd if self._pubsub is not None else self._wake_r
+
+    def confirm(self) -> None:
+        deadline = time.monotonic() + SUBSCRIBE_TIMEOUT
+        while self._pubsub is not None and not self._subscribed:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                self.close()
+                raise TimeoutError(f"Redis did not confirm the subscription to {self.channel}")
+            self._read(timeout=remaining)
+
+    def drain(self) -> list[Message]:
+        if self._pubsub is not None:
+            self._read(timeout=0)
+        if self._pubsub is not None:
+            messages, self._early = self._early, []
+            return messages
+        messages, self._early = self._early, []  # read before the connection failed
+        return messages + super().drain()
+
+    def _read(self, *, timeout: float) -> None:
+        """Read what the connection has (waiting up to ``timeout`` for a first message); on a
+        failure, follow the channel through the hub."""
+        try:
+            message = self._pubsub.get_message(timeout=timeout)
+            while message is not None:
+                self._take(message)
+                message = self._pubsub.get_message(timeout=0)
+            if self._pubsub.connection is None or self._pubsub.connection._sock is not self._sock:
+                raise ConnectionError("the connection was made again")  # its subscription's pushes lost meanwhile
+        except Exception as exc:
+            logger.warning("a subscription's own connection failed (%s); following its channel through the hub", exc)
+            self._pubsub.close()
+            self._pubsub = None
+            self._through_hub()
+
+    def _take(self, message: dict[str, Any]) -> None:
+        # A connection kept from an earlier subscription may still bring that one's last messages.
+        if message.get("channel") != self._key:
+            return
+        if message.get("type") == "subscribe":
+            self._subscribed = True
+        elif message.get("type") == "message" and (decoded := _from_wire(json.loads(message["data"]))) is not None:
+            self._early.append(decoded)
+
+    def _through_hub(self) -> None:
+        """Subscribe through the hub (every half second until Redis takes it); queue a Resync once it
+        is confirmed."""
+        if self._closed.is_set():
+            return
+        try:
+            confirmed = self._hub.add(self)
+        except Exception:
+            self._retry = threading.Timer(0.5, self._through_hub)
+            self._retry.daemon = True
+            self._retry.start()
+            return
+        if self._closed.is_set():  # closed meanwhile (a retry's timer): its close found nothing to remove
+            self._hub.remove(self)
+            return
+
+        def resync() -> None:
+            confirmed.wait(SUBSCRIBE_TIMEOUT)  # pushes from here on arrive; those before are in the records
+            self._put(Resync())
+
+        threading.Thread(target=resync, name="ptc-resync", daemon=True).start()
+
+    def _stop(self) -> None:
+        if self._retry is not None:
+            self._retry.cancel()
+        if self._pubsub is not None:
+            self._connections.give_back(self._pubsub, self.channel)
+            self._pubsub = None
+        else:
+            self._hub.remove(self)
+        os.close(self._fd)
+
+
+class _DirectConnections:
+    """The pub/sub connections of this process's direct subscriptions, kept between them (a job's
+    subscription takes one as it starts: no connect on its path), at most ``most`` idle."""
+
+    def __init__(self, client: Any, most: int = 64) -> None:
+        self._client, self._most = client, most
+        self._idle: list[Any] = []
+        self._lock = threading.Lock()
+
+    def take(self) -> Any:
+        """An idle connection, its last subscription's leftovers read (one lost while idle is closed),
+        or a new one."""
+        while True:
+            with self._lock:
+                pubsub = self._idle.pop() if self._idle else None
+            if pubsub is None:
+                return self._client.pubsub()
+            try:
+                while pubsub.get_message(timeout=0) is not None:
+                    pass
+                if pubsub.connection is not None:
+                    return pubsub
+            except Exception:  # lost while idle
+                pass
+            pubsub.close()
+
+    def give_back(self, pubsub: Any, channel: str) -> None:
+        """Unsubscribe ``pubsub`` from ``channel`` and keep it idle; close it if that fails or enough are kept."""
+        try:
+            pubsub.unsubscribe(channel)
+        except Exception:
+            pubsub.close()
+            return
+        with self._lock:
+            if len(self._idle) < self._most:
+                self._idle.append(pubsub)
+                return
+        pubsub.close()
 
 
 # How long a subscription waits for Redis to confirm it before it counts as failed.
@@ -575,6 +726,13 @@ class Backplane:
     def _subscribe(self, channel: str) -> Subscription:
         raise NotImplementedError
 
+    def subscribe_direct(self, channel: str) -> Subscription:
+        """``subscribe`` (not confirmed), for one thread that waits on it in its own selector, reading
+        what comes itself where the backplane can (Redis: a connection of its own), with no hand-off
+        from another thread. Its ``fileno()`` may change once (its connection failed): a selector
+        registers the new one."""
+        return self._subscribe(channel)
+
     def _publish(self, channel: str, data: dict[str, Any]) -> None:
         raise NotImplementedError
 
@@ -676,6 +834,19 @@ class RedisBackplane(Backplane):
 
     def _subscribe(self, channel: str) -> Subscription:
         return _RedisSubscription(self.hub, channel)
+
+    @functools.cached_property
+    def direct(self) -> _DirectConnections:
+        """The pub/sub connections of this process's direct subscriptions, named as the hub's."""
+        import redis
+
+        client = redis.Redis.from_url(settings.REDIS_URL, socket_keepalive=True, socket_connect_timeout=2)
+        pool = client.connection_pool
+        pool.connection_class = _named_connection(pool.connection_class)
+        return _DirectConnections(client)
+
+    def subscribe_direct(self, channel: str) -> Subscription:
+        return _DirectSubscription(self.hub, self.direct, channel)
 
     def ping(self) -> None:
         self.client.ping()

@@ -514,6 +514,9 @@ class Session:
                     elif key.data == "channel":
                         for message in self.channel.drain():
                             self._on_channel(message)
+                        if self.channel.fileno() != key.fd:  # followed another way from now on (subscribe_direct)
+                            sel.unregister(key.fd)
+                            sel.register(self.channel.fileno(), selectors.EVENT_READ, "channel")
                     elif key.data == "submitted":
                         self._on_submitted()
                     if self.ended is not None:

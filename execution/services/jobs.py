@@ -317,7 +317,7 @@ def exec_job_run(*, job_id: str, worker: str, node: str = "", call_id: str = "")
         # published once the claim is committed, after Redis was sent the SUBSCRIBE on its one
         # connection. Should Redis still see the two out of order, the job's first heartbeat finds
         # it cancelled.
-        channel: Subscription | Exception = backplane().subscribe(job_channel(call_id), confirmed=False)
+        channel: Subscription | Exception = backplane().subscribe_direct(job_channel(call_id))
     except Exception as exc:  # the job is still claimed, and ends saying why
         channel = exc
     with channel if isinstance(channel, Subscription) else nullcontext():

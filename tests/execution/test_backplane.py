@@ -1,13 +1,21 @@
 """The backplane's subscriptions on real Redis: one confirmed later receives all that is published
-after its confirmation; one Redis never confirms fails, closed, rather than wait in silence."""
+after its confirmation; one Redis never confirms fails, closed, rather than wait in silence; a
+direct one (a running job's) is read from a connection of its own, and through the hub once that
+connection is lost."""
 
+import os
+import select
+import stat
 import threading
+import time
 import uuid
 
 import pytest
+import redis
+from django.conf import settings
 
 from execution import backplane as bp
-from execution.backplane import Cancel, RedisBackplane
+from execution.backplane import Approved, Cancel, RedisBackplane, Resync
 
 
 def test_a_subscription_confirmed_later_receives_what_is_published_after() -> None:
@@ -65,3 +73,51 @@ def test_the_reader_does_not_sleep_when_its_wait_times_out(monkeypatch: pytest.M
         pass
     real_sleep(0.3)  # about 30 waits with nothing subscribed, each timing out
     assert slept == []
+
+
+def _taken(subscription: bp.Subscription, until: type, seconds: float = 10.0) -> list[type]:
+    """The kinds of message ``subscription`` gives, waiting on its ``fileno()`` as a job's selector
+    does (taking it anew after each drain), until one is ``until`` or ``seconds`` pass."""
+    deadline = time.monotonic() + seconds
+    kinds: list[type] = []
+    while until not in kinds and time.monotonic() < deadline:
+        select.select([subscription.fileno()], [], [], max(0.0, deadline - time.monotonic()))
+        kinds += [type(message) for message in subscription.drain()]
+    return kinds
+
+
+def test_a_direct_subscription_is_read_from_its_own_connection_kept_for_the_next_one() -> None:
+    # A running job's channel (its tool results) is read by the job's own thread from a connection
+    # of its own, with no hand-off from the hub's reader; the connection is kept for the next job's,
+    # which never sees the last one's messages.
+    plane = RedisBackplane()
+    first, second = f"ptc-test:{uuid.uuid4().hex}", f"ptc-test:{uuid.uuid4().hex}"
+    with plane.subscribe_direct(first) as subscription:
+        subscription.confirm()
+        assert stat.S_ISSOCK(os.fstat(subscription.fileno()).st_mode)  # Redis's socket, not the hub's pipe
+        assert plane.publish(first, Cancel())
+        assert _taken(subscription, Cancel) == [Cancel]
+        kept = subscription._pubsub  # type: ignore[attr-defined]
+    assert plane.publish(first, Cancel())  # after its close
+    with plane.subscribe_direct(second) as again:
+        assert again._pubsub is kept  # type: ignore[attr-defined]
+        again.confirm()
+        assert plane.publish(second, Approved(call_id="c", timeout=1.0))
+        assert _taken(again, Approved) == [Approved]
+
+
+def test_a_direct_subscription_whose_connection_is_lost_goes_on_through_the_hub_after_a_resync() -> None:
+    plane = RedisBackplane()
+    channel = f"ptc-test:{uuid.uuid4().hex}"
+    with plane.subscribe_direct(channel) as subscription:
+        subscription.confirm()
+        own = subscription.fileno()
+        port = subscription._sock.getsockname()[1]  # type: ignore[attr-defined]
+        with redis.Redis.from_url(settings.REDIS_URL) as client:  # closed from Redis's side, as a blip of the network
+            [found] = [c["id"] for c in client.client_list() if c["addr"].endswith(f":{port}")]
+            client.client_kill_filter(_id=found)
+        # Woken by the lost connection; told to look at the records once the hub has the channel.
+        assert _taken(subscription, Resync) == [Resync]
+        assert subscription.fileno() != own
+        assert plane.publish(channel, Cancel())
+        assert _taken(subscription, Cancel) == [Cancel]
