@@ -103,11 +103,13 @@ def publish_riding(add: Callable[[Any], None]) -> Iterator[Callable[[], bool]]:
     """Within the block, the first message this thread publishes alone (not in a batch) on the
     Redis transport goes to Redis in one round trip with the commands ``add(pipeline)`` queues,
     run before it: what must be in Redis before any consumer can take the message costs no round
-    trip of its own. They are sent at most once (a publish retried goes without them), and their
-    errors are logged, never raised: the message's alone are the publish's. The pipeline is kombu's:
+    trip of its own. They go with the message's one try that Redis answers (a try that fails on
+    its way, Redis unreachable, leaves them to the publish's retry), and their errors are logged,
+    never raised: the message's alone are the publish's. The pipeline is kombu's:
     the keys of the commands kombu prefixes (LPUSH, HSET, ...) get ``global_keyprefix``, others' (XADD,
-    EXPIRE) are as given. Yield a function that says whether they were sent, or tried with a message
-    whose publish failed (not if the block published nothing, or not on this transport)."""
+    EXPIRE) are as given. Yield a function that says whether Redis answered them, with a message
+    (whose publish may have failed: Redis refused it); not if the block published nothing, or every
+    try of its failed on its way, or not on this transport."""
     _riders.add, _riders.sent = add, False
     try:
         yield lambda: bool(_riders.sent)
@@ -387,19 +389,26 @@ class Channel(redis.Channel):
         if add is None or kwargs.get("_publish_batch") is not None:
             return super()._put(queue, message, **kwargs)
         _riders.add, _riders.sent = None, True  # once: a retried publish goes without them
-        with self.conn_or_acquire() as client:
-            pipe = client.pipeline(transaction=False)
-            try:
-                add(pipe)
-            except Exception:
-                logger.warning("could not queue the commands sent with a message; it goes alone", exc_info=True)
-                pipe.reset()
-            riders = len(pipe.command_stack)
-            pipe.lpush(self._q_for_pri(queue, self._get_message_priority(message, reverse=False)), dumps(message))
-            if self._expires and queue in self._expires:  # as kombu's _put
-                for pri in self.priority_steps:
-                    pipe.pexpire(self._q_for_pri(queue, pri), self._expires[queue])
-            replies = pipe.execute(raise_on_error=False)
+        try:
+            with self.conn_or_acquire() as client:
+                pipe = client.pipeline(transaction=False)
+                try:
+                    add(pipe)
+                except Exception:
+                    logger.warning("could not queue the commands sent with a message; it goes alone", exc_info=True)
+                    pipe.reset()
+                riders = len(pipe.command_stack)
+                pipe.lpush(self._q_for_pri(queue, self._get_message_priority(message, reverse=False)), dumps(message))
+                if self._expires and queue in self._expires:  # as kombu's _put
+                    for pri in self.priority_steps:
+                        pipe.pexpire(self._q_for_pri(queue, pri), self._expires[queue])
+                replies = pipe.execute(raise_on_error=False)
+        except Exception:
+            # Not answered (Redis unreachable, or restarting): they go with the message again on
+            # the publish's retry, if any (a retry that went without them queued the message, and
+            # they were never sent: a call's end event with no start in its job's log).
+            _riders.add, _riders.sent = add, False
+            raise
         for reply in replies[:riders]:
             if isinstance(reply, Exception):
                 logger.warning("Redis refused a command sent with a message: %s", reply)

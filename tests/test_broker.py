@@ -409,3 +409,35 @@ def test_commands_riding_a_lone_message_go_in_its_round_trip_once_and_never_fail
             # Outside a block a message goes alone, as kombu sends it.
             producer.publish({"n": 4}, exchange="", routing_key="riding")
             assert broker.server.xlen(stream) == 1 and broker.waiting() == 5
+
+
+def test_commands_riding_a_lone_message_go_with_its_retry_when_its_first_try_failed(tmp_path: Path) -> None:
+    """A message whose publish failed on its way to Redis (Redis restarting), then went on a retry,
+    went without the commands riding it: a tool call's start event was never in its job's log. They
+    go with the try that reaches Redis."""
+    from ptcproject.broker import publish_riding
+
+    server = RedisServer(tmp_path)
+    server.start()
+    try:
+        with _redis_queue("riding-retried", most=16, url=server.url) as broker:
+            stream = f"{broker.prefix}events"
+            with broker.conn.channel() as channel:
+                producer = Producer(channel)
+                producer.publish({"n": 0}, exchange="", routing_key="riding-retried")  # the channel's connection made
+                server.stop()
+                restarts: list[int] = []
+
+                def restart(exc: Exception, interval: float) -> None:  # kombu's, between its tries
+                    if not restarts:
+                        restarts.append(1)
+                        server.start()
+
+                policy = {"max_retries": 5, "interval_start": 0, "interval_step": 0.1, "interval_max": 0.2, "errback": restart}
+                with publish_riding(lambda pipe: pipe.xadd(stream, {"event": "start"})) as sent:
+                    producer.publish({"n": 1}, exchange="", routing_key="riding-retried", retry=True, retry_policy=policy)
+                    assert restarts and sent()
+            assert broker.waiting() == 1  # the restarted Redis has the retried message (the first went with it)
+            assert broker.server.xlen(stream) == 1
+    finally:
+        server.stop()
