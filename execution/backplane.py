@@ -478,7 +478,11 @@ class _DirectConnections:
             try:
                 while pubsub.get_message(timeout=0) is not None:
                     pass
-                if pubsub.connection is not None:
+                # Its unsubscribe answered, redis-py reads it no more: nothing is due on it, and one
+                # readable was closed by Redis while idle (its `timeout` for idle clients spares only
+                # those subscribed; a restart), which can_read raises. A subscription sent down it was
+                # lost, and its job followed its channel through the hub, after a Resync.
+                if pubsub.connection is not None and (pubsub.subscribed or not pubsub.connection.can_read(timeout=0)):
                     return pubsub
             except Exception:  # lost while idle
                 pass

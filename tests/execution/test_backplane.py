@@ -121,3 +121,34 @@ def test_a_direct_subscription_whose_connection_is_lost_goes_on_through_the_hub_
         assert subscription.fileno() != own
         assert plane.publish(channel, Cancel())
         assert _taken(subscription, Cancel) == [Cancel]
+
+
+def test_a_direct_subscriptions_connection_lost_while_kept_is_not_given_to_the_next(caplog: pytest.LogCaptureFixture) -> None:
+    # A kept connection that Redis closed while it was idle (its `timeout` for idle clients, which
+    # spares only those subscribed; a restart) was handed to the next job, whose subscription was
+    # sent down it and lost: every such job took the hub's path, its records read again (a Resync).
+    plane = RedisBackplane()
+    first, second = f"ptc-test:{uuid.uuid4().hex}", f"ptc-test:{uuid.uuid4().hex}"
+    with plane.subscribe_direct(first) as subscription:
+        subscription.confirm()
+        kept = subscription._pubsub  # type: ignore[attr-defined]
+        port = subscription._sock.getsockname()[1]  # type: ignore[attr-defined]
+    with redis.Redis.from_url(settings.REDIS_URL) as client:
+        deadline = time.monotonic() + 10
+        while kept.subscribed:  # its unsubscribe answered: the connection idle, as it is between jobs
+            assert time.monotonic() < deadline, "Redis did not answer the unsubscribe"
+            kept.get_message(timeout=0.1)
+        [found] = [c["id"] for c in client.client_list() if c["addr"].endswith(f":{port}")]
+        client.client_kill_filter(_id=found)
+        while any(c["addr"].endswith(f":{port}") for c in client.client_list()):
+            assert time.monotonic() < deadline, "Redis did not close the connection"
+            time.sleep(0.05)
+    with caplog.at_level("WARNING", logger="ptc.backplane"), plane.subscribe_direct(second) as again:
+        assert again._pubsub is not kept  # type: ignore[attr-defined]
+        again.confirm()
+        own = again.fileno()
+        assert stat.S_ISSOCK(os.fstat(own).st_mode)
+        assert plane.publish(second, Cancel())
+        assert _taken(again, Cancel) == [Cancel]
+        assert again.fileno() == own  # read from its own connection all along
+    assert not [r for r in caplog.records if "own connection failed" in r.getMessage()]
