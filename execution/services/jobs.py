@@ -737,51 +737,71 @@ def _exec_job_close(
     With ``await_running``, the calls a tools worker was running when the job ended are waited
     for first (``_running_calls_await``; ``before_wait`` is called once, if there are any), so
     that the end announced has them as they ended, charged. Without, they are announced as they
-    are: only the reaper closes so, for a job whose worker died (it must not sit on its round)."""
-    key_used = job_keys_revoke(exec_job_id=job_id) if key_made else False
-    if job is None:
-        # The job and its calls in one read: what its end announces, and the calls it left open.
-        job = exec_job_with_calls(job_id=job_id)
-    elif bridge_calls == 0 and not key_used:
-        # It has no calls, and nothing to read: its sandbox made none, and the only other way to
-        # make one, its job key over HTTP, was never used (a key's first use is recorded before
-        # the call is admitted, and no call is admitted once the job's end is stored).
-        rows.prefetched(job, "tool_calls", [])
-    else:
-        prefetch_related_objects([job], CALLS_IN_ORDER)
-    # A job not closed as its end was stored (it made calls, or was cancelled as it ran): closed_at
-    # is claimed here, before its end is announced (the reaper may have closed it, if this worker
-    # stopped renewing its lease).
-    to_claim = job.closed_at is None
-    if job.session_id is not None:  # before the end is announced: whoever sees it can send the next job
-        exec_session_job_ended(session_id=job.session_id, job_id=job.pk)
-    # Calls left open (usually none): queued ones fail as never run (a tools worker that claimed one
-    # finishes it); ones waiting on the client or an approval fail too, so a late answer finds them
-    # ended (409). Each one's price held goes back, and watchers see it end.
-    left = [call for call in job.tool_calls.all() if call.status in ToolCall.OPEN]
-    queued = [call for call in left if call.status == ToolCall.Status.EXECUTING and call.claimed_at is None]
-    tool_calls_fail_queued(queued, error=call_error("job_ended", JOB_ENDED_MESSAGE), running=False)
-    for call in left:
-        if call.status in ToolCall.AWAITING:
-            error = call_error("job_ended", "the job ended while this call was waiting; it was not run")
-            tool_call_finish(call_id=call.call_id, error=error)
-    if left and await_running:
-        # What is still executing now was claimed by a tools worker: read again, not taken from
-        # ``left``, where a claim committed as the job ended may not show yet (its call was then
-        # not failed above: the failure waited for the claim, and found the call claimed).
-        executing = ToolCall.objects.filter(call_id__in=[call.call_id for call in left], status=ToolCall.Status.EXECUTING)
-        running = list(executing.values_list("call_id", flat=True))
-        if running:
-            if before_wait is not None:
-                before_wait()
-            _running_calls_await(job_id=job.pk, job_call_id=job.call_id, call_ids=running)
-    if to_claim and not ExecJob.objects.filter(pk=job_id, closed_at__isnull=True).update(closed_at=timezone.now()):
-        logger.warning("a job's end was announced by the reaper as its worker closed it", extra={"job_id": str(job_id)})
-        return job
-    if left:
-        job = exec_job_with_calls(job_id=job_id)  # their ends are part of the job's
+    are: only the reaper closes so, for a job whose worker died (it must not sit on its round).
+
+    A caller that claimed ``closed_at`` before (it passes no ``job``, or one closed) has it given
+    back should a statement fail before the end is announced: a row held locked (the reaper's
+    statements wait on a lock a moment only), an outage. The job is then found with its close
+    undone and closed again (``_exec_jobs_close_left``); left claimed, its queued calls stayed open,
+    its key live and its session on it, its end never announced."""
+    claimed = job is None or job.closed_at is not None
+    try:
+        key_used = job_keys_revoke(exec_job_id=job_id) if key_made else False
+        if job is None:
+            # The job and its calls in one read: what its end announces, and the calls it left open.
+            job = exec_job_with_calls(job_id=job_id)
+        elif bridge_calls == 0 and not key_used:
+            # It has no calls, and nothing to read: its sandbox made none, and the only other way to
+            # make one, its job key over HTTP, was never used (a key's first use is recorded before
+            # the call is admitted, and no call is admitted once the job's end is stored).
+            rows.prefetched(job, "tool_calls", [])
+        else:
+            prefetch_related_objects([job], CALLS_IN_ORDER)
+        # A job not closed as its end was stored (it made calls, or was cancelled as it ran): closed_at
+        # is claimed here, before its end is announced (the reaper may have closed it, if this worker
+        # stopped renewing its lease).
+        to_claim = job.closed_at is None
+        if job.session_id is not None:  # before the end is announced: whoever sees it can send the next job
+            exec_session_job_ended(session_id=job.session_id, job_id=job.pk)
+        # Calls left open (usually none): queued ones fail as never run (a tools worker that claimed one
+        # finishes it); ones waiting on the client or an approval fail too, so a late answer finds them
+        # ended (409). Each one's price held goes back, and watchers see it end.
+        left = [call for call in job.tool_calls.all() if call.status in ToolCall.OPEN]
+        queued = [call for call in left if call.status == ToolCall.Status.EXECUTING and call.claimed_at is None]
+        tool_calls_fail_queued(queued, error=call_error("job_ended", JOB_ENDED_MESSAGE), running=False)
+        for call in left:
+            if call.status in ToolCall.AWAITING:
+                error = call_error("job_ended", "the job ended while this call was waiting; it was not run")
+                tool_call_finish(call_id=call.call_id, error=error)
+        if left and await_running:
+            # What is still executing now was claimed by a tools worker: read again, not taken from
+            # ``left``, where a claim committed as the job ended may not show yet (its call was then
+            # not failed above: the failure waited for the claim, and found the call claimed).
+            executing = ToolCall.objects.filter(call_id__in=[call.call_id for call in left], status=ToolCall.Status.EXECUTING)
+            running = list(executing.values_list("call_id", flat=True))
+            if running:
+                if before_wait is not None:
+                    before_wait()
+                _running_calls_await(job_id=job.pk, job_call_id=job.call_id, call_ids=running)
+        if to_claim and not ExecJob.objects.filter(pk=job_id, closed_at__isnull=True).update(closed_at=timezone.now()):
+            logger.warning("a job's end was announced by the reaper as its worker closed it", extra={"job_id": str(job_id)})
+            return job
+        if left:
+            job = exec_job_with_calls(job_id=job_id)  # their ends are part of the job's
+    except DatabaseError:
+        if claimed:
+            _exec_job_close_undo(job_id=job_id)
+        raise
     _exec_job_ended(job, tail=tail)
     return job
+
+
+def _exec_job_close_undo(*, job_id: Any) -> None:
+    """Give back the claim of a job's close cut short (``_exec_job_close``): the reaper closes it again."""
+    try:
+        ExecJob.objects.filter(pk=job_id, closed_at__isnull=False).update(closed_at=None)
+    except DatabaseError:  # an outage; or in a transaction the error broke, whose rollback gives it back
+        logger.warning("a job's close was cut short and could not be given back", extra={"job_id": str(job_id)}, exc_info=True)
 
 
 def _running_calls_await(*, job_id: Any, job_call_id: str, call_ids: list[str]) -> None:

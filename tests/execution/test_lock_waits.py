@@ -198,3 +198,56 @@ def test_a_sessions_row_held_locked_holds_up_no_other_sessions_lease(slow_cut: S
         other = api.get(f"/api/v1/sessions/{sessions[1]['id']}").json()
     assert other["status"] == "active", other
     assert api.run("x", session=sessions[1]["id"])["return_value"] == 42
+
+
+def test_a_job_whose_close_waited_on_a_lock_as_the_reaper_failed_it_is_closed_once_the_lock_goes(slow_cut: Stack) -> None:
+    """The reaper fails a job whose worker died, then closes it: fails its queued calls, revokes its
+    key, frees its session, announces its end. A statement of the close that waited on a row held
+    locked (here its queued call's) was cancelled a moment later (the reaper's brief lock wait), after
+    the job was stored failed and closed: nothing closed it again, and its call stayed open until
+    the reaper's abandoned-call sweep failed it worker_lost. The job is now closed by whoever claims
+    its close (closed_at), as every ended job is: a close cut short is found and done again once the
+    lock goes, its call failed job_ended."""
+    username = f"closed-{uuid.uuid4().hex[:8]}"
+    api = Api(slow_cut.base_url, api_key(slow_cut.env, username), username)
+    done = api.run("1")
+    assert done["status"] == "completed", done
+    made = api.post("/api/v1/tools/execute", json={"toolset": "demo", "tool": "echo", "arguments": {"value": 1}}).json()
+    queued_call = f"call_{uuid.uuid4().hex}"
+    with psycopg.connect(slow_cut.env["DATABASE_URL"], autocommit=True) as conn:
+        dead = _job_copy(conn, done["id"], status="'running'", heartbeat_at="now() - interval '1 hour'", closed_at="NULL")
+        conn.execute("UPDATE execution_execjob SET finished_at = NULL WHERE id = %s", [dead])
+        with psycopg.connect(slow_cut.env["DATABASE_URL"]) as holder:
+            # Its call queued, not yet claimed by a tools worker, and its row held locked.
+            _row_copy(
+                conn,
+                "execution_toolcall",
+                ("call_id", made["call_id"]),
+                id="nextval(pg_get_serial_sequence('execution_toolcall', 'id'))",
+                call_id=f"'{queued_call}'",
+                exec_job_id=f"'{dead}'",
+                status="'executing'",
+                started_at="now()",
+                claimed_at="NULL",
+                heartbeat_at="NULL",
+                finished_at="NULL",
+                output="NULL",
+            )
+            holder.execute("SELECT 1 FROM execution_toolcall WHERE call_id = %s FOR UPDATE", [queued_call])
+            deadline = time.monotonic() + 20
+            while api.get(f"/api/v1/exec/{dead}").json()["status"] == "running":
+                assert time.monotonic() < deadline, "the job whose worker died was not reaped"
+                time.sleep(0.2)
+            time.sleep(1)  # its close has waited on the call's row, and was cancelled
+        # As if a lease and PTC_DB_RETRY_SECONDS had passed since it was failed: a close of it left
+        # undone is now the reaper's to do again.
+        conn.execute("UPDATE execution_execjob SET finished_at = now() - interval '10 minutes' WHERE id = %s", [dead])
+        deadline = time.monotonic() + 20
+        while (row := conn.execute("SELECT status, error FROM execution_toolcall WHERE call_id = %s", [queued_call]).fetchone())[
+            0
+        ] == "executing":
+            assert time.monotonic() < deadline, "the job's queued call was left open: its close was never done again"
+            time.sleep(0.2)
+        closed = conn.execute("SELECT status, closed_at FROM execution_execjob WHERE id = %s", [dead]).fetchone()
+    assert (row[0], row[1]["code"]) == ("failed", "job_ended"), row
+    assert closed[0] == "failed" and closed[1] is not None, closed
