@@ -5,6 +5,7 @@ connection is lost."""
 
 import os
 import select
+import socket
 import stat
 import threading
 import time
@@ -152,3 +153,71 @@ def test_a_direct_subscriptions_connection_lost_while_kept_is_not_given_to_the_n
         assert _taken(again, Cancel) == [Cancel]
         assert again.fileno() == own  # read from its own connection all along
     assert not [r for r in caplog.records if "own connection failed" in r.getMessage()]
+
+
+class _StallingProxy:
+    """A TCP proxy to Redis that can stall one client's connection in the middle of a reply: of the
+    next bytes Redis sends it, the first few are passed on and the rest held (a network that stops
+    mid-message)."""
+
+    def __init__(self, upstream: tuple[str, int]) -> None:
+        self.upstream = upstream
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.stalled: set[int] = set()  # the client ports whose next reply stalls
+        self.sockets: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, (_, port) = self.listener.accept()
+            except OSError:
+                return
+            server = socket.create_connection(self.upstream)
+            self.sockets += [client, server]
+            threading.Thread(target=self._pump, args=(client, server, None), daemon=True).start()
+            threading.Thread(target=self._pump, args=(server, client, port), daemon=True).start()
+
+    def _pump(self, source: socket.socket, sink: socket.socket, port: int | None) -> None:
+        try:
+            while chunk := source.recv(65536):
+                if port in self.stalled:
+                    sink.sendall(chunk[:3])
+                    return  # the rest never comes
+                sink.sendall(chunk)
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        self.listener.close()
+        for sock in self.sockets:
+            sock.close()
+
+
+def test_a_direct_subscription_whose_connection_stalls_mid_reply_goes_on_through_the_hub(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A reply cut off in the middle (the network stops mid-message) must not hold the job's own
+    # thread in a read of the rest until TCP's keepalive gives up (hours): the job's own timeout,
+    # its cancel, its calls' results would all wait on it. redis-py's read of a message it has the
+    # start of times out ("Timeout reading from socket"), and the channel is followed through the
+    # hub, after a Resync.
+    url = redis.connection.parse_url(settings.REDIS_URL)
+    proxy = _StallingProxy((url.get("host", "127.0.0.1"), url.get("port", 6379)))
+    monkeypatch.setattr(settings, "REDIS_URL", f"redis://127.0.0.1:{proxy.port}/{url.get('db', 0)}")
+    plane = RedisBackplane()
+    channel = f"ptc-test:{uuid.uuid4().hex}"
+    kinds: list[type] = []
+    try:
+        with plane.subscribe_direct(channel) as subscription:
+            subscription.confirm()
+            proxy.stalled.add(subscription._sock.getsockname()[1])  # type: ignore[attr-defined]
+            assert plane.publish(channel, Cancel())
+            reader = threading.Thread(target=lambda: kinds.extend(_taken(subscription, Resync, seconds=30)), daemon=True)
+            reader.start()
+            reader.join(30)
+            assert not reader.is_alive(), "the job's thread is stuck reading a reply cut off in the middle"
+            assert kinds[-1:] == [Resync], kinds
+            assert plane.publish(channel, Cancel())
+            assert _taken(subscription, Cancel) == [Cancel]
+    finally:
+        proxy.close()
