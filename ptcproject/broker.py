@@ -58,6 +58,7 @@ task finds its record ended, and nothing runs twice.
 
 import logging
 import os
+import shlex
 import threading
 import uuid
 from collections.abc import Callable, Iterator
@@ -240,27 +241,31 @@ class QoS(redis.QoS):
         for payload in left:
             logger.error(
                 "LOST: message %s, taken while Redis was full and unacked, could not go back to its queue (the broker "
-                "%s); put it back with RPUSH %s '%s'",
+                "%s); put it back with: %s",
                 _named(payload),
                 trouble,
-                self._queue_key(payload),
-                dumps(payload),
+                " ; ".join(
+                    f"redis-cli RPUSH {shlex.quote(self.channel.global_keyprefix + key)} {shlex.quote(dumps(payload))}"
+                    for key in self._queue_keys(payload)
+                ),
             )
 
-    def _queue_key(self, payload: dict[str, Any]) -> str:
-        """The Redis key (with its prefix) of the list a message goes back to: its queue's head is its right end."""
+    def _queue_keys(self, payload: dict[str, Any]) -> list[str]:
+        """The Redis keys (less the prefix kombu's client adds) of the lists a message goes back to:
+        its exchange's queues for its routing key (one, for Celery's), the list of its priority."""
         channel, delivery = self.channel, payload["properties"]["delivery_info"]
-        queue = channel._lookup(delivery["exchange"], delivery["routing_key"])[0]
-        return channel.global_keyprefix + channel._q_for_pri(queue, channel._get_message_priority(payload, reverse=False))
+        priority = channel._get_message_priority(payload, reverse=False)
+        return [
+            channel._q_for_pri(queue, priority)
+            for queue in sorted(channel._lookup(delivery["exchange"], delivery["routing_key"]))
+        ]
 
     def _put_back(self, client: Any, payload: dict[str, Any]) -> None:
         """Push ``payload`` to the head of its queue, marked redelivered, as kombu restores a message."""
         payload.setdefault("headers", {})["redelivered"] = True
-        channel, delivery = self.channel, payload["properties"]["delivery_info"]
-        delivery["redelivered"] = True
-        priority = channel._get_message_priority(payload, reverse=False)
-        for queue in channel._lookup(delivery["exchange"], delivery["routing_key"]):
-            client.rpush(channel._q_for_pri(queue, priority), dumps(payload))
+        payload["properties"]["delivery_info"]["redelivered"] = True
+        for key in self._queue_keys(payload):
+            client.rpush(key, dumps(payload))
 
     def append(self, message: Any, delivery_tag: str) -> None:
         if delivery_tag in self._recorded:

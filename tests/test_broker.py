@@ -1,6 +1,8 @@
 """The brokers: the embedded one never hands a consumer a message that is still being written;
 on Redis, a consumer takes a burst several messages at a time and loses none of them."""
 
+import shlex
+import subprocess
 import threading
 import time
 import uuid
@@ -106,9 +108,9 @@ class _Broker:
 
 
 @contextmanager
-def _redis_queue(name: str, *, most: int, url: str = REDIS_URL, no_ack: bool = False) -> Iterator[_Broker]:
+def _redis_queue(name: str, *, most: int, url: str = REDIS_URL, no_ack: bool = False, **options: Any) -> Iterator[_Broker]:
     prefix = f"ptc-broker-test-{uuid.uuid4().hex[:8]}:"
-    options = {"global_keyprefix": prefix, "pop_most": most, "visibility_timeout": 3600}
+    options.update(global_keyprefix=prefix, pop_most=most, visibility_timeout=3600)
     conn = Connection(url, transport="ptcproject.broker:Transport", transport_options=options)
     server = redis.Redis.from_url(url)
     try:
@@ -373,6 +375,48 @@ def test_redis_messages_taken_while_it_is_full_are_recorded_unacked_once_it_has_
             with broker.conn.channel() as channel, Consumer(channel, [broker.queue], callbacks=[_acking(again)]):
                 broker.drain(lambda: len(again) >= 2)
             assert sorted(again) == [1, 2]
+    finally:
+        server.stop()
+
+
+def test_a_message_that_cant_go_back_while_redis_stays_full_is_logged_with_the_command_that_puts_it_back(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A message handed over while Redis was full, not run, that can't go back to its queue by the
+    end of its channel's restore_wait is logged LOST with a redis-cli command that puts it back:
+    one an operator can paste, whatever quotes the message holds."""
+    server = RedisServer(tmp_path)
+    server.start()
+    try:
+        with _redis_queue("lost", most=16, url=server.url, restore_wait=0) as broker:
+            with broker.conn.channel() as channel:
+                Producer(channel).publish(
+                    {"n": 0, "text": "it's"}, exchange=broker.queue.exchange, routing_key="lost", declare=[broker.queue]
+                )
+            received: list[Any] = []
+            with caplog.at_level("ERROR", logger="ptc.broker"):
+                broker.server.config_set("maxmemory", "1")
+                try:
+                    with (
+                        broker.conn.channel() as channel,
+                        Consumer(channel, [broker.queue], callbacks=[lambda _, m: received.append(m)]),
+                    ):
+                        broker.drain(lambda: len(received) >= 1)
+                    # Closed with the message unacked, not run, and no record of it in Redis.
+                finally:
+                    broker.server.config_set("maxmemory", "0")
+            assert broker.waiting() == 0 and broker.unacked() == 0
+            [lost] = [r.getMessage() for r in caplog.records if r.getMessage().startswith("LOST")]
+            command = shlex.split(lost.split("put it back with: ", 1)[1])
+            assert command[:2] == ["redis-cli", "RPUSH"], lost
+            subprocess.run([command[0], "-u", server.url, *command[1:]], check=True, capture_output=True)
+            again: list[Any] = []
+            with (
+                broker.conn.channel() as channel,
+                Consumer(channel, [broker.queue], callbacks=[lambda body, m: (again.append(body), m.ack())]),
+            ):
+                broker.drain(lambda: len(again) >= 1)
+            assert again == [{"n": 0, "text": "it's"}]
     finally:
         server.stop()
 
