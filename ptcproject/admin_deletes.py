@@ -2,7 +2,7 @@
 
 from typing import Any
 
-from django.db.models import QuerySet
+from django.db.models import Model, QuerySet
 from django.http import HttpRequest
 
 from ptcproject.admin_lists import LargeListAdmin
@@ -22,13 +22,18 @@ class CountedDeleteAdmin(LargeListAdmin):
     one whole to link it (a user's or a job's every call, a session's every file with its bytes, a
     tool's every call to set its tool to null), so the page's load grew with the history, unbounded.
     What it returns is what Django's get_deleted_objects returns, and decides the same: the
-    permissions lacking to delete what goes, and the rows a PROTECT relation keeps."""
+    permissions lacking to delete what goes, and the rows a PROTECT relation keeps, each model's
+    with what ``protected_because`` says of it (why it is kept, and what to do instead)."""
+
+    protected_because: dict[type[Model], str] = {}
 
     def get_deleted_objects(self, objs: Any, request: HttpRequest) -> tuple[Any, ...]:
         ids = pks_of(objs)
         deleted, protected = deletion_counts(model=self.model, pks=ids)
         perms_needed = set()
-        for model in (*deleted, *protected):
+        # Not the protected models' (as Django's): a member may not delete a ledger entry, and the
+        # page then said only that, never that the entries are kept nor what to do instead.
+        for model in deleted:
             registered = self.admin_site.is_registered(model)
             if registered and not self.admin_site.get_model_admin(model).has_delete_permission(request):
                 perms_needed.add(model._meta.verbose_name)
@@ -37,5 +42,8 @@ class CountedDeleteAdmin(LargeListAdmin):
         named: list[Any] = [f"{opts.verbose_name[:1].upper()}{opts.verbose_name[1:]}: {obj}" for obj in chosen]
         goes = [f"{count:,} {model._meta.verbose_name_plural}" for model, count in deleted.items() if model is not self.model]
         model_count = {model._meta.verbose_name_plural: count for model, count in deleted.items()}
-        kept = [f"{count:,} {model._meta.verbose_name_plural} (protected)" for model, count in protected.items()]
+        kept = []
+        for model, count in protected.items():
+            why = self.protected_because.get(model)
+            kept.append(f"{count:,} {model._meta.verbose_name_plural} (protected{f': {why}' if why else ''})")
         return [*named, goes] if goes else named, model_count, perms_needed, kept

@@ -11,6 +11,7 @@ from django.db import transaction
 from django.db.models import QuerySet
 
 from execution.models import ToolCall
+from ptcproject.deletion import update_in_batches
 from ptcproject.errors import ApplicationError
 from ptcproject.storage import unstorable
 from tools.builtin import registry
@@ -261,30 +262,21 @@ def toolset_delete(*, toolset: Toolset) -> None:
     toolset.delete()
 
 
-# Calls unlinked a statement at a time: a few tens of milliseconds each, far under any statement timeout.
-UNLINK_BATCH = 1000
-
-
 def tool_calls_unlink(*, tools: QuerySet[Tool]) -> int:
     """Unlink the finished calls of ``tools`` from them, as deleting the tools does (their tool set
-    to null; they keep their toolset key and tool name), UNLINK_BATCH calls a statement; return how
-    many. For a delete of ``tools`` to follow: Django's delete unlinks them all in one UPDATE, which
-    for a tool of a few million calls ran past PTC_DB_STATEMENT_TIMEOUT (16 µs a call here: 30 s
-    at two million), and the delete failed, every time.
+    to null; they keep their toolset key and tool name), a batch a statement (update_in_batches);
+    return how many. For a delete of ``tools`` to follow: Django's delete unlinks them all in one
+    UPDATE, which for a tool of a few million calls ran past PTC_DB_STATEMENT_TIMEOUT, and the
+    delete failed, every time.
 
     Each statement is its own transaction outside ``atomic`` (a delete interrupted part way, retried,
     goes on where it stopped: a finished call whose tool is about to go lacks only the link it would
     lose), or the caller's within it (the admin's delete page: all or nothing). A call not finished is
     left to the delete, which unlinks what is left in one short statement: its worker reads its tool."""
     ids = list(tools.values_list("pk", flat=True))
-    finished = ToolCall.objects.filter(tool_id__in=ids).exclude(status__in=ToolCall.OPEN)
-    unlinked = 0
-    while ids:
-        done = ToolCall.objects.filter(pk__in=finished.values("pk")[:UNLINK_BATCH]).update(tool=None)
-        unlinked += done
-        if done < UNLINK_BATCH:
-            break
-    return unlinked
+    if not ids:
+        return 0
+    return update_in_batches(ToolCall.objects.filter(tool_id__in=ids).exclude(status__in=ToolCall.OPEN), tool=None)
 
 
 _NOT_NAME_CHARS = re.compile(r"\W", re.ASCII)

@@ -11,12 +11,13 @@ from django.template.loader import render_to_string
 from django.template.response import TemplateResponse
 from django.utils.safestring import SafeString
 
+from billing.models import LedgerEntry
 from execution.admin import unended_kept
 from execution.models import ExecJob, ExecSession, ToolCall
 from ptcproject.accounts.authentication import signed_in_user
 from ptcproject.accounts.models import ApiKey, ApiKeyEvent, UserSettings
 from ptcproject.accounts.selectors import api_key_owner_allowed, api_key_owners
-from ptcproject.accounts.services import api_key_create, api_key_expire, api_key_revoke
+from ptcproject.accounts.services import api_key_create, api_key_expire, api_key_revoke, users_history_delete
 from ptcproject.admin_deletes import CountedDeleteAdmin, pks_of
 from ptcproject.admin_lists import LargeListAdmin
 from ptcproject.admin_search import IndexedSearchAdmin
@@ -182,6 +183,13 @@ class PtcUserAdmin(CountedDeleteAdmin, UserAdmin):
     their delete, one by one or in bulk. A superuser keeps it all."""
 
     ESCALATING_FIELDS = ("is_staff", "is_superuser", "groups", "user_permissions")
+    # The ledger is append-only and kept for good (its entries are what the balance is, and what
+    # was granted and charged): a user with one is not deleted, and the page says what to do.
+    protected_because = {
+        LedgerEntry: "credits were granted to or charged to this user, and the ledger is kept for good. "
+        "Deactivate the user instead: untick Active on their page; they can no longer sign in, "
+        "and their API keys stop working",
+    }
 
     def get_readonly_fields(self, request: HttpRequest, obj: User | None = None) -> Any:
         # Read-only fields are left out of the form, so a crafted POST that sets them is ignored.
@@ -218,6 +226,16 @@ class PtcUserAdmin(CountedDeleteAdmin, UserAdmin):
         if field == ("accounts", "apikey", "user"):
             queryset = queryset.filter(pk__in=api_key_owners(actor=signed_in_user(request)).values("pk"))
         return super().get_search_results(request, queryset, search_term)
+
+    # Their history deleted a batch a statement first (users_history_delete): Django's delete did
+    # each table in one statement, past PTC_DB_STATEMENT_TIMEOUT for a user of millions of calls.
+    def delete_model(self, request: HttpRequest, obj: User) -> None:
+        users_history_delete(user_ids=[obj.pk])
+        super().delete_model(request, obj)
+
+    def delete_queryset(self, request: HttpRequest, queryset: QuerySet[User]) -> None:
+        users_history_delete(user_ids=pks_of(queryset))
+        super().delete_queryset(request, queryset)
 
     def get_deleted_objects(self, objs: Any, request: HttpRequest) -> tuple[Any, ...]:
         ids = pks_of(objs)

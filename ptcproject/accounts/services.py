@@ -14,9 +14,14 @@ from django.core.exceptions import ValidationError
 from django.db import DatabaseError, IntegrityError, connection, transaction
 from django.utils import timezone
 
+from billing.models import CreditUsage
+from execution.models import ExecJob, ToolCall
 from ptcproject import rows
 from ptcproject.accounts.models import ApiKey, ApiKeyEvent
+from ptcproject.deletion import delete_in_batches
 from ptcproject.errors import ApplicationError
+from tools.models import Tool
+from tools.services import tool_calls_unlink
 
 logger = logging.getLogger("ptc.accounts")
 KEY_PREFIX = "ptc_"
@@ -300,3 +305,20 @@ def user_with_key_create(*, username: str, create_user: bool, staff: bool, name:
 
         credits_adjust(user=user, amount=credits, reason="granted with a new API key (create_api_key --credits)")
     return user, plaintext
+
+
+def users_history_delete(*, user_ids: list[Any]) -> None:
+    """Delete the finished history of the users ``user_ids`` a batch a statement (delete_in_batches),
+    for a delete of the users to follow: their finished tool calls and their credit usage rows,
+    the finished calls of others made with their own toolsets unlinked from them (tool_calls_unlink),
+    then their finished jobs (each batch with its keys, files and what is left of its calls).
+
+    Django's delete of a user did each in one statement, or read every row's id first (their jobs,
+    to delete what links to them IN that list): a user of a few million calls ran past
+    PTC_DB_STATEMENT_TIMEOUT, and the delete failed, every time. What has not ended (a job, a call)
+    is left to the delete itself; the admin deletes no user who has any (unended_kept)."""
+    delete_in_batches(ToolCall.objects.filter(user_id__in=user_ids).exclude(status__in=ToolCall.OPEN))
+    delete_in_batches(CreditUsage.objects.filter(user_id__in=user_ids))
+    tool_calls_unlink(tools=Tool.objects.filter(toolset__owner_id__in=user_ids))
+    # A job takes its key, the key's events and its files with it: fewer a statement.
+    delete_in_batches(ExecJob.objects.filter(user_id__in=user_ids, status__in=ExecJob.FINISHED), size=100)

@@ -1,0 +1,98 @@
+"""Deleting a user in the admin: their history a batch a statement (users_history_delete), under
+PTC_DB_STATEMENT_TIMEOUT; and a user with a ledger, which is kept for good, not deleted, the page
+saying why and what to do instead.
+
+Django's delete of a user unlinked the calls of their own toolsets' tools in one UPDATE and deleted
+their calls in one DELETE: 200,000 calls against a statement timeout of 1 s stand for a user of
+millions against 30 s (the UPDATE alone took 3 s here)."""
+
+import uuid
+
+from django.contrib.auth import get_user_model
+from django.contrib.auth.models import User
+from django.db import connection
+from django.test import Client
+from django.utils import timezone
+
+from billing.services import credits_adjust
+from execution.models import ExecJob, ToolCall
+from tests.factories import running_job
+from tests.tools.conftest import unique_key
+from tests.tools.test_toolset_delete_at_scale import CALLS, _calls_made, _statement_timeout
+from tools.models import Tool, Toolset
+
+
+def _staff_client() -> Client:
+    staff = get_user_model().objects.create_user(username=f"admin-{uuid.uuid4().hex[:6]}", is_staff=True, is_superuser=True)
+    client = Client()
+    client.force_login(staff)
+    return client
+
+
+def _call(*, user: User, tool: Tool) -> ToolCall:
+    now = timezone.now()
+    return ToolCall.objects.create(
+        **{"call_id": f"standalone_{uuid.uuid4().hex}", "type": "standalone", "user": user, "tool": tool},
+        **{"toolset_key": tool.toolset.key, "tool_name": tool.name, "status": "completed", "started_at": now, "finished_at": now},
+    )
+
+
+def _owner_of_a_toolset_of_many_calls() -> tuple[User, User, Tool]:
+    """A user, the owner of a toolset whose tool others called CALLS times (and once still
+    executing; it was global before it was given to them), with calls and a job of their own."""
+    owner = get_user_model().objects.create_user(username=f"owner-{uuid.uuid4().hex[:6]}")
+    other = get_user_model().objects.create_user(username=f"other-{uuid.uuid4().hex[:6]}")
+    toolset = Toolset.objects.create(
+        key=unique_key("mine"), name="Mine", kind="http", owner=owner, is_global=False, config={"base_url": "http://127.0.0.1:9"}
+    )
+    tool = Tool.objects.create(toolset=toolset, name="lookup", input_schema={"type": "object"})
+    with connection.cursor() as cursor:
+        _calls_made(cursor, tool_id=tool.pk, user_id=other.pk, toolset_key=toolset.key)
+    for _ in range(3):
+        _call(user=owner, tool=tool)
+    running_job(user=owner, status="completed")
+    return owner, other, tool
+
+
+def _gone_and_kept(owner: User, other: User) -> None:
+    assert not get_user_model().objects.filter(pk=owner.pk).exists()
+    assert not ToolCall.objects.filter(user_id=owner.pk).exists() and not ExecJob.objects.filter(user_id=owner.pk).exists()
+    kept = ToolCall.objects.filter(user=other)
+    # Every call of the other user kept, none linked to the tool gone, the open one as it was.
+    assert (kept.count(), kept.filter(tool__isnull=False).count(), kept.filter(status="executing").count()) == (CALLS + 1, 0, 1)
+    kept.delete()
+
+
+def test_a_user_whose_toolset_has_many_calls_is_deleted_in_the_admin() -> None:
+    owner, other, _ = _owner_of_a_toolset_of_many_calls()
+    client = _staff_client()
+    with _statement_timeout(1):
+        answer = client.post(f"/admin/auth/user/{owner.pk}/delete/", {"post": "yes"})
+    assert answer.status_code == 302, answer.content.decode()[-2000:]  # before: QueryCanceled, the one UPDATE
+    _gone_and_kept(owner, other)
+
+
+def test_users_whose_toolsets_have_many_calls_are_deleted_by_the_admins_action() -> None:
+    owner, other, _ = _owner_of_a_toolset_of_many_calls()
+    client = _staff_client()
+    data = {"action": "delete_selected", "_selected_action": [owner.pk], "post": "yes"}
+    with _statement_timeout(1):
+        answer = client.post("/admin/auth/user/", data)
+    assert answer.status_code == 302, answer.content.decode()[-2000:]
+    _gone_and_kept(owner, other)
+
+
+def test_a_user_with_a_ledger_is_not_deleted_and_the_page_says_to_deactivate_them() -> None:
+    user = get_user_model().objects.create_user(username=f"paid-{uuid.uuid4().hex[:6]}")
+    credits_adjust(user=user, amount=10, reason="welcome")
+    client = _staff_client()
+    for answer in (
+        client.get(f"/admin/auth/user/{user.pk}/delete/"),
+        client.post(f"/admin/auth/user/{user.pk}/delete/", {"post": "yes"}),
+        client.post("/admin/auth/user/", {"action": "delete_selected", "_selected_action": [user.pk], "post": "yes"}),
+    ):
+        page = answer.content.decode()
+        assert answer.status_code == 200, page[-2000:]
+        assert "1 ledger entries (protected: credits were granted to or charged to this user" in page
+        assert "Deactivate the user instead: untick Active on their page" in page  # before: only "(protected)"
+    assert get_user_model().objects.filter(pk=user.pk, is_active=True).exists()
