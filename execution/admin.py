@@ -7,6 +7,7 @@ from django.contrib.admin.views.main import ChangeList
 from django.core.exceptions import PermissionDenied
 from django.db.models import QuerySet, TextField
 from django.db.models.functions import Cast, Left, Length
+from django.forms.models import BaseInlineFormSet
 from django.http import Http404, HttpRequest, HttpResponse, HttpResponseNotAllowed, HttpResponseRedirect
 from django.urls import URLPattern, path, reverse
 from django.utils.html import format_html, format_html_join
@@ -305,13 +306,29 @@ class ToolCallAdmin(IndexedSearchAdmin, CountedDeleteAdmin):
         return unended_kept(super().get_deleted_objects(objs, request), calls=calls)
 
 
+# The most files a session's page lists: a session may hold any number (its code writes them), and
+# its page drew each as a row, read with its bytes. The rest are in the file list, by the link.
+FILES_SHOWN = 100
+
+
+class _FirstFiles(BaseInlineFormSet):
+    def get_queryset(self) -> QuerySet[WorkFile]:
+        # The first FILES_SHOWN by path: the session's (session, path) index reads them and no more.
+        return super().get_queryset()[:FILES_SHOWN]
+
+
 class WorkFileInline(admin.TabularInline):
     model = WorkFile
+    formset = _FirstFiles
     fields = ("path", "kind", "size", "pending", "updated_at")
     readonly_fields = fields
     extra = 0
     can_delete = False
     show_change_link = True
+    verbose_name_plural = f"files (the first {FILES_SHOWN} by path; all of them by the link above)"
+
+    def get_queryset(self, request: HttpRequest) -> QuerySet[WorkFile]:
+        return super().get_queryset(request).defer("content")  # bytes, shown by size
 
     def has_add_permission(self, request: Any, obj: Any = None) -> bool:
         return False
@@ -324,9 +341,15 @@ class ExecSessionAdmin(IndexedSearchAdmin, CountedDeleteAdmin):
     search_fields = ("id", "user__username")  # matched whole, by their indexes (IndexedSearchAdmin)
     search_help_text = "A session's id or a username, whole."
     date_hierarchy = "created_at"
-    readonly_fields = [f.name for f in ExecSession._meta.fields]
+    readonly_fields = [*(f.name for f in ExecSession._meta.fields), "all_files"]
     inlines = [WorkFileInline]
     actions = ("end_sessions",)
+
+    @admin.display(description="files")
+    def all_files(self, session: ExecSession) -> str:
+        """A link to the session's files in the file list: its page lists the first FILES_SHOWN."""
+        url = reverse("admin:execution_workfile_changelist")
+        return format_html('<a href="{}?session__id__exact={}">All of its files</a>', url, session.pk)
 
     @admin.action(description="End the selected sessions", permissions=["end"])
     def end_sessions(self, request: HttpRequest, queryset: QuerySet[ExecSession]) -> None:
