@@ -132,6 +132,10 @@ class LedgerEntry(models.Model):
     class Meta:
         ordering = ["-created_at", "-id"]
         verbose_name_plural = "ledger entries"
+        # The admin's list by kind, newest first, for the kinds other than a call's charge (grants,
+        # refunds, adjustments: a few among millions of charges, found by reading every entry newer
+        # than them). A charge, the bulk, is found at the top of the primary key and not indexed here.
+        indexes = [models.Index(fields=["kind", "-id"], condition=~Q(kind="charge"), name="ledger_not_charge")]
         constraints = [
             # A call is charged at most once, however often its task is delivered.
             models.UniqueConstraint(fields=["tool_call_id"], condition=Q(kind="charge"), name="ledger_one_charge_per_call"),

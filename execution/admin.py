@@ -271,8 +271,12 @@ class ExecJobAdmin(IndexedSearchAdmin, CountedDeleteAdmin):
 class ToolCallAdmin(IndexedSearchAdmin, CountedDeleteAdmin):
     list_display = ("call_id", "type", "toolset_key", "tool_name", "status", "decision", "user", "credits", "started_at")
     # Not by toolset key: the filter was every distinct key in the table (users name their own
-    # toolsets freely), a scan of every call each load. Search finds a toolset's calls.
-    list_filter = ("status", "decision", "type", "started_at")
+    # toolsets freely), a scan of every call each load. Search finds a toolset's calls. Not by type:
+    # no index serves it, and a page of the rarer type (ptc or standalone, by the deployment) was
+    # found only by reading every call newer than its page; an index of every call's type would be
+    # written on every call. A job's calls are found by its call id (search). A decision is rare
+    # (a tool that needs approval) and its index holds only the calls decided (toolcall_decided).
+    list_filter = ("status", "decision", "started_at")
     # Matched whole, by their indexes (IndexedSearchAdmin): the job's call id (ptc_call_id) by the
     # job, and a toolset's calls by its tools (those of a tool since deleted by their job or user).
     search_fields = ("call_id", "exec_job__call_id", "user__username", "tool__toolset__key", "tool__name")

@@ -197,6 +197,9 @@ class ToolCall(models.Model):
             models.Index(fields=["exec_job", "started_at"]),
             models.Index(fields=["user", "-started_at"]),
             models.Index(fields=["status"], name="toolcall_status"),
+            # The admin's list by decision, newest first: only the calls decided (a tool that needs
+            # approval), so a call of any other tool writes nothing to it.
+            models.Index(fields=["decision", "-id"], condition=~models.Q(decision=""), name="toolcall_decided"),
         ]
         constraints = [models.UniqueConstraint(fields=["call_id"], name="toolcall_call_id_unique")]
 
