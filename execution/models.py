@@ -286,6 +286,13 @@ class WorkFile(models.Model):
 
     class Meta:
         ordering = ["path"]
+        # The admin's file list by kind and by pending, newest first: either kind may be the rare
+        # one, and a pending upload is (sent with its session's next job), each found otherwise by
+        # reading every file newer than the oldest of them. Only pending uploads are in the second.
+        indexes = [
+            models.Index(fields=["kind", "-id"], name="workfile_kind"),
+            models.Index(fields=["-id"], condition=models.Q(pending=True), name="workfile_pending"),
+        ]
         constraints = [
             models.UniqueConstraint(fields=["session", "path"], name="workfile_session_path"),
             models.UniqueConstraint(fields=["exec_job", "kind", "path"], name="workfile_job_kind_path"),

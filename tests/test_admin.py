@@ -159,17 +159,30 @@ def _entries_few_refunds(user: Any) -> None:
     )
 
 
+def _files_few(**rare: Any) -> Callable[[Any], None]:
+    def make(user: Any) -> None:
+        job = running_job(user=user, status="completed", finished_at=timezone.now())
+        files = [WorkFile(exec_job=job, kind="input", path=f"in/{i}.txt", content=b"1", size=1, **rare) for i in range(3)]
+        files += [WorkFile(exec_job=job, kind="output", path=f"out/{i}.txt", content=b"1", size=1) for i in range(ROWS)]
+        WorkFile.objects.bulk_create(files)
+
+    return make
+
+
 @pytest.mark.parametrize(
     "page,table,make,found",
     [
         ("/admin/execution/toolcall/?decision__exact=denied", "execution_toolcall", _calls_few_denied, 3),
         ("/admin/billing/ledgerentry/?kind__exact=refund", "billing_ledgerentry", _entries_few_refunds, 2),
+        ("/admin/execution/workfile/?kind__exact=input", "execution_workfile", _files_few(), 3),
+        ("/admin/execution/workfile/?pending__exact=1", "execution_workfile", _files_few(pending=True), 3),
     ],
 )
 def test_a_list_filtered_by_a_rare_value_reads_what_it_finds(
     page: str, table: str, make: Callable[[Any], None], found: int
 ) -> None:
-    """A list filtered by a value few rows hold (a decision among calls, a refund among charges),
+    """A list filtered by a value few rows hold (a decision among calls, a refund among charges, an
+    input or a pending upload among files),
     newest first by id: with no index of the column, its page, and its count, read every row newer
     than the oldest it found, to the table's start for a value that is rare and old. Each query of
     the page, its count among them, reads the rows it finds and no other (the rows are other users'
