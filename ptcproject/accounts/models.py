@@ -30,8 +30,16 @@ class ApiKey(models.Model):
         ordering = ["-created_at"]
         verbose_name = "API key"
         # Every job has a key: the admin's list, newest first, sorted them all each load without it.
-        # Set once, at insert: a key's updates (last_used_at, revoked_at) stay heap-only.
-        indexes = [models.Index(fields=["-created_at"], name="apikey_created")]
+        # Set once, at insert: a key's updates (last_used_at) stay heap-only.
+        indexes = [
+            models.Index(fields=["-created_at"], name="apikey_created"),
+            # The list's filters for the rare keys among the jobs' (one that does not expire, one not
+            # revoked), found otherwise by reading every key newer than the oldest of them (a user's
+            # own, with no job, is found by exec_job's index). A job's key is in the second until its
+            # job ends: its revoke is then not heap-only, once a job.
+            models.Index(fields=["-created_at"], condition=models.Q(expires_at__isnull=True), name="apikey_unexpiring"),
+            models.Index(fields=["-created_at"], condition=models.Q(revoked_at__isnull=True), name="apikey_unrevoked"),
+        ]
 
     def __str__(self) -> str:
         return f"ptc_{self.prefix}_… ({self.user})"
