@@ -97,8 +97,19 @@ def _many_jobs(user: Any) -> None:
 
 
 def _many_keys(user: Any) -> None:
-    # One a job: as many as the jobs.
-    ApiKey.objects.bulk_create(ApiKey(user=user, prefix=uuid.uuid4().hex[:16], key_hash=uuid.uuid4().hex) for _ in range(ROWS))
+    # One a job: as many as the jobs, each ended (so that a user's own keys stay few among them,
+    # as test_a_list_filtered_by_a_rare_value_reads_what_it_finds has them).
+    _jobs_keys(user)
+
+
+def _jobs_keys(user: Any) -> None:
+    """ROWS keys of an ended job: each with its expiry, revoked."""
+    now = timezone.now()
+    job = running_job(user=user, status="completed", finished_at=now)
+    ApiKey.objects.bulk_create(
+        ApiKey(user=user, prefix=uuid.uuid4().hex[:16], key_hash=uuid.uuid4().hex, exec_job=job, expires_at=now, revoked_at=now)
+        for _ in range(ROWS)
+    )
 
 
 def _many_files(user: Any) -> None:
@@ -171,13 +182,8 @@ def _files_few(**rare: Any) -> Callable[[Any], None]:
 
 def _keys_few_users(user: Any) -> None:
     """A user's own keys (no job, no expiry, not revoked), then many jobs' keys, each ended."""
-    now = timezone.now()
     ApiKey.objects.bulk_create(ApiKey(user=user, prefix=uuid.uuid4().hex[:16], key_hash=uuid.uuid4().hex) for _ in range(3))
-    job = running_job(user=user, status="completed", finished_at=now)
-    ApiKey.objects.bulk_create(
-        ApiKey(user=user, prefix=uuid.uuid4().hex[:16], key_hash=uuid.uuid4().hex, exec_job=job, expires_at=now, revoked_at=now)
-        for _ in range(ROWS)
-    )
+    _jobs_keys(user)
 
 
 @pytest.mark.parametrize(
