@@ -12,13 +12,14 @@ from django.contrib.auth import get_user_model
 from django.contrib.auth.models import User
 from django.core.exceptions import ValidationError
 from django.db import DatabaseError, IntegrityError, connection, transaction
+from django.db.models import SET_NULL
 from django.utils import timezone
 
 from billing.models import CreditUsage
 from execution.models import ExecJob, ToolCall
 from ptcproject import rows
 from ptcproject.accounts.models import ApiKey, ApiKeyEvent
-from ptcproject.deletion import delete_in_batches
+from ptcproject.deletion import delete_in_batches, update_in_batches
 from ptcproject.errors import ApplicationError
 from tools.models import Tool
 from tools.services import tool_calls_unlink
@@ -311,7 +312,9 @@ def users_history_delete(*, user_ids: list[Any]) -> None:
     """Delete the finished history of the users ``user_ids`` a batch a statement (delete_in_batches),
     for a delete of the users to follow: their finished tool calls and their credit usage rows,
     the finished calls of others made with their own toolsets unlinked from them (tool_calls_unlink),
-    then their finished jobs (each batch with its keys, files and what is left of its calls).
+    then their finished jobs (each batch with its keys, files and what is left of its calls); and
+    the rows that name them and are kept (a call they decided, an entry they granted, a key event
+    or a policy change they made: each relation to a user that sets null), unlinked.
 
     Django's delete of a user did each in one statement, or read every row's id first (their jobs,
     to delete what links to them IN that list): a user of a few million calls ran past
@@ -322,3 +325,8 @@ def users_history_delete(*, user_ids: list[Any]) -> None:
     tool_calls_unlink(tools=Tool.objects.filter(toolset__owner_id__in=user_ids))
     # A job takes its key, the key's events and its files with it: fewer a statement.
     delete_in_batches(ExecJob.objects.filter(user_id__in=user_ids, status__in=ExecJob.FINISHED), size=100)
+    for relation in get_user_model()._meta.related_objects:
+        if relation.on_delete is SET_NULL:  # an approver's millions of decisions were one UPDATE too
+            name = relation.field.name
+            unlinked: dict[str, Any] = {name: None}
+            update_in_batches(relation.related_model._base_manager.filter(**{f"{name}__in": user_ids}), **unlinked)

@@ -82,6 +82,22 @@ def test_users_whose_toolsets_have_many_calls_are_deleted_by_the_admins_action()
     _gone_and_kept(owner, other)
 
 
+def test_a_user_who_decided_many_calls_is_deleted_in_the_admin_and_the_calls_are_kept() -> None:
+    """An approver's decisions are kept, unlinked from them (decided_by sets null), as Django's
+    delete did in one UPDATE of every call they decided."""
+    owner, other, _ = _owner_of_a_toolset_of_many_calls()
+    approver = get_user_model().objects.create_user(username=f"approver-{uuid.uuid4().hex[:6]}")
+    ToolCall.objects.filter(user=other).update(decision="approved", decided_by=approver)
+    client = _staff_client()
+    with _statement_timeout(1):
+        answer = client.post(f"/admin/auth/user/{approver.pk}/delete/", {"post": "yes"})
+    assert answer.status_code == 302, answer.content.decode()[-2000:]  # before: QueryCanceled, the one UPDATE
+    decided = ToolCall.objects.filter(user=other)
+    assert (decided.filter(decision="approved").count(), decided.filter(decided_by__isnull=False).count()) == (CALLS + 1, 0)
+    decided.delete()
+    owner.delete()
+
+
 def test_a_user_with_a_ledger_is_not_deleted_and_the_page_says_to_deactivate_them() -> None:
     user = get_user_model().objects.create_user(username=f"paid-{uuid.uuid4().hex[:6]}")
     credits_adjust(user=user, amount=10, reason="welcome")
