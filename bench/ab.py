@@ -50,6 +50,8 @@ def main() -> None:
     kind.add_argument("--billed", action="store_true", help="Demo.add (its price held, then settled) for Demo.echo")
     kind.add_argument("--submit", action="store_true", help="submit -> result of print(1), back to back and 0.15 s apart")
     args = parser.parse_args()
+    if args.rounds < 2:  # each tree is measured first in one round at least, and second in another
+        parser.error("--rounds must be 2 or more")
     trees = {"A": harness.ROOT, "B": args.other.resolve()}
     if not (trees["B"] / "manage.py").is_file():
         sys.exit(f"{trees['B']} is not a source tree of this project (no manage.py)")
