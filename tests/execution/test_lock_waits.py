@@ -15,7 +15,16 @@ import psycopg
 import pytest
 
 from tests.conftest import Api, own_deployment
-from tests.execution.test_statement_cancelled import _account_held, _calls_for, _check_ledger, _held_call, _job_copy, _row_copy
+from tests.execution.test_statement_cancelled import (
+    _account_held,
+    _calls_for,
+    _check_ledger,
+    _ended,
+    _held_call,
+    _job_copy,
+    _row_copy,
+    _user_held_as_claimed,
+)
 from tests.servers import api_key
 from tests.stack import Stack
 
@@ -63,24 +72,10 @@ def test_a_claim_waiting_on_a_locked_user_holds_up_no_call_batched_with_its_firs
     claimed alone, the stuck one waiting there, and the job ends with the call's result once the lock
     goes. Before, its first try held its batch, and every claim of every user that came meanwhile,
     until the lock went (another user's calls took 5 s and more)."""
-    stuck_name, other_name = f"claimed-{uuid.uuid4().hex[:8]}", f"others-{uuid.uuid4().hex[:8]}"
-    stuck = Api(slow_cut.base_url, api_key(slow_cut.env, stuck_name), stuck_name)
-    other = Api(slow_cut.base_url, api_key(slow_cut.env, other_name, credits=10_000), other_name)
-    code = "import time\nfrom ptc_tools.demo import Demo\ntime.sleep(2)\nDemo.echo(value=7)"
-    job = stuck.post("/api/v1/exec", json={"code": code, "toolsets": ["demo"], "wait": 0}).json()
-    deadline = time.monotonic() + 30
-    while stuck.get(f"/api/v1/exec/{job['id']}").json()["status"] != "running":
-        assert time.monotonic() < deadline, "the job never ran"
-        time.sleep(0.05)
-    with psycopg.connect(slow_cut.env["DATABASE_URL"]) as holder:
-        holder.execute("SELECT 1 FROM auth_user WHERE username = %s FOR UPDATE", [stuck_name])
-        time.sleep(3)  # its call's claim has begun waiting
+    with _user_held_as_claimed(slow_cut) as (stuck, job, other):
         took, records = _calls_for(other, 6)
         assert stuck.get(f"/api/v1/exec/{job['id']}").json()["tool_calls"] == []  # its call's claim still waits
-    deadline = time.monotonic() + 60
-    while (final := stuck.get(f"/api/v1/exec/{job['id']}").json())["status"] in ("queued", "running"):
-        assert time.monotonic() < deadline, "the job did not end once its user's lock went"
-        time.sleep(0.2)
+    final = _ended(stuck, job)
     assert (final["status"], final["return_value"]) == ("completed", 7), (final["error"], final["stderr"][-2000:])
     assert records and all(record.get("status") == "completed" for record in records)
     held_up = sorted(round(t, 2) for t in took if t > HELD_UP)

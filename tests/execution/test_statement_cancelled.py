@@ -132,6 +132,37 @@ def test_a_finish_waiting_on_a_locked_account_holds_up_no_other_users_calls(cut:
     _check_ledger(cut)
 
 
+CLAIMED = "import time\nfrom ptc_tools.demo import Demo\ntime.sleep(2)\nDemo.echo(value=7)"
+
+
+@contextmanager
+def _user_held_as_claimed(stack: Stack) -> Iterator[tuple[Api, dict, Api]]:
+    """A user's running job, its call made while a stuck transaction holds the user's row locked
+    (its claim's foreign key check waits on it), and another user: yield them while the lock is
+    held, its call's claim waiting on it."""
+    stuck_name, other_name = f"claimed-{uuid.uuid4().hex[:8]}", f"others-{uuid.uuid4().hex[:8]}"
+    stuck = Api(stack.base_url, api_key(stack.env, stuck_name), stuck_name)
+    other = Api(stack.base_url, api_key(stack.env, other_name, credits=10_000), other_name)
+    job = stuck.post("/api/v1/exec", json={"code": CLAIMED, "toolsets": ["demo"], "wait": 0}).json()
+    deadline = time.monotonic() + 30
+    while stuck.get(f"/api/v1/exec/{job['id']}").json()["status"] != "running":
+        assert time.monotonic() < deadline, "the job never ran"
+        time.sleep(0.05)
+    with psycopg.connect(stack.env["DATABASE_URL"]) as holder:
+        holder.execute("SELECT 1 FROM auth_user WHERE username = %s FOR UPDATE", [stuck_name])
+        time.sleep(3)  # its call's claim has begun waiting
+        yield stuck, job, other
+
+
+def _ended(api: Api, job: dict, seconds: float = 60) -> dict:
+    """``job`` as it ended, waited for up to ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while (final := api.get(f"/api/v1/exec/{job['id']}").json())["status"] in ("queued", "running"):
+        assert time.monotonic() < deadline, "the job did not end"
+        time.sleep(0.2)
+    return final
+
+
 def test_a_claim_waiting_on_a_locked_user_holds_up_no_other_users_calls(cut: Stack) -> None:
     """A job's call is claimed by writing its record, whose foreign keys (Django's are DEFERRABLE
     INITIALLY DEFERRED) are checked at the commit: the one to its user waits on the user's row
@@ -142,23 +173,9 @@ def test_a_claim_waiting_on_a_locked_user_holds_up_no_other_users_calls(cut: Sta
     cancelled, its task tries again until the lock goes, and the job then ends with the call's
     result; the other user's calls go on, held up by none of its retries, which claim it alone (in
     the worker's batches, each held every other claim up for a timeout: 16 of those calls)."""
-    stuck_name, other_name = f"claimed-{uuid.uuid4().hex[:8]}", f"others-{uuid.uuid4().hex[:8]}"
-    stuck = Api(cut.base_url, api_key(cut.env, stuck_name), stuck_name)
-    other = Api(cut.base_url, api_key(cut.env, other_name, credits=1000), other_name)
-    code = "import time\nfrom ptc_tools.demo import Demo\ntime.sleep(2)\nDemo.echo(value=7)"
-    job = stuck.post("/api/v1/exec", json={"code": code, "toolsets": ["demo"], "wait": 0}).json()
-    deadline = time.monotonic() + 20
-    while stuck.get(f"/api/v1/exec/{job['id']}").json()["status"] != "running":
-        assert time.monotonic() < deadline, "the job never ran"
-        time.sleep(0.05)
-    with psycopg.connect(cut.env["DATABASE_URL"]) as holder:
-        holder.execute("SELECT 1 FROM auth_user WHERE username = %s FOR UPDATE", [stuck_name])
-        time.sleep(3)  # its call's claim has begun waiting
+    with _user_held_as_claimed(cut) as (stuck, job, other):
         took, records = _calls_for(other, 6)
-    deadline = time.monotonic() + 30
-    while (final := stuck.get(f"/api/v1/exec/{job['id']}").json())["status"] in ("queued", "running"):
-        assert time.monotonic() < deadline, "the job did not end once its row's lock went"
-        time.sleep(0.2)
+    final = _ended(stuck, job)
     assert (final["status"], final["return_value"]) == ("completed", 7), (final["error"], final["stderr"][-2000:])
     assert records and all(record.get("status") == "completed" for record in records)
     # Its first try came before these calls; its retries, claimed alone, hold up none of them.
