@@ -744,7 +744,7 @@ def _exec_job_close(
     statements wait on a lock a moment only), an outage. The job is then found with its close
     undone and closed again (``_exec_jobs_close_left``); left claimed, its queued calls stayed open,
     its key live and its session on it, its end never announced."""
-    claimed = job is None or job.closed_at is not None
+    given, claimed = job, job is None or job.closed_at is not None
     try:
         key_used = job_keys_revoke(exec_job_id=job_id) if key_made else False
         if job is None:
@@ -789,19 +789,22 @@ def _exec_job_close(
         if left:
             job = exec_job_with_calls(job_id=job_id)  # their ends are part of the job's
     except DatabaseError:
-        if claimed:
-            _exec_job_close_undo(job_id=job_id)
+        if claimed and _exec_job_close_undo(job_id=job_id) and given is not None:
+            given.closed_at = None  # a retry with it (db_retry) claims the close again, and announces
         raise
     _exec_job_ended(job, tail=tail)
     return job
 
 
-def _exec_job_close_undo(*, job_id: Any) -> None:
-    """Give back the claim of a job's close cut short (``_exec_job_close``): the reaper closes it again."""
+def _exec_job_close_undo(*, job_id: Any) -> bool:
+    """Give back the claim of a job's close cut short (``_exec_job_close``): the reaper closes it
+    again. Return whether it was given back."""
     try:
         ExecJob.objects.filter(pk=job_id, closed_at__isnull=False).update(closed_at=None)
     except DatabaseError:  # an outage; or in a transaction the error broke, whose rollback gives it back
         logger.warning("a job's close was cut short and could not be given back", extra={"job_id": str(job_id)}, exc_info=True)
+        return False
+    return True
 
 
 def _running_calls_await(*, job_id: Any, job_call_id: str, call_ids: list[str]) -> None:

@@ -396,3 +396,54 @@ def test_a_cancel_of_a_job_whose_worker_missed_its_beats_answers_at_once(api: Ap
     took = time.monotonic() - started
     assert cancelled.status_code == 200 and cancelled.json()["status"] == "cancelled", cancelled.text
     assert took < 2.5, took
+
+
+def test_a_close_retried_through_an_outage_claims_the_close_again_and_announces_the_end_once(api: Api, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A session's job that made no call is stored closed with its end (closed_at); its close then
+    frees its session. That statement failing (the database away a moment), the claim is given back
+    for the reaper, and the worker's retry of the close, with the job as it stored it, claims the
+    close again and announces the end: once, and the job stays closed. Had the retry not claimed it
+    again, the job was announced but left unclosed, and the reaper announced it a second time."""
+    from datetime import timedelta as td
+
+    from django.contrib.auth import get_user_model
+    from django.db import OperationalError
+    from django.utils import timezone
+
+    from execution.models import ExecJob, ExecSession
+    from execution.services import jobs
+    from ptcproject.db import db_retry
+    from tests.factories import running_job
+
+    user = get_user_model().objects.get(username=api.username)
+    now = timezone.now()
+    session = ExecSession.objects.create(
+        user=user,
+        idle_timeout_seconds=60,
+        max_lifetime_seconds=600,
+        last_used_at=now,
+        expires_at=now + td(minutes=1),
+        max_expires_at=now + td(minutes=10),
+    )
+    job = running_job(user=user, session=session, status="completed", finished_at=now)
+    stored = ExecJob.objects.get(pk=job.pk)
+    assert stored.closed_at is not None
+    failures, announced = [OperationalError("the database went away")], []
+    session_job_ended, ended = jobs.exec_session_job_ended, jobs._exec_job_ended
+
+    def session_job_ended_after_a_failure(**kwargs):  # type: ignore[no-untyped-def]
+        if failures:
+            raise failures.pop()
+        return session_job_ended(**kwargs)
+
+    monkeypatch.setattr(jobs, "exec_session_job_ended", session_job_ended_after_a_failure)
+    monkeypatch.setattr(jobs, "_exec_job_ended", lambda job, **kwargs: announced.append(job.pk) or ended(job, **kwargs))
+    db_retry(
+        lambda: jobs._exec_job_close(job_id=job.pk, job=stored, bridge_calls=0, key_made=False),
+        what="closing a job",
+        job_id=job.pk,
+    )
+    assert announced == [job.pk]
+    job.refresh_from_db()
+    assert job.closed_at is not None  # not left for the reaper to close and announce again
+    session.delete()
