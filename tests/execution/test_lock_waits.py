@@ -22,7 +22,7 @@ from tests.execution.test_statement_cancelled import (
     _ended,
     _held_call,
     _job_copy,
-    _row_copy,
+    _open_call_copy,
     _user_held_as_claimed,
 )
 from tests.servers import api_key
@@ -95,17 +95,12 @@ def test_a_locked_row_costs_the_reapers_round_next_to_nothing(slow_cut: Stack) -
     lapsed_call = f"standalone_{uuid.uuid4().hex}"
     with psycopg.connect(slow_cut.env["DATABASE_URL"], autocommit=True) as conn:
         lost = _job_copy(conn, done["id"], status="'queued'", created_at="now() - interval '2 hours'", started_at="NULL")
-        _row_copy(
+        _open_call_copy(
             conn,
-            "execution_toolcall",
-            ("call_id", made["call_id"]),
-            id="nextval(pg_get_serial_sequence('execution_toolcall', 'id'))",
-            call_id=f"'{lapsed_call}'",
-            status="'executing'",
+            made["call_id"],
+            lapsed_call,
             claimed_at="now() - interval '1 minute'",
             heartbeat_at="now() - interval '1 minute'",
-            finished_at="NULL",
-            output="NULL",
         )
         conn.execute("UPDATE execution_execjob SET finished_at = NULL WHERE id = %s", [lost])
         with psycopg.connect(slow_cut.env["DATABASE_URL"]) as holder:
@@ -214,19 +209,14 @@ def test_a_job_whose_close_waited_on_a_lock_as_the_reaper_failed_it_is_closed_on
         conn.execute("UPDATE execution_execjob SET finished_at = NULL WHERE id = %s", [dead])
         with psycopg.connect(slow_cut.env["DATABASE_URL"]) as holder:
             # Its call queued, not yet claimed by a tools worker, and its row held locked.
-            _row_copy(
+            _open_call_copy(
                 conn,
-                "execution_toolcall",
-                ("call_id", made["call_id"]),
-                id="nextval(pg_get_serial_sequence('execution_toolcall', 'id'))",
-                call_id=f"'{queued_call}'",
+                made["call_id"],
+                queued_call,
                 exec_job_id=f"'{dead}'",
-                status="'executing'",
                 started_at="now()",
                 claimed_at="NULL",
                 heartbeat_at="NULL",
-                finished_at="NULL",
-                output="NULL",
             )
             holder.execute("SELECT 1 FROM execution_toolcall WHERE call_id = %s FOR UPDATE", [queued_call])
             deadline = time.monotonic() + 20

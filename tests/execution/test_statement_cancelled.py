@@ -200,6 +200,22 @@ def _job_copy(conn: psycopg.Connection, job_id: str, **values: str) -> str:
     return new
 
 
+def _open_call_copy(conn: psycopg.Connection, call_id: str, new: str, **values: str) -> None:
+    """Write a copy of call ``call_id``, open (executing, no output), as call ``new``, with
+    ``values`` (SQL expressions, by column)."""
+    _row_copy(
+        conn,
+        "execution_toolcall",
+        ("call_id", call_id),
+        id="nextval(pg_get_serial_sequence('execution_toolcall', 'id'))",
+        call_id=f"'{new}'",
+        status="'executing'",
+        finished_at="NULL",
+        output="NULL",
+        **values,
+    )
+
+
 def test_a_job_row_held_locked_past_the_statement_timeout_holds_up_only_that_job_in_the_reapers_round(cut: Stack) -> None:
     """A job lost in the queue (past PTC_QUEUED_MAX_SECONDS) whose row a stuck transaction holds
     locked: the reaper's statement failing it is cancelled at the timeout. Only that job waits for
@@ -365,17 +381,8 @@ def test_a_running_calls_row_held_locked_past_its_lease_is_not_reaped_before_its
     done = api.post("/api/v1/tools/execute", json={"toolset": "demo", "tool": "echo", "arguments": {"value": 1}}).json()
     live = f"standalone_{uuid.uuid4().hex}"
     with psycopg.connect(cut.env["DATABASE_URL"], autocommit=True) as conn:
-        _row_copy(
-            conn,
-            "execution_toolcall",
-            ("call_id", done["call_id"]),
-            id="nextval(pg_get_serial_sequence('execution_toolcall', 'id'))",
-            call_id=f"'{live}'",
-            status="'executing'",
-            claimed_at="now() - interval '1 minute'",
-            heartbeat_at="now() - interval '10 seconds'",
-            finished_at="NULL",
-            output="NULL",
+        _open_call_copy(
+            conn, done["call_id"], live, claimed_at="now() - interval '1 minute'", heartbeat_at="now() - interval '10 seconds'"
         )
         with psycopg.connect(cut.env["DATABASE_URL"]) as holder:
             holder.execute("SELECT 1 FROM execution_toolcall WHERE call_id = %s FOR UPDATE", [live])
