@@ -82,16 +82,23 @@ def test_a_claim_waiting_on_a_locked_user_holds_up_no_call_batched_with_its_firs
     assert not held_up, held_up
 
 
+def _user_with_a_job_and_a_call(stack: Stack, name: str) -> tuple[Api, dict, dict]:
+    """A new user (``name`` and a suffix), a job of theirs that completed and a call they made over
+    HTTP: rows to copy as the jobs and calls a dead worker or a stuck transaction left."""
+    username = f"{name}-{uuid.uuid4().hex[:8]}"
+    api = Api(stack.base_url, api_key(stack.env, username), username)
+    done = api.run("1")
+    assert done["status"] == "completed", done
+    made = api.post("/api/v1/tools/execute", json={"toolset": "demo", "tool": "echo", "arguments": {"value": 1}}).json()
+    return api, done, made
+
+
 def test_a_locked_row_costs_the_reapers_round_next_to_nothing(slow_cut: Stack) -> None:
     """A job lost in the queue and a call whose tools worker died, their rows held locked by stuck
     transactions: the reaper skips each at once and goes on, and a job whose worker died is failed
     WorkerLost within a few rounds (a second apart) while the locks are held. Before, each locked
     row cost the round a statement timeout (15 s) before it was skipped."""
-    username = f"reaped-{uuid.uuid4().hex[:8]}"
-    api = Api(slow_cut.base_url, api_key(slow_cut.env, username), username)
-    done = api.run("1")
-    assert done["status"] == "completed", done
-    made = api.post("/api/v1/tools/execute", json={"toolset": "demo", "tool": "echo", "arguments": {"value": 1}}).json()
+    api, done, made = _user_with_a_job_and_a_call(slow_cut, "reaped")
     lapsed_call = f"standalone_{uuid.uuid4().hex}"
     with psycopg.connect(slow_cut.env["DATABASE_URL"], autocommit=True) as conn:
         lost = _job_copy(conn, done["id"], status="'queued'", created_at="now() - interval '2 hours'", started_at="NULL")
@@ -198,11 +205,7 @@ def test_a_job_whose_close_waited_on_a_lock_as_the_reaper_failed_it_is_closed_on
     the reaper's abandoned-call sweep failed it worker_lost. The job is now closed by whoever claims
     its close (closed_at), as every ended job is: a close cut short is found and done again once the
     lock goes, its call failed job_ended."""
-    username = f"closed-{uuid.uuid4().hex[:8]}"
-    api = Api(slow_cut.base_url, api_key(slow_cut.env, username), username)
-    done = api.run("1")
-    assert done["status"] == "completed", done
-    made = api.post("/api/v1/tools/execute", json={"toolset": "demo", "tool": "echo", "arguments": {"value": 1}}).json()
+    api, done, made = _user_with_a_job_and_a_call(slow_cut, "closed")
     queued_call = f"call_{uuid.uuid4().hex}"
     with psycopg.connect(slow_cut.env["DATABASE_URL"], autocommit=True) as conn:
         dead = _job_copy(conn, done["id"], status="'running'", heartbeat_at="now() - interval '1 hour'", closed_at="NULL")
