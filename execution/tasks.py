@@ -9,12 +9,13 @@ from typing import Any
 
 from celery import shared_task
 from celery.signals import worker_ready, worker_shutdown
+from celery.utils.time import get_exponential_backoff_interval
 from django.conf import settings
 from django.db import InterfaceError, OperationalError
 
 from execution.sandbox import process
 from execution.sandbox.pool import warm_pool
-from execution.services.calls import tool_call_abort, tool_call_execute, tool_calls_heartbeat
+from execution.services.calls import OutcomeUnrecorded, tool_call_abort, tool_call_execute, tool_calls_heartbeat
 from execution.services.jobs import CALL_ID_HEADER, exec_job_run, exec_jobs_reap, worker_name
 from execution.services.retention import exec_jobs_purge
 from execution.services.sessions import exec_sessions_heartbeat, exec_sessions_shutdown
@@ -75,11 +76,29 @@ def purge_jobs() -> int:
     retry_jitter=False,
     max_retries=10,
 )
-def execute_tool(call_id: str, record: str | None = None) -> None:
-    # ``record``: a job's call, recorded by its claim (services.calls.tool_call_execute).
+def execute_tool(call_id: str, record: str | None = None, outcome: str | None = None) -> None:
+    # ``record``: a job's call, recorded by its claim (services.calls.tool_call_execute). ``outcome``:
+    # what it came to, which a try before this one could not record (OutcomeUnrecorded).
+    retries = execute_tool.request.retries
     try:
         # A retry claims its call on its own, not in the worker's batches (services.calls.tool_call_execute).
-        tool_call_execute(call_id=call_id, record=record, alone=bool(execute_tool.request.retries))
+        tool_call_execute(call_id=call_id, record=record, alone=bool(retries), outcome=outcome)
+    except OutcomeUnrecorded as unrecorded:
+        # Its retry records the outcome, on autoretry_for's backoff and bound; the log and the events
+        # show the call id only, never its record or its result.
+        countdown = get_exponential_backoff_interval(
+            factor=int(execute_tool.retry_backoff),
+            retries=retries,
+            maximum=execute_tool.retry_backoff_max,
+            full_jitter=execute_tool.retry_jitter,
+        )
+        raise execute_tool.retry(
+            kwargs={"outcome": unrecorded.outcome},
+            exc=unrecorded.__cause__,
+            countdown=countdown,
+            argsrepr=repr((call_id,)),
+            kwargsrepr="{'outcome': '...'}",
+        ) from unrecorded
     except (OperationalError, InterfaceError):
         raise
     except Exception:

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 from django.conf import settings
 from django.contrib.auth.models import User
@@ -86,6 +86,7 @@ from tools.models import Tool, Toolset
 from tools.selectors import tool_for_call, toolsets_resolve
 
 logger = logging.getLogger("ptc.execution")
+T = TypeVar("T")
 
 
 # -- Tool calls ----------------------------------------------------------------------------------
@@ -1006,8 +1007,10 @@ def _tool_calls_renew(call_ids: list[str]) -> int:
         return ToolCall.objects.filter(pk__in=free.values("pk")).update(heartbeat_at=timezone.now())
 
 
-def tool_call_execute(*, call_id: str, record: str | None = None, alone: bool = False) -> None:
-    """Run one call, once: claim it, run it, record the result, push it to the job.
+def tool_call_execute(*, call_id: str, record: str | None = None, alone: bool = False, outcome: str | None = None) -> None:
+    """Run one call, once: claim it, run it, record the result, push it to the job. Raise
+    OutcomeUnrecorded if what it came to could not be recorded; its task's retry brings that
+    ``outcome`` back, and it is recorded (nothing is claimed or run again).
 
     A call from a job's sandbox comes with its ``record`` (signed): the claim writes it, one
     conditional INSERT, if its job still runs and no row of it exists yet. Any other call was
@@ -1022,6 +1025,9 @@ def tool_call_execute(*, call_id: str, record: str | None = None, alone: bool = 
     cancelled, waiting on a row held locked), and through the batches each try held up every other
     call's claim on this worker as long.
     """
+    if outcome is not None:
+        _tool_call_outcome_record(call_id=call_id, outcome=outcome)
+        return
     queued = _tool_call_unsigned(record) if record is not None else None
     if record is not None and queued is None:
         # Not made by this deployment's bridge (or the workers' SECRET_KEYs differ): nothing is run
@@ -1192,16 +1198,76 @@ def tool_call_abort(*, call_id: str, record: str | None = None) -> None:
     # the call stayed executing under its claim, its task's retry dropped it as a duplicate, and the
     # reaper failed it worker_lost a lease later, which says its worker died, not what happened.
     db_retry(fail, what="recording a call's failure", job_id=queued.exec_job_id if queued else "", call_id=call_id)
+    _tool_call_recorded_push(call_id)
+
+
+def _tool_call_recorded_push(call_id: str) -> None:
+    """Push the call's record's word (its result, or its error) to its waiting code, if it has a record."""
     call = ToolCall.objects.filter(call_id=call_id).first()
     if call is not None:
         backplane().publish(_result_channel(call_id, call.ptc_call_id), Result(call_id=call_id, **tool_call_reply(call)))
 
 
+# What a call came to (its reply, and whether it is billed), as its task's retry carries it: signed
+# with the deployment's SECRET_KEY, as a queued call's record is, so that what reaches the broker
+# can't end a call, or charge for it, with a result of its own.
+_OUTCOME_SIGNER = signing.Signer(salt="ptc.execute_tool.outcome")
+
+
+class OutcomeUnrecorded(Exception):
+    """What a call this worker claimed came to (its tool's result, or the error it failed with) that
+    the database did not take within PTC_DB_RETRY_SECONDS (away, or cancelling the statement: a row
+    it needs held locked). ``outcome``, signed, goes with its task's retry, which records it
+    (``tool_call_execute``) and never runs the tool again. Raised bare, the retry found the call
+    claimed under the lease the recording's tries had renewed, dropped it as a duplicate, and a
+    lease later the reaper failed it worker_lost, which said its worker died, not what happened."""
+
+    def __init__(self, *, call_id: str, reply: dict[str, Any], billed: bool) -> None:
+        super().__init__(f"call {call_id}'s outcome could not be recorded")
+        self.outcome = _OUTCOME_SIGNER.sign(json.dumps({"reply": reply, "billed": billed}))
+
+
+def _tool_call_end_retried(
+    end: Callable[[], T], *, call_id: str, job_id: Any, what: str, reply: dict[str, Any], billed: bool
+) -> T:
+    """Run ``end``, which records that the call came to ``reply`` (``billed``: a price was held for
+    it), through a database away or a statement cancelled (``db_retry``), and return what it
+    returns; past PTC_DB_RETRY_SECONDS, raise OutcomeUnrecorded for the task's retry to record it."""
+    try:
+        return db_retry(end, what=what, job_id=job_id, call_id=call_id)
+    except (OperationalError, InterfaceError) as exc:
+        logger.warning("%s failed past PTC_DB_RETRY_SECONDS; its task's retry records it", what, extra={"call_id": call_id})
+        raise OutcomeUnrecorded(call_id=call_id, reply=reply, billed=billed) from exc
+
+
+def _tool_call_outcome_record(*, call_id: str, outcome: str) -> None:
+    """Record what the call came to, as a try of its task before this one carried it
+    (OutcomeUnrecorded), then push it to the code and its event; or, ended meanwhile (the bridge gave
+    up on it, or the reaper), push the record's word. Raise OutcomeUnrecorded again if the database
+    still does not take it."""
+    try:
+        carried = json.loads(_OUTCOME_SIGNER.unsign(outcome))
+    except signing.BadSignature:
+        # Not made by this deployment's workers: nothing is recorded; the call's lease decides.
+        logger.error("a tool call's carried outcome failed its signature check; not recorded", extra={"call_id": call_id})
+        return
+    reply, billed = carried["reply"], carried["billed"]
+
+    def end() -> bool:
+        # Its lease first: no renewal of any worker's kept it while this retry waited its turn.
+        _tool_calls_renew([call_id])
+        call = ToolCall.objects.filter(call_id=call_id).first()
+        return call is not None and _tool_calls_finish_ran([_Ran(call=call, reply=reply, billed=billed)])[0]
+
+    what = "recording a tool call's outcome that an earlier try could not"
+    if not _tool_call_end_retried(end, call_id=call_id, job_id="", what=what, reply=reply, billed=billed):
+        _tool_call_recorded_push(call_id)
+
+
 def _tool_call_fail_retried(call_id: str, code: str, message: str) -> dict[str, Any]:
     """``_tool_call_fail`` for a call this worker claimed (or found claimed), tried again through a
     database away or a statement cancelled (a row it needs held locked), for up to PTC_DB_RETRY_SECONDS,
-    as a call's finish is. Raised to the task, its retry found the call claimed under a fresh lease
-    and dropped it as a duplicate, and the reaper then failed it worker_lost, whatever it was."""
+    as a call's finish is; past that, raise OutcomeUnrecorded, for its task's retry to record."""
     tries = 0
 
     def fail() -> dict[str, Any]:
@@ -1211,7 +1277,10 @@ def _tool_call_fail_retried(call_id: str, code: str, message: str) -> dict[str, 
         tries += 1
         return _tool_call_fail(call_id, code, message)
 
-    return db_retry(fail, what=f"recording a call's failure ({code})", job_id="", call_id=call_id)
+    # Billed: what was held for it, if anything, goes back (as tool_call_finish has it for a failure).
+    failed = {"ok": False, "error": call_error(code, message)}
+    what = f"recording a call's failure ({code})"
+    return _tool_call_end_retried(fail, call_id=call_id, job_id="", what=what, reply=failed, billed=True)
 
 
 def _tool_call_fail(call_id: str, code: str, message: str) -> dict[str, Any]:
@@ -1248,9 +1317,9 @@ def _tool_call_run(*, call: ToolCall, tool: Tool) -> None:
     # Billed as it was made: what was held for it as it was made (the claim says whether a price
     # was) is settled or released, whatever its toolset's billing says by now. The tool has run: its
     # result is worth waiting for, through a database away or a statement cancelled (its account's
-    # row held locked past PTC_DB_STATEMENT_TIMEOUT), as a job's end is. Raised to the task, the
-    # retry's claim found the call running under a fresh lease and dropped it, and the reaper then
-    # failed it worker_lost. The finish changes only open calls: a retry never finishes one twice.
+    # row held locked past PTC_DB_STATEMENT_TIMEOUT), as a job's end is, and past PTC_DB_RETRY_SECONDS
+    # it goes with the task's retry (OutcomeUnrecorded). The finish changes only open calls: a retry
+    # never finishes one twice, nor charges it twice.
     ran = _Ran(call=call, reply=reply, billed=call.price_held)  # type: ignore[attr-defined]  # set by the claim
     first = True
 
@@ -1275,7 +1344,8 @@ def _tool_call_run(*, call: ToolCall, tool: Tool) -> None:
             _tool_calls_renew([call_id])
         return _tool_calls_finish_ran([ran])[0]
 
-    finished = db_retry(finish, what="recording a tool call's result", job_id=call.exec_job_id, call_id=call_id)
+    what = "recording a tool call's result"
+    finished = _tool_call_end_retried(finish, call_id=call_id, job_id=call.exec_job_id, what=what, reply=reply, billed=ran.billed)
     # A tools worker's one line a call (Celery's own per-task lines are off there): STYLE.md §14's ids.
     job = {"job_id": str(call.exec_job_id)} if call.exec_job_id else {}
     ms = round((time.monotonic() - started) * 1000, 2)
@@ -1283,8 +1353,7 @@ def _tool_call_run(*, call: ToolCall, tool: Tool) -> None:
     tool_call_observe(toolset=tool.toolset.key, ok=reply["ok"], seconds=(timezone.now() - call.started_at).total_seconds())
     if not finished:
         # The bridge gave up on it meanwhile (and told the watchers): the record's word is final.
-        reply = tool_call_reply(ToolCall.objects.get(call_id=call_id))
-        backplane().publish(_result_channel(call_id, call.ptc_call_id), Result(call_id=call_id, **reply))
+        _tool_call_recorded_push(call_id)
 
 
 @dataclass(frozen=True)

@@ -59,6 +59,39 @@ def _check_ledger(stack: Stack) -> None:
     assert checked.returncode == 0 and "Every balance equals the sum of its ledger." in checked.stdout, checked.stderr
 
 
+@pytest.fixture
+def brief_retries(stack_env: dict[str, str]) -> Iterator[Stack]:
+    """A deployment whose workers try a statement again for 2 s only (PTC_DB_RETRY_SECONDS), at the
+    same 1 s timeout: a lock held longer outlasts a worker's retries. For one test, before ``cut``
+    starts: two deployments at once hold twice the connections of one."""
+    with own_deployment(stack_env, "brief-retries", PTC_DB_STATEMENT_TIMEOUT="1", PTC_DB_RETRY_SECONDS="2") as stack:
+        yield stack
+
+
+def test_a_calls_result_the_database_did_not_take_within_the_retries_is_recorded_by_its_tasks_retry(
+    brief_retries: Stack,
+) -> None:
+    """A billed call's finish waits on its account's row, held locked past the worker's retries of it
+    (2 s): the result goes with its task's retry, which records it once the lock goes, the call
+    completed with its result, charged once, nothing left held. Before, the retry found the call
+    claimed under the lease the worker's retries had renewed and dropped it as a duplicate: its result
+    was lost, and a lease later the reaper failed it worker_lost, as if its worker had died."""
+    username = f"outlasted-{uuid.uuid4().hex[:8]}"
+    api = Api(brief_retries.base_url, api_key(brief_retries.env, username, credits=100), username)
+    caller, answers = _held_call(api, {"toolset": "demo", "tool": "sleep", "arguments": {"ms": 1500}})
+    # Locked before the tool returns (1.5 s), past the worker's retries (2 s), under its task's retry.
+    with _account_held(brief_retries, username):
+        time.sleep(6)
+    caller.join(60)
+    assert not caller.is_alive()
+    (record,) = [answer.json() for answer in answers]
+    assert record["status"] == "completed", record["error"]
+    assert (record["output"], record["credits"]) == ({"slept_ms": 1500}, 1)
+    balance = api.get("/api/v1/billing/balance").json()
+    assert (balance["balance"], balance["reserved"]) == (99, 0)
+    _check_ledger(brief_retries)
+
+
 def test_a_tools_workers_finish_cancelled_by_the_statement_timeout_is_recorded_once_the_lock_goes(cut: Stack) -> None:
     """A billed call's finish (its record and its settle, one statement) waits on its account's row,
     held locked past the statement timeout: cancelled, it is tried again until the lock goes, and

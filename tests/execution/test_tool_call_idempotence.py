@@ -281,6 +281,20 @@ def row_locked_awhile(django_db_setup: str) -> Iterator[Callable[[str], None]]:
         connection.close_pool()  # none of the pool's connections keeps the short lock_timeout
 
 
+def _claimed_then_locked(call: ToolCall, monkeypatch: pytest.MonkeyPatch, row_locked_awhile: Callable[[str], None]) -> None:
+    """Have ``call``'s tool deleted as it waited in the queue, and its row taken by a transaction
+    stuck elsewhere (``row_locked_awhile``) as soon as this worker has claimed it."""
+    call.tool = None
+    real = services._claims
+
+    def claimed_then_locked(item: Any) -> Any:
+        claimed = real(item)
+        row_locked_awhile(call.call_id)
+        return claimed
+
+    monkeypatch.setattr(services, "_claims", claimed_then_locked)
+
+
 def test_a_claimed_calls_failure_whose_statement_is_cancelled_ends_it_with_its_own_code(
     queued_call: ToolCall, runs: list, monkeypatch: pytest.MonkeyPatch, row_locked_awhile: Callable[[str], None]
 ) -> None:
@@ -289,17 +303,39 @@ def test_a_claimed_calls_failure_whose_statement_is_cancelled_ends_it_with_its_o
     until the lock goes, and the call ends unknown_tool, its price released, its code told so. Before,
     the cancel went up to the task, whose retry found the call claimed under a fresh lease and
     dropped it as a duplicate; a lease later the reaper failed it worker_lost."""
-    queued_call.tool = None  # its tool deleted as the call waited in the queue
-    real = services._claims
-
-    def claimed_then_locked(item: Any) -> Any:
-        claimed = real(item)
-        row_locked_awhile(queued_call.call_id)  # a transaction stuck elsewhere takes its row
-        return claimed
-
-    monkeypatch.setattr(services, "_claims", claimed_then_locked)
+    _claimed_then_locked(queued_call, monkeypatch, row_locked_awhile)
     with backplane().subscribe(job_channel(queued_call.ptc_call_id)) as channel:
         services.tool_call_execute(call_id=queued_call.call_id, record=services.tool_call_signed(queued_call))
+        channel.wait(5)
+        replies = channel.drain()
+    call = ToolCall.objects.get(call_id=queued_call.call_id)
+    assert runs == []
+    assert (call.status, call.error["code"]) == ("failed", "unknown_tool")
+    assert [r.error["code"] for r in replies if r.call_id == call.call_id] == ["unknown_tool"]
+    assert _held(call) == "released"
+
+
+def test_a_claimed_calls_failure_the_database_did_not_take_within_the_retries_goes_with_its_tasks_retry(
+    queued_call: ToolCall, runs: list, monkeypatch: pytest.MonkeyPatch, row_locked_awhile: Callable[[str], None]
+) -> None:
+    """A tools worker claims a job's call whose tool was deleted since, and fails it unknown_tool;
+    that statement waits on the call's row, held locked past the worker's retries of it
+    (PTC_DB_RETRY_SECONDS). The failure goes up with what the call came to, signed, and its task's
+    retry records that once the lock goes: the call ends unknown_tool, its price released, its code
+    told so; an outcome not signed by the deployment changes nothing. Before, the retry found the
+    call claimed under a fresh lease and dropped it as a duplicate; a lease later the reaper failed
+    it worker_lost."""
+    _claimed_then_locked(queued_call, monkeypatch, row_locked_awhile)
+    monkeypatch.setattr(settings, "PTC_DB_RETRY_SECONDS", 0.2)
+    record = services.tool_call_signed(queued_call)
+    with pytest.raises(services.OutcomeUnrecorded) as unrecorded:
+        services.tool_call_execute(call_id=queued_call.call_id, record=record)
+    with backplane().subscribe(job_channel(queued_call.ptc_call_id)) as channel:
+        forged = '{"reply": {"ok": true, "result": 3}, "billed": true}:forged'  # completed, and charged
+        services.tool_call_execute(call_id=queued_call.call_id, record=record, alone=True, outcome=forged)
+        assert ToolCall.objects.get(call_id=queued_call.call_id).status == "executing"
+        monkeypatch.setattr(settings, "PTC_DB_RETRY_SECONDS", 10.0)  # the retry's tries outlast the lock
+        services.tool_call_execute(call_id=queued_call.call_id, record=record, alone=True, outcome=unrecorded.value.outcome)
         channel.wait(5)
         replies = channel.drain()
     call = ToolCall.objects.get(call_id=queued_call.call_id)
