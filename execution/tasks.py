@@ -8,6 +8,7 @@ import logging
 from typing import Any
 
 from celery import shared_task
+from celery.exceptions import Retry
 from celery.signals import worker_ready, worker_shutdown
 from celery.utils.time import get_exponential_backoff_interval
 from django.conf import settings
@@ -79,32 +80,42 @@ def purge_jobs() -> int:
 def execute_tool(call_id: str, record: str | None = None, outcome: str | None = None) -> None:
     # ``record``: a job's call, recorded by its claim (services.calls.tool_call_execute). ``outcome``:
     # what it came to, which a try before this one could not record (OutcomeUnrecorded).
-    retries = execute_tool.request.retries
     try:
         # A retry claims its call on its own, not in the worker's batches (services.calls.tool_call_execute).
-        tool_call_execute(call_id=call_id, record=record, alone=bool(retries), outcome=outcome)
+        tool_call_execute(call_id=call_id, record=record, alone=bool(execute_tool.request.retries), outcome=outcome)
     except OutcomeUnrecorded as unrecorded:
-        # Its retry records the outcome, on autoretry_for's backoff and bound; the log and the events
-        # show the call id only, never its record or its result.
-        countdown = get_exponential_backoff_interval(
-            factor=int(execute_tool.retry_backoff),
-            retries=retries,
-            maximum=execute_tool.retry_backoff_max,
-            full_jitter=execute_tool.retry_jitter,
-        )
-        raise execute_tool.retry(
-            kwargs={"outcome": unrecorded.outcome},
-            exc=unrecorded.__cause__,
-            countdown=countdown,
-            argsrepr=repr((call_id,)),
-            kwargsrepr="{'outcome': '...'}",
-        ) from unrecorded
+        raise _outcome_retry(call_id, unrecorded) from unrecorded
     except (OperationalError, InterfaceError):
         raise
     except Exception:
         # A bug must not leave the code waiting for a result that never comes: fail the call now.
-        tool_call_abort(call_id=call_id, record=record)
+        try:
+            tool_call_abort(call_id=call_id, record=record)
+        except OutcomeUnrecorded as unrecorded:
+            # Its traceback, which the retry's line does not carry (it names the database's error).
+            logger.exception("a tool call's task failed", extra={"call_id": call_id})
+            raise _outcome_retry(call_id, unrecorded) from unrecorded
         raise
+
+
+def _outcome_retry(call_id: str, unrecorded: OutcomeUnrecorded) -> Retry:
+    """execute_tool's retry with the outcome the database did not take, for it to record, on
+    autoretry_for's backoff and bound (past which the database's error is raised). The log and the
+    events show the call id only, never its record or its result."""
+    countdown = get_exponential_backoff_interval(
+        factor=int(execute_tool.retry_backoff),
+        retries=execute_tool.request.retries,
+        maximum=execute_tool.retry_backoff_max,
+        full_jitter=execute_tool.retry_jitter,
+    )
+    return execute_tool.retry(
+        kwargs={"outcome": unrecorded.outcome},
+        exc=unrecorded.__cause__,
+        throw=False,
+        countdown=countdown,
+        argsrepr=repr((call_id,)),
+        kwargsrepr="{'outcome': '...'}",
+    )
 
 
 def _consumed(sender: Any) -> set[str]:

@@ -1025,10 +1025,10 @@ def tool_call_execute(*, call_id: str, record: str | None = None, alone: bool = 
     cancelled, waiting on a row held locked), and through the batches each try held up every other
     call's claim on this worker as long.
     """
-    if outcome is not None:
-        _tool_call_outcome_record(call_id=call_id, outcome=outcome)
-        return
     queued = _tool_call_unsigned(record) if record is not None else None
+    if outcome is not None:
+        _tool_call_outcome_record(call_id=call_id, outcome=outcome, queued=queued)
+        return
     if record is not None and queued is None:
         # Not made by this deployment's bridge (or the workers' SECRET_KEYs differ): nothing is run
         # or recorded; the code it names, if any, gets an error rather than wait for its timeout.
@@ -1194,10 +1194,13 @@ def tool_call_abort(*, call_id: str, record: str | None = None) -> None:
         else:
             tool_call_finish(call_id=call_id, error=error)
 
-    # Tried again through a database away or a statement cancelled, as a call's finish is: raised,
-    # the call stayed executing under its claim, its task's retry dropped it as a duplicate, and the
-    # reaper failed it worker_lost a lease later, which says its worker died, not what happened.
-    db_retry(fail, what="recording a call's failure", job_id=queued.exec_job_id if queued else "", call_id=call_id)
+    # Tried again through a database away or a statement cancelled, as a call's finish is, then
+    # carried by its task's retry (OutcomeUnrecorded): raised bare, the call stayed executing under its
+    # claim, its task's retry dropped it as a duplicate, and the reaper failed it worker_lost a lease
+    # later, which says its worker died, not what happened.
+    job_id = queued.exec_job_id if queued else ""
+    crashed = {"ok": False, "error": error}
+    _tool_call_end_retried(fail, call_id=call_id, job_id=job_id, what="recording a call's failure", reply=crashed, billed=True)
     _tool_call_recorded_push(call_id)
 
 
@@ -1240,11 +1243,12 @@ def _tool_call_end_retried(
         raise OutcomeUnrecorded(call_id=call_id, reply=reply, billed=billed) from exc
 
 
-def _tool_call_outcome_record(*, call_id: str, outcome: str) -> None:
+def _tool_call_outcome_record(*, call_id: str, outcome: str, queued: ToolCall | None) -> None:
     """Record what the call came to, as a try of its task before this one carried it
     (OutcomeUnrecorded), then push it to the code and its event; or, ended meanwhile (the bridge gave
-    up on it, or the reaper), push the record's word. Raise OutcomeUnrecorded again if the database
-    still does not take it."""
+    up on it, or the reaper), push the record's word. A failure of a ``queued`` call with no record
+    (its task crashed before its claim wrote it) is recorded failed, as ``tool_call_abort`` does.
+    Raise OutcomeUnrecorded again if the database still does not take it."""
     try:
         carried = json.loads(_OUTCOME_SIGNER.unsign(outcome))
     except signing.BadSignature:
@@ -1254,9 +1258,13 @@ def _tool_call_outcome_record(*, call_id: str, outcome: str) -> None:
     reply, billed = carried["reply"], carried["billed"]
 
     def end() -> bool:
+        """Whether the outcome was recorded and pushed here."""
         # Its lease first: no renewal of any worker's kept it while this retry waited its turn.
         _tool_calls_renew([call_id])
         call = ToolCall.objects.filter(call_id=call_id).first()
+        if call is None and queued is not None and not reply["ok"]:
+            tool_calls_fail_queued([queued], error=reply["error"], running=True)
+            return False  # its result is its record's word, pushed below
         return call is not None and _tool_calls_finish_ran([_Ran(call=call, reply=reply, billed=billed)])[0]
 
     what = "recording a tool call's outcome that an earlier try could not"

@@ -330,19 +330,28 @@ def test_a_claimed_calls_failure_the_database_did_not_take_within_the_retries_go
     record = services.tool_call_signed(queued_call)
     with pytest.raises(services.OutcomeUnrecorded) as unrecorded:
         services.tool_call_execute(call_id=queued_call.call_id, record=record)
-    with backplane().subscribe(job_channel(queued_call.ptc_call_id)) as channel:
-        forged = '{"reply": {"ok": true, "result": 3}, "billed": true}:forged'  # completed, and charged
-        services.tool_call_execute(call_id=queued_call.call_id, record=record, alone=True, outcome=forged)
-        assert ToolCall.objects.get(call_id=queued_call.call_id).status == "executing"
-        monkeypatch.setattr(settings, "PTC_DB_RETRY_SECONDS", 10.0)  # the retry's tries outlast the lock
-        services.tool_call_execute(call_id=queued_call.call_id, record=record, alone=True, outcome=unrecorded.value.outcome)
-        channel.wait(5)
-        replies = channel.drain()
+    replies = _retried_with(queued_call, unrecorded.value, monkeypatch, record=record)
     call = ToolCall.objects.get(call_id=queued_call.call_id)
     assert runs == []
     assert (call.status, call.error["code"]) == ("failed", "unknown_tool")
     assert [r.error["code"] for r in replies if r.call_id == call.call_id] == ["unknown_tool"]
     assert _held(call) == "released"
+
+
+def _retried_with(
+    call: ToolCall, unrecorded: services.OutcomeUnrecorded, monkeypatch: pytest.MonkeyPatch, record: str | None = None
+) -> list[Any]:
+    """Run ``call``'s task's retry as it comes with a forged outcome (asserting it changed nothing),
+    then with the one ``unrecorded`` carries, its tries outlasting a lock (PTC_DB_RETRY_SECONDS);
+    return what was pushed to the call's job meanwhile."""
+    with backplane().subscribe(job_channel(call.ptc_call_id)) as channel:
+        forged = '{"reply": {"ok": true, "result": 3}, "billed": true}:forged'  # completed, and charged
+        services.tool_call_execute(call_id=call.call_id, record=record, alone=True, outcome=forged)
+        assert ToolCall.objects.get(call_id=call.call_id).status == "executing"
+        monkeypatch.setattr(settings, "PTC_DB_RETRY_SECONDS", 10.0)
+        services.tool_call_execute(call_id=call.call_id, record=record, alone=True, outcome=unrecorded.outcome)
+        channel.wait(5)
+        return channel.drain()
 
 
 def test_a_crashed_calls_failure_whose_statement_is_cancelled_ends_it_internal_error(
@@ -359,6 +368,26 @@ def test_a_crashed_calls_failure_whose_statement_is_cancelled_ends_it_internal_e
         services.tool_call_abort(call_id=running_call.call_id)
         channel.wait(5)
         replies = channel.drain()
+    call = ToolCall.objects.get(call_id=running_call.call_id)
+    assert (call.status, call.error["code"]) == ("failed", "internal_error")
+    assert [r.error["code"] for r in replies if r.call_id == call.call_id] == ["internal_error"]
+
+
+def test_a_crashed_calls_failure_the_database_did_not_take_within_the_retries_goes_with_its_tasks_retry(
+    running_call: ToolCall, monkeypatch: pytest.MonkeyPatch, row_locked_awhile: Callable[[str], None]
+) -> None:
+    """A tools worker's task crashed running a call it claimed (a bug), and it fails the call
+    internal_error; that statement waits on the call's row, held locked past the worker's retries of
+    it. The failure goes up with what the call came to, and its task's retry records that once the
+    lock goes: the call ends internal_error, its code told so. Before, the retry found the call
+    claimed under a fresh lease and dropped it as a duplicate; a lease later the reaper failed it
+    worker_lost."""
+    assert services._claims((running_call.call_id, None)) is not None
+    row_locked_awhile(running_call.call_id)
+    monkeypatch.setattr(settings, "PTC_DB_RETRY_SECONDS", 0.2)
+    with pytest.raises(services.OutcomeUnrecorded) as unrecorded:
+        services.tool_call_abort(call_id=running_call.call_id)
+    replies = _retried_with(running_call, unrecorded.value, monkeypatch)
     call = ToolCall.objects.get(call_id=running_call.call_id)
     assert (call.status, call.error["code"]) == ("failed", "internal_error")
     assert [r.error["code"] for r in replies if r.call_id == call.call_id] == ["internal_error"]
