@@ -1218,10 +1218,10 @@ _OUTCOME_SIGNER = signing.Signer(salt="ptc.execute_tool.outcome")
 
 
 class OutcomeUnrecorded(Exception):
-    """What a call this worker claimed came to (its tool's result, or the error it failed with) that
-    the database did not take within PTC_DB_RETRY_SECONDS (away, or cancelling the statement: a row
-    it needs held locked). ``outcome``, signed, goes with its task's retry, which records it
-    (``tool_call_execute``) and never runs the tool again. Raised bare, the retry found the call
+    """What a call this worker claimed (or found claimed) came to (its tool's result, or the error it
+    failed with) that the database did not take within PTC_DB_RETRY_SECONDS (away, or cancelling the
+    statement: a row it needs held locked). ``outcome``, signed, goes with its task's retry, which
+    records it (``tool_call_execute``) and never runs the tool again. Raised bare, the retry found the call
     claimed under the lease the recording's tries had renewed, dropped it as a duplicate, and a
     lease later the reaper failed it worker_lost, which said its worker died, not what happened."""
 
