@@ -42,8 +42,10 @@ so, until Redis has room. So the worker starts, and consumes once its queues are
 A message taken while Redis is full is handed over without its unacked record (Redis refuses it):
 Redis has no copy of it, only the worker's memory. Its record is written once Redis has room (at a
 turn's end in the event loop, tried at most every second); a channel closed before (a warm shutdown)
-puts such a message back on its queue from memory, waiting ``restore_wait`` for room, and logs as
-an error, whole, one it could not. Only a worker killed while Redis is full loses them.
+puts such a message back on its queue from memory, waiting ``restore_wait`` for room (a cold
+shutdown waits for nothing), and logs as an error, whole, one it could not. Only a worker killed
+while Redis is full loses them, and one killed during that wait has logged, as it began, the
+command that puts each back.
 
 A message published alone can take commands with it (``publish_riding``), in its own round trip,
 sent before it: a tool call's start event, which must be in Redis before its worker's end event,
@@ -207,48 +209,76 @@ class QoS(redis.QoS):
     def _unrecorded_put(self, payloads: list[dict[str, Any]], *, wait: float) -> None:
         """Put messages handed over without an unacked record (Redis was full) back at the head of
         their queue, in their order, from this worker's memory: Redis has no copy of them. While Redis
-        is full, try again every ROOM_TRY_SECONDS for up to ``wait`` seconds; a message that can't go
-        back by then is lost, and logged as an error, whole, for an operator to put back."""
-        left = list(payloads)
+        is full, try again every ROOM_TRY_SECONDS for up to ``wait`` seconds, stopping at once on a
+        cold shutdown. Each message waited for is logged as the wait starts with the command that puts
+        it back, since the worker may be killed during the wait (its pod's grace period over) and log
+        nothing more; then those that went back; one that can't go back is logged LOST with it."""
+        for payload in payloads:  # marked as kombu marks a message it restores, in the commands logged too
+            payload.setdefault("headers", {})["redelivered"] = True
+            payload["properties"]["delivery_info"]["redelivered"] = True
+        left = list(payloads)  # those not back: the first ones (each goes to the head, the last first)
         deadline = monotonic() + wait
-        trouble = ""
-        while left:
-            try:
-                with self.channel.conn_or_acquire() as client:
-                    while left:  # each to the head of its queue: the last first
-                        self._put_back(client, left[-1])
-                        left.pop()
-            except OutOfMemoryError as exc:
-                if not trouble:
-                    trouble = broker_trouble(exc)
-                    logger.error(
-                        "the broker %s: %d messages this worker took while it was full, unacked (Redis has no copy of "
-                        "them), can't go back to their queue; it tries again every %g s for %g s, then they are lost: %s",
-                        trouble,
-                        len(left),
-                        ROOM_TRY_SECONDS,
-                        wait,
-                        ", ".join(_named(payload) for payload in left),
-                    )
-                if monotonic() + ROOM_TRY_SECONDS > deadline:
+        trouble, stopped = "", ""
+        try:
+            while left:
+                try:
+                    with self.channel.conn_or_acquire() as client:
+                        while left:
+                            for key in self._queue_keys(left[-1]):
+                                client.rpush(key, dumps(left[-1]))
+                            left.pop()
+                except OutOfMemoryError as exc:
+                    first, trouble = not trouble, broker_trouble(exc)
+                    if _cold_shutdown():  # asked before the wait or during it: this was its last try
+                        stopped = "; a cold shutdown does not wait"
+                        break
+                    if monotonic() + ROOM_TRY_SECONDS > deadline:
+                        break
+                    if first:
+                        for payload in left:
+                            logger.error(
+                                "NOT BACK YET: message %s, taken while Redis was full and unacked, is in this worker's "
+                                "memory only: it can't go back to its queue while the broker %s. The worker tries "
+                                "again every %g s for %g s, then logs whether it went back. Should the worker end "
+                                "before it says so (killed), put it back with: %s",
+                                _named(payload),
+                                trouble,
+                                ROOM_TRY_SECONDS,
+                                wait,
+                                self._put_back_command(payload),
+                            )
+                    _room_wait(stop=_cold_shutdown)
+                except (AttributeError, RedisError) as exc:  # AttributeError: kombu's, on a connection it has dropped
+                    trouble = broker_trouble(exc) if isinstance(exc, RedisError) else "is unreachable"
                     break
-                sleep(ROOM_TRY_SECONDS)
-            except (AttributeError, RedisError) as exc:  # AttributeError: kombu's, on a connection it has dropped
-                trouble = broker_trouble(exc) if isinstance(exc, RedisError) else "is unreachable"
-                break
-        if trouble and len(left) < len(payloads):
-            logger.warning("the broker has room again: %d messages went back to their queue", len(payloads) - len(left))
-        for payload in left:
-            logger.error(
-                "LOST: message %s, taken while Redis was full and unacked, could not go back to its queue (the broker "
-                "%s); put it back with: %s",
-                _named(payload),
-                trouble,
-                " ; ".join(
-                    f"redis-cli RPUSH {shlex.quote(self.channel.global_keyprefix + key)} {shlex.quote(dumps(payload))}"
-                    for key in self._queue_keys(payload)
-                ),
-            )
+        except BaseException as exc:  # a signal's WorkerTerminate, raised in the wait: said below, then raised on
+            stopped = f"; stopped by {type(exc).__name__}"
+            raise
+        finally:
+            back = payloads[len(left) :]
+            if trouble and back:
+                logger.warning(
+                    "the broker has room again: %d messages went back to their queue (%s)",
+                    len(back),
+                    ", ".join(_named(payload) for payload in back),
+                )
+            for payload in left:
+                logger.error(
+                    "LOST: message %s, taken while Redis was full and unacked, could not go back to its queue (the "
+                    "broker %s%s); put it back with: %s",
+                    _named(payload),
+                    trouble or "is unreachable",
+                    stopped,
+                    self._put_back_command(payload),
+                )
+
+    def _put_back_command(self, payload: dict[str, Any]) -> str:
+        """The shell command that puts ``payload`` back at the head of its queue: a ``redis-cli RPUSH``
+        a queue, its key and the message quoted for a shell."""
+        return " ; ".join(
+            f"redis-cli RPUSH {shlex.quote(self.channel.global_keyprefix + key)} {shlex.quote(dumps(payload))}"
+            for key in self._queue_keys(payload)
+        )
 
     def _queue_keys(self, payload: dict[str, Any]) -> list[str]:
         """The Redis keys (less the prefix kombu's client adds) of the lists a message goes back to:
@@ -259,13 +289,6 @@ class QoS(redis.QoS):
             channel._q_for_pri(queue, priority)
             for queue in sorted(channel._lookup(delivery["exchange"], delivery["routing_key"]))
         ]
-
-    def _put_back(self, client: Any, payload: dict[str, Any]) -> None:
-        """Push ``payload`` to the head of its queue, marked redelivered, as kombu restores a message."""
-        payload.setdefault("headers", {})["redelivered"] = True
-        payload["properties"]["delivery_info"]["redelivered"] = True
-        for key in self._queue_keys(payload):
-            client.rpush(key, dumps(payload))
 
     def append(self, message: Any, delivery_tag: str) -> None:
         if delivery_tag in self._recorded:
@@ -478,7 +501,9 @@ class Channel(redis.Channel):
                     exchange,
                     ROOM_TRY_SECONDS,
                 )
-            _room_wait()
+            from celery.worker.state import maybe_shutdown
+
+            _room_wait(stop=maybe_shutdown)  # a warm or cold shutdown: raises Celery's WorkerShutdown or WorkerTerminate
 
     def _brpop_start(self, timeout: float | None = None) -> None:
         if self._multi_pop is None:
@@ -567,18 +592,23 @@ class Channel(redis.Channel):
             self._flush_brpop_reauth()
 
 
-def _room_wait() -> None:
-    """Wait ROOM_TRY_SECONDS for a full Redis to have room, or raise Celery's WorkerShutdown (or
-    WorkerTerminate) at once when the worker has been asked to stop (its signal handlers only say so)."""
-    from celery.worker.state import maybe_shutdown
-
+def _room_wait(stop: Callable[[], object]) -> None:
+    """Wait ROOM_TRY_SECONDS for a full Redis to have room, or less: until ``stop()`` says the worker
+    has been asked to stop (Celery's signal handlers only say so, in its state), or raises."""
     deadline = monotonic() + ROOM_TRY_SECONDS
-    while True:
-        maybe_shutdown()
+    while not stop():
         left = deadline - monotonic()
         if left <= 0:
             return
         sleep(min(left, 0.1))
+
+
+def _cold_shutdown() -> bool:
+    """Whether Celery has been asked for a cold shutdown (SIGQUIT, or SIGTERM with
+    REMAP_SIGTERM=SIGQUIT): the worker stops at once, and waits for nothing."""
+    from celery.worker import state
+
+    return state.should_terminate is not None and state.should_terminate is not False  # as maybe_shutdown reads it
 
 
 def _messages(items: list[bytes], queue: str) -> list[dict[str, Any]]:

@@ -2,10 +2,13 @@
 way ends with one, nothing is left half-written, and once there is room again the stack goes on."""
 
 import os
+import shlex
 import signal
+import subprocess
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import httpx
 import redis as redis_py
@@ -149,18 +152,26 @@ def test_a_worker_started_while_redis_is_full_waits_for_room_then_runs_what_was_
         assert late.proc.poll() is None
 
 
-def test_a_job_taken_while_redis_is_full_and_not_started_goes_back_to_its_queue_at_a_warm_shutdown(
-    redis_stack: tuple[RedisServer, Stack],
-) -> None:
-    """A message a worker takes while Redis is full is handed over without its unacked record (Redis
-    refuses it): a worker stopped (SIGTERM) before starting it lost it, a job left queued until the
-    reaper failed it. It now goes back to its queue from the worker's memory, the worker waiting for
-    room (saying so, with the job's id) if Redis is still full; another worker runs it."""
-    redis, stack = redis_stack
+@dataclass
+class _Held:
+    """An exec worker of its own (one slot) that took two jobs while Redis was full, both without
+    their unacked record: it runs ``busy`` (8 s) and holds ``waiting``, not started, in its memory."""
+
+    worker: Process
+    http: httpx.Client
+    busy: dict
+    waiting: dict
+    server: redis_py.Redis
+
+
+@contextmanager
+def _jobs_held_while_full(redis: RedisServer, stack: Stack, name: str) -> Iterator[_Held]:
+    """The stack's exec worker stopped, Redis full, and a worker of its own, named ``name`` (its log
+    too), holding two jobs (_Held); after, it is stopped and Redis has room again."""
     stack.exec_worker.stop()
-    argv = [str(BIN / "celery"), "-A", "ptcproject", "worker", "-Q", "exec", "-n", f"slots-{os.getpid()}@%h", "-l", "info"]
+    argv = [str(BIN / "celery"), "-A", "ptcproject", "worker", "-Q", "exec", "-n", f"{name}-{os.getpid()}@%h", "-l", "info"]
     # One slot, two messages at a time: the second job is handed over, and waits for the slot.
-    slots = Process("redis-full-slots", [*argv, "-c", "1", "--prefetch-multiplier", "2"], stack.env, ready=" ready.")
+    slots = Process(f"redis-full-{name}", [*argv, "-c", "1", "--prefetch-multiplier", "2"], stack.env, ready=" ready.")
     slots.start()  # once with room: its queues are bound
     slots.stop()
     http = _client(stack)
@@ -183,18 +194,80 @@ def test_a_job_taken_while_redis_is_full_and_not_started_goes_back_to_its_queue_
             assert time.monotonic() < deadline, "the first job did not start"
             time.sleep(0.1)
         assert http.get(f"/api/v1/exec/{waiting['id']}").json()["status"] == "queued"
-        slots.proc.send_signal(signal.SIGTERM)  # a warm shutdown: the running job ends first
-        # Redis is still full: the second job can't go back yet, and the worker says so, naming it.
-        _logged(slots, "can't go back to their queue")
-        assert waiting["id"] in slots.log.read_text(errors="replace")
-        server.config_set("maxmemory", "0")
-        assert slots.proc.wait(60) == 0
-        log = slots.log.read_text(errors="replace")
-        assert "messages went back to their queue" in log and "LOST" not in log, log
+        yield _Held(slots, http, busy, waiting, server)
     finally:
         slots.stop()
         server.config_set("maxmemory", "0")
+
+
+def test_a_job_taken_while_redis_is_full_and_not_started_goes_back_to_its_queue_at_a_warm_shutdown(
+    redis_stack: tuple[RedisServer, Stack],
+) -> None:
+    """A message a worker takes while Redis is full is handed over without its unacked record (Redis
+    refuses it): a worker stopped (SIGTERM) before starting it lost it, a job left queued until the
+    reaper failed it. It now goes back to its queue from the worker's memory, the worker waiting for
+    room (saying so, with the job's id) if Redis is still full; another worker runs it."""
+    redis, stack = redis_stack
+    with _jobs_held_while_full(redis, stack, "warm") as held:
+        assert held.worker.proc is not None
+        held.worker.proc.send_signal(signal.SIGTERM)  # a warm shutdown: the running job ends first
+        # Redis is still full: the second job can't go back yet, and the worker says so, naming it.
+        _logged(held.worker, "NOT BACK YET")
+        assert held.waiting["id"] in held.worker.log.read_text(errors="replace")
+        held.server.config_set("maxmemory", "0")
+        assert held.worker.proc.wait(60) == 0
+        log = held.worker.log.read_text(errors="replace")
+        assert "messages went back to their queue" in log and "LOST" not in log, log
     stack.exec_worker.start()
-    assert _ended(http, busy["id"])["status"] == "completed"
-    done = _ended(http, waiting["id"])
+    assert _ended(held.http, held.busy["id"])["status"] == "completed"
+    done = _ended(held.http, held.waiting["id"])
     assert done["status"] == "completed" and done["return_value"] == 3, done
+
+
+def _put_back_command(line: str) -> list[str]:
+    """The redis-cli command a worker's log line gives to put a message back."""
+    command = shlex.split(line.split("put it back with: ", 1)[1])
+    assert command[:2] == ["redis-cli", "RPUSH"], line
+    return command
+
+
+def test_a_worker_killed_while_it_waits_for_room_to_put_a_job_back_has_logged_how_to_put_it_back(
+    redis_stack: tuple[RedisServer, Stack],
+) -> None:
+    """A worker waits restore_wait for a full Redis to take back a job it holds unrecorded, and only
+    then logged it LOST with the command that puts it back: killed during the wait (its pod's grace
+    period over), it logged nothing, and the job was gone without a trace. The command is logged
+    as the wait starts; run, it puts the job back, and the job runs."""
+    redis, stack = redis_stack
+    with _jobs_held_while_full(redis, stack, "killed") as held:
+        assert held.worker.proc is not None
+        held.worker.proc.send_signal(signal.SIGTERM)
+        _logged(held.worker, "NOT BACK YET")
+        held.worker.proc.kill()
+        held.worker.proc.wait(10)
+        [line] = [line for line in held.worker.log.read_text(errors="replace").splitlines() if "NOT BACK YET" in line]
+        assert held.waiting["id"] in line, line
+        held.server.config_set("maxmemory", "0")
+        command = _put_back_command(line)
+        subprocess.run([command[0], "-u", redis.url, *command[1:]], check=True, capture_output=True)
+    stack.exec_worker.start()
+    done = _ended(held.http, held.waiting["id"])
+    assert done["status"] == "completed" and done["return_value"] == 3, done
+
+
+def test_a_cold_shutdown_does_not_wait_for_room_to_put_a_job_back(redis_stack: tuple[RedisServer, Stack]) -> None:
+    """A cold shutdown (SIGQUIT) asked while a worker waits for a full Redis to take back a job it
+    holds unrecorded waited on all the same, up to restore_wait (60 s). It stops waiting at once,
+    and logs the job LOST, with the command that puts it back."""
+    redis, stack = redis_stack
+    with _jobs_held_while_full(redis, stack, "cold") as held:
+        assert held.worker.proc is not None
+        held.worker.proc.send_signal(signal.SIGTERM)
+        _logged(held.worker, "NOT BACK YET")
+        asked = time.monotonic()
+        held.worker.proc.send_signal(signal.SIGQUIT)
+        held.worker.proc.wait(30)
+        assert time.monotonic() - asked < 10
+        [lost] = [line for line in held.worker.log.read_text(errors="replace").splitlines() if "LOST: " in line]
+        assert held.waiting["id"] in lost and "a cold shutdown does not wait" in lost, lost
+        _put_back_command(lost)
