@@ -505,6 +505,18 @@ class Channel(redis.Channel):
 
             _room_wait(stop=maybe_shutdown)  # a warm or cold shutdown: raises Celery's WorkerShutdown or WorkerTerminate
 
+    def maybe_refresh_binding_expiry(self) -> None:
+        # kombu's transport logs each refusal of this refresh (a script, which a full Redis refuses)
+        # with two chained tracebacks, 60 lines, every second while Redis is full: one line says it.
+        try:
+            super().maybe_refresh_binding_expiry()
+        except OutOfMemoryError as exc:
+            logger.warning(
+                "the broker %s: the bindings of queues %s are not refreshed (kombu tries again every second)",
+                broker_trouble(exc),
+                ", ".join(sorted(queue for queue in self._active_queues if queue in self._expires)),
+            )
+
     def _brpop_start(self, timeout: float | None = None) -> None:
         if self._multi_pop is None:
             info = self._server_info()

@@ -1,6 +1,7 @@
 """The brokers: the embedded one never hands a consumer a message that is still being written;
 on Redis, a consumer takes a burst several messages at a time and loses none of them."""
 
+import logging
 import shlex
 import subprocess
 import threading
@@ -108,13 +109,18 @@ class _Broker:
 
 
 @contextmanager
-def _redis_queue(name: str, *, most: int, url: str = REDIS_URL, no_ack: bool = False, **options: Any) -> Iterator[_Broker]:
+def _redis_queue(
+    name: str, *, most: int, url: str = REDIS_URL, no_ack: bool = False, expires: float | None = None, **options: Any
+) -> Iterator[_Broker]:
+    """A queue named ``name`` on our Redis transport at ``url``; one that ``expires`` (seconds unused)
+    as Celery's pidbox, gossip and reply queues do."""
     prefix = f"ptc-broker-test-{uuid.uuid4().hex[:8]}:"
     options.update(global_keyprefix=prefix, pop_most=most, visibility_timeout=3600)
     conn = Connection(url, transport="ptcproject.broker:Transport", transport_options=options)
     server = redis.Redis.from_url(url)
+    queue = Queue(name, Exchange(name, type="direct"), routing_key=name, no_ack=no_ack, expires=expires)
     try:
-        yield _Broker(conn, Queue(name, Exchange(name, type="direct"), routing_key=name, no_ack=no_ack), server, prefix)
+        yield _Broker(conn, queue, server, prefix)
     finally:
         conn.release()
         for key in server.scan_iter(f"{prefix}*"):
@@ -273,6 +279,48 @@ def test_redis_messages_taken_while_it_is_full_are_handed_over_not_lost(
         server.stop()
     said = [record.getMessage() for record in caplog.records if record.name == "ptc.broker"]
     assert said and all(line.startswith("Redis is full (its maxmemory): ") for line in said), said
+
+
+def test_a_binding_refresh_a_full_redis_refuses_is_one_line_in_the_log(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """kombu refreshes the bindings of the expiring queues a worker consumes (Celery's pidbox, gossip
+    and reply queues) each second with a script, which a full Redis refuses: each refusal was a
+    WARNING with two chained tracebacks, 60 lines. It is one line that says so; any other error
+    Redis answers is kombu's WARNING still, traceback and all."""
+    server = RedisServer(tmp_path)
+    server.start()
+    user, password = "ptc-refresh", uuid.uuid4().hex
+    admin = redis.Redis.from_url(server.url)
+    admin.acl_setuser(user, enabled=True, passwords=[f"+{password}"], keys=["*"], channels=["*"], commands=["+@all"])
+    url = server.url.replace("redis://", f"redis://{user}:{password}@", 1)
+
+    def refreshed() -> list[logging.LogRecord]:
+        """The log records of one refresh of the consumer's bindings, as the worker's loop makes it."""
+        caplog.clear()
+        for channel in transport.channels:
+            channel._binding_expiry_refreshed_at = float("-inf")  # due now
+        transport.cycle.maybe_refresh_binding_expiry()  # kombu calls it so each second
+        return [record for record in caplog.records if record.levelno >= logging.WARNING]
+
+    try:
+        with caplog.at_level("WARNING"), _redis_queue("refresh", most=16, url=url, expires=60) as broker:
+            transport = broker.conn.transport
+            with broker.conn.channel() as channel, Consumer(channel, [broker.queue], callbacks=[_acking([])]):
+                assert refreshed() == []
+                admin.config_set("maxmemory", "1")
+                try:
+                    [full] = refreshed()
+                finally:
+                    admin.config_set("maxmemory", "0")
+                assert full.name == "ptc.broker" and full.exc_info is None, full
+                assert full.getMessage() == (
+                    "the broker is full (Redis has reached its maxmemory): the bindings of queues refresh are not "
+                    "refreshed (kombu tries again every second)"
+                )
+                admin.acl_setuser(user, enabled=True, commands=["-evalsha"])  # refused for another reason
+                [other] = refreshed()
+                assert other.name == "kombu.transport.redis" and other.exc_info is not None, other
+    finally:
+        server.stop()
 
 
 def test_acks_in_the_event_loop_go_to_redis_together_at_the_end_of_its_turn() -> None:
