@@ -11,7 +11,7 @@ import uuid
 from typing import Any
 
 from celery import Celery
-from celery.signals import celeryd_init
+from celery.signals import celeryd_init, worker_init
 
 from ptcproject import queues
 
@@ -60,6 +60,21 @@ def _fit_worker_to_queue(conf: Any = None, options: dict[str, Any] | None = None
         # cost a busy tools worker a sixth of its CPU (1,000 calls from one job, by turns).
         for name in TASK_LOGGERS:
             logging.getLogger(name).setLevel(logging.WARNING)
+
+
+@worker_init.connect
+def _worker_without_mingle_and_gossip(sender: Any = None, **_: Any) -> None:
+    """Start every worker as ``--without-mingle --without-gossip`` would, whatever its command line.
+
+    Mingle asks every other worker at a worker's start for the tasks revoked and their clocks, and
+    waits a second for their replies; gossip has each worker take every other worker's heartbeat
+    events, so N workers each take those of N - 1. Nothing here revokes a task, or elects a worker
+    (a job is cancelled through its record), so they cost a second at each start and Redis traffic
+    that grows with the square of the fleet, and wrote to Redis at a start while it was full.
+    Heartbeat and task events stay on (flower, ``celery events``). The worker's options are read to
+    build its consumer after this signal."""
+    if sender is not None:
+        sender.options.update(without_mingle=True, without_gossip=True)
 
 
 def task_publish(

@@ -2,6 +2,7 @@
 on Redis, a consumer takes a burst several messages at a time and loses none of them."""
 
 import logging
+import os
 import shlex
 import subprocess
 import threading
@@ -17,8 +18,9 @@ import pytest
 import redis
 from kombu import Connection, Consumer, Exchange, Producer, Queue
 
-from tests.conftest import REDIS_URL
+from tests.conftest import REDIS_PREFIX, REDIS_URL
 from tests.servers import RedisServer
+from tests.stack import BIN, Process
 
 
 def test_filesystem_messages_are_whole_or_absent(tmp_path: Path) -> None:
@@ -368,6 +370,23 @@ def test_only_tools_workers_take_several_messages_at_once() -> None:
         conf = SimpleNamespace(worker_concurrency=4, broker_transport_options={"pop_most": 16}, worker_send_task_events=True)
         _fit_worker_to_queue(conf=conf, options={"queues": queues})
         assert conf.broker_transport_options["pop_most"] == most, queues
+
+
+def test_workers_start_without_mingle_or_gossip(stack_env: dict[str, str]) -> None:
+    """Celery's mingle asked every other worker at a worker's start for the tasks revoked, waiting a
+    second for replies, and its gossip bound a queue of each worker's to the events exchange, so
+    each worker took every other worker's heartbeats. Nothing here revokes a task or elects a
+    worker: a worker, started as our deployments start it, does neither."""
+    prefix = f"{REDIS_PREFIX}start-{uuid.uuid4().hex[:8]}:"
+    argv = [str(BIN / "celery"), "-A", "ptcproject", "worker", "-Q", "tools", "-n", f"start-{os.getpid()}@%h", "-l", "info"]
+    worker = Process("start-tools-worker", argv, {**stack_env, "PTC_REDIS_PREFIX": prefix}, ready=" ready.")
+    worker.start()
+    try:
+        assert "mingle" not in worker.log.read_text(errors="replace")
+        bound = redis.Redis.from_url(REDIS_URL).smembers(f"{prefix}_kombu.binding.celeryev")
+        assert bound == set()
+    finally:
+        worker.stop()
 
 
 def test_redis_messages_of_a_pop_not_handed_over_go_back_at_once_when_one_fails() -> None:
