@@ -102,9 +102,11 @@ class Ask:
 @dataclass(frozen=True)
 class Answer:
     """The bridge's answer to ``Ask``: ``ok``, with ``tool_id``, the tool of the job's grant it
-    calls; or the code it was refused with (``tool_call_limit``, ``parallel_limit``, ``job_ended``,
-    or not in the grant: ``toolset_not_granted``, ``unknown_tool``, ``kind_unsupported``, with its
-    ``message``) and the ``limit`` it is past."""
+    calls, and ``epoch``, the job's ``http_admit_epoch`` it is admitted under (by the time it is
+    recorded, a later one means the bridge no longer counts it: it asks again); or the code it was
+    refused with (``tool_call_limit``, ``parallel_limit``, ``job_ended``, or not in the grant:
+    ``toolset_not_granted``, ``unknown_tool``, ``kind_unsupported``, with its ``message``) and the
+    ``limit`` it is past."""
 
     call_id: str
     ok: bool
@@ -112,6 +114,7 @@ class Answer:
     limit: int = 0
     tool_id: str = ""
     message: str = ""
+    epoch: int = 0
 
 
 @dataclass(frozen=True)

@@ -59,6 +59,12 @@ class ExecJob(models.Model):
     # to PTC_MAX_JOB_TOOL_BYTES with what its bridge passed (which the bridge counts itself). A
     # container's call in flight holds PTC_MAX_TOOL_OUTPUT_BYTES here for its result until it comes.
     http_tool_bytes = models.BigIntegerField(default=0, editable=False)
+    # Its calls over HTTP with its key may be recorded only as admitted under this, by its bridge
+    # (calls._job_call_admit, under the row's lock). The bridge raises it before it stops counting
+    # calls admitted and left unrecorded past two heartbeats (their web process died, or stalls):
+    # one that goes on after is refused as it records the call, and asks again, so no call the
+    # bridge no longer counts is made and the job's limits hold exactly.
+    http_admit_epoch = models.PositiveIntegerField(default=0, editable=False)
     # A managed container's job: when a call of it was last recorded or returned, set by the
     # statement that counts that call's bytes above (calls._job_bytes_take), under the row's lock.
     # The reaper's idle close scans this, not the calls. Null on other jobs, and on containers' jobs

@@ -157,6 +157,11 @@ class CallRouter(Protocol):
         one with no record is left out. None if the records can't be read now."""
         ...
 
+    def calls_fence(self, *, epoch: int) -> bool:
+        """Raise the job's ``http_admit_epoch`` to ``epoch``: no call over HTTP admitted under an
+        earlier one is recorded from now on (one being recorded is, first). False if it can't be now."""
+        ...
+
     def granted(self, *, toolset: str, tool: str) -> "Granted | dict[str, str]":
         """The tool ``toolset.tool`` of the job's grant, as it started (its code's calls are checked
         against the same), for a call over HTTP with its key; or why it is none (``call_error``)."""
@@ -291,6 +296,7 @@ class Session:
         self.key_calls = 0
         self.key_in_flight: dict[str, float] = {}
         self.key_admitted: dict[str, float] = {}  # when each of those was admitted
+        self.key_epoch = 0  # the job's http_admit_epoch: what those are admitted under (calls_fence)
         self.stopped = False  # the loop has stopped: the job is ending, and admits no call
         # The bytes of its calls' frames and of their answers so far, and the most it may pass
         # (0: no bound). Each call is recorded whole, and every view of the job (exec_end, GET, MCP)
@@ -912,7 +918,7 @@ class Session:
             # Asking again too (admitted before): the job's grant is no longer looked up.
             answer = Answer(call_id=ask.call_id, ok=False, code="job_ended")
         elif ask.call_id in self.key_in_flight:
-            answer = Answer(call_id=ask.call_id, ok=True, tool_id=granted.tool_id)
+            answer = Answer(call_id=ask.call_id, ok=True, tool_id=granted.tool_id, epoch=self.key_epoch)
         elif self.calls + self.key_calls >= limits.max_tool_calls:
             answer = Answer(call_id=ask.call_id, ok=False, code="tool_call_limit", limit=limits.max_tool_calls)
         elif self._busy() >= limits.max_parallel_tool_calls:
@@ -926,7 +932,7 @@ class Session:
             now = time.monotonic()
             self.key_in_flight[ask.call_id] = now + timeout + 2 * CALL_GRACE_SECONDS
             self.key_admitted[ask.call_id] = now
-            answer = Answer(call_id=ask.call_id, ok=True, tool_id=granted.tool_id)
+            answer = Answer(call_id=ask.call_id, ok=True, tool_id=granted.tool_id, epoch=self.key_epoch)
         backplane().publish(call_channel(ask.call_id), answer)
 
     def _key_calls_release(self, call_ids: list[str]) -> None:
@@ -940,9 +946,10 @@ class Session:
 
     def _key_calls_check(self, *, settled_before: float | None) -> None:
         """Free the slots of calls over HTTP whose records have ended (their Released was lost); with
-        ``settled_before``, of those admitted before then with no record too: their web process died
-        before it recorded them (or its Released was lost), and they are no call of the job's count.
-        A call whose record can't be read keeps its slot, until its deadline at most."""
+        ``settled_before``, if any admitted before then has no record (its web process died before
+        it recorded it, or stalls), of every call with no record: fenced first (``calls_fence``),
+        none of them will ever be, and they are no call of the job's count. A call whose record
+        can't be read, or a fence that can't be raised, keeps its slot, until its deadline at most."""
         if settled_before is None:
             call_ids = list(self.key_in_flight)
         else:
@@ -950,7 +957,19 @@ class Session:
         found = self.router.calls_open(call_ids=call_ids) if call_ids else None
         if found is None:
             return
-        unrecorded = [call_id for call_id in call_ids if call_id not in found] if settled_before is not None else []
+        unrecorded: list[str] = []
+        if settled_before is not None and any(call_id not in found for call_id in call_ids):
+            # Its web process may yet go on and record it (a pause, a lock), with others admitted in
+            # its place by then: the job past its limits. Fenced, it can't; nor can any call admitted
+            # so far that is not recorded now, all of which are then given up (a live one asks again).
+            if not self.router.calls_fence(epoch=self.key_epoch + 1):
+                return
+            self.key_epoch += 1
+            call_ids = list(self.key_in_flight)
+            found = self.router.calls_open(call_ids=call_ids)
+            if found is None:
+                return
+            unrecorded = [call_id for call_id in call_ids if call_id not in found]
         self.key_calls -= len(unrecorded)
         self._key_calls_release([call_id for call_id in call_ids if found.get(call_id) is False] + unrecorded)
 

@@ -452,9 +452,17 @@ def tool_call_standalone(
     # calls do: the bridge names it (a toolset disabled or made private since is then the tools
     # worker's to refuse, or to run, for both alike).
     # tool_call_limit, parallel_limit, job_ended; toolset_not_granted, unknown_tool, kind_unsupported
-    made.granted = _job_call_ask(job=job, call_id=call_id, toolset=toolset, tool=tool)
+    made.granted, made.epoch = _job_call_ask(job=job, call_id=call_id, toolset=toolset, tool=tool)
     try:
-        return _tool_call_made(made, job=job, toolset=toolset, tool=tool, arguments=arguments, container_id="", caller=caller)
+        while True:
+            try:
+                return _tool_call_made(
+                    made, job=job, toolset=toolset, tool=tool, arguments=arguments, container_id="", caller=caller
+                )
+            except _AdmissionLapsed:
+                # Slower to record it than its bridge waits (two heartbeats): the bridge gave it up,
+                # counted no more, and nothing was recorded. It asks again, as a new call would.
+                made.granted, made.epoch = _job_call_ask(job=job, call_id=call_id, toolset=toolset, tool=tool)
     finally:
         # Its slot of the job's parallel cap is free (the bridge's deadline frees it should this
         # push be lost); refused before it was recorded, it is no call of the job's count either.
@@ -473,8 +481,14 @@ class _Making:
     policy: Policy
     of_job: bool
     granted: str = ""
+    epoch: int = 0
     recorded: bool = False
     tool_bytes: int = 0
+
+
+class _AdmissionLapsed(Exception):
+    """The job's bridge admitted a call over HTTP under an ``http_admit_epoch`` it has since raised:
+    it no longer counts the call, which must not be recorded (``_job_call_admit``)."""
 
 
 def _tool_call_made(
@@ -488,7 +502,7 @@ def _tool_call_made(
     caller: dict[str, str] | None,
 ) -> ToolCall:
     """Check, record, run and return the call ``tool_call_standalone`` takes (its job's bridge has
-    admitted it, for a job's key)."""
+    admitted it, for a job's key: raise _AdmissionLapsed, nothing recorded, if it no longer does)."""
     user, policy, call_id = made.user, made.policy, made.call_id
     if job is not None:
         found_toolsets = _granted_toolsets(tool_id=made.granted, toolset=toolset)
@@ -554,7 +568,7 @@ def _tool_call_made(
         reserve = settings.PTC_MAX_TOOL_OUTPUT_BYTES if container_job is not None else 0
         if admit:
             assert job is not None
-            _job_call_admit(job=job)
+            _job_call_admit(job=job, epoch=made.epoch)
         if job is not None:
             made.tool_bytes = _job_bytes_take(job=job, size=CALL_RECORD_BYTES + _json_bytes(arguments), reserve=reserve)
         call = _tool_call_record(
@@ -703,14 +717,15 @@ _NOT_GRANTED = {"toolset_not_granted": 403, "unknown_tool": 400, "kind_unsupport
 ASK_SLICE_SECONDS = 1.0
 
 
-def _job_call_ask(*, job: ExecJob, call_id: str, toolset: str, tool: str) -> str:
+def _job_call_ask(*, job: ExecJob, call_id: str, toolset: str, tool: str) -> tuple[str, int]:
     """Ask ``job``'s bridge to admit one more call over HTTP with its key (``Ask``), of ``toolset.tool``
     as the job was granted it when it started, counted with its code's calls. Return the id of that
-    tool, or raise ApplicationError: ``toolset_not_granted`` (403), ``unknown_tool`` or
-    ``kind_unsupported`` (400) for a tool not in the grant (not counted); ``tool_call_limit`` (403)
-    past its max_tool_calls, ``parallel_limit`` (429, retry) with its parallel cap in flight (1 when
-    sequential), ``job_ended`` (409). Admitted, the call holds a slot of the cap until its
-    ``Released`` (its tool's timeout, and more, at most). No statement unless the bridge is slow to answer."""
+    tool and the ``http_admit_epoch`` it is admitted under, or raise ApplicationError:
+    ``toolset_not_granted`` (403), ``unknown_tool`` or ``kind_unsupported`` (400) for a tool not in
+    the grant (not counted); ``tool_call_limit`` (403) past its max_tool_calls, ``parallel_limit``
+    (429, retry) with its parallel cap in flight (1 when sequential), ``job_ended`` (409). Admitted,
+    the call holds a slot of the cap until its ``Released`` (its tool's timeout, and more, at most).
+    No statement unless the bridge is slow to answer."""
     ask = Ask(call_id=call_id, toolset=toolset, tool=tool)
     deadline = time.monotonic() + settings.PTC_JOB_LEASE_SECONDS
     with backplane().subscribe(call_channel(call_id)) as answers:
@@ -743,7 +758,7 @@ def _job_call_ask(*, job: ExecJob, call_id: str, toolset: str, tool: str) -> str
                     status=503,
                 )
     if answer.ok:
-        return answer.tool_id
+        return answer.tool_id, answer.epoch
     if answer.code in _NOT_GRANTED:
         message = answer.message or answer.code
         raise ApplicationError(answer.code, f"{message[:1].upper()}{message[1:]}.", status=_NOT_GRANTED[answer.code])
@@ -764,14 +779,18 @@ def _job_call_ask(*, job: ExecJob, call_id: str, toolset: str, tool: str) -> str
     raise ApplicationError("job_ended", f"Job {job.call_id} is ending; no call can start.", status=409)
 
 
-def _job_call_admit(*, job: ExecJob) -> None:
-    """Raise ApplicationError ``job_ended`` (409) unless ``job`` is running. Locks the job's row
-    until the caller's transaction ends: call it in the transaction that records the call (a job's
-    end closes its open calls after it is recorded ended). Its limits are its bridge's to hold
-    (``_job_call_ask``)."""
-    status = ExecJob.objects.select_for_update().filter(pk=job.pk).values_list("status", flat=True).first()
+def _job_call_admit(*, job: ExecJob, epoch: int) -> None:
+    """Raise ApplicationError ``job_ended`` (409) unless ``job`` is running, and _AdmissionLapsed
+    unless its bridge still counts a call it admitted under ``epoch``. Locks the job's row until the
+    caller's transaction ends: call it in the transaction that records the call (a job's end closes
+    its open calls after it is recorded ended; its bridge raises the epoch under the same lock). Its
+    limits are its bridge's to hold (``_job_call_ask``)."""
+    found = ExecJob.objects.select_for_update().filter(pk=job.pk).values_list("status", "http_admit_epoch").first()
+    status, now_epoch = found if found is not None else (None, 0)
     if status != ExecJob.Status.RUNNING:
         raise ApplicationError("job_ended", f"Job {job.call_id} is not running (it is {status}); no call can start.", status=409)
+    if now_epoch > epoch:
+        raise _AdmissionLapsed
 
 
 def call_job_running() -> Exists:

@@ -232,6 +232,16 @@ class JobCallRouter:
             db_reset()
             return None
 
+    def calls_fence(self, *, epoch: int) -> bool:
+        # Its own statement, committed at once: it waits for a call being recorded (which holds the
+        # job's row), and a call recorded after it reads the new epoch under the same lock.
+        try:
+            ExecJob.objects.filter(pk=self.job.pk).update(http_admit_epoch=epoch)
+            return True
+        except (OperationalError, InterfaceError):
+            db_reset()
+            return False
+
     def closed(self, *, open_calls: list[str]) -> None:
         """The job ended with ``open_calls`` unanswered: those sent to a tools worker that none has
         taken are recorded as never run (one a worker took, it finishes)."""

@@ -185,6 +185,72 @@ def test_a_call_over_http_whose_web_process_died_before_recording_it_holds_its_s
         client.close()
 
 
+def test_calls_over_http_whose_web_process_stalls_before_recording_them_never_take_a_job_past_max_tool_calls(
+    api: Api, staff: Api, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A web process that stalls between a call's admission and its record (paused, starved, a table
+    locked by a migration) for longer than its bridge waits for the record (two heartbeats, 2 s here)
+    is taken for dead: the bridge stops counting those calls and admits others in their place. The
+    stalled ones, recorded when their process went on, were run as well: the job made five calls of
+    its three. Here the stalled process is this one (its two calls held before their record); the
+    job's others are made through the stack's web. The stalled calls are now refused as they are
+    recorded, asked again: 403 tool_call_limit, nothing recorded."""
+    from django.db import connection
+
+    from execution.services import calls
+    from ptcproject.accounts.services import api_key_authenticate
+    from ptcproject.errors import ApplicationError
+
+    assert staff.http.patch("/api/v1/policy", json={"max_tool_calls": 3, "max_parallel_tool_calls": 8}).status_code == 200
+    job = api.run(HOLDER, toolsets=["demo"], wait=0)
+    plaintext = _job_key(api, job["id"])
+    key = api_key_authenticate(plaintext=plaintext)
+    assert key is not None
+    stalled, go = threading.Semaphore(0), threading.Event()
+    granted = calls._granted_toolsets
+
+    def held(**kwargs: Any) -> Any:  # after its bridge's answer, before its record
+        stalled.release()
+        go.wait(30)
+        return granted(**kwargs)
+
+    monkeypatch.setattr(calls, "_granted_toolsets", held)
+    outcomes: list[str] = []
+
+    def stalled_call() -> None:
+        try:
+            made = calls.tool_call_standalone(user=key.user, key=key, job_call_id=job["call_id"], **ADD)
+            outcomes.append(made.status)
+        except ApplicationError as exc:
+            outcomes.append(exc.code)
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=stalled_call) for _ in range(2)]
+    client = httpx.Client(base_url=api.http.base_url, headers={"Authorization": f"Bearer {plaintext}"}, timeout=30)
+    try:
+        for thread in threads:
+            thread.start()
+        for _ in threads:
+            assert stalled.acquire(timeout=15), "the stalled calls were not admitted"
+        made = []
+        until = time.monotonic() + 5  # past the heartbeats the bridge waits for their record
+        while time.monotonic() < until:
+            made.append(_execute(client, job).status_code)
+            time.sleep(0.2)
+        go.set()
+        for thread in threads:
+            thread.join(30)
+        # Its echo and the two made through the web once the stalled ones were given up; not those.
+        assert ToolCall.objects.filter(exec_job_id=job["id"]).count() == 3
+        assert made.count(200) == 2 and set(made) == {200, 403}, made
+        assert outcomes == ["tool_call_limit", "tool_call_limit"]
+    finally:
+        go.set()
+        assert api.post(f"/api/v1/exec/{job['id']}/cancel").status_code == 200
+        client.close()
+
+
 def test_a_call_over_http_asking_again_as_its_job_ends_is_told_the_job_ended(api: Api, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """A call over HTTP admitted while its job ran asks again (its answer was lost) as the job ends:
     its bridge, past its loop, no longer has the job's grant to look the tool up in. It answered
