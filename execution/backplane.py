@@ -89,12 +89,11 @@ class Ask:
     """A call of the job over HTTP, with its key, asks the job's bridge whether it may start: the
     bridge holds the job's count of calls and those in flight, its sandbox's and these together,
     and answers on the call's channel (``call_channel``) with ``Answer``. Admitted, the call holds
-    a slot of the job's parallel cap until its ``Released``, or its tool's timeout (``timeout`` if
-    longer) and more at most: a caller that died holds it no longer. ``toolset`` and ``tool`` name
+    a slot of the job's parallel cap until its ``Released``, or its tool's timeout (as ``Admitted``
+    says it) and more at most: a caller that died holds it no longer. ``toolset`` and ``tool`` name
     the tool it calls, which the bridge finds in the job's grant, as it started (none: not looked up)."""
 
     call_id: str
-    timeout: float = 0.0
     toolset: str = ""
     tool: str = ""
 
@@ -121,10 +120,14 @@ class Answer:
 class Admitted:
     """A call of the job over HTTP, with its key, was recorded: ``tool_bytes`` (what its calls over
     HTTP have passed so far) counts against PTC_MAX_JOB_TOOL_BYTES in its sandbox too. One the
-    bridge did not admit (``Ask``: an older web's) counts against its max_tool_calls here."""
+    bridge did not admit (``Ask``: an older web's) counts against its max_tool_calls here.
+    ``timeout``: its tool's as it is now, which its tools worker runs it under and its caller
+    waits for (none if it won't run): its slot is held for that from now, not for the timeout
+    the tool had as the job started."""
 
     call_id: str
     tool_bytes: int = 0
+    timeout: float = 0.0
 
 
 @dataclass(frozen=True)

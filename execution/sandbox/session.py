@@ -205,6 +205,13 @@ def sdk_file_packed(name: str, text: str, *, compiled: bool) -> dict[str, str | 
     return packed
 
 
+def _key_call_deadline(now: float, timeout: float) -> float:
+    """When a call over HTTP with the job's key, of a tool of ``timeout``, gives back its slot if
+    its Released never comes: past its caller's own bound on it (the tool's timeout and the grace),
+    with as much again for the rest of its request (a caller that died says nothing)."""
+    return now + timeout + 2 * CALL_GRACE_SECONDS
+
+
 def _shown(value: Any) -> str:
     """What the sandbox sent, as an error message quotes it: at most 80 characters of it."""
     text = repr(value)
@@ -881,6 +888,10 @@ class Session:
         elif isinstance(message, Admitted):
             if message.call_id not in self.key_in_flight:
                 self.key_calls += 1  # recorded without asking this bridge (an older web): counted now
+            elif isinstance(message.timeout, int | float) and message.timeout > 0:
+                # Its tools worker runs it, and its caller waits for it, by its tool's timeout as it is
+                # now: one raised since the job started held its slot shorter than the call ran.
+                self.key_in_flight[message.call_id] = _key_call_deadline(time.monotonic(), message.timeout)
             self.http_tool_bytes = max(self.http_tool_bytes, message.tool_bytes)
             self._count_tool_bytes(0)
         elif isinstance(message, Cancel):
@@ -925,12 +936,9 @@ class Session:
             answer = Answer(call_id=ask.call_id, ok=False, code="parallel_limit", limit=limits.max_parallel_tool_calls)
         else:
             self.key_calls += 1
-            timeout = ask.timeout if isinstance(ask.timeout, int | float) and ask.timeout >= 0 else 0.0
-            timeout = max(timeout, granted.timeout)
-            # Past its caller's own bound on it (its tool's timeout and the grace, from its record),
-            # with as much again for the rest of its request: a caller that died says nothing.
             now = time.monotonic()
-            self.key_in_flight[ask.call_id] = now + timeout + 2 * CALL_GRACE_SECONDS
+            # Till it is recorded, by its tool's timeout as the job started (its Admitted says it as it is).
+            self.key_in_flight[ask.call_id] = _key_call_deadline(now, granted.timeout)
             self.key_admitted[ask.call_id] = now
             answer = Answer(call_id=ask.call_id, ok=True, tool_id=granted.tool_id, epoch=self.key_epoch)
         backplane().publish(call_channel(ask.call_id), answer)

@@ -585,8 +585,9 @@ def _tool_call_made(
     made.recorded = True
     if admit:
         assert job is not None
-        # Its bytes count with its code's in the job's sandbox.
-        backplane().publish(job_channel(job.call_id), Admitted(call_id=call_id, tool_bytes=made.tool_bytes))
+        # Its bytes count with its code's in the job's sandbox; its slot is held as long as it is waited for.
+        timeout = tool_run_timeout(found) if found is not None else 0.0
+        backplane().publish(job_channel(job.call_id), Admitted(call_id=call_id, tool_bytes=made.tool_bytes, timeout=timeout))
     if found is not None:
         _standalone_run(call_id=call_id, found=found, user=user, job=job)
     call = ToolCall.objects.get(call_id=call_id)
@@ -640,7 +641,7 @@ def _standalone_run(*, call_id: str, found: Tool, user: User, job: ExecJob | Non
     for error in refused.values():
         tool_call_finish(call_id=call_id, error=error)
     if not refused and _tool_call_enqueue(call_id=call_id, queue=found.toolset.queue) is None:
-        timeout = (found.timeout or settings.PTC_DEFAULT_TOOL_TIMEOUT) + CALL_GRACE_SECONDS
+        timeout = tool_run_timeout(found) + CALL_GRACE_SECONDS
         finished = backplane().wait_for(
             _result_channel(call_id, job.call_id if job else ""),
             done=lambda: ToolCall.objects.filter(call_id=call_id).exclude(status=ToolCall.Status.EXECUTING).exists(),
@@ -809,7 +810,13 @@ def tool_needs_approval(*, tool: Tool, policy: Policy) -> bool:
 
 def approved_call_timeout(call: ToolCall) -> float:
     """How long an approved call may run: its tool's timeout (select ``tool`` with the call)."""
-    return float((call.tool.timeout if call.tool else None) or settings.PTC_DEFAULT_TOOL_TIMEOUT)
+    return tool_run_timeout(call.tool) if call.tool else float(settings.PTC_DEFAULT_TOOL_TIMEOUT)
+
+
+def tool_run_timeout(tool: Tool) -> float:
+    """How long a call of ``tool`` runs at most on a tools worker: its timeout as the row has it now
+    (_tool_call_run), else PTC_DEFAULT_TOOL_TIMEOUT."""
+    return float(tool.timeout or settings.PTC_DEFAULT_TOOL_TIMEOUT)
 
 
 def tool_call_reply(call: ToolCall) -> dict[str, Any]:
@@ -1325,9 +1332,7 @@ def _tool_call_run(*, call: ToolCall, tool: Tool) -> None:
     # one of the pool's few connections idle while other calls wait for it.
     connection.close()
     try:
-        output = tool_run(
-            toolset=tool.toolset, tool=tool, arguments=arguments, timeout=tool.timeout or settings.PTC_DEFAULT_TOOL_TIMEOUT
-        )
+        output = tool_run(toolset=tool.toolset, tool=tool, arguments=arguments, timeout=tool_run_timeout(tool))
         # Only the output's own failure to be JSON is invalid_output: another error of the tool's run
         # is a bug, which ends the call internal_error with the traceback logged (tool_call_abort).
         try:

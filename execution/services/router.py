@@ -25,6 +25,7 @@ from execution.services.calls import (
     tool_calls_record,
     tool_calls_reserve,
     tool_needs_approval,
+    tool_run_timeout,
 )
 from ptcproject.db import db_reset
 from ptcproject.errors import call_error
@@ -155,7 +156,7 @@ class JobCallRouter:
                 timeout = found.timeout or settings.PTC_CLIENT_TOOL_TIMEOUT
                 outcomes.append(Dispatched(call_id=call.call_id, timeout=timeout, awaiting=awaits))
             else:
-                outcomes.append(Dispatched(call_id=call.call_id, timeout=found.timeout or settings.PTC_DEFAULT_TOOL_TIMEOUT))
+                outcomes.append(Dispatched(call_id=call.call_id, timeout=tool_run_timeout(found)))
                 # found.toolset is the checker's own row (prefetched with its tools): no query here.
                 accepted.append((call.call_id, found.toolset.queue))
                 queued[call.call_id] = call
@@ -222,7 +223,7 @@ class JobCallRouter:
         found = next((t for t in found_toolset.tools.all() if t.name == tool), None)
         if found is None:
             return call_error("unknown_tool", f"toolset '{toolset}' has no tool '{tool[:128]}'")
-        return Granted(tool_id=str(found.pk), timeout=float(found.timeout or settings.PTC_DEFAULT_TOOL_TIMEOUT))
+        return Granted(tool_id=str(found.pk), timeout=tool_run_timeout(found))
 
     def calls_open(self, *, call_ids: list[str]) -> dict[str, bool] | None:
         try:

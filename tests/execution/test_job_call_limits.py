@@ -144,7 +144,7 @@ time.sleep(60)
 def _asked(job: dict[str, Any], call_id: str, **ask: Any) -> Answer:
     """Ask the job's bridge to admit ``call_id``, as the web does for a call over HTTP; its answer."""
     with backplane().subscribe(call_channel(call_id)) as answers:
-        backplane().publish(job_channel(job["call_id"]), Ask(call_id=call_id, timeout=600, **ask))
+        backplane().publish(job_channel(job["call_id"]), Ask(call_id=call_id, **ask))
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
             answers.wait(deadline - time.monotonic())
@@ -268,7 +268,7 @@ def test_a_call_over_http_asking_again_as_its_job_ends_is_told_the_job_ended(api
     close_calls = Session._close_calls
 
     def asked_again_then_closed(self: Session):  # type: ignore[no-untyped-def]
-        backplane().publish(job_channel(job["call_id"]), Ask(call_id=call_id, timeout=600, toolset="demo", tool="echo"))
+        backplane().publish(job_channel(job["call_id"]), Ask(call_id=call_id, toolset="demo", tool="echo"))
         self.channel.wait(10)  # there for the drain
         return close_calls(self)
 
@@ -358,6 +358,63 @@ def test_a_toolset_changed_mid_job_is_called_alike_by_its_code_and_over_http_wit
     else:
         assert after.json()["status"] == "completed"
         assert final["return_value"][0] == "ok"
+
+
+RAISED = """
+import time
+from ptc_tools import _runtime
+from ptc_tools.demo import Demo
+Demo.echo(value=_runtime.job_info["key"])
+time.sleep(68)  # the test's call over HTTP runs meanwhile, for 75 s from about 3 s in
+Demo.echo(value="after")
+"""
+
+
+def test_a_call_over_http_holds_its_slot_by_its_tools_timeout_as_it_is_now_not_as_the_job_started(
+    api: Api, staff: Api, http_api: HttpApi
+) -> None:
+    """A tool's timeout raised while a job runs is what its tools worker runs a call of it under,
+    and what a call over HTTP with the job's key waits for; its bridge held that call's slot of the
+    parallel cap by the timeout as the job started (1 s here), and 60 s more: past that, a
+    sequential job's code had its next call run beside it. The slot is held till the call ends."""
+    from tools.models import Tool
+
+    assert staff.http.patch("/api/v1/policy", json={"sequential": True}).status_code == 200
+    key = unique_key("raised")
+    schema = {"type": "object", "properties": {"seconds": {"type": "number"}}, "required": ["seconds"]}
+    tool = {
+        "name": "wait",
+        "input_schema": schema,
+        "timeout": 1,
+        "http": {"method": "GET", "path": "/slow", "query": ["seconds"]},
+    }
+    body = {
+        "key": key,
+        "name": "Raised",
+        "kind": "http",
+        "is_global": True,
+        "config": {"base_url": http_api.url},
+        "tools": [tool],
+    }
+    assert staff.post("/api/v1/toolsets", json=body).status_code == 201
+    try:
+        job = api.run(RAISED, toolsets=["demo", key], wait=0, timeout=150)
+        headers = {"Authorization": f"Bearer {_job_key(api, job['id'])}"}
+        assert Tool.objects.filter(toolset__key=key, name="wait").update(timeout=120) == 1  # as in the admin
+        time.sleep(2.5)  # past the tools workers' cache of a tool (TOOL_CACHE_SECONDS)
+        with httpx.Client(base_url=api.http.base_url, headers=headers, timeout=120) as client:
+            slow = _execute(client, job, {"toolset": key, "tool": "wait", "arguments": {"seconds": 75}})
+        assert (slow.status_code, slow.json()["status"]) == (200, "completed"), slow.text
+        deadline = time.monotonic() + 30
+        while (final := api.get(f"/api/v1/exec/{job['id']}").json())["status"] == "running":
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+    finally:
+        staff.http.delete(f"/api/v1/toolsets/{key}")
+    assert final["status"] == "completed", final["error"]
+    over_http = ToolCall.objects.get(exec_job_id=job["id"], tool_name="wait")
+    after = ToolCall.objects.get(exec_job_id=job["id"], tool_name="echo", input={"value": "after"})
+    assert over_http.finished_at is not None and after.started_at >= over_http.finished_at
 
 
 def test_a_call_over_http_whose_jobs_worker_never_answers_is_503_and_runs_nothing(api: Api) -> None:
