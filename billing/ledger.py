@@ -1,7 +1,8 @@
 """The ledger's three moves on a call's credits: reserve before it runs, settle when it completed,
 release when it did not. They touch billing's tables only, and run inside the caller's
-transaction: execution flips its call's row, then settles, in one ``atomic()`` (or, for one
-account's calls on PostgreSQL, in its own statement: ``PostgresLedger.settling``).
+transaction: execution flips its call's row, then settles (a batch's failed calls released with
+them: ``close_many``), in one ``atomic()`` (or, for one account's calls on PostgreSQL, in its own
+statement: ``PostgresLedger.settling``).
 
 Two backends behind one interface, chosen once by the database:
 - ``PostgresLedger``: each move is one statement (data-modifying CTEs), and a reserve holds a
@@ -63,6 +64,14 @@ class Ledger:
         """Give back what was held for the call. A second release does nothing."""
         raise NotImplementedError
 
+    def close_many(self, *, settle: list[str], release: list[str]) -> dict[str, int]:
+        """``settle_many`` for the calls ``settle`` and ``release`` for those of ``release``, all of
+        one account, at once. Return what ``settle_many`` returns."""
+        charged = self.settle_many(tool_call_ids=settle)
+        for tool_call_id in release:
+            self.release(tool_call_id=tool_call_id)
+        return charged
+
 
 class PostgresLedger(Ledger):
     RESERVE = """
@@ -76,9 +85,11 @@ class PostgresLedger(Ledger):
     FROM held, jsonb_to_recordset(%(holds)s::jsonb) AS c(call text, amount bigint, due bigint, meta jsonb)
     """.format(**_TABLES)  # noqa: S608 - table names from the models, values as parameters
     # One statement for a batch of one account's calls (a fan-out finishing together): the account's
-    # row is updated once, with the batch's total; each call gets its usage and ledger row. The
-    # calls are those the query {calls} names: settling() gives these CTEs to a caller's statement.
-    _SETTLING = """
+    # row is updated once, with the batch's total; each call settled gets its usage and ledger row,
+    # each released (a failed call) gives back its hold. The calls are those the queries {calls} and
+    # {released} name: settling() gives these CTEs to a caller's statement. One UPDATE of the account
+    # for both: a row updated twice in one statement is updated once, by either (PostgreSQL's WITH).
+    _SETTLED = """
     settled AS (
         UPDATE {reservation} SET status = 'settled', closed_at = now()
         WHERE tool_call_id = ANY(ARRAY({{calls}})) AND status = 'held'
@@ -93,20 +104,37 @@ class PostgresLedger(Ledger):
                (s.meta ->> 'toolsetKey') || '.' || (s.meta ->> 'toolName') || ' call ' || s.tool_call_id,
                s.tool_call_id, NULL, now()
         FROM settled s WHERE s.amount > 0
-    ), charged AS (
+    )""".format(**_TABLES)  # noqa: S608 - table names from the models, values as parameters
+    _CHARGED = """, charged AS (
         UPDATE {account} a SET reserved = a.reserved - t.total, balance = a.balance - t.total, updated_at = now()
         FROM (SELECT account_id, sum(amount) AS total FROM settled GROUP BY account_id) t WHERE a.id = t.account_id
     )
-    """.format(**_TABLES)  # noqa: S608 - table names from the models, values as parameters
-    SETTLE = "WITH " + _SETTLING.format(calls="SELECT unnest(%(calls)s::text[])") + "SELECT tool_call_id, amount FROM settled"  # noqa: S608
+    """.format(**_TABLES)  # noqa: S608
+    _RELEASED_CHARGED = """, released AS (
+        UPDATE {reservation} SET status = 'released', closed_at = now()
+        WHERE tool_call_id = ANY(ARRAY({{released}})) AND status = 'held'
+        RETURNING account_id, amount
+    ), charged AS (
+        UPDATE {account} a SET reserved = a.reserved - t.held, balance = a.balance - t.spent, updated_at = now()
+        FROM (
+            SELECT account_id, sum(amount) AS held, sum(spent) AS spent
+            FROM (SELECT account_id, amount, amount AS spent FROM settled UNION ALL SELECT account_id, amount, 0 FROM released) c
+            GROUP BY account_id
+        ) t WHERE a.id = t.account_id
+    )
+    """.format(**_TABLES)  # noqa: S608
 
     @classmethod
-    def settling(cls, calls: str) -> str:
-        """SETTLE's CTEs (``settled``, ``usage``, ``ledger``, ``charged``) for the calls of one
-        account that the query ``calls`` names: a caller's statement that ends calls settles them
-        with its own, in one round trip (each of its calls settled, as settle does, only if held)."""
-        return cls._SETTLING.format(calls=calls)
+    def settling(cls, calls: str, released: str = "") -> str:
+        """The CTEs (``settled``, ``usage``, ``ledger``, ``charged``) that settle the calls of one
+        account that the query ``calls`` names, and release those ``released`` names (if given): a
+        caller's statement that ends calls closes their holds with its own, in one round trip (each
+        call settled or released, as settle and release do, only if held)."""
+        return (cls._SETTLED + (cls._RELEASED_CHARGED if released else cls._CHARGED)).format(calls=calls, released=released)
 
+    _GIVEN = {"calls": "SELECT unnest(%(calls)s::text[])", "released": "SELECT unnest(%(released)s::text[])"}
+    SETTLE = "WITH " + (_SETTLED + _CHARGED).format(**_GIVEN) + "SELECT tool_call_id, amount FROM settled"  # noqa: S608
+    CLOSE = "WITH " + (_SETTLED + _RELEASED_CHARGED).format(**_GIVEN) + "SELECT tool_call_id, amount FROM settled"  # noqa: S608
     RELEASE = """
     WITH released AS (
         UPDATE {reservation} SET status = 'released', closed_at = now()
@@ -132,8 +160,16 @@ class PostgresLedger(Ledger):
             return cursor.rowcount == len(holds)
 
     def settle_many(self, *, tool_call_ids: list[str]) -> dict[str, int]:
+        return self.close_many(settle=tool_call_ids, release=[])
+
+    def close_many(self, *, settle: list[str], release: list[str]) -> dict[str, int]:
+        # One statement, the account's row updated once (the hold given back and the charge), where
+        # a settle and a release a call were a statement each, the row's lock held from the first.
         with connection.cursor() as cursor:
-            cursor.execute(self.SETTLE, {"calls": tool_call_ids})
+            if release:
+                cursor.execute(self.CLOSE, {"calls": settle, "released": release})
+            else:
+                cursor.execute(self.SETTLE, {"calls": settle})
             return {call_id: int(amount) for call_id, amount in cursor.fetchall()}
 
     def release(self, *, tool_call_id: str) -> None:

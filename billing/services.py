@@ -158,6 +158,13 @@ def credits_settle_many(*, tool_call_ids: list[str]) -> dict[str, int]:
     return ledger().settle_many(tool_call_ids=tool_call_ids)
 
 
+def credits_close_many(*, settle: list[str], release: list[str]) -> dict[str, int]:
+    """``credits_settle_many`` for the calls ``settle`` (completed) and ``credits_release`` for those
+    of ``release`` (failed), all of one user, in one statement on PostgreSQL. Return what
+    ``credits_settle_many`` returns. Lock order is the caller's, as there."""
+    return ledger().close_many(settle=settle, release=release)
+
+
 def credits_release(*, tool_call_id: str) -> None:
     """Give back what was held for a call that did not succeed. A second release does nothing."""
     ledger().release(tool_call_id=tool_call_id)

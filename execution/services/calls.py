@@ -26,6 +26,7 @@ from billing.ledger import PostgresLedger
 from billing.models import Reservation
 from billing.selectors import credits_held, reservations_held
 from billing.services import (
+    credits_close_many,
     credits_release,
     credits_reserve,
     credits_settle,
@@ -991,16 +992,24 @@ finished AS (
     credits = CASE WHEN v.settles THEN COALESCE((
       SELECT r.amount FROM {Reservation._meta.db_table} r WHERE r.tool_call_id = t.call_id AND r.status = 'held' LIMIT 1
     ), 0) ELSE t.credits END
-  FROM jsonb_to_recordset(%(calls)s::jsonb) AS v(call_id text, status text, output jsonb, error jsonb, settles boolean)
+  FROM jsonb_to_recordset(%(calls)s::jsonb)
+    AS v(call_id text, status text, output jsonb, error jsonb, settles boolean, releases boolean)
   WHERE t.call_id = v.call_id AND t.status IN ({", ".join(f"'{status.value}'" for status in ToolCall.OPEN)})
     AND {brief_lock_wait_sql()}
-  RETURNING t.call_id, t.credits, v.settles
+  RETURNING t.call_id, t.credits, v.settles, v.releases
 )"""  # noqa: S608
 _FINISH_SQL = f"WITH {_FINISHED} SELECT call_id, credits FROM finished"  # noqa: S608
 # The same, and the settle of the billed calls it moves, all of one user's: one round trip where
 # BEGIN, the UPDATE, the settle and COMMIT were four, on every billed call's path.
 _FINISH_SETTLE_SQL = (
     f"WITH {_FINISHED}, {PostgresLedger.settling('SELECT call_id FROM finished WHERE settles')} "  # noqa: S608
+    "SELECT call_id, credits FROM finished"
+)
+# And the release of the billed calls that failed (the same user's): their holds closed with their
+# records, in one statement.
+_FINISH_CLOSE_SQL = (
+    f"WITH {_FINISHED}, "  # noqa: S608
+    f"{PostgresLedger.settling('SELECT call_id FROM finished WHERE settles', 'SELECT call_id FROM finished WHERE releases')} "
     "SELECT call_id, credits FROM finished"
 )
 
@@ -1429,52 +1438,53 @@ def _tool_calls_finish_ran(batch: list[_Ran], *, brief: bool = False) -> list[bo
 
 
 def _tool_calls_finish_postgres(batch: list[_Ran], *, brief: bool = False) -> list[bool]:
-    """``tool_call_finish`` for a batch, on PostgreSQL: the calls' rows and the settle of the billed
-    ones in one statement when they are one user's (a job's usually are); else one UPDATE, then a
-    settle per user in the same transaction. What a failed billed call held is released after.
+    """``tool_call_finish`` for a batch, on PostgreSQL: the calls' rows, the settle of the billed ones
+    that completed and the release of those that failed, in one statement when they are one user's
+    (a job's usually are); else one UPDATE, then a statement per user in the same transaction.
 
     A call is billed as it was made, as ``tool_call_finish`` has it: one whose price was held is
     settled or released even if its toolset turned free or private while it was queued (its claim
-    said whether a price was held: ``_Ran.billed``)."""
+    said whether a price was held: ``_Ran.billed``). A failed one's hold is given back with its
+    record, as a completed one's is settled: an account's row held locked then cancels the batch
+    (``brief``), which goes again call by call, as for any other lock it meets. Given back after the
+    record, a hold whose account's row was held locked could not be waited for without holding up
+    the batch's other calls: it cost the batch ``BRIEF_LOCK_WAIT_MS`` a call, and was left held
+    until the reaper's close of held credits a lease later."""
     now = timezone.now()
     fields = [_finished_fields(output=ran.reply.get("result"), error=ran.reply.get("error"), now=now) for ran in batch]
     settles = [ran.billed and not f["error"] for ran, f in zip(batch, fields, strict=True)]
+    releases = [ran.billed and bool(f["error"]) for ran, f in zip(batch, fields, strict=True)]
     # The batch as one JSON parameter: as seven arrays, the statement took 0.25 ms more (a half of
     # that psycopg's adapting of them, the rest PostgreSQL's unnesting), a third of its time.
     calls = [
-        {"call_id": ran.call.call_id, "status": f["status"].value, "output": f["output"], "error": f["error"], "settles": settle}
-        for ran, f, settle in zip(batch, fields, settles, strict=True)
+        {"call_id": ran.call.call_id, "status": f["status"].value, "output": f["output"], "error": f["error"]}
+        | {"settles": settle, "releases": release}
+        for ran, f, settle, release in zip(batch, fields, settles, releases, strict=True)
     ]
     params: dict[str, Any] = {"now": now, "calls": json.dumps(calls), "lock_wait": brief_lock_wait(brief)}
-    payers = {ran.call.user_id for ran, settle in zip(batch, settles, strict=True) if settle}
+    payers = {ran.call.user_id for ran, settle, release in zip(batch, settles, releases, strict=True) if settle or release}
     if len(payers) <= 1:
         # One statement is atomic on its own; its one account row is locked only while it runs.
         with connection.cursor() as cursor:
-            cursor.execute(_FINISH_SETTLE_SQL if payers else _FINISH_SQL, params)
+            cursor.execute(_FINISH_CLOSE_SQL if any(releases) else _FINISH_SETTLE_SQL if payers else _FINISH_SQL, params)
             credits = dict(cursor.fetchall())
     else:
-        # Each account's row is locked from its settle (one statement per user) to the commit:
-        # accounts go in one order (by user), so two batches never wait on each other in a cycle.
+        # Each account's row is locked from its statement (one per user) to the commit: accounts go
+        # in one order (by user), so two batches never wait on each other in a cycle. The lock_timeout
+        # the first statement set (brief) is the transaction's: these wait on a lock as briefly.
         with transaction.atomic():
             with connection.cursor() as cursor:
                 cursor.execute(_FINISH_SQL, params)
                 credits = dict(cursor.fetchall())
-            by_user: dict[int, list[str]] = {}
-            for ran, settle in zip(batch, settles, strict=True):
-                if settle and ran.call.call_id in credits:
-                    by_user.setdefault(ran.call.user_id, []).append(ran.call.call_id)
+            by_user: dict[int, tuple[list[str], list[str]]] = {}
+            for ran, settle, release in zip(batch, settles, releases, strict=True):
+                if (settle or release) and ran.call.call_id in credits:
+                    by_user.setdefault(ran.call.user_id, ([], []))[0 if settle else 1].append(ran.call.call_id)
             for user_id in sorted(by_user):
-                credits_settle_many(tool_call_ids=by_user[user_id])
+                settled, released = by_user[user_id]
+                credits_close_many(settle=settled, release=released)
     for ran, values in zip(batch, fields, strict=True):
         if ran.call.call_id in credits:
-            if ran.billed and values["error"]:
-                release = functools.partial(credits_release, tool_call_id=ran.call.call_id)
-                if brief:
-                    # The calls are finished: a hold whose account's row is held locked is left to the
-                    # reaper's close of held credits (tool_calls_close_held), not waited on by the batch.
-                    unless_locked(release, what="releasing a failed call's hold", call_id=ran.call.call_id)
-                else:
-                    release()
             _record_finished(ran.call, values, credits[ran.call.call_id])
     return [ran.call.call_id in credits for ran in batch]
 

@@ -190,6 +190,33 @@ def test_a_batch_of_one_users_calls_is_settled_each_once(make_api: Callable[...,
     assert ledger_mismatches() == []
 
 
+@pytest.mark.parametrize("backend", [PostgresLedger, OrmLedger])
+def test_a_batch_of_one_users_completed_and_failed_calls_is_settled_and_released_each_once(
+    make_api: Callable[..., Api], backend: type[Ledger]
+) -> None:
+    # On PostgreSQL one statement, which updates the account's row once for both (a row updated twice
+    # in one statement is updated once).
+    api = make_api(credits=10)
+    user = get_user_model().objects.get(username=api.username)
+    tool = Tool.objects.select_related("toolset").get(toolset__key="demo", toolset__owner=None, name="add")
+    quote = price_quote(user=user, toolset=tool.toolset, tool=tool)
+    assert quote is not None and quote.amount == 1
+    calls = [f"batch_{uuid.uuid4().hex}" for _ in range(4)]
+    assert credits_reserve(user=user, holds=[(call_id, quote) for call_id in calls]) == {}
+    ledger = backend()
+    assert ledger.close_many(settle=calls[:2], release=[calls[2]]) == {calls[0]: 1, calls[1]: 1}
+    account = CreditAccount.objects.get(user=user)
+    assert (account.balance, account.reserved) == (8, 1)
+    # Again, and the last one released: each held one is closed once.
+    assert ledger.close_many(settle=calls[:1], release=calls[2:]) == {}
+    account.refresh_from_db()
+    assert (account.balance, account.reserved) == (8, 0)
+    statuses = dict(Reservation.objects.filter(tool_call_id__in=calls).values_list("tool_call_id", "status"))
+    assert [statuses[call_id] for call_id in calls] == ["settled", "settled", "released", "released"]
+    assert LedgerEntry.objects.filter(account=account, kind="charge", tool_call_id__in=calls).count() == 2
+    assert ledger_mismatches() == []
+
+
 def test_a_plan_with_free_tools_records_the_price_and_charges_nothing(api: Api) -> None:
     account = account_get(user=get_user_model().objects.get(username=api.username))
     account.plan = Plan.objects.get(key="plus")

@@ -13,7 +13,14 @@ from collections.abc import Iterator
 
 import psycopg
 import pytest
+from django.contrib.auth import get_user_model
+from django.db import connection
 
+from billing.models import CreditAccount, Reservation
+from billing.selectors import ledger_mismatches
+from billing.services import credits_adjust, credits_reserve, price_quote
+from execution.models import ToolCall
+from execution.services import calls as services
 from tests.conftest import Api, own_deployment
 from tests.execution.test_statement_cancelled import (
     _account_held,
@@ -25,8 +32,10 @@ from tests.execution.test_statement_cancelled import (
     _open_call_copy,
     _user_held_as_claimed,
 )
+from tests.factories import demo_call
 from tests.servers import api_key
 from tests.stack import Stack
+from tools.models import Tool
 
 TIMEOUT = 15  # PTC_DB_STATEMENT_TIMEOUT here
 HELD_UP = 2.5  # a call that took longer waited on the lock (a demo.add takes milliseconds, a loaded machine's under a second)
@@ -239,3 +248,60 @@ def test_a_job_whose_close_waited_on_a_lock_as_the_reaper_failed_it_is_closed_on
         closed = conn.execute("SELECT status, closed_at FROM execution_execjob WHERE id = %s", [dead]).fetchone()
     assert (row[0], row[1]["code"]) == ("failed", "job_ended"), row
     assert closed[0] == "failed" and closed[1] is not None, closed
+
+
+def test_failed_calls_whose_account_is_held_locked_hold_up_no_other_call_and_give_back_their_credits_once_it_goes(
+    django_db_setup: str,
+) -> None:
+    """A tools worker's threads finish failed billed calls together: one user's account row is held
+    locked by a stuck transaction, another's is not. The other user's calls are recorded and their
+    credits given back at once; the stuck user's calls wait for the lock each on its own thread, and
+    give back what was held for them once it goes, each once. Before, the batch gave back each
+    stuck call's hold after waiting on the lock a moment for each (every call batched with them and
+    after them waited as long), and left it held, for the reaper's close a lease later."""
+    tool = Tool.objects.select_related("toolset").get(toolset__key="demo", toolset__owner=None, name="fail")
+    made: dict[str, list[ToolCall]] = {}
+    for name in ("stuck", "other"):
+        user = get_user_model().objects.create_user(username=f"{name}-{uuid.uuid4().hex[:8]}")
+        credits_adjust(user=user, amount=100, reason="test")
+        made[name] = [demo_call(user=user, tool="fail", input={"message": "no"}) for _ in range(15)]
+        quote = price_quote(user=user, toolset=tool.toolset, tool=tool)
+        assert quote is not None and quote.amount == 1
+        assert credits_reserve(user=user, holds=[(call.call_id, quote) for call in made[name]]) == {}
+    took: dict[str, float] = {}
+
+    def run(call: ToolCall) -> None:
+        call.price_held = True  # type: ignore[attr-defined]  # as its claim says
+        started = time.monotonic()
+        try:
+            services._tool_call_run(call=call, tool=tool)
+        finally:
+            took[call.call_id] = time.monotonic() - started
+            connection.close()
+
+    runners = {name: [threading.Thread(target=run, args=(call,)) for call in calls] for name, calls in made.items()}
+    with psycopg.connect(django_db_setup) as holder:
+        holder.execute("SELECT 1 FROM billing_creditaccount WHERE user_id = %s FOR UPDATE", [made["stuck"][0].user_id])
+        for stuck, other in zip(runners["stuck"], runners["other"], strict=True):
+            stuck.start()
+            other.start()
+        for thread in runners["other"]:
+            thread.join(20)
+            assert not thread.is_alive()
+        other_account = CreditAccount.objects.get(user_id=made["other"][0].user_id)
+        assert (other_account.balance, other_account.reserved) == (100, 0)  # while the lock is held
+        assert all(thread.is_alive() for thread in runners["stuck"])  # each waits on the lock
+    for thread in runners["stuck"]:
+        thread.join(30)
+        assert not thread.is_alive()
+    held_up = sorted(round(took[call.call_id], 2) for call in made["other"] if took[call.call_id] > HELD_UP)
+    assert not held_up, held_up
+    for calls in made.values():
+        records = ToolCall.objects.filter(call_id__in=[call.call_id for call in calls])
+        assert sorted((r.status, r.error["code"], r.credits) for r in records) == [("failed", "tool_failed", 0)] * len(calls)
+        assert set(Reservation.objects.filter(tool_call_id__in=[c.call_id for c in calls]).values_list("status", flat=True)) == {
+            "released"
+        }
+    stuck_account = CreditAccount.objects.get(user_id=made["stuck"][0].user_id)
+    assert (stuck_account.balance, stuck_account.reserved) == (100, 0)
+    assert ledger_mismatches() == []
