@@ -217,6 +217,29 @@ def test_a_batch_of_one_users_completed_and_failed_calls_is_settled_and_released
     assert ledger_mismatches() == []
 
 
+def test_a_tools_workers_batch_of_one_users_calls_charges_those_that_completed_and_gives_back_the_rest(api: Api) -> None:
+    # One statement records the calls, settles the completed ones and releases the failed ones.
+    user = get_user_model().objects.get(username=api.username)
+    tool = Tool.objects.select_related("toolset").get(toolset__key="demo", toolset__owner=None, name="add")
+    job = running_job(user=user)
+    calls = [demo_call(user=user, job=job) for _ in range(4)]
+    quote = price_quote(user=user, toolset=tool.toolset, tool=tool)
+    assert credits_reserve(user=user, holds=[(call.call_id, quote) for call in calls], exec_job=job) == {}
+    before = CreditAccount.objects.get(user=user)
+    replies = [{"ok": True, "result": 3}] * 2 + [{"ok": False, "error": {"code": "tool_failed", "message": "no"}}] * 2
+    batch = [execution_services._Ran(call=call, reply=reply, billed=True) for call, reply in zip(calls, replies, strict=True)]
+    assert execution_services._tool_calls_finish_ran(batch, brief=True) == [True] * 4
+    after = CreditAccount.objects.get(user=user)
+    assert (after.balance, after.reserved) == (before.balance - 2, before.reserved - 4)
+    records = {r.call_id: r for r in ToolCall.objects.filter(call_id__in=[call.call_id for call in calls])}
+    assert [(records[c.call_id].status, records[c.call_id].credits) for c in calls] == [("completed", 1)] * 2 + [
+        ("failed", 0)
+    ] * 2
+    statuses = dict(Reservation.objects.filter(tool_call_id__in=records).values_list("tool_call_id", "status"))
+    assert [statuses[call.call_id] for call in calls] == ["settled"] * 2 + ["released"] * 2
+    assert ledger_mismatches() == []
+
+
 def test_a_plan_with_free_tools_records_the_price_and_charges_nothing(api: Api) -> None:
     account = account_get(user=get_user_model().objects.get(username=api.username))
     account.plan = Plan.objects.get(key="plus")
