@@ -212,8 +212,8 @@ def _lock_wait_brief(alias: str = DEFAULT_DB_ALIAS) -> Iterator[None]:
 @contextmanager
 def _each_transaction_set(setting: str, alias: str) -> Iterator[None]:
     """Run ``setting`` (a ``set_config(..., true)``) first in the transaction of each of the block's
-    statements on ``alias``: the block's own ``atomic`` block, or one of its own around a statement
-    outside them. Nothing outside PostgreSQL."""
+    statements on ``alias``: the block's own ``atomic`` block, a pipeline's (``rows.together``), or
+    one of its own around a statement outside them. Nothing outside PostgreSQL."""
     database = connections[alias]
     if database.vendor != "postgresql":
         yield
@@ -225,8 +225,13 @@ def _each_transaction_set(setting: str, alias: str) -> Iterator[None]:
 def _set_in_transaction(
     setting: str, execute: Callable[..., Any], sql: str, params: Any, many: bool, context: dict[str, Any]
 ) -> Any:
+    from psycopg import pq
+
     database = context["connection"]
-    if not database.get_autocommit():
+    # In a transaction already: the block's ``atomic``, or the one a pipeline's statements make
+    # (``rows.together``: sent at once, all or nothing). A transaction of its own for each of those
+    # committed the first ones though a later one failed, and took a round trip or three each.
+    if not database.get_autocommit() or database.connection.pgconn.pipeline_status != pq.PipelineStatus.OFF:
         _set_first(database, context["cursor"], setting)
         return execute(sql, params, many, context)
     with transaction.atomic(using=database.alias):

@@ -3,6 +3,7 @@ what each gives alone; an error in one undoes them all; elsewhere one after anot
 
 import os
 import tempfile
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -14,6 +15,7 @@ from django.contrib.auth import get_user_model
 from django.db import DataError, connection, connections
 
 from ptcproject import rows
+from ptcproject.db import BRIEF_LOCK_WAIT_MS, unless_locked
 from ptcproject.policy.selectors import policy_read, quotas_read
 from tools.selectors import toolset_keys_read
 
@@ -116,3 +118,32 @@ def test_a_statement_due_to_be_prepared_in_a_round_trip_that_failed_before_it_ru
         for _ in range(3):
             assert rows.together(read, policy_read())[0] == [(runs + 1,)]
             assert read.run() == [(runs + 1,)]
+
+
+def test_statements_together_in_work_that_waits_on_a_lock_briefly_go_in_one_round_trip_all_or_nothing(
+    django_db_setup: str, scratch: str
+) -> None:
+    """Statements together in a reaper's item (``unless_locked``: each transaction waits on a lock
+    briefly) wait so, in one round trip, and are still all or nothing: one that waited on a row held
+    locked, cancelled, undoes the others. Before, each went in a transaction of its own, its own
+    round trips: the first was committed though the second was cancelled."""
+    with connection.cursor() as cursor:
+        cursor.execute(f"INSERT INTO {scratch} VALUES (1, 'a'), (2, 'a')")
+    free = rows.Statement(f"UPDATE {scratch} SET title = 'b' WHERE id = 2 RETURNING id", [], lambda found: found)
+    held = rows.Statement(f"UPDATE {scratch} SET title = 'b' WHERE id = 1 RETURNING id", [], lambda found: found)
+    wait = rows.Statement("SELECT current_setting('lock_timeout')", [], lambda found: found[0][0])
+    sent = _sent_and_read(lambda: unless_locked(lambda: rows.together(held, wait), what="a test"))
+    executes = [i for i, message in enumerate(sent) if message == "F Execute"]
+    assert executes and max(executes) < min(i for i, message in enumerate(sent) if message.startswith("B ")), sent
+    with connection.cursor() as cursor:
+        cursor.execute(f"UPDATE {scratch} SET title = 'a'")
+    with psycopg.connect(django_db_setup) as holder:
+        holder.execute(f"SELECT 1 FROM {scratch} WHERE id = 1 FOR UPDATE")  # a transaction stuck elsewhere
+        began = time.monotonic()
+        assert unless_locked(lambda: rows.together(free, wait, held), what="a test") is None
+        assert time.monotonic() - began < 5  # BRIEF_LOCK_WAIT_MS, not PTC_DB_STATEMENT_TIMEOUT (30 s)
+        holder.rollback()
+    with connection.cursor() as cursor:
+        cursor.execute(f"SELECT id, title FROM {scratch} ORDER BY id")
+        assert cursor.fetchall() == [(1, "a"), (2, "a")]  # the free row's UPDATE undone with the one cancelled
+    assert unless_locked(lambda: rows.together(free, wait), what="a test") == ([(2,)], f"{BRIEF_LOCK_WAIT_MS}ms")
