@@ -379,14 +379,30 @@ def tool_calls_fail_queued(calls: list[ToolCall], *, error: dict[str, str], runn
     unclaimed = "" if running else f"AND {ToolCall._meta.db_table}.claimed_at IS NULL"
     sql = _FAIL_QUEUED_SQL.format(rows=placeholders, unclaimed=unclaimed)
     params = [value for row in failed for value in rows.prepared(row, _ROW_FIELDS)]
-    with connection.cursor() as cursor:
-        cursor.execute(sql, params)
-        ended = {call_id for (call_id,) in cursor.fetchall()}
-    for row in failed:
-        if row.call_id in ended:
-            credits_release(tool_call_id=row.call_id)
+    # Their holds given back in the transaction that fails them: given back after, one whose
+    # account's row was held locked (a statement cancelled: the reaper's brief wait, the statement
+    # timeout) failed the work with the calls failed and the holds of the rest not given back either,
+    # and the work done again found nothing left to fail: every hold stayed until the reaper's close
+    # of held credits, a lease later.
+    with transaction.atomic():
+        with connection.cursor() as cursor:
+            cursor.execute(sql, params)
+            ended = {call_id for (call_id,) in cursor.fetchall()}
+        _holds_close([(row.user_id, row.call_id, False) for row in failed if row.call_id in ended])
     events_publish_by_job([(row.ptc_call_id, tool_call_event(row)) for row in failed if row.call_id in ended])
     return [row.call_id for row in failed if row.call_id in ended]
+
+
+def _holds_close(calls: list[tuple[int, str, bool]]) -> None:
+    """Settle (``True``) or give back (``False``) what was held for calls ``(user_id, call_id,
+    settles)`` that ended in the caller's transaction, a statement per user, in the order of their
+    users: two transactions that close holds of the same users never wait on each other in a cycle."""
+    by_user: dict[int, tuple[list[str], list[str]]] = {}
+    for user_id, call_id, settles in calls:
+        by_user.setdefault(user_id, ([], []))[0 if settles else 1].append(call_id)
+    for user_id in sorted(by_user):
+        settled, released = by_user[user_id]
+        credits_close_many(settle=settled, release=released)
 
 
 def _tool_call_enqueue(*, call_id: str, queue: str) -> dict[str, str] | None:
@@ -1476,13 +1492,8 @@ def _tool_calls_finish_postgres(batch: list[_Ran], *, brief: bool = False) -> li
             with connection.cursor() as cursor:
                 cursor.execute(_FINISH_SQL, params)
                 credits = dict(cursor.fetchall())
-            by_user: dict[int, tuple[list[str], list[str]]] = {}
-            for ran, settle, release in zip(batch, settles, releases, strict=True):
-                if (settle or release) and ran.call.call_id in credits:
-                    by_user.setdefault(ran.call.user_id, ([], []))[0 if settle else 1].append(ran.call.call_id)
-            for user_id in sorted(by_user):
-                settled, released = by_user[user_id]
-                credits_close_many(settle=settled, release=released)
+            ended = [(ran, settle) for ran, settle, release in zip(batch, settles, releases, strict=True) if settle or release]
+            _holds_close([(ran.call.user_id, ran.call.call_id, settle) for ran, settle in ended if ran.call.call_id in credits])
     for ran, values in zip(batch, fields, strict=True):
         if ran.call.call_id in credits:
             _record_finished(ran.call, values, credits[ran.call.call_id])

@@ -21,6 +21,8 @@ from billing.selectors import ledger_mismatches
 from billing.services import credits_adjust, credits_reserve, price_quote
 from execution.models import ToolCall
 from execution.services import calls as services
+from ptcproject.db import unless_locked
+from ptcproject.errors import call_error
 from tests.conftest import Api, own_deployment
 from tests.execution.test_statement_cancelled import (
     _account_held,
@@ -32,7 +34,7 @@ from tests.execution.test_statement_cancelled import (
     _open_call_copy,
     _user_held_as_claimed,
 )
-from tests.factories import demo_call
+from tests.factories import demo_call, running_job
 from tests.servers import api_key
 from tests.stack import Stack
 from tools.models import Tool
@@ -304,4 +306,47 @@ def test_failed_calls_whose_account_is_held_locked_hold_up_no_other_call_and_giv
         }
     stuck_account = CreditAccount.objects.get(user_id=made["stuck"][0].user_id)
     assert (stuck_account.balance, stuck_account.reserved) == (100, 0)
+    assert ledger_mismatches() == []
+
+
+def test_a_jobs_queued_calls_failed_as_it_closes_give_back_their_holds_when_the_close_is_done_again(django_db_setup: str) -> None:
+    """A job's close fails the calls it left queued, and gives back what was held for them. In the
+    reaper's round, with their account's row held locked by a stuck transaction, the close is cut
+    short (its statements wait on a lock a moment) and done again in a later round, once the lock
+    goes: the calls are failed then, their holds given back with them. Before, the first try left
+    the calls failed and their holds held; the second found nothing left to fail, and the holds
+    stayed until the reaper's close of held credits, a lease later."""
+    from ptcproject.accounts.services import user_with_key_create
+
+    user, _ = user_with_key_create(username=f"closed-{uuid.uuid4().hex[:6]}", create_user=True, staff=False, credits=10)
+    job = running_job(user=user)
+    tool = Tool.objects.select_related("toolset").get(toolset__key="demo", toolset__owner=None, name="add")
+    calls = [
+        services.tool_call_build(
+            call_id=f"ptc_{uuid.uuid4().hex}",
+            user=user,
+            job=job,
+            toolset="demo",
+            tool="add",
+            arguments={"a": 1, "b": 2},
+            found=tool,
+        )
+        for _ in range(3)
+    ]
+    assert services.tool_calls_reserve(calls=[(call.call_id, tool) for call in calls], user=user, job=job) == {}
+    ids = [call.call_id for call in calls]
+
+    def close() -> list[str]:
+        return services.tool_calls_fail_queued(calls, error=call_error("job_ended", services.JOB_ENDED_MESSAGE), running=False)
+
+    with psycopg.connect(django_db_setup) as holder:
+        holder.execute("SELECT 1 FROM billing_creditaccount WHERE user_id = %s FOR UPDATE", [user.pk])
+        assert unless_locked(close, what="closing an ended job") is None
+    assert not ToolCall.objects.filter(call_id__in=ids).exists()  # nothing done: all of it is done again
+    assert sorted(unless_locked(close, what="closing an ended job") or []) == sorted(ids)
+    records = ToolCall.objects.filter(call_id__in=ids)
+    assert sorted((r.status, r.error["code"]) for r in records) == [("failed", "job_ended")] * 3
+    assert set(Reservation.objects.filter(tool_call_id__in=ids).values_list("status", flat=True)) == {"released"}
+    account = CreditAccount.objects.get(user=user)
+    assert (account.balance, account.reserved) == (10, 0)
     assert ledger_mismatches() == []
