@@ -2,8 +2,10 @@
 a wait for it from a slow machine (15 s): what must not wait on it (a tools worker's other calls,
 the reaper's other rows) goes on within a few seconds, and what needs it ends once the lock goes.
 
-The deployment is its own (its database, its queues). tests/execution/test_statement_cancelled.py
-has the same at a 1 s timeout, where what is cancelled is tried again.
+The deployment is its own (its database, its queues). The last tests run a tools worker's or the
+reaper's services in this process, on the suite's database (a 30 s timeout), where they can be
+given calls that fail after their price was held. tests/execution/test_statement_cancelled.py has
+the same at a 1 s timeout, where what is cancelled is tried again.
 """
 
 import threading
