@@ -884,8 +884,10 @@ def _exec_job_fail_if(*, job_id: str, status: str, kind: str, message: str, stal
     return bool(updated)
 
 
-def exec_job_fail_queued(*, job_id: Any, message: str) -> bool:
-    """Fail a job still queued because its session ended: it would wait for a sandbox that is gone."""
+def exec_job_fail_queued(*, job_id: Any, reason: str) -> bool:
+    """Fail a job still queued because its session ended (for ``reason``): it would wait for a
+    sandbox that is gone. Return whether it was failed here."""
+    message = f"its session ended before it started: {reason}"
     return _exec_job_fail_if(job_id=str(job_id), status=Status.QUEUED, kind="SessionEnded", message=message)
 
 

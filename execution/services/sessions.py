@@ -304,7 +304,8 @@ def session_files_put(*, session: ExecSession, files: dict[str, bytes]) -> list[
 
 def _session_end(*, session_id: Any, status: str, reason: str) -> bool:
     """End an active session (the database's side). A job of it still queued fails now: it would
-    wait for a sandbox that is gone. Return whether this call ended it."""
+    wait for a sandbox that is gone (or, should this be cut short, at the reaper's next round:
+    exec_sessions_reap). Return whether this call ended it."""
     now = timezone.now()
     ended = ExecSession.objects.filter(pk=session_id, status=Status.ACTIVE).update(
         status=status, end_reason=reason[:500], ended_at=now
@@ -315,13 +316,14 @@ def _session_end(*, session_id: Any, status: str, reason: str) -> bool:
     from execution.services.jobs import exec_job_fail_queued
 
     for job_id in ExecJob.objects.filter(session_id=session_id, status=ExecJob.Status.QUEUED).values_list("pk", flat=True):
-        exec_job_fail_queued(job_id=job_id, message=f"its session ended before it started: {reason}")
+        exec_job_fail_queued(job_id=job_id, reason=reason)
     return True
 
 
 def exec_sessions_reap() -> int:
     """End the sessions past their time (``expired``) and those whose worker stopped renewing their
-    lease (``lost``). Run by the reaper. Return how many ended."""
+    lease (``lost``), and fail the jobs still queued in a session that ended. Run by the reaper.
+    Return how many sessions ended."""
     now = timezone.now()
     ended = 0
     # One whose row a stuck transaction holds locked waits for a later round, not the rest of the reaper's.
@@ -347,7 +349,26 @@ def exec_sessions_reap() -> int:
         if done is None:
             _reaper_found_locked.held(session_id)
         ended += done or 0
+    _session_jobs_fail_queued()
     return ended
+
+
+def _session_jobs_fail_queued() -> None:
+    """Fail the jobs still queued in a session that ended, each of which its end (``_session_end``)
+    left queued: cut short after the session's UPDATE, which is committed on its own (a fail
+    cancelled on a row held locked, as the reaper's statements wait on a lock a moment only; the
+    database lost; the process killed). Nothing else ended such a job in time: a retry of the end
+    finds the session ended already, and the job's message may wait on the queue of a worker that
+    is gone, so the job stayed queued until PTC_QUEUED_MAX_SECONDS (half an hour), its client
+    waiting on it, and it counted against its user's jobs at once. Each is its own item of the
+    round: one whose row is held locked waits for a later round, not the rest."""
+    from execution.services.jobs import exec_job_fail_queued
+
+    ended = [status for status in Status if status != Status.ACTIVE]
+    left = ExecJob.objects.filter(status=ExecJob.Status.QUEUED, session__status__in=ended)
+    for job_id, reason in left.values_list("pk", "session__end_reason"):
+        fail = functools.partial(exec_job_fail_queued, job_id=job_id, reason=reason)
+        unless_locked(fail, what="failing a job queued in a session that ended", job_id=str(job_id))
 
 
 # The sessions whose rows this process's reaper found held locked: their workers could not renew

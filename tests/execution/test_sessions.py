@@ -547,3 +547,32 @@ def test_a_session_past_its_time_reads_expired_before_the_reaper_records_it(api:
     assert (shown["status"], shown["end_reason"]) == ("expired", "it was idle for its idle_timeout of 600 s")
     assert session.status == "active"
     api.http.delete(f"/api/v1/sessions/{session.pk}")
+
+
+def test_a_job_its_sessions_end_left_queued_fails_at_the_reapers_next_round(api: Api) -> None:
+    """A session's end fails its jobs still queued (SessionEnded) after the UPDATE that ends it,
+    which is committed on its own. Cut short there (here the reaper's fail is cancelled on the job's
+    row, held locked by a stuck transaction), the job stayed queued in a session that was over, its
+    message on the queue of a worker that may be gone, until PTC_QUEUED_MAX_SECONDS (half an hour):
+    a client waiting on it, or polling, saw it queued all that while. Now the reaper's next round
+    after its row is free fails it, says why its session ended, and announces its end."""
+    from execution.models import ExecJob, ExecSession
+    from execution.services.sessions import exec_sessions_reap
+    from ptcproject.db import pg_connect
+    from tests.execution.test_job_end import _logged_ends
+    from tests.factories import running_job
+
+    session = ExecSession.objects.get(pk=_session(api, idle_timeout=600)["id"])
+    # Queued on the queue of a worker that no longer reads it: nothing here takes it.
+    job = running_job(user=session.user, session=session, status="queued")
+    ExecSession.objects.filter(pk=session.pk).update(current_job=job)
+    with pg_connect() as holder:
+        holder.execute("SELECT 1 FROM execution_execjob WHERE id = %s FOR UPDATE", [job.pk])
+        ExecSession.objects.filter(pk=session.pk).update(expires_at=session.last_used_at)  # its idle_timeout passed
+        exec_sessions_reap()  # the stack's reaper may be first: either is cancelled on the job's row
+        assert ExecSession.objects.get(pk=session.pk).status == "expired"
+        assert ExecJob.objects.get(pk=job.pk).status == "queued"
+    ended = _until(api, f"/api/v1/exec/{job.pk}", lambda job: job["status"] != "queued", seconds=10)
+    assert (ended["status"], ended["error"]["type"]) == ("failed", "SessionEnded"), ended
+    assert ended["error"]["message"] == "its session ended before it started: it was idle for its idle_timeout of 600 s"
+    assert [end["status"] for end in _logged_ends(job.call_id)] == ["failed"]
