@@ -1139,8 +1139,11 @@ def _exec_jobs_close_left() -> None:
     from the records (events._end_lost)."""
     stale = timezone.now() - timedelta(seconds=settings.PTC_JOB_LEASE_SECONDS + settings.PTC_DB_RETRY_SECONDS)
     lapsed = Q(heartbeat_at__isnull=True) | Q(heartbeat_at__lt=timezone.now() - timedelta(seconds=settings.PTC_JOB_LEASE_SECONDS))
-    # A managed container's, cancelled as a tools worker ran a call of it, has no worker: at once.
-    unowned = Q(lapsed, finished_at__lt=stale) | ~Q(container_id="")
+    # A managed container's, cancelled as a tools worker ran a call of it, has no worker: at once. Nor
+    # has one no worker took (failed or cancelled while queued), whose close was given back: whoever
+    # ended it (the reaper, a cancel, a session's end) does not try again, so it waited out a worker's
+    # retries there were none of, its end unannounced and its session busy (cancelled) for as long.
+    unowned = Q(lapsed, finished_at__lt=stale) | ~Q(container_id="") | Q(started_at__isnull=True)
     left = ExecJob.objects.filter(unowned, status__in=ExecJob.FINISHED, closed_at__isnull=True)
     for job_id, call_id, container_id, status in left.values_list("pk", "call_id", "container_id", "status"):
         close = functools.partial(_exec_job_close_left, job_id=job_id, call_id=call_id, container_id=container_id, status=status)

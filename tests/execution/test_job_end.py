@@ -447,3 +447,38 @@ def test_a_close_retried_through_an_outage_claims_the_close_again_and_announces_
     job.refresh_from_db()
     assert job.closed_at is not None  # not left for the reaper to close and announce again
     session.delete()
+
+
+def test_a_queued_jobs_close_given_back_is_done_again_at_the_reapers_next_round(api: Api, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A job cancelled while queued is closed by its cancel, which frees its session. That statement
+    failing (the session's row held locked past the statement timeout, the database away), the claim
+    of its close is given back and the cancel answers an error: no one tries the close again. The
+    reaper did only once a worker, alive, would have given up closing it (PTC_JOB_LEASE_SECONDS +
+    PTC_DB_RETRY_SECONDS after its end: 64 s here, 105 s by default), though no worker ever took it;
+    all that while its session answered 409 session_busy and its end was never announced to those
+    waiting on it. Now the reaper's next round closes it, and announces its end once."""
+    from django.db import OperationalError
+
+    from execution.models import ExecJob, ExecSession
+    from execution.services import jobs
+    from tests.factories import running_job
+
+    made = api.post("/api/v1/sessions", json={"toolsets": ["demo"]})
+    assert made.status_code == 201, made.text
+    session = ExecSession.objects.get(pk=made.json()["id"])
+    # Queued on a queue no worker here reads (none takes it), as the session's one job.
+    job = running_job(user=session.user, session=session, status="queued")
+    ExecSession.objects.filter(pk=session.pk).update(current_job=job)
+
+    def session_row_unavailable(**_: object) -> None:
+        raise OperationalError("canceling statement due to statement timeout")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(jobs, "exec_session_job_ended", session_row_unavailable)
+        with pytest.raises(OperationalError):
+            jobs.exec_job_cancel(job=job)
+    assert ExecJob.objects.get(pk=job.pk).status == "cancelled"
+    assert [end["status"] for end in _logged_ends(job.call_id)] == ["cancelled"]  # within 10 s
+    assert ExecJob.objects.get(pk=job.pk).closed_at is not None
+    after = api.run("1", session=str(session.pk))
+    assert (after["status"], after["return_value"]) == ("completed", 1), after
