@@ -60,6 +60,7 @@ from execution.services.sessions import (
     exec_sessions_reap,
     job_files_done,
     job_inputs,
+    session_ended_before_start,
     session_files_put,
     session_guest_limits,
     session_job_done,
@@ -482,7 +483,7 @@ def _exec_job_sandbox(*, job: ExecJob, node: str, channel: Subscription, policy:
     sent: list[tuple[int, datetime]] = []
     session: Session | None = None
     if job.session is not None:
-        taken = session_sandbox_take(session_id=job.session.pk, user_id=job.session.user_id, node=node)
+        taken = session_sandbox_take(session=job.session, node=node)
         if isinstance(taken, Outcome):
             return taken
         live = taken
@@ -887,7 +888,7 @@ def _exec_job_fail_if(*, job_id: str, status: str, kind: str, message: str, stal
 def exec_job_fail_queued(*, job_id: Any, reason: str) -> bool:
     """Fail a job still queued because its session ended (for ``reason``): it would wait for a
     sandbox that is gone. Return whether it was failed here."""
-    message = f"its session ended before it started: {reason}"
+    message = session_ended_before_start(reason)
     return _exec_job_fail_if(job_id=str(job_id), status=Status.QUEUED, kind="SessionEnded", message=message)
 
 

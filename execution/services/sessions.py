@@ -302,6 +302,11 @@ def session_files_put(*, session: ExecSession, files: dict[str, bytes]) -> list[
     return put
 
 
+def session_ended_before_start(reason: str) -> str:
+    """The error message (``SessionEnded``) of a job whose session ended, for ``reason``, before it started."""
+    return f"its session ended before it started: {reason}"
+
+
 def _session_end(*, session_id: Any, status: str, reason: str) -> bool:
     """End an active session (the database's side). A job of it still queued fails now: it would
     wait for a sandbox that is gone (or, should this be cut short, at the reaper's next round:
@@ -396,11 +401,19 @@ _starting: dict[str, int] = {}  # sessions whose sandbox is being started here (
 _live_lock = threading.Lock()
 
 
-def session_sandbox_take(*, session_id: Any, user_id: int, node: str) -> "LiveSession | Outcome":
-    """For a claimed job of the session: its sandbox on this worker, marked busy. The session's
-    first job claims the session for this worker (``node``) and starts it. Return the Outcome that
-    ends the job when there is no sandbox to be had (the session then ends ``lost``)."""
-    key = str(session_id)
+def session_sandbox_take(*, session: ExecSession, node: str) -> "LiveSession | Outcome":
+    """For a claimed job of ``session`` (as read with the claim): its sandbox on this worker, marked
+    busy. The session's first job claims the session for this worker (``node``) and starts it.
+    Return the Outcome that ends the job when there is no sandbox to be had (the session then ends
+    ``lost``), or when the session has ended."""
+    status, reason = session.state()
+    if status != Status.ACTIVE:
+        # Its end fails its queued jobs, but this worker may take one first (its message was on this
+        # worker's queue, and the end was cut short after the session's UPDATE), or the end is not
+        # recorded yet (past its time, its row held locked): its sandbox, held here until the lease
+        # round after the end is recorded, would run the code in a session that is over.
+        return Outcome(status="failed", error=job_error("SessionEnded", session_ended_before_start(reason)))
+    session_id, user_id, key = session.pk, session.user_id, str(session.pk)
     died: LiveSession | None = None
     with _live_lock:
         live = _live.get(key)

@@ -9,6 +9,7 @@ import signal
 import time
 import uuid
 from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -576,3 +577,44 @@ def test_a_job_its_sessions_end_left_queued_fails_at_the_reapers_next_round(api:
     assert (ended["status"], ended["error"]["type"]) == ("failed", "SessionEnded"), ended
     assert ended["error"]["message"] == "its session ended before it started: it was idle for its idle_timeout of 600 s"
     assert [end["status"] for end in _logged_ends(job.call_id)] == ["failed"]
+
+
+def test_a_job_its_worker_takes_after_its_session_ended_never_runs_there(api: Api) -> None:
+    """The worker holding a session's sandbox ran a job it took there whatever the state of the
+    session read with the claim: one deleted as the job was queued (its end's fail of the job cut
+    short, the reaper's next round too late for a message already on that worker's queue), or, as
+    here, one past its max_lifetime that the reaper could not record yet (its row held locked: the
+    sandbox is killed only once it is). The code ran in a session that was over. Now such a job
+    fails SessionEnded, saying why, and its code never runs."""
+    from celery.utils.nodenames import worker_direct
+    from django.utils import timezone
+
+    from execution.models import ExecJob, ExecSession
+    from execution.services import jobs
+    from execution.services.sessions import session_limits
+    from execution.tasks import run_exec
+    from ptcproject.celery import task_publish
+    from ptcproject.db import pg_connect
+    from tests.conftest import REDIS_PREFIX
+
+    made = _session(api, idle_timeout=600, max_lifetime=600)
+    assert _run(api, made, "1")["status"] == "completed"  # its sandbox is held by a worker now
+    session = ExecSession.objects.get(pk=made["id"])
+    limits = session_limits(session=session, job=jobs.job_limits(policy=jobs.policy_get(), timeout=30)).as_dict()
+    job = ExecJob.objects.create(
+        user=session.user, code="print('ran')", toolsets=["demo"], timeout_seconds=30, limits=limits, session=session
+    )
+    over = timezone.now() + timedelta(seconds=0.5)  # its max_lifetime, reached once its row is held
+    ExecSession.objects.filter(pk=session.pk).update(current_job=job, expires_at=over, max_expires_at=over)
+    with pg_connect() as holder:
+        holder.execute("SELECT 1 FROM execution_execsession WHERE id = %s FOR UPDATE", [session.pk])
+        time.sleep(max((over - timezone.now()).total_seconds(), 0) + 0.2)
+        # To the holder's queue, as the session's jobs go (the stack's keys are under its own prefix).
+        with run_exec.app.connection_for_write(transport_options={"global_keyprefix": REDIS_PREFIX}) as connection:
+            task_publish(run_exec, connection.Producer(), (str(job.pk),), queue=worker_direct(session.worker).name)
+        _until(api, f"/api/v1/exec/{job.pk}", lambda job: job["status"] != "queued")  # taken by its worker
+        time.sleep(1)  # the code, if sent, has run
+        assert ExecSession.objects.get(pk=session.pk).status == "active"  # the reaper could not record its end
+    ended = _until(api, f"/api/v1/exec/{job.pk}", lambda job: job["status"] not in ("queued", "running"))
+    assert (ended["status"], (ended["error"] or {}).get("type"), ended["stdout"]) == ("failed", "SessionEnded", ""), ended
+    assert ended["error"]["message"] == "its session ended before it started: it reached its max_lifetime of 600 s"
