@@ -315,7 +315,7 @@ def test_jobs_that_ended_before_closing_was_recorded_are_taken_as_closed(api: Ap
     user = get_user_model().objects.get(username=api.username)
     ended = timezone.now() - timedelta(days=30)
     # A lease just renewed: the stack's own reaper, closing ended jobs not closed, leaves them be.
-    lease = {"finished_at": ended, "heartbeat_at": timezone.now(), "closed_at": None}
+    lease = {"started_at": ended, "finished_at": ended, "heartbeat_at": timezone.now(), "closed_at": None}
     old = [running_job(user=user, status=status, **lease) for status in ("completed", "failed", "timeout")]
     cancelled = running_job(user=user, status="cancelled", **lease)
     migration.ended_jobs_closed(apps, None)
@@ -425,7 +425,7 @@ def test_a_close_retried_through_an_outage_claims_the_close_again_and_announces_
         expires_at=now + td(minutes=1),
         max_expires_at=now + td(minutes=10),
     )
-    job = running_job(user=user, session=session, status="completed", finished_at=now)
+    job = running_job(user=user, session=session, status="completed", started_at=now, finished_at=now)
     stored = ExecJob.objects.get(pk=job.pk)
     assert stored.closed_at is not None
     failures, announced = [OperationalError("the database went away")], []

@@ -219,7 +219,7 @@ def test_embedded_event_logs_stay_while_their_job_is_not_closed_or_a_call_of_it_
     monkeypatch.setattr(retention, "backplane", lambda: plane)
     user = get_user_model().objects.create_user(username=f"logs-{uuid.uuid4().hex[:6]}")
     now = timezone.now()
-    unclosed = running_job(user=user, status="cancelled", finished_at=now, closed_at=None)
+    unclosed = running_job(user=user, status="cancelled", started_at=now, finished_at=now, closed_at=None)
     calling = running_job(user=user, status="timeout", finished_at=now)
     demo_call(user=user, job=calling, tool="sleep", input={"ms": 10})
     closed = running_job(user=user, status="completed", finished_at=now)
