@@ -1,14 +1,27 @@
 """The admin's delete pages, counted rather than read (ptcproject.deletion)."""
 
+from functools import wraps
 from typing import Any
 
+from django.contrib.admin.actions import delete_selected
+from django.db import router, transaction
 from django.db.models import Model, QuerySet
 from django.http import HttpRequest
 
 from ptcproject.admin_lists import LargeListAdmin
-from ptcproject.deletion import deletion_counts
+from ptcproject.deletion import deletion_counts, deletion_lock
 
 OBJECTS_NAMED = 100  # of the rows chosen for a delete, the most its page names
+
+
+@wraps(delete_selected)
+def delete_selected_at_once(modeladmin: Any, request: HttpRequest, queryset: QuerySet[Any]) -> Any:
+    """Django's delete action in one transaction, as its delete page runs: its check (under the
+    rows' lock, CountedDeleteAdmin.get_deleted_objects) and its delete, all or nothing. Run as a
+    statement a transaction, a delete refused late, or cut off part way (a user's history deleted
+    a batch a statement first), left what was done deleted and the rest kept."""
+    with transaction.atomic(using=router.db_for_write(modeladmin.model)):
+        return delete_selected(modeladmin, request, queryset)
 
 
 def pks_of(objs: Any) -> list[Any]:
@@ -27,8 +40,20 @@ class CountedDeleteAdmin(LargeListAdmin):
 
     protected_because: dict[type[Model], str] = {}
 
+    def get_actions(self, request: HttpRequest) -> dict[str, Any]:
+        actions = super().get_actions(request)
+        django_s = actions.get("delete_selected")
+        if django_s is not None:
+            actions["delete_selected"] = (delete_selected_at_once, *django_s[1:])
+        return actions
+
     def get_deleted_objects(self, objs: Any, request: HttpRequest) -> tuple[Any, ...]:
         ids = pks_of(objs)
+        if request.method == "POST":
+            # What deletes (the delete page's POST, the action's, each one transaction): checked
+            # under the lock, what is counted, the protected rows and what a subclass checks after
+            # this (a user's jobs not ended) among them, is what the delete meets.
+            deletion_lock(model=self.model, pks=ids)
         deleted, protected = deletion_counts(model=self.model, pks=ids)
         perms_needed = set()
         # Not the protected models' (as Django's): a member may not delete a ledger entry, and the

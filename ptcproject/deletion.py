@@ -12,21 +12,17 @@ from django.db.models import CASCADE, PROTECT, RESTRICT, Model, Q, QuerySet
 BATCH = 1000
 
 
-def deletion_counts(*, model: type[Model], pks: Iterable[Any]) -> tuple[dict[type[Model], int], dict[type[Model], int]]:
-    """Return, for deleting ``model``'s rows ``pks``, the rows of each model the delete would take
-    (``model``'s own among them; its cascades followed through), and the rows of each model that a
-    PROTECT or RESTRICT relation would refuse it for. Each model is counted once, however many ways
-    its rows are reached (a job's calls are also its user's), by one query: the rows are never read.
+Lookups = dict[type[Model], list[Q]]  # each model's rows, by one lookup per path that reaches them
 
-    Django's delete page read every row a delete would take, whole (a user's 10,000 calls were 13 s
-    and 65 MB, a million of them far past any request's timeout), to draw a link to each.
-    """
-    pks = list(pks)
-    reached: dict[type[Model], list[Q]] = {model: [Q(pk__in=pks)]}
-    protecting: dict[type[Model], list[Q]] = {}
 
-    def rows(of: type[Model]) -> Any:
-        return of._base_manager.filter(reduce(or_, reached[of]))
+def _reach(model: type[Model], pks: list[Any]) -> tuple[Lookups, Lookups, Lookups]:
+    """Return, for deleting ``model``'s rows ``pks``, the lookups of the rows of each model the
+    delete would take (its cascades followed through), of the rows that a PROTECT or RESTRICT
+    relation would refuse it for, and of the rows those relations name (a user's credit account,
+    that the ledger's entries name)."""
+    reached: Lookups = {model: [Q(pk__in=pks)]}
+    protecting: Lookups = {}
+    named: Lookups = {}
 
     def walk(parent: type[Model], lookup: Q, path: tuple[type[Model], ...]) -> None:
         for relation in parent._meta.related_objects:
@@ -42,13 +38,47 @@ def deletion_counts(*, model: type[Model], pks: Iterable[Any]) -> tuple[dict[typ
                     walk(child, child_lookup, (*path, child))
             else:
                 protecting.setdefault(child, []).append(child_lookup)
+                named.setdefault(parent, []).append(lookup)
 
     walk(model, Q(pk__in=pks), (model,))
-    deleted = {of: count for of in reached if (count := rows(of).count())}
-    protected = {
-        of: count for of, lookups in protecting.items() if (count := of._base_manager.filter(reduce(or_, lookups)).count())
-    }
+    return reached, protecting, named
+
+
+def _rows(of: type[Model], lookups: list[Q]) -> QuerySet[Any]:
+    return of._base_manager.filter(reduce(or_, lookups))
+
+
+def deletion_counts(*, model: type[Model], pks: Iterable[Any]) -> tuple[dict[type[Model], int], dict[type[Model], int]]:
+    """Return, for deleting ``model``'s rows ``pks``, the rows of each model the delete would take
+    (``model``'s own among them; its cascades followed through), and the rows of each model that a
+    PROTECT or RESTRICT relation would refuse it for. Each model is counted once, however many ways
+    its rows are reached (a job's calls are also its user's), by one query: the rows are never read.
+
+    Django's delete page read every row a delete would take, whole (a user's 10,000 calls were 13 s
+    and 65 MB, a million of them far past any request's timeout), to draw a link to each.
+    """
+    reached, protecting, _ = _reach(model, list(pks))
+    deleted = {of: count for of, lookups in reached.items() if (count := _rows(of, lookups).count())}
+    protected = {of: count for of, lookups in protecting.items() if (count := _rows(of, lookups).count())}
     return deleted, protected
+
+
+def deletion_lock(*, model: type[Model], pks: Iterable[Any]) -> None:
+    """Lock ``model``'s rows ``pks``, and the rows their delete would take that a PROTECT or RESTRICT
+    relation names (a user's credit account, that the ledger's entries name), until the transaction
+    ends: a row that would name one (a user's new job, an account's new ledger entry) waits until
+    then, its foreign key's check on the lock, and one being written is waited for. What is
+    counted after this, in the transaction (deletion_counts), is what the delete in it meets.
+
+    Checked before the lock, a ledger entry written between the check and the delete made it fail
+    (ProtectedError, or the foreign key's violation at the commit): a 500, and the admin's bulk
+    delete, a batch a transaction, had deleted the user's history by then and kept the user."""
+    pks = list(pks)
+    _, _, named = _reach(model, pks)
+    # The chosen rows before the rows they reach, each model's in the order of its key: two deletes
+    # of one row at once wait for each other, rather than deadlock.
+    for of, lookups in ((model, [Q(pk__in=pks)]), *named.items()):
+        list(_rows(of, lookups).order_by("pk").select_for_update().values_list("pk", flat=True))
 
 
 def update_in_batches(rows: QuerySet[Any], *, size: int = BATCH, **values: Any) -> int:

@@ -6,17 +6,22 @@ Django's delete of a user unlinked the calls of their own toolsets' tools in one
 their calls in one DELETE: 200,000 calls against a statement timeout of 1 s stand for a user of
 millions against 30 s (the UPDATE alone took 3 s here)."""
 
+import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
+import pytest
 from django.contrib.auth import get_user_model
 from django.contrib.auth.models import User
-from django.db import connection
+from django.db import connection, transaction
 from django.test import Client
 from django.utils import timezone
 
-from billing.services import credits_adjust
+from billing.models import LedgerEntry
+from billing.services import account_get, credits_adjust
 from execution.models import ExecJob, ToolCall
-from tests.factories import running_job
+from tests.execution.rival import _a_statement_waits_for_a_lock
+from tests.factories import demo_call, running_job
 from tests.tools.conftest import unique_key
 from tests.tools.test_toolset_delete_at_scale import CALLS, _calls_made, _statement_timeout
 from tools.models import Tool, Toolset
@@ -112,3 +117,38 @@ def test_a_user_with_a_ledger_is_not_deleted_and_the_page_says_to_deactivate_the
         assert "1 ledger entries (protected: credits were granted to or charged to this user" in page
         assert "Deactivate the user instead: untick Active on their page" in page  # before: only "(protected)"
     assert get_user_model().objects.filter(pk=user.pk, is_active=True).exists()
+
+
+@pytest.mark.parametrize("how", ["page", "action"])
+def test_a_ledger_entry_written_as_the_user_is_deleted_refuses_the_delete_and_deletes_nothing(how: str) -> None:
+    """A grant to a user confirmed for deletion, its entry written as the delete runs (its account
+    locked, not yet committed) and committed while the delete waits on that lock: the delete is
+    refused as it is for an entry written before (the page says to deactivate the user), and the
+    user is kept whole, their history with them."""
+    user = get_user_model().objects.create_user(username=f"granted-{uuid.uuid4().hex[:6]}")
+    account_get(user=user)
+    job = running_job(user=user, status="completed", finished_at=timezone.now())
+    demo_call(user=user, job=job, status="completed", finished_at=timezone.now())
+    client = _staff_client()
+    url, data = (
+        (f"/admin/auth/user/{user.pk}/delete/", {"post": "yes"})
+        if how == "page"
+        else ("/admin/auth/user/", {"action": "delete_selected", "_selected_action": [user.pk], "post": "yes"})
+    )
+    with ThreadPoolExecutor(1) as pool:
+        with transaction.atomic():
+            credits_adjust(user=user, amount=10, reason="granted as the user is deleted")
+            answer = pool.submit(client.post, url, data)
+            deadline = time.monotonic() + 15
+            while not _a_statement_waits_for_a_lock():
+                assert not answer.done(), answer.result().content.decode()[-2000:]
+                assert time.monotonic() < deadline, "the delete never waited for the grant's account"
+                time.sleep(0.02)
+        # Before: IntegrityError (the account deleted from under its entry, at the commit): a 500;
+        # by the action, the user's job and calls deleted already, the user kept.
+        page = answer.result().content.decode()
+    assert answer.result().status_code == 200, page[-2000:]
+    assert "Deactivate the user instead: untick Active on their page" in page
+    assert get_user_model().objects.filter(pk=user.pk).exists()
+    assert (ExecJob.objects.filter(user=user).count(), ToolCall.objects.filter(user=user).count()) == (1, 1)
+    assert LedgerEntry.objects.filter(account__user=user).count() == 1
