@@ -21,7 +21,11 @@ def delete_selected_at_once(modeladmin: Any, request: HttpRequest, queryset: Que
     statement a transaction, a delete refused late, or cut off part way (a user's history deleted
     a batch a statement first), left what was done deleted and the rest kept."""
     with transaction.atomic(using=router.db_for_write(modeladmin.model)):
-        return delete_selected(modeladmin, request, queryset)
+        # The rows chosen by their keys, read once: the confirmation counts them and posts back
+        # the same. Its keys were the list's rows read again as the page was drawn, and a row
+        # written between (a job ended, in a list of ended jobs: "Select all") was deleted uncounted.
+        chosen = queryset.model._base_manager.filter(pk__in=pks_of(queryset))
+        return delete_selected(modeladmin, request, chosen)
 
 
 def pks_of(objs: Any) -> list[Any]:

@@ -1,4 +1,5 @@
 import json
+import re
 import uuid
 from collections.abc import Callable
 from datetime import timedelta
@@ -340,3 +341,31 @@ def test_the_usage_chart_reads_its_thirty_days_not_the_whole_history() -> None:
         assert read and all(rows <= recent for rows in read), (read, recent)
     finally:
         CreditUsage.objects.filter(user=user).delete()
+
+
+def test_the_delete_actions_confirmation_posts_back_the_rows_it_counted(monkeypatch: pytest.MonkeyPatch) -> None:
+    """ "Select all" of the finished jobs, then the delete action: its confirmation counts the jobs
+    and posts back their keys. A job that ended as the page was drawn was among the keys, read
+    again, and not among the rows counted: confirmed, it was deleted, unsaid."""
+    from execution.admin import ExecJobAdmin
+
+    user = get_user_model().objects.create_user(username=f"ended-{uuid.uuid4().hex[:6]}")
+    counted = running_job(user=user, status="completed", finished_at=timezone.now())
+    late: list[ExecJob] = []
+    counting = ExecJobAdmin.get_deleted_objects
+
+    def counted_then_another_ends(self: ExecJobAdmin, objs: Any, request: Any) -> tuple[Any, ...]:
+        deleted = counting(self, objs, request)
+        late.append(running_job(user=user, status="completed", finished_at=timezone.now()))
+        return deleted
+
+    monkeypatch.setattr(ExecJobAdmin, "get_deleted_objects", counted_then_another_ends)
+    staff = get_user_model().objects.create_user(username=f"admin-{uuid.uuid4().hex[:6]}", is_staff=True, is_superuser=True)
+    client = Client()
+    client.force_login(staff)
+    data = {"action": "delete_selected", "select_across": "1", "index": "0", "_selected_action": [str(counted.pk)]}
+    page = client.post(f"/admin/execution/execjob/?user__id__exact={user.pk}", data)
+    assert page.status_code == 200
+    posted = set(re.findall(r'name="_selected_action" value="([^"]+)"', page.content.decode()))
+    assert posted == {str(counted.pk)}, posted  # before: the late job's too
+    ExecJob.objects.filter(user=user).delete()
