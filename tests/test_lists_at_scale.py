@@ -21,6 +21,7 @@ from django.test import Client
 from django.test.utils import CaptureQueriesContext
 
 from billing.models import CreditUsage
+from execution.models import ToolCall
 from ptcproject.admin_lists import LargeListAdmin
 from ptcproject.api import Pagination
 from ptcproject.paging import COUNT_EXACT_UP_TO, COUNT_SECONDS, EstimatingPaginator
@@ -140,6 +141,42 @@ def test_the_admin_list_of_a_huge_table_reads_no_more_than_it_counts(huge_usage:
     said = re.search(r"about (\d+) credit usages", page.content.decode())
     assert said and int(said[1]) > PLANNED // 2, page.content.decode()[-3000:]
     assert client.get("/admin/billing/creditusage/?p=2").status_code == 200
+
+
+@pytest.fixture
+def huge_calls() -> Iterator[Any]:
+    """A user with ROWS finished calls, in a table the planner believes holds PLANNED rows (as
+    huge_usage's); the rows gone and the statistics true again after."""
+    user = get_user_model().objects.create_user(username=f"huge-{uuid.uuid4().hex[:6]}")
+    with connection.cursor() as cursor:
+        cursor.execute(
+            """
+            INSERT INTO execution_toolcall (call_id, type, ptc_call_id, user_id, toolset_key, tool_name, input, status,
+                                            credits, started_at, finished_at, decision, decision_reason)
+            SELECT 'standalone_' || md5(random()::text || g), 'standalone', '', %s, 'demo', 'add', '{}'::jsonb,
+                   'completed', 0, now(), now(), '', ''
+            FROM generate_series(1, %s) g
+            """,
+            [user.pk, ROWS],
+        )
+        cursor.execute("ANALYZE execution_toolcall")
+        cursor.execute("UPDATE pg_class SET reltuples = %s WHERE relname = 'execution_toolcall'", [PLANNED])
+    try:
+        yield user
+    finally:
+        ToolCall.objects.filter(user=user).delete()
+        with connection.cursor() as cursor:
+            cursor.execute("ANALYZE execution_toolcall")
+
+
+def test_select_all_of_a_huge_admin_list_says_about_its_estimate(huge_calls: Any) -> None:
+    """The list's "Select all N" and "All N selected", for its every row, said the planner's
+    estimate as a count; they say "about" it, as the paginator does."""
+    page = _admin_client().get("/admin/execution/toolcall/").content.decode()
+    select_all = re.search(r"Select all (of about )?(\d+) tool calls", page)
+    all_selected = re.search(r"All (of about )?(\d+) selected", page)
+    assert select_all and all_selected, page[-3000:]
+    assert int(select_all[2]) > PLANNED // 2 and select_all[1] and all_selected[1], (select_all[0], all_selected[0])
 
 
 def test_the_staff_api_lists_read_a_page_not_the_table() -> None:
