@@ -23,6 +23,7 @@ from typing import Any
 import jsonschema
 import regex
 from jsonschema.exceptions import ValidationError
+from referencing import Registry
 from referencing.exceptions import Unresolvable
 
 from tools.errors import ToolFailure
@@ -194,7 +195,10 @@ def arguments_validator(schema: dict[str, Any]) -> Any:
             bounded["unevaluatedProperties"] = _unevaluated_refused
     checks = {name: _in_time(bounded.get(name, check)) for name, check in base.VALIDATORS.items()}
     cls = jsonschema.validators.extend(base, checks)
-    return cls(schema, format_checker=base.FORMAT_CHECKER)
+    # A registry of ours (jsonschema adds the drafts' own schemas to it) that fetches nothing: its
+    # default fetched any other $ref with urlopen, no timeout, from the process that checks (an exec
+    # worker's bridge), so a job's client tool made the worker GET any URL. Such a $ref names nothing.
+    return cls(schema, format_checker=base.FORMAT_CHECKER, registry=Registry())
 
 
 def arguments_error(validator: Any, arguments: Any) -> ValidationError | None:

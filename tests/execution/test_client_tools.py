@@ -2,6 +2,7 @@
 SSE stream and answers through POST /api/v1/exec/{id}/tool-results. Real workers, real HTTP."""
 
 import json
+import socket
 import time
 import uuid
 from collections.abc import Callable
@@ -348,6 +349,22 @@ def test_a_client_tools_pattern_that_backtracks_without_end_fails_its_call_not_t
     assert (job["status"], job["return_value"]) == ("completed", "invalid_arguments"), job["error"]
     assert time.monotonic() - started < 8
     assert api.run("1 + 1", toolsets=["demo"])["return_value"] == 2
+
+
+def test_a_client_tools_ref_to_a_url_is_never_fetched_by_the_worker(api: Api) -> None:
+    # jsonschema fetched a $ref it did not hold with urlopen, no timeout, from the exec worker that
+    # checks the call: any user's job made the worker GET any URL (its network, a cloud's metadata
+    # address), and one that never answered held the job's bridge until the job was lost.
+    with socket.create_server(("127.0.0.1", 0)) as listener:  # connections wait in its backlog, unanswered
+        url = f"http://127.0.0.1:{listener.getsockname()[1]}/schema.json"
+        remote = {"type": "object", "properties": {"s": {"$ref": url}}, "required": ["s"]}
+        code = "from ptc_tools import ToolError\nfrom ptc_tools.client import Client\ntry:\n    got = Client.f(s='x')\nexcept ToolError as e:\n    got = e.message\ngot"
+        job = api.run(code, toolsets=["demo"], client_tools=[{"name": "f", "input_schema": remote}], timeout=10)
+        listener.setblocking(False)
+        with pytest.raises(BlockingIOError):
+            listener.accept()  # nobody connected
+    assert job["status"] == "completed", job["error"]
+    assert "has a $ref that names nothing" in job["return_value"] and url in job["return_value"]
 
 
 def test_a_shared_client_toolset_waits_on_the_client_and_is_billed_when_priced(make_api: Callable[..., Api], staff: Api) -> None:
