@@ -18,6 +18,8 @@ import itertools
 import threading
 import time
 from collections.abc import Callable, Iterator
+from re import _constants as sre  # type: ignore[attr-defined]  # re's parser: private, absent from typeshed
+from re import _parser as sre_parse  # type: ignore[attr-defined]
 from typing import Any
 
 import jsonschema
@@ -52,7 +54,45 @@ def _unchecked(why: str) -> ToolFailure:
     return ToolFailure("invalid_arguments", f"the tool's input schema {why}; the call was not run")
 
 
+# The most a pattern may be once its counted repeats are written out. regex compiles ``x{n}`` by
+# writing ``x`` out n times, nested repeats multiplied, holding the GIL (its timeout is for the
+# match only): (?:(?:a{100}){100}){100}, a million, froze every thread of the exec worker for 2 s and
+# took 280 MB, and five deep of a{50} would for an hour. A hundred thousand compiles in a tenth of that.
+PATTERN_SIZE = 100_000
+_REPEATS = (sre.MAX_REPEAT, sre.MIN_REPEAT, sre.POSSESSIVE_REPEAT)
+
+
+def _written_out(parsed: Any) -> int:
+    """How many items ``parsed`` (re's parse of a pattern, or a part of one) is once its counted
+    repeats are written out: a repeat is its body times its most (its least + 1 when unbounded)."""
+    if isinstance(parsed, tuple | list):
+        return sum(_written_out(part) for part in parsed)
+    if not isinstance(parsed, sre_parse.SubPattern):
+        return 0
+    size = 0
+    for op, value in parsed:
+        if op in _REPEATS:
+            least, most, body = value
+            size += (least + 1 if most == sre.MAXREPEAT else most) * _written_out(body)
+        else:
+            size += 1 + _written_out(value)
+    return size
+
+
+@functools.lru_cache(maxsize=256)
+def _too_large(pattern: str) -> bool:
+    """Whether ``pattern`` is over PATTERN_SIZE written out, or can't be read (a schema's patterns
+    were compiled with re when it was written: one that can't be now was never checked)."""
+    try:
+        return _written_out(sre_parse.parse(pattern)) > PATTERN_SIZE
+    except (sre_parse.error, RecursionError, OverflowError):
+        return True
+
+
 def _search(pattern: str, text: str) -> bool:
+    if _too_large(pattern):
+        shown = pattern if len(pattern) <= 80 else f"{pattern[:80]}..."
+        raise _unchecked(f"has a pattern ({shown!r}) whose repeats make it too large")
     deadline = getattr(_check, "deadline", None)
     left = PATTERN_SECONDS if deadline is None else min(PATTERN_SECONDS, deadline - time.monotonic())
     try:

@@ -51,6 +51,23 @@ def test_a_pattern_that_backtracks_without_end_fails_the_call_in_bounded_time(wh
     assert time.monotonic() - started < PATTERN_SECONDS * 10
 
 
+def test_a_pattern_whose_repeats_nest_too_large_is_refused_before_it_is_compiled() -> None:
+    # regex writes a counted repeat's body out that many times as it compiles, nested ones
+    # multiplied, holding the GIL: this one, a million, froze every thread of the exec worker for
+    # 2 s and took 280 MB; five deep of a{50}, within a client tool's limits, for an hour and gigabytes.
+    nested = "^(?:(?:a{100}){100}){100}$"
+    started = time.monotonic()
+    refused = _refused({"type": "object", "properties": {"s": {"type": "string", "pattern": nested}}}, {"s": "x"})
+    assert time.monotonic() - started < 0.5
+    assert refused == f"the tool's input schema has a pattern ({nested!r}) whose repeats make it too large; the call was not run"
+    keys = _refused({"type": "object", "patternProperties": {nested: {}}}, {"k": 1})
+    assert "whose repeats make it too large" in keys
+    # As large as real patterns get, and larger: still matched.
+    host = "^(?:[a-z0-9-]{1,63}\\.){1,10}[a-z]{2,}$"
+    assert _error({"type": "object", "properties": {"s": {"pattern": host}}}, {"s": "a.b.io"}) is None
+    assert _error({"type": "object", "properties": {"s": {"pattern": "^a{1,60000}$"}}}, {"s": "b"}) is not None
+
+
 def test_a_schema_that_cannot_be_applied_fails_the_call_saying_why() -> None:
     # What earlier tests left to the collector (a socket, say) is finalized now, at a shallow stack:
     # run deep in this test's recursion, a finalizer's warning could not even be reported.
