@@ -2,6 +2,7 @@
 typed returns and the compact reference."""
 
 import json
+import time
 from types import SimpleNamespace
 from typing import Any
 
@@ -191,6 +192,28 @@ def test_typed_returns_and_shapes() -> None:
     assert shape(schema) == "{items: list[{id: int}], meta?: dict, next?: str | None}"
     assert summary("Add two numbers. Then more.\n\nDetails.") == "Add two numbers"
     assert summary("word " * 30, 20) == "word word word word…"
+
+
+def _types_over_options(depth: int, options: int) -> dict[str, Any]:
+    """A schema whose every level lists six types and ``options`` anyOf options, ``depth`` deep."""
+    level: dict[str, Any] = {"type": ["string", "number", "integer", "boolean", "array", "object", "null"]}
+    if depth:
+        level["anyOf"] = [_types_over_options(depth - 1, options) for _ in range(options)]
+    return level
+
+
+def test_shapes_and_typed_returns_take_time_in_proportion_to_the_schema() -> None:
+    # Each type of a list rendered the level's anyOf again: the work multiplied by 6 to 7 at each
+    # level. A client tool's output schema of 10 KB held the exec worker building its SDK (or the
+    # web answering POST /ptc/context) for 23 s, one of 256 KB (its limit) for hours; an input
+    # schema of 30 KB its signature for 4 s.
+    started = time.monotonic()
+    assert _TypeDefs(reserved=set()).annotation(_types_over_options(6, 2), "R") == "Any"
+    assert shape(_types_over_options(5, 3)) == "Any"
+    assert time.monotonic() - started < 1
+    one_type = {"type": ["object", "null"], "anyOf": [{"properties": {"a": {"type": "integer"}}}, {"type": "string"}]}
+    assert _TypeDefs(reserved=set()).annotation(one_type, "R") == "R | str | None"
+    assert shape(one_type) == "{a?: int} | str"
 
 
 def _toolset(key: str, n: int) -> tuple[Toolset, list[Tool]]:
