@@ -142,11 +142,15 @@ class _TypeDefs:
     def __init__(self, reserved: set[str]) -> None:
         self.lines: list[str] = []
         self._taken = set(reserved) | {"Any", "Required", "TypedDict"}
+        # The number each hint's next name is looked for from: names are only ever taken, so those
+        # below it still are. From 2 each time, the k-th of one hint tried k names (6,000 took 4 s).
+        self._next: dict[str, int] = {}
 
     def _name(self, hint: str) -> str:
-        name, n = hint, 2
+        name, n = hint, self._next.get(hint, 2)
         while name in self._taken:
             name, n = f"{hint}{n}", n + 1
+        self._next[hint] = n
         self._taken.add(name)
         return name
 
