@@ -162,6 +162,10 @@ def _unique_key(value: Any) -> Any:
         return (dict, frozenset((key, _unique_key(item)) for key, item in value.items()))
     if isinstance(value, list | tuple):
         return (list, tuple(_unique_key(item) for item in value))
+    if isinstance(value, int | float):
+        # By its digits, whose hash is random per process: an int's is its value mod 2**61 - 1, so
+        # numbers chosen to share one made each lookup compare with all the others (20,000: 2.8 s).
+        return (float, str(int(value)) if isinstance(value, int) or value.is_integer() else repr(value))
     return value
 
 

@@ -322,6 +322,23 @@ def test_unique_items_are_checked_in_linear_time() -> None:
         assert arguments_error(validator, {"l": different}) is None, different
 
 
+def test_numbers_chosen_to_share_a_hash_are_checked_for_unique_items_and_enum_in_time() -> None:
+    """Python hashes an int as its value mod 2**61 - 1: 20,000 multiples of that (500 KB, under a
+    call's limit) all shared one, so each item keyed was compared with every one before it, 200
+    million comparisons (2.8 s, 11 s at a call's limit), past the check's bound, as no keyword began."""
+    from tools.arguments import arguments_error, arguments_validator
+
+    shared = [k * (2**61 - 1) for k in range(1, 20_001)]
+    unique = arguments_validator({"type": "object", "properties": {"l": {"type": "array", "uniqueItems": True}}})
+    allowed = arguments_validator({"type": "object", "properties": {"l": {"items": {"enum": shared}}}})
+    started = time.monotonic()
+    assert arguments_error(unique, {"l": shared}) is None
+    assert arguments_error(allowed, {"l": shared}) is None
+    assert time.monotonic() - started < 1
+    for same in ([-0.0, 0], [0.5, 0.5], [10**20, 1e20]):
+        assert arguments_error(unique, {"l": same}) is not None, same
+
+
 def test_a_long_list_of_objects_is_checked_for_unique_items_in_time(api: Api, hostile: str) -> None:
     """``uniqueItems`` on a list of 12,000 distinct objects (200 KB, well under a call's limit):
     jsonschema compares objects pairwise, 72 million comparisons, minutes of the exec worker's
