@@ -2,6 +2,7 @@
 documents, and the error type services raise."""
 
 import logging
+import unicodedata
 from typing import Any
 
 from django.conf import settings
@@ -45,7 +46,9 @@ class Pagination(PageNumberPagination):
 
     def paginate_queryset(self, queryset: Any, request: Any, view: Any = None) -> Any:
         page = request.query_params.get(self.page_query_param)
-        if page and page not in self.last_page_strings and not (page.isdecimal() and int(page) > 0):
+        # Its digits, not int(page) > 0: past 4,300 digits int() raises (a 500); Django's paginator
+        # then says "Invalid page." of such a number, as of any page past the last.
+        if page and page not in self.last_page_strings and not (page.isdecimal() and any(map(unicodedata.decimal, page))):
             raise exceptions.ValidationError({self.page_query_param: "must be a whole number from 1 (or 'last')"})
         return super().paginate_queryset(queryset, request, view)
 
