@@ -1264,7 +1264,9 @@ def _tool_call_recorded_push(call_id: str) -> None:
 
 # What a call came to (its reply, and whether it is billed), as its task's retry carries it: signed
 # with the deployment's SECRET_KEY, as a queued call's record is, so that what reaches the broker
-# can't end a call, or charge for it, with a result of its own.
+# can't end a call, or charge for it, with a result of its own; with its call's id, or one carried
+# for a call could be put on another's task, which then ended with that call's result (another
+# user's, perhaps).
 _OUTCOME_SIGNER = signing.Signer(salt="ptc.execute_tool.outcome")
 
 
@@ -1278,7 +1280,7 @@ class OutcomeUnrecorded(Exception):
 
     def __init__(self, *, call_id: str, reply: dict[str, Any], billed: bool) -> None:
         super().__init__(f"call {call_id}'s outcome could not be recorded")
-        self.outcome = _OUTCOME_SIGNER.sign(json.dumps({"reply": reply, "billed": billed}))
+        self.outcome = _OUTCOME_SIGNER.sign(json.dumps({"call_id": call_id, "reply": reply, "billed": billed}))
 
 
 def _tool_call_end_retried(
@@ -1303,7 +1305,9 @@ def _tool_call_outcome_record(*, call_id: str, outcome: str, queued: ToolCall | 
     try:
         carried = json.loads(_OUTCOME_SIGNER.unsign(outcome))
     except signing.BadSignature:
-        # Not made by this deployment's workers: nothing is recorded; the call's lease decides.
+        carried = {}
+    if carried.get("call_id") != call_id:
+        # Not made by this deployment's workers, or for another call: nothing is recorded; the call's lease decides.
         logger.error("a tool call's carried outcome failed its signature check; not recorded", extra={"call_id": call_id})
         return
     reply, billed = carried["reply"], carried["billed"]

@@ -391,3 +391,15 @@ def test_a_crashed_calls_failure_the_database_did_not_take_within_the_retries_go
     call = ToolCall.objects.get(call_id=running_call.call_id)
     assert (call.status, call.error["code"]) == ("failed", "internal_error")
     assert [r.error["code"] for r in replies if r.call_id == call.call_id] == ["internal_error"]
+
+
+def test_an_outcome_carried_for_another_call_changes_nothing(running_call: ToolCall, runs: list) -> None:
+    """A task's retry carries what its call came to, signed; put on another call's task (by whoever
+    can write to the broker), it is not that call's: the call is left as it was, to run or to its
+    lease, never ended with another call's result (another user's, perhaps) nor charged for it."""
+    assert services._claims((running_call.call_id, None)) is not None
+    other = services.OutcomeUnrecorded(call_id=f"ptc_{uuid.uuid4().hex}", reply={"ok": True, "result": "theirs"}, billed=True)
+    services.tool_call_execute(call_id=running_call.call_id, alone=True, outcome=other.outcome)
+    call = ToolCall.objects.get(call_id=running_call.call_id)
+    assert (call.status, call.output) == ("executing", None)
+    assert runs == []
