@@ -16,7 +16,7 @@ from django.db import InterfaceError, OperationalError
 
 from execution.sandbox import process
 from execution.sandbox.pool import warm_pool
-from execution.services.calls import OutcomeUnrecorded, tool_call_abort, tool_call_execute, tool_calls_heartbeat
+from execution.services.calls import OutcomeUnrecorded, RetryCarries, tool_call_abort, tool_call_execute, tool_calls_heartbeat
 from execution.services.jobs import CALL_ID_HEADER, exec_job_run, exec_jobs_reap, worker_name
 from execution.services.retention import exec_jobs_purge
 from execution.services.sessions import exec_sessions_heartbeat, exec_sessions_shutdown
@@ -77,14 +77,16 @@ def purge_jobs() -> int:
     retry_jitter=False,
     max_retries=10,
 )
-def execute_tool(call_id: str, record: str | None = None, outcome: str | None = None) -> None:
+def execute_tool(call_id: str, record: str | None = None, outcome: str | None = None, claim: str | None = None) -> None:
     # ``record``: a job's call, recorded by its claim (services.calls.tool_call_execute). ``outcome``:
-    # what it came to, which a try before this one could not record (OutcomeUnrecorded).
+    # what it came to, which a try before this one could not record (OutcomeUnrecorded). ``claim``:
+    # the claim a try before this one made and did not run (ClaimUnrun).
     try:
         # A retry claims its call on its own, not in the worker's batches (services.calls.tool_call_execute).
-        tool_call_execute(call_id=call_id, record=record, alone=bool(execute_tool.request.retries), outcome=outcome)
-    except OutcomeUnrecorded as unrecorded:
-        raise _outcome_retry(call_id, unrecorded) from unrecorded
+        retried = bool(execute_tool.request.retries)
+        tool_call_execute(call_id=call_id, record=record, alone=retried, outcome=outcome, claim=claim)
+    except RetryCarries as carried:
+        raise _carried_retry(call_id, carried) from carried
     except (OperationalError, InterfaceError):
         raise
     except Exception:
@@ -94,14 +96,15 @@ def execute_tool(call_id: str, record: str | None = None, outcome: str | None = 
         except OutcomeUnrecorded as unrecorded:
             # Its traceback, which the retry's line does not carry (it names the database's error).
             logger.exception("a tool call's task failed", extra={"call_id": call_id})
-            raise _outcome_retry(call_id, unrecorded) from unrecorded
+            raise _carried_retry(call_id, unrecorded) from unrecorded
         raise
 
 
-def _outcome_retry(call_id: str, unrecorded: OutcomeUnrecorded) -> Retry:
-    """execute_tool's retry with the outcome the database did not take, for it to record, on
-    autoretry_for's backoff and bound (past which the database's error is raised). The log and the
-    events show the call id only, never its record or its result."""
+def _carried_retry(call_id: str, carried: RetryCarries) -> Retry:
+    """execute_tool's retry with what its try leaves it (the outcome the database did not take, for
+    it to record; the claim it did not run, for it to take over), on autoretry_for's backoff and
+    bound (past which the database's error is raised). The log and the events show the call id
+    only, never its record or its result."""
     countdown = get_exponential_backoff_interval(
         factor=int(execute_tool.retry_backoff),
         retries=execute_tool.request.retries,
@@ -109,12 +112,12 @@ def _outcome_retry(call_id: str, unrecorded: OutcomeUnrecorded) -> Retry:
         full_jitter=execute_tool.retry_jitter,
     )
     return execute_tool.retry(
-        kwargs={"outcome": unrecorded.outcome},
-        exc=unrecorded.__cause__,
+        kwargs=carried.kwargs,
+        exc=carried.__cause__,
         throw=False,
         countdown=countdown,
         argsrepr=repr((call_id,)),
-        kwargsrepr="{'outcome': '...'}",
+        kwargsrepr=repr(dict.fromkeys(carried.kwargs, "...")),
     )
 
 

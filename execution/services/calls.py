@@ -940,11 +940,12 @@ _PRICE_HELD = (
 )
 # The claim and the read of the rows in one statement (PostgreSQL and SQLite both have RETURNING):
 # executing, unclaimed, and its job (if any) still running. {ids} is a placeholder per call, {brief}
-# the condition that sets how long the statement waits on a lock (_lock_wait).
+# the condition that sets how long the statement waits on a lock (_lock_wait), {claim} the claim it
+# takes: none yet, or one a try of its task made and never ran (ClaimUnrun).
 _CALL_FIELDS = ToolCall._meta.concrete_fields
 _CLAIM_SQL = f"""
 UPDATE {ToolCall._meta.db_table} SET claimed_at = %s
-WHERE call_id IN ({{ids}}) AND {{brief}} AND status = 'executing' AND claimed_at IS NULL
+WHERE call_id IN ({{ids}}) AND {{brief}} AND status = 'executing' AND {{claim}}
   AND (exec_job_id IS NULL OR EXISTS (
     SELECT 1 FROM {ExecJob._meta.db_table} j WHERE j.id = {ToolCall._meta.db_table}.exec_job_id AND j.status = 'running'))
 RETURNING {rows.columns(ToolCall)}, {_PRICE_HELD}
@@ -1058,10 +1059,14 @@ def _tool_calls_renew(call_ids: list[str]) -> int:
         return ToolCall.objects.filter(pk__in=free.values("pk")).update(heartbeat_at=timezone.now())
 
 
-def tool_call_execute(*, call_id: str, record: str | None = None, alone: bool = False, outcome: str | None = None) -> None:
+def tool_call_execute(
+    *, call_id: str, record: str | None = None, alone: bool = False, outcome: str | None = None, claim: str | None = None
+) -> None:
     """Run one call, once: claim it, run it, record the result, push it to the job. Raise
     OutcomeUnrecorded if what it came to could not be recorded; its task's retry brings that
-    ``outcome`` back, and it is recorded (nothing is claimed or run again).
+    ``outcome`` back, and it is recorded (nothing is claimed or run again). Raise ClaimUnrun if the
+    database failed after the claim, before the tool ran; its task's retry brings that ``claim``
+    back, and takes it over to run the call.
 
     A call from a job's sandbox comes with its ``record`` (signed): the claim writes it, one
     conditional INSERT, if its job still runs and no row of it exists yet. Any other call was
@@ -1092,14 +1097,20 @@ def tool_call_execute(*, call_id: str, record: str | None = None, alone: bool = 
     # claimed) is tried again at once alone, by each of its calls, on its own thread: the one whose
     # row (or user's, or job's) is held locked waits for it there, holding up no other.
     call = None
-    if not alone:
+    taken = _claim_taken(call_id=call_id, claim=claim) if claim is not None else None
+    if taken is not None:
+        # The claim a try of its task made, and never ran, is this retry's: taken over by the one
+        # statement that checks it is still that claim and moves it, so that of two deliveries of
+        # the retry one only takes it, and the other finds the call claimed (a duplicate).
+        call = _tool_calls_update_claimed([call_id], now=timezone.now(), taken=taken).get(call_id)
+    elif not alone:
         try:
             call = _claims((call_id, queued))
         except OperationalError as exc:
             if not statement_cancelled(exc):
                 raise
             alone = True
-    if alone:
+    if alone and taken is None:
         call = _tool_calls_claim([(call_id, queued)])[0]
     claimed = call is not None
     if call is None:
@@ -1116,7 +1127,14 @@ def tool_call_execute(*, call_id: str, record: str | None = None, alone: bool = 
         logger.warning("tool call not found", extra={"call_id": call_id})
         return
     if claimed:
-        tool = tool_for_call(tool_id=call.tool_id) if call.tool_id else None
+        try:
+            tool = tool_for_call(tool_id=call.tool_id) if call.tool_id else None
+        except (OperationalError, InterfaceError) as exc:
+            # Claimed, not run: its task's retry takes the claim over. Raised bare, the retry found
+            # the call claimed under a fresh lease and dropped it as a duplicate, and a lease later
+            # the reaper failed it worker_lost, though no worker had died.
+            logger.warning("a claimed call's tool could not be looked up; its task's retry runs it", extra={"call_id": call_id})
+            raise ClaimUnrun(call=call) from exc
         if tool is not None and not (tool.enabled and tool.toolset.enabled):
             # Disabled since the call was made (a running job's tools are those it started with): an
             # admin stopping a tool that misbehaves stops its calls no worker has started yet too.
@@ -1135,6 +1153,9 @@ def tool_call_execute(*, call_id: str, record: str | None = None, alone: bool = 
             reply = _tool_call_fail_retried(call_id, "unknown_tool", TOOL_GONE)
     elif call.status != ToolCall.Status.EXECUTING:
         reply = tool_call_reply(call)
+    elif taken is not None and call.claimed_at == taken:
+        # Still the claim its task's try made and never ran, not taken over: its job no longer runs.
+        reply = _tool_call_fail_retried(call_id, "job_ended", JOB_ENDED_MESSAGE)
     elif call.claimed_at is not None and _lease_fresh(call):
         # Its worker renews the lease: it is alive and running the call. This delivery is a
         # duplicate (a replayed publish, an early restore): dropped, the running call untouched.
@@ -1177,16 +1198,29 @@ def _tool_calls_claim(items: list[tuple[str, ToolCall | None]], *, brief: bool =
         if queued:
             claimed.update(_tool_calls_record_claimed(list(queued.values()), now=now, brief=brief))
         if recorded:
-            postgres = connection.vendor == "postgresql"
-            wait = brief_lock_wait_sql("%s") if postgres else "1 = 1"
-            sql = _CLAIM_SQL.format(ids=", ".join(["%s"] * len(recorded)), brief=wait)
-            with connection.cursor() as cursor:
-                cursor.execute(sql, [now, *recorded, *([brief_lock_wait(brief)] if postgres else [])])
-                for row in cursor.fetchall():
-                    call = rows.from_row(ToolCall, row)
-                    call.price_held = bool(row[-1])  # type: ignore[attr-defined]  # as _CLAIM_SQL returns it
-                    claimed[call.call_id] = call
+            claimed.update(_tool_calls_update_claimed(recorded, now=now, brief=brief))
     return [claimed.pop(call_id, None) for call_id, _ in items]
+
+
+def _tool_calls_update_claimed(
+    call_ids: list[str], *, now: datetime, brief: bool = False, taken: datetime | None = None
+) -> dict[str, ToolCall]:
+    """Claim recorded calls, one UPDATE: those still executing, unclaimed (with ``taken``: claimed at
+    ``taken``, by a try of their task that never ran them), whose job still runs. Return their rows,
+    by call id. ``brief``: as ``_tool_calls_claim``'s."""
+    postgres = connection.vendor == "postgresql"
+    wait = brief_lock_wait_sql("%s") if postgres else "1 = 1"
+    claim = "claimed_at IS NULL" if taken is None else "claimed_at = %s"
+    sql = _CLAIM_SQL.format(ids=", ".join(["%s"] * len(call_ids)), brief=wait, claim=claim)
+    params = [now, *call_ids, *([brief_lock_wait(brief)] if postgres else []), *([taken] if taken is not None else [])]
+    claimed = {}
+    with connection.cursor() as cursor:
+        cursor.execute(sql, params)
+        for row in cursor.fetchall():
+            call = rows.from_row(ToolCall, row)
+            call.price_held = bool(row[-1])  # type: ignore[attr-defined]  # as _CLAIM_SQL returns it
+            claimed[call.call_id] = call
+    return claimed
 
 
 def _tool_calls_record_claimed(calls: list[ToolCall], *, now: datetime, brief: bool = False) -> dict[str, ToolCall]:
@@ -1270,7 +1304,16 @@ def _tool_call_recorded_push(call_id: str) -> None:
 _OUTCOME_SIGNER = signing.Signer(salt="ptc.execute_tool.outcome")
 
 
-class OutcomeUnrecorded(Exception):
+class RetryCarries(Exception):
+    """A try of a call's task that leaves its retry what it must know: ``kwargs``, the retry's
+    keyword arguments (signed, as ``tool_call_execute`` takes them)."""
+
+    def __init__(self, message: str, **kwargs: str) -> None:
+        super().__init__(message)
+        self.kwargs = kwargs
+
+
+class OutcomeUnrecorded(RetryCarries):
     """What a call this worker claimed (or found claimed) came to (its tool's result, or the error it
     failed with) that the database did not take within PTC_DB_RETRY_SECONDS (away, or cancelling the
     statement: a row it needs held locked). ``outcome``, signed, goes with its task's retry, which
@@ -1279,8 +1322,39 @@ class OutcomeUnrecorded(Exception):
     lease later the reaper failed it worker_lost, which said its worker died, not what happened."""
 
     def __init__(self, *, call_id: str, reply: dict[str, Any], billed: bool) -> None:
-        super().__init__(f"call {call_id}'s outcome could not be recorded")
         self.outcome = _OUTCOME_SIGNER.sign(json.dumps({"call_id": call_id, "reply": reply, "billed": billed}))
+        super().__init__(f"call {call_id}'s outcome could not be recorded", outcome=self.outcome)
+
+
+# A claim a try of a call's task made and never ran, as its retry carries it: signed, as an outcome
+# is, so that what reaches the broker can't take over another claim.
+_CLAIM_SIGNER = signing.Signer(salt="ptc.execute_tool.claim")
+
+
+class ClaimUnrun(RetryCarries):
+    """A call this worker claimed that a database error (away, or the statement cancelled: a lock
+    it waits on held) stopped before its tool ran. ``claim``, signed (the call and when it was
+    claimed), goes with its task's retry, which takes that claim over and runs the call
+    (``tool_call_execute``)."""
+
+    def __init__(self, *, call: ToolCall) -> None:
+        assert call.claimed_at is not None, "its claim set it"
+        self.claim = _CLAIM_SIGNER.sign(json.dumps([call.call_id, call.claimed_at.isoformat()]))
+        super().__init__(f"call {call.call_id} was claimed and not run", claim=self.claim)
+
+
+def _claim_taken(*, call_id: str, claim: str) -> datetime | None:
+    """When the claim ``claim`` (ClaimUnrun's) of call ``call_id`` was made; None if it is not one
+    this deployment's workers made of that call."""
+    try:
+        claimed_id, claimed_at = json.loads(_CLAIM_SIGNER.unsign(claim))
+    except signing.BadSignature:
+        claimed_id, claimed_at = None, None
+    if claimed_id != call_id:
+        # Not made by this deployment's workers (or another call's): the call's lease decides.
+        logger.error("a tool call's carried claim failed its signature check; not taken over", extra={"call_id": call_id})
+        return None
+    return datetime.fromisoformat(claimed_at)
 
 
 def _tool_call_end_retried(

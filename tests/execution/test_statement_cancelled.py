@@ -216,6 +216,34 @@ def test_a_claim_waiting_on_a_locked_user_holds_up_no_other_users_calls(cut: Sta
     assert len(held_up) <= 8, held_up
 
 
+def test_a_call_whose_tool_lookup_is_cancelled_after_its_claim_runs_at_its_tasks_retry(cut: Stack) -> None:
+    """A job's call is claimed, then its tools worker's look-up of its tool waits on the toolsets'
+    table, held locked by a stuck transaction past the statement timeout, and is cancelled: the
+    claim committed, the tool not run. Its task's retry takes that claim over and runs the call once,
+    and the job ends with its result. Before, the retry found the call claimed under a fresh lease
+    and dropped it as a duplicate; a lease later the reaper failed it worker_lost (no worker had
+    died), and the job with it."""
+    logged = cut.tools_worker.log.stat().st_size
+    with psycopg.connect(cut.env["DATABASE_URL"], autocommit=True) as conn, psycopg.connect(cut.env["DATABASE_URL"]) as toolsets:
+        with _user_held_as_claimed(cut) as (stuck, job, _):
+            # Its claim waits on the user's row: the table is held from before the claim commits.
+            toolsets.execute("LOCK TABLE tools_toolset IN ACCESS EXCLUSIVE MODE")
+        deadline = time.monotonic() + 30
+        claimed = "SELECT 1 FROM execution_toolcall WHERE exec_job_id = %s AND claimed_at IS NOT NULL"
+        while conn.execute(claimed, [job["id"]]).fetchone() is None:
+            assert time.monotonic() < deadline, "the call was never claimed"
+            time.sleep(0.05)
+        time.sleep(2)  # its tool's look-up, waiting on the table, cancelled (1 s)
+        toolsets.rollback()
+        final = _ended(stuck, job)
+        assert (final["status"], final["return_value"]) == ("completed", 7), (final["error"], final["stderr"][-2000:])
+        calls = conn.execute("SELECT status, output FROM execution_toolcall WHERE exec_job_id = %s", [job["id"]]).fetchall()
+    assert calls == [("completed", 7)]
+    with cut.tools_worker.log.open("rb") as log:
+        log.seek(logged)
+        assert b"a claimed call's tool could not be looked up" in log.read()  # where the database failed
+
+
 def _row_copy(conn: psycopg.Connection, table: str, where: tuple[str, str], **values: str) -> None:
     """Write a copy of the row of ``table`` where ``where`` (column, value) is, with ``values`` (SQL
     expressions, by column): as a job or call of a worker that died, or a queue message lost."""

@@ -1,6 +1,7 @@
 """The tools task under redelivery and cancel: a call runs at most once, and never for an ended job."""
 
 import copy
+import json
 import threading
 import time
 import uuid
@@ -12,7 +13,7 @@ import psycopg
 import pytest
 from django.conf import settings
 from django.contrib.auth import get_user_model
-from django.db import connection
+from django.db import OperationalError, connection
 from django.utils import timezone
 
 from billing.models import Reservation
@@ -403,3 +404,72 @@ def test_an_outcome_carried_for_another_call_changes_nothing(running_call: ToolC
     call = ToolCall.objects.get(call_id=running_call.call_id)
     assert (call.status, call.output) == ("executing", None)
     assert runs == []
+
+
+def _claimed_unrun(call: ToolCall, monkeypatch: pytest.MonkeyPatch, record: str | None = None) -> str:
+    """Have ``call``'s task claim it, then fail on the database as it looks its tool up (the tool
+    not run); return the claim its retry carries (ClaimUnrun's)."""
+    real = services.tool_for_call
+
+    def away(**kwargs: Any) -> Any:
+        raise OperationalError("server closed the connection unexpectedly")
+
+    monkeypatch.setattr(services, "tool_for_call", away)
+    with pytest.raises(services.ClaimUnrun) as unrun:
+        services.tool_call_execute(call_id=call.call_id, record=record)
+    monkeypatch.setattr(services, "tool_for_call", real)
+    return unrun.value.claim
+
+
+def test_a_claim_its_tasks_try_did_not_run_is_run_by_one_delivery_of_its_retry(
+    queued_call: ToolCall, runs: list, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A tools worker claims a job's call, then the database fails as it looks its tool up: its
+    task's retry takes that claim over and runs the call, completed and charged once. Delivered
+    twice, the retry runs it once (the other delivery, as the call runs, is dropped as a duplicate);
+    a claim not this deployment's, or another call's, takes nothing over. Before, the retry found the
+    call claimed under a fresh lease and dropped it; a lease later the reaper failed it worker_lost."""
+    record = services.tool_call_signed(queued_call)
+    claim = _claimed_unrun(queued_call, monkeypatch, record=record)
+    assert runs == [] and ToolCall.objects.get(call_id=queued_call.call_id).status == "executing"
+    # Another call's claim made at the same time, as a batch's claims are.
+    other = services._CLAIM_SIGNER.sign(json.dumps(["ptc_other", json.loads(services._CLAIM_SIGNER.unsign(claim))[1]]))
+    for forged in (claim[:-2] + "xx", other):
+        services.tool_call_execute(call_id=queued_call.call_id, record=record, alone=True, claim=forged)
+    assert runs == [] and ToolCall.objects.get(call_id=queued_call.call_id).status == "executing"
+    counting, again = services.tool_run, []
+
+    def run_delivered_again(**kwargs: Any) -> Any:
+        if not again:  # the retry's other delivery comes as the call runs
+            again.append(True)
+            services.tool_call_execute(call_id=queued_call.call_id, record=record, alone=True, claim=claim)
+        return counting(**kwargs)
+
+    monkeypatch.setattr(services, "tool_run", run_delivered_again)
+    with backplane().subscribe(job_channel(queued_call.ptc_call_id)) as channel:
+        services.tool_call_execute(call_id=queued_call.call_id, record=record, alone=True, claim=claim)
+        channel.wait(5)
+        replies = channel.drain()
+    call = ToolCall.objects.get(call_id=queued_call.call_id)
+    assert len(runs) == 1
+    assert (call.status, call.output, call.credits) == ("completed", 3, 1)
+    assert [r.result for r in replies if r.call_id == call.call_id] == [3]
+    assert _held(call) == "settled"
+
+
+def test_a_claim_its_tasks_try_did_not_run_fails_job_ended_if_its_job_ended_before_the_retry(
+    running_call: ToolCall, runs: list, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A tools worker claims a call, the database fails as it looks its tool up, and the call's job
+    ends before the task's retry: the retry fails the call job_ended, not run, its code told so.
+    Without it, the call stayed claimed until the reaper failed it worker_lost a lease later."""
+    claim = _claimed_unrun(running_call, monkeypatch)
+    ExecJob.objects.filter(pk=running_call.exec_job_id).update(status="cancelled")
+    with backplane().subscribe(job_channel(running_call.ptc_call_id)) as channel:
+        services.tool_call_execute(call_id=running_call.call_id, alone=True, claim=claim)
+        channel.wait(5)
+        replies = channel.drain()
+    call = ToolCall.objects.get(call_id=running_call.call_id)
+    assert runs == []
+    assert (call.status, call.error["code"]) == ("failed", "job_ended")
+    assert [r.error["code"] for r in replies if r.call_id == call.call_id] == ["job_ended"]
