@@ -970,9 +970,13 @@ class Session:
             # Its web process may yet go on and record it (a pause, a lock), with others admitted in
             # its place by then: the job past its limits. Fenced, it can't; nor can any call admitted
             # so far that is not recorded now, all of which are then given up (a live one asks again).
-            if not self.router.calls_fence(epoch=self.key_epoch + 1):
-                return
+            # Raised here whether the fence is or not: one that committed with its reply lost left
+            # the database's ahead, and each call admitted under the one before was refused as it
+            # was recorded, asked again and admitted under it again, till the next fence. Ahead of
+            # the database's, an epoch refuses nothing.
             self.key_epoch += 1
+            if not self.router.calls_fence(epoch=self.key_epoch):
+                return
             call_ids = list(self.key_in_flight)
             found = self.router.calls_open(call_ids=call_ids)
             if found is None:

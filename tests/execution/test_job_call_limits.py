@@ -251,6 +251,45 @@ def test_calls_over_http_whose_web_process_stalls_before_recording_them_never_ta
         client.close()
 
 
+def test_a_fence_whose_reply_was_lost_leaves_the_bridge_admitting_under_its_epoch(api: Api, settings, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The bridge fences the calls over HTTP a web process has not recorded (``calls_fence`` raises
+    the job's http_admit_epoch): one whose statement committed and whose reply was lost left the
+    bridge admitting under the epoch before it, each such call refused as it was recorded, asked
+    again, admitted under the same epoch again, in a loop till the next fence. It admits under the
+    new one either way: ahead of the database's, an epoch refuses nothing. In this process: a call
+    admitted and never recorded, its fence's reply lost."""
+    from execution.models import ExecJob
+    from execution.services import jobs
+    from execution.services.router import JobCallRouter
+    from tests.execution.test_exec_api import _queued_job
+
+    settings.PTC_JOB_HEARTBEAT_SECONDS = 0.5
+    queued = _queued_job(api, "import time\ntime.sleep(6)")
+    job = {"id": str(queued.pk), "call_id": queued.call_id}
+    fence, fenced = JobCallRouter.calls_fence, threading.Event()
+
+    def committed_reply_lost(self: JobCallRouter, *, epoch: int) -> bool:
+        fence(self, epoch=epoch)
+        fenced.set()
+        return False
+
+    monkeypatch.setattr(JobCallRouter, "calls_fence", committed_reply_lost)
+    runner = threading.Thread(target=jobs.exec_job_run, kwargs={"job_id": job["id"], "worker": "test", "call_id": job["call_id"]})
+    runner.start()
+    try:
+        deadline = time.monotonic() + 20
+        while (status := ExecJob.objects.get(pk=queued.pk).status) != "running":  # its channel is listened to
+            assert time.monotonic() < deadline, status
+            time.sleep(0.05)
+        assert _asked(job, f"ptc_{uuid.uuid4().hex}", toolset="demo", tool="echo").ok  # never recorded
+        assert fenced.wait(10), "the bridge did not fence the call it admitted"
+        admitted = _asked(job, f"ptc_{uuid.uuid4().hex}", toolset="demo", tool="echo")
+        assert admitted.ok, admitted
+        assert admitted.epoch >= ExecJob.objects.get(pk=queued.pk).http_admit_epoch > 0
+    finally:
+        runner.join(30)
+
+
 def test_a_call_over_http_asking_again_as_its_job_ends_is_told_the_job_ended(api: Api, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """A call over HTTP admitted while its job ran asks again (its answer was lost) as the job ends:
     its bridge, past its loop, no longer has the job's grant to look the tool up in. It answered
