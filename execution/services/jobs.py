@@ -1144,8 +1144,11 @@ def _exec_jobs_close_left() -> None:
     # has one no worker took (failed or cancelled while queued), whose close was given back: whoever
     # ended it (the reaper, a cancel, a session's end) does not try again, so it waited out a worker's
     # retries there were none of, its end unannounced and its session busy (cancelled) for as long.
-    unowned = Q(lapsed, finished_at__lt=stale) | ~Q(container_id="") | Q(started_at__isnull=True, finished_at__isnull=False)
-    left = ExecJob.objects.filter(unowned, status__in=ExecJob.FINISHED, closed_at__isnull=True)
+    unowned = Q(lapsed, finished_at__lt=stale) | ~Q(container_id="") | Q(started_at__isnull=True)
+    # Ended as the partial index of ended, unclosed jobs says it (execjob_ended_unclosed), for every
+    # branch: by the status alone, a branch (a container's) read every job of its kind ever run.
+    ended_unclosed = Q(status__in=ExecJob.FINISHED, finished_at__isnull=False, closed_at__isnull=True)
+    left = ExecJob.objects.filter(unowned, ended_unclosed)
     for job_id, call_id, container_id, status in left.values_list("pk", "call_id", "container_id", "status"):
         close = functools.partial(_exec_job_close_left, job_id=job_id, call_id=call_id, container_id=container_id, status=status)
         unless_locked(close, what="closing an ended job", job_id=str(job_id))
