@@ -1,17 +1,41 @@
 """The admin's delete pages, counted rather than read (ptcproject.deletion)."""
 
-from functools import wraps
+from collections.abc import Callable
+from functools import partial, wraps
 from typing import Any
 
+from django.contrib import messages
 from django.contrib.admin.actions import delete_selected
-from django.db import router, transaction
+from django.db import OperationalError, router, transaction
 from django.db.models import Model, QuerySet
-from django.http import HttpRequest
+from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
 
 from ptcproject.admin_lists import LargeListAdmin
+from ptcproject.db import deadlocked
 from ptcproject.deletion import deletion_counts, deletion_lock
 
 OBJECTS_NAMED = 100  # of the rows chosen for a delete, the most its page names
+
+DEADLOCKED = (
+    "The database stopped this delete: it and a write under way to the same rows (a charge, say) were "
+    "each waiting on the other, and one had to give way. Nothing was deleted: try again."
+)
+
+
+def _or_try_again(request: HttpRequest, delete: Callable[[], Any], again: Any) -> Any:
+    """Return what ``delete`` (a delete page's or action's work, in one transaction) returns; or
+    ``again``, with a message saying to try again, if PostgreSQL cancelled it as one side of a
+    deadlock (rolled back whole: nothing deleted). A delete locks its rows, then the rows they name
+    (deletion_lock), then deletes their history; a write that takes such rows the other way round
+    (a charge: the account, then a usage row naming the user) may meet it half way, whichever
+    order the delete chose, and PostgreSQL cancels either one. Raised, the delete was a 500."""
+    try:
+        return delete()
+    except OperationalError as exc:
+        if not deadlocked(exc):
+            raise
+        messages.error(request, DEADLOCKED)
+        return again
 
 
 @wraps(delete_selected)
@@ -20,12 +44,16 @@ def delete_selected_at_once(modeladmin: Any, request: HttpRequest, queryset: Que
     rows' lock, CountedDeleteAdmin.get_deleted_objects) and its delete, all or nothing. Run as a
     statement a transaction, a delete refused late, or cut off part way (a user's history deleted
     a batch a statement first), left what was done deleted and the rest kept."""
-    with transaction.atomic(using=router.db_for_write(modeladmin.model)):
-        # The rows chosen by their keys, read once: the confirmation counts them and posts back
-        # the same. Its keys were the list's rows read again as the page was drawn, and a row
-        # written between (a job ended, in a list of ended jobs: "Select all") was deleted uncounted.
-        chosen = queryset.model._base_manager.filter(pk__in=pks_of(queryset))
-        return delete_selected(modeladmin, request, chosen)
+
+    def delete() -> Any:
+        with transaction.atomic(using=router.db_for_write(modeladmin.model)):
+            # The rows chosen by their keys, read once: the confirmation counts them and posts back
+            # the same. Its keys were the list's rows read again as the page was drawn, and a row
+            # written between (a job ended, in a list of ended jobs: "Select all") was deleted uncounted.
+            chosen = queryset.model._base_manager.filter(pk__in=pks_of(queryset))
+            return delete_selected(modeladmin, request, chosen)
+
+    return _or_try_again(request, delete, None)  # None: back to the list, its message shown
 
 
 def pks_of(objs: Any) -> list[Any]:
@@ -50,6 +78,12 @@ class CountedDeleteAdmin(LargeListAdmin):
         if django_s is not None:
             actions["delete_selected"] = (delete_selected_at_once, *django_s[1:])
         return actions
+
+    def delete_view(self, request: HttpRequest, object_id: str, extra_context: dict[str, Any] | None = None) -> HttpResponse:
+        # Django's runs its check and its delete in one transaction: back to its confirmation.
+        delete = partial(super().delete_view, request, object_id, extra_context)
+        response: HttpResponse = _or_try_again(request, delete, HttpResponseRedirect(request.get_full_path()))
+        return response
 
     def get_deleted_objects(self, objs: Any, request: HttpRequest) -> tuple[Any, ...]:
         ids = pks_of(objs)

@@ -30,6 +30,15 @@ def statement_cancelled(exc: BaseException) -> bool:
     return isinstance(exc.__cause__, QueryCanceled | LockNotAvailable)
 
 
+def deadlocked(exc: BaseException) -> bool:
+    """Whether a database error (Django's) is PostgreSQL cancelling the transaction as one side of a
+    deadlock (two transactions each waiting on a row the other holds): the transaction is rolled
+    back, and the same work tried again is likely to go through."""
+    from psycopg.errors import DeadlockDetected
+
+    return isinstance(exc.__cause__, DeadlockDetected)
+
+
 def database_read_only(exc: BaseException) -> bool:
     """Whether a database error (Django's) is PostgreSQL refusing a write because its server is
     read-only: a standby, as the old primary is after a failover (ptcproject.postgres.base's

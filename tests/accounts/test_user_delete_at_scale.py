@@ -17,8 +17,8 @@ from django.db import connection, transaction
 from django.test import Client
 from django.utils import timezone
 
-from billing.models import LedgerEntry
-from billing.services import account_get, credits_adjust
+from billing.models import CreditAccount, CreditUsage, LedgerEntry, Reservation
+from billing.services import account_get, credits_adjust, credits_settle
 from execution.models import ExecJob, ToolCall
 from ptcproject.deletion import delete_in_batches
 from tests.execution.rival import _a_statement_waits_for_a_lock
@@ -153,6 +153,46 @@ def test_a_ledger_entry_written_as_the_user_is_deleted_refuses_the_delete_and_de
     assert get_user_model().objects.filter(pk=user.pk).exists()
     assert (ExecJob.objects.filter(user=user).count(), ToolCall.objects.filter(user=user).count()) == (1, 1)
     assert LedgerEntry.objects.filter(account__user=user).count() == 1
+
+
+@pytest.mark.parametrize("how", ["page", "action"])
+def test_a_delete_that_deadlocks_with_a_charge_says_to_try_again_and_deletes_nothing(how: str) -> None:
+    """A charge locks the user's account, then writes a usage row naming the user; the delete locks
+    the user, then the account. Met half way, each waits on the other, and PostgreSQL cancels one:
+    the delete here (it waited first, so its check for a deadlock ran first). The page says what
+    happened and to try again; nothing is deleted, and the charge goes through."""
+    user = get_user_model().objects.create_user(username=f"charged-{uuid.uuid4().hex[:6]}")
+    account = account_get(user=user)
+    job = running_job(user=user, status="completed", finished_at=timezone.now())
+    call = demo_call(user=user, job=job, status="completed", finished_at=timezone.now())
+    # Held at no cost (a plan's free tool access): its charge writes a usage row, no ledger entry.
+    Reservation.objects.create(account=account, tool_call_id=call.call_id, amount=0, due_amount=5, meta={"toolName": "add"})
+    client = _staff_client()
+    url, data = (
+        (f"/admin/auth/user/{user.pk}/delete/", {"post": "yes"})
+        if how == "page"
+        else ("/admin/auth/user/", {"action": "delete_selected", "_selected_action": [user.pk], "post": "yes"})
+    )
+    with ThreadPoolExecutor(1) as pool:
+        with transaction.atomic():
+            with connection.cursor() as cursor:
+                cursor.execute("SET LOCAL deadlock_timeout = '10s'")  # the delete's check for one runs first
+            list(CreditAccount.objects.select_for_update().filter(pk=account.pk))  # as the charge's UPDATE of it
+            answer = pool.submit(client.post, url, data)
+            deadline = time.monotonic() + 15
+            while not _a_statement_waits_for_a_lock():
+                assert not answer.done(), answer.result().content.decode()[-2000:]
+                assert time.monotonic() < deadline, "the delete never waited for the charge's account"
+                time.sleep(0.02)
+            assert credits_settle(tool_call_id=call.call_id) == 0  # its usage row names the user: waits on the delete
+        # Before: OperationalError (deadlock detected), a 500.
+        done = answer.result()
+    assert done.status_code == 302, done.content.decode()[-2000:]
+    page = client.get(done["Location"]).content.decode()
+    assert "Nothing was deleted: try again." in page, page[-3000:]
+    assert get_user_model().objects.filter(pk=user.pk).exists()
+    assert (ExecJob.objects.filter(user=user).count(), ToolCall.objects.filter(user=user).count()) == (1, 1)
+    assert CreditUsage.objects.filter(user=user, tool_call_id=call.call_id).exists()
 
 
 def test_a_delete_in_one_transaction_reads_each_row_once() -> None:
