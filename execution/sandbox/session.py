@@ -144,8 +144,9 @@ class CallRouter(Protocol):
         """From its record: a finished call's reply, and whether (and when) it was approved."""
         ...
 
-    def overdue(self, *, call_id: str) -> dict[str, Any]:
-        """Return the reply for a call whose result never arrived (from its record, or a failure)."""
+    def overdue(self, *, call_id: str) -> dict[str, Any] | float:
+        """Return the reply for a call whose result never arrived (from its record, or a failure);
+        or, while its record says its tools worker may still run it, how many seconds more it may."""
         ...
 
     def closed(self, *, open_calls: list[str]) -> None:
@@ -549,7 +550,14 @@ class Session:
                         self._key_calls_check(settled_before=now - 2 * self.heartbeat_every)
                 for call_id, call in list(self.in_flight.items()):
                     if now >= call.deadline and call_id in self.in_flight:
-                        self._reply(call_id, self.router.overdue(call_id=call_id))
+                        overdue = self.router.overdue(call_id=call_id)
+                        if isinstance(overdue, dict):
+                            self._reply(call_id, overdue)
+                        else:
+                            # Its deadline counted from its dispatch by its tool's timeout as the job
+                            # started; its tools worker runs it from its claim by the timeout as it is
+                            # (raised since), and its record says so: it is waited for by that.
+                            call.deadline = time.monotonic() + overdue
                 if self.key_in_flight and now >= min(self.key_in_flight.values()):
                     self._key_calls_release([c for c, at in self.key_in_flight.items() if now >= at])
                 # Last: what this wake-up dispatched goes out in one go, and replies are written.

@@ -12,6 +12,7 @@ from django.utils import timezone
 from execution.backplane import Approved
 from execution.models import ExecJob, ToolCall
 from execution.sandbox.session import Dispatched, Granted, Looked, Refused
+from execution.selectors import calls_overdue_at
 from execution.services.calls import (
     CALL_TIMEOUT_MESSAGE,
     JOB_ENDED_MESSAGE,
@@ -190,11 +191,17 @@ class JobCallRouter:
         ago = max(0.0, (timezone.now() - call.decided_at).total_seconds())
         return Looked(reply=reply, approved=Approved(call_id=call_id, timeout=approved_call_timeout(call)), approved_ago=ago)
 
-    def overdue(self, *, call_id: str) -> dict[str, Any]:
+    def overdue(self, *, call_id: str) -> dict[str, Any] | float:
         # The hand-off was lost or the call is stuck: the record decides. A late tools worker
         # finds the call failed and its result is dropped; so does a late client or approver.
         error = call_error("tool_timeout", CALL_TIMEOUT_MESSAGE)
         try:
+            # Its tools worker runs it by its tool's timeout as it is, from its claim: one raised
+            # since the job started (which the bridge's deadline counted) is not overdue yet.
+            running = ToolCall.objects.filter(call_id=call_id, status=ToolCall.Status.EXECUTING)
+            until = calls_overdue_at(running)
+            if until is not None and (left := (until - timezone.now()).total_seconds()) > 0:
+                return left
             status = ToolCall.objects.filter(call_id=call_id).values_list("status", flat=True).first()
             if status == ToolCall.Status.AWAITING_CLIENT:
                 error = call_error("tool_timeout", "the client did not post this call's result within its timeout")

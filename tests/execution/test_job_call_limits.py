@@ -456,6 +456,66 @@ def test_a_call_over_http_holds_its_slot_by_its_tools_timeout_as_it_is_now_not_a
     assert over_http.finished_at is not None and after.started_at >= over_http.finished_at
 
 
+RAISED_FOR_CODE = """
+import time
+from ptc_tools import ToolError
+from ptc_tools.demo import Demo
+from ptc_tools.{key} import {cls}
+Demo.echo(value="started")
+time.sleep(5)  # the test raises the tool's timeout meanwhile
+try:
+    {cls}.wait(seconds=35)
+    out = ["ok"]
+except ToolError as exc:
+    out = [exc.code]
+out
+"""
+
+
+def test_a_call_by_the_jobs_code_is_waited_for_by_its_tools_timeout_as_it_is_now_not_as_the_job_started(
+    api: Api, staff: Api, http_api: HttpApi
+) -> None:
+    """A tool's timeout raised while a job runs is what its tools worker runs the code's next call
+    of it under; the bridge gave that call up at its tool's timeout as the job started (1 s here)
+    and the grace (30 s): it failed ``tool_timeout`` in the code and in its record, and the tool's
+    result, 35 s in, met a call already ended. It is waited for by the timeout as it is."""
+    from tools.models import Tool
+
+    key = unique_key("raised")
+    schema = {"type": "object", "properties": {"seconds": {"type": "number"}}, "required": ["seconds"]}
+    tool = {
+        "name": "wait",
+        "input_schema": schema,
+        "timeout": 1,
+        "http": {"method": "GET", "path": "/slow", "query": ["seconds"]},
+    }
+    body = {
+        "key": key,
+        "name": "Raised",
+        "kind": "http",
+        "is_global": True,
+        "config": {"base_url": http_api.url},
+        "tools": [tool],
+    }
+    assert staff.post("/api/v1/toolsets", json=body).status_code == 201
+    try:
+        job = api.run(RAISED_FOR_CODE.format(key=key, cls=class_name(key)), toolsets=["demo", key], wait=0, timeout=120)
+        _job_key(api, job["id"])  # its echo: the job runs, with the tool's timeout as it started
+        raised = staff.http.patch(f"/api/v1/toolsets/{key}", json={"tools": [{**tool, "timeout": 60}]})
+        assert raised.status_code == 200, raised.text
+        assert Tool.objects.get(toolset__key=key, name="wait").timeout == 60
+        deadline = time.monotonic() + 90
+        while (final := api.get(f"/api/v1/exec/{job['id']}").json())["status"] == "running":
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+    finally:
+        staff.http.delete(f"/api/v1/toolsets/{key}")
+    assert final["status"] == "completed", final["error"]
+    assert final["return_value"] == ["ok"]
+    call = ToolCall.objects.get(exec_job_id=job["id"], tool_name="wait")
+    assert (call.status, call.error) == ("completed", None)
+
+
 def test_a_call_over_http_whose_jobs_worker_never_answers_is_503_and_runs_nothing(api: Api) -> None:
     """The job's record says it runs, but no bridge answers (its worker wedged, or one older than the
     web, in a rolling upgrade): past PTC_JOB_LEASE_SECONDS (4 s here) the call is 503
