@@ -409,16 +409,9 @@ Demo.echo(value="after")
 """
 
 
-def test_a_call_over_http_holds_its_slot_by_its_tools_timeout_as_it_is_now_not_as_the_job_started(
-    api: Api, staff: Api, http_api: HttpApi
-) -> None:
-    """A tool's timeout raised while a job runs is what its tools worker runs a call of it under,
-    and what a call over HTTP with the job's key waits for; its bridge held that call's slot of the
-    parallel cap by the timeout as the job started (1 s here), and 60 s more: past that, a
-    sequential job's code had its next call run beside it. The slot is held till the call ends."""
-    from tools.models import Tool
-
-    assert staff.http.patch("/api/v1/policy", json={"sequential": True}).status_code == 200
+def _slow_toolset(staff: Api, http_api: HttpApi) -> tuple[str, dict[str, Any]]:
+    """A global toolset of one HTTP tool, ``wait``, which answers after ``seconds``, its timeout 1 s
+    (a test raises it): its key, and the tool as it was written."""
     key = unique_key("raised")
     schema = {"type": "object", "properties": {"seconds": {"type": "number"}}, "required": ["seconds"]}
     tool = {
@@ -436,6 +429,20 @@ def test_a_call_over_http_holds_its_slot_by_its_tools_timeout_as_it_is_now_not_a
         "tools": [tool],
     }
     assert staff.post("/api/v1/toolsets", json=body).status_code == 201
+    return key, tool
+
+
+def test_a_call_over_http_holds_its_slot_by_its_tools_timeout_as_it_is_now_not_as_the_job_started(
+    api: Api, staff: Api, http_api: HttpApi
+) -> None:
+    """A tool's timeout raised while a job runs is what its tools worker runs a call of it under,
+    and what a call over HTTP with the job's key waits for; its bridge held that call's slot of the
+    parallel cap by the timeout as the job started (1 s here), and 60 s more: past that, a
+    sequential job's code had its next call run beside it. The slot is held till the call ends."""
+    from tools.models import Tool
+
+    assert staff.http.patch("/api/v1/policy", json={"sequential": True}).status_code == 200
+    key, _ = _slow_toolset(staff, http_api)
     try:
         job = api.run(RAISED, toolsets=["demo", key], wait=0, timeout=150)
         headers = {"Authorization": f"Bearer {_job_key(api, job['id'])}"}
@@ -481,23 +488,7 @@ def test_a_call_by_the_jobs_code_is_waited_for_by_its_tools_timeout_as_it_is_now
     result, 35 s in, met a call already ended. It is waited for by the timeout as it is."""
     from tools.models import Tool
 
-    key = unique_key("raised")
-    schema = {"type": "object", "properties": {"seconds": {"type": "number"}}, "required": ["seconds"]}
-    tool = {
-        "name": "wait",
-        "input_schema": schema,
-        "timeout": 1,
-        "http": {"method": "GET", "path": "/slow", "query": ["seconds"]},
-    }
-    body = {
-        "key": key,
-        "name": "Raised",
-        "kind": "http",
-        "is_global": True,
-        "config": {"base_url": http_api.url},
-        "tools": [tool],
-    }
-    assert staff.post("/api/v1/toolsets", json=body).status_code == 201
+    key, tool = _slow_toolset(staff, http_api)
     try:
         job = api.run(RAISED_FOR_CODE.format(key=key, cls=class_name(key)), toolsets=["demo", key], wait=0, timeout=120)
         _job_key(api, job["id"])  # its echo: the job runs, with the tool's timeout as it started
