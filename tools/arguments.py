@@ -89,10 +89,30 @@ def _too_large(pattern: str) -> bool:
         return True
 
 
+def _shown(pattern: str) -> str:
+    return repr(pattern if len(pattern) <= 80 else f"{pattern[:80]}...")
+
+
+def pattern_problem(pattern: str) -> str | None:
+    """Return why ``pattern`` can't be matched (``has a pattern (...) whose repeats make it too
+    large``), or None if it can."""
+    if not _too_large(pattern):
+        return None
+    return f"has a pattern ({_shown(pattern)}) whose repeats make it too large"
+
+
+def schema_pattern_problem(schema: Any) -> str | None:
+    """Return why a ``pattern`` or a ``patternProperties`` key anywhere in ``schema`` can't be
+    matched, or None if each can. A schema is checked with this when it is written, so one that
+    could check no call is refused there, not by every call of its tool (``_search``)."""
+    patterns = [value for value in keyword_values(schema, "pattern") if isinstance(value, str)]
+    patterns += [key for value in keyword_values(schema, "patternProperties") if isinstance(value, dict) for key in value]
+    return next((why for pattern in patterns if (why := pattern_problem(pattern)) is not None), None)
+
+
 def _search(pattern: str, text: str) -> bool:
-    if _too_large(pattern):
-        shown = pattern if len(pattern) <= 80 else f"{pattern[:80]}..."
-        raise _unchecked(f"has a pattern ({shown!r}) whose repeats make it too large")
+    if (why := pattern_problem(pattern)) is not None:
+        raise _unchecked(why)
     deadline = getattr(_check, "deadline", None)
     left = PATTERN_SECONDS if deadline is None else min(PATTERN_SECONDS, deadline - time.monotonic())
     try:
@@ -102,8 +122,7 @@ def _search(pattern: str, text: str) -> bool:
     except TimeoutError:
         if left < PATTERN_SECONDS:
             raise _unchecked(f"has patterns that took over {PATTERNS_SECONDS:g} s in all to match these arguments") from None
-        shown = pattern if len(pattern) <= 80 else f"{pattern[:80]}..."
-        raise _unchecked(f"has a pattern ({shown!r}) that took over {PATTERN_SECONDS:g} s to match") from None
+        raise _unchecked(f"has a pattern ({_shown(pattern)}) that took over {PATTERN_SECONDS:g} s to match") from None
 
 
 # jsonschema's own keywords, with their matches made by _search: (validator, the keyword's value,

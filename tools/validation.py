@@ -15,7 +15,7 @@ import referencing
 import referencing.exceptions
 import referencing.jsonschema
 
-from tools.arguments import keyword_values
+from tools.arguments import PATTERN_SIZE, keyword_values, schema_pattern_problem
 from tools.kinds.http import METHODS, path_params
 from tools.kinds.mcp import TRANSPORTS
 from tools.models import Tool, Toolset
@@ -78,6 +78,10 @@ def schema_errors(schema: Any, *, path: str, object_root: bool) -> list[FieldErr
         return [FieldError(path, "invalid_json_schema", f"not a valid JSON Schema: a pattern in it can't be compiled ({exc})")]
     if (unresolved := _unresolved_ref(schema)) is not None:
         return [FieldError(path, "invalid_json_schema", f"$ref {unresolved!r} names nothing in the schema")]
+    if (why := schema_pattern_problem(schema)) is not None:
+        # Every call of the tool would be refused checking it (tools/arguments.py): refused here.
+        too_large = f"its counted repeats written out, nested ones multiplied, are over {PATTERN_SIZE:,} items"
+        return [FieldError(path, "invalid_json_schema", f"the schema {why}: {too_large}; make them smaller")]
     if object_root:
         if schema.get("type", "object") != "object":
             return [FieldError(path, "invalid_json_schema", 'must describe keyword arguments: {"type": "object", ...}')]

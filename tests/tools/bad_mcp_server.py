@@ -54,6 +54,7 @@ if mode == "stdout_token":
             print(f"debug: token={os.environ['TOKEN']}", flush=True)
             answer(message, started="stdout-token")
 if mode == "odd_list":
+    NESTED = "^(?:(?:a{100}){100}){100}$"
     schema = {"type": "object", "properties": {}}
     tools = [
         {"name": "whoami", "inputSchema": schema},
@@ -64,6 +65,9 @@ if mode == "odd_list":
         {"name": "", "inputSchema": schema},  # no name to call it by
         {"name": "whoami", "description": "listed again", "inputSchema": schema},
         {"name": f"leak_{os.environ.get('TOKEN', '')}", "inputSchema": schema},  # a name that holds its secret
+        # A pattern whose nested repeats no call could be checked against, in each schema.
+        {"name": "huge_in", "inputSchema": {"type": "object", "properties": {"s": {"pattern": NESTED}}}},
+        {"name": "huge_out", "inputSchema": schema, "outputSchema": {"type": "object", "patternProperties": {NESTED: {}}}},
     ]
     for message in requests():
         if message["method"] == "initialize":

@@ -614,6 +614,43 @@ def test_a_pattern_python_cannot_compile_in_a_schema_is_a_field_error(api: Api, 
     assert toolset.json()["error"]["code"] == "invalid_json_schema", toolset.text[:300]
 
 
+def test_a_pattern_whose_repeats_nest_too_large_is_refused_where_the_schema_is_written(api: Api, staff: Api) -> None:
+    """A pattern regex would write out to a million items as it compiles was refused by each call of
+    its tool (invalid_arguments, tests/tools/test_arguments.py), and taken where it was written: a
+    job's client tools ran their code for nothing, a toolset was saved with tools none could call.
+    It is refused there, naming the schema and its pattern: a job's client tools (exec and the prompt
+    context, its input or output schema), a toolset created or edited (nothing saved)."""
+    nested = "^(?:(?:a{100}){100}){100}$"
+    why = f"the schema has a pattern ({nested!r}) whose repeats make it too large"
+    by_value = {"type": "object", "properties": {"s": {"type": "string", "pattern": nested}}}
+    by_key = {"type": "object", "patternProperties": {nested: {}}}
+    before = api.get("/api/v1/exec").json()["count"]
+    for path, body, field in (
+        ("/api/v1/exec", {"code": "1", "client_tools": [{"name": "t", "input_schema": by_value}]}, "input_schema"),
+        ("/api/v1/ptc/context", {"client_tools": [{"name": "t", "output_schema": by_key}]}, "output_schema"),
+    ):
+        client = api.post(path, json=body)
+        assert client.status_code == 400, client.text[:300]
+        error = client.json()["error"]
+        assert error["code"] == "validation_error", error
+        assert error["details"][f"client_tools[0].{field}"][0].startswith(why), error
+    assert api.get("/api/v1/exec").json()["count"] == before
+    key = unique_key("nested")
+    spec = {"method": "GET", "path": "/", "query": []}
+    body = {"key": key, "name": key, "kind": "http", "config": {"base_url": "http://127.0.0.1:9"}}
+    created = staff.post("/api/v1/toolsets", json={**body, "tools": [{"name": "t", "input_schema": by_value, "http": spec}]})
+    assert created.status_code == 400, created.text[:300]
+    assert created.json()["error"]["code"] == "invalid_json_schema", created.text[:300]
+    assert created.json()["error"]["details"]["tools[0].input_schema"][0].startswith(why), created.text[:300]
+    plain = {"name": "t", "input_schema": {"type": "object", "properties": {}}, "http": spec}
+    assert staff.post("/api/v1/toolsets", json={**body, "tools": [plain]}).status_code == 201
+    edited = staff.http.patch(f"/api/v1/toolsets/{key}", json={"tools": [{**plain, "output_schema": by_key}]})
+    assert edited.status_code == 400, edited.text[:300]
+    assert edited.json()["error"]["details"]["tools[0].output_schema"][0].startswith(why), edited.text[:300]
+    assert staff.get(f"/api/v1/toolsets/{key}").json()["tools"][0]["output_schema"] is None
+    staff.http.delete(f"/api/v1/toolsets/{key}")
+
+
 def test_json_with_a_number_too_long_to_read_is_not_said_not_to_be_json(api: Api, hostile: str) -> None:
     """A body of JSON whose number has 5,000 digits: Python reads no integer of over 4,300. That is
     what the message says, not that the body (application/json, and JSON) is not JSON."""

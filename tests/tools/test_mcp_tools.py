@@ -182,8 +182,9 @@ print(M.get_thing(thing_id="after"))
 def test_a_server_listing_odd_tools_syncs_the_good_ones_and_reports_the_rest(
     staff: Api, create_toolset: Callable[..., dict[str, Any]]
 ) -> None:
-    """A tool the database can't hold as listed is skipped, with why, as one with a bad schema is:
-    the others are synced, not rolled back with a 500."""
+    """A tool the database can't hold as listed is skipped, with why, as one with a bad schema is
+    (one whose pattern no call could be checked against too: before, it was synced, and each of
+    its calls failed invalid_arguments): the others are synced, not rolled back with a 500."""
     key = unique_key("odd")
     config = mcp_stdio_config(uuid.uuid4().hex, BAD_MCP_SERVER, "odd_list", TOKEN="{{secrets.TOKEN}}")
     create_toolset({"key": key, "name": "Odd", "kind": "mcp", "config": config, "secrets": {"TOKEN": TOKEN}})
@@ -192,6 +193,11 @@ def test_a_server_listing_odd_tools_syncs_the_good_ones_and_reports_the_rest(
     assert TOKEN not in sync.text
     assert sync.json()["added"] == ["whoami", "a" * 128]
     nul = "holds a NUL character (U+0000), which can't be stored"
+    nested = "^(?:(?:a{100}){100}){100}$"
+    too_large = (
+        "whose repeats make it too large: its counted repeats written out, nested ones multiplied, are over 100,000 items; "
+        "make them smaller"
+    )
     assert sync.json()["skipped"] == [
         {"name": "n" * 200 + "…", "reason": "name: longer than 256 characters, which can't be stored"},
         {"name": "nul_desc", "reason": f"description: {nul}"},
@@ -202,6 +208,8 @@ def test_a_server_listing_odd_tools_syncs_the_good_ones_and_reports_the_rest(
             "name": "leak_[redacted]",
             "reason": "name: holds one of the toolset's secrets, which would be shown to everyone it is granted to",
         },
+        {"name": "huge_in", "reason": f"inputSchema: the schema has a pattern ({nested!r}) {too_large}"},
+        {"name": "huge_out", "reason": f"outputSchema: the schema has a pattern ({nested!r}) {too_large}"},
     ]
     assert Tool.objects.get(toolset__key=key, name="a" * 128).remote_name == "a" * 200
 
