@@ -81,6 +81,9 @@ TABLE_READ_TRIES = 200
 # this often, until Redis has room.
 ROOM_TRY_SECONDS = 1.0
 ROOM_SAY_SECONDS = 30.0
+# A refresh of the bindings of expiring queues that a full Redis refuses (kombu's, every second) is
+# said again this often at most, while Redis stays full.
+REFUSED_SAY_SECONDS = 60.0
 
 
 def broker_trouble(exc: BaseException) -> str:
@@ -507,15 +510,17 @@ class Channel(redis.Channel):
 
     def maybe_refresh_binding_expiry(self) -> None:
         # kombu's transport logs each refusal of this refresh (a script, which a full Redis refuses)
-        # with two chained tracebacks, 60 lines, every second while Redis is full: one line says it.
+        # with two chained tracebacks, 60 lines, every second while Redis is full: a few lines say it
+        # (_BindingRefusals). kombu moves its clock only when a refresh went through.
+        refreshed_at = self._binding_expiry_refreshed_at
+        queues = ", ".join(sorted(queue for queue in self._active_queues if queue in self._expires))
         try:
             super().maybe_refresh_binding_expiry()
         except OutOfMemoryError as exc:
-            logger.warning(
-                "the broker %s: the bindings of queues %s are not refreshed (kombu tries again every second)",
-                broker_trouble(exc),
-                ", ".join(sorted(queue for queue in self._active_queues if queue in self._expires)),
-            )
+            _binding_refusals.refused(trouble=broker_trouble(exc), queues=queues)
+        else:
+            if self._binding_expiry_refreshed_at != refreshed_at:
+                _binding_refusals.refreshed(queues=queues)
 
     def _brpop_start(self, timeout: float | None = None) -> None:
         if self._multi_pop is None:
@@ -602,6 +607,60 @@ class Channel(redis.Channel):
         finally:
             self._in_poll = None  # type: ignore[assignment]  # as kombu's own _brpop_read leaves it
             self._flush_brpop_reauth()
+
+
+class _BindingRefusals:
+    """The refreshes of the bindings of expiring queues that a full Redis refuses, in this process
+    (every channel's: one Redis is full for all): said as they begin, then at most every
+    REFUSED_SAY_SECONDS with how many were refused since, and once as a refresh goes through again.
+    kombu tries every second: an hour of a full Redis was 3,600 lines a worker."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()  # a process's connections may refresh from more than one thread
+        self._began: float | None = None  # when the refusals began (monotonic); None: refreshes go through
+        self._said = 0.0  # when they were last said
+        self._since = 0  # refused since they were last said
+        self._all = 0  # refused since they began
+
+    def refused(self, *, trouble: str, queues: str) -> None:
+        with self._lock:
+            now = monotonic()
+            self._all += 1
+            if self._began is None:
+                self._began, self._said, self._since = now, now, 0
+                logger.warning(
+                    "the broker %s: the bindings of queues %s are not refreshed (kombu tries again every second; "
+                    "said again at most every %g s while it goes on)",
+                    trouble,
+                    queues,
+                    REFUSED_SAY_SECONDS,
+                )
+                return
+            self._since += 1
+            if now - self._said >= REFUSED_SAY_SECONDS:
+                logger.warning(
+                    "the broker %s: the bindings of queues %s are still not refreshed (%d refused in the last %.0f s)",
+                    trouble,
+                    queues,
+                    self._since,
+                    now - self._said,
+                )
+                self._said, self._since = now, 0
+
+    def refreshed(self, *, queues: str) -> None:
+        with self._lock:
+            if self._began is None:
+                return
+            logger.warning(
+                "the broker has room again: the bindings of queues %s are refreshed again (%d refused over %.0f s)",
+                queues,
+                self._all,
+                monotonic() - self._began,
+            )
+            self._began, self._all = None, 0
+
+
+_binding_refusals = _BindingRefusals()
 
 
 def _room_wait(stop: Callable[[], object]) -> None:

@@ -283,6 +283,19 @@ def test_redis_messages_taken_while_it_is_full_are_handed_over_not_lost(
     assert said and all(line.startswith("Redis is full (its maxmemory): ") for line in said), said
 
 
+def _binding_refresh(transport: Any, caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
+    """The WARNING log records of one refresh of the bindings of ``transport``'s consumers, as a
+    worker's loop makes it."""
+    caplog.clear()
+    for channel in transport.channels:
+        channel._binding_expiry_refreshed_at = float("-inf")  # due now
+    transport.cycle.maybe_refresh_binding_expiry()  # kombu calls it so each second
+    return [record for record in caplog.records if record.levelno >= logging.WARNING]
+
+
+FULL = "the broker is full (Redis has reached its maxmemory): "
+
+
 def test_a_binding_refresh_a_full_redis_refuses_is_one_line_in_the_log(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """kombu refreshes the bindings of the expiring queues a worker consumes (Celery's pidbox, gossip
     and reply queues) each second with a script, which a full Redis refuses: each refusal was a
@@ -294,33 +307,64 @@ def test_a_binding_refresh_a_full_redis_refuses_is_one_line_in_the_log(tmp_path:
     admin = redis.Redis.from_url(server.url)
     admin.acl_setuser(user, enabled=True, passwords=[f"+{password}"], keys=["*"], channels=["*"], commands=["+@all"])
     url = server.url.replace("redis://", f"redis://{user}:{password}@", 1)
-
-    def refreshed() -> list[logging.LogRecord]:
-        """The log records of one refresh of the consumer's bindings, as the worker's loop makes it."""
-        caplog.clear()
-        for channel in transport.channels:
-            channel._binding_expiry_refreshed_at = float("-inf")  # due now
-        transport.cycle.maybe_refresh_binding_expiry()  # kombu calls it so each second
-        return [record for record in caplog.records if record.levelno >= logging.WARNING]
-
     try:
         with caplog.at_level("WARNING"), _redis_queue("refresh", most=16, url=url, expires=60) as broker:
             transport = broker.conn.transport
             with broker.conn.channel() as channel, Consumer(channel, [broker.queue], callbacks=[_acking([])]):
-                assert refreshed() == []
+                assert _binding_refresh(transport, caplog) == []
                 admin.config_set("maxmemory", "1")
                 try:
-                    [full] = refreshed()
+                    [full] = _binding_refresh(transport, caplog)
                 finally:
                     admin.config_set("maxmemory", "0")
                 assert full.name == "ptc.broker" and full.exc_info is None, full
                 assert full.getMessage() == (
-                    "the broker is full (Redis has reached its maxmemory): the bindings of queues refresh are not "
-                    "refreshed (kombu tries again every second)"
+                    f"{FULL}the bindings of queues refresh are not refreshed (kombu tries again every second; "
+                    "said again at most every 60 s while it goes on)"
                 )
+                assert [record.getMessage() for record in _binding_refresh(transport, caplog)] == [
+                    "the broker has room again: the bindings of queues refresh are refreshed again (1 refused over 0 s)"
+                ]
                 admin.acl_setuser(user, enabled=True, commands=["-evalsha"])  # refused for another reason
-                [other] = refreshed()
+                [other] = _binding_refresh(transport, caplog)
                 assert other.name == "kombu.transport.redis" and other.exc_info is not None, other
+    finally:
+        server.stop()
+
+
+def test_a_full_redis_refusing_binding_refreshes_for_long_is_said_once_a_minute_and_when_it_ends(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each refusal was a line, every second: an hour of a full Redis wrote 3,600 of them a worker.
+    They are said as they begin, then at most once a minute with how many were refused since, and
+    once as a refresh goes through again. The process's clock is moved on, not waited for."""
+    from ptcproject import broker as transport_module
+
+    ahead = [0.0]
+    monkeypatch.setattr(transport_module, "monotonic", lambda: time.monotonic() + ahead[0])
+    server = RedisServer(tmp_path)
+    server.start()
+    admin = redis.Redis.from_url(server.url)
+    try:
+        with caplog.at_level("WARNING"), _redis_queue("refresh", most=16, url=server.url, expires=60) as broker:
+            transport = broker.conn.transport
+            with broker.conn.channel() as channel, Consumer(channel, [broker.queue], callbacks=[_acking([])]):
+                admin.config_set("maxmemory", "1")
+                try:
+                    said = [record.getMessage() for _ in range(20) for record in _binding_refresh(transport, caplog)]
+                    assert said == [
+                        f"{FULL}the bindings of queues refresh are not refreshed (kombu tries again every second; "
+                        "said again at most every 60 s while it goes on)"
+                    ]
+                    ahead[0] += 61
+                    said = [record.getMessage() for _ in range(20) for record in _binding_refresh(transport, caplog)]
+                    assert said == [f"{FULL}the bindings of queues refresh are still not refreshed (20 refused in the last 61 s)"]
+                finally:
+                    admin.config_set("maxmemory", "0")
+                said = [record.getMessage() for _ in range(3) for record in _binding_refresh(transport, caplog)]
+                assert said == [
+                    "the broker has room again: the bindings of queues refresh are refreshed again (40 refused over 61 s)"
+                ]
     finally:
         server.stop()
 
