@@ -8,7 +8,7 @@ from django.db.models.functions import Coalesce
 from django.utils import timezone
 
 from execution.models import ExecJob, ExecSession, ToolCall, WorkFile
-from execution.sandbox.session import CALL_GRACE_SECONDS
+from execution.sandbox.limits import CALL_GRACE_SECONDS
 from tools.client import CLIENT_KEY
 from tools.models import Toolset
 

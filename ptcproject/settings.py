@@ -11,6 +11,7 @@ from urllib.parse import urlsplit
 
 import environ
 
+from execution.sandbox.limits import CALL_GRACE_SECONDS
 from ptcproject import queues
 from ptcproject.crypto import secrets_keys
 from ptcproject.envvars import Env
@@ -425,6 +426,19 @@ checked.require(
     PTC_JOB_LEASE_SECONDS >= 2 * PTC_JOB_HEARTBEAT_SECONDS,
     f"PTC_JOB_LEASE_SECONDS ({PTC_JOB_LEASE_SECONDS}) must be at least twice "
     f"PTC_JOB_HEARTBEAT_SECONDS ({PTC_JOB_HEARTBEAT_SECONDS}).",
+)
+# A call over HTTP with a job's key holds a slot of its job's parallel cap from its bridge's
+# admission: its bridge looks for its record at the first heartbeat two after (up to three beats
+# on), and fences off one not recorded (its web process dead or stalled) before it gives its slot
+# up (Session._key_calls_check); past its tool's timeout (0.1 s at least) and twice the grace, it
+# gives it up unfenced. Were three beats longer, a stalled web process would record and run the call
+# after its slot was given away (no epoch raised): the cap passed, and the call counted twice (its
+# Admitted counts a call the bridge no longer holds).
+checked.require(
+    3 * PTC_JOB_HEARTBEAT_SECONDS < 2 * CALL_GRACE_SECONDS,
+    f"PTC_JOB_HEARTBEAT_SECONDS ({PTC_JOB_HEARTBEAT_SECONDS}) must be under {2 * CALL_GRACE_SECONDS / 3:g} s: a job's bridge "
+    "looks for the record of a call over HTTP with its key up to three heartbeats after admitting it, and must do so "
+    f"before it gives the call's slot up, {2 * CALL_GRACE_SECONDS:g} s past its tool's timeout.",
 )
 # How long a worker keeps trying to record a job's end while the database is unreachable; after
 # that the job's lease lapses and the reaper ends it once the database is back.

@@ -91,6 +91,8 @@ def test_every_bad_variable_is_named_on_one_line_by_manage_py(base_env: dict[str
     ("values", "named"),
     [
         ({"PTC_JOB_HEARTBEAT_SECONDS": "10", "PTC_JOB_LEASE_SECONDS": "5"}, "PTC_JOB_LEASE_SECONDS"),
+        # a call over HTTP's slot given up before its bridge looks for its record (three beats)
+        ({"PTC_JOB_HEARTBEAT_SECONDS": "20", "PTC_JOB_LEASE_SECONDS": "120"}, "PTC_JOB_HEARTBEAT_SECONDS"),
         ({"PTC_DB_POOL_MIN": "30", "PTC_DB_POOL_MAX": "10"}, "PTC_DB_POOL_MAX"),
         ({"PTC_SESSION_IDLE_TIMEOUT": "7200"}, "PTC_SESSION_IDLE_TIMEOUT"),
         ({"DJANGO_ALLOWED_HOSTS": ""}, "DJANGO_ALLOWED_HOSTS"),
@@ -98,6 +100,14 @@ def test_every_bad_variable_is_named_on_one_line_by_manage_py(base_env: dict[str
 )
 def test_values_that_contradict_each_other_stop_start_up(base_env: dict[str, str], values: dict[str, str], named: str) -> None:
     assert_one_line_each(check({**base_env, **values}), [named])
+
+
+def test_the_longest_heartbeat_a_call_over_https_slot_outlasts_starts(base_env: dict[str, str]) -> None:
+    """Three beats of 19 s fit in the 60 s a call over HTTP's slot is kept past its tool's timeout."""
+    assert (
+        setting({**base_env, "PTC_JOB_HEARTBEAT_SECONDS": "19", "PTC_JOB_LEASE_SECONDS": "60"}, "PTC_JOB_HEARTBEAT_SECONDS")
+        == "19"
+    )
 
 
 def test_a_data_dir_that_cannot_be_made_is_named(base_env: dict[str, str]) -> None:

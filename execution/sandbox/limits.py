@@ -1,6 +1,10 @@
 from dataclasses import asdict, dataclass
 from typing import Any
 
+# A call whose result has not been pushed by then is looked up in the database, the source of truth.
+# Here, beside the limits, so settings can check the heartbeat against it (no Django to import).
+CALL_GRACE_SECONDS = 30.0
+
 
 @dataclass(frozen=True)
 class Limits:

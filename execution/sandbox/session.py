@@ -41,7 +41,7 @@ from execution.backplane import (
     backplane,
     call_channel,
 )
-from execution.sandbox.limits import Limits
+from execution.sandbox.limits import CALL_GRACE_SECONDS, Limits
 from execution.sandbox.output import LIVE_CUT, CappedOutput
 from execution.sandbox.pool import Sandbox, sandbox_reap, warm_pool
 from execution.sandbox.process import MOUNT_SDK, SandboxProcess, scratch_bytes
@@ -51,8 +51,6 @@ from ptcproject.storage import MAX_JSON_DEPTH
 from tools.sdk_runtime.protocol import FrameDecoder, FrameError, encode, pack
 
 logger = logging.getLogger("ptc.sandbox")
-# A call whose result has not been pushed by then is looked up in the database, the source of truth.
-CALL_GRACE_SECONDS = 30.0
 # A session's sandbox is given this long to take what its job's end sends it (_hand_back).
 HAND_BACK_SECONDS = 2.0
 # A sandbox whose streams all closed before its result is given this long to exit by itself.

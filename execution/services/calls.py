@@ -55,7 +55,7 @@ from execution.events import (
     tool_call_pending_payload,
 )
 from execution.models import ExecJob, ToolCall
-from execution.sandbox.session import CALL_GRACE_SECONDS
+from execution.sandbox.limits import CALL_GRACE_SECONDS
 from execution.services.quotas import tool_call_quota_check
 from ptcproject import rows
 from ptcproject.accounts.models import ApiKey
