@@ -4,6 +4,7 @@ from collections.abc import Callable
 from functools import partial, wraps
 from typing import Any
 
+from django.conf import settings
 from django.contrib import messages
 from django.contrib.admin.actions import delete_selected
 from django.db import OperationalError, router, transaction
@@ -38,6 +39,20 @@ def _or_try_again(request: HttpRequest, delete: Callable[[], Any], again: Any) -
         return again
 
 
+# The fields of the delete action's confirmation besides a key a row chosen: its CSRF token, its
+# action and its "post".
+CONFIRMATION_FIELDS = 3
+
+
+def chosen_max() -> int:
+    """Return the most rows the delete action deletes at once: its confirmation posts back each
+    one's key, a field of its own, and Django refuses a form of more than DATA_UPLOAD_MAX_NUMBER_FIELDS
+    (a 400, once confirmed). Over 65,535 rows ("Select all" of a large list), the keys, each a
+    parameter of one pk__in, were past PostgreSQL's bound on a statement's: every query that named
+    them failed (a 500, before the confirmation)."""
+    return settings.DATA_UPLOAD_MAX_NUMBER_FIELDS - CONFIRMATION_FIELDS
+
+
 @wraps(delete_selected)
 def delete_selected_at_once(modeladmin: Any, request: HttpRequest, queryset: QuerySet[Any]) -> Any:
     """Django's delete action in one transaction, as its delete page runs: its check (under the
@@ -50,7 +65,18 @@ def delete_selected_at_once(modeladmin: Any, request: HttpRequest, queryset: Que
             # The rows chosen by their keys, read once: the confirmation counts them and posts back
             # the same. Its keys were the list's rows read again as the page was drawn, and a row
             # written between (a job ended, in a list of ended jobs: "Select all") was deleted uncounted.
-            chosen = queryset.model._base_manager.filter(pk__in=pks_of(queryset))
+            most = chosen_max()
+            keys = list(queryset.values_list("pk", flat=True)[: most + 1])
+            if len(keys) > most:  # refused before anything is counted, locked or deleted
+                name = queryset.model._meta.verbose_name_plural
+                modeladmin.message_user(
+                    request,
+                    f"Nothing was deleted: more than {most:,} {name} were selected, and the delete action takes at "
+                    f"most {most:,} at a time. Narrow the list (a filter, a search) to that many and delete them, then the next.",
+                    messages.ERROR,
+                )
+                return None
+            chosen = queryset.model._base_manager.filter(pk__in=keys)
             return delete_selected(modeladmin, request, chosen)
 
     return _or_try_again(request, delete, None)  # None: back to the list, its message shown

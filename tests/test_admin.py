@@ -4,6 +4,7 @@ import uuid
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
+from urllib.parse import urlencode
 
 import pytest
 from django.contrib.auth import get_user_model
@@ -14,11 +15,13 @@ from django.utils import timezone
 
 from billing.models import CreditAccount, CreditUsage, LedgerEntry, Plan
 from billing.services import credits_adjust
-from execution.models import ExecJob, WorkFile
+from execution.models import ExecJob, ToolCall, WorkFile
 from ptcproject.accounts.models import ApiKey
 from tests.conftest import Api
 from tests.factories import job_calls, running_job
 from tools.models import Tool, Toolset
+
+FORM = "application/x-www-form-urlencoded"  # as a browser posts a form
 
 
 def test_admin_pages_render_for_staff(api: Api) -> None:
@@ -369,3 +372,82 @@ def test_the_delete_actions_confirmation_posts_back_the_rows_it_counted(monkeypa
     posted = set(re.findall(r'name="_selected_action" value="([^"]+)"', page.content.decode()))
     assert posted == {str(counted.pk)}, posted  # before: the late job's too
     ExecJob.objects.filter(user=user).delete()
+
+
+def _finished_calls(*, user: Any, rows: int) -> None:
+    with connection.cursor() as cursor:
+        cursor.execute(
+            """
+            INSERT INTO execution_toolcall (call_id, type, ptc_call_id, user_id, toolset_key, tool_name, input, status,
+                                            credits, started_at, finished_at, decision, decision_reason)
+            SELECT 'standalone_' || md5(random()::text || g), 'standalone', '', %s, 'demo', 'add', '{}'::jsonb,
+                   'completed', 0, now(), now(), '', ''
+            FROM generate_series(1, %s) g
+            """,
+            [user.pk, rows],
+        )
+
+
+def _select_all_and_delete(client: Client, user: Any) -> Any:
+    """The tool call list searched for ``user``'s calls, "Select all" of them, then the delete action."""
+    one = ToolCall.objects.filter(user=user).values_list("pk", flat=True).first()
+    data = {"action": "delete_selected", "select_across": "1", "index": "0", "_selected_action": [str(one)]}
+    return client.post(_calls_of(user), data)
+
+
+def _calls_of(user: Any) -> str:
+    return f"/admin/execution/toolcall/?q={user.username}"
+
+
+def test_a_delete_action_over_more_rows_than_a_statement_binds_deletes_nothing_and_says_to_narrow_the_list() -> None:
+    """ "Select all" of 70,000 calls: past the 65,535 parameters PostgreSQL binds in a statement,
+    which every query of the delete that named the keys chosen (one pk__in) was."""
+    from ptcproject.admin_deletes import chosen_max
+
+    user = get_user_model().objects.create_user(username=f"many-{uuid.uuid4().hex[:6]}")
+    _finished_calls(user=user, rows=70_000)
+    staff = get_user_model().objects.create_user(username=f"admin-{uuid.uuid4().hex[:6]}", is_staff=True, is_superuser=True)
+    client = Client()
+    client.force_login(staff)
+    try:
+        answer = _select_all_and_delete(client, user)
+        # Before: OperationalError (number of parameters must be between 0 and 65535), a 500.
+        assert answer.status_code == 302, answer.content.decode()[-2000:]
+        page = client.get(answer["Location"]).content.decode()
+        assert f"Nothing was deleted: more than {chosen_max():,} tool calls were selected" in page, page[-3000:]
+        assert ToolCall.objects.filter(user=user).count() == 70_000
+    finally:
+        with connection.cursor() as cursor:
+            cursor.execute("DELETE FROM execution_toolcall WHERE user_id = %s", [user.pk])
+
+
+def test_the_delete_actions_confirmation_posts_back_as_many_rows_as_it_takes_and_one_more_is_refused_first() -> None:
+    """The confirmation posts back a field a row: of more than the form's limit
+    (DATA_UPLOAD_MAX_NUMBER_FIELDS, with its other fields), Django refused it once confirmed, a 400.
+    One row more than the action takes is refused before its confirmation, and deletes nothing; as
+    many as it takes are confirmed, as a browser posts the page's form, and deleted."""
+    from ptcproject.admin_deletes import chosen_max
+
+    user = get_user_model().objects.create_user(username=f"some-{uuid.uuid4().hex[:6]}")
+    _finished_calls(user=user, rows=chosen_max() + 1)
+    staff = get_user_model().objects.create_user(username=f"admin-{uuid.uuid4().hex[:6]}", is_staff=True, is_superuser=True)
+    client = Client()
+    client.force_login(staff)
+    try:
+        refused = _select_all_and_delete(client, user)
+        assert refused.status_code == 302, refused.content.decode()[-2000:]  # before: its confirmation, then a 400
+        assert "Nothing was deleted: more than" in client.get(refused["Location"]).content.decode()
+        assert ToolCall.objects.filter(user=user).count() == chosen_max() + 1
+        ToolCall.objects.filter(pk=ToolCall.objects.filter(user=user).values_list("pk", flat=True).first()).delete()
+        page = _select_all_and_delete(client, user)
+        assert page.status_code == 200, page.content.decode()[-2000:]
+        form = re.search(r'<form method="post">(.*?)</form>', page.content.decode(), re.S)
+        assert form, page.content.decode()[-3000:]
+        fields = re.findall(r'<input type="hidden" name="([^"]+)" value="([^"]*)"', form[1])
+        assert len(fields) == chosen_max() + 3, len(fields)  # a key a row, its CSRF token, its action and "post"
+        confirmed = client.post(_calls_of(user), urlencode(fields), content_type=FORM)
+        assert confirmed.status_code == 302, confirmed.content.decode()[-2000:]
+        assert not ToolCall.objects.filter(user=user).exists()
+    finally:
+        with connection.cursor() as cursor:
+            cursor.execute("DELETE FROM execution_toolcall WHERE user_id = %s", [user.pk])
