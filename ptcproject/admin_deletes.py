@@ -12,30 +12,42 @@ from django.db.models import Model, QuerySet
 from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
 
 from ptcproject.admin_lists import LargeListAdmin
-from ptcproject.db import deadlocked
+from ptcproject.db import deadlocked, statement_cancelled
 from ptcproject.deletion import deletion_counts, deletion_lock
 
 OBJECTS_NAMED = 100  # of the rows chosen for a delete, the most its page names
 
-DEADLOCKED = (
-    "The database stopped this delete: it and a write under way to the same rows (a charge, say) were "
-    "each waiting on the other, and one had to give way. Nothing was deleted: try again."
-)
+
+def _stopped_because(exc: OperationalError) -> str | None:
+    """Return why PostgreSQL stopped a delete, the transaction rolled back whole, when trying it
+    again may go through; None for any other error."""
+    if deadlocked(exc):
+        # A delete locks its rows, then the rows they name (deletion_lock), then deletes their
+        # history; a write that takes such rows the other way round (a charge: the account, then a
+        # usage row naming the user) may meet it half way, whichever order the delete chose.
+        return "it and a write under way to the same rows (a charge, say) were each waiting on the other, and one had to give way"
+    if statement_cancelled(exc):
+        # PTC_DB_STATEMENT_TIMEOUT's statement or lock timeout: a row held locked by a transaction
+        # that does not end (a stuck one), or a statement slower than it.
+        return (
+            "it ran, or waited on rows another transaction holds locked, longer than the database allows a "
+            "statement (PTC_DB_STATEMENT_TIMEOUT; stopped again, a transaction may be stuck holding them: "
+            "see pg_stat_activity)"
+        )
+    return None
 
 
 def _or_try_again(request: HttpRequest, delete: Callable[[], Any], again: Any) -> Any:
     """Return what ``delete`` (a delete page's or action's work, in one transaction) returns; or
-    ``again``, with a message saying to try again, if PostgreSQL cancelled it as one side of a
-    deadlock (rolled back whole: nothing deleted). A delete locks its rows, then the rows they name
-    (deletion_lock), then deletes their history; a write that takes such rows the other way round
-    (a charge: the account, then a usage row naming the user) may meet it half way, whichever
-    order the delete chose, and PostgreSQL cancels either one. Raised, the delete was a 500."""
+    ``again``, with a message saying why and to try again, if PostgreSQL stopped it as
+    _stopped_because says (rolled back whole: nothing deleted). Raised, the delete was a 500."""
     try:
         return delete()
     except OperationalError as exc:
-        if not deadlocked(exc):
+        why = _stopped_because(exc)
+        if why is None:
             raise
-        messages.error(request, DEADLOCKED)
+        messages.error(request, f"The database stopped this delete: {why}. Nothing was deleted: try again.")
         return again
 
 

@@ -10,6 +10,7 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
+import psycopg
 import pytest
 from django.contrib.auth import get_user_model
 from django.contrib.auth.models import User
@@ -234,3 +235,33 @@ def test_a_delete_in_one_transaction_reads_each_row_once() -> None:
     assert entries < 3 * CALLS, entries  # unsorted, a scan a batch by the user's index: 20 million
     ToolCall.objects.filter(user=other).delete()
     owner.delete()
+
+
+@pytest.mark.parametrize("timeout", ["statement_timeout", "lock_timeout"])
+@pytest.mark.parametrize("how", ["page", "action"])
+def test_a_delete_cut_short_by_a_timeout_says_to_try_again_and_deletes_nothing(
+    how: str, timeout: str, django_db_setup: str
+) -> None:
+    """A transaction that does not end (a stuck one) holds the user's row locked: the delete waits
+    on it past PTC_DB_STATEMENT_TIMEOUT (its statement or its lock timeout), and PostgreSQL cancels
+    its statement. The page says what happened and to try again, as for a deadlock; nothing is
+    deleted."""
+    user = get_user_model().objects.create_user(username=f"held-{uuid.uuid4().hex[:6]}")
+    job = running_job(user=user, status="completed", finished_at=timezone.now())
+    demo_call(user=user, job=job, status="completed", finished_at=timezone.now())
+    client = _staff_client()
+    url, data = (
+        (f"/admin/auth/user/{user.pk}/delete/", {"post": "yes"})
+        if how == "page"
+        else ("/admin/auth/user/", {"action": "delete_selected", "_selected_action": [user.pk], "post": "yes"})
+    )
+    with psycopg.connect(django_db_setup) as stuck:  # its transaction open till the block ends
+        stuck.execute("SELECT 1 FROM auth_user WHERE id = %s FOR UPDATE", [user.pk])
+        with _statement_timeout(1, setting=timeout):
+            done = client.post(url, data)  # before: OperationalError (canceling statement due to ...), a 500
+        stuck.rollback()
+    assert done.status_code == 302, done.content.decode()[-2000:]
+    page = client.get(done["Location"]).content.decode()
+    assert "longer than the database allows a statement" in page and "Nothing was deleted: try again." in page, page[-3000:]
+    assert get_user_model().objects.filter(pk=user.pk).exists()
+    assert (ExecJob.objects.filter(user=user).count(), ToolCall.objects.filter(user=user).count()) == (1, 1)

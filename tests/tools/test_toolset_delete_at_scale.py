@@ -79,17 +79,18 @@ def test_a_toolset_of_many_calls_is_deleted_over_the_api_and_its_calls_are_kept(
 
 
 @contextmanager
-def _statement_timeout(seconds: float) -> Iterator[None]:
+def _statement_timeout(seconds: float, *, setting: str = "statement_timeout") -> Iterator[None]:
     """Run this thread's statements, in the block, each cancelled past ``seconds``, as
     PTC_DB_STATEMENT_TIMEOUT has PostgreSQL cancel them (set for the statement's transaction only,
-    so nothing is left on a pooled connection)."""
+    so nothing is left on a pooled connection): ``setting`` is statement_timeout, or lock_timeout
+    (a wait on a lock alone), which PTC_DB_STATEMENT_TIMEOUT sets too."""
 
     def timed(execute: Callable[..., Any], sql: str, params: Any, many: bool, context: dict[str, Any]) -> Any:
         database = context["connection"]
 
         def limited() -> Any:
             with database.wrap_database_errors:  # on psycopg's cursor: not through this wrapper again
-                context["cursor"].cursor.execute("SELECT set_config('statement_timeout', %s, true)", [f"{int(seconds * 1000)}ms"])
+                context["cursor"].cursor.execute("SELECT set_config(%s, %s, true)", [setting, f"{int(seconds * 1000)}ms"])
             return execute(sql, params, many, context)
 
         if not database.get_autocommit():  # in a transaction already (the admin's delete page): for its rest
