@@ -5,6 +5,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from django.contrib.auth.models import AbstractBaseUser
+from django.db import connection
 from django.utils import timezone
 
 from execution.models import ExecJob, ToolCall
@@ -45,3 +46,18 @@ def job_calls(job: ExecJob, rows: Iterable[dict[str, Any]]) -> list[ToolCall]:
     base = {"type": "ptc", "exec_job": job, "ptc_call_id": job.call_id, "user_id": job.user_id}
     base |= {"toolset_key": "demo", "status": "completed", "credits": 1}
     return ToolCall.objects.bulk_create(ToolCall(call_id=f"ptc_{uuid.uuid4().hex}", **{**base, **row}) for row in rows)
+
+
+def finished_calls(*, user: AbstractBaseUser, rows: int) -> None:
+    """``rows`` completed standalone calls of ``user``'s, in one statement (a list at scale)."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            """
+            INSERT INTO execution_toolcall (call_id, type, ptc_call_id, user_id, toolset_key, tool_name, input, status,
+                                            credits, started_at, finished_at, decision, decision_reason)
+            SELECT 'standalone_' || md5(random()::text || g), 'standalone', '', %s, 'demo', 'add', '{}'::jsonb,
+                   'completed', 0, now(), now(), '', ''
+            FROM generate_series(1, %s) g
+            """,
+            [user.pk, rows],
+        )

@@ -18,7 +18,7 @@ from billing.services import credits_adjust
 from execution.models import ExecJob, ToolCall, WorkFile
 from ptcproject.accounts.models import ApiKey
 from tests.conftest import Api
-from tests.factories import job_calls, running_job
+from tests.factories import finished_calls, job_calls, running_job
 from tools.models import Tool, Toolset
 
 FORM = "application/x-www-form-urlencoded"  # as a browser posts a form
@@ -374,20 +374,6 @@ def test_the_delete_actions_confirmation_posts_back_the_rows_it_counted(monkeypa
     ExecJob.objects.filter(user=user).delete()
 
 
-def _finished_calls(*, user: Any, rows: int) -> None:
-    with connection.cursor() as cursor:
-        cursor.execute(
-            """
-            INSERT INTO execution_toolcall (call_id, type, ptc_call_id, user_id, toolset_key, tool_name, input, status,
-                                            credits, started_at, finished_at, decision, decision_reason)
-            SELECT 'standalone_' || md5(random()::text || g), 'standalone', '', %s, 'demo', 'add', '{}'::jsonb,
-                   'completed', 0, now(), now(), '', ''
-            FROM generate_series(1, %s) g
-            """,
-            [user.pk, rows],
-        )
-
-
 def _select_all_and_delete(client: Client, user: Any) -> Any:
     """The tool call list searched for ``user``'s calls, "Select all" of them, then the delete action."""
     one = ToolCall.objects.filter(user=user).values_list("pk", flat=True).first()
@@ -405,7 +391,7 @@ def test_a_delete_action_over_more_rows_than_a_statement_binds_deletes_nothing_a
     from ptcproject.admin_deletes import chosen_max
 
     user = get_user_model().objects.create_user(username=f"many-{uuid.uuid4().hex[:6]}")
-    _finished_calls(user=user, rows=70_000)
+    finished_calls(user=user, rows=70_000)
     staff = get_user_model().objects.create_user(username=f"admin-{uuid.uuid4().hex[:6]}", is_staff=True, is_superuser=True)
     client = Client()
     client.force_login(staff)
@@ -429,7 +415,7 @@ def test_the_delete_actions_confirmation_posts_back_as_many_rows_as_it_takes_and
     from ptcproject.admin_deletes import chosen_max
 
     user = get_user_model().objects.create_user(username=f"some-{uuid.uuid4().hex[:6]}")
-    _finished_calls(user=user, rows=chosen_max() + 1)
+    finished_calls(user=user, rows=chosen_max() + 1)
     staff = get_user_model().objects.create_user(username=f"admin-{uuid.uuid4().hex[:6]}", is_staff=True, is_superuser=True)
     client = Client()
     client.force_login(staff)

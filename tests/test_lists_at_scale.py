@@ -26,6 +26,7 @@ from ptcproject.admin_lists import LargeListAdmin
 from ptcproject.api import Pagination
 from ptcproject.paging import COUNT_EXACT_UP_TO, COUNT_SECONDS, EstimatingPaginator
 from tests.conftest import Api
+from tests.factories import finished_calls
 
 PLANNED = 50_000_000
 ROWS = COUNT_EXACT_UP_TO + 50
@@ -148,17 +149,8 @@ def huge_calls() -> Iterator[Any]:
     """A user with ROWS finished calls, in a table the planner believes holds PLANNED rows (as
     huge_usage's); the rows gone and the statistics true again after."""
     user = get_user_model().objects.create_user(username=f"huge-{uuid.uuid4().hex[:6]}")
+    finished_calls(user=user, rows=ROWS)
     with connection.cursor() as cursor:
-        cursor.execute(
-            """
-            INSERT INTO execution_toolcall (call_id, type, ptc_call_id, user_id, toolset_key, tool_name, input, status,
-                                            credits, started_at, finished_at, decision, decision_reason)
-            SELECT 'standalone_' || md5(random()::text || g), 'standalone', '', %s, 'demo', 'add', '{}'::jsonb,
-                   'completed', 0, now(), now(), '', ''
-            FROM generate_series(1, %s) g
-            """,
-            [user.pk, ROWS],
-        )
         cursor.execute("ANALYZE execution_toolcall")
         cursor.execute("UPDATE pg_class SET reltuples = %s WHERE relname = 'execution_toolcall'", [PLANNED])
     try:

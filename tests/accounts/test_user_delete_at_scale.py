@@ -9,6 +9,7 @@ millions against 30 s (the UPDATE alone took 3 s here)."""
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import psycopg
 import pytest
@@ -121,22 +122,31 @@ def test_a_user_with_a_ledger_is_not_deleted_and_the_page_says_to_deactivate_the
     assert get_user_model().objects.filter(pk=user.pk, is_active=True).exists()
 
 
+def _user_with_a_job_and_a_call(name: str) -> tuple[User, ToolCall]:
+    """A user (``name``, made unique) with a completed job and its completed call: what a delete
+    of the user takes with it, or keeps when it is refused."""
+    user = get_user_model().objects.create_user(username=f"{name}-{uuid.uuid4().hex[:6]}")
+    job = running_job(user=user, status="completed", finished_at=timezone.now())
+    return user, demo_call(user=user, job=job, status="completed", finished_at=timezone.now())
+
+
+def _delete_confirmed(how: str, user: User) -> tuple[str, dict[str, Any]]:
+    """The admin's confirmed delete of ``user``, by its ``page`` or by the list's ``action``: the URL and the form."""
+    if how == "page":
+        return f"/admin/auth/user/{user.pk}/delete/", {"post": "yes"}
+    return "/admin/auth/user/", {"action": "delete_selected", "_selected_action": [user.pk], "post": "yes"}
+
+
 @pytest.mark.parametrize("how", ["page", "action"])
 def test_a_ledger_entry_written_as_the_user_is_deleted_refuses_the_delete_and_deletes_nothing(how: str) -> None:
     """A grant to a user confirmed for deletion, its entry written as the delete runs (its account
     locked, not yet committed) and committed while the delete waits on that lock: the delete is
     refused as it is for an entry written before (the page says to deactivate the user), and the
     user is kept whole, their history with them."""
-    user = get_user_model().objects.create_user(username=f"granted-{uuid.uuid4().hex[:6]}")
+    user, _ = _user_with_a_job_and_a_call("granted")
     account_get(user=user)
-    job = running_job(user=user, status="completed", finished_at=timezone.now())
-    demo_call(user=user, job=job, status="completed", finished_at=timezone.now())
     client = _staff_client()
-    url, data = (
-        (f"/admin/auth/user/{user.pk}/delete/", {"post": "yes"})
-        if how == "page"
-        else ("/admin/auth/user/", {"action": "delete_selected", "_selected_action": [user.pk], "post": "yes"})
-    )
+    url, data = _delete_confirmed(how, user)
     with ThreadPoolExecutor(1) as pool:
         with transaction.atomic():
             credits_adjust(user=user, amount=10, reason="granted as the user is deleted")
@@ -162,18 +172,12 @@ def test_a_delete_that_deadlocks_with_a_charge_says_to_try_again_and_deletes_not
     the user, then the account. Met half way, each waits on the other, and PostgreSQL cancels one:
     the delete here (it waited first, so its check for a deadlock ran first). The page says what
     happened and to try again; nothing is deleted, and the charge goes through."""
-    user = get_user_model().objects.create_user(username=f"charged-{uuid.uuid4().hex[:6]}")
+    user, call = _user_with_a_job_and_a_call("charged")
     account = account_get(user=user)
-    job = running_job(user=user, status="completed", finished_at=timezone.now())
-    call = demo_call(user=user, job=job, status="completed", finished_at=timezone.now())
     # Held at no cost (a plan's free tool access): its charge writes a usage row, no ledger entry.
     Reservation.objects.create(account=account, tool_call_id=call.call_id, amount=0, due_amount=5, meta={"toolName": "add"})
     client = _staff_client()
-    url, data = (
-        (f"/admin/auth/user/{user.pk}/delete/", {"post": "yes"})
-        if how == "page"
-        else ("/admin/auth/user/", {"action": "delete_selected", "_selected_action": [user.pk], "post": "yes"})
-    )
+    url, data = _delete_confirmed(how, user)
     with ThreadPoolExecutor(1) as pool:
         with transaction.atomic():
             with connection.cursor() as cursor:
@@ -246,15 +250,9 @@ def test_a_delete_cut_short_by_a_timeout_says_to_try_again_and_deletes_nothing(
     on it past PTC_DB_STATEMENT_TIMEOUT (its statement or its lock timeout), and PostgreSQL cancels
     its statement. The page says what happened and to try again, as for a deadlock; nothing is
     deleted."""
-    user = get_user_model().objects.create_user(username=f"held-{uuid.uuid4().hex[:6]}")
-    job = running_job(user=user, status="completed", finished_at=timezone.now())
-    demo_call(user=user, job=job, status="completed", finished_at=timezone.now())
+    user, _ = _user_with_a_job_and_a_call("held")
     client = _staff_client()
-    url, data = (
-        (f"/admin/auth/user/{user.pk}/delete/", {"post": "yes"})
-        if how == "page"
-        else ("/admin/auth/user/", {"action": "delete_selected", "_selected_action": [user.pk], "post": "yes"})
-    )
+    url, data = _delete_confirmed(how, user)
     with psycopg.connect(django_db_setup) as stuck:  # its transaction open till the block ends
         stuck.execute("SELECT 1 FROM auth_user WHERE id = %s FOR UPDATE", [user.pk])
         with _statement_timeout(1, setting=timeout):
