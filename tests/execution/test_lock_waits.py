@@ -268,7 +268,9 @@ def test_failed_calls_whose_account_is_held_locked_hold_up_no_other_call_and_giv
     for name in ("stuck", "other"):
         user = get_user_model().objects.create_user(username=f"{name}-{uuid.uuid4().hex[:8]}")
         credits_adjust(user=user, amount=100, reason="test")
-        made[name] = [demo_call(user=user, tool="fail", input={"message": "no"}) for _ in range(15)]
+        # 8 each: a stuck call holds a pooled connection while it waits (PTC_DB_POOL_MAX, 20, in this
+        # process), and past the pool the other user's calls waited for one, not for the lock.
+        made[name] = [demo_call(user=user, tool="fail", input={"message": "no"}) for _ in range(8)]
         quote = price_quote(user=user, toolset=tool.toolset, tool=tool)
         assert quote is not None and quote.amount == 1
         assert credits_reserve(user=user, holds=[(call.call_id, quote) for call in made[name]]) == {}
