@@ -335,6 +335,21 @@ def http_api() -> Iterator[HttpApi]:
         yield server
 
 
+def _http_toolset(staff: Api, http_api: HttpApi, name: str, tool: dict[str, Any]) -> str:
+    """A global HTTP toolset on ``http_api`` of ``tool``, its key made from ``name``: its key."""
+    key = unique_key(name)
+    body = {
+        "key": key,
+        "name": name.title(),
+        "kind": "http",
+        "is_global": True,
+        "config": {"base_url": http_api.url},
+        "tools": [tool],
+    }
+    assert staff.post("/api/v1/toolsets", json=body).status_code == 201
+    return key
+
+
 BOTH_WAYS = """
 import time
 from ptc_tools import ToolError, _runtime
@@ -359,18 +374,9 @@ def test_a_toolset_changed_mid_job_is_called_alike_by_its_code_and_over_http_wit
     """A job calls what it was granted as it started, both ways: a toolset disabled since is refused
     ``tool_disabled`` by the tools worker for both, one made private to another user since still runs
     for both, one deleted (None) fails both ``unknown_tool`` (over HTTP each was 400 unknown_toolset)."""
-    key = unique_key("granted")
     schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
     tool = {"name": "forecast", "input_schema": schema, "http": {"method": "GET", "path": "/forecast/{city}", "query": []}}
-    body = {
-        "key": key,
-        "name": "Granted",
-        "kind": "http",
-        "is_global": True,
-        "config": {"base_url": http_api.url},
-        "tools": [tool],
-    }
-    assert staff.post("/api/v1/toolsets", json=body).status_code == 201
+    key = _http_toolset(staff, http_api, "granted", tool)
     forecast = {"toolset": key, "tool": "forecast", "arguments": {"city": "x"}}
     try:
         job = api.run(BOTH_WAYS.format(key=key, cls=class_name(key)), toolsets=["demo", key], wait=0)
@@ -412,7 +418,6 @@ Demo.echo(value="after")
 def _slow_toolset(staff: Api, http_api: HttpApi) -> tuple[str, dict[str, Any]]:
     """A global toolset of one HTTP tool, ``wait``, which answers after ``seconds``, its timeout 1 s
     (a test raises it): its key, and the tool as it was written."""
-    key = unique_key("raised")
     schema = {"type": "object", "properties": {"seconds": {"type": "number"}}, "required": ["seconds"]}
     tool = {
         "name": "wait",
@@ -420,16 +425,7 @@ def _slow_toolset(staff: Api, http_api: HttpApi) -> tuple[str, dict[str, Any]]:
         "timeout": 1,
         "http": {"method": "GET", "path": "/slow", "query": ["seconds"]},
     }
-    body = {
-        "key": key,
-        "name": "Raised",
-        "kind": "http",
-        "is_global": True,
-        "config": {"base_url": http_api.url},
-        "tools": [tool],
-    }
-    assert staff.post("/api/v1/toolsets", json=body).status_code == 201
-    return key, tool
+    return _http_toolset(staff, http_api, "raised", tool), tool
 
 
 def test_a_call_over_http_holds_its_slot_by_its_tools_timeout_as_it_is_now_not_as_the_job_started(
