@@ -3,11 +3,14 @@
 Outage tests run a stack on these, never on the servers the rest of the suite shares.
 """
 
+import contextlib
 import glob
 import os
 import shutil
+import socket
 import subprocess
 import tempfile
+import threading
 import time
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -141,6 +144,69 @@ class PgBouncer:
             self.proc.terminate()
             self.proc.wait()
         shutil.rmtree(self.directory, ignore_errors=True)
+
+
+class PostgresProxy:
+    """A TCP proxy in front of the PostgreSQL of ``upstream`` (a URL), whose connections a test can
+    cut one at a time (``cut``): the client's ends at once, as a network's drop does, while the
+    server's backend goes on with what it was doing (a statement waiting on a lock commits when the
+    lock goes) and finds its client gone only as it answers: a statement committed whose reply was
+    lost. Each connection is known by the port of its server side, pg_stat_activity's client_port."""
+
+    def __init__(self, upstream: str) -> None:
+        server = urlsplit(upstream)
+        self.upstream = (server.hostname or "127.0.0.1", server.port or 5432)
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self._pairs: dict[int, tuple[socket.socket, socket.socket]] = {}
+        self._lock = threading.Lock()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def url(self, url: str) -> str:
+        """``url`` (of the upstream server) through this proxy."""
+        parts = urlsplit(url)
+        return parts._replace(netloc=f"{parts.username or 'postgres'}@127.0.0.1:{self.port}").geturl()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:  # closed: stopped
+                return
+            server = socket.create_connection(self.upstream)
+            with self._lock:
+                self._pairs[server.getsockname()[1]] = (client, server)
+            for source, sink in ((client, server), (server, client)):
+                threading.Thread(target=self._pump, args=(source, sink), daemon=True).start()
+
+    @staticmethod
+    def _pump(source: socket.socket, sink: socket.socket) -> None:
+        try:
+            while data := source.recv(65536):
+                sink.sendall(data)
+        except OSError:
+            pass
+        for end in (source, sink):
+            with contextlib.suppress(OSError):
+                end.shutdown(socket.SHUT_RDWR)
+
+    def cut(self, port: int) -> None:
+        """Drop the connection whose server side is ``port``: its client's end at once; what its
+        server answers from now on goes nowhere."""
+        with self._lock:
+            client, _ = self._pairs.pop(port)
+        client.shutdown(socket.SHUT_RDWR)
+        client.close()
+
+    def stop(self) -> None:
+        self.listener.close()
+        with self._lock:
+            pairs, self._pairs = list(self._pairs.values()), {}
+        for pair in pairs:
+            for end in pair:
+                with contextlib.suppress(OSError):
+                    end.shutdown(socket.SHUT_RDWR)
+                end.close()
 
 
 def migrated_database(admin_url: str, env: dict[str, str]) -> str:

@@ -1065,8 +1065,9 @@ def tool_call_execute(
     """Run one call, once: claim it, run it, record the result, push it to the job. Raise
     OutcomeUnrecorded if what it came to could not be recorded; its task's retry brings that
     ``outcome`` back, and it is recorded (nothing is claimed or run again). Raise ClaimUnrun if the
-    database failed after the claim, before the tool ran; its task's retry brings that ``claim``
-    back, and takes it over to run the call.
+    database failed after the claim, before the tool ran, or failed the claim with no answer (it may
+    have committed, its reply lost); its task's retry brings that ``claim`` back, and takes it over
+    (or claims the call, if it was never made) to run the call.
 
     A call from a job's sandbox comes with its ``record`` (signed): the claim writes it, one
     conditional INSERT, if its job still runs and no row of it exists yet. Any other call was
@@ -1092,26 +1093,15 @@ def tool_call_execute(
         reply: dict[str, Any] = {"ok": False, "error": call_error("internal_error", BAD_RECORD_MESSAGE)}
         backplane().publish(_result_channel(call_id, _unverified_job(record)), Result(call_id=call_id, **reply))
         return
-    # With the claims of this worker's other threads, when they coincide; a retry's on its own. A
-    # batch waits on a lock briefly: one that waited longer (its statement cancelled, nothing
-    # claimed) is tried again at once alone, by each of its calls, on its own thread: the one whose
-    # row (or user's, or job's) is held locked waits for it there, holding up no other.
-    call = None
-    taken = _claim_taken(call_id=call_id, claim=claim) if claim is not None else None
-    if taken is not None:
-        # The claim a try of its task made, and never ran, is this retry's: taken over by the one
-        # statement that checks it is still that claim and moves it, so that of two deliveries of
-        # the retry one only takes it, and the other finds the call claimed (a duplicate).
-        call = _tool_calls_update_claimed([call_id], now=timezone.now(), taken=taken).get(call_id)
-    elif not alone:
-        try:
-            call = _claims((call_id, queued))
-        except OperationalError as exc:
-            if not statement_cancelled(exc):
-                raise
-            alone = True
-    if alone and taken is None:
-        call = _tool_calls_claim([(call_id, queued)])[0]
+    taken = _claim_taken(call_id=call_id, claim=claim) if claim is not None else ()
+    try:
+        call = _tool_call_claim(call_id, queued, alone=alone, taken=taken)
+    except _ClaimUnanswered as unanswered:
+        # Its claim may be in the database, this try's own: raised bare, its task's retry found the
+        # call claimed under a fresh lease and dropped it as a duplicate, and a lease later the
+        # reaper failed it worker_lost, though nothing had run it.
+        logger.warning("a call's claim got no answer from the database; its task's retry runs it", extra={"call_id": call_id})
+        raise ClaimUnrun(call_id=call_id, claimed=(*taken, unanswered.claimed_at)) from unanswered.__cause__
     claimed = call is not None
     if call is None:
         call = ToolCall.objects.filter(call_id=call_id).first()
@@ -1134,7 +1124,8 @@ def tool_call_execute(
             # the call claimed under a fresh lease and dropped it as a duplicate, and a lease later
             # the reaper failed it worker_lost, though no worker had died.
             logger.warning("a claimed call's tool could not be looked up; its task's retry runs it", extra={"call_id": call_id})
-            raise ClaimUnrun(call=call) from exc
+            assert call.claimed_at is not None, "its claim set it"
+            raise ClaimUnrun(call_id=call_id, claimed=(call.claimed_at,)) from exc
         if tool is not None and not (tool.enabled and tool.toolset.enabled):
             # Disabled since the call was made (a running job's tools are those it started with): an
             # admin stopping a tool that misbehaves stops its calls no worker has started yet too.
@@ -1153,7 +1144,7 @@ def tool_call_execute(
             reply = _tool_call_fail_retried(call_id, "unknown_tool", TOOL_GONE)
     elif call.status != ToolCall.Status.EXECUTING:
         reply = tool_call_reply(call)
-    elif taken is not None and call.claimed_at == taken:
+    elif call.claimed_at in taken:
         # Still the claim its task's try made and never ran, not taken over: its job no longer runs.
         reply = _tool_call_fail_retried(call_id, "job_ended", JOB_ENDED_MESSAGE)
     elif call.claimed_at is not None and _lease_fresh(call):
@@ -1181,38 +1172,79 @@ def _lease_fresh(call: ToolCall) -> bool:
     return lease is not None and lease > timezone.now() - timedelta(seconds=settings.PTC_JOB_LEASE_SECONDS)
 
 
-def _tool_calls_claim(items: list[tuple[str, ToolCall | None]], *, brief: bool = False) -> list[ToolCall | None]:
+def _tool_call_claim(call_id: str, queued: ToolCall | None, *, alone: bool, taken: tuple[datetime, ...]) -> ToolCall | None:
+    """Claim one call (``queued``: with its record, if it comes with one). Return its row if this
+    claimed it, else None. With the claims of this worker's other threads, when they coincide; a
+    retry's (``alone``; ``taken``: the claims a try of its task left it, ClaimUnrun's) on its own.
+    A batch waits on a lock briefly: one that waited longer (its statement cancelled, nothing
+    claimed) is tried again at once alone, by each of its calls, on its own thread: the one whose
+    row (or user's, or job's) is held locked waits for it there, holding up no other."""
+    if not (alone or taken):
+        try:
+            return _claims((call_id, queued))
+        except OperationalError as exc:
+            if not statement_cancelled(exc):
+                raise
+    return _tool_calls_claim([(call_id, queued)], taken=taken)[0]
+
+
+class _ClaimUnanswered(Exception):
+    """A claim the database failed other than by cancelling it (the connection dropped): it may have
+    committed all the same, its reply lost, its calls claimed at ``claimed_at``."""
+
+    def __init__(self, claimed_at: datetime) -> None:
+        super().__init__("a claim got no answer from the database")
+        self.claimed_at = claimed_at
+
+
+def _tool_calls_claim(
+    items: list[tuple[str, ToolCall | None]], *, brief: bool = False, taken: tuple[datetime, ...] = ()
+) -> list[ToolCall | None]:
     """Claim calls ``(call_id, record or None)``: the queued ones by writing their records, the
     recorded ones by updating theirs, a statement each (in one transaction when there are both: a
     batch that fails has claimed none of them). Return each one's row if this claimed it, else None
     (a repeat of a call in the same batch is not claimed twice). With ``brief`` (a batch of this
     worker's), a lock is waited on BRIEF_LOCK_WAIT_MS at most: a row held locked longer fails the
-    batch (its statement cancelled) rather than hold its other calls up to PTC_DB_STATEMENT_TIMEOUT."""
+    batch (its statement cancelled) rather than hold its other calls up to PTC_DB_STATEMENT_TIMEOUT.
+    With ``taken`` (a retry's one call), one found claimed at one of those times, by a try of its
+    task that never ran it, is taken over. Raise _ClaimUnanswered if the database failed other than
+    by cancelling a statement (which undoes it): the claim may have committed."""
     now = timezone.now()
     claimed: dict[str, ToolCall] = {}
     queued = {call_id: record for call_id, record in items if record is not None}
     recorded = list(dict.fromkeys(call_id for call_id, record in items if record is None))
-    # Apart, the records written by the first statement stayed claimed when the second failed: their
-    # tasks, tried again, found them claimed under a fresh lease and dropped them as duplicates.
-    with transaction.atomic() if queued and recorded else nullcontext():
-        if queued:
-            claimed.update(_tool_calls_record_claimed(list(queued.values()), now=now, brief=brief))
-        if recorded:
-            claimed.update(_tool_calls_update_claimed(recorded, now=now, brief=brief))
+    try:
+        # Apart, the records written by the first statement stayed claimed when the second failed: their
+        # tasks, tried again, found them claimed under a fresh lease and dropped them as duplicates.
+        with transaction.atomic() if queued and recorded else nullcontext():
+            if queued:
+                claimed.update(_tool_calls_record_claimed(list(queued.values()), now=now, brief=brief))
+            if recorded:
+                claimed.update(_tool_calls_update_claimed(recorded, now=now, brief=brief))
+        if taken and not claimed:
+            # Taken over by the one statement that checks the claim is still a try's and moves it: of
+            # two deliveries of the retry one only takes it. After the claim, which waited for a claim
+            # of the call still committing (the INSERT's conflict, the UPDATE's row lock): a try's
+            # whose reply was lost is seen here.
+            claimed.update(_tool_calls_update_claimed([call_id for call_id, _ in items], now=now, taken=taken))
+    except (OperationalError, InterfaceError) as exc:
+        if statement_cancelled(exc):
+            raise
+        raise _ClaimUnanswered(now) from exc
     return [claimed.pop(call_id, None) for call_id, _ in items]
 
 
 def _tool_calls_update_claimed(
-    call_ids: list[str], *, now: datetime, brief: bool = False, taken: datetime | None = None
+    call_ids: list[str], *, now: datetime, brief: bool = False, taken: tuple[datetime, ...] = ()
 ) -> dict[str, ToolCall]:
     """Claim recorded calls, one UPDATE: those still executing, unclaimed (with ``taken``: claimed at
-    ``taken``, by a try of their task that never ran them), whose job still runs. Return their rows,
-    by call id. ``brief``: as ``_tool_calls_claim``'s."""
+    one of those times, by a try of their task that never ran them), whose job still runs. Return
+    their rows, by call id. ``brief``: as ``_tool_calls_claim``'s."""
     postgres = connection.vendor == "postgresql"
     wait = brief_lock_wait_sql("%s") if postgres else "1 = 1"
-    claim = "claimed_at IS NULL" if taken is None else "claimed_at = %s"
+    claim = f"claimed_at IN ({', '.join(['%s'] * len(taken))})" if taken else "claimed_at IS NULL"
     sql = _CLAIM_SQL.format(ids=", ".join(["%s"] * len(call_ids)), brief=wait, claim=claim)
-    params = [now, *call_ids, *([brief_lock_wait(brief)] if postgres else []), *([taken] if taken is not None else [])]
+    params = [now, *call_ids, *([brief_lock_wait(brief)] if postgres else []), *taken]
     claimed = {}
     with connection.cursor() as cursor:
         cursor.execute(sql, params)
@@ -1333,28 +1365,30 @@ _CLAIM_SIGNER = signing.Signer(salt="ptc.execute_tool.claim")
 
 class ClaimUnrun(RetryCarries):
     """A call this worker claimed that a database error (away, or the statement cancelled: a lock
-    it waits on held) stopped before its tool ran. ``claim``, signed (the call and when it was
-    claimed), goes with its task's retry, which takes that claim over and runs the call
-    (``tool_call_execute``)."""
+    it waits on held) stopped before its tool ran, or whose claim got no answer (the connection
+    dropped: it may have committed, its reply lost). ``claim``, signed (the call and the times the
+    tries of its task claimed it at, or may have: ``claimed``), goes with its task's retry, which
+    takes that claim over (or claims the call, if none was made) and runs the call
+    (``tool_call_execute``). Those times are the tries' own: a delivery of the call's task to
+    another worker, which claimed it, never has its claim taken over."""
 
-    def __init__(self, *, call: ToolCall) -> None:
-        assert call.claimed_at is not None, "its claim set it"
-        self.claim = _CLAIM_SIGNER.sign(json.dumps([call.call_id, call.claimed_at.isoformat()]))
-        super().__init__(f"call {call.call_id} was claimed and not run", claim=self.claim)
+    def __init__(self, *, call_id: str, claimed: tuple[datetime, ...]) -> None:
+        self.claim = _CLAIM_SIGNER.sign(json.dumps([call_id, *(at.isoformat() for at in claimed)]))
+        super().__init__(f"call {call_id} was claimed and not run", claim=self.claim)
 
 
-def _claim_taken(*, call_id: str, claim: str) -> datetime | None:
-    """When the claim ``claim`` (ClaimUnrun's) of call ``call_id`` was made; None if it is not one
-    this deployment's workers made of that call."""
+def _claim_taken(*, call_id: str, claim: str) -> tuple[datetime, ...]:
+    """When the claim ``claim`` (ClaimUnrun's) of call ``call_id`` was (or may have been) made; none
+    if it is not one this deployment's workers made of that call."""
     try:
-        claimed_id, claimed_at = json.loads(_CLAIM_SIGNER.unsign(claim))
+        claimed_id, *claimed_at = json.loads(_CLAIM_SIGNER.unsign(claim))
     except signing.BadSignature:
-        claimed_id, claimed_at = None, None
+        claimed_id, claimed_at = None, []
     if claimed_id != call_id:
         # Not made by this deployment's workers (or another call's): the call's lease decides.
         logger.error("a tool call's carried claim failed its signature check; not taken over", extra={"call_id": call_id})
-        return None
-    return datetime.fromisoformat(claimed_at)
+        return ()
+    return tuple(datetime.fromisoformat(at) for at in claimed_at)
 
 
 def _tool_call_end_retried(

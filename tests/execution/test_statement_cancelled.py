@@ -17,8 +17,8 @@ from contextlib import contextmanager
 import psycopg
 import pytest
 
-from tests.conftest import Api, own_deployment
-from tests.servers import api_key
+from tests.conftest import TEST_DATABASE_URL, Api, own_deployment
+from tests.servers import PostgresProxy, api_key
 from tests.stack import ROOT, Stack
 
 
@@ -90,6 +90,50 @@ def test_a_calls_result_the_database_did_not_take_within_the_retries_is_recorded
     balance = api.get("/api/v1/billing/balance").json()
     assert (balance["balance"], balance["reserved"]) == (99, 0)
     _check_ledger(brief_retries)
+
+
+@pytest.fixture
+def reply_lost(stack_env: dict[str, str]) -> Iterator[tuple[Stack, PostgresProxy]]:
+    """A deployment whose tools worker reaches PostgreSQL through a proxy that drops a connection
+    when told (PostgresProxy), at the default statement timeout (30 s): a claim waits on a lock long
+    enough to be cut there. For one test, before ``cut`` starts."""
+    proxy = PostgresProxy(TEST_DATABASE_URL)
+    try:
+        with own_deployment(stack_env, "reply-lost") as stack:
+            stack.tools_worker.stop()
+            stack.tools_worker.env = {**stack.env, "DATABASE_URL": proxy.url(stack.env["DATABASE_URL"])}
+            stack.tools_worker.start()
+            yield stack, proxy
+    finally:
+        proxy.stop()
+
+
+def test_a_claim_committed_whose_reply_was_lost_runs_at_its_tasks_retry(reply_lost: tuple[Stack, PostgresProxy]) -> None:
+    """A job's call is claimed (its record written, claimed) by a statement that waits at its commit
+    on the user's row, held locked by a stuck transaction; the tools worker's connection drops
+    there, and the lock then goes: the claim commits, its reply lost, the worker told the
+    connection failed. Its task's retry knows that claim for its own try's, takes it over and runs
+    the call once, and the job ends with its result. Before, the retry found the call claimed under a
+    fresh lease and dropped it as a duplicate; a lease later the reaper failed it worker_lost (no
+    worker had died, and nothing had run it), and the job with it."""
+    stack, proxy = reply_lost
+    waiting = (
+        "SELECT client_port FROM pg_stat_activity WHERE datname = current_database() "
+        "AND wait_event_type = 'Lock' AND query LIKE '%INSERT INTO execution_toolcall%'"
+    )
+    with psycopg.connect(stack.env["DATABASE_URL"], autocommit=True) as conn:
+        with _user_held_as_claimed(stack) as (stuck, job, _):
+            # Its claim, alone after its batch's brief wait, waits at its commit: its connection cut there.
+            deadline = time.monotonic() + 30
+            while (claiming := conn.execute(waiting).fetchone()) is None:
+                assert time.monotonic() < deadline, "the call's claim never waited on the user's row"
+                time.sleep(0.05)
+            proxy.cut(claiming[0])
+            time.sleep(1)  # the worker has had its error
+        final = _ended(stuck, job)
+        assert (final["status"], final["return_value"]) == ("completed", 7), (final["error"], final["stderr"][-2000:])
+        calls = conn.execute("SELECT status, output FROM execution_toolcall WHERE exec_job_id = %s", [job["id"]]).fetchall()
+    assert calls == [("completed", 7)]
 
 
 def test_a_tools_workers_finish_cancelled_by_the_statement_timeout_is_recorded_once_the_lock_goes(cut: Stack) -> None:

@@ -473,3 +473,70 @@ def test_a_claim_its_tasks_try_did_not_run_fails_job_ended_if_its_job_ended_befo
     assert runs == []
     assert (call.status, call.error["code"]) == ("failed", "job_ended")
     assert [r.error["code"] for r in replies if r.call_id == call.call_id] == ["job_ended"]
+
+
+def _claim_unanswered(monkeypatch: pytest.MonkeyPatch, committed: bool) -> None:
+    """Have the next claim of a job's call fail as a dropped connection does: after its statement
+    committed (``committed``: its reply lost), or before."""
+    real = services._tool_calls_record_claimed
+
+    def dropped(calls: list[ToolCall], **kwargs: Any) -> Any:
+        monkeypatch.setattr(services, "_tool_calls_record_claimed", real)
+        if committed:
+            real(calls, **kwargs)
+        raise OperationalError("server closed the connection unexpectedly")
+
+    monkeypatch.setattr(services, "_tool_calls_record_claimed", dropped)
+
+
+def test_a_claim_whose_reply_was_lost_is_run_by_its_tasks_retry_and_by_no_other_delivery(
+    queued_call: ToolCall, runs: list, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A tools worker's claim of a job's call commits and its reply is lost (the connection dropped):
+    its task's retry carries the claim its try may have made, takes it over and runs the call once,
+    charged once. A delivery of the call's task that is not that retry (the broker's redelivery, to
+    another worker) finds it claimed and drops it. Before, the retry found the call claimed under a
+    fresh lease and dropped it as a duplicate; a lease later the reaper failed it worker_lost."""
+    record = services.tool_call_signed(queued_call)
+    _claim_unanswered(monkeypatch, committed=True)
+    with pytest.raises(services.ClaimUnrun) as unrun:
+        services.tool_call_execute(call_id=queued_call.call_id, record=record)
+    assert ToolCall.objects.get(call_id=queued_call.call_id).claimed_at is not None
+    for alone in (False, True):
+        services.tool_call_execute(call_id=queued_call.call_id, record=record, alone=alone)
+    assert runs == [] and ToolCall.objects.get(call_id=queued_call.call_id).status == "executing"
+    with backplane().subscribe(job_channel(queued_call.ptc_call_id)) as channel:
+        services.tool_call_execute(call_id=queued_call.call_id, record=record, alone=True, claim=unrun.value.claim)
+        channel.wait(5)
+        replies = channel.drain()
+    call = ToolCall.objects.get(call_id=queued_call.call_id)
+    assert len(runs) == 1
+    assert (call.status, call.output, call.credits) == ("completed", 3, 1)
+    assert [r.result for r in replies if r.call_id == call.call_id] == [3]
+    assert _held(call) == "settled"
+
+
+@pytest.mark.parametrize("another_worker", [False, True])
+def test_a_claim_that_failed_uncommitted_is_made_by_its_tasks_retry_unless_another_worker_claimed_the_call(
+    queued_call: ToolCall, runs: list, monkeypatch: pytest.MonkeyPatch, another_worker: bool
+) -> None:
+    """A tools worker's claim of a job's call fails on a dropped connection before it committed: its
+    task's retry claims the call and runs it once. If another worker claimed it meanwhile (a
+    redelivery of its task), the retry takes nothing over and runs nothing: the call is that
+    worker's, its claim untouched."""
+    record = services.tool_call_signed(queued_call)
+    _claim_unanswered(monkeypatch, committed=False)
+    with pytest.raises(services.ClaimUnrun) as unrun:
+        services.tool_call_execute(call_id=queued_call.call_id, record=record)
+    assert not ToolCall.objects.filter(call_id=queued_call.call_id).exists()
+    if another_worker:
+        other = services._tool_calls_claim([(queued_call.call_id, services._tool_call_unsigned(record))])[0]
+        assert other is not None
+    services.tool_call_execute(call_id=queued_call.call_id, record=record, alone=True, claim=unrun.value.claim)
+    call = ToolCall.objects.get(call_id=queued_call.call_id)
+    if another_worker:
+        assert runs == []
+        assert (call.status, call.claimed_at) == ("executing", other.claimed_at)
+    else:
+        assert len(runs) == 1
+        assert (call.status, call.output, call.credits) == ("completed", 3, 1)
