@@ -1466,8 +1466,10 @@ def _tool_call_run(*, call: ToolCall, tool: Tool) -> None:
     call_id, arguments = call.call_id, call.input
     started = time.monotonic()
     # Hand the database connection back to the pool while the tool runs: a slow tool must not hold
-    # one of the pool's few connections idle while other calls wait for it.
-    connection.close()
+    # one of the pool's few connections idle while other calls wait for it. One that fails to go
+    # back is dropped, and the tool runs: it needs none. Raised, the call stayed claimed and unrun,
+    # its task's retry dropped it as a duplicate, and a lease later the reaper failed it worker_lost.
+    db_reset()
     try:
         output = tool_run(toolset=tool.toolset, tool=tool, arguments=arguments, timeout=tool_run_timeout(tool))
         # Only the output's own failure to be JSON is invalid_output: another error of the tool's run

@@ -13,7 +13,7 @@ import psycopg
 import pytest
 from django.conf import settings
 from django.contrib.auth import get_user_model
-from django.db import OperationalError, connection
+from django.db import OperationalError, connection, connections
 from django.utils import timezone
 
 from billing.models import Reservation
@@ -540,3 +540,27 @@ def test_a_claim_that_failed_uncommitted_is_made_by_its_tasks_retry_unless_anoth
     else:
         assert len(runs) == 1
         assert (call.status, call.output, call.credits) == ("completed", 3, 1)
+
+
+def test_a_connection_that_fails_to_go_back_to_the_pool_as_the_tool_starts_does_not_stop_the_call(
+    running_call: ToolCall, runs: list, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A tools worker hands its connection back to the pool as a call's tool starts (the tool needs
+    none); should that fail on the database, the tool runs all the same, once, and the call completes.
+    Before, the error went up to the task bare: the call stayed claimed and unrun, its task's retry
+    dropped it as a duplicate, and a lease later the reaper failed it worker_lost."""
+    wrapper = type(connections["default"])
+    real, failed = wrapper.close, []
+
+    def close_failing_once(self: Any) -> None:
+        real(self)
+        if not failed:
+            failed.append(True)
+            raise OperationalError("server closed the connection unexpectedly")
+
+    monkeypatch.setattr(wrapper, "close", close_failing_once)
+    services.tool_call_execute(call_id=running_call.call_id)
+    call = ToolCall.objects.get(call_id=running_call.call_id)
+    assert failed, "the tools worker never handed its connection back"
+    assert len(runs) == 1
+    assert (call.status, call.output) == ("completed", 3)
