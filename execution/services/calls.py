@@ -1428,10 +1428,12 @@ def _tool_call_outcome_record(*, call_id: str, outcome: str, queued: ToolCall | 
         if call is None and queued is not None and not reply["ok"]:
             tool_calls_fail_queued([queued], error=reply["error"], running=True)
             return False  # its result is its record's word, pushed below
-        return call is not None and _tool_calls_finish_ran([_Ran(call=call, reply=reply, billed=billed)])[0]
+        return call is not None and _tool_calls_finish_ran([_Ran(call=call, reply=reply, billed=billed)], brief=True)[0]
 
+    # As the finish of its first task: a lock waited on briefly, and tried again, its connection given back.
+    waits = _LockWaits()
     what = "recording a tool call's outcome that an earlier try could not"
-    if not _tool_call_end_retried(end, call_id=call_id, job_id="", what=what, reply=reply, billed=billed):
+    if not _tool_call_end_retried(lambda: waits(end), call_id=call_id, job_id="", what=what, reply=reply, billed=billed):
         _tool_call_recorded_push(call_id)
 
 
@@ -1499,11 +1501,17 @@ def _tool_call_run(*, call: ToolCall, tool: Tool) -> None:
         # and a finish waiting on a row held locked (its account's) held up every other call's
         # finish on this worker for as long, at each of its retries (and failed those batched with it).
         # A batch waits on a lock briefly: one that waited longer is tried again alone at once (each
-        # of its calls: which one waited is not known), the one the lock holds waiting for it alone.
+        # of its calls: which one waited is not known). Alone, it waits on a lock as briefly, and
+        # the one the lock holds is tried again (db_retry), its connection given back to the pool
+        # between tries: waiting out the lock on it, a user's calls whose account's row was held
+        # locked took one pooled connection each for up to PTC_DB_STATEMENT_TIMEOUT, past
+        # PTC_DB_POOL_MAX of them the whole pool, and every other call on this worker (other users')
+        # found none and was retried as if the database were away.
         # Tried again after a failure, it renews the call's lease first: the renewals of this worker
         # skip a row held locked, as the call's is by its own finish waiting on its account's row,
         # and the reaper failed the call worker_lost between two tries.
         nonlocal first
+        renew = not first
         if first:
             first = False
             try:
@@ -1511,9 +1519,9 @@ def _tool_call_run(*, call: ToolCall, tool: Tool) -> None:
             except OperationalError as exc:
                 if not statement_cancelled(exc):
                     raise
-        else:
-            _tool_calls_renew([call_id])
-        return _tool_calls_finish_ran([ran])[0]
+        return waits(functools.partial(_tool_call_finish_alone, ran, renew=renew))
+
+    waits = _LockWaits()
 
     what = "recording a tool call's result"
     finished = _tool_call_end_retried(finish, call_id=call_id, job_id=call.exec_job_id, what=what, reply=reply, billed=ran.billed)
@@ -1537,14 +1545,49 @@ class _Ran:
     billed: bool
 
 
+def _tool_call_finish_alone(ran: _Ran, *, renew: bool) -> bool:
+    """Finish a call that ran, alone, waiting on a lock BRIEF_LOCK_WAIT_MS at most; with ``renew``
+    (tried again), renewing its lease first."""
+    if renew:
+        _tool_calls_renew([ran.call.call_id])
+    return _tool_calls_finish_ran([ran], brief=True)[0]
+
+
+# How many of this process's pooled connections the tries of finishes that wait out a row held
+# locked take at once: a quarter of PTC_DB_POOL_MAX. A try holds one for BRIEF_LOCK_WAIT_MS at most,
+# and gives it back while it waits for the next (db_retry, a second at most); without a bound, the
+# tries of a worker's many such calls, which start together, took the whole pool at times.
+_lock_turns = threading.BoundedSemaphore(max(1, settings.PTC_DB_POOL_MAX // 4))
+
+
+class _LockWaits:
+    """The tries of one call's finish (``__call__`` runs one): once one was cancelled waiting on a
+    lock (its account's row held by a transaction stuck elsewhere), each of the next takes one of
+    the process's few turns (``_lock_turns``), so that however many calls wait, on however many
+    accounts, the rest of the pool is other calls'. Not its first try alone, which may be a call
+    batched with the one the lock holds (it goes at once), nor a try in an outage (no lock to wait on)."""
+
+    def __init__(self) -> None:
+        self.locked = False
+
+    def __call__(self, work: Callable[[], T]) -> T:
+        with _lock_turns if self.locked else nullcontext():
+            try:
+                return work()
+            except (OperationalError, InterfaceError) as exc:
+                self.locked = statement_cancelled(exc)
+                db_reset()  # its connection back to the pool before its turn is another's
+                raise
+
+
 def _tool_calls_finish_ran(batch: list[_Ran], *, brief: bool = False) -> list[bool]:
     """Record the outcomes of calls that ran (settling or releasing their credits), then push
     each result to its code and, after all of them, each event to the job's watchers, in one
     round trip. Return whether each call was finished here (False: it had finished already).
 
     On PostgreSQL the batch is one UPDATE (and a settle per billed call, in its transaction);
-    elsewhere it is a call at a time. With ``brief`` (a batch of this worker's), a lock is waited on
-    BRIEF_LOCK_WAIT_MS at most, as ``_tool_calls_claim`` has it."""
+    elsewhere it is a call at a time. With ``brief`` (a batch of this worker's, or a call tried again
+    alone), a lock is waited on BRIEF_LOCK_WAIT_MS at most, as ``_tool_calls_claim`` has it."""
     if connection.vendor == "postgresql":
         finished = _tool_calls_finish_postgres(batch, brief=brief)
     else:

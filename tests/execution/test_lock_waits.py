@@ -15,6 +15,7 @@ from collections.abc import Iterator
 
 import psycopg
 import pytest
+from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.db import connection
 
@@ -93,6 +94,66 @@ def test_a_claim_waiting_on_a_locked_user_holds_up_no_call_batched_with_its_firs
     assert records and all(record.get("status") == "completed" for record in records)
     held_up = sorted(round(t, 2) for t in took if t > HELD_UP)
     assert not held_up, held_up
+
+
+def test_calls_waiting_on_a_locked_account_past_the_pool_leave_it_to_other_users_calls(slow_cut: Stack) -> None:
+    """More of one user's billed calls than a tools worker's pool has connections (PTC_DB_POOL_MAX)
+    finish while a stuck transaction holds their account's row locked: another user's calls on that
+    worker complete while the lock is held, and once it goes every one of the stuck calls completes,
+    charged once. A finish waits on a lock a moment at a time, giving its connection back between
+    tries. Before, each stuck finish held a pooled connection while it waited, for up to the
+    statement timeout (15 s here) and again at each of its retries: the stuck calls took the whole
+    pool, and the other user's calls, finding none, were retried as if the database were away."""
+    many = int(slow_cut.env.get("PTC_DB_POOL_MAX", "20")) + 4  # fewer than the worker's threads (48)
+    stuck_name, other_name = f"pooled-{uuid.uuid4().hex[:8]}", f"unpooled-{uuid.uuid4().hex[:8]}"
+    stuck = Api(slow_cut.base_url, api_key(slow_cut.env, stuck_name, credits=100), stuck_name)
+    other = Api(slow_cut.base_url, api_key(slow_cut.env, other_name, credits=1000), other_name)
+    body = {"toolset": "demo", "tool": "sleep", "arguments": {"ms": 3000}}
+    answers: list = []
+    callers = [
+        threading.Thread(target=lambda: answers.append(stuck.post("/api/v1/tools/execute", json=body))) for _ in range(many)
+    ]
+    for caller in callers:
+        caller.start()
+    deadline = time.monotonic() + 30
+    while stuck.get("/api/v1/billing/balance").json()["reserved"] < many:
+        assert time.monotonic() < deadline, "the calls' prices were never all held"
+        time.sleep(0.05)
+    others: list = []
+    with _account_held(slow_cut, stuck_name), psycopg.connect(slow_cut.env["DATABASE_URL"], autocommit=True) as conn:
+        # Before the statement timeout cancels the first wait of a stuck finish (which began after
+        # this, once its tool returned): the other user's calls take milliseconds.
+        until = time.monotonic() + TIMEOUT - 3
+        open_calls = (
+            "SELECT count(*) FILTER (WHERE c.claimed_at IS NOT NULL), count(*) FROM execution_toolcall c "
+            "JOIN auth_user u ON u.id = c.user_id WHERE u.username = %s AND c.status = 'executing'"
+        )
+        while conn.execute(open_calls, [stuck_name]).fetchone() != (many, many):
+            assert time.monotonic() < deadline, "the calls were not all claimed"
+            time.sleep(0.05)
+        time.sleep(4)  # their tools (3 s) have returned: their finishes wait on the lock
+        assert conn.execute(open_calls, [stuck_name]).fetchone() == (many, many)
+        add = {"toolset": "demo", "tool": "add", "arguments": {"a": 1, "b": 2}}
+        other_callers = [
+            threading.Thread(target=lambda: others.append(other.post("/api/v1/tools/execute", json=add))) for _ in range(8)
+        ]
+        for caller in other_callers:
+            caller.start()
+        for caller in other_callers:
+            caller.join(max(0.0, until - time.monotonic()))
+        done = [answer.json() for answer in others]
+        assert [record.get("status") for record in done] == ["completed"] * 8, done
+        # Still waiting on the lock, each of them: none failed worker_lost, as the reaper failed
+        # those whose worker's renewals found no connection either.
+        assert conn.execute(open_calls, [stuck_name]).fetchone() == (many, many)
+    for caller in [*callers, *other_callers]:
+        caller.join(90)
+        assert not caller.is_alive()
+    records = [answer.json() for answer in answers]
+    assert sorted((r["status"], r["output"], r["credits"]) for r in records) == [("completed", {"slept_ms": 3000}, 1)] * many
+    balance = stuck.get("/api/v1/billing/balance").json()
+    assert (balance["balance"], balance["reserved"]) == (100 - many, 0)
+    _check_ledger(slow_cut)
 
 
 def _user_with_a_job_and_a_call(stack: Stack, name: str) -> tuple[Api, dict, dict]:
@@ -268,9 +329,9 @@ def test_failed_calls_whose_account_is_held_locked_hold_up_no_other_call_and_giv
     for name in ("stuck", "other"):
         user = get_user_model().objects.create_user(username=f"{name}-{uuid.uuid4().hex[:8]}")
         credits_adjust(user=user, amount=100, reason="test")
-        # 8 each: a stuck call holds a pooled connection while it waits (PTC_DB_POOL_MAX, 20, in this
-        # process), and past the pool the other user's calls waited for one, not for the lock.
-        made[name] = [demo_call(user=user, tool="fail", input={"message": "no"}) for _ in range(8)]
+        # 15 each: 30 in all, past this process's pool (PTC_DB_POOL_MAX, 20), which a stuck call's
+        # waits no longer hold (test_calls_waiting_out_a_locked_account_take_a_quarter_of_the_pool_at_most).
+        made[name] = [demo_call(user=user, tool="fail", input={"message": "no"}) for _ in range(15)]
         quote = price_quote(user=user, toolset=tool.toolset, tool=tool)
         assert quote is not None and quote.amount == 1
         assert credits_reserve(user=user, holds=[(call.call_id, quote) for call in made[name]]) == {}
@@ -310,6 +371,53 @@ def test_failed_calls_whose_account_is_held_locked_hold_up_no_other_call_and_giv
         }
     stuck_account = CreditAccount.objects.get(user_id=made["stuck"][0].user_id)
     assert (stuck_account.balance, stuck_account.reserved) == (100, 0)
+    assert ledger_mismatches() == []
+
+
+def test_calls_waiting_out_a_locked_account_take_a_quarter_of_the_pool_at_most(django_db_setup: str) -> None:
+    """A tools worker's calls of one user finish while a stuck transaction holds the user's account
+    row locked: each waits on the lock a moment at a time, its connection given back between tries,
+    and once its own try was cancelled so, its next ones take turns, a quarter of this process's pool
+    (PTC_DB_POOL_MAX) at once at most, whatever the number of calls waiting. Once the lock goes each
+    completes, charged once. Before, each waited out the lock holding its connection (here all 16 at
+    once); with brief tries and no bound on them, the tries of calls that started together came
+    together (11 of 16 at once here; 16 of 24 and 20 of 40 on a deployment's tools worker)."""
+    tool = Tool.objects.select_related("toolset").get(toolset__key="demo", toolset__owner=None, name="add")
+    user = get_user_model().objects.create_user(username=f"turns-{uuid.uuid4().hex[:8]}")
+    credits_adjust(user=user, amount=100, reason="test")
+    calls = [demo_call(user=user) for _ in range(16)]
+    quote = price_quote(user=user, toolset=tool.toolset, tool=tool)
+    assert quote is not None and quote.amount == 1
+    assert credits_reserve(user=user, holds=[(call.call_id, quote) for call in calls]) == {}
+
+    def run(call: ToolCall) -> None:
+        call.price_held = True  # type: ignore[attr-defined]  # as its claim says
+        try:
+            services._tool_call_run(call=call, tool=tool)
+        finally:
+            connection.close()
+
+    runners = [threading.Thread(target=run, args=(call,)) for call in calls]
+    waiting = "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'"
+    most = 0
+    with psycopg.connect(django_db_setup) as holder, psycopg.connect(django_db_setup, autocommit=True) as watcher:
+        holder.execute("SELECT 1 FROM billing_creditaccount WHERE user_id = %s FOR UPDATE", [user.pk])
+        for runner in runners:
+            runner.start()
+        time.sleep(2)  # each call's first try alone, at once after its batch's, is done: the next take turns
+        until = time.monotonic() + 4
+        while time.monotonic() < until:
+            most = max(most, watcher.execute(waiting).fetchone()[0])
+            time.sleep(0.01)
+        assert all(runner.is_alive() for runner in runners)  # each waits on the lock
+    assert 0 < most <= max(1, settings.PTC_DB_POOL_MAX // 4), most
+    for runner in runners:
+        runner.join(30)
+        assert not runner.is_alive()
+    records = ToolCall.objects.filter(call_id__in=[call.call_id for call in calls])
+    assert sorted((r.status, r.output, r.credits) for r in records) == [("completed", 3, 1)] * len(calls)
+    account = CreditAccount.objects.get(user=user)
+    assert (account.balance, account.reserved) == (100 - len(calls), 0)
     assert ledger_mismatches() == []
 
 
