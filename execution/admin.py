@@ -102,6 +102,7 @@ class ExecJobAdmin(IndexedSearchAdmin, CountedDeleteAdmin):
     # No date hierarchy: its distinct days were a scan of every job each load (the created-at
     # filter's links stay), and one count a load, not two.
     show_full_result_count = False
+    delete_shows = ("call_id",)  # not its code, output or files (CountedDeleteAdmin)
     # The tool calls are drawn as a timeline above these (change_form.html), from one query; a
     # thousand-row inline would be neither readable nor fast.
     fieldsets = (
@@ -290,6 +291,7 @@ class ToolCallAdmin(IndexedSearchAdmin, CountedDeleteAdmin):
     # the started-at filter's links (today, past 7 days...) stay. One count, not two.
     ordering = ("-id",)
     show_full_result_count = False
+    delete_shows = ("call_id",)  # not its input, output or error (CountedDeleteAdmin)
     readonly_fields = [f.name for f in ToolCall._meta.fields]
 
     def get_changelist(self, request: HttpRequest, **kwargs: Any) -> type[ChangeList]:
@@ -345,6 +347,7 @@ class ExecSessionAdmin(IndexedSearchAdmin, CountedDeleteAdmin):
     search_fields = ("id", "user__username")  # matched whole, by their indexes (IndexedSearchAdmin)
     search_help_text = "A session's id or a username, whole."
     date_hierarchy = "created_at"
+    delete_shows = ("id",)
     readonly_fields = [*(f.name for f in ExecSession._meta.fields), "all_files"]
     inlines = [WorkFileInline]
     actions = ("end_sessions",)
@@ -400,6 +403,7 @@ class WorkFileAdmin(IndexedSearchAdmin, CountedDeleteAdmin):
     # The contents are bytes: shown by size, downloaded through the API.
     readonly_fields = ("session", "exec_job", "kind", "path", "size", "pending", "updated_at")
     exclude = ("content",)
+    delete_shows = ("path",)  # not its bytes (CountedDeleteAdmin)
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[WorkFile]:
         # Of its job, not the bulk: joined whole, 100 files' jobs were 200 MB of their output a load.

@@ -437,3 +437,47 @@ def test_the_delete_actions_confirmation_posts_back_as_many_rows_as_it_takes_and
     finally:
         with connection.cursor() as cursor:
             cursor.execute("DELETE FROM execution_toolcall WHERE user_id = %s", [user.pk])
+
+
+def _bulk_of(user: Any, admin_page: str) -> tuple[list[str], list[str]]:
+    """Three finished rows of ``user``'s for the list at ``admin_page`` (jobs or calls), each with
+    columns of a megabyte's kind (code and output; input and output); return their keys and those
+    columns as their SQL names them."""
+    big = "x" * 100_000
+    job = running_job(user=user, status="completed", finished_at=timezone.now(), code=big, stdout=big)
+    if admin_page == "execjob":
+        more = [running_job(user=user, status="completed", finished_at=timezone.now(), code=big) for _ in range(2)]
+        columns = [f'"execution_execjob"."{name}"' for name in ("code", "stdout", "stderr", "return_value")]
+        return [str(row.pk) for row in [job, *more]], columns
+    calls = job_calls(job, [{"input": {"text": big}, "output": {"text": big}, "started_at": job.created_at}] * 3)
+    return [str(call.pk) for call in calls], [f'"execution_toolcall"."{name}"' for name in ("input", "output", "error")]
+
+
+@pytest.mark.parametrize("admin_page", ["execjob", "toolcall"])
+def test_the_delete_actions_confirmation_reads_only_what_it_shows(admin_page: str) -> None:
+    """The delete action's confirmation names the rows chosen and posts back their keys: it read
+    each row whole to do so, every job's code and output, every call's input and output (997 rows
+    at most, each up to megabytes)."""
+    user = get_user_model().objects.create_user(username=f"bulk-{uuid.uuid4().hex[:6]}")
+    keys, bulky = _bulk_of(user, admin_page)
+    staff = get_user_model().objects.create_user(username=f"admin-{uuid.uuid4().hex[:6]}", is_staff=True, is_superuser=True)
+    client = Client()
+    client.force_login(staff)
+    try:
+        with CaptureQueriesContext(connection) as queries:
+            page = client.post(f"/admin/execution/{admin_page}/", {"action": "delete_selected", "_selected_action": keys})
+        assert page.status_code == 200, page.content.decode()[-2000:]
+        posted = set(re.findall(r'name="_selected_action" value="([^"]+)"', page.content.decode()))
+        assert posted == set(keys)
+        model = ExecJob if admin_page == "execjob" else ToolCall
+        named = model.objects.filter(pk__in=keys).values_list("call_id", flat=True)
+        assert all(call_id in page.content.decode() for call_id in named)  # each row named, as before
+        read = [q["sql"] for q in queries.captured_queries if any(column in q["sql"] for column in bulky)]
+        assert not read, read  # before: SELECT of every column of the rows chosen, twice
+        confirmed = client.post(
+            f"/admin/execution/{admin_page}/", {"action": "delete_selected", "_selected_action": keys, "post": "yes"}
+        )
+        assert confirmed.status_code == 302, confirmed.content.decode()[-2000:]
+        assert not model.objects.filter(pk__in=keys).exists()
+    finally:
+        ExecJob.objects.filter(user=user).delete()

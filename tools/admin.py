@@ -264,6 +264,7 @@ class ToolsetAdmin(CountedDeleteAdmin):
     inlines = [ToolInline]
     formfield_overrides = _PRETTY
     actions = ["sync_mcp_tools"]
+    delete_shows = ("key",)  # not its config, nor its secrets, each decrypted (CountedDeleteAdmin)
 
     def get_readonly_fields(self, request: HttpRequest, obj: Toolset | None = None) -> Any:
         # A toolset's key is fixed once made, as the API says (key_mismatch): the policy's lists,
@@ -335,6 +336,7 @@ class ToolAdmin(CountedDeleteAdmin):
     autocomplete_fields = ("toolset",)
     readonly_fields = ("signature", "schema_pretty")
     formfield_overrides = _PRETTY
+    delete_shows = ("name", "toolset__key")  # not its schemas; its toolset's key joined, not read a row at a time
 
     def get_readonly_fields(self, request: HttpRequest, obj: Tool | None = None) -> Any:
         if obj is not None and _builtin(obj.toolset):
