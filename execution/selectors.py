@@ -1,7 +1,6 @@
 from datetime import datetime, timedelta
 from typing import Any
 
-from django.conf import settings
 from django.contrib.auth.models import User
 from django.db.models import Count, Exists, Max, OuterRef, Prefetch, Q, QuerySet, Subquery
 from django.db.models.functions import Coalesce
@@ -11,6 +10,7 @@ from execution.models import ExecJob, ExecSession, ToolCall, WorkFile
 from execution.sandbox.limits import CALL_GRACE_SECONDS
 from tools.client import CLIENT_KEY
 from tools.models import Toolset
+from tools.selectors import tool_timeout_or_default
 
 # A job's calls as the API lists them: in start order.
 CALLS_IN_ORDER = Prefetch("tool_calls", queryset=ToolCall.objects.order_by("started_at", "id"))
@@ -84,7 +84,7 @@ def calls_overdue_at(calls: QuerySet[ToolCall]) -> datetime | None:
     """Return when the last of ``calls`` is overdue: its claim (or its start), plus its tool's
     timeout, plus CALL_GRACE_SECONDS, the deadline the bridge gives a call; None if there are none."""
     ends = [
-        (claimed_at or started_at) + timedelta(seconds=(timeout or settings.PTC_DEFAULT_TOOL_TIMEOUT) + CALL_GRACE_SECONDS)
+        (claimed_at or started_at) + timedelta(seconds=tool_timeout_or_default(timeout) + CALL_GRACE_SECONDS)
         for claimed_at, started_at, timeout in calls.values_list("claimed_at", "started_at", "tool__timeout")
     ]
     return max(ends, default=None)

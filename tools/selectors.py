@@ -2,6 +2,7 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
+from django.conf import settings
 from django.contrib.auth.models import User
 from django.db import connection
 from django.db.models import Prefetch, Q, QuerySet
@@ -10,6 +11,14 @@ from ptcproject import rows
 from ptcproject.errors import ApplicationError
 from ptcproject.kept import Kept
 from tools.models import Tool, Toolset
+
+
+def tool_timeout_or_default(timeout: float | None) -> float:
+    """Return how long a call of a tool whose own timeout is ``timeout`` (Tool.timeout; None when it
+    has none, or the call no tool) runs at most: it, else PTC_DEFAULT_TOOL_TIMEOUT. The one rule
+    for how long a tools worker lets a call run (execution.services.calls.tool_run_timeout) and when
+    a call is overdue (execution.selectors.calls_overdue_at), here so that they cannot drift apart."""
+    return float(timeout or settings.PTC_DEFAULT_TOOL_TIMEOUT)
 
 
 def toolset_key_taken(*, key: str, owner: User | None, exclude: Toolset | None = None) -> bool:

@@ -84,7 +84,7 @@ from tools.client import CLIENT_KEY
 from tools.errors import ToolFailure
 from tools.kinds import tool_run
 from tools.models import Tool, Toolset
-from tools.selectors import tool_for_call, toolsets_resolve
+from tools.selectors import tool_for_call, tool_timeout_or_default, toolsets_resolve
 
 logger = logging.getLogger("ptc.execution")
 T = TypeVar("T")
@@ -827,13 +827,13 @@ def tool_needs_approval(*, tool: Tool, policy: Policy) -> bool:
 
 def approved_call_timeout(call: ToolCall) -> float:
     """How long an approved call may run: its tool's timeout (select ``tool`` with the call)."""
-    return tool_run_timeout(call.tool) if call.tool else float(settings.PTC_DEFAULT_TOOL_TIMEOUT)
+    return tool_timeout_or_default(call.tool.timeout if call.tool else None)
 
 
 def tool_run_timeout(tool: Tool) -> float:
     """How long a call of ``tool`` runs at most on a tools worker: its timeout as the row has it now
     (_tool_call_run), else PTC_DEFAULT_TOOL_TIMEOUT."""
-    return float(tool.timeout or settings.PTC_DEFAULT_TOOL_TIMEOUT)
+    return tool_timeout_or_default(tool.timeout)
 
 
 def tool_call_reply(call: ToolCall) -> dict[str, Any]:
