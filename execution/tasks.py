@@ -1,6 +1,7 @@
 """The tasks of both queues. Each is thin: it takes ids, calls one service and decides on retries.
 
-exec:  run_exec (one job in its sandbox); maintenance: reap_jobs (beat's reaper), purge_jobs (retention)
+exec:  run_exec (one job in its sandbox)
+maintenance (every worker): reap_jobs (beat's reaper), purge_jobs (retention)
 tools: execute_tool (one tool call)
 """
 

@@ -3,6 +3,8 @@
 celery -A ptcproject worker -Q exec     # runs sandboxes, bridges their tool calls
 celery -A ptcproject worker -Q tools    # runs one tool call per task
 celery -A ptcproject worker -Q tools.slow  # the same, for toolsets routed there (PTC_TOOLS_QUEUES)
+
+Every worker also consumes the maintenance queue, beat's rounds (_maintenance_on_every_worker).
 """
 
 import logging
@@ -75,6 +77,17 @@ def _worker_without_mingle_and_gossip(sender: Any = None, **_: Any) -> None:
     build its consumer after this signal."""
     if sender is not None:
         sender.options.update(without_mingle=True, without_gossip=True)
+
+
+@worker_init.connect
+def _maintenance_on_every_worker(sender: Any = None, **_: Any) -> None:
+    """Have every worker, whatever its ``-Q``, consume beat's rounds (queues.MAINTENANCE): the reaper
+    runs while any worker is up, a tools worker's too. Two workers may run rounds at once, as every
+    exec worker runs its own (execution.tasks): each item of a round is a conditional write, or skips
+    the rows another holds locked, so a second round finds nothing left to do. Its queues are chosen
+    (``-Q``) before this signal, and consumed from after it."""
+    if sender is not None:
+        sender.app.amqp.queues.select_add(queues.MAINTENANCE)
 
 
 def task_publish(

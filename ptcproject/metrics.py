@@ -162,12 +162,12 @@ def worker_metrics_serve() -> None:
 
 # -- Fleet state, read at scrape time --------------------------------------------------------------
 def _queue_names() -> list[str]:
-    """The queues whose depth and workers are reported: exec, PTC_TOOLS_QUEUES, and any other an
+    """The queues whose depth and workers are reported: exec, maintenance, PTC_TOOLS_QUEUES, and any other an
     enabled toolset sends its calls to (one dropped from PTC_TOOLS_QUEUES while a toolset still
     names it: its calls wait there, no worker takes them, and PtcNoWorkersOnQueue says so)."""
     from tools.models import Toolset
 
-    names = [queues.EXEC, *queues.tools_queues()]
+    names = [queues.EXEC, queues.MAINTENANCE, *queues.tools_queues()]
     try:
         named = set(Toolset.objects.filter(enabled=True).values_list("queue", flat=True).distinct())
     except DatabaseError:  # ptc_fleet_up{source="database"} says so; the configured ones are read

@@ -2,7 +2,10 @@
 
 EXEC = "exec"
 TOOLS = "tools"
-MAINTENANCE = "exec"  # the reaper runs beside the jobs it watches
+# Beat's rounds (the reaper, retention). Every worker consumes it, whatever its -Q (ptcproject/celery.py):
+# on the exec queue, a fleet without an exec worker up (all down, or tools workers only) reaped
+# nothing, its dead tools workers' calls left executing and their prices held.
+MAINTENANCE = "maintenance"
 
 # A toolset may name its own tools queue (Toolset.queue), e.g. "tools.slow" for slow MCP servers,
 # served by `celery -A ptcproject worker -Q tools.slow`. Which names are allowed is a setting,

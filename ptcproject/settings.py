@@ -321,17 +321,24 @@ PTC_RETENTION_DAYS: int | None = (
 )
 # How often beat runs the purge: the longest a zero-retention user's finished job keeps its data.
 PTC_RETENTION_EVERY = checked.float("PTC_RETENTION_EVERY", 60.0, 0, 24 * 3600, above_low=True)
+# Each round expires once the next is due: rounds sent while no worker was up are dropped, not all
+# run at once by the first worker back (each does the whole round's work again, for nothing).
 CELERY_BEAT_SCHEDULE = {
-    "reap-stuck-jobs": {"task": "execution.tasks.reap_jobs", "schedule": PTC_REAP_EVERY},
-    "purge-old-jobs": {"task": "execution.tasks.purge_jobs", "schedule": PTC_RETENTION_EVERY},
+    "reap-stuck-jobs": {"task": "execution.tasks.reap_jobs", "schedule": PTC_REAP_EVERY, "options": {"expires": PTC_REAP_EVERY}},
+    "purge-old-jobs": {
+        "task": "execution.tasks.purge_jobs",
+        "schedule": PTC_RETENTION_EVERY,
+        "options": {"expires": PTC_RETENTION_EVERY},
+    },
 }
 CELERY_BEAT_SCHEDULE_FILENAME = str(DATA_DIR / "celerybeat-schedule")
 # The queues a toolset may route its calls to (Toolset.queue), each served by its own
 # `celery worker -Q <name>`: "tools" always, plus e.g. "tools.slow" for slow MCP servers.
 PTC_TOOLS_QUEUES: list[str] = checked.list("PTC_TOOLS_QUEUES", default=[queues.TOOLS])
+# Nor maintenance: every worker consumes it, an exec worker too, which would run a tool's calls.
 checked.require(
-    queues.TOOLS in PTC_TOOLS_QUEUES and queues.EXEC not in PTC_TOOLS_QUEUES,
-    f"PTC_TOOLS_QUEUES must list '{queues.TOOLS}' and must not list '{queues.EXEC}'.",
+    queues.TOOLS in PTC_TOOLS_QUEUES and not {queues.EXEC, queues.MAINTENANCE} & set(PTC_TOOLS_QUEUES),
+    f"PTC_TOOLS_QUEUES must list '{queues.TOOLS}' and must not list '{queues.EXEC}' or '{queues.MAINTENANCE}'.",
 )
 # Metrics (ptcproject/metrics.py). /metrics answers a bearer PTC_METRICS_TOKEN or a staff API key.
 # A worker serves its own on PTC_METRICS_PORT unless PROMETHEUS_MULTIPROC_DIR (read by

@@ -121,15 +121,18 @@ def stack(stack_env: dict[str, str]) -> Iterator[Stack]:
 
 
 @contextmanager
-def own_deployment(stack_env: dict[str, str], name: str, **env: str) -> Iterator[Stack]:
-    """A deployment of its own, started without beat: its database (migrated for it; another
-    deployment's reaper, sharing one, would fail its calls) and its queues (its own Redis prefix),
-    ``env`` set. Stopped, and its database dropped, after."""
+def own_deployment(
+    stack_env: dict[str, str], name: str, *, beat: bool = False, exec_worker: bool = True, **env: str
+) -> Iterator[Stack]:
+    """A deployment of its own, started without beat unless ``beat`` (and without its exec worker
+    unless ``exec_worker``): its database (migrated for it; another deployment's reaper, sharing one,
+    would fail its calls) and its queues (its own Redis prefix), ``env`` set. Stopped, and its
+    database dropped, after."""
     own = {**stack_env, "PTC_REDIS_PREFIX": f"{REDIS_PREFIX}{name}:", **env}
     own["DATABASE_URL"] = migrated_database(TEST_DATABASE_URL, own)
     stack = Stack(own, name=name)
     try:
-        stack.start(beat=False)
+        stack.start(beat=beat, exec_worker=exec_worker)
         yield stack
     finally:
         stack.stop()

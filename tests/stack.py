@@ -124,9 +124,10 @@ class Stack:
                 process.name = f"{name}-{process.name}"
                 process.log = process.log.with_name(f"{process.name}.log")
 
-    def start(self, beat: bool = True) -> None:
+    def start(self, beat: bool = True, exec_worker: bool = True) -> None:
+        left_out = {self.beat: not beat, self.exec_worker: not exec_worker}
         for process in self.processes:
-            if beat or process is not self.beat:
+            if not left_out.get(process):
                 process.start()
 
     def stop(self) -> None:

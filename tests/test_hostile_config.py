@@ -96,6 +96,8 @@ def test_every_bad_variable_is_named_on_one_line_by_manage_py(base_env: dict[str
         ({"PTC_DB_POOL_MIN": "30", "PTC_DB_POOL_MAX": "10"}, "PTC_DB_POOL_MAX"),
         ({"PTC_SESSION_IDLE_TIMEOUT": "7200"}, "PTC_SESSION_IDLE_TIMEOUT"),
         ({"DJANGO_ALLOWED_HOSTS": ""}, "DJANGO_ALLOWED_HOSTS"),
+        # every worker consumes maintenance (beat's rounds), an exec worker too: it would run the calls
+        ({"PTC_TOOLS_QUEUES": "tools,maintenance"}, "PTC_TOOLS_QUEUES"),
     ],
 )
 def test_values_that_contradict_each_other_stop_start_up(base_env: dict[str, str], values: dict[str, str], named: str) -> None:

@@ -1,7 +1,8 @@
 """Hostile input and dead workers end cleanly: a stable error, nothing left running, output kept.
 
 The lease tests run their own stack without beat, so they can kill its workers freely and show
-that the exec workers' own reaper enforces the leases.
+that the exec workers' own reaper enforces the leases; and one with beat and no exec worker, that
+beat's reaper runs on the workers that are up.
 """
 
 import threading
@@ -10,6 +11,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import httpx
+import psycopg
 import pytest
 
 from tests.conftest import Api, own_deployment
@@ -232,3 +234,52 @@ def test_a_killed_exec_worker_fails_its_job_without_beat(leases: Stack, lease_ap
     assert final["status"] == "failed"
     assert final["error"]["type"] == "WorkerLost"
     assert final["stdout"] == "working\n"
+
+
+def _claimed_call(database_url: str, username: str, seconds: float) -> str:
+    """The call id of ``username``'s call once a tools worker has claimed it (its record says so)."""
+    deadline = time.monotonic() + seconds
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        while True:
+            row = conn.execute(
+                "SELECT c.call_id FROM execution_toolcall c JOIN auth_user u ON u.id = c.user_id"
+                " WHERE u.username = %s AND c.claimed_at IS NOT NULL",
+                [username],
+            ).fetchone()
+            if row:
+                return str(row[0])
+            assert time.monotonic() < deadline, "no tools worker claimed the call"
+            time.sleep(0.05)
+
+
+def test_a_fleet_without_an_exec_worker_reaps_the_calls_of_a_killed_tools_worker(stack_env: dict[str, str]) -> None:
+    """Beat, a tools worker and the web, no exec worker (all down, or a tools-only fleet): a call
+    whose tools worker is killed as it runs ends worker_lost, its caller told, and its price goes
+    back. Before, beat sent its reaper to the exec queue, which no worker of this fleet consumed: the
+    call stayed executing, its credit held, until its timeout ended it tool_timeout."""
+    with own_deployment(stack_env, "tools-only", beat=True, exec_worker=False) as fleet:
+        username = f"tools-only-{free_port()}"
+        api = Api(fleet.base_url, api_key(fleet.env, username, credits=10), username)
+        answers: list[httpx.Response] = []
+        body = {"toolset": "demo", "tool": "sleep", "arguments": {"ms": 50_000}}
+
+        def call() -> None:
+            answers.append(api.post("/api/v1/tools/execute", json=body, timeout=120))
+
+        calling = threading.Thread(target=call, daemon=True)
+        calling.start()
+        call_id = _claimed_call(fleet.env["DATABASE_URL"], username, 30)
+        assert api.get("/api/v1/billing/balance").json()["reserved"] == 1  # its price, held
+        fleet.tools_worker.kill()
+        fleet.tools_worker.start()  # the fleet: this tools worker and beat
+        calling.join(90)  # the lease (4 s) and a reaper's round (1 s); its tool's timeout is 60 s
+        assert answers, "the call was never answered"
+        assert answers[0].status_code == 200, answers[0].text
+        call = answers[0].json()
+        assert (call["call_id"], call["status"], call["error"]["code"]) == (call_id, "failed", "worker_lost"), call
+        deadline = time.monotonic() + 30
+        while (balance := api.get("/api/v1/billing/balance").json())["reserved"]:
+            assert time.monotonic() < deadline, f"its price is still held: {balance}"
+            time.sleep(0.1)
+        assert balance["balance"] == 10  # released, not charged
+        api.http.close()
