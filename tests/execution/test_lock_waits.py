@@ -8,6 +8,8 @@ given calls that fail after their price was held. tests/execution/test_statement
 the same at a 1 s timeout, where what is cancelled is tried again.
 """
 
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -39,7 +41,7 @@ from tests.execution.test_statement_cancelled import (
 )
 from tests.factories import demo_call, running_job
 from tests.servers import api_key
-from tests.stack import Stack
+from tests.stack import ROOT, Stack
 from tools.models import Tool
 
 TIMEOUT = 15  # PTC_DB_STATEMENT_TIMEOUT here
@@ -167,11 +169,24 @@ def _user_with_a_job_and_a_call(stack: Stack, name: str) -> tuple[Api, dict, dic
     return api, done, made
 
 
+# One round of the reaper, as an exec worker runs it, on a deployment's database (DATABASE_URL): what
+# it reaped, and its log (which items it skipped, a row they need held locked).
+_REAPER_ROUND = """
+import django
+django.setup()
+from execution.services.jobs import exec_jobs_reap
+print(exec_jobs_reap())
+"""
+
+
 def test_a_locked_row_costs_the_reapers_round_next_to_nothing(slow_cut: Stack) -> None:
     """A job lost in the queue and a call whose tools worker died, their rows held locked by stuck
-    transactions: the reaper skips each at once and goes on, and a job whose worker died is failed
-    WorkerLost within a few rounds (a second apart) while the locks are held. Before, each locked
-    row cost the round a statement timeout (15 s) before it was skipped."""
+    transactions: the reaper skips each after a brief wait of its own and goes on, and a job whose
+    worker died is failed WorkerLost while the locks are held; the two once their locks go. Before,
+    each locked row cost the round its wait until PTC_DB_STATEMENT_TIMEOUT (here 15 s), or for as
+    long as the lock was held without one. A round is run here with a timeout of an hour, so that
+    nothing but the reaper's own wait cuts one short: it ends while the locks are held, having
+    skipped both rows (before: it waited on the first until the test gave up on it, a minute)."""
     api, done, made = _user_with_a_job_and_a_call(slow_cut, "reaped")
     lapsed_call = f"standalone_{uuid.uuid4().hex}"
     with psycopg.connect(slow_cut.env["DATABASE_URL"], autocommit=True) as conn:
@@ -187,11 +202,21 @@ def test_a_locked_row_costs_the_reapers_round_next_to_nothing(slow_cut: Stack) -
         with psycopg.connect(slow_cut.env["DATABASE_URL"]) as holder:
             holder.execute("SELECT 1 FROM execution_execjob WHERE id = %s FOR UPDATE", [lost])
             holder.execute("SELECT 1 FROM execution_toolcall WHERE call_id = %s FOR UPDATE", [lapsed_call])
-            time.sleep(2)  # the reaper's rounds have found both locked
             dead = _job_copy(conn, done["id"], status="'running'", heartbeat_at="now() - interval '1 hour'", closed_at="NULL")
             conn.execute("UPDATE execution_execjob SET finished_at = NULL WHERE id = %s", [dead])
-            found = time.monotonic()
-            deadline = found + 8  # a round a second; before, the rounds took 30 s, a timeout for each locked row
+            env = {**slow_cut.env, "PTC_DB_STATEMENT_TIMEOUT": "3600"}
+            try:
+                reaper = subprocess.run(
+                    [sys.executable, "-c", _REAPER_ROUND], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60
+                )
+            except subprocess.TimeoutExpired:
+                pytest.fail("the reaper's round waited on a locked row for a minute (a round takes a second or two)")
+            assert reaper.returncode == 0, reaper.stderr[-2000:]
+            skipped = [line for line in reaper.stderr.splitlines() if "skipped this round" in line]
+            assert any("failing a job lost in the queue" in line and lost in line for line in skipped), reaper.stderr[-2000:]
+            assert any("failing a call whose worker stopped" in line and lapsed_call in line for line in skipped), skipped
+            # Reaped by this round, or by the deployment's own reaper, which skips the locked rows as well.
+            deadline = time.monotonic() + 30
             while (dead_job := api.get(f"/api/v1/exec/{dead}").json())["status"] == "running":
                 assert time.monotonic() < deadline, "the job whose worker died was not reaped while other rows were locked"
                 time.sleep(0.2)
