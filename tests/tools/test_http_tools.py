@@ -183,32 +183,30 @@ def test_a_proxy_the_environment_names_is_used_and_held_to_the_deadline(monkeypa
 def test_an_answer_sent_a_byte_at_a_time_ends_at_the_tools_timeout(api: Api, weather: str, http_api: HttpApi) -> None:
     """A server that sends its headers, or then a 1 MiB body, a byte every 0.3 s: each read is quick,
     the whole is not. The tool's timeout (1 s) bounds the whole request: the call ends http_timeout
-    then, and the tools worker closes the connection (its thread is what serves the next call)."""
+    then, and the tools worker closes the connection (its thread is what serves the next call),
+    which the server finds before its own end (8 s here: ``cap``), however loaded the machine.
+    Before, each call went on until the server stopped, and said something else."""
     code = f"""
-import time
 from ptc_tools import ToolError
 from ptc_tools.{weather} import {class_name(weather)} as W
 for part in ("headers", "body"):
-    started = time.monotonic()
     try:
         W.drip(part=part, cap=8)
     except ToolError as e:
-        print(e.code, "|", e.message, "|", round(time.monotonic() - started, 1))
+        print(e.code, "|", e.message)
 """
     before = len(http_api.drips)
     job = api.run(code, toolsets=[weather])
     assert job["status"] == "completed", job["error"]
     headers, body = [line.split(" | ") for line in job["stdout"].splitlines()]
-    assert headers[:2] == ["http_timeout", "GET /drip got no answer within 1 s"]
-    assert body[:2] == ["http_timeout", "GET /drip answered HTTP 200 but did not send all its body within 1 s"]
-    assert float(headers[2]) < 3 and float(body[2]) < 3
+    assert headers == ["http_timeout", "GET /drip got no answer within 1 s"]
+    assert body == ["http_timeout", "GET /drip answered HTTP 200 but did not send all its body within 1 s"]
     # The server's next writes after the worker closed the connection fail (a byte every 0.3 s).
     deadline = time.monotonic() + 10
     while len(http_api.drips) < before + 2 and time.monotonic() < deadline:
         time.sleep(0.1)
     drips = http_api.drips[before:]
-    assert [(d["part"], d["how"]) for d in drips] == [("headers", "client closed"), ("body", "client closed")]
-    assert all(d["seconds"] < 3 for d in drips), drips
+    assert [(d["part"], d["how"]) for d in drips] == [("headers", "client closed"), ("body", "client closed")], drips
 
 
 def test_arguments_that_make_a_url_too_long_are_invalid_arguments(api: Api, weather: str) -> None:
@@ -307,22 +305,27 @@ def _forecast_tool(base_url: str, timeout: float) -> tuple[Toolset, Tool]:
 def test_a_name_whose_lookup_hangs_ends_at_the_tools_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
     """The deadline bounded the connect, each read and each write, but not the name's lookup: the
     system resolver's own timeouts (5 s a try, tries by name server) held the call past its tool's
-    timeout. A resolver that takes 5 s is waited for 0.5 s."""
+    timeout. A resolver that hangs (until the test lets it go, a minute at most) is waited for 0.5 s:
+    the call ends, http_timeout, while the lookup still hangs (before: when the lookup ended)."""
     from tools.kinds import http
 
     real = socket.getaddrinfo
+    let_go, answered = threading.Event(), threading.Event()
 
-    def slow(host: str, *args: Any, **kwargs: Any) -> Any:
+    def hung(host: str, *args: Any, **kwargs: Any) -> Any:
         if host == "slow.example":
-            time.sleep(5)
+            let_go.wait(60)
+            answered.set()
         return real(host, *args, **kwargs)
 
-    monkeypatch.setattr(socket, "getaddrinfo", slow)
+    monkeypatch.setattr(socket, "getaddrinfo", hung)
     toolset, tool = _forecast_tool("http://slow.example:9", timeout=0.5)
-    started = time.monotonic()
-    with pytest.raises(ToolFailure) as failure:
-        http.run(toolset=toolset, tool=tool, arguments={"city": "paris"}, timeout=30)
-    assert time.monotonic() - started < 2
+    try:
+        with pytest.raises(ToolFailure) as failure:
+            http.run(toolset=toolset, tool=tool, arguments={"city": "paris"}, timeout=30)
+        assert not answered.is_set()
+    finally:
+        let_go.set()
     assert (failure.value.code, failure.value.message) == ("http_timeout", "GET /forecast/paris got no answer within 0.5 s")
 
 
