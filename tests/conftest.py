@@ -4,11 +4,13 @@ The test command (README) provides ``TEST_DATABASE_URL`` and ``REDIS_URL``. Noth
 Celery eagerly: every job goes through the broker to a worker process.
 """
 
+import itertools
 import json
 import os
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -188,6 +190,16 @@ class Api:
 
     def post(self, path: str, **kwargs: Any) -> httpx.Response:
         return self.http.post(path, **kwargs)
+
+
+def calls_most_at_once(calls: list[dict[str, Any]]) -> int:
+    """The most of ``calls`` (a job's, as the API gives them) that ran at one moment, by their
+    records (started, finished): a count of what overlapped, where the job's time is what the
+    machine's load makes it."""
+    ends = [(datetime.fromisoformat(c["started_at"]), 1) for c in calls]
+    # A finish sorts before a start at the same moment (-1 < 1): calls that only touch did not overlap.
+    ends += [(datetime.fromisoformat(c["finished_at"]), -1) for c in calls]
+    return max([0, *itertools.accumulate(step for _, step in sorted(ends))])
 
 
 @pytest.fixture

@@ -2,7 +2,7 @@
 
 import time
 
-from tests.conftest import REDIS_PREFIX, Api
+from tests.conftest import REDIS_PREFIX, Api, calls_most_at_once
 
 
 def test_stdout_and_return_value(api: Api) -> None:
@@ -60,8 +60,9 @@ results
     assert job["status"] == "completed", job["error"]
     assert job["return_value"] == [{"slept_ms": 500}] * 16
     assert len(job["tool_calls"]) == 16
-    # Sixteen 0.5 s calls in series would take 8 s; in parallel they take about 0.5 s.
-    assert job["execution_time_seconds"] < 2.5, job["execution_time_seconds"]
+    # Sixteen 0.5 s calls: in series one at a time, in parallel all at once (counted from their
+    # records, not timed: the job's time is what the machine's load makes it).
+    assert calls_most_at_once(job["tool_calls"]) >= 8, job["tool_calls"]
 
 
 def test_parallel_calls_through_asyncio_gather(api: Api) -> None:
@@ -75,7 +76,7 @@ len(results)
     assert job["status"] == "completed", job["error"]
     assert job["return_value"] == 16
     assert all(c["status"] == "completed" for c in job["tool_calls"])
-    assert job["execution_time_seconds"] < 2.5, job["execution_time_seconds"]
+    assert calls_most_at_once(job["tool_calls"]) >= 8, job["tool_calls"]
 
 
 def test_uncaught_tool_error_fails_the_job(api: Api) -> None:

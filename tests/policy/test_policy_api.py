@@ -3,14 +3,13 @@
 import itertools
 import re
 import uuid
-from datetime import datetime
 from typing import Any
 
 import httpx
 import pytest
 
 from ptcproject.policy.models import PolicyChange
-from tests.conftest import Api
+from tests.conftest import Api, calls_most_at_once
 
 
 def patch(staff: Api, **values: Any) -> httpx.Response:
@@ -125,19 +124,9 @@ time.monotonic() - start
     return job, job["return_value"]
 
 
-def _most_at_once(calls: list[dict[str, Any]]) -> int:
-    """The most of ``calls`` that ran at one moment, by their records (started, finished): a count of
-    what overlapped, where the job's time is what the machine's load makes it."""
-    ends = [(datetime.fromisoformat(c["started_at"]), 1) for c in calls]
-    # A finish sorts before a start at the same moment (-1 < 1): calls that only touch did not overlap.
-    ends += [(datetime.fromisoformat(c["finished_at"]), -1) for c in calls]
-    running = [0, *itertools.accumulate(step for _, step in sorted(ends))]
-    return max(running)
-
-
 def test_sequential_is_enforced_even_with_threads(staff: Api, api: Api) -> None:
     parallel_job, _ = _threaded_sleeps(api)
-    assert _most_at_once(parallel_job["tool_calls"]) > 2, parallel_job["tool_calls"]
+    assert calls_most_at_once(parallel_job["tool_calls"]) > 2, parallel_job["tool_calls"]
     assert parallel_job["sequential"] is False
     assert patch(staff, sequential=True).status_code == 200
     sequential_job, sequential = _threaded_sleeps(api)
@@ -152,7 +141,7 @@ def test_max_parallel_tool_calls_makes_extra_calls_wait_not_fail(staff: Api, api
     assert patch(staff, max_parallel_tool_calls=2).status_code == 200
     job, seconds = _threaded_sleeps(api)
     assert all(c["status"] == "completed" for c in job["tool_calls"])
-    assert _most_at_once(job["tool_calls"]) == 2, job["tool_calls"]
+    assert calls_most_at_once(job["tool_calls"]) == 2, job["tool_calls"]
     assert seconds >= 0.8, seconds  # 4 rounds of 200 ms
 
 
