@@ -364,7 +364,9 @@ def test_a_job_whose_worker_died_is_ended_once_the_calls_tools_workers_run_have_
 def test_a_cancels_answer_waits_for_a_slow_call_no_longer_than_its_bound(api: Api) -> None:
     """A cancel's answer waited for the end, so for the calls a tools worker ran, up to their
     tool's timeout plus 30 s: a request held for minutes. It waits 10 s at most, then is the job
-    as recorded; exec_end still comes once the call has ended, with it charged."""
+    as recorded, its call still running (14 s); exec_end still comes once the call has ended, with
+    it charged. The call's state says the answer did not wait for it: a time under 13 s said the
+    same, and a loaded machine's answer could be later."""
     code = CALLS_A_SLOW_TOOL.replace(f'"ms": {SLEEP_MS}', '"ms": 14000')
     job = api.run(code, toolsets=["demo"], wait=0)
     _running_call(api, job["id"])
@@ -372,8 +374,8 @@ def test_a_cancels_answer_waits_for_a_slow_call_no_longer_than_its_bound(api: Ap
     cancelled = api.post(f"/api/v1/exec/{job['id']}/cancel")
     took = time.monotonic() - started
     assert cancelled.status_code == 200 and cancelled.json()["status"] == "cancelled", cancelled.text
-    assert 9 <= took < 13, took
-    assert [c["status"] for c in cancelled.json()["tool_calls"]] == ["executing"]
+    assert took >= 9, took  # the end was waited for, its bound
+    assert [c["status"] for c in cancelled.json()["tool_calls"]] == ["executing"]  # not the call
     events = list(sse_events(api, job["id"], timeout=30))
     assert events[-1][0] == "exec_end"
     assert _as_announced(events[-1][1])[1:] == ([(cancelled.json()["tool_calls"][0]["call_id"], "completed", 1)], 1)
