@@ -799,6 +799,20 @@ class Backplane:
         in the log already (a job's end, then its waiters). Never raises."""
         self._send(messages, events, events_first=True)
 
+    def call_end_push(self, messages: Pushes, *, job_call_id: str, call_id: str, end: tuple[str, dict[str, Any]]) -> None:
+        """Push ``messages``, then append call ``call_id``'s ``end`` (its ``tool_call_end`` or
+        ``tool_call_error``) to job ``job_call_id``'s log unless the log has an end of that call
+        already, or has no log (expired, or never written: its readers take the records, which
+        have it); in one round trip where the backplane has one. For whoever finds a call closed
+        that it may have closed itself: a finish whose reply was lost after its commit never
+        appended the end, and whoever else closed it did. Never raises."""
+        events = [(job_call_id, [end])] if job_call_id and self._call_end_missing(job_call_id, call_id) else []
+        self._send(messages, events, events_first=False)
+
+    def _call_end_missing(self, job_call_id: str, call_id: str) -> bool:
+        """Whether job ``job_call_id`` has a log and no end of call ``call_id`` in it."""
+        return False
+
     def _send(self, messages: Pushes, events: JobsEvents, *, events_first: bool) -> None:
         # Two steps, not one round trip: the events go first, whichever order was asked. A result
         # pushed first woke its code, which could end, and its job's exec_end be appended, before
@@ -821,6 +835,39 @@ class Backplane:
         """Return the jobs (call ids) whose log was not written for ``seconds``, for the retention
         round to drop those of ended jobs; none where the logs expire by themselves (Redis)."""
         return []
+
+
+# RedisBackplane.call_end_push's append: KEYS[1] a job's log; ARGV the call's id, its end's name and
+# data, the log's most entries. Looked for from the log's end back to the call's start (its end
+# comes after it); a data field is decoded only if it names the call, as its events' do.
+_CALL_END_ONCE = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+local call, named = ARGV[1], '"call_id":"' .. ARGV[1] .. '"'
+local upto, seen = '+', nil
+while true do
+  local page = redis.call('XREVRANGE', KEYS[1], upto, '-', 'COUNT', 500)
+  for _, entry in ipairs(page) do
+    if entry[1] ~= seen then
+      local name, data = nil, nil
+      for i = 1, #entry[2], 2 do
+        if entry[2][i] == 'event' then name = entry[2][i + 1] elseif entry[2][i] == 'data' then data = entry[2][i + 1] end
+      end
+      if data and string.find(data, named, 1, true) then
+        local ok, decoded = pcall(cjson.decode, data)
+        if ok and type(decoded) == 'table' and decoded.call_id == call then
+          if name == 'tool_call_end' or name == 'tool_call_error' then return 0 end
+          if name == 'tool_call_start' then upto = nil break end
+        end
+      end
+    end
+  end
+  if upto == nil or #page < 500 then break end
+  upto = page[#page][1]
+  seen = upto
+end
+redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[4], '*', 'event', ARGV[2], 'data', ARGV[3])
+return 1
+"""
 
 
 class RedisBackplane(Backplane):
@@ -896,6 +943,20 @@ class RedisBackplane(Backplane):
             pipe.execute()
         except Exception:  # the records stay the truth: see publish and events_append
             logger.warning("could not publish %d messages and their events", len(messages), exc_info=True)
+
+    def call_end_push(self, messages: Pushes, *, job_call_id: str, call_id: str, end: tuple[str, dict[str, Any]]) -> None:
+        # The look and the append one script: atomic, so two that find the call closed at once
+        # append its end once.
+        try:
+            pipe = self.client.pipeline(transaction=False)
+            for channel, message in messages:
+                pipe.publish(channel, _wire_json(_to_wire(message)))
+            if job_call_id:
+                name, data = end
+                pipe.eval(_CALL_END_ONCE, 1, self.stream_key(job_call_id), call_id, name, _logged(name, data), STREAM_MAXLEN)
+            pipe.execute()
+        except Exception:  # the records stay the truth: see publish and events_append
+            logger.warning("could not push a closed call's result and its end", extra={"call_id": call_id}, exc_info=True)
 
     def events_into(self, pipe: Any, events: JobsEvents) -> None:
         """Add the commands that append ``events`` ``(job call_id, events)`` to ``pipe`` (a sync or
@@ -994,6 +1055,12 @@ class LocalBackplane(Backplane):
             except ValueError:  # torn (a write cut short, by a full disk): the records tell what it held
                 logger.warning("skipped a torn line of a job's event log", extra={"job_id": job_call_id})
         return events, offset
+
+    def _call_end_missing(self, job_call_id: str, call_id: str) -> bool:
+        if not _log_path(job_call_id).exists():
+            return False
+        ends = ("tool_call_end", "tool_call_error")
+        return not any(name in ends and data.get("call_id") == call_id for _, name, data in self.events_read(job_call_id))
 
     def events_end_at(self, job_call_id: str) -> int | None:
         """Return the offset just past the job's ``exec_end`` in its log, or None if it has none."""

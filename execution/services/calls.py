@@ -37,6 +37,7 @@ from execution.backplane import (
     Admitted,
     Answer,
     Ask,
+    Message,
     RedisBackplane,
     Released,
     Result,
@@ -1143,7 +1144,9 @@ def tool_call_execute(
         else:
             reply = _tool_call_fail_retried(call_id, "unknown_tool", TOOL_GONE)
     elif call.status != ToolCall.Status.EXECUTING:
-        reply = tool_call_reply(call)
+        # Ended: this delivery's try before may have ended it, its worker gone before the end was appended.
+        _tool_call_record_push(call)
+        return
     elif call.claimed_at in taken:
         # Still the claim its task's try made and never ran, not taken over: its job no longer runs.
         reply = _tool_call_fail_retried(call_id, "job_ended", JOB_ENDED_MESSAGE)
@@ -1322,10 +1325,26 @@ def tool_call_abort(*, call_id: str, record: str | None = None) -> None:
 
 
 def _tool_call_recorded_push(call_id: str) -> None:
-    """Push the call's record's word (its result, or its error) to its waiting code, if it has a record."""
+    """Push the call's record's word to its waiting code, if it has a record (``_tool_call_record_push``)."""
     call = ToolCall.objects.filter(call_id=call_id).first()
     if call is not None:
-        backplane().publish(_result_channel(call_id, call.ptc_call_id), Result(call_id=call_id, **tool_call_reply(call)))
+        _tool_call_record_push(call)
+
+
+def _tool_call_record_push(call: ToolCall) -> None:
+    """Push the record's word (its result, or its error) to the call's waiting code; and, once the
+    call has ended, its end to its job's events unless they have it. For a call found closed by a
+    try that may have closed it: a finish whose reply was lost after its commit (the connection
+    dropped) is tried again and finds the call closed, its end never appended (whoever else closed
+    it appended it), and its job's stream, timeline and events missed the call's end. One round
+    trip, as the push alone was."""
+    pushes: list[tuple[str, Message]] = [
+        (_result_channel(call.call_id, call.ptc_call_id), Result(call_id=call.call_id, **tool_call_reply(call)))
+    ]
+    if call.status in ToolCall.OPEN:
+        backplane().publish(*pushes[0])
+    else:
+        backplane().call_end_push(pushes, job_call_id=call.ptc_call_id, call_id=call.call_id, end=tool_call_event(call))
 
 
 # What a call came to (its reply, and whether it is billed), as its task's retry carries it: signed
@@ -1457,10 +1476,16 @@ def _tool_call_fail_retried(call_id: str, code: str, message: str) -> dict[str, 
 
 
 def _tool_call_fail(call_id: str, code: str, message: str) -> dict[str, Any]:
+    """Fail the call ``code``, or find it ended; return the reply for its code. Found ended, its end
+    goes to its job's events unless they have it (``_tool_call_record_push``: a try of this
+    failure whose reply was lost after its commit appended none)."""
     error = call_error(code, message)
     if tool_call_finish(call_id=call_id, error=error):
         return {"ok": False, "error": error}
-    return tool_call_reply(ToolCall.objects.get(call_id=call_id))
+    call = ToolCall.objects.get(call_id=call_id)
+    if call.status not in ToolCall.OPEN:
+        backplane().call_end_push([], job_call_id=call.ptc_call_id, call_id=call_id, end=tool_call_event(call))
+    return tool_call_reply(call)
 
 
 def _tool_call_run(*, call: ToolCall, tool: Tool) -> None:

@@ -207,6 +207,21 @@ def test_embedded_log_skips_a_torn_line_and_gets_a_lost_end_from_the_records(tmp
     assert asyncio.run(read(got[-1].id)) == []  # appended once: a reconnect after it ends at once
 
 
+def test_embedded_log_gets_a_closed_calls_end_once_and_no_log_is_made_for_it(tmp_path: Path, plane: LocalBackplane) -> None:
+    """A call found closed by a try that may have closed itself (its finish's reply lost after the
+    commit) has its end appended to its job's log unless the log has it; a log that has expired,
+    whose readers take the records, is not made again for it."""
+    job_call_id, call_id = f"exec_{uuid.uuid4().hex}", f"ptc_{uuid.uuid4().hex}"
+    end = ("tool_call_end", {"call_id": call_id, "output": 3})
+    plane.call_end_push([], job_call_id=job_call_id, call_id=call_id, end=end)
+    assert not (tmp_path / "events" / f"{job_call_id}.log").exists()
+    plane.events_append(job_call_id, [("tool_call_start", {"call_id": call_id}), ("tool_call_end", {"call_id": "ptc_other"})])
+    for _ in range(2):
+        plane.call_end_push([], job_call_id=job_call_id, call_id=call_id, end=end)
+    logged = [(name, data["call_id"]) for _, name, data in plane.events_read(job_call_id)]
+    assert logged == [("tool_call_start", call_id), ("tool_call_end", "ptc_other"), ("tool_call_end", call_id)]
+
+
 def test_embedded_followers_waiting_hold_no_thread(settings: Any, plane: LocalBackplane) -> None:
     """Followers waiting for a job's next event wait on the event loop: a dozen of them, on a
     quiet job, do not hold up another follower's reads for a heartbeat's interval (the loop's

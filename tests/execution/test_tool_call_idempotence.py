@@ -56,6 +56,33 @@ def test_a_redelivered_task_runs_the_tool_once(running_call: ToolCall, runs: lis
     assert ToolCall.objects.filter(call_id=running_call.call_id).count() == 1
 
 
+def _ends_logged(call: ToolCall) -> list[str]:
+    """The ids of ``call``'s ends (tool_call_end, tool_call_error) in its job's event log."""
+    logged = backplane().events_read(call.ptc_call_id)
+    return [id_ for id_, name, data in logged if name in ("tool_call_end", "tool_call_error") and data["call_id"] == call.call_id]
+
+
+def test_a_redelivery_that_finds_its_call_ended_logs_its_end_once(running_call: ToolCall, runs: list) -> None:
+    # Ended and its end appended: a delivery again appends none. Ended, its end never appended (its
+    # worker died between the finish's commit and the append; or the finish's reply was lost after
+    # its commit, and its retry found it closed): the next delivery appends it, and one more none.
+    services.tool_call_execute(call_id=running_call.call_id)
+    (first,) = _ends_logged(running_call)
+    services.tool_call_execute(call_id=running_call.call_id)
+    assert _ends_logged(running_call) == [first]
+    assert backplane().client.xdel(backplane().stream_key(running_call.ptc_call_id), first) == 1  # type: ignore[attr-defined]
+    services.tool_call_execute(call_id=running_call.call_id)
+    (again,) = _ends_logged(running_call)
+    services.tool_call_execute(call_id=running_call.call_id)
+    services.tool_call_execute(call_id=running_call.call_id)
+    assert _ends_logged(running_call) == [again]
+    assert len(runs) == 1
+    # A log that has expired (its readers take the records) is not written again: none is made.
+    backplane().events_drop([running_call.ptc_call_id])
+    services.tool_call_execute(call_id=running_call.call_id)
+    assert backplane().events_read(running_call.ptc_call_id) == []
+
+
 def test_a_task_redelivered_after_its_worker_died_is_not_run_again(running_call: ToolCall, runs: list) -> None:
     # Claimed, then the worker died: its lease lapsed.
     lapsed = timezone.now() - timedelta(seconds=settings.PTC_JOB_LEASE_SECONDS + 1)
