@@ -47,6 +47,10 @@ from tools.sdk_runtime.protocol import FrameDecoder, encode
 logger = logging.getLogger("ptc.backplane")
 # A job's event log holds at most this many events (Redis trims the oldest beyond it).
 STREAM_MAXLEN = 50_000
+# How long an outcome of a call's that the database did not take through all of its task's retries
+# is kept for the reaper (Backplane.outcome_keep): it records it once the database is back, and an
+# outcome of a call that ended otherwise meanwhile (its job's end, its code's timeout) is never read.
+OUTCOME_KEPT_SECONDS = 24 * 3600
 # What an event may hold in the log. The events a job's records tell as well (its calls' and its
 # end) each repeat a call's input and output, or all of them: a job passing PTC_MAX_JOB_TOOL_BYTES
 # wrote about three times that into Redis, the broker's server, kept an hour past its end (so one
@@ -828,6 +832,20 @@ class Backplane:
         """Return the job's logged events ``(id, name, data)``, oldest first; empty without a log."""
         return []
 
+    def outcome_keep(self, call_id: str, outcome: str) -> bool:
+        """Keep what call ``call_id`` came to (``outcome``, signed: services.calls.OutcomeUnrecorded)
+        for OUTCOME_KEPT_SECONDS, outside the database, which did not take it. Return whether it is
+        kept. Never raises."""
+        return False
+
+    def outcomes_kept(self, call_ids: list[str]) -> dict[str, str]:
+        """Return the outcomes kept of the calls ``call_ids``, by call id. Never raises: none, if
+        they can't be read."""
+        return {}
+
+    def outcomes_drop(self, call_ids: list[str]) -> None:
+        """Forget the outcomes kept of the calls ``call_ids`` (recorded now). Never raises."""
+
     def events_drop(self, job_call_ids: list[str]) -> None:
         """Delete these jobs' event logs (they hold output and tool I/O), in one round trip."""
 
@@ -980,6 +998,35 @@ class RedisBackplane(Backplane):
         if job_call_ids:
             self.client.delete(*[self.stream_key(call_id) for call_id in job_call_ids])
 
+    @staticmethod
+    def _outcome_key(call_id: str) -> str:
+        return f"{settings.PTC_REDIS_PREFIX}ptc:outcome:{call_id}"
+
+    def outcome_keep(self, call_id: str, outcome: str) -> bool:
+        try:
+            self.client.set(self._outcome_key(call_id), outcome, ex=OUTCOME_KEPT_SECONDS)
+        except Exception:
+            logger.warning("could not keep a tool call's outcome", extra={"call_id": call_id}, exc_info=True)
+            return False
+        return True
+
+    def outcomes_kept(self, call_ids: list[str]) -> dict[str, str]:
+        if not call_ids:
+            return {}
+        try:
+            found = self.client.mget([self._outcome_key(call_id) for call_id in call_ids])
+        except Exception:  # read again at the reaper's next round
+            logger.warning("could not read the tool calls' outcomes kept", exc_info=True)
+            return {}
+        return {call_id: kept.decode() for call_id, kept in zip(call_ids, found, strict=True) if kept is not None}
+
+    def outcomes_drop(self, call_ids: list[str]) -> None:
+        try:
+            if call_ids:
+                self.client.delete(*[self._outcome_key(call_id) for call_id in call_ids])
+        except Exception:  # recorded: the outcome kept finds the call closed, and expires
+            logger.warning("could not drop the tool calls' outcomes kept", exc_info=True)
+
     def async_client(self) -> Any:
         """A new asyncio client, for one reader that follows a job's log with a blocking XREAD."""
         import redis.asyncio as aioredis
@@ -1086,6 +1133,39 @@ class LocalBackplane(Backplane):
         for job_call_id in job_call_ids:
             _log_path(job_call_id).unlink(missing_ok=True)
 
+    def outcome_keep(self, call_id: str, outcome: str) -> bool:
+        path = _outcome_path(call_id)
+        try:
+            path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False) as kept:
+                kept.write(outcome)
+            os.replace(kept.name, path)  # whole or not at all
+        except OSError:
+            logger.warning("could not keep a tool call's outcome", extra={"call_id": call_id}, exc_info=True)
+            return False
+        return True
+
+    def outcomes_kept(self, call_ids: list[str]) -> dict[str, str]:
+        kept = {}
+        before = time.time() - OUTCOME_KEPT_SECONDS
+        for call_id in call_ids:
+            path = _outcome_path(call_id)
+            try:
+                if path.stat().st_mtime < before:  # expired, as Redis's key would be
+                    path.unlink(missing_ok=True)
+                else:
+                    kept[call_id] = path.read_text()
+            except OSError:  # none (nearly always), or unreadable: read again at the next round
+                continue
+        return kept
+
+    def outcomes_drop(self, call_ids: list[str]) -> None:
+        for call_id in call_ids:
+            try:
+                _outcome_path(call_id).unlink(missing_ok=True)
+            except OSError:
+                logger.warning("could not drop a tool call's outcome kept", extra={"call_id": call_id}, exc_info=True)
+
     def events_idle(self, seconds: float) -> list[str]:
         before = time.time() - seconds
         try:
@@ -1135,10 +1215,19 @@ def _log_dir() -> Path:
     return Path(settings.DATA_DIR) / "events"
 
 
+def _file_name(call_id: str) -> str:
+    """``call_id`` as a file's name: never a path of its own making."""
+    if _LOG_NAME.fullmatch(call_id) is None:
+        return "h" + hashlib.sha256(call_id.encode()).hexdigest()[:40]
+    return call_id
+
+
 def _log_path(job_call_id: str) -> Path:
-    if _LOG_NAME.fullmatch(job_call_id) is None:  # never a path of its own making
-        job_call_id = "h" + hashlib.sha256(job_call_id.encode()).hexdigest()[:40]
-    return _log_dir() / f"{job_call_id}.log"
+    return _log_dir() / f"{_file_name(job_call_id)}.log"
+
+
+def _outcome_path(call_id: str) -> Path:
+    return Path(settings.DATA_DIR) / "outcomes" / _file_name(call_id)
 
 
 @functools.cache

@@ -17,7 +17,14 @@ from django.db import InterfaceError, OperationalError
 
 from execution.sandbox import process
 from execution.sandbox.pool import warm_pool
-from execution.services.calls import OutcomeUnrecorded, RetryCarries, tool_call_abort, tool_call_execute, tool_calls_heartbeat
+from execution.services.calls import (
+    OutcomeUnrecorded,
+    RetryCarries,
+    tool_call_abort,
+    tool_call_execute,
+    tool_call_outcome_keep,
+    tool_calls_heartbeat,
+)
 from execution.services.jobs import CALL_ID_HEADER, exec_job_run, exec_jobs_reap, worker_name
 from execution.services.retention import exec_jobs_purge
 from execution.services.sessions import exec_sessions_heartbeat, exec_sessions_shutdown
@@ -87,7 +94,8 @@ def execute_tool(call_id: str, record: str | None = None, outcome: str | None = 
         retried = bool(execute_tool.request.retries)
         tool_call_execute(call_id=call_id, record=record, alone=retried, outcome=outcome, claim=claim)
     except RetryCarries as carried:
-        raise _carried_retry(call_id, carried) from carried
+        if not _kept_past_retries(call_id, carried):
+            raise _carried_retry(call_id, carried) from carried
     except (OperationalError, InterfaceError):
         raise
     except Exception:
@@ -97,8 +105,19 @@ def execute_tool(call_id: str, record: str | None = None, outcome: str | None = 
         except OutcomeUnrecorded as unrecorded:
             # Its traceback, which the retry's line does not carry (it names the database's error).
             logger.exception("a tool call's task failed", extra={"call_id": call_id})
-            raise _carried_retry(call_id, unrecorded) from unrecorded
+            if not _kept_past_retries(call_id, unrecorded):
+                raise _carried_retry(call_id, unrecorded) from unrecorded
         raise
+
+
+def _kept_past_retries(call_id: str, carried: RetryCarries) -> bool:
+    """Whether this try was its task's last and ``carried`` an outcome (the tool ran, or its failure
+    was decided), now kept for the reaper to record (services.calls.tool_call_outcome_keep). Raised
+    to the retry that is no more, it was lost: the reaper failed the call worker_lost a lease later,
+    and a billed call's hold went back, its tool run and never charged."""
+    if execute_tool.request.retries < execute_tool.max_retries or not isinstance(carried, OutcomeUnrecorded):
+        return False
+    return tool_call_outcome_keep(call_id=call_id, outcome=carried.outcome)
 
 
 def _carried_retry(call_id: str, carried: RetryCarries) -> Retry:

@@ -1429,13 +1429,8 @@ def _tool_call_outcome_record(*, call_id: str, outcome: str, queued: ToolCall | 
     up on it, or the reaper), push the record's word. A failure of a ``queued`` call with no record
     (its task crashed before its claim wrote it) is recorded failed, as ``tool_call_abort`` does.
     Raise OutcomeUnrecorded again if the database still does not take it."""
-    try:
-        carried = json.loads(_OUTCOME_SIGNER.unsign(outcome))
-    except signing.BadSignature:
-        carried = {}
-    if carried.get("call_id") != call_id:
-        # Not made by this deployment's workers, or for another call: nothing is recorded; the call's lease decides.
-        logger.error("a tool call's carried outcome failed its signature check; not recorded", extra={"call_id": call_id})
+    carried = _outcome_unsigned(call_id=call_id, outcome=outcome)
+    if carried is None:
         return
     reply, billed = carried["reply"], carried["billed"]
 
@@ -1454,6 +1449,59 @@ def _tool_call_outcome_record(*, call_id: str, outcome: str, queued: ToolCall | 
     what = "recording a tool call's outcome that an earlier try could not"
     if not _tool_call_end_retried(lambda: waits(end), call_id=call_id, job_id="", what=what, reply=reply, billed=billed):
         _tool_call_recorded_push(call_id)
+
+
+def _outcome_unsigned(*, call_id: str, outcome: str) -> dict[str, Any] | None:
+    """What call ``call_id`` came to, as ``outcome`` (OutcomeUnrecorded's) carries it; None, logged,
+    if it is not one this deployment's workers made of that call."""
+    try:
+        carried = json.loads(_OUTCOME_SIGNER.unsign(outcome))
+    except signing.BadSignature:
+        carried = {}
+    if carried.get("call_id") != call_id:
+        # Not made by this deployment's workers, or for another call: nothing is recorded; the call's lease decides.
+        logger.error("a tool call's carried outcome failed its signature check; not recorded", extra={"call_id": call_id})
+        return None
+    return dict(carried)
+
+
+def tool_call_outcome_keep(*, call_id: str, outcome: str) -> bool:
+    """Keep what a call came to (``outcome``, OutcomeUnrecorded's), which the database did not take
+    through the last of its task's retries either (away, or cancelling the statement, longer than
+    they last), where the reaper finds it (``tool_calls_reap``): it records it, and charges it, once
+    the database takes it, rather than fail the call ``worker_lost`` as if its tool had not run.
+    Say so once, ERROR: the call's result waits on the database. Return whether it is kept; if not
+    (Redis away as well), the ERROR says the outcome is lost."""
+    if backplane().outcome_keep(call_id, outcome):
+        logger.error(
+            "a tool call's outcome (its tool's result: the tool ran; or the failure its worker decided) could not be "
+            "recorded through all its task's retries: kept for the reaper to record once the database takes it",
+            extra={"call_id": call_id},
+        )
+        return True
+    logger.error(
+        "a tool call's outcome (its tool's result: the tool ran; or the failure its worker decided) could not be "
+        "recorded through all its task's retries, nor kept: it is lost, and the reaper fails the call worker_lost "
+        "(a billed call is not charged)",
+        extra={"call_id": call_id},
+    )
+    return False
+
+
+def _tool_call_kept_record(call_id: str, outcome: str) -> bool:
+    """Record what the lapsed call ``call_id`` came to as its task's last retry kept it
+    (``tool_call_outcome_keep``), settling or releasing its hold, and push it to its code and its
+    event; then forget it. Return False if ``outcome`` is not one this deployment's workers made of
+    that call (the reaper fails the call as it would have)."""
+    carried = _outcome_unsigned(call_id=call_id, outcome=outcome)
+    call = ToolCall.objects.filter(call_id=call_id).first()
+    if carried is None or call is None:
+        backplane().outcomes_drop([call_id])
+        return False
+    if _tool_calls_finish_ran([_Ran(call=call, reply=carried["reply"], billed=carried["billed"])])[0]:
+        logger.warning("recorded a tool call's outcome kept by its task's last retry", extra={"call_id": call_id})
+    backplane().outcomes_drop([call_id])
+    return True
 
 
 def _tool_call_fail_retried(call_id: str, code: str, message: str) -> dict[str, Any]:
@@ -1727,9 +1775,17 @@ def tool_calls_reap() -> None:
     )
     lapsed_calls = list(lapsed.values_list("call_id", "ptc_call_id"))
     _reaper_found_locked.keep_only({call_id for call_id, _ in lapsed_calls})
-    for call_id, ptc_call_id in lapsed_calls:
-        if _reaper_found_locked.waits(call_id):
-            continue  # its worker's renewals waited on the lock its row was held by: judged later
+    judged = [(call_id, ptc_call_id) for call_id, ptc_call_id in lapsed_calls if not _reaper_found_locked.waits(call_id)]
+    # Those whose tool ran, their outcome kept by their task's last retry: recorded, not worker_lost.
+    kept = backplane().outcomes_kept([call_id for call_id, _ in judged])
+    for call_id, ptc_call_id in judged:
+        if call_id in kept:
+            record = functools.partial(_tool_call_kept_record, call_id, kept[call_id])
+            recorded = unless_locked(record, what="recording a call's outcome kept", call_id=call_id)
+            if recorded is None:
+                _reaper_found_locked.held(call_id)
+            if recorded is not False:
+                continue
         logger.warning("a tools worker stopped renewing a call's lease; failing it", extra={"call_id": call_id})
         fail = functools.partial(_tool_call_fail, call_id, "worker_lost", WORKER_LOST_MESSAGE)
         reply = unless_locked(fail, what="failing a call whose worker stopped", call_id=call_id)

@@ -1,6 +1,7 @@
 """The embedded default (SQLite, the filesystem broker, no Redis): jobs, tool calls and SSE events from a log file."""
 
 import asyncio
+import os
 import subprocess
 import sys
 import time
@@ -17,7 +18,7 @@ from django.contrib.auth import get_user_model
 from django.utils import timezone
 
 from execution import events
-from execution.backplane import Changed, LocalBackplane, Result, job_channel
+from execution.backplane import OUTCOME_KEPT_SECONDS, Changed, LocalBackplane, Result, job_channel
 from execution.models import ExecJob
 from tests.execution.test_events import JOB, _check_sequence, read_events
 from tests.factories import running_job
@@ -220,6 +221,21 @@ def test_embedded_log_gets_a_closed_calls_end_once_and_no_log_is_made_for_it(tmp
         plane.call_end_push([], job_call_id=job_call_id, call_id=call_id, end=end)
     logged = [(name, data["call_id"]) for _, name, data in plane.events_read(job_call_id)]
     assert logged == [("tool_call_start", call_id), ("tool_call_end", "ptc_other"), ("tool_call_end", call_id)]
+
+
+def test_embedded_outcomes_kept_are_read_back_until_dropped_or_expired(tmp_path: Path, plane: LocalBackplane) -> None:
+    """An outcome the database did not take through all of a call's task's retries is kept in the
+    data folder for the reaper: read back until it is dropped (recorded), or a day old (as Redis's
+    key expires); a call id that is no file name is kept under one of its own making."""
+    assert plane.outcome_keep("ptc_a", "signed-a") and plane.outcome_keep("../b", "signed-b")
+    assert plane.outcomes_kept(["ptc_a", "../b", "ptc_c"]) == {"ptc_a": "signed-a", "../b": "signed-b"}
+    assert {path.parent for path in tmp_path.rglob("*") if path.is_file()} == {tmp_path / "outcomes"}
+    plane.outcomes_drop(["ptc_a"])
+    aged = time.time() - OUTCOME_KEPT_SECONDS - 60
+    for path in (tmp_path / "outcomes").iterdir():
+        os.utime(path, (aged, aged))
+    assert plane.outcomes_kept(["ptc_a", "../b"]) == {}
+    assert list((tmp_path / "outcomes").iterdir()) == []
 
 
 def test_embedded_followers_waiting_hold_no_thread(settings: Any, plane: LocalBackplane) -> None:

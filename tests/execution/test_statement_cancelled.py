@@ -39,11 +39,11 @@ def _account_held(stack: Stack, username: str) -> Iterator[None]:
         yield
 
 
-def _held_call(api: Api, body: dict) -> tuple[threading.Thread, list]:
-    """Post the call ``body`` to /tools/execute from a thread; return the thread and the list its
-    answer (the response) goes to, once the call's price is held."""
+def _held_call(api: Api, body: dict, timeout: float = 90) -> tuple[threading.Thread, list]:
+    """Post the call ``body`` to /tools/execute from a thread (its answer waited for ``timeout``);
+    return the thread and the list its answer (the response) goes to, once the call's price is held."""
     answers: list = []
-    caller = threading.Thread(target=lambda: answers.append(api.post("/api/v1/tools/execute", json=body)))
+    caller = threading.Thread(target=lambda: answers.append(api.post("/api/v1/tools/execute", json=body, timeout=timeout)))
     caller.start()
     deadline = time.monotonic() + 20
     while api.get("/api/v1/billing/balance").json()["reserved"] < 1:
@@ -62,9 +62,14 @@ def _check_ledger(stack: Stack) -> None:
 @pytest.fixture
 def brief_retries(stack_env: dict[str, str]) -> Iterator[Stack]:
     """A deployment whose workers try a statement again for 2 s only (PTC_DB_RETRY_SECONDS), at the
-    same 1 s timeout: a lock held longer outlasts a worker's retries. For one test, before ``cut``
-    starts: two deployments at once hold twice the connections of one."""
-    with own_deployment(stack_env, "brief-retries", PTC_DB_STATEMENT_TIMEOUT="1", PTC_DB_RETRY_SECONDS="2") as stack:
+    same 1 s timeout: a lock held longer outlasts a worker's retries. Its calls' code waits for them
+    10 minutes (PTC_DEFAULT_TOOL_TIMEOUT), longer than all of a task's retries, and their leases
+    outlast the longest wait between two of those (8 s; the suite's 4 s lease lapsed in it, and the
+    reaper failed the call between two retries). For one test at a time, before ``cut`` starts: two
+    deployments at once hold twice the connections of one."""
+    env = {"PTC_DB_STATEMENT_TIMEOUT": "1", "PTC_DB_RETRY_SECONDS": "2", "PTC_DEFAULT_TOOL_TIMEOUT": "600"}
+    env["PTC_JOB_LEASE_SECONDS"] = "20"
+    with own_deployment(stack_env, "brief-retries", **env) as stack:
         yield stack
 
 
@@ -134,6 +139,47 @@ def test_a_claim_committed_whose_reply_was_lost_runs_at_its_tasks_retry(reply_lo
         assert (final["status"], final["return_value"]) == ("completed", 7), (final["error"], final["stderr"][-2000:])
         calls = conn.execute("SELECT status, output FROM execution_toolcall WHERE exec_job_id = %s", [job["id"]]).fetchall()
     assert calls == [("completed", 7)]
+
+
+KEPT = b"kept for the reaper to record"
+
+
+def test_a_calls_result_the_database_did_not_take_within_all_its_tasks_retries_is_recorded_by_the_reaper(
+    brief_retries: Stack,
+) -> None:
+    """A billed call's finish waits on its account's row, held locked past all 10 of its task's
+    retries (each try 2 s, about 95 s in all): the last one keeps the result where the reaper finds
+    it, saying so once in the tools worker's log with the call's id, and the reaper records it once
+    the lock goes: the call completed with its result, charged once, nothing left held. Before, the
+    result was lost with the last retry, and a lease later the reaper failed the call worker_lost
+    (its tool had run: its price held, never charged, given back)."""
+    username = f"spent-{uuid.uuid4().hex[:8]}"
+    api = Api(brief_retries.base_url, api_key(brief_retries.env, username, credits=100), username)
+    logged = brief_retries.tools_worker.log.stat().st_size
+    caller, answers = _held_call(api, {"toolset": "demo", "tool": "sleep", "arguments": {"ms": 1500}}, timeout=400)
+    with _account_held(brief_retries, username):
+        # Held until the task's last try has failed (said in the log either way), well past the lease.
+        deadline = time.monotonic() + 300
+        while (last := _log_since(brief_retries, logged)).count(KEPT) + last.count(b"raised unexpected") == 0:
+            assert time.monotonic() < deadline, "the call's task never gave up"
+            time.sleep(1)
+    caller.join(120)
+    assert not caller.is_alive()
+    (record,) = [answer.json() for answer in answers]
+    assert record["status"] == "completed", record["error"]
+    assert (record["output"], record["credits"]) == ({"slept_ms": 1500}, 1)
+    balance = api.get("/api/v1/billing/balance").json()
+    assert (balance["balance"], balance["reserved"]) == (99, 0)
+    _check_ledger(brief_retries)
+    said = [line for line in _log_since(brief_retries, logged).splitlines() if KEPT in line]
+    assert len(said) == 1 and record["call_id"].encode() in said[0], said
+
+
+def _log_since(stack: Stack, offset: int) -> bytes:
+    """What ``stack``'s tools worker logged past ``offset``."""
+    with stack.tools_worker.log.open("rb") as log:
+        log.seek(offset)
+        return log.read()
 
 
 def test_a_tools_workers_finish_cancelled_by_the_statement_timeout_is_recorded_once_the_lock_goes(cut: Stack) -> None:

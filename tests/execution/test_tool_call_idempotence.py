@@ -83,6 +83,27 @@ def test_a_redelivery_that_finds_its_call_ended_logs_its_end_once(running_call: 
     assert backplane().events_read(running_call.ptc_call_id) == []
 
 
+def test_the_reaper_records_an_outcome_kept_by_a_tasks_last_retry_and_fails_one_not_made_here(running_call: ToolCall) -> None:
+    # Two lapsed calls: one whose outcome its task's last retry kept (its tool ran), one with an
+    # outcome kept that no worker of this deployment signed. The first is recorded with it, and
+    # its outcome forgotten; the second fails worker_lost, as a call whose worker died.
+    user = running_call.user
+    forged = demo_call(user=user, job=running_call.exec_job)
+    lapsed = timezone.now() - timedelta(seconds=settings.PTC_JOB_LEASE_SECONDS + 1)
+    ToolCall.objects.filter(pk__in=[running_call.pk, forged.pk]).update(claimed_at=lapsed)
+    outcome = services.OutcomeUnrecorded(call_id=running_call.call_id, reply={"ok": True, "result": 3}, billed=False).outcome
+    assert services.tool_call_outcome_keep(call_id=running_call.call_id, outcome=outcome)
+    assert backplane().outcome_keep(forged.call_id, outcome)  # another call's: its signature names that one
+    try:
+        services.tool_calls_reap()
+        recorded, failed = ToolCall.objects.get(pk=running_call.pk), ToolCall.objects.get(pk=forged.pk)
+        assert (recorded.status, recorded.output) == ("completed", 3)
+        assert (failed.status, failed.error["code"]) == ("failed", "worker_lost")
+        assert backplane().outcomes_kept([running_call.call_id, forged.call_id]) == {}
+    finally:
+        backplane().outcomes_drop([running_call.call_id, forged.call_id])
+
+
 def test_a_task_redelivered_after_its_worker_died_is_not_run_again(running_call: ToolCall, runs: list) -> None:
     # Claimed, then the worker died: its lease lapsed.
     lapsed = timezone.now() - timedelta(seconds=settings.PTC_JOB_LEASE_SECONDS + 1)
