@@ -21,10 +21,12 @@ new Redis client for every message it sent, kept track of or acked: here one per
 The cost: kombu takes one message per round trip (``BRPOP``), then spends a second round trip
 recording it as unacked, on the consumer's one thread. A burst of tool calls waits in the queue
 behind that thread. Here a consumer takes up to ``pop_most`` waiting messages at once (``BLMPOP``,
-Redis 7), as many as it has free slots for, and records them all as unacked in one round trip
-before any is handed over. A lone message costs what it did. A worker killed between a pop and its
-record loses what it popped, as kombu's loses the one message it popped: a tool call lost so is
-failed by its bridge at its timeout, and nothing is charged for it. Without BLMPOP (Redis 6, or an
+Redis 7), as many as it has free slots for, hands them over, and then records them all as unacked
+in one round trip: a task starts without waiting for its record, which is written while it runs
+(an ack that comes first, on any thread, is held until the record is written, so no record outlives
+its ack). A worker killed between a pop and its record loses what it popped, as kombu's loses the
+one message it popped: a tool call lost so is failed by its bridge at its timeout, and nothing is
+charged for it. Without BLMPOP (Redis 6, or an
 ACL that refuses INFO), or with ``pop_most`` 1, it is kombu's BRPOP.
 
 A worker started while Redis is full (its maxmemory reached, noeviction) died at its start: Celery's
@@ -144,16 +146,38 @@ def _named(payload: dict[str, Any]) -> str:
 class QoS(redis.QoS):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._recorded: set[str] = set()  # taken by a multi-pop and recorded unacked already
+        self._recorded: set[str] = set()  # taken by a multi-pop, recorded unacked by it (append_taken)
+        # Taken by a multi-pop and handed over, their unacked records not written yet: their acks
+        # wait for them (a record written after its ack would be restored, and its task run again).
+        self._recording: set[str] = set()
+        self._recording_lock = threading.Lock()
         self._acks_held: list[str] = []  # acked in this turn of the event loop, not yet in Redis
         # Handed over while Redis was full, without an unacked record: Redis has no copy of these,
         # only this worker's memory (_delivered). Recorded once there is room (unrecorded_record).
         self._unrecorded: set[str] = set()
         self._unrecorded_tried = 0.0  # when unrecorded_record last tried (monotonic)
 
+    def taking(self, payloads: list[dict[str, Any]]) -> None:
+        """Messages just taken from their queue are handed over before ``append_taken`` records them:
+        ``append`` leaves them to it, and their acks wait for it."""
+        tags = [payload["properties"]["delivery_tag"] for payload in payloads]
+        self._recorded.update(tags)
+        with self._recording_lock:
+            self._recording.update(tags)
+
+    def untaken(self, payloads: list[dict[str, Any]]) -> None:
+        """Put messages taken but never handed over (nor recorded) back at the head of their queue,
+        in their order, from memory."""
+        tags = {payload["properties"]["delivery_tag"] for payload in payloads}
+        self._recorded.difference_update(tags)
+        with self._recording_lock:
+            self._recording.difference_update(tags)
+        self._unrecorded_put(payloads, wait=0)
+
     def append_taken(self, payloads: list[dict[str, Any]]) -> None:
-        """Record messages just taken from their queue as unacked, in one round trip, as ``append``
-        does each (its own round trip) when it is handed over."""
+        """Record messages taken from their queue (``taking``) and handed over as unacked, in one
+        round trip, as ``append`` does each (its own round trip) when it is handed over. The acks
+        that came meanwhile go after it: at the turn's end in the event loop, else now."""
         now = time()
         try:
             with self.pipe_or_acquire() as pipe:
@@ -165,23 +189,16 @@ class QoS(redis.QoS):
                 pipe.execute()
         except OutOfMemoryError:
             _unrecorded_warn(len(payloads))
-            self._unrecorded.update(payload["properties"]["delivery_tag"] for payload in payloads)
+            # Those acked already need no record (nor, so, a restore from memory).
+            tags = (payload["properties"]["delivery_tag"] for payload in payloads)
+            self._unrecorded.update(tag for tag in tags if tag in self._delivered)
             self._unrecorded_tried = monotonic()
-        self._recorded.update(payload["properties"]["delivery_tag"] for payload in payloads)
-
-    def restore_taken(self, payloads: list[dict[str, Any]]) -> None:
-        """Put messages taken and recorded but never handed over back at the head of their queue,
-        in their order (from memory those Redis refused to record)."""
-        unrecorded = [payload for payload in payloads if payload["properties"]["delivery_tag"] in self._unrecorded]
-        for payload in reversed(payloads):  # each goes to the head: the last first
-            tag = payload["properties"]["delivery_tag"]
-            self._recorded.discard(tag)
-            if tag in self._unrecorded:
-                self._unrecorded.discard(tag)
-            else:
-                self.restore_by_tag(tag)
-        if unrecorded:
-            self._unrecorded_put(unrecorded, wait=0)
+        finally:
+            with self._recording_lock:
+                self._recording.difference_update(payload["properties"]["delivery_tag"] for payload in payloads)
+            transport = self.channel.connection
+            if transport is None or not transport.in_loop():
+                self.acks_flush()
 
     def unrecorded_record(self) -> None:
         """Write the unacked records a full Redis refused, for the messages still held, once it has
@@ -340,6 +357,10 @@ class QoS(redis.QoS):
     def ack(self, delivery_tag: Any) -> None:
         self._unrecorded.discard(delivery_tag)
         virtual.QoS.ack(self, delivery_tag)  # its slot is free at once
+        with self._recording_lock:
+            if delivery_tag in self._recording:  # Redis is told once its record is written (append_taken)
+                self._acks_held.append(delivery_tag)
+                return
         transport = self.channel.connection  # None once the channel is closed (its connection lost)
         if transport is not None and transport.in_loop():
             self._acks_held.append(delivery_tag)  # Redis is told at the turn's end
@@ -369,6 +390,14 @@ class QoS(redis.QoS):
     def reject(self, delivery_tag: Any, requeue: bool = False) -> None:
         if not requeue:
             self.ack(delivery_tag)  # what kombu's reject without requeue does, in a MULTI
+            return
+        with self._recording_lock:
+            recording = delivery_tag in self._recording
+        if recording:  # Redis has no record to restore it from yet: back from memory, its record deleted once written
+            message = self._delivered.get(delivery_tag)
+            self.ack(delivery_tag)
+            if message is not None:
+                self._unrecorded_put([message._raw], wait=0)
             return
         if delivery_tag in self._unrecorded:  # Redis has no record to restore it from
             message = self._delivered.get(delivery_tag)
@@ -594,15 +623,22 @@ class Channel(redis.Channel):
             self._queue_cycle.rotate(dest)
             payloads = _messages(items, dest)
             acked = dest not in self._no_ack
-            if acked:
-                self.qos.append_taken(payloads)  # before any is handed over, and so before any is acked
-            for n, payload in enumerate(payloads):
-                try:
+            if not acked:
+                for payload in payloads:
                     self.connection._deliver(payload, dest)
-                except BaseException:
-                    if acked:  # the rest would wait out the visibility timeout
-                        self.qos.restore_taken(payloads[n + 1 :])
-                    raise
+                return True
+            # Handed over first, recorded unacked after, in one round trip: their tasks start a round
+            # trip sooner (on a tools worker, every call's). Their acks wait for the record.
+            self.qos.taking(payloads)
+            handed = 0
+            try:
+                for payload in payloads:
+                    handed += 1
+                    self.connection._deliver(payload, dest)
+            finally:
+                if handed < len(payloads):  # one failed: the rest would never be handed over
+                    self.qos.untaken(payloads[handed:])
+                self.qos.append_taken(payloads[:handed])
             return True
         finally:
             self._in_poll = None  # type: ignore[assignment]  # as kombu's own _brpop_read leaves it

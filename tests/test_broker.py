@@ -145,8 +145,8 @@ def test_redis_consumer_takes_a_burst_at_once_within_its_free_slots() -> None:
         seen_at_first: dict[str, int] = {}
 
         def on_message(body: Any, message: Any) -> None:
-            if not received:  # the first message handed over: its whole pop is already recorded unacked
-                seen_at_first.update(waiting=broker.waiting(), unacked=broker.unacked())
+            if not received:  # the first message handed over: its whole pop is off the queue
+                seen_at_first.update(waiting=broker.waiting())
             received.append((body["n"], message))
 
         broker.publish(10)
@@ -154,7 +154,8 @@ def test_redis_consumer_takes_a_burst_at_once_within_its_free_slots() -> None:
             channel.basic_qos(0, 3, False)  # three free slots: a pop takes three, not pop_most
             with Consumer(channel, [broker.queue], callbacks=[on_message]):
                 broker.drain(lambda: len(received) >= 3)
-                assert seen_at_first == {"waiting": 7, "unacked": 3}
+                assert seen_at_first == {"waiting": 7}
+                assert broker.unacked() == 3  # the pop's records, written once its messages were handed over
                 for _, message in received:
                     message.ack()
                 while len(received) < 10:
@@ -164,6 +165,59 @@ def test_redis_consumer_takes_a_burst_at_once_within_its_free_slots() -> None:
                             message.ack()
         assert [n for n, _ in received] == list(range(10))  # in the order they were sent
         assert broker.unacked() == 0 and broker.server.zcard(f"{broker.prefix}unacked_index") == 0
+
+
+@pytest.mark.parametrize("thread", ["consumer", "another"])
+def test_redis_a_pops_messages_are_handed_over_before_their_record_and_an_ack_before_it_waits_for_it(thread: str) -> None:
+    """A pop's messages are handed over first and recorded unacked after, in one round trip (a task
+    starts without waiting for it); an ack that comes before the record, on the consumer's thread or
+    another, goes to Redis after it: a record written after its ack would outlive it, and its
+    message be restored and run again."""
+    with _redis_queue("early-ack", most=4) as broker:
+        got: list[int] = []
+        unacked_when_handed: list[int] = []
+
+        def on_message(body: Any, message: Any) -> None:
+            unacked_when_handed.append(broker.unacked())
+            if thread == "consumer":
+                message.ack()
+            else:
+                acker = threading.Thread(target=message.ack)
+                acker.start()
+                acker.join()
+            got.append(body["n"])
+
+        broker.publish(4)
+        with broker.conn.channel() as channel:
+            channel.basic_qos(0, 4, False)
+            with Consumer(channel, [broker.queue], callbacks=[on_message]):
+                broker.drain(lambda: len(got) >= 4)
+                assert got == [0, 1, 2, 3]
+                assert unacked_when_handed == [0, 0, 0, 0]  # one pop, handed over before its record
+                assert broker.unacked() == 0 and broker.server.zcard(f"{broker.prefix}unacked_index") == 0
+
+
+def test_redis_a_message_requeued_before_its_pops_record_goes_back_at_once_and_leaves_no_record() -> None:
+    """Requeued as it is handed over, before its pop's record is written (Redis has none to restore
+    it from yet), a message goes back to its queue from memory and is taken again at once; its
+    record, written after, is deleted with it, never restored an hour later."""
+    with _redis_queue("early-requeue", most=4) as broker:
+        seen: list[tuple[int, bool]] = []
+
+        def on_message(body: Any, message: Any) -> None:
+            seen.append((body["n"], bool(message.delivery_info.get("redelivered"))))
+            if len(seen) == 1:
+                message.requeue()
+            else:
+                message.ack()
+
+        broker.publish(1)
+        with broker.conn.channel() as channel:
+            with Consumer(channel, [broker.queue], callbacks=[on_message]):
+                broker.drain(lambda: len(seen) >= 2)
+                assert [n for n, _ in seen] == [0, 0]
+                assert broker.waiting() == 0
+                assert broker.unacked() == 0 and broker.server.zcard(f"{broker.prefix}unacked_index") == 0
 
 
 def test_redis_messages_taken_at_once_go_back_when_their_consumer_stops_before_acking() -> None:
