@@ -176,8 +176,12 @@ class PostgresProxy:
             server = socket.create_connection(self.upstream)
             with self._lock:
                 self._pairs[server.getsockname()[1]] = (client, server)
-            for source, sink in ((client, server), (server, client)):
-                threading.Thread(target=self._pump, args=(source, sink), daemon=True).start()
+            self._relay(client, server)
+
+    def _relay(self, client: socket.socket, server: socket.socket) -> None:
+        """Pass a connection's bytes on, both ways (a subclass may hold some back)."""
+        for source, sink in ((client, server), (server, client)):
+            threading.Thread(target=self._pump, args=(source, sink), daemon=True).start()
 
     @staticmethod
     def _pump(source: socket.socket, sink: socket.socket) -> None:

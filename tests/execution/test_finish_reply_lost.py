@@ -2,10 +2,10 @@
 connection dropped after the commit): the worker can't tell it committed, tries again, and finds
 the call closed. The call's end still reaches its job's events, once.
 
-The deployment is its own; its tools worker reaches PostgreSQL through a proxy (``_ReplyCutter``)
-that passes everything on but the reply to one statement, the finish of a call whose output it
-is told: that statement reaches PostgreSQL, which runs and commits it, and the connection is then
-cut before its reply reaches the worker.
+The deployment is its own; its tools worker reaches PostgreSQL through a proxy (``_ReplyCutter``,
+a PostgresProxy) that passes everything on but the reply to one statement, the finish of a call
+whose output it is told: that statement reaches PostgreSQL, which runs and commits it, and the
+connection is then cut before its reply reaches the worker.
 """
 
 import json
@@ -15,12 +15,11 @@ import threading
 import uuid
 from collections.abc import Iterator
 from typing import Any
-from urllib.parse import urlsplit
 
 import pytest
 
 from tests.conftest import Api, own_deployment
-from tests.servers import api_key
+from tests.servers import PostgresProxy, api_key
 from tests.stack import Stack
 
 # PostgreSQL's ReadyForQuery, idle: the server sends it once the statement is done, its
@@ -28,40 +27,29 @@ from tests.stack import Stack
 READY = b"Z\x00\x00\x00\x05I"
 
 
-class _ReplyCutter:
-    """A TCP proxy to PostgreSQL. Once armed with a marker, the first statement whose bytes hold it
-    and the finish's own key (``"settles"``: the claim's bytes hold the call's input, never that
-    key) is passed on; its reply is held until the server says it is done, then dropped, and that
-    connection cut at both ends."""
+class _ReplyCutter(PostgresProxy):
+    """A PostgresProxy that, once armed with a marker, passes on the first statement whose bytes hold
+    it and the finish's own key (``"settles"``: the claim's bytes hold the call's input, never that
+    key); its reply is held until the server says it is done, then dropped, and that connection cut
+    at both ends."""
 
-    def __init__(self, upstream: tuple[str, int]) -> None:
-        self.upstream = upstream
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self.listener.getsockname()[1]
+    def __init__(self, upstream: str) -> None:
         self.marker = b""
-        self.cut = 0  # how many replies were cut
-        self.sockets: list[socket.socket] = []
-        self.lock = threading.Lock()
-        threading.Thread(target=self._accept, daemon=True).start()
+        self.cuts = 0  # how many replies were cut
+        self.marking = threading.Lock()
+        super().__init__(upstream)
 
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self.listener.accept()
-            except OSError:
-                return
-            server = socket.create_connection(self.upstream)
-            self.sockets += [client, server]
-            armed = threading.Event()  # this connection's next reply is cut
-            threading.Thread(target=self._to_server, args=(client, server, armed), daemon=True).start()
-            threading.Thread(target=self._to_client, args=(server, client, armed), daemon=True).start()
+    def _relay(self, client: socket.socket, server: socket.socket) -> None:
+        armed = threading.Event()  # this connection's next reply is cut
+        threading.Thread(target=self._to_server, args=(client, server, armed), daemon=True).start()
+        threading.Thread(target=self._to_client, args=(server, client, armed), daemon=True).start()
 
     def _to_server(self, client: socket.socket, server: socket.socket, armed: threading.Event) -> None:
         seen = b""
         try:
             while chunk := client.recv(65536):
                 seen = (seen + chunk)[-(1 << 16) :]
-                with self.lock:
+                with self.marking:
                     if self.marker and self.marker in seen and b'"settles"' in seen:
                         self.marker, seen = b"", b""
                         armed.set()
@@ -78,7 +66,7 @@ class _ReplyCutter:
                     continue
                 held += chunk
                 if READY in held:  # committed: the reply is lost with the connection
-                    self.cut += 1
+                    self.cuts += 1
                     for sock in (client, server):
                         sock.shutdown(socket.SHUT_RDWR)
                         sock.close()
@@ -86,27 +74,20 @@ class _ReplyCutter:
         except OSError:
             pass
 
-    def close(self) -> None:
-        self.listener.close()
-        for sock in self.sockets:
-            sock.close()
-
 
 @pytest.fixture(scope="module")
 def cutting(stack_env: dict[str, str]) -> Iterator[tuple[Stack, _ReplyCutter]]:
     """A deployment whose tools worker reaches PostgreSQL through a ``_ReplyCutter``."""
     with own_deployment(stack_env, "reply-lost") as stack:
-        url = urlsplit(stack.env["DATABASE_URL"])
-        proxy = _ReplyCutter((url.hostname or "127.0.0.1", url.port or 5432))
+        proxy = _ReplyCutter(stack.env["DATABASE_URL"])
         try:
             stack.tools_worker.stop()
-            proxied = url._replace(netloc=url.netloc.replace(f"{url.hostname}:{url.port}", f"127.0.0.1:{proxy.port}"))
-            stack.tools_worker.env = {**stack.env, "DATABASE_URL": proxied.geturl()}
+            stack.tools_worker.env = {**stack.env, "DATABASE_URL": proxy.url(stack.env["DATABASE_URL"])}
             stack.tools_worker.start()
             yield stack, proxy
         finally:
             stack.tools_worker.stop()
-            proxy.close()
+            proxy.stop()
 
 
 def _events(api: Api, job_id: str) -> list[tuple[str, dict[str, Any]]]:
@@ -139,7 +120,7 @@ def test_a_calls_end_whose_finish_committed_and_whose_reply_was_lost_is_in_its_j
     code = f"from ptc_tools.demo import Demo\nDemo.sleep(ms={ms})"
     job = api.run(code, toolsets=["demo"])
     assert (job["status"], job["return_value"]) == ("completed", {"slept_ms": ms}), (job["error"], job["stderr"][-2000:])
-    assert proxy.cut == 1, "the finish's reply was not cut: nothing was tested"
+    assert proxy.cuts == 1, "the finish's reply was not cut: nothing was tested"
     (call,) = job["tool_calls"]
     assert (call["status"], call["output"], call["credits"]) == ("completed", {"slept_ms": ms}, 1)
     events = _events(api, job["id"])
