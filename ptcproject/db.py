@@ -152,7 +152,7 @@ def unless_locked(work: Callable[[], T], *, what: str, **ids: Any) -> T | None:
     on a lock ``BRIEF_LOCK_WAIT_MS`` at most (on PostgreSQL): a row held locked by a transaction stuck
     elsewhere costs the round that, not PTC_DB_STATEMENT_TIMEOUT, and is left to a later round.
     Each statement outside a transaction goes in one of its own (a round trip or three more)."""
-    with _lock_wait_brief():
+    with lock_wait_brief():
         return unless_cancelled(work, what=what, **ids)
 
 
@@ -211,7 +211,7 @@ def statement_timeout_off(alias: str = DEFAULT_DB_ALIAS) -> Iterator[None]:
 
 
 @contextmanager
-def _lock_wait_brief(alias: str = DEFAULT_DB_ALIAS) -> Iterator[None]:
+def lock_wait_brief(alias: str = DEFAULT_DB_ALIAS) -> Iterator[None]:
     """Run the block's statements on this thread's connection to ``alias`` with a lock_timeout of
     ``BRIEF_LOCK_WAIT_MS``, each transaction's own (as ``statement_timeout_off``)."""
     with _each_transaction_set(f"SELECT set_config('lock_timeout', '{BRIEF_LOCK_WAIT_MS}ms', true)", alias):

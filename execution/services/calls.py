@@ -70,6 +70,7 @@ from ptcproject.db import (
     brief_lock_wait_sql,
     db_reset,
     db_retry,
+    lock_wait_brief,
     statement_cancelled,
     unless_cancelled,
     unless_locked,
@@ -872,16 +873,19 @@ def tool_call_finish(
         held = Reservation.objects.filter(tool_call_id=OuterRef("call_id"), status=Reservation.Status.HELD)
         fields["credits"] = Coalesce(Subquery(held.values("amount")[:1]), 0)
     # The call's row first (a redelivery finds it finished and charges nothing), the ledger last:
-    # the account's row lock is held from its statement to the commit only.
-    with transaction.atomic() if settles else nullcontext():
+    # the account's row lock is held from its statement to the commit only. A hold is given back in
+    # the transaction that fails its call, as tool_calls_fail_queued has it: given back after, a
+    # release cancelled waiting on the account's row (held locked) left the call failed, and the
+    # finish tried again found nothing left to fail: the hold stayed until the reaper's close.
+    with transaction.atomic() if billed else nullcontext():
         open_calls = ToolCall.objects.filter(call_id=call_id, status__in=from_statuses)
         if job_running:
             open_calls = open_calls.filter(call_job_running())
         finished = bool(open_calls.update(**fields))
         if finished and settles:
             credits = credits_settle(tool_call_id=call_id)
-    if finished and billed and error:
-        credits_release(tool_call_id=call_id)
+        elif finished and billed:
+            credits_release(tool_call_id=call_id)
     if finished and record is not None:
         _record_finished(record, fields, credits)
     if finished and event:
@@ -1180,15 +1184,22 @@ def _tool_call_claim(call_id: str, queued: ToolCall | None, *, alone: bool, take
     claimed it, else None. With the claims of this worker's other threads, when they coincide; a
     retry's (``alone``; ``taken``: the claims a try of its task left it, ClaimUnrun's) on its own.
     A batch waits on a lock briefly: one that waited longer (its statement cancelled, nothing
-    claimed) is tried again at once alone, by each of its calls, on its own thread: the one whose
-    row (or user's, or job's) is held locked waits for it there, holding up no other."""
+    claimed) is tried again at once alone, by each of its calls, on its own thread. Alone, it waits
+    on a lock as briefly, and the one whose row (or user's, or job's) is held locked is tried again
+    (db_retry), its connection given back between tries, its tries taking turns (_LockWaits), as a
+    finish's: waiting out the lock on it, a user's calls whose row was held locked (their records'
+    foreign key, checked at the commit) took one pooled connection each for up to
+    PTC_DB_STATEMENT_TIMEOUT, past PTC_DB_POOL_MAX of them the whole pool, and every other call on
+    this worker found none. A cancelled claim claimed nothing: tried again, it claims once."""
     if not (alone or taken):
         try:
             return _claims((call_id, queued))
         except OperationalError as exc:
             if not statement_cancelled(exc):
                 raise
-    return _tool_calls_claim([(call_id, queued)], taken=taken)[0]
+    waits = _LockWaits()
+    claim = functools.partial(_tool_calls_claim, [(call_id, queued)], brief=True, taken=taken)
+    return db_retry(lambda: waits(claim), what="claiming a tool call", job_id="", call_id=call_id)[0]
 
 
 class _ClaimUnanswered(Exception):
@@ -1302,13 +1313,8 @@ def tool_call_abort(*, call_id: str, record: str | None = None) -> None:
     push that to its job, so the code gets a ToolError now."""
     error = call_error("internal_error", "the tools worker failed while running this call; see its log")
     queued = _tool_call_unsigned(record) if record is not None else None
-    tries = 0
 
     def fail() -> None:
-        nonlocal tries
-        if tries:  # its lease, as _tool_call_fail_retried renews it
-            _tool_calls_renew([call_id])
-        tries += 1
         if queued is not None:
             tool_calls_fail_queued([queued], error=error, running=True)
         else:
@@ -1320,7 +1326,7 @@ def tool_call_abort(*, call_id: str, record: str | None = None) -> None:
     # later, which says its worker died, not what happened.
     job_id = queued.exec_job_id if queued else ""
     crashed = {"ok": False, "error": error}
-    _tool_call_end_retried(fail, call_id=call_id, job_id=job_id, what="recording a call's failure", reply=crashed, billed=True)
+    _tool_call_failure_retried(fail, call_id=call_id, job_id=job_id, what="recording a call's failure", reply=crashed)
     _tool_call_recorded_push(call_id)
 
 
@@ -1508,19 +1514,35 @@ def _tool_call_fail_retried(call_id: str, code: str, message: str) -> dict[str, 
     """``_tool_call_fail`` for a call this worker claimed (or found claimed), tried again through a
     database away or a statement cancelled (a row it needs held locked), for up to PTC_DB_RETRY_SECONDS,
     as a call's finish is; past that, raise OutcomeUnrecorded, for its task's retry to record."""
-    tries = 0
-
-    def fail() -> dict[str, Any]:
-        nonlocal tries
-        if tries:  # its lease, which no renewal of this worker's keeps: the reaper failed it worker_lost between tries
-            _tool_calls_renew([call_id])
-        tries += 1
-        return _tool_call_fail(call_id, code, message)
-
-    # Billed: what was held for it, if anything, goes back (as tool_call_finish has it for a failure).
     failed = {"ok": False, "error": call_error(code, message)}
     what = f"recording a call's failure ({code})"
-    return _tool_call_end_retried(fail, call_id=call_id, job_id="", what=what, reply=failed, billed=True)
+    return _tool_call_failure_retried(
+        lambda: _tool_call_fail(call_id, code, message), call_id=call_id, job_id="", what=what, reply=failed
+    )
+
+
+def _tool_call_failure_retried(fail: Callable[[], T], *, call_id: str, job_id: Any, what: str, reply: dict[str, Any]) -> T:
+    """Run ``fail``, which records that a call this worker claimed (or found claimed) failed with
+    ``reply``, and return what it returns: as a finish is, waiting on a lock BRIEF_LOCK_WAIT_MS at
+    most and tried again (db_retry), its connection given back between tries, which take turns once
+    one was cancelled so (_LockWaits); past PTC_DB_RETRY_SECONDS, raise OutcomeUnrecorded. Waiting out
+    a row held locked (its account's, as what was held for it goes back), each such failure held a
+    pooled connection for up to PTC_DB_STATEMENT_TIMEOUT, and past PTC_DB_POOL_MAX of them other
+    users' calls on this worker found none. Each try after the first renews the call's lease first:
+    no renewal of this worker's keeps it, and the reaper failed it worker_lost between tries."""
+    waits = _LockWaits()
+    tries = 0
+
+    def tried() -> T:
+        nonlocal tries
+        if tries:
+            _tool_calls_renew([call_id])
+        tries += 1
+        with lock_wait_brief():
+            return fail()
+
+    # Billed: what was held for it, if anything, goes back (as tool_call_finish has it for a failure).
+    return _tool_call_end_retried(lambda: waits(tried), call_id=call_id, job_id=job_id, what=what, reply=reply, billed=True)
 
 
 def _tool_call_fail(call_id: str, code: str, message: str) -> dict[str, Any]:
@@ -1634,11 +1656,12 @@ _lock_turns = threading.BoundedSemaphore(max(1, settings.PTC_DB_POOL_MAX // 4))
 
 
 class _LockWaits:
-    """The tries of one call's finish (``__call__`` runs one): once one was cancelled waiting on a
-    lock (its account's row held by a transaction stuck elsewhere), each of the next takes one of
-    the process's few turns (``_lock_turns``), so that however many calls wait, on however many
-    accounts, the rest of the pool is other calls'. Not its first try alone, which may be a call
-    batched with the one the lock holds (it goes at once), nor a try in an outage (no lock to wait on)."""
+    """The tries of one call's finish, claim or failure (``__call__`` runs one): once one was
+    cancelled waiting on a lock (its account's or its user's row held by a transaction stuck
+    elsewhere), each of the next takes one of the process's few turns (``_lock_turns``), so that
+    however many calls wait, on however many accounts, the rest of the pool is other calls'. Not its
+    first try alone, which may be a call batched with the one the lock holds (it goes at once), nor
+    a try in an outage (no lock to wait on)."""
 
     def __init__(self) -> None:
         self.locked = False

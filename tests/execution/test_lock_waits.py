@@ -14,12 +14,14 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
+from typing import Any
 
 import psycopg
 import pytest
 from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.db import connection
+from django.utils import timezone
 
 from billing.models import CreditAccount, Reservation
 from billing.selectors import ledger_mismatches
@@ -486,4 +488,156 @@ def test_a_jobs_queued_calls_failed_as_it_closes_give_back_their_holds_when_the_
     assert set(Reservation.objects.filter(tool_call_id__in=ids).values_list("status", flat=True)) == {"released"}
     account = CreditAccount.objects.get(user=user)
     assert (account.balance, account.reserved) == (10, 0)
+    assert ledger_mismatches() == []
+
+
+def test_claims_waiting_on_a_locked_user_past_the_pool_leave_it_to_other_users_calls(
+    django_db_setup: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """More of one user's job calls than this process's pool has connections (PTC_DB_POOL_MAX) are
+    claimed while a stuck transaction holds the user's row locked: each claim writes the call's
+    record, whose foreign key to the user is checked at the commit, and waits on that lock. Another
+    user's calls, claimed meanwhile by the same worker's threads, complete while the lock is held;
+    once it goes every stuck call is claimed and run once, charged once. Before, each stuck claim,
+    tried alone after its batch's brief wait, waited out the lock holding a pooled connection (up to
+    PTC_DB_STATEMENT_TIMEOUT, 30 s here): they took the whole pool, and the other user's claims found
+    no connection (ClaimUnrun, their task's retry as if the database were away)."""
+    from ptcproject.accounts.services import user_with_key_create
+
+    ran: list[str] = []
+    real = services.tool_run
+
+    def counting(**kwargs: Any) -> Any:
+        ran.append(threading.current_thread().name)
+        return real(**kwargs)
+
+    monkeypatch.setattr(services, "tool_run", counting)
+    tool = Tool.objects.select_related("toolset").get(toolset__key="demo", toolset__owner=None, name="add")
+    queued: dict[str, list[ToolCall]] = {}
+    users = {}
+    for name, count in (("stuck", settings.PTC_DB_POOL_MAX + 4), ("other", 8)):
+        user, _ = user_with_key_create(
+            username=f"claim-{name}-{uuid.uuid4().hex[:6]}", create_user=True, staff=False, credits=100
+        )
+        job = running_job(user=user)
+        users[name] = user
+        queued[name] = [
+            services.tool_call_build(
+                call_id=f"ptc_{uuid.uuid4().hex}",
+                user=user,
+                job=job,
+                toolset="demo",
+                tool="add",
+                arguments={"a": 1, "b": 2},
+                found=tool,
+            )
+            for _ in range(count)
+        ]
+        assert services.tool_calls_reserve(calls=[(call.call_id, tool) for call in queued[name]], user=user, job=job) == {}
+    failures: list[BaseException] = []
+
+    def execute(call: ToolCall) -> None:
+        try:
+            services.tool_call_execute(call_id=call.call_id, record=services.tool_call_signed(call))
+        except BaseException as exc:  # asserted on below
+            failures.append(exc)
+        finally:
+            connection.close()
+
+    threads = {
+        name: [threading.Thread(target=execute, args=(call,), name=call.call_id) for call in calls]
+        for name, calls in queued.items()
+    }
+    stuck_ids = [call.call_id for call in queued["stuck"]]
+    with psycopg.connect(django_db_setup) as holder:
+        holder.execute("SELECT 1 FROM auth_user WHERE id = %s FOR UPDATE", [users["stuck"].pk])
+        for thread in threads["stuck"]:
+            thread.start()
+        time.sleep(2)  # their batches' brief waits are over: each is claimed alone
+        for thread in threads["other"]:
+            thread.start()
+        for thread in threads["other"]:
+            thread.join(20)  # within PTC_DB_STATEMENT_TIMEOUT (30 s), which a stuck claim waited out
+            assert not thread.is_alive()
+        assert failures == []
+        records = ToolCall.objects.filter(call_id__in=[call.call_id for call in queued["other"]])
+        assert sorted((r.status, r.output, r.credits) for r in records) == [("completed", 3, 1)] * 8  # while the lock is held
+        assert all(thread.is_alive() for thread in threads["stuck"])  # each waits on the lock
+        assert not ToolCall.objects.filter(call_id__in=stuck_ids).exists()
+    for thread in threads["stuck"]:
+        thread.join(60)
+        assert not thread.is_alive()
+    assert failures == []
+    records = ToolCall.objects.filter(call_id__in=stuck_ids)
+    assert sorted((r.status, r.output, r.credits) for r in records) == [("completed", 3, 1)] * len(stuck_ids)
+    assert sorted(ran) == sorted([*stuck_ids, *(call.call_id for call in queued["other"])])  # each run once
+    for name, calls in queued.items():
+        account = CreditAccount.objects.get(user=users[name])
+        assert (account.balance, account.reserved) == (100 - len(calls), 0)
+    assert ledger_mismatches() == []
+
+
+@pytest.mark.parametrize("failure", ["tool_disabled", "internal_error"])
+def test_failures_waiting_on_a_locked_account_past_the_pool_leave_it_to_other_users_calls(
+    django_db_setup: str, failure: str
+) -> None:
+    """More of one user's claimed calls than this process's pool has connections fail (their tool
+    disabled since they were made: ``_tool_call_fail_retried``; their task crashed:
+    ``tool_call_abort``) while a stuck transaction holds the user's account row locked: giving back
+    what was held for each waits on that lock. Another user's calls failed so meanwhile are recorded,
+    their holds given back, while the lock is held; once it goes every stuck call is failed once, its
+    hold given back once. Before, each stuck failure waited out the lock holding a pooled connection
+    (up to PTC_DB_STATEMENT_TIMEOUT, 30 s here): they took the whole pool, and the other user's
+    failures found no connection until the first waits were cancelled."""
+
+    def fail(call_id: str) -> None:
+        if failure == "tool_disabled":
+            services._tool_call_fail_retried(call_id, "tool_disabled", "disabled")
+        else:
+            services.tool_call_abort(call_id=call_id)
+
+    tool = Tool.objects.select_related("toolset").get(toolset__key="demo", toolset__owner=None, name="add")
+    made: dict[str, list[ToolCall]] = {}
+    for name, count in (("stuck", settings.PTC_DB_POOL_MAX + 4), ("other", 8)):
+        user = get_user_model().objects.create_user(username=f"fail-{name}-{uuid.uuid4().hex[:8]}")
+        credits_adjust(user=user, amount=100, reason="test")
+        made[name] = [demo_call(user=user, claimed_at=timezone.now()) for _ in range(count)]
+        quote = price_quote(user=user, toolset=tool.toolset, tool=tool)
+        assert quote is not None and quote.amount == 1
+        assert credits_reserve(user=user, holds=[(call.call_id, quote) for call in made[name]]) == {}
+    failures: list[BaseException] = []
+
+    def run(call: ToolCall) -> None:
+        try:
+            fail(call.call_id)
+        except BaseException as exc:  # asserted on below
+            failures.append(exc)
+        finally:
+            connection.close()
+
+    threads = {name: [threading.Thread(target=run, args=(call,)) for call in calls] for name, calls in made.items()}
+    ids = {name: [call.call_id for call in calls] for name, calls in made.items()}
+    with psycopg.connect(django_db_setup) as holder:
+        holder.execute("SELECT 1 FROM billing_creditaccount WHERE user_id = %s FOR UPDATE", [made["stuck"][0].user_id])
+        for thread in threads["stuck"]:
+            thread.start()
+        time.sleep(2)  # their first tries wait on the lock
+        for thread in threads["other"]:
+            thread.start()
+        for thread in threads["other"]:
+            thread.join(20)  # within PTC_DB_STATEMENT_TIMEOUT (30 s), which a stuck failure waited out
+            assert not thread.is_alive()
+        assert failures == []
+        assert set(Reservation.objects.filter(tool_call_id__in=ids["other"]).values_list("status", flat=True)) == {"released"}
+        assert all(thread.is_alive() for thread in threads["stuck"])  # each waits on the lock
+    for thread in threads["stuck"]:
+        thread.join(60)
+        assert not thread.is_alive()
+    assert failures == []
+    for name, calls in made.items():
+        records = ToolCall.objects.filter(call_id__in=ids[name])
+        assert sorted((r.status, r.error["code"], r.credits) for r in records) == [("failed", failure, 0)] * len(calls)
+        assert set(Reservation.objects.filter(tool_call_id__in=ids[name]).values_list("status", flat=True)) == {"released"}
+        account = CreditAccount.objects.get(user_id=calls[0].user_id)
+        assert (account.balance, account.reserved) == (100, 0)
     assert ledger_mismatches() == []
