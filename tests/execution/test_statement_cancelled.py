@@ -10,9 +10,11 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import datetime
 
 import psycopg
 import pytest
@@ -29,14 +31,15 @@ def cut(stack_env: dict[str, str]) -> Iterator[Stack]:
 
 
 @contextmanager
-def _account_held(stack: Stack, username: str) -> Iterator[None]:
-    """Hold ``username``'s credit account row locked for the block, as a stuck transaction would."""
+def _account_held(stack: Stack, username: str) -> Iterator[int]:
+    """Hold ``username``'s credit account row locked for the block, as a stuck transaction would;
+    yield the holding backend's pid."""
     with psycopg.connect(stack.env["DATABASE_URL"]) as conn:
         conn.execute(
             "SELECT 1 FROM billing_creditaccount a JOIN auth_user u ON u.id = a.user_id WHERE u.username = %s FOR UPDATE OF a",
             [username],
         )
-        yield
+        yield conn.info.backend_pid
 
 
 def _held_call(api: Api, body: dict, timeout: float = 90) -> tuple[threading.Thread, list]:
@@ -230,28 +233,139 @@ def _calls_for(api: Api, seconds: float, threads: int = 8) -> tuple[list[float],
     return took, records
 
 
+class _LockWaits:
+    """What waits on the lock the backend ``holder`` holds: sampled every 10 ms, from a thread of its
+    own, for the block (``with``). ``seen`` has each transaction found waiting on it (its xid): the
+    users whose calls' rows it had written (an uncommitted update leaves its xid as the old row's
+    xmax: a tools worker's batch of claims or finishes names every call in it there), and when it was
+    first and last found waiting (the database's clock, the workers' too)."""
+
+    SAMPLE = (
+        "SELECT a.backend_xid::text, u.username, clock_timestamp() FROM pg_stat_activity a "
+        "LEFT JOIN execution_toolcall c ON c.xmax = a.backend_xid LEFT JOIN auth_user u ON u.id = c.user_id "
+        "WHERE a.datname = current_database() AND a.backend_xid IS NOT NULL AND %s = ANY(pg_blocking_pids(a.pid))"
+    )
+
+    def __init__(self, stack: Stack, holder: int) -> None:
+        self.url, self.holder = stack.env["DATABASE_URL"], holder
+        self.seen: dict[str, _Wait] = {}
+        self.at: datetime | None = None  # the last sample's time
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample)
+
+    def _sample(self) -> None:
+        with psycopg.connect(self.url, autocommit=True) as conn:
+            while not self._stop.is_set():
+                for xid, username, at in conn.execute(self.SAMPLE, [self.holder]).fetchall():
+                    wait = self.seen.setdefault(xid, _Wait(first=at, last=at))
+                    wait.last = at
+                    wait.users.update([username] if username else [])
+                self.at = conn.execute("SELECT clock_timestamp()").fetchone()[0]
+                time.sleep(0.01)
+
+    def until(self, enough: Callable[[], bool], what: str, seconds: float = 60) -> None:
+        """Wait until ``enough()``; ``seconds`` only a guard against never."""
+        deadline = time.monotonic() + seconds
+        while not enough():
+            assert self._thread.is_alive() and time.monotonic() < deadline, what
+            time.sleep(0.02)
+
+    def __enter__(self) -> "_LockWaits":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+
+@dataclass
+class _Wait:
+    first: datetime
+    last: datetime
+    users: set[str] = field(default_factory=set)
+
+
+def _went_on_during(stack: Stack, username: str, column: str, waits: list[_Wait]) -> list[int]:
+    """For each of ``waits``, how many of ``username``'s calls were claimed or finished (``column``,
+    the time a worker's batch took for it) while it was found waiting: none while a tools worker's
+    batch waits on a lock, which runs one at a time."""
+    with psycopg.connect(stack.env["DATABASE_URL"]) as conn:
+        return [
+            conn.execute(
+                f"SELECT count(*) FROM execution_toolcall c JOIN auth_user u ON u.id = c.user_id "
+                f"WHERE u.username = %s AND c.{column} > %s AND c.{column} < %s",
+                [username, wait.first, wait.last],
+            ).fetchone()[0]
+            for wait in waits
+        ]
+
+
+def _calls_until(
+    api: Api, enough: Callable[[], bool] | None = None, threads: int = 8, seconds: float = 120, calls_each: int = 0
+) -> list[dict]:
+    """Make calls of demo.add for ``api`` from ``threads`` threads until ``enough()`` (or ``calls_each``
+    each; ``seconds`` only a guard against never); return their records."""
+    records: list[dict] = []
+    deadline = time.monotonic() + seconds
+    if enough is None:
+        enough = lambda: len(records) >= threads * calls_each  # noqa: E731
+
+    def calls() -> None:
+        while not enough() and time.monotonic() < deadline:
+            body = {"toolset": "demo", "tool": "add", "arguments": {"a": 1, "b": 2}}
+            records.append(api.http.post("/api/v1/tools/execute", json=body, timeout=60).json())
+
+    with ThreadPoolExecutor(threads) as pool:
+        for done in [pool.submit(calls) for _ in range(threads)]:
+            done.result()
+    assert enough(), f"not enough within {seconds} s"
+    return records
+
+
 def test_a_finish_waiting_on_a_locked_account_holds_up_no_other_users_calls(cut: Stack) -> None:
     """While one user's call waits to be recorded (its account's row held locked past the timeout,
     its finish tried again until the lock goes), another user's calls on the same tools worker go on
     as usual. A tools worker records the calls that end at once in one statement, a batch at a time:
     the waiting call's retries went through the batches, and each held up every other call's finish
-    for a timeout (here 1 s: 37 of the other user's calls took over 0.5 s; now only those held up by
-    its first try, one per thread)."""
+    for a timeout, and failed those batched with it (here 37 of the other user's calls took over
+    0.5 s). Now only its first try goes through them (before the other user's calls here): none of
+    its retries, eight of which wait on the lock while those calls go on, is another's call's
+    statement, other calls are finished while most of them wait (before: while none), and they all
+    complete while the lock is held, the stuck call still executing."""
     stuck_name, other_name = f"stuck-{uuid.uuid4().hex[:8]}", f"other-{uuid.uuid4().hex[:8]}"
     stuck = Api(cut.base_url, api_key(cut.env, stuck_name, credits=100), stuck_name)
-    other = Api(cut.base_url, api_key(cut.env, other_name, credits=1000), other_name)
+    other = Api(cut.base_url, api_key(cut.env, other_name, credits=10_000), other_name)
     caller, answered = _held_call(stuck, {"toolset": "demo", "tool": "sleep", "arguments": {"ms": 1000}})
-    with _account_held(cut, stuck_name):
-        time.sleep(1.5)  # the stuck call's finish has begun waiting
-        took, records = _calls_for(other, 6)
-    caller.join(30)
+    with _account_held(cut, stuck_name) as holder, _LockWaits(cut, holder) as waits:
+        waits.until(lambda: any(stuck_name in w.users for w in waits.seen.values()), "the stuck call's finish never waited")
+        before = set(waits.seen)  # its first try, batched with no other call
+
+        def retries() -> list[_Wait]:  # those found waiting twice or more
+            return [w for x, w in list(waits.seen.items()) if x not in before and stuck_name in w.users and w.last > w.first]
+
+        records = _calls_until(other, lambda: len(retries()) >= 8)
+        with psycopg.connect(cut.env["DATABASE_URL"]) as conn:
+            (status,) = conn.execute(
+                "SELECT status FROM execution_toolcall c JOIN auth_user u ON u.id = c.user_id WHERE u.username = %s", [stuck_name]
+            ).fetchone() or (None,)
+        seen = dict(waits.seen)
+        waited = retries()
+    caller.join(60)
+    assert not caller.is_alive()
+    assert status == "executing"  # the other user's calls all completed while it waited on the lock
     answers = [answer.json() for answer in answered]
     assert answers and answers[0]["status"] == "completed", answers
     assert records and all(record.get("status") == "completed" for record in records), [
         r for r in records if r.get("status") != "completed"
     ][:3]
-    held_up = [round(t, 2) for t in took if t > 0.5]
-    assert len(held_up) <= 16, held_up  # the 8 threads, held up by its first try, and as many again to spare
+    # No statement that waited on the lock was the other user's calls' too, and while most of its
+    # retries waited, other calls were finished (before: each retry's batch held up the others, or
+    # was theirs too).
+    assert not [w.users for w in seen.values() if other_name in w.users], seen
+    went_on = _went_on_during(cut, other_name, "finished_at", waited)
+    # Most: a wait is BRIEF_LOCK_WAIT_MS (0.2 s), and a loaded machine may finish none of their calls in one.
+    assert sum(1 for n in went_on if n) > len(went_on) / 2, (went_on, waited)
     _check_ledger(cut)
 
 
@@ -277,6 +391,15 @@ def _user_held_as_claimed(stack: Stack) -> Iterator[tuple[Api, dict, Api]]:
         yield stuck, job, other
 
 
+def _user_holder(conn: psycopg.Connection) -> int:
+    """The pid of the backend that holds a user's row locked (``_user_held_as_claimed``'s)."""
+    (holder,) = conn.execute(
+        "SELECT pid FROM pg_stat_activity WHERE datname = current_database() AND state = 'idle in transaction' "
+        "AND query LIKE 'SELECT 1 FROM auth_user WHERE username = %FOR UPDATE'"
+    ).fetchone()
+    return holder
+
+
 def _ended(api: Api, job: dict, seconds: float = 60) -> dict:
     """``job`` as it ended, waited for up to ``seconds``."""
     deadline = time.monotonic() + seconds
@@ -294,16 +417,32 @@ def test_a_claim_waiting_on_a_locked_user_holds_up_no_other_users_calls(cut: Sta
     the tools worker's claims, a batch at a time, all waited behind it, any user's, for as long as
     the lock was held (here another user's calls timed out). With lock_timeout set too, it is
     cancelled, its task tries again until the lock goes, and the job then ends with the call's
-    result; the other user's calls go on, held up by none of its retries, which claim it alone (in
-    the worker's batches, each held every other claim up for a timeout: 16 of those calls)."""
-    with _user_held_as_claimed(cut) as (stuck, job, other):
-        took, records = _calls_for(other, 6)
+    result; the other user's calls go on, held up by none of its retries, which claim it alone: none
+    of the three that wait on the lock while those calls go on is their claims' transaction too
+    (before, in the worker's batches, each was, and held every other claim up for a timeout)."""
+    with _user_held_as_claimed(cut) as (stuck, job, other), psycopg.connect(cut.env["DATABASE_URL"], autocommit=True) as conn:
+        with _LockWaits(cut, _user_holder(conn)) as waits:
+            waits.until(lambda: bool(waits.seen), "the call's claim never waited on its user's row")
+            before = set(waits.seen)  # its first tries, before the other user's calls
+
+            def retries() -> list[_Wait]:  # those found waiting twice or more
+                return [w for x, w in list(waits.seen.items()) if x not in before and w.last > w.first]
+
+            records = _calls_until(other, lambda: len(retries()) >= 3)
+            running = stuck.get(f"/api/v1/exec/{job['id']}").json()
+            seen = dict(waits.seen)
+            waited = retries()
     final = _ended(stuck, job)
     assert (final["status"], final["return_value"]) == ("completed", 7), (final["error"], final["stderr"][-2000:])
+    # The other user's calls all completed while its claim waited, the job still running.
+    assert (running["status"], running["tool_calls"]) == ("running", [])
     assert records and all(record.get("status") == "completed" for record in records)
-    # Its first try came before these calls; its retries, claimed alone, hold up none of them.
-    held_up = [round(t, 2) for t in took if t > 0.5]
-    assert len(held_up) <= 8, held_up
+    # No transaction that waited on the lock claimed the other user's calls too, and while each of its
+    # retries waited, other calls were claimed (before: each retry's batch held up the others, or was
+    # theirs too).
+    assert not [w.users for w in seen.values() if other.username in w.users], seen
+    went_on = _went_on_during(cut, other.username, "claimed_at", waited)
+    assert all(went_on), (went_on, waited)  # a wait is the statement timeout (1 s)
 
 
 def test_a_call_whose_tool_lookup_is_cancelled_after_its_claim_runs_at_its_tasks_retry(cut: Stack) -> None:
