@@ -14,6 +14,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
+from datetime import timedelta
 from typing import Any
 
 import psycopg
@@ -34,12 +35,15 @@ from tests.conftest import Api, own_deployment
 from tests.execution.test_statement_cancelled import (
     _account_held,
     _calls_for,
+    _calls_until,
     _check_ledger,
     _ended,
     _held_call,
     _job_copy,
+    _LockWaits,
     _open_call_copy,
     _user_held_as_claimed,
+    _user_holder,
 )
 from tests.factories import demo_call, running_job
 from tests.servers import api_key
@@ -88,16 +92,26 @@ def test_a_claim_waiting_on_a_locked_user_holds_up_no_call_batched_with_its_firs
     commit and waits on the user's row, held locked by a stuck transaction. The claims of a tools
     worker's threads go in batches: that batch waits on the lock briefly, then each of its calls is
     claimed alone, the stuck one waiting there, and the job ends with the call's result once the lock
-    goes. Before, its first try held its batch, and every claim of every user that came meanwhile,
-    until the lock went (another user's calls took 5 s and more)."""
-    with _user_held_as_claimed(slow_cut) as (stuck, job, other):
-        took, records = _calls_for(other, 6)
+    goes. Another user's calls, made once its claim has waited longer than a batch's brief wait, all
+    complete while that same wait goes on. Before, its first try held its batch, and every claim of
+    every user that came meanwhile, until the lock went or the statement timeout (15 s): the other
+    user's calls completed only once that wait had ended."""
+    with (
+        _user_held_as_claimed(slow_cut) as (stuck, job, other),
+        psycopg.connect(slow_cut.env["DATABASE_URL"], autocommit=True) as conn,
+    ):
+        with _LockWaits(slow_cut, _user_holder(conn)) as waits:
+            long = timedelta(seconds=1)  # five times a batch's brief wait (BRIEF_LOCK_WAIT_MS)
+            waits.until(lambda: any(w.last - w.first > long for w in waits.seen.values()), "its claim never waited on the lock")
+            (xid,) = [x for x, w in list(waits.seen.items()) if w.last - w.first > long]
+            records = _calls_until(other, calls_each=2)
+            (done_at,) = conn.execute("SELECT clock_timestamp()").fetchone()
+            waits.until(lambda: waits.at is not None and waits.at > done_at, "not sampled since")
+            assert waits.seen[xid].last > done_at, (done_at, waits.seen[xid])  # the same wait: its claim's, still waiting
         assert stuck.get(f"/api/v1/exec/{job['id']}").json()["tool_calls"] == []  # its call's claim still waits
     final = _ended(stuck, job)
     assert (final["status"], final["return_value"]) == ("completed", 7), (final["error"], final["stderr"][-2000:])
-    assert records and all(record.get("status") == "completed" for record in records)
-    held_up = sorted(round(t, 2) for t in took if t > HELD_UP)
-    assert not held_up, held_up
+    assert len(records) >= 16 and all(record.get("status") == "completed" for record in records)
 
 
 def test_calls_waiting_on_a_locked_account_past_the_pool_leave_it_to_other_users_calls(slow_cut: Stack) -> None:
