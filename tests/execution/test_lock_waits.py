@@ -34,7 +34,6 @@ from ptcproject.errors import call_error
 from tests.conftest import Api, own_deployment
 from tests.execution.test_statement_cancelled import (
     _account_held,
-    _calls_for,
     _calls_until,
     _check_ledger,
     _ended,
@@ -44,6 +43,7 @@ from tests.execution.test_statement_cancelled import (
     _open_call_copy,
     _user_held_as_claimed,
     _user_holder,
+    _went_on_during,
 )
 from tests.factories import demo_call, running_job
 from tests.servers import api_key
@@ -66,19 +66,23 @@ def test_a_finish_waiting_on_a_locked_account_holds_up_no_call_batched_with_its_
     on the lock briefly, and then each of its calls is recorded alone, the stuck one waiting there.
     Before, the first try of the stuck finish held its batch, and every call of every user that ended
     meanwhile on that worker, until the lock went or the statement timeout (here another user's
-    calls took 5 s and more)."""
+    calls, made once it waited, were finished only once that wait had ended, 15 s on)."""
     stuck_name, other_name = f"stuck-{uuid.uuid4().hex[:8]}", f"other-{uuid.uuid4().hex[:8]}"
     stuck = Api(slow_cut.base_url, api_key(slow_cut.env, stuck_name, credits=100), stuck_name)
     other = Api(slow_cut.base_url, api_key(slow_cut.env, other_name, credits=10_000), other_name)
     caller, answers = _held_call(stuck, {"toolset": "demo", "tool": "sleep", "arguments": {"ms": 1000}})
-    with _account_held(slow_cut, stuck_name):
-        time.sleep(1.5)  # the stuck call's finish has begun waiting
-        took, records = _calls_for(other, 6)
+    with _account_held(slow_cut, stuck_name) as holder, _LockWaits(slow_cut, holder) as waits:
+        waits.until(lambda: any(stuck_name in w.users for w in waits.seen.values()), "the stuck call's finish never waited")
+        records = _calls_until(other, calls_each=2)
         assert caller.is_alive()  # still waiting on the lock
+        seen = dict(waits.seen)
     caller.join(60)
     assert not caller.is_alive()
-    held_up = sorted(round(t, 2) for t in took if t > HELD_UP)
-    assert not held_up, held_up
+    # Its waits are brief: any that was long enough for other calls to finish (over 1 s, five times
+    # BRIEF_LOCK_WAIT_MS) saw them finish (before: its first try's, the statement timeout, saw none).
+    long = [w for w in seen.values() if stuck_name in w.users and w.last - w.first > timedelta(seconds=1)]
+    went_on = _went_on_during(slow_cut, other_name, "finished_at", long)
+    assert all(went_on), (went_on, long)
     (answer,) = answers
     assert answer.status_code == 200 and answer.json()["status"] == "completed", answer.text
     assert records and all(record.get("status") == "completed" for record in records), [
