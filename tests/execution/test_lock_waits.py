@@ -39,7 +39,7 @@ from tests.execution.test_statement_cancelled import (
     _ended,
     _held_call,
     _job_copy,
-    _LockWaits,
+    _LockWaitsSeen,
     _open_call_copy,
     _user_held_as_claimed,
     _user_holder,
@@ -71,7 +71,7 @@ def test_a_finish_waiting_on_a_locked_account_holds_up_no_call_batched_with_its_
     stuck = Api(slow_cut.base_url, api_key(slow_cut.env, stuck_name, credits=100), stuck_name)
     other = Api(slow_cut.base_url, api_key(slow_cut.env, other_name, credits=10_000), other_name)
     caller, answers = _held_call(stuck, {"toolset": "demo", "tool": "sleep", "arguments": {"ms": 1000}})
-    with _account_held(slow_cut, stuck_name) as holder, _LockWaits(slow_cut, holder) as waits:
+    with _account_held(slow_cut, stuck_name) as holder, _LockWaitsSeen(slow_cut, holder) as waits:
         waits.until(lambda: any(stuck_name in w.users for w in waits.seen.values()), "the stuck call's finish never waited")
         records = _calls_until(other, calls_each=2)
         assert caller.is_alive()  # still waiting on the lock
@@ -104,7 +104,7 @@ def test_a_claim_waiting_on_a_locked_user_holds_up_no_call_batched_with_its_firs
         _user_held_as_claimed(slow_cut) as (stuck, job, other),
         psycopg.connect(slow_cut.env["DATABASE_URL"], autocommit=True) as conn,
     ):
-        with _LockWaits(slow_cut, _user_holder(conn)) as waits:
+        with _LockWaitsSeen(slow_cut, _user_holder(conn)) as waits:
             long = timedelta(seconds=1)  # five times a batch's brief wait (BRIEF_LOCK_WAIT_MS)
             waits.until(lambda: any(w.last - w.first > long for w in waits.seen.values()), "its claim never waited on the lock")
             (xid,) = [x for x, w in list(waits.seen.items()) if w.last - w.first > long]

@@ -212,28 +212,7 @@ def test_a_tools_workers_finish_cancelled_by_the_statement_timeout_is_recorded_o
     _check_ledger(cut)
 
 
-def _calls_for(api: Api, seconds: float, threads: int = 8) -> tuple[list[float], list[dict]]:
-    """Make calls of demo.add for ``api`` from ``threads`` threads for ``seconds``; return how long
-    each took, and its record."""
-    took: list[float] = []
-    records: list[dict] = []
-    until = time.monotonic() + seconds
-
-    def calls() -> None:
-        while time.monotonic() < until:
-            started = time.monotonic()
-            body = {"toolset": "demo", "tool": "add", "arguments": {"a": 1, "b": 2}}
-            response = api.http.post("/api/v1/tools/execute", json=body, timeout=15)
-            took.append(time.monotonic() - started)
-            records.append(response.json())
-
-    with ThreadPoolExecutor(threads) as pool:
-        for done in [pool.submit(calls) for _ in range(threads)]:
-            done.result()
-    return took, records
-
-
-class _LockWaits:
+class _LockWaitsSeen:
     """What waits on the lock the backend ``holder`` holds: sampled every 10 ms, from a thread of its
     own, for the block (``with``). ``seen`` has each transaction found waiting on it (its xid): the
     users whose calls' rows it had written (an uncommitted update leaves its xid as the old row's
@@ -270,7 +249,7 @@ class _LockWaits:
             assert self._thread.is_alive() and time.monotonic() < deadline, what
             time.sleep(0.02)
 
-    def __enter__(self) -> "_LockWaits":
+    def __enter__(self) -> "_LockWaitsSeen":
         self._thread.start()
         return self
 
@@ -337,7 +316,7 @@ def test_a_finish_waiting_on_a_locked_account_holds_up_no_other_users_calls(cut:
     stuck = Api(cut.base_url, api_key(cut.env, stuck_name, credits=100), stuck_name)
     other = Api(cut.base_url, api_key(cut.env, other_name, credits=10_000), other_name)
     caller, answered = _held_call(stuck, {"toolset": "demo", "tool": "sleep", "arguments": {"ms": 1000}})
-    with _account_held(cut, stuck_name) as holder, _LockWaits(cut, holder) as waits:
+    with _account_held(cut, stuck_name) as holder, _LockWaitsSeen(cut, holder) as waits:
         waits.until(lambda: any(stuck_name in w.users for w in waits.seen.values()), "the stuck call's finish never waited")
         before = set(waits.seen)  # its first try, batched with no other call
 
@@ -421,7 +400,7 @@ def test_a_claim_waiting_on_a_locked_user_holds_up_no_other_users_calls(cut: Sta
     of the three that wait on the lock while those calls go on is their claims' transaction too
     (before, in the worker's batches, each was, and held every other claim up for a timeout)."""
     with _user_held_as_claimed(cut) as (stuck, job, other), psycopg.connect(cut.env["DATABASE_URL"], autocommit=True) as conn:
-        with _LockWaits(cut, _user_holder(conn)) as waits:
+        with _LockWaitsSeen(cut, _user_holder(conn)) as waits:
             waits.until(lambda: bool(waits.seen), "the call's claim never waited on its user's row")
             before = set(waits.seen)  # its first tries, before the other user's calls
 
