@@ -27,7 +27,7 @@ from django.utils import timezone
 from billing.models import CreditAccount, Reservation
 from billing.selectors import ledger_mismatches
 from billing.services import credits_adjust, credits_reserve, price_quote
-from execution.models import ToolCall
+from execution.models import ExecJob, ToolCall
 from execution.services import calls as services
 from ptcproject.db import unless_locked
 from ptcproject.errors import call_error
@@ -466,6 +466,22 @@ def test_calls_waiting_out_a_locked_account_take_a_quarter_of_the_pool_at_most(d
     assert ledger_mismatches() == []
 
 
+def _adds_built(user: Any, job: ExecJob, tool: Tool, count: int) -> list[ToolCall]:
+    """``count`` calls of demo.add (1 + 2) of ``user``'s ``job``, built (checked, not yet recorded)."""
+    return [
+        services.tool_call_build(
+            call_id=f"ptc_{uuid.uuid4().hex}",
+            user=user,
+            job=job,
+            toolset="demo",
+            tool="add",
+            arguments={"a": 1, "b": 2},
+            found=tool,
+        )
+        for _ in range(count)
+    ]
+
+
 def test_a_jobs_queued_calls_failed_as_it_closes_give_back_their_holds_when_the_close_is_done_again(django_db_setup: str) -> None:
     """A job's close fails the calls it left queued, and gives back what was held for them. In the
     reaper's round, with their account's row held locked by a stuck transaction, the close is cut
@@ -478,18 +494,7 @@ def test_a_jobs_queued_calls_failed_as_it_closes_give_back_their_holds_when_the_
     user, _ = user_with_key_create(username=f"closed-{uuid.uuid4().hex[:6]}", create_user=True, staff=False, credits=10)
     job = running_job(user=user)
     tool = Tool.objects.select_related("toolset").get(toolset__key="demo", toolset__owner=None, name="add")
-    calls = [
-        services.tool_call_build(
-            call_id=f"ptc_{uuid.uuid4().hex}",
-            user=user,
-            job=job,
-            toolset="demo",
-            tool="add",
-            arguments={"a": 1, "b": 2},
-            found=tool,
-        )
-        for _ in range(3)
-    ]
+    calls = _adds_built(user, job, tool, 3)
     assert services.tool_calls_reserve(calls=[(call.call_id, tool) for call in calls], user=user, job=job) == {}
     ids = [call.call_id for call in calls]
 
@@ -539,18 +544,7 @@ def test_claims_waiting_on_a_locked_user_past_the_pool_leave_it_to_other_users_c
         )
         job = running_job(user=user)
         users[name] = user
-        queued[name] = [
-            services.tool_call_build(
-                call_id=f"ptc_{uuid.uuid4().hex}",
-                user=user,
-                job=job,
-                toolset="demo",
-                tool="add",
-                arguments={"a": 1, "b": 2},
-                found=tool,
-            )
-            for _ in range(count)
-        ]
+        queued[name] = _adds_built(user, job, tool, count)
         assert services.tool_calls_reserve(calls=[(call.call_id, tool) for call in queued[name]], user=user, job=job) == {}
     failures: list[BaseException] = []
 

@@ -90,14 +90,7 @@ def test_a_calls_result_the_database_did_not_take_within_the_retries_is_recorded
     # Locked before the tool returns (1.5 s), past the worker's retries (2 s), under its task's retry.
     with _account_held(brief_retries, username):
         time.sleep(6)
-    caller.join(60)
-    assert not caller.is_alive()
-    (record,) = [answer.json() for answer in answers]
-    assert record["status"] == "completed", record["error"]
-    assert (record["output"], record["credits"]) == ({"slept_ms": 1500}, 1)
-    balance = api.get("/api/v1/billing/balance").json()
-    assert (balance["balance"], balance["reserved"]) == (99, 0)
-    _check_ledger(brief_retries)
+    _slept_and_charged_once(brief_retries, api, caller, answers)
 
 
 @pytest.fixture
@@ -166,6 +159,14 @@ def test_a_calls_result_the_database_did_not_take_within_all_its_tasks_retries_i
         while (last := _log_since(brief_retries, logged)).count(KEPT) + last.count(b"raised unexpected") == 0:
             assert time.monotonic() < deadline, "the call's task never gave up"
             time.sleep(1)
+    record = _slept_and_charged_once(brief_retries, api, caller, answers)
+    said = [line for line in _log_since(brief_retries, logged).splitlines() if KEPT in line]
+    assert len(said) == 1 and record["call_id"].encode() in said[0], said
+
+
+def _slept_and_charged_once(stack: Stack, api: Api, caller: threading.Thread, answers: list) -> dict:
+    """The answer of ``caller``'s held call of demo.sleep(1500) (``_held_call``): completed with its
+    output, charged once (1 of 100 credits), nothing left held, the ledger exact. Return its record."""
     caller.join(120)
     assert not caller.is_alive()
     (record,) = [answer.json() for answer in answers]
@@ -173,9 +174,8 @@ def test_a_calls_result_the_database_did_not_take_within_all_its_tasks_retries_i
     assert (record["output"], record["credits"]) == ({"slept_ms": 1500}, 1)
     balance = api.get("/api/v1/billing/balance").json()
     assert (balance["balance"], balance["reserved"]) == (99, 0)
-    _check_ledger(brief_retries)
-    said = [line for line in _log_since(brief_retries, logged).splitlines() if KEPT in line]
-    assert len(said) == 1 and record["call_id"].encode() in said[0], said
+    _check_ledger(stack)
+    return record
 
 
 def _log_since(stack: Stack, offset: int) -> bytes:

@@ -469,6 +469,20 @@ def _claimed_unrun(call: ToolCall, monkeypatch: pytest.MonkeyPatch, record: str 
     return unrun.value.claim
 
 
+def _run_once_by_its_retry(call: ToolCall, record: str, claim: str, runs: list) -> None:
+    """Run ``call``'s task's retry, which carries ``claim``: the call has run once (``runs``),
+    completed with 3 and charged once, its result pushed to its code."""
+    with backplane().subscribe(job_channel(call.ptc_call_id)) as channel:
+        services.tool_call_execute(call_id=call.call_id, record=record, alone=True, claim=claim)
+        channel.wait(5)
+        replies = channel.drain()
+    done = ToolCall.objects.get(call_id=call.call_id)
+    assert len(runs) == 1
+    assert (done.status, done.output, done.credits) == ("completed", 3, 1)
+    assert [r.result for r in replies if r.call_id == done.call_id] == [3]
+    assert _held(done) == "settled"
+
+
 def test_a_claim_its_tasks_try_did_not_run_is_run_by_one_delivery_of_its_retry(
     queued_call: ToolCall, runs: list, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -494,15 +508,7 @@ def test_a_claim_its_tasks_try_did_not_run_is_run_by_one_delivery_of_its_retry(
         return counting(**kwargs)
 
     monkeypatch.setattr(services, "tool_run", run_delivered_again)
-    with backplane().subscribe(job_channel(queued_call.ptc_call_id)) as channel:
-        services.tool_call_execute(call_id=queued_call.call_id, record=record, alone=True, claim=claim)
-        channel.wait(5)
-        replies = channel.drain()
-    call = ToolCall.objects.get(call_id=queued_call.call_id)
-    assert len(runs) == 1
-    assert (call.status, call.output, call.credits) == ("completed", 3, 1)
-    assert [r.result for r in replies if r.call_id == call.call_id] == [3]
-    assert _held(call) == "settled"
+    _run_once_by_its_retry(queued_call, record, claim, runs)
 
 
 def test_a_claim_its_tasks_try_did_not_run_fails_job_ended_if_its_job_ended_before_the_retry(
@@ -553,15 +559,7 @@ def test_a_claim_whose_reply_was_lost_is_run_by_its_tasks_retry_and_by_no_other_
     for alone in (False, True):
         services.tool_call_execute(call_id=queued_call.call_id, record=record, alone=alone)
     assert runs == [] and ToolCall.objects.get(call_id=queued_call.call_id).status == "executing"
-    with backplane().subscribe(job_channel(queued_call.ptc_call_id)) as channel:
-        services.tool_call_execute(call_id=queued_call.call_id, record=record, alone=True, claim=unrun.value.claim)
-        channel.wait(5)
-        replies = channel.drain()
-    call = ToolCall.objects.get(call_id=queued_call.call_id)
-    assert len(runs) == 1
-    assert (call.status, call.output, call.credits) == ("completed", 3, 1)
-    assert [r.result for r in replies if r.call_id == call.call_id] == [3]
-    assert _held(call) == "settled"
+    _run_once_by_its_retry(queued_call, record, unrun.value.claim, runs)
 
 
 @pytest.mark.parametrize("another_worker", [False, True])
