@@ -9,6 +9,7 @@ import signal
 import time
 import uuid
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -219,19 +220,27 @@ def test_cancelling_a_running_job_ends_its_session_lost(api: Api) -> None:
 def test_a_job_submitted_as_a_running_job_is_cancelled_is_busy_then_lost(api: Api, stack: Stack) -> None:
     # The job reads cancelled at once, but its worker still holds the sandbox until it has killed
     # it: a submit meanwhile is 409 session_busy, and then 410 session_lost, never a job let in to
-    # find the sandbox taken. The worker is stopped for the moment of the cancel, so the window is.
+    # find the sandbox taken. The worker is stopped for the moment of the cancel, so the window is;
+    # shorter than its lease (the cancel's answer, which waits for the job's end, is not waited for
+    # there): stopped past it, the reaper, which any worker runs, ends the session lost at once.
     session = _session(api)
     job = _run(api, session, "import time\nprint('in', flush=True)\ntime.sleep(60)", wait=0, timeout=120)
     assert api.until_printed(job["id"]) == "in\n"
     assert stack.exec_worker.proc is not None
     worker = stack.exec_worker.proc.pid
-    os.kill(worker, signal.SIGSTOP)
-    try:
-        assert api.post(f"/api/v1/exec/{job['id']}/cancel").status_code == 200
-        busy = api.post("/api/v1/exec", json={"code": "1", "session": session["id"]})
-        assert busy.status_code == 409 and busy.json()["error"]["code"] == "session_busy", busy.text
-    finally:
-        os.kill(worker, signal.SIGCONT)
+    with ThreadPoolExecutor(1) as pool:
+        os.kill(worker, signal.SIGSTOP)
+        try:
+            cancelled = pool.submit(api.post, f"/api/v1/exec/{job['id']}/cancel")
+            deadline = time.monotonic() + 3
+            while api.get(f"/api/v1/exec/{job['id']}").json()["status"] != "cancelled":
+                assert time.monotonic() < deadline, "the job did not read cancelled at once"
+                time.sleep(0.02)
+            busy = api.post("/api/v1/exec", json={"code": "1", "session": session["id"]})
+            assert busy.status_code == 409 and busy.json()["error"]["code"] == "session_busy", busy.text
+        finally:
+            os.kill(worker, signal.SIGCONT)
+        assert cancelled.result().status_code == 200
     deadline = time.monotonic() + 20
     while (late := api.post("/api/v1/exec", json={"code": "1", "session": session["id"]})).status_code == 409:
         assert late.json()["error"]["code"] == "session_busy"
