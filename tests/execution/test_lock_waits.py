@@ -515,6 +515,20 @@ def test_a_jobs_queued_calls_failed_as_it_closes_give_back_their_holds_when_the_
     assert ledger_mismatches() == []
 
 
+def _others_done_past_the_stuck(threads: dict[str, list[threading.Thread]]) -> None:
+    """Start the ``stuck`` user's threads and, once their first tries wait on the lock (their
+    batches' brief waits over: each tried alone), the ``other`` user's; wait for the latter, within
+    PTC_DB_STATEMENT_TIMEOUT (30 s), which a stuck try waited out before."""
+    for thread in threads["stuck"]:
+        thread.start()
+    time.sleep(2)
+    for thread in threads["other"]:
+        thread.start()
+    for thread in threads["other"]:
+        thread.join(20)
+        assert not thread.is_alive()
+
+
 def test_claims_waiting_on_a_locked_user_past_the_pool_leave_it_to_other_users_calls(
     django_db_setup: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -564,14 +578,7 @@ def test_claims_waiting_on_a_locked_user_past_the_pool_leave_it_to_other_users_c
     stuck_ids = [call.call_id for call in queued["stuck"]]
     with psycopg.connect(django_db_setup) as holder:
         holder.execute("SELECT 1 FROM auth_user WHERE id = %s FOR UPDATE", [users["stuck"].pk])
-        for thread in threads["stuck"]:
-            thread.start()
-        time.sleep(2)  # their batches' brief waits are over: each is claimed alone
-        for thread in threads["other"]:
-            thread.start()
-        for thread in threads["other"]:
-            thread.join(20)  # within PTC_DB_STATEMENT_TIMEOUT (30 s), which a stuck claim waited out
-            assert not thread.is_alive()
+        _others_done_past_the_stuck(threads)
         assert failures == []
         records = ToolCall.objects.filter(call_id__in=[call.call_id for call in queued["other"]])
         assert sorted((r.status, r.output, r.credits) for r in records) == [("completed", 3, 1)] * 8  # while the lock is held
@@ -632,14 +639,7 @@ def test_failures_waiting_on_a_locked_account_past_the_pool_leave_it_to_other_us
     ids = {name: [call.call_id for call in calls] for name, calls in made.items()}
     with psycopg.connect(django_db_setup) as holder:
         holder.execute("SELECT 1 FROM billing_creditaccount WHERE user_id = %s FOR UPDATE", [made["stuck"][0].user_id])
-        for thread in threads["stuck"]:
-            thread.start()
-        time.sleep(2)  # their first tries wait on the lock
-        for thread in threads["other"]:
-            thread.start()
-        for thread in threads["other"]:
-            thread.join(20)  # within PTC_DB_STATEMENT_TIMEOUT (30 s), which a stuck failure waited out
-            assert not thread.is_alive()
+        _others_done_past_the_stuck(threads)
         assert failures == []
         assert set(Reservation.objects.filter(tool_call_id__in=ids["other"]).values_list("status", flat=True)) == {"released"}
         assert all(thread.is_alive() for thread in threads["stuck"])  # each waits on the lock
